@@ -1,0 +1,53 @@
+#include "rpc/detail/auth.h"
+
+#include <openssl/crypto.h>
+#include <openssl/evp.h>
+#include <openssl/hmac.h>
+#include <openssl/rand.h>
+
+#include <stdexcept>
+
+namespace tandem::rpc::auth {
+namespace {
+
+std::string hex(const unsigned char* data, size_t n) {
+  static const char* digits = "0123456789abcdef";
+  std::string out(2 * n, '0');
+  for (size_t i = 0; i < n; ++i) {
+    out[2 * i] = digits[data[i] >> 4];
+    out[2 * i + 1] = digits[data[i] & 15];
+  }
+  return out;
+}
+
+}  // namespace
+
+std::string derive_token(const std::string& secret) {
+  static const char kLabel[] = "tandem-auth-v1";
+  unsigned char mac[EVP_MAX_MD_SIZE];
+  unsigned int len = 0;
+  if (!HMAC(EVP_sha256(), secret.data(), static_cast<int>(secret.size()), reinterpret_cast<const unsigned char*>(kLabel),
+            sizeof(kLabel) - 1, mac, &len)) {
+    throw std::runtime_error("HMAC-SHA256 failed");
+  }
+  return hex(mac, len);
+}
+
+absl::Status check(const grpc::CallbackServerContext* ctx, const std::string& token) {
+  const auto& md = ctx->client_metadata();
+  auto it = md.find(kAuthMetadataKey);
+  if (it == md.end()) return absl::UnauthenticatedError("no job token: the caller is not part of this job");
+  const auto& got = it->second;
+  if (got.size() != token.size() || CRYPTO_memcmp(got.data(), token.data(), token.size()) != 0) {
+    return absl::UnauthenticatedError("wrong job token: the caller does not share this job's secret");
+  }
+  return absl::OkStatus();
+}
+
+std::string random_secret() {
+  unsigned char bytes[32];
+  if (RAND_bytes(bytes, sizeof(bytes)) != 1) throw std::runtime_error("no randomness for a job secret");
+  return hex(bytes, sizeof(bytes));
+}
+
+}  // namespace tandem::rpc::auth

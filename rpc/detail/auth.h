@@ -1,0 +1,25 @@
+// Job authentication. The workers of one job share a secret; every call carries a token derived from it
+// (HMAC-SHA256(secret, "tandem-auth-v1"), hex) in the metadata key kAuthMetadataKey, and every handler checks it in
+// constant time before reading the request. The secret itself never crosses the network.
+//
+// Without TLS the token is visible to anyone who can sniff the job's traffic (and could be replayed by them); enable TLS
+// (RpcOptions::tls) on networks you do not trust.
+#pragma once
+
+#include <grpcpp/server_context.h>
+
+#include <string>
+
+#include "absl/status/status.h"
+
+namespace tandem::rpc::auth {
+
+constexpr char kAuthMetadataKey[] = "x-tandem-auth";
+
+std::string derive_token(const std::string& secret);
+// OK when the call's metadata carries `token`; UNAUTHENTICATED otherwise.
+absl::Status check(const grpc::CallbackServerContext* ctx, const std::string& token);
+// 32 random bytes, hex: a secret for a single-node job.
+std::string random_secret();
+
+}  // namespace tandem::rpc::auth

@@ -1,0 +1,70 @@
+// The frame format of RPC messages and the codec between c10::IValue and it.
+//
+// A message is one grpc::ByteBuffer:
+//   [u32 little-endian header length][header: a serialized tandem.wire.Request or Response][tensor bytes ...]
+// The header describes every value; a tensor is a TensorMeta whose bytes lie in the payload area after the header at
+// `offset`. On send each tensor's bytes are their own grpc::Slice over the tensor's storage (no copy; the slice holds a
+// reference to the tensor until gRPC is done with it). On receive a tensor whose bytes arrived in one slice, suitably
+// aligned, is built over that slice without a copy; otherwise it is copied once into a fresh tensor.
+//
+// Every size in a received header is validated against the frame before use: a frame that lies gets INVALID_ARGUMENT.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <ATen/core/ivalue.h>
+#include <grpcpp/support/byte_buffer.h>
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "proto/tandem_rpc.pb.h"
+
+namespace tandem::rpc::wire {
+
+// Collects tensors while values are encoded into a Payload.
+class Encoder {
+ public:
+  // Encodes `values` into `payload`; tensors are queued for the frame. Fails for values Tandem cannot send
+  // (objects, quantized/sparse/non-CPU tensors).
+  absl::Status encode(const std::vector<c10::IValue>& values, tandem::wire::Payload* payload);
+  // Frames `header` (which holds the payload encoded above) and the queued tensors.
+  grpc::ByteBuffer frame(const google::protobuf::MessageLite& header);
+
+ private:
+  absl::Status encode_value(const c10::IValue& v, tandem::wire::Value* out, tandem::wire::Payload* payload, int depth);
+  absl::Status encode_tensor(const at::Tensor& t, tandem::wire::Payload* payload, uint32_t* index);
+  std::vector<at::Tensor> tensors_;
+  std::vector<std::pair<const void*, uint32_t>> seen_;  // TensorImpl -> index: a tensor sent twice is sent once
+  uint64_t payload_bytes_ = 0;
+};
+
+// A received frame: parses the header and hands out tensors over the payload area.
+class Frame {
+ public:
+  // Parses `buffer` (taking references to its slices) and its header into `header`.
+  static absl::StatusOr<Frame> parse(const grpc::ByteBuffer& buffer, google::protobuf::MessageLite* header);
+  // Decodes the values of `payload`, validating every tensor against the frame.
+  absl::StatusOr<std::vector<c10::IValue>> decode(const tandem::wire::Payload& payload) const;
+
+  uint64_t payload_size() const { return total_ - payload_start_; }
+
+ private:
+  absl::StatusOr<c10::IValue> decode_value(const tandem::wire::Value& v, const tandem::wire::Payload& payload,
+                                           std::vector<c10::IValue>& tensors, int depth) const;
+  absl::StatusOr<at::Tensor> decode_tensor(const tandem::wire::TensorMeta& meta) const;
+  void copy_out(uint64_t offset, uint64_t len, void* dst) const;
+
+  std::vector<grpc::Slice> slices_;
+  std::vector<uint64_t> starts_;  // byte offset of each slice within the frame
+  uint64_t total_ = 0;
+  uint64_t payload_start_ = 0;
+};
+
+// Upper bounds on what a header may claim (protects the decoder from absurd allocations).
+constexpr int kMaxDims = 64;
+constexpr int kMaxNesting = 64;
+constexpr uint32_t kMaxHeaderBytes = 64u << 20;
+
+}  // namespace tandem::rpc::wire

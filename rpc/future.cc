@@ -1,0 +1,117 @@
+#include "rpc/future.h"
+
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+
+namespace tandem::rpc {
+
+struct Future::State {
+  explicit State(absl::Time d) : deadline(d) {}
+  const absl::Time deadline;
+  mutable absl::Mutex mu;
+  bool done ABSL_GUARDED_BY(mu) = false;
+  c10::IValue value ABSL_GUARDED_BY(mu);
+  absl::Status error ABSL_GUARDED_BY(mu);
+  std::vector<std::function<void(const Future&)>> callbacks ABSL_GUARDED_BY(mu);
+};
+
+Future::Future(absl::Time deadline) : state_(std::make_shared<State>(deadline)) {}
+
+Future Future::ready(c10::IValue value) {
+  Future f;
+  f.set_value(std::move(value));
+  return f;
+}
+
+Future Future::failed(absl::Status error) {
+  Future f;
+  f.set_error(std::move(error));
+  return f;
+}
+
+absl::Time Future::deadline() const { return state_->deadline; }
+
+bool Future::completed() const {
+  absl::MutexLock lock(&state_->mu);
+  return state_->done;
+}
+
+bool Future::wait_for(std::chrono::milliseconds timeout) const {
+  absl::MutexLock lock(&state_->mu);
+  const bool* done = &state_->done;
+  return state_->mu.AwaitWithTimeout(absl::Condition(done), absl::FromChrono(timeout));
+}
+
+absl::Status Future::status() const {
+  absl::Time until = state_->deadline;
+  // A call's future completes by its deadline; the margin covers the completion callback itself.
+  until = until == absl::InfiniteFuture() ? absl::Now() + absl::FromChrono(kDefaultWait) : until + absl::Seconds(2);
+  absl::MutexLock lock(&state_->mu);
+  const bool* done = &state_->done;
+  if (!state_->mu.AwaitWithDeadline(absl::Condition(done), until)) {
+    return absl::DeadlineExceededError("future not completed before its deadline");
+  }
+  return state_->error;
+}
+
+const c10::IValue& Future::value() const {
+  throw_if_error(status());
+  absl::MutexLock lock(&state_->mu);
+  return state_->value;  // immutable once done
+}
+
+bool Future::set_value(c10::IValue value) const {
+  std::vector<std::function<void(const Future&)>> callbacks;
+  {
+    absl::MutexLock lock(&state_->mu);
+    if (state_->done) return false;
+    state_->value = std::move(value);
+    state_->done = true;
+    callbacks.swap(state_->callbacks);
+  }
+  for (auto& cb : callbacks) cb(*this);
+  return true;
+}
+
+bool Future::set_error(absl::Status error) const {
+  if (error.ok()) error = absl::InternalError("future failed with an OK status");
+  std::vector<std::function<void(const Future&)>> callbacks;
+  {
+    absl::MutexLock lock(&state_->mu);
+    if (state_->done) return false;
+    state_->error = std::move(error);
+    state_->done = true;
+    callbacks.swap(state_->callbacks);
+  }
+  for (auto& cb : callbacks) cb(*this);
+  return true;
+}
+
+void Future::add_callback(std::function<void(const Future&)> callback) const {
+  {
+    absl::MutexLock lock(&state_->mu);
+    if (!state_->done) {
+      state_->callbacks.push_back(std::move(callback));
+      return;
+    }
+  }
+  callback(*this);
+}
+
+Future Future::then(std::function<c10::IValue(const Future&)> fn) const {
+  Future next(state_->deadline);
+  add_callback([next, fn = std::move(fn)](const Future& self) mutable {
+    try {
+      next.set_value(fn(self));
+    } catch (const RpcError& e) {
+      next.set_error(e.status());
+    } catch (const std::exception& e) {
+      next.set_error(absl::UnknownError(e.what()));
+    }
+  });
+  return next;
+}
+
+}  // namespace tandem::rpc

@@ -1,0 +1,71 @@
+// Future: the result of an asynchronous call, or of a registered function that completes later ("async execution").
+//
+// A Future is a cheap, copyable handle to shared state; copies see the same result. It completes exactly once, with a
+// value (c10::IValue) or an error (absl::Status); later completions are ignored and reported by the return value.
+//
+// Waiting is always bounded. A future returned by rpc_async carries the call's deadline and is guaranteed to complete by
+// then (with DEADLINE_EXCEEDED if nothing else happened). value()/status() wait until the future's deadline, or
+// kDefaultWait for a future created by user code without one.
+//
+// Callbacks always fire exactly once: inline in add_callback() when already completed, otherwise on the thread that
+// completes the future (for RPC replies, a gRPC completion thread: keep callbacks short and non-blocking).
+//
+// Thread-safety: all methods may be called concurrently from any thread.
+#pragma once
+
+#include <ATen/core/ivalue.h>
+
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <optional>
+
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+#include "rpc/convert.h"
+#include "rpc/errors.h"
+
+namespace tandem::rpc {
+
+class Future {
+ public:
+  static constexpr std::chrono::milliseconds kDefaultWait{std::chrono::minutes(5)};
+
+  // A new pending future. `deadline` bounds value()/status() (absl::InfiniteFuture() means kDefaultWait from the call).
+  explicit Future(absl::Time deadline = absl::InfiniteFuture());
+
+  // A future that is already completed.
+  static Future ready(c10::IValue value);
+  static Future failed(absl::Status error);
+
+  bool completed() const;
+  // Waits up to `timeout`; returns whether the future is completed.
+  bool wait_for(std::chrono::milliseconds timeout) const;
+
+  // Waits (bounded, see above). OK when the future holds a value; DEADLINE_EXCEEDED when the wait ran out.
+  absl::Status status() const;
+  // Waits (bounded) and returns the value; throws RpcError when the future failed or the wait ran out.
+  const c10::IValue& value() const;
+  template <typename T>
+  T get() const {
+    return from_ivalue<T>(value());
+  }
+
+  // Completes the future. Returns false (and changes nothing) when it was already completed.
+  bool set_value(c10::IValue value) const;
+  bool set_error(absl::Status error) const;
+
+  void add_callback(std::function<void(const Future&)> callback) const;
+  // A future completed with fn(*this) once this one completes; an exception thrown by fn (including RpcError from
+  // value() on a failed future) fails the returned future with the exception's message.
+  Future then(std::function<c10::IValue(const Future&)> fn) const;
+
+  absl::Time deadline() const;
+
+ private:
+  struct State;
+  explicit Future(std::shared_ptr<State> state) : state_(std::move(state)) {}
+  std::shared_ptr<State> state_;
+};
+
+}  // namespace tandem::rpc

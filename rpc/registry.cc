@@ -1,0 +1,66 @@
+#include "rpc/registry.h"
+
+#include <map>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+
+namespace tandem::rpc {
+namespace {
+
+struct Registry {
+  absl::Mutex mu;
+  std::map<std::string, Handler> handlers ABSL_GUARDED_BY(mu);
+};
+
+Registry& registry() {
+  static auto* r = new Registry;  // never destroyed: handlers may be looked up during static destruction
+  return *r;
+}
+
+}  // namespace
+
+absl::Status register_handler(const std::string& name, Handler handler) {
+  if (name.empty()) return absl::InvalidArgumentError("cannot register a function with an empty name");
+  if (!handler) return absl::InvalidArgumentError(absl::StrCat("cannot register an empty handler as '", name, "'"));
+  auto& r = registry();
+  absl::MutexLock lock(&r.mu);
+  if (!r.handlers.emplace(name, std::move(handler)).second) {
+    return absl::AlreadyExistsError(absl::StrCat("a function named '", name, "' is already registered"));
+  }
+  return absl::OkStatus();
+}
+
+bool unregister_function(const std::string& name) {
+  auto& r = registry();
+  absl::MutexLock lock(&r.mu);
+  return r.handlers.erase(name) > 0;
+}
+
+Handler find_function(const std::string& name) {
+  auto& r = registry();
+  absl::MutexLock lock(&r.mu);
+  auto it = r.handlers.find(name);
+  return it == r.handlers.end() ? Handler() : it->second;
+}
+
+std::vector<std::string> registered_functions() {
+  auto& r = registry();
+  absl::MutexLock lock(&r.mu);
+  std::vector<std::string> names;
+  for (const auto& [name, h] : r.handlers) names.push_back(name);
+  return names;
+}
+
+namespace detail {
+
+void arity_error(size_t expected, size_t got) {
+  throw std::invalid_argument(absl::StrCat("expects ", expected, " argument", expected == 1 ? "" : "s", ", got ", got));
+}
+
+void argument_error(size_t index, const std::exception& e) {
+  throw std::invalid_argument(absl::StrCat("argument ", index + 1, ": ", e.what()));
+}
+
+}  // namespace detail
+}  // namespace tandem::rpc

@@ -1,0 +1,104 @@
+// Registered functions: the only things a peer can call by name.
+//
+//   tandem::rpc::register_function("add", [](at::Tensor a, at::Tensor b) { return a + b; });
+//
+// Arguments and the result convert through rpc/convert.h. A function returning void replies None. A function returning
+// a Future is "async execution": the server thread is released at once and the reply is sent when that future completes
+// (use it for functions that wait for several callers, e.g. a batching parameter server).
+//
+// A call whose name is not registered, whose arguments do not convert, or whose function throws gets an error reply that
+// names the function and the cause; the worker keeps serving.
+//
+// Thread-safety: registration and lookup may happen from any thread at any time, also while RPC is running. Names are
+// process-wide; registering a name twice fails with ALREADY_EXISTS (unregister first to replace).
+#pragma once
+
+#include <ATen/core/ivalue.h>
+
+#include <functional>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "rpc/convert.h"
+#include "rpc/future.h"
+
+namespace tandem::rpc {
+
+// Who is calling: valid on the thread that runs a registered function, for the synchronous part of its execution.
+struct CallContext {
+  std::string caller_name;
+  int caller_rank = -1;
+  std::string function;
+};
+// The context of the call running on this thread; nullptr outside a registered function.
+const CallContext* current_call();
+
+// The type-erased form every registered function takes.
+using Handler = std::function<Future(std::vector<c10::IValue>&& args)>;
+
+absl::Status register_handler(const std::string& name, Handler handler);
+bool unregister_function(const std::string& name);
+// The handler registered under `name`, or an empty function.
+Handler find_function(const std::string& name);
+std::vector<std::string> registered_functions();
+
+namespace detail {
+
+template <typename T>
+struct FnTraits : FnTraits<decltype(&T::operator())> {};
+template <typename R, typename... A>
+struct FnTraits<R (*)(A...)> {
+  using Result = R;
+  using Args = std::tuple<std::decay_t<A>...>;
+};
+template <typename R, typename... A>
+struct FnTraits<R(A...)> : FnTraits<R (*)(A...)> {};
+template <typename C, typename R, typename... A>
+struct FnTraits<R (C::*)(A...) const> : FnTraits<R (*)(A...)> {};
+template <typename C, typename R, typename... A>
+struct FnTraits<R (C::*)(A...)> : FnTraits<R (*)(A...)> {};
+
+[[noreturn]] void arity_error(size_t expected, size_t got);
+[[noreturn]] void argument_error(size_t index, const std::exception& e);
+
+template <typename T>
+T convert_argument(size_t index, const c10::IValue& v) {
+  try {
+    return from_ivalue<T>(v);
+  } catch (const std::exception& e) {
+    argument_error(index, e);
+  }
+}
+
+template <typename F, typename... A, size_t... I>
+Future invoke(F& f, std::vector<c10::IValue>& args, std::tuple<A...>*, std::index_sequence<I...>) {
+  if (args.size() != sizeof...(A)) arity_error(sizeof...(A), args.size());
+  using R = decltype(f(std::declval<A>()...));
+  if constexpr (std::is_void_v<R>) {
+    f(convert_argument<A>(I, args[I])...);
+    return Future::ready(c10::IValue());
+  } else if constexpr (std::is_same_v<std::decay_t<R>, Future>) {
+    return f(convert_argument<A>(I, args[I])...);
+  } else {
+    return Future::ready(to_ivalue(f(convert_argument<A>(I, args[I])...)));
+  }
+}
+
+}  // namespace detail
+
+// Registers a function (plain function, function pointer or non-generic lambda) under `name`. Throws RpcError
+// (ALREADY_EXISTS) when the name is taken.
+template <typename F>
+void register_function(const std::string& name, F f) {
+  using Args = typename detail::FnTraits<std::decay_t<F>>::Args;
+  Handler handler = [f = std::move(f)](std::vector<c10::IValue>&& args) mutable -> Future {
+    return detail::invoke(f, args, static_cast<Args*>(nullptr), std::make_index_sequence<std::tuple_size_v<Args>>{});
+  };
+  throw_if_error(register_handler(name, std::move(handler)));
+}
+
+}  // namespace tandem::rpc

@@ -1,0 +1,145 @@
+// Tandem RPC: workers of one job calling each other's registered functions.
+//
+//   tandem::rpc::register_function("add", [](at::Tensor a, at::Tensor b) { return a + b; });
+//   tandem::rpc::init_rpc();                                   // torchrun environment (tandem-run sets it)
+//   at::Tensor c = tandem::rpc::rpc_sync<at::Tensor>("worker1", "add", a, b);
+//   tandem::rpc::Future f = tandem::rpc::rpc_async("worker1", "add", a, b, std::chrono::milliseconds(500));
+//   tandem::rpc::shutdown();                                   // all workers leave together
+//
+// Arguments are converted with rpc/convert.h. A trailing std::chrono::duration argument is the call's timeout (it is not
+// sent); without it the call uses RpcOptions::rpc_timeout.
+//
+// Errors. rpc_sync and every synchronous function here throw tandem::RpcError; a Future carries the same error. The
+// message names the worker, the function and the cause:
+//   UNAVAILABLE / DEADLINE_EXCEEDED   the peer died, is unreachable, or did not reply within the call's timeout
+//   NOT_FOUND                         no function of that name is registered on the callee
+//   INVALID_ARGUMENT                  the arguments did not convert, or a message was malformed
+//   UNKNOWN                           the function threw; the message is the remote exception's
+//   UNAUTHENTICATED                   the peer does not share this job's secret
+// Every call completes (value or error) by its deadline; nothing in this API waits without one.
+//
+// Thread-safety: after init_rpc returns, every function may be called from any thread, including from inside registered
+// functions (nested calls). init_rpc and shutdown are not to be called concurrently with each other.
+#pragma once
+
+#include <ATen/core/ivalue.h>
+
+#include <chrono>
+#include <optional>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "rpc/convert.h"
+#include "rpc/errors.h"
+#include "rpc/future.h"
+#include "rpc/registry.h"
+
+namespace tandem::rpc {
+
+struct WorkerInfo {
+  std::string name;
+  int id = -1;  // the rank
+  std::string address;  // host:port of its server
+};
+
+struct TlsOptions {
+  std::string cert_chain_path;   // this worker's certificate (PEM)
+  std::string private_key_path;  // its key (PEM)
+  std::string root_certs_path;   // CA that signed the job's certificates (PEM); peers are verified against it
+  std::string target_name_override;  // name to verify in peers' certificates instead of the dialled host (optional)
+};
+
+struct RpcOptions {
+  // Rendezvous: rank 0 serves the job's store at master_addr:master_port. Empty / -1: MASTER_ADDR / MASTER_PORT.
+  std::string master_addr;
+  int master_port = -1;
+  // The job secret shared by all workers. Empty: TANDEM_SECRET, else the file named by TANDEM_SECRET_FILE. A job of one
+  // worker without a secret gets a random one.
+  std::string secret;
+  std::optional<TlsOptions> tls;
+
+  std::chrono::milliseconds rpc_timeout{std::chrono::seconds(60)};       // default per call
+  std::chrono::milliseconds init_timeout{std::chrono::seconds(120)};     // rendezvous
+  std::chrono::milliseconds shutdown_timeout{std::chrono::seconds(30)};  // graceful shutdown barrier and drain
+
+  int num_worker_threads = 16;  // threads running registered functions (nested rpc_sync calls hold one each)
+  int64_t max_message_bytes = int64_t{1} << 30;  // larger messages are refused, in both directions
+
+  // Host this worker's server binds and advertises. Empty: the address it uses to reach the master (127.0.0.1 when the
+  // master is on loopback).
+  std::string listen_host;
+};
+
+// Joins the job as worker `name` with `rank` of `world_size`, after every worker has joined (or init_timeout, then
+// throws naming the missing ranks). Names must be unique. Throws RpcError when already initialized.
+void init_rpc(const std::string& name, int rank, int world_size, RpcOptions options = {});
+// Reads the torchrun environment: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; the name is "worker<RANK>".
+void init_rpc(RpcOptions options = {});
+
+// graceful=true: waits for this worker's outstanding calls, then for every worker to arrive (a barrier with
+// shutdown_timeout), then stops serving; throws RpcError naming the workers that did not arrive (after stopping anyway).
+// graceful=false: fails outstanding calls with CANCELLED and stops at once. Either way the worker can init_rpc again.
+void shutdown(bool graceful = true);
+bool is_initialized();
+
+WorkerInfo get_worker_info();  // this worker
+WorkerInfo get_worker_info(const std::string& name);
+WorkerInfo get_worker_info(int id);
+std::vector<WorkerInfo> get_all_worker_infos();
+
+// The destination of a call: a worker's name, its rank, or its WorkerInfo.
+class To {
+ public:
+  To(const std::string& name) : name_(name) {}  // NOLINT: implicit by design
+  To(const char* name) : name_(name) {}         // NOLINT
+  To(int rank) : rank_(rank) {}                 // NOLINT
+  To(const WorkerInfo& w) : rank_(w.id) {}      // NOLINT
+  const std::string& name() const { return name_; }
+  int rank() const { return rank_; }
+
+ private:
+  std::string name_;
+  int rank_ = -1;
+};
+
+// The type-erased call behind rpc_async. A non-positive timeout means the default.
+Future call(const To& to, const std::string& function, std::vector<c10::IValue> args,
+            std::chrono::milliseconds timeout = std::chrono::milliseconds(0));
+
+namespace detail {
+template <typename T>
+struct IsDuration : std::false_type {};
+template <typename R, typename P>
+struct IsDuration<std::chrono::duration<R, P>> : std::true_type {};
+
+template <typename A>
+void append_arg(std::vector<c10::IValue>& args, std::chrono::milliseconds& timeout, A&& a) {
+  if constexpr (IsDuration<std::decay_t<A>>::value) {
+    timeout = std::chrono::duration_cast<std::chrono::milliseconds>(a);
+  } else {
+    args.push_back(to_ivalue(std::forward<A>(a)));
+  }
+}
+}  // namespace detail
+
+template <typename... Args>
+Future rpc_async(const To& to, const std::string& function, Args&&... args) {
+  std::vector<c10::IValue> values;
+  values.reserve(sizeof...(Args));
+  std::chrono::milliseconds timeout(0);
+  (detail::append_arg(values, timeout, std::forward<Args>(args)), ...);
+  return call(to, function, std::move(values), timeout);
+}
+
+template <typename R = c10::IValue, typename... Args>
+R rpc_sync(const To& to, const std::string& function, Args&&... args) {
+  Future f = rpc_async(to, function, std::forward<Args>(args)...);
+  if constexpr (std::is_void_v<R>) {
+    f.value();
+  } else {
+    return f.get<R>();
+  }
+}
+
+}  // namespace tandem::rpc

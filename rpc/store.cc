@@ -1,0 +1,314 @@
+#include "rpc/store.h"
+
+#include <grpcpp/grpcpp.h>
+
+#include <list>
+#include <map>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/synchronization/mutex.h"
+#include "proto/tandem_rpc.grpc.pb.h"
+#include "rpc/detail/auth.h"
+#include "rpc/detail/net.h"
+
+namespace tandem::rpc {
+namespace {
+
+namespace pb = tandem::wire;
+
+// ---------------------------------------------------------------------------------------------------------------------
+// Server
+
+class StoreService final : public pb::Store::CallbackService {
+ public:
+  explicit StoreService(std::string token) : token_(std::move(token)) {}
+
+  grpc::ServerUnaryReactor* Set(grpc::CallbackServerContext* ctx, const pb::StoreSetRequest* req,
+                                pb::StoreEmpty*) override {
+    auto* r = ctx->DefaultReactor();
+    if (auto s = auth::check(ctx, token_); !s.ok()) {
+      r->Finish(net::to_grpc(s));
+      return r;
+    }
+    std::vector<Waiter*> ready;
+    {
+      absl::MutexLock lock(&mu_);
+      data_[req->key()] = req->value();
+      ready = take_ready_locked();
+    }
+    finish_all(ready);
+    r->Finish(grpc::Status::OK);
+    return r;
+  }
+
+  grpc::ServerUnaryReactor* Add(grpc::CallbackServerContext* ctx, const pb::StoreAddRequest* req,
+                                pb::StoreCount* resp) override {
+    auto* r = ctx->DefaultReactor();
+    if (auto s = auth::check(ctx, token_); !s.ok()) {
+      r->Finish(net::to_grpc(s));
+      return r;
+    }
+    std::vector<Waiter*> ready;
+    grpc::Status status = grpc::Status::OK;
+    {
+      absl::MutexLock lock(&mu_);
+      int64_t value = 0;
+      auto it = data_.find(req->key());
+      if (it != data_.end() && !absl::SimpleAtoi(it->second, &value)) {
+        status = grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, absl::StrCat("key '", req->key(), "' is not a counter"));
+      } else {
+        value += req->delta();
+        data_[req->key()] = absl::StrCat(value);
+        resp->set_value(value);
+        ready = take_ready_locked();
+      }
+    }
+    finish_all(ready);
+    r->Finish(status);
+    return r;
+  }
+
+  grpc::ServerUnaryReactor* Get(grpc::CallbackServerContext* ctx, const pb::StoreKey* req,
+                                pb::StoreValue* resp) override {
+    return park(ctx, {req->key()}, [resp, key = req->key()](const std::map<std::string, std::string>& data) {
+      resp->set_value(data.at(key));
+    });
+  }
+
+  grpc::ServerUnaryReactor* Wait(grpc::CallbackServerContext* ctx, const pb::StoreWaitRequest* req,
+                                 pb::StoreEmpty*) override {
+    return park(ctx, {req->keys().begin(), req->keys().end()}, nullptr);
+  }
+
+  grpc::ServerUnaryReactor* Check(grpc::CallbackServerContext* ctx, const pb::StoreWaitRequest* req,
+                                  pb::StoreCheckReply* resp) override {
+    auto* r = ctx->DefaultReactor();
+    if (auto s = auth::check(ctx, token_); !s.ok()) {
+      r->Finish(net::to_grpc(s));
+      return r;
+    }
+    {
+      absl::MutexLock lock(&mu_);
+      for (const auto& k : req->keys()) resp->add_present(data_.count(k) > 0);
+    }
+    r->Finish(grpc::Status::OK);
+    return r;
+  }
+
+  grpc::ServerUnaryReactor* Delete(grpc::CallbackServerContext* ctx, const pb::StoreKey* req,
+                                   pb::StoreEmpty*) override {
+    auto* r = ctx->DefaultReactor();
+    if (auto s = auth::check(ctx, token_); !s.ok()) {
+      r->Finish(net::to_grpc(s));
+      return r;
+    }
+    {
+      absl::MutexLock lock(&mu_);
+      data_.erase(req->key());
+    }
+    r->Finish(grpc::Status::OK);
+    return r;
+  }
+
+ private:
+  using Fill = std::function<void(const std::map<std::string, std::string>&)>;
+
+  // A get/wait parked until its keys exist. It finishes exactly once: when the keys appear (take_ready_locked) or when
+  // the call is cancelled (the caller's deadline passed, or the server shuts down). `finished` decides which, under mu_.
+  struct Waiter : grpc::ServerUnaryReactor {
+    Waiter(StoreService* s, std::vector<std::string> k, Fill f) : service(s), keys(std::move(k)), fill(std::move(f)) {}
+    void OnCancel() override {
+      {
+        absl::MutexLock lock(&service->mu_);
+        if (finished) return;
+        finished = true;
+        service->waiters_.remove(this);
+      }
+      Finish(grpc::Status(grpc::StatusCode::CANCELLED, "store wait cancelled"));
+    }
+    void OnDone() override { delete this; }
+    StoreService* service;
+    std::vector<std::string> keys;
+    Fill fill;
+    bool finished = false;  // guarded by service->mu_
+  };
+
+  grpc::ServerUnaryReactor* park(grpc::CallbackServerContext* ctx, std::vector<std::string> keys, Fill fill) {
+    if (auto s = auth::check(ctx, token_); !s.ok()) {
+      auto* r = ctx->DefaultReactor();
+      r->Finish(net::to_grpc(s));
+      return r;
+    }
+    auto* w = new Waiter(this, std::move(keys), std::move(fill));
+    bool ready = false;
+    {
+      absl::MutexLock lock(&mu_);
+      if (all_present_locked(w->keys)) {
+        if (w->fill) w->fill(data_);
+        w->finished = true;
+        ready = true;
+      } else {
+        waiters_.push_back(w);
+      }
+    }
+    if (ready) w->Finish(grpc::Status::OK);
+    return w;
+  }
+
+  bool all_present_locked(const std::vector<std::string>& keys) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    for (const auto& k : keys) {
+      if (!data_.count(k)) return false;
+    }
+    return true;
+  }
+
+  std::vector<Waiter*> take_ready_locked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    std::vector<Waiter*> ready;
+    for (auto it = waiters_.begin(); it != waiters_.end();) {
+      Waiter* w = *it;
+      if (all_present_locked(w->keys)) {
+        if (w->fill) w->fill(data_);
+        w->finished = true;
+        ready.push_back(w);
+        it = waiters_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    return ready;
+  }
+
+  static void finish_all(const std::vector<Waiter*>& ready) {
+    for (Waiter* w : ready) w->Finish(grpc::Status::OK);
+  }
+
+  const std::string token_;
+  absl::Mutex mu_;
+  std::map<std::string, std::string> data_ ABSL_GUARDED_BY(mu_);
+  std::list<Waiter*> waiters_ ABSL_GUARDED_BY(mu_);
+};
+
+// ---------------------------------------------------------------------------------------------------------------------
+// Client
+
+class StoreClient final : public Store {
+ public:
+  StoreClient(std::shared_ptr<grpc::Channel> channel, std::string token, bool wait_for_ready,
+              std::chrono::milliseconds op_timeout)
+      : stub_(pb::Store::NewStub(std::move(channel))),
+        token_(std::move(token)),
+        wait_for_ready_(wait_for_ready),
+        op_timeout_(op_timeout) {}
+
+  absl::Status set(const std::string& key, const std::string& value) override {
+    pb::StoreSetRequest req;
+    req.set_key(key);
+    req.set_value(value);
+    pb::StoreEmpty resp;
+    auto ctx = context(op_timeout_);
+    return annotate(stub_->Set(ctx.get(), req, &resp), "set", key);
+  }
+
+  absl::StatusOr<std::string> get(const std::string& key, std::chrono::milliseconds timeout) override {
+    pb::StoreKey req;
+    req.set_key(key);
+    pb::StoreValue resp;
+    auto ctx = context(timeout);
+    if (auto s = annotate(stub_->Get(ctx.get(), req, &resp), "get", key); !s.ok()) return s;
+    return std::move(*resp.mutable_value());
+  }
+
+  absl::StatusOr<int64_t> add(const std::string& key, int64_t delta) override {
+    pb::StoreAddRequest req;
+    req.set_key(key);
+    req.set_delta(delta);
+    pb::StoreCount resp;
+    auto ctx = context(op_timeout_);
+    if (auto s = annotate(stub_->Add(ctx.get(), req, &resp), "add", key); !s.ok()) return s;
+    return resp.value();
+  }
+
+  absl::Status wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) override {
+    pb::StoreWaitRequest req;
+    for (const auto& k : keys) req.add_keys(k);
+    pb::StoreEmpty resp;
+    auto ctx = context(timeout);
+    return annotate(stub_->Wait(ctx.get(), req, &resp), "wait", absl::StrJoin(keys, ","));
+  }
+
+  absl::StatusOr<std::vector<bool>> check(const std::vector<std::string>& keys) override {
+    pb::StoreWaitRequest req;
+    for (const auto& k : keys) req.add_keys(k);
+    pb::StoreCheckReply resp;
+    auto ctx = context(op_timeout_);
+    if (auto s = annotate(stub_->Check(ctx.get(), req, &resp), "check", ""); !s.ok()) return s;
+    if (resp.present_size() != static_cast<int>(keys.size())) return absl::InternalError("store check: bad reply");
+    return std::vector<bool>(resp.present().begin(), resp.present().end());
+  }
+
+  absl::Status remove(const std::string& key) override {
+    pb::StoreKey req;
+    req.set_key(key);
+    pb::StoreEmpty resp;
+    auto ctx = context(op_timeout_);
+    return annotate(stub_->Delete(ctx.get(), req, &resp), "delete", key);
+  }
+
+ private:
+  std::unique_ptr<grpc::ClientContext> context(std::chrono::milliseconds timeout) {
+    auto ctx = std::make_unique<grpc::ClientContext>();
+    ctx->set_deadline(std::chrono::system_clock::now() + timeout);
+    ctx->AddMetadata(auth::kAuthMetadataKey, token_);
+    ctx->set_wait_for_ready(wait_for_ready_);
+    return ctx;
+  }
+
+  static absl::Status annotate(const grpc::Status& s, const char* op, const std::string& key) {
+    if (s.ok()) return absl::OkStatus();
+    return absl::Status(static_cast<absl::StatusCode>(s.error_code()),
+                        absl::StrCat("store ", op, "('", key, "'): ", s.error_message()));
+  }
+
+  std::unique_ptr<pb::Store::Stub> stub_;
+  const std::string token_;
+  const bool wait_for_ready_;
+  const std::chrono::milliseconds op_timeout_;
+};
+
+}  // namespace
+
+std::unique_ptr<Store> connect_store(std::shared_ptr<grpc::Channel> channel, std::string token, bool wait_for_ready,
+                                     std::chrono::milliseconds op_timeout) {
+  return std::make_unique<StoreClient>(std::move(channel), std::move(token), wait_for_ready, op_timeout);
+}
+
+std::unique_ptr<grpc::Service> make_store_service(std::string token) {
+  return std::make_unique<StoreService>(std::move(token));
+}
+
+absl::Status barrier(Store& store, const std::string& name, int rank, int world_size, std::chrono::milliseconds timeout) {
+  const std::string prefix = "barrier/" + name + "/";
+  if (auto s = store.set(prefix + std::to_string(rank), ""); !s.ok()) return s;
+  auto count = store.add(prefix + "count", 1);
+  if (!count.ok()) return count.status();
+  if (*count == world_size) {
+    if (auto s = store.set(prefix + "done", ""); !s.ok()) return s;
+  }
+  absl::Status s = store.wait({prefix + "done"}, timeout);
+  if (s.code() != absl::StatusCode::kDeadlineExceeded) return s;
+  std::vector<std::string> keys;
+  for (int r = 0; r < world_size; ++r) keys.push_back(prefix + std::to_string(r));
+  std::vector<std::string> missing;
+  if (auto present = store.check(keys); present.ok()) {
+    for (int r = 0; r < world_size; ++r) {
+      if (!(*present)[r]) missing.push_back(std::to_string(r));
+    }
+  }
+  return absl::DeadlineExceededError(absl::StrCat("barrier '", name, "': rank", missing.size() == 1 ? " " : "s ",
+                                                  absl::StrJoin(missing, ", "), " did not arrive within ",
+                                                  timeout.count(), " ms"));
+}
+
+}  // namespace tandem::rpc

@@ -1,0 +1,49 @@
+// The job's key-value store, served by rank 0 and used for rendezvous, barriers and (later) collective set-up.
+//
+// Every operation has a deadline; get() and wait() block until the keys exist or the timeout passes
+// (DEADLINE_EXCEEDED). A dead store gives UNAVAILABLE. Values are bytes; add() keeps a decimal counter.
+//
+// Thread-safety: Store implementations may be used from any number of threads.
+#pragma once
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace grpc {
+class Channel;
+class Service;
+}  // namespace grpc
+
+namespace tandem::rpc {
+
+class Store {
+ public:
+  virtual ~Store() = default;
+  virtual absl::Status set(const std::string& key, const std::string& value) = 0;
+  virtual absl::StatusOr<std::string> get(const std::string& key, std::chrono::milliseconds timeout) = 0;
+  // Adds `delta` to the counter at `key` (created at 0) and returns the new value.
+  virtual absl::StatusOr<int64_t> add(const std::string& key, int64_t delta) = 0;
+  virtual absl::Status wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) = 0;
+  // Whether each key exists, without waiting.
+  virtual absl::StatusOr<std::vector<bool>> check(const std::vector<std::string>& keys) = 0;
+  virtual absl::Status remove(const std::string& key) = 0;
+};
+
+// A store reached over gRPC, authenticating with the job token. With `wait_for_ready` an operation waits (within its
+// deadline) for the store's server to come up, as rendezvous needs; without it an unreachable store fails at once.
+std::unique_ptr<Store> connect_store(std::shared_ptr<grpc::Channel> channel, std::string token, bool wait_for_ready,
+                                     std::chrono::milliseconds op_timeout = std::chrono::seconds(30));
+
+// The service rank 0 adds to its gRPC server. Calls without `token` are rejected with UNAUTHENTICATED.
+std::unique_ptr<grpc::Service> make_store_service(std::string token);
+
+// Blocks until all `world_size` ranks called barrier with the same `name`, or `timeout` passes; the error then names the
+// ranks that did not arrive. Each name is one barrier, used once.
+absl::Status barrier(Store& store, const std::string& name, int rank, int world_size, std::chrono::milliseconds timeout);
+
+}  // namespace tandem::rpc
