@@ -247,10 +247,14 @@ absl::Status Agent::rendezvous(const std::string& master, const std::string& adv
   auto master_channel = net::make_channel(master, tls, options_.max_message_bytes);
   const absl::Time deadline = absl::Now() + absl::FromChrono(options_.init_timeout);
   auto left = [&] { return std::max(milliseconds(1), absl::ToChronoMilliseconds(deadline - absl::Now())); };
-  auto init_store = connect_store(master_channel, token_, /*wait_for_ready=*/true, options_.init_timeout);
+  // Only the first contact waits for the master to come up; after it, a master that goes away fails the rendezvous at
+  // once instead of at the init deadline.
+  auto first_contact = connect_store(master_channel, token_, /*wait_for_ready=*/true, options_.init_timeout);
+  store_ = connect_store(master_channel, token_, /*wait_for_ready=*/false);
+  Store* init_store = store_.get();
 
   const std::string my_key = absl::StrCat("worker/", rank_);
-  auto taken = init_store->add("name/" + name_, 1);
+  auto taken = first_contact->add("name/" + name_, 1);
   if (!taken.ok()) return error_with(taken.status(), absl::StrCat("cannot reach the master at ", master, ": "));
   if (*taken != 1) {
     const std::string err = absl::StrCat("worker name '", name_, "' is used by another rank");
@@ -259,22 +263,12 @@ absl::Status Agent::rendezvous(const std::string& master, const std::string& adv
   }
   if (auto s = init_store->set(my_key, absl::StrCat(name_, "\n", advertised, "\n", world_size_)); !s.ok()) return s;
 
-  std::vector<std::string> keys;
-  for (int r = 0; r < world_size_; ++r) keys.push_back(absl::StrCat("worker/", r));
-  if (auto s = init_store->wait(keys, left()); !s.ok()) {
-    std::vector<std::string> missing;
-    if (auto present = init_store->check(keys); present.ok()) {
-      for (int r = 0; r < world_size_; ++r) {
-        if (!(*present)[r]) missing.push_back(std::to_string(r));
-      }
-    }
-    if (missing.empty()) return s;
-    return absl::DeadlineExceededError(absl::StrCat("rank", missing.size() == 1 ? " " : "s ", absl::StrJoin(missing, ", "),
-                                                    " did not join within ", options_.init_timeout.count(), " ms"));
-  }
+  std::vector<int> all(world_size_);
+  for (int r = 0; r < world_size_; ++r) all[r] = r;
+  if (auto s = wait_for_ranks(*init_store, "worker/", all, left(), "join"); !s.ok()) return s;
   workers_.resize(world_size_);
   for (int r = 0; r < world_size_; ++r) {
-    auto record = init_store->get(keys[r], left());
+    auto record = init_store->get(absl::StrCat("worker/", r), left());
     if (!record.ok()) return record.status();
     if (!record->empty() && (*record)[0] == '!') {
       return absl::AbortedError(absl::StrCat("rank ", r, " failed to join: ", record->substr(1)));
@@ -294,7 +288,6 @@ absl::Status Agent::rendezvous(const std::string& master, const std::string& adv
   for (const auto& w : workers_) {
     stubs_.push_back(std::make_unique<grpc::GenericStub>(net::make_channel(w.address, tls, options_.max_message_bytes)));
   }
-  store_ = connect_store(master_channel, token_, /*wait_for_ready=*/false);
   return absl::OkStatus();
 }
 
@@ -526,9 +519,9 @@ absl::Status Agent::shutdown(bool graceful) {
       if (rank_ != 0) {
         result = store_->set(absl::StrCat("left/", rank_), "");
       } else {
-        std::vector<std::string> keys;
-        for (int r = 1; r < world_size_; ++r) keys.push_back(absl::StrCat("left/", r));
-        result = store_->wait(keys, left());
+        std::vector<int> others;
+        for (int r = 1; r < world_size_; ++r) others.push_back(r);
+        result = wait_for_ranks(*store_, "left/", others, left(), "leave after the barrier");
       }
     }
     if (!result.ok()) result = error_with(result, absl::StrCat("graceful shutdown of worker '", name_, "': "));

@@ -288,27 +288,31 @@ std::unique_ptr<grpc::Service> make_store_service(std::string token) {
   return std::make_unique<StoreService>(std::move(token));
 }
 
+absl::Status wait_for_ranks(Store& store, const std::string& prefix, const std::vector<int>& ranks,
+                            std::chrono::milliseconds timeout, const std::string& what) {
+  std::vector<std::string> keys;
+  for (int r : ranks) keys.push_back(prefix + std::to_string(r));
+  absl::Status s = store.wait(keys, timeout);
+  if (s.code() != absl::StatusCode::kDeadlineExceeded) return s;
+  std::vector<int> missing;
+  if (auto present = store.check(keys); present.ok()) {
+    for (size_t i = 0; i < ranks.size(); ++i) {
+      if (!(*present)[i]) missing.push_back(ranks[i]);
+    }
+  }
+  if (missing.empty()) return s;
+  return absl::DeadlineExceededError(absl::StrCat("rank", missing.size() == 1 ? " " : "s ", absl::StrJoin(missing, ", "),
+                                                  " did not ", what, " within ", timeout.count(), " ms"));
+}
+
 absl::Status barrier(Store& store, const std::string& name, int rank, int world_size, std::chrono::milliseconds timeout) {
   const std::string prefix = "barrier/" + name + "/";
   if (auto s = store.set(prefix + std::to_string(rank), ""); !s.ok()) return s;
-  auto count = store.add(prefix + "count", 1);
-  if (!count.ok()) return count.status();
-  if (*count == world_size) {
-    if (auto s = store.set(prefix + "done", ""); !s.ok()) return s;
-  }
-  absl::Status s = store.wait({prefix + "done"}, timeout);
-  if (s.code() != absl::StatusCode::kDeadlineExceeded) return s;
-  std::vector<std::string> keys;
-  for (int r = 0; r < world_size; ++r) keys.push_back(prefix + std::to_string(r));
-  std::vector<std::string> missing;
-  if (auto present = store.check(keys); present.ok()) {
-    for (int r = 0; r < world_size; ++r) {
-      if (!(*present)[r]) missing.push_back(std::to_string(r));
-    }
-  }
-  return absl::DeadlineExceededError(absl::StrCat("barrier '", name, "': rank", missing.size() == 1 ? " " : "s ",
-                                                  absl::StrJoin(missing, ", "), " did not arrive within ",
-                                                  timeout.count(), " ms"));
+  std::vector<int> all(world_size);
+  for (int r = 0; r < world_size; ++r) all[r] = r;
+  absl::Status s = wait_for_ranks(store, prefix, all, timeout, "arrive");
+  if (!s.ok()) return absl::Status(s.code(), absl::StrCat("barrier '", name, "': ", s.message()));
+  return s;
 }
 
 }  // namespace tandem::rpc

@@ -42,6 +42,11 @@ std::unique_ptr<Store> connect_store(std::shared_ptr<grpc::Channel> channel, std
 // The service rank 0 adds to its gRPC server. Calls without `token` are rejected with UNAUTHENTICATED.
 std::unique_ptr<grpc::Service> make_store_service(std::string token);
 
+// Waits until the key `prefix + r` exists for every rank r in `ranks`. On timeout the error names the missing ranks:
+// "ranks 1, 3 did not <what> within 3000 ms".
+absl::Status wait_for_ranks(Store& store, const std::string& prefix, const std::vector<int>& ranks,
+                            std::chrono::milliseconds timeout, const std::string& what);
+
 // Blocks until all `world_size` ranks called barrier with the same `name`, or `timeout` passes; the error then names the
 // ranks that did not arrive. Each name is one barrier, used once.
 absl::Status barrier(Store& store, const std::string& name, int rank, int world_size, std::chrono::milliseconds timeout);

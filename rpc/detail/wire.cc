@@ -103,7 +103,7 @@ absl::Status Encoder::encode_tensor(const at::Tensor& t, Payload* payload, uint3
   meta->set_offset(payload_bytes_);
   meta->set_nbytes(c.nbytes());
   meta->set_requires_grad(t.requires_grad());
-  payload_bytes_ += c.nbytes();
+  payload_bytes_ = align_up(payload_bytes_ + c.nbytes());
   *index = static_cast<uint32_t>(payload->tensors_size() - 1);
   seen_.emplace_back(t.unsafeGetTensorImpl(), *index);
   if (c.nbytes() > 0) tensors_.push_back(c.detach());
@@ -158,7 +158,7 @@ absl::Status Encoder::encode_value(const c10::IValue& v, Value* out, Payload* pa
 
 grpc::ByteBuffer Encoder::frame(const google::protobuf::MessageLite& header) {
   const size_t header_len = header.ByteSizeLong();
-  std::string head(4 + header_len, '\0');
+  std::string head(align_up(4 + header_len), '\0');  // zero padding up to the payload area
   const uint32_t len32 = static_cast<uint32_t>(header_len);
   for (int i = 0; i < 4; ++i) head[i] = static_cast<char>((len32 >> (8 * i)) & 0xff);
   header.SerializeWithCachedSizesToArray(reinterpret_cast<uint8_t*>(head.data() + 4));
@@ -166,9 +166,12 @@ grpc::ByteBuffer Encoder::frame(const google::protobuf::MessageLite& header) {
   std::vector<grpc::Slice> slices;
   slices.reserve(1 + tensors_.size());
   slices.emplace_back(std::move(head));
+  static const char kZeros[kAlign] = {};
   for (auto& t : tensors_) {
     auto* keep = new at::Tensor(std::move(t));
-    slices.emplace_back(keep->data_ptr(), keep->nbytes(), [](void* p) { delete static_cast<at::Tensor*>(p); }, keep);
+    const size_t n = keep->nbytes();
+    slices.emplace_back(keep->data_ptr(), n, [](void* p) { delete static_cast<at::Tensor*>(p); }, keep);
+    if (const size_t pad = align_up(n) - n) slices.emplace_back(kZeros, pad, grpc::Slice::STATIC_SLICE);
   }
   tensors_.clear();
   return grpc::ByteBuffer(slices.data(), slices.size());
@@ -196,7 +199,7 @@ absl::StatusOr<Frame> Frame::parse(const grpc::ByteBuffer& buffer, google::proto
   std::string head(header_len, '\0');
   f.copy_out(4, header_len, head.data());
   if (!header->ParseFromString(head)) return absl::InvalidArgumentError("malformed message: header does not parse");
-  f.payload_start_ = 4 + header_len;
+  f.payload_start_ = std::min<uint64_t>(align_up(4 + header_len), f.total_);
   return f;
 }
 

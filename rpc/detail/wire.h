@@ -1,9 +1,10 @@
 // The frame format of RPC messages and the codec between c10::IValue and it.
 //
 // A message is one grpc::ByteBuffer:
-//   [u32 little-endian header length][header: a serialized tandem.wire.Request or Response][tensor bytes ...]
-// The header describes every value; a tensor is a TensorMeta whose bytes lie in the payload area after the header at
-// `offset`. On send each tensor's bytes are their own grpc::Slice over the tensor's storage (no copy; the slice holds a
+//   [u32 little-endian header length][header: a serialized tandem.wire.Request or Response][pad][tensor bytes, pad ...]
+// The header describes every value; a tensor is a TensorMeta whose bytes lie in the payload area at `offset`. The
+// payload area starts at the first multiple of kAlign after the header and every tensor's offset is a multiple of
+// kAlign, so a receiver that gets the frame in one slice can use every tensor in place. On send each tensor's bytes are their own grpc::Slice over the tensor's storage (no copy; the slice holds a
 // reference to the tensor until gRPC is done with it). On receive a tensor whose bytes arrived in one slice, suitably
 // aligned, is built over that slice without a copy; otherwise it is copied once into a fresh tensor.
 //
@@ -66,5 +67,7 @@ class Frame {
 constexpr int kMaxDims = 64;
 constexpr int kMaxNesting = 64;
 constexpr uint32_t kMaxHeaderBytes = 64u << 20;
+constexpr uint64_t kAlign = 64;
+constexpr uint64_t align_up(uint64_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
 }  // namespace tandem::rpc::wire

@@ -1,0 +1,130 @@
+// rpc_tests: GoogleTest main, and the worker side of the multi-process tests (`rpc_tests --worker <scenario>`).
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <iostream>
+#include <mutex>
+#include <thread>
+
+#include <torch/jit.h>
+
+#include "rpc/script.h"
+#include "tests/rpc/test_env.h"
+
+namespace tandem::test {
+namespace {
+
+int env_int(const char* name, int fallback) {
+  const char* v = std::getenv(name);
+  return v && *v ? std::atoi(v) : fallback;
+}
+
+// Waits for `n` callers and answers them all with the sum of their tensors: an "async execution" function holding no
+// server thread while it waits (the batching pattern of parameter servers).
+rpc::Future gather_sum(int64_t n, at::Tensor x) {
+  static std::mutex mu;
+  static std::vector<rpc::Future> waiting;
+  static at::Tensor sum;
+  rpc::Future mine;
+  std::vector<rpc::Future> ready;
+  at::Tensor result;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    sum = sum.defined() ? sum + x : x.clone();
+    waiting.push_back(mine);
+    if (static_cast<int64_t>(waiting.size()) == n) {
+      ready.swap(waiting);
+      result = sum;
+      sum = at::Tensor();
+    }
+  }
+  for (auto& f : ready) f.set_value(result);
+  return mine;
+}
+
+int run_worker(const std::string& scenario) {
+  if (scenario == "env_dump") {
+    for (const char* v : {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}) {
+      std::cout << v << "=" << (std::getenv(v) ? std::getenv(v) : "") << "\n";
+    }
+    std::cout << "SECRET_SET=" << (std::getenv("TANDEM_SECRET") && *std::getenv("TANDEM_SECRET") ? 1 : 0) << "\n";
+    return 0;
+  }
+  if (scenario == "fail_if_rank1") {
+    if (env_int("RANK", 0) == 1) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      std::cerr << "rank 1 gives up\n";
+      return 3;
+    }
+    std::this_thread::sleep_for(std::chrono::seconds(60));
+    return 0;
+  }
+  try {
+    rpc::RpcOptions options = options_from_env();
+    const int rank = env_int("RANK", 0);
+    const int world = env_int("WORLD_SIZE", 1);
+    const char* name = std::getenv("TANDEM_TEST_NAME");
+    rpc::init_rpc(name ? name : "worker" + std::to_string(rank), rank, world, options);
+    if (scenario == "exit_without_shutdown") {
+      std::cout << "leaving without shutdown\n";
+      return 0;  // the at-exit handler must stop RPC without hanging
+    }
+    if (scenario == "hello") {
+      const int next = (rank + 1) % world;
+      std::cout << rpc::rpc_sync<std::string>(next, "whoami") << " answered " << rpc::get_worker_info().name << "\n";
+    }
+    rpc::shutdown(true);
+    return 0;
+  } catch (const std::exception& e) {
+    std::cerr << "worker failed: " << e.what() << "\n";
+    return 3;
+  }
+}
+
+}  // namespace
+
+void register_test_functions() {
+  rpc::register_function("echo", [](c10::IValue v) { return v; });
+  rpc::register_function("add", [](at::Tensor a, at::Tensor b) { return a + b; });
+  rpc::register_function("whoami", [] { return rpc::get_worker_info().name; });
+  rpc::register_function("caller", [] { return rpc::current_call()->caller_name; });
+  rpc::register_function("sleep_ms", [](int64_t ms) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+    return rpc::get_worker_info().id;
+  });
+  rpc::register_function("throw_error", [](std::string msg) -> int64_t { throw std::runtime_error(msg); });
+  rpc::register_function("nested_add", [](std::string to, at::Tensor x) {
+    return rpc::rpc_sync<at::Tensor>(to, "add", x, x);
+  });
+  rpc::register_function("gather_sum", gather_sum);
+  rpc::register_function("later", [](int64_t ms, int64_t value) {
+    rpc::Future f;
+    std::thread([f, ms, value] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+      f.set_value(value);
+    }).detach();
+    return f;
+  });
+  rpc::register_function("fail_later", [](std::string msg) {
+    rpc::Future f;
+    std::thread([f, msg] { f.set_error(absl::AbortedError(msg)); }).detach();
+    return f;
+  });
+  auto cu = torch::jit::compile(
+      "def scale(x: Tensor, k: float) -> Tensor:\n"
+      "    return x * k\n"
+      "def total(xs: List[int]) -> int:\n"
+      "    return sum(xs)\n");
+  rpc::register_script_function("script_scale", cu, "scale");
+  rpc::register_script_function("script_total", cu, "total");
+}
+
+}  // namespace tandem::test
+
+int main(int argc, char** argv) {
+  tandem::test::register_test_functions();
+  if (argc >= 3 && std::string(argv[1]) == "--worker") return tandem::test::run_worker(argv[2]);
+  testing::InitGoogleTest(&argc, argv);
+  return RUN_ALL_TESTS();
+}

@@ -1,0 +1,376 @@
+// RPC across real processes on 127.0.0.1. The test process is rank 0; ranks 1.. are children of this binary
+// (tests/rpc/main.cc, scenario "serve" unless stated). Nothing here asserts on speed: where a bound on elapsed time is
+// checked, it is the point of the test (an error arrives long before the call could have finished), with wide margins.
+#include <ATen/ATen.h>
+#include <grpcpp/generic/generic_stub.h>
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+
+#include <thread>
+
+#include "absl/synchronization/notification.h"
+#include "common/multiproc.h"
+#include "proto/tandem_rpc.pb.h"
+#include "rpc/detail/auth.h"
+#include "rpc/detail/net.h"
+#include "rpc/detail/wire.h"
+#include "rpc/rpc.h"
+#include "tests/rpc/test_env.h"
+
+namespace tandem::test {
+namespace {
+
+namespace pb = tandem::wire;
+using std::chrono::milliseconds;
+using Clock = std::chrono::steady_clock;
+
+class MultiprocRpc : public ::testing::Test {
+ protected:
+  // Starts the children of `spec` and joins as rank 0 with `options` (defaults from the same environment they get).
+  void start(JobSpec spec, rpc::RpcOptions options = options_from_env()) {
+    job_ = std::make_unique<Job>(spec);
+    options.master_addr = "127.0.0.1";
+    options.master_port = job_->port();
+    options.secret = job_->secret();
+    rpc::init_rpc("worker0", 0, spec.world_size, options);
+  }
+
+  void TearDown() override {
+    if (rpc::is_initialized()) {
+      try {
+        rpc::shutdown(true);
+      } catch (const std::exception& e) {
+        ADD_FAILURE() << "shutdown: " << e.what();
+      }
+    }
+    if (job_ && expect_clean_children_) {
+      for (int code : job_->wait_children(milliseconds(30000))) EXPECT_EQ(code, 0) << job_->outputs();
+    }
+  }
+
+  // A raw client to rank `rank`'s server, to send what a well-behaved worker never would.
+  grpc::Status raw_call(int rank, const grpc::ByteBuffer& request, grpc::ByteBuffer* response, const std::string& token) {
+    auto channel = rpc::net::make_channel(rpc::get_worker_info(rank).address, nullptr, -1);
+    grpc::GenericStub stub(channel);
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + milliseconds(10000));
+    if (!token.empty()) ctx.AddMetadata(rpc::auth::kAuthMetadataKey, token);
+    grpc::Status result;
+    absl::Notification done;
+    stub.UnaryCall(&ctx, "/tandem.wire.Worker/Call", grpc::StubOptions(), &request, response, [&](grpc::Status s) {
+      result = s;
+      done.Notify();
+    });
+    done.WaitForNotification();  // bounded by the context deadline
+    return result;
+  }
+
+  // The error a raw request got back: the gRPC status when not OK, else the Response's error (OK when none).
+  absl::Status raw_error(int rank, const grpc::ByteBuffer& request) {
+    grpc::ByteBuffer response;
+    grpc::Status s = raw_call(rank, request, &response, rpc::auth::derive_token(job_->secret()));
+    if (!s.ok()) return rpc::net::from_grpc(s);
+    pb::Response r;
+    auto frame = rpc::wire::Frame::parse(response, &r);
+    if (!frame.ok()) return frame.status();
+    if (!r.has_error()) return absl::OkStatus();
+    return absl::Status(static_cast<absl::StatusCode>(r.error().code()), r.error().message());
+  }
+
+  std::unique_ptr<Job> job_;
+  bool expect_clean_children_ = true;
+};
+
+TEST_F(MultiprocRpc, SyncAsyncAndWorkerInfo) {
+  start({.world_size = 3});
+  EXPECT_EQ(rpc::get_worker_info().name, "worker0");
+  EXPECT_EQ(rpc::get_worker_info("worker2").id, 2);
+  EXPECT_EQ(rpc::get_worker_info(1).name, "worker1");
+  EXPECT_EQ(rpc::get_all_worker_infos().size(), 3u);
+  EXPECT_THROW(rpc::get_worker_info("nobody"), RpcError);
+
+  at::Tensor sum = rpc::rpc_sync<at::Tensor>("worker1", "add", at::ones({2}), at::full({2}, 2.0));
+  EXPECT_TRUE(sum.equal(at::full({2}, 3.0)));
+  EXPECT_EQ(rpc::rpc_sync<std::string>(2, "whoami"), "worker2");
+  EXPECT_EQ(rpc::rpc_sync<std::string>("worker1", "caller"), "worker0");
+  EXPECT_EQ(rpc::rpc_sync<std::string>(0, "whoami"), "worker0");  // a call to oneself goes through the server too
+
+  rpc::Future f = rpc::rpc_async("worker2", "add", at::ones({3}), at::ones({3}), milliseconds(5000));
+  rpc::Future g = f.then([](const rpc::Future& x) { return c10::IValue(x.get<at::Tensor>().sum()); });
+  EXPECT_EQ(g.get<at::Tensor>().item<float>(), 6.0f);
+  // A nested call: worker1 calls worker2 from inside a registered function.
+  EXPECT_TRUE(rpc::rpc_sync<at::Tensor>("worker1", "nested_add", std::string("worker2"), at::ones({2}))
+                  .equal(at::full({2}, 2.0)));
+}
+
+TEST_F(MultiprocRpc, EveryDtypeAndViewRoundTripsBitExact) {
+  start({.world_size = 2});
+  for (auto dtype : all_dtypes()) {
+    for (int64_t n : {0, 1, 1000, 300000}) {  // empty, tiny, and large enough to arrive in many TCP slices
+      at::Tensor t = random_tensor(dtype, {n});
+      at::Tensor back = rpc::rpc_sync<at::Tensor>("worker1", "echo", t);
+      EXPECT_TRUE(bit_equal(back, t)) << c10::toString(dtype) << " n=" << n;
+    }
+  }
+  at::Tensor base = random_tensor(at::kDouble, {64, 64});
+  for (const at::Tensor& view : {base.t(), base.slice(1, 3, 60, 7), base.narrow(0, 10, 5), base.diagonal()}) {
+    EXPECT_TRUE(bit_equal(rpc::rpc_sync<at::Tensor>("worker1", "echo", view), view));
+  }
+}
+
+TEST_F(MultiprocRpc, ContainersScalarsAndTorchScript) {
+  start({.world_size = 2});
+  std::map<std::string, std::vector<int64_t>> m = {{"a", {1, 2}}, {"b", {}}};
+  EXPECT_EQ((rpc::rpc_sync<std::map<std::string, std::vector<int64_t>>>("worker1", "echo", m)), m);
+  auto tup = std::make_tuple(std::string("x"), 2.5, std::vector<at::Tensor>{at::ones({1})});
+  auto back = rpc::rpc_sync<std::tuple<std::string, double, std::vector<at::Tensor>>>("worker1", "echo", tup);
+  EXPECT_EQ(std::get<0>(back), "x");
+  EXPECT_TRUE(std::get<2>(back)[0].equal(at::ones({1})));
+  EXPECT_FALSE(rpc::rpc_sync<std::optional<int64_t>>("worker1", "echo", std::optional<int64_t>()).has_value());
+  // TorchScript functions registered by name, with typed arguments checked against their schema.
+  EXPECT_TRUE(rpc::rpc_sync<at::Tensor>("worker1", "script_scale", at::ones({2}), 3.0).equal(at::full({2}, 3.0)));
+  EXPECT_EQ(rpc::rpc_sync<int64_t>("worker1", "script_total", std::vector<int64_t>{1, 2, 3}), 6);
+  EXPECT_EQ(rpc::rpc_sync<int64_t>("worker1", "script_total", std::vector<int64_t>{}), 0);
+  try {
+    rpc::rpc_sync("worker1", "script_scale", std::string("not a tensor"), 1.0);
+    FAIL();
+  } catch (const RpcError& e) {
+    EXPECT_EQ(e.code(), absl::StatusCode::kInvalidArgument) << e.what();
+  }
+}
+
+TEST_F(MultiprocRpc, ErrorsNameWorkerFunctionAndCause) {
+  start({.world_size = 2});
+  try {
+    rpc::rpc_sync("worker1", "throw_error", std::string("the model diverged"));
+    FAIL();
+  } catch (const RpcError& e) {
+    EXPECT_EQ(e.code(), absl::StatusCode::kUnknown);
+    EXPECT_STREQ(e.what(),
+                 "UNKNOWN: rpc to worker 'worker1' (rank 1) calling 'throw_error': remote exception: the model diverged");
+  }
+  try {
+    rpc::rpc_sync("worker1", "no_such_function", 1);
+    FAIL();
+  } catch (const RpcError& e) {
+    EXPECT_EQ(e.code(), absl::StatusCode::kNotFound);
+    EXPECT_NE(std::string(e.what()).find("no function named 'no_such_function' is registered on worker 'worker1'"),
+              std::string::npos);
+  }
+  try {
+    rpc::rpc_sync("worker1", "add", std::string("x"), at::ones({1}));
+    FAIL();
+  } catch (const RpcError& e) {
+    EXPECT_EQ(e.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(std::string(e.what()).find("argument 1: expected Tensor, got String"), std::string::npos) << e.what();
+  }
+  rpc::Future f = rpc::rpc_async("worker1", "fail_later", std::string("async failure"));
+  EXPECT_EQ(f.status().code(), absl::StatusCode::kAborted);
+  EXPECT_THROW(rpc::rpc_sync("nobody", "add"), RpcError);
+  // The worker is still serving after all of that.
+  EXPECT_EQ(rpc::rpc_sync<std::string>("worker1", "whoami"), "worker1");
+}
+
+TEST_F(MultiprocRpc, TimeoutFailsTheCallAtItsDeadline) {
+  start({.world_size = 2});
+  const auto t0 = Clock::now();
+  rpc::Future f = rpc::rpc_async("worker1", "sleep_ms", int64_t{5000}, milliseconds(200));
+  EXPECT_EQ(f.status().code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_LT(Clock::now() - t0, milliseconds(4000));  // the error came from the deadline, not from the reply
+  EXPECT_NE(f.status().message().find("no reply within 200 ms"), std::string::npos) << f.status();
+  EXPECT_EQ(rpc::rpc_sync<int64_t>("worker1", "sleep_ms", int64_t{1}), 1);
+}
+
+TEST_F(MultiprocRpc, KilledPeerFailsPendingCallsAndShutdownNamesIt) {
+  rpc::RpcOptions options = options_from_env();
+  options.shutdown_timeout = milliseconds(3000);
+  start({.world_size = 3, .extra_env = {{"TANDEM_TEST_SHUTDOWN_MS", "3000"}}}, options);
+  expect_clean_children_ = false;
+  rpc::Future pending = rpc::rpc_async("worker1", "sleep_ms", int64_t{20000}, milliseconds(30000));
+  std::this_thread::sleep_for(milliseconds(300));
+  const auto t0 = Clock::now();
+  job_->child(1).kill(SIGKILL);
+  EXPECT_EQ(pending.status().code(), absl::StatusCode::kUnavailable) << pending.status();
+  EXPECT_LT(Clock::now() - t0, milliseconds(10000));  // long before the call's 30 s deadline
+  EXPECT_NE(pending.status().message().find("worker 'worker1' (rank 1)"), std::string::npos) << pending.status();
+  // New calls to the dead worker fail fast too; the rest of the job still works.
+  EXPECT_EQ(rpc::rpc_async("worker1", "whoami", milliseconds(20000)).status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(rpc::rpc_sync<std::string>("worker2", "whoami"), "worker2");
+  // A graceful shutdown cannot complete without rank 1: it fails within its deadline, naming the missing rank. (Rank 1
+  // had reached the shutdown barrier before it was killed, so it is missing from the leave step.)
+  try {
+    rpc::shutdown(true);
+    FAIL() << "graceful shutdown succeeded without rank 1";
+  } catch (const RpcError& e) {
+    EXPECT_NE(std::string(e.what()).find("rank 1 did not leave after the barrier within"), std::string::npos) << e.what();
+  }
+  EXPECT_FALSE(rpc::is_initialized());
+  EXPECT_EQ(exit_code(job_->child(2).wait(milliseconds(20000))), 0) << job_->outputs();
+}
+
+TEST_F(MultiprocRpc, UnauthenticatedCallersAreRejected) {
+  start({.world_size = 2});
+  pb::Request request;
+  request.set_function("whoami");
+  grpc::ByteBuffer response;
+  for (const std::string& token : {std::string(), rpc::auth::derive_token("guess"), job_->secret()}) {
+    grpc::Status s = raw_call(1, make_frame(request, ""), &response, token);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAUTHENTICATED) << "token '" << token << "': " << s.error_message();
+  }
+  EXPECT_TRUE(raw_error(1, make_frame(request, "")).ok());  // the job's own token is accepted
+}
+
+TEST_F(MultiprocRpc, WorkerWithWrongSecretCannotJoin) {
+  rpc::RpcOptions options = options_from_env();
+  options.init_timeout = milliseconds(3000);
+  job_ = std::make_unique<Job>(JobSpec{.world_size = 2,
+                                       .extra_env = {{"TANDEM_SECRET", "not-the-job-secret"}, {"TANDEM_TEST_INIT_MS", "3000"}}});
+  expect_clean_children_ = false;
+  options.master_addr = "127.0.0.1";
+  options.master_port = job_->port();
+  options.secret = job_->secret();
+  try {
+    rpc::init_rpc("worker0", 0, 2, options);
+    FAIL() << "joined with an intruder";
+  } catch (const RpcError& e) {
+    EXPECT_NE(std::string(e.what()).find("rank 1 did not join"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(exit_code(job_->child(1).wait(milliseconds(20000))), 3);
+  EXPECT_NE(job_->child(1).output().find("UNAUTHENTICATED"), std::string::npos) << job_->outputs();
+}
+
+TEST_F(MultiprocRpc, MalformedMessagesGetErrorRepliesAndTheWorkerSurvives) {
+  start({.world_size = 2});
+  pb::Request ok;
+  ok.set_function("whoami");
+  EXPECT_TRUE(raw_error(1, make_frame(ok, "")).ok());
+
+  EXPECT_EQ(raw_error(1, raw_buffer("")).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(raw_error(1, raw_buffer("garbage that is not a frame")).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(raw_error(1, raw_buffer(std::string("\xff\xff\x00\x00", 4) + "short")).code(),
+            absl::StatusCode::kInvalidArgument);
+
+  pb::Request lying;  // claims 1 MiB of floats, sends 64 bytes
+  lying.set_function("echo");
+  lying.mutable_args()->add_values()->set_tensor(0);
+  auto* meta = lying.mutable_args()->add_tensors();
+  meta->set_dtype(static_cast<int>(at::kFloat));
+  meta->add_sizes(1 << 18);
+  meta->set_nbytes(1 << 20);
+  auto s = raw_error(1, make_frame(lying, std::string(64, 'x')));
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("exceed the payload"), std::string::npos) << s;
+
+  meta->set_nbytes(12345);  // does not match the sizes
+  EXPECT_EQ(raw_error(1, make_frame(lying, std::string(12345, 'x'))).code(), absl::StatusCode::kInvalidArgument);
+  meta->set_dtype(99);
+  EXPECT_EQ(raw_error(1, make_frame(lying, std::string(64, 'x'))).code(), absl::StatusCode::kInvalidArgument);
+
+  pb::Request wrong_args;  // a well-formed frame whose arguments do not fit the function
+  wrong_args.set_function("add");
+  wrong_args.mutable_args()->add_values()->set_i(1);
+  EXPECT_EQ(raw_error(1, make_frame(wrong_args, "")).code(), absl::StatusCode::kInvalidArgument);
+
+  EXPECT_EQ(rpc::rpc_sync<std::string>("worker1", "whoami"), "worker1");
+}
+
+TEST_F(MultiprocRpc, OversizedMessagesAreRefused) {
+  constexpr int kLimit = 1 << 20;
+  rpc::RpcOptions options = options_from_env();
+  options.max_message_bytes = kLimit;
+  start({.world_size = 2, .extra_env = {{"TANDEM_TEST_MAX_MSG", std::to_string(kLimit)}}}, options);
+  at::Tensor big = at::zeros({kLimit / 2}, at::kFloat);  // 2 MiB
+  try {
+    rpc::rpc_sync("worker1", "echo", big);
+    FAIL();
+  } catch (const RpcError& e) {
+    EXPECT_EQ(e.code(), absl::StatusCode::kResourceExhausted) << e.what();
+    EXPECT_NE(std::string(e.what()).find("worker 'worker1'"), std::string::npos) << e.what();
+  }
+  // A request under the limit whose reply would exceed it.
+  EXPECT_EQ(rpc::rpc_async("worker1", "echo", at::zeros({kLimit / 8})).status().code(), absl::StatusCode::kOk);
+  EXPECT_EQ(rpc::rpc_sync<std::string>("worker1", "whoami"), "worker1");
+}
+
+TEST_F(MultiprocRpc, ThousandConcurrentAsyncCalls) {
+  start({.world_size = 3});
+  std::vector<rpc::Future> futures;
+  for (int64_t i = 0; i < 1000; ++i) futures.push_back(rpc::rpc_async(1 + i % 2, "echo", i));
+  for (int64_t i = 0; i < 1000; ++i) ASSERT_EQ(futures[i].get<int64_t>(), i);
+}
+
+TEST_F(MultiprocRpc, AsyncFunctionsDoNotHoldServerThreads) {
+  // Two server threads on worker1, six callers parked in gather_sum: the reply goes out when the sixth arrives.
+  rpc::RpcOptions options = options_from_env();
+  start({.world_size = 2, .extra_env = {{"TANDEM_TEST_THREADS", "2"}}}, options);
+  std::vector<rpc::Future> futures;
+  for (int i = 0; i < 6; ++i) futures.push_back(rpc::rpc_async("worker1", "gather_sum", int64_t{6}, at::ones({2})));
+  for (auto& f : futures) EXPECT_TRUE(f.get<at::Tensor>().equal(at::full({2}, 6.0)));
+  EXPECT_EQ(rpc::rpc_sync<int64_t>("worker1", "later", int64_t{50}, int64_t{7}), 7);
+}
+
+TEST_F(MultiprocRpc, GracefulShutdownWaitsForCallsInFlight) {
+  start({.world_size = 3});
+  std::vector<rpc::Future> futures;
+  for (int i = 0; i < 40; ++i) futures.push_back(rpc::rpc_async(1 + i % 2, "sleep_ms", int64_t{100}));
+  rpc::shutdown(true);  // returns only after every call above completed and all workers arrived
+  for (int i = 0; i < 40; ++i) EXPECT_EQ(futures[i].get<int64_t>(), 1 + i % 2);
+  for (int code : job_->wait_children(milliseconds(30000))) EXPECT_EQ(code, 0) << job_->outputs();
+}
+
+TEST_F(MultiprocRpc, NonGracefulShutdownCancelsAndCanReinit) {
+  start({.world_size = 2, .extra_env = {{"TANDEM_TEST_SHUTDOWN_MS", "2000"}}});
+  expect_clean_children_ = false;  // its graceful shutdown cannot meet rank 0 at the barrier
+  rpc::Future f = rpc::rpc_async("worker1", "sleep_ms", int64_t{10000});
+  rpc::shutdown(false);
+  EXPECT_EQ(f.status().code(), absl::StatusCode::kCancelled) << f.status();
+  EXPECT_FALSE(rpc::is_initialized());
+  EXPECT_EQ(rpc::rpc_async("worker1", "whoami").status().code(), absl::StatusCode::kFailedPrecondition);
+  job_->wait_children(milliseconds(20000));
+  // The same process can join a new job.
+  start({.world_size = 2});
+  expect_clean_children_ = true;
+  EXPECT_EQ(rpc::rpc_sync<std::string>("worker1", "whoami"), "worker1");
+}
+
+TEST_F(MultiprocRpc, DuplicateNamesAreRejected) {
+  rpc::RpcOptions options = options_from_env();
+  options.init_timeout = milliseconds(10000);
+  job_ = std::make_unique<Job>(JobSpec{.world_size = 2, .extra_env = {{"TANDEM_TEST_NAME", "worker0"}}});
+  expect_clean_children_ = false;
+  options.master_addr = "127.0.0.1";
+  options.master_port = job_->port();
+  options.secret = job_->secret();
+  try {
+    rpc::init_rpc("worker0", 0, 2, options);
+    FAIL();
+  } catch (const RpcError& e) {
+    EXPECT_NE(std::string(e.what()).find("worker name 'worker0' is used by another rank"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(exit_code(job_->child(1).wait(milliseconds(20000))), 3);
+}
+
+TEST_F(MultiprocRpc, ExitWithoutShutdownDoesNotHang) {
+  Job job(JobSpec{.world_size = 1});
+  Process p({self_exe(), "--worker", "exit_without_shutdown"}, job.env_for(0));
+  EXPECT_EQ(exit_code(p.wait(milliseconds(20000))), 0) << p.output();
+  EXPECT_NE(p.output().find("leaving without shutdown"), std::string::npos);
+}
+
+TEST_F(MultiprocRpc, TlsJob) {
+  const std::string dir = make_temp_dir();
+  if (!make_test_certificates(dir)) GTEST_SKIP() << "openssl cannot make test certificates here";
+  rpc::RpcOptions options = options_from_env();
+  options.tls = tls_options(dir);
+  start({.world_size = 2, .extra_env = {{"TANDEM_TEST_TLS_DIR", dir}}}, options);
+  EXPECT_TRUE(rpc::rpc_sync<at::Tensor>("worker1", "add", at::ones({2}), at::ones({2})).equal(at::full({2}, 2.0)));
+  // A plaintext client cannot talk to a TLS worker even with the right token.
+  pb::Request request;
+  request.set_function("whoami");
+  grpc::ByteBuffer response;
+  EXPECT_FALSE(raw_call(1, make_frame(request, ""), &response, rpc::auth::derive_token(job_->secret())).ok());
+}
+
+}  // namespace
+}  // namespace tandem::test

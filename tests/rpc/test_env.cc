@@ -1,0 +1,95 @@
+#include "tests/rpc/test_env.h"
+
+#include <cstdlib>
+#include <string>
+
+namespace tandem::test {
+namespace {
+int env_int(const char* name, int fallback) {
+  const char* v = std::getenv(name);
+  return v && *v ? std::atoi(v) : fallback;
+}
+}  // namespace
+
+rpc::RpcOptions options_from_env() {
+  rpc::RpcOptions o;
+  o.shutdown_timeout = std::chrono::milliseconds(env_int("TANDEM_TEST_SHUTDOWN_MS", 60000));
+  o.init_timeout = std::chrono::milliseconds(env_int("TANDEM_TEST_INIT_MS", 30000));
+  o.num_worker_threads = env_int("TANDEM_TEST_THREADS", 16);
+  if (int m = env_int("TANDEM_TEST_MAX_MSG", 0); m > 0) o.max_message_bytes = m;
+  if (const char* dir = std::getenv("TANDEM_TEST_TLS_DIR"); dir && *dir) o.tls = tls_options(dir);
+  return o;
+}
+
+rpc::TlsOptions tls_options(const std::string& dir) {
+  rpc::TlsOptions t;
+  t.cert_chain_path = dir + "/node.crt";
+  t.private_key_path = dir + "/node.key";
+  t.root_certs_path = dir + "/ca.crt";
+  return t;
+}
+
+bool make_test_certificates(const std::string& dir) {
+  const std::string cmd =
+      "cd '" + dir + "' && "
+      "openssl req -x509 -newkey rsa:2048 -nodes -days 2 -subj /CN=tandem-test-ca -keyout ca.key -out ca.crt && "
+      "openssl req -newkey rsa:2048 -nodes -subj /CN=127.0.0.1 -keyout node.key -out node.csr && "
+      "printf 'subjectAltName=IP:127.0.0.1,DNS:localhost\\n' > ext.cnf && "
+      "openssl x509 -req -in node.csr -CA ca.crt -CAkey ca.key -CAcreateserial -days 2 -extfile ext.cnf -out node.crt";
+  return std::system((cmd + " >/dev/null 2>&1").c_str()) == 0;
+}
+
+}  // namespace tandem::test
+
+#include <ATen/ATen.h>
+
+#include <cstring>
+
+namespace tandem::test {
+
+grpc::ByteBuffer make_frame(const google::protobuf::MessageLite& header, const std::string& payload) {
+  const std::string h = header.SerializeAsString();
+  std::string bytes(4, '\0');
+  const uint32_t n = static_cast<uint32_t>(h.size());
+  for (int i = 0; i < 4; ++i) bytes[i] = static_cast<char>((n >> (8 * i)) & 0xff);
+  bytes += h;
+  bytes.resize((bytes.size() + 63) / 64 * 64, '\0');  // the payload area starts 64-byte aligned (rpc/detail/wire.h)
+  return raw_buffer(bytes + payload);
+}
+
+grpc::ByteBuffer raw_buffer(const std::string& bytes) {
+  grpc::Slice s(bytes);
+  return grpc::ByteBuffer(&s, 1);
+}
+
+grpc::ByteBuffer refragment(const grpc::ByteBuffer& buffer, size_t piece) {
+  grpc::Slice all;
+  if (!buffer.DumpToSingleSlice(&all).ok()) return {};
+  std::vector<grpc::Slice> slices;
+  for (size_t off = 0; off < all.size(); off += piece) {
+    slices.emplace_back(all.begin() + off, std::min(piece, all.size() - off));
+  }
+  return grpc::ByteBuffer(slices.data(), slices.size());
+}
+
+at::Tensor random_tensor(c10::ScalarType dtype, at::IntArrayRef sizes) {
+  if (dtype == at::kBool) return at::randint(0, 2, sizes).to(at::kBool);
+  at::Tensor t = at::empty(sizes, at::TensorOptions().dtype(dtype));
+  at::Tensor bytes = at::randint(0, 256, {static_cast<int64_t>(t.nbytes())}, at::kByte);
+  std::memcpy(t.data_ptr(), bytes.data_ptr(), t.nbytes());
+  return t;
+}
+
+bool bit_equal(const at::Tensor& a, const at::Tensor& b) {
+  if (a.scalar_type() != b.scalar_type() || a.sizes() != b.sizes()) return false;
+  at::Tensor ca = a.contiguous(), cb = b.contiguous();
+  return ca.nbytes() == cb.nbytes() && std::memcmp(ca.data_ptr(), cb.data_ptr(), ca.nbytes()) == 0;
+}
+
+std::vector<c10::ScalarType> all_dtypes() {
+  using S = c10::ScalarType;
+  return {S::Byte, S::Char, S::Short, S::Int, S::Long, S::Half, S::Float, S::Double, S::ComplexHalf, S::ComplexFloat,
+          S::ComplexDouble, S::Bool, S::BFloat16};
+}
+
+}  // namespace tandem::test

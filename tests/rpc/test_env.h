@@ -1,0 +1,41 @@
+// What the RPC tests share between the test process (rank 0) and its worker processes.
+#pragma once
+
+#include <string>
+
+#include "rpc/rpc.h"
+
+namespace tandem::test {
+
+// Registers the functions every test worker serves (echo, add, sleep_ms, throw_error, ...).
+void register_test_functions();
+// RpcOptions from the environment the test set for its workers: TANDEM_TEST_SHUTDOWN_MS, TANDEM_TEST_THREADS,
+// TANDEM_TEST_MAX_MSG, TANDEM_TEST_INIT_MS, TANDEM_TEST_TLS_DIR.
+rpc::RpcOptions options_from_env();
+// TLS options for the certificates make_test_certificates wrote into `dir`.
+rpc::TlsOptions tls_options(const std::string& dir);
+// Writes a CA and a certificate for 127.0.0.1 signed by it (with the openssl command). Returns false when it cannot.
+bool make_test_certificates(const std::string& dir);
+
+}  // namespace tandem::test
+
+#include <grpcpp/support/byte_buffer.h>
+#include <google/protobuf/message_lite.h>
+#include <ATen/core/Tensor.h>
+
+namespace tandem::test {
+
+// A frame as rpc/detail/wire.h lays it out, built by hand so tests can make it lie: [u32 len][header][payload].
+grpc::ByteBuffer make_frame(const google::protobuf::MessageLite& header, const std::string& payload);
+// Any bytes as a one-slice buffer.
+grpc::ByteBuffer raw_buffer(const std::string& bytes);
+// The same bytes cut into slices of `piece` bytes (forces the receiver's copy path and unaligned data).
+grpc::ByteBuffer refragment(const grpc::ByteBuffer& buffer, size_t piece);
+// A tensor of `dtype` filled with random bytes (0/1 for bool), so that a round trip is checked bit for bit.
+at::Tensor random_tensor(c10::ScalarType dtype, at::IntArrayRef sizes);
+// Same dtype, sizes and bytes (of the contiguous form).
+bool bit_equal(const at::Tensor& a, const at::Tensor& b);
+// Every CPU dtype Tandem sends.
+std::vector<c10::ScalarType> all_dtypes();
+
+}  // namespace tandem::test
