@@ -62,25 +62,19 @@ const c10::IValue& Future::value() const {
   return state_->value;  // immutable once done
 }
 
-bool Future::set_value(c10::IValue value) const {
+bool Future::set_value(c10::IValue value) const { return complete(std::move(value), absl::OkStatus()); }
+
+bool Future::set_error(absl::Status error) const {
+  if (error.ok()) error = absl::InternalError("future failed with an OK status");
+  return complete(c10::IValue(), std::move(error));
+}
+
+bool Future::complete(c10::IValue value, absl::Status error) const {
   std::vector<std::function<void(const Future&)>> callbacks;
   {
     absl::MutexLock lock(&state_->mu);
     if (state_->done) return false;
     state_->value = std::move(value);
-    state_->done = true;
-    callbacks.swap(state_->callbacks);
-  }
-  for (auto& cb : callbacks) cb(*this);
-  return true;
-}
-
-bool Future::set_error(absl::Status error) const {
-  if (error.ok()) error = absl::InternalError("future failed with an OK status");
-  std::vector<std::function<void(const Future&)>> callbacks;
-  {
-    absl::MutexLock lock(&state_->mu);
-    if (state_->done) return false;
     state_->error = std::move(error);
     state_->done = true;
     callbacks.swap(state_->callbacks);

@@ -65,6 +65,7 @@ class Future {
  private:
   struct State;
   explicit Future(std::shared_ptr<State> state) : state_(std::move(state)) {}
+  bool complete(c10::IValue value, absl::Status error) const;
   std::shared_ptr<State> state_;
 };
 

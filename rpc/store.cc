@@ -27,11 +27,8 @@ class StoreService final : public pb::Store::CallbackService {
 
   grpc::ServerUnaryReactor* Set(grpc::CallbackServerContext* ctx, const pb::StoreSetRequest* req,
                                 pb::StoreEmpty*) override {
+    if (auto* rejected = reject_unauthenticated(ctx)) return rejected;
     auto* r = ctx->DefaultReactor();
-    if (auto s = auth::check(ctx, token_); !s.ok()) {
-      r->Finish(net::to_grpc(s));
-      return r;
-    }
     std::vector<Waiter*> ready;
     {
       absl::MutexLock lock(&mu_);
@@ -45,11 +42,8 @@ class StoreService final : public pb::Store::CallbackService {
 
   grpc::ServerUnaryReactor* Add(grpc::CallbackServerContext* ctx, const pb::StoreAddRequest* req,
                                 pb::StoreCount* resp) override {
+    if (auto* rejected = reject_unauthenticated(ctx)) return rejected;
     auto* r = ctx->DefaultReactor();
-    if (auto s = auth::check(ctx, token_); !s.ok()) {
-      r->Finish(net::to_grpc(s));
-      return r;
-    }
     std::vector<Waiter*> ready;
     grpc::Status status = grpc::Status::OK;
     {
@@ -84,11 +78,8 @@ class StoreService final : public pb::Store::CallbackService {
 
   grpc::ServerUnaryReactor* Check(grpc::CallbackServerContext* ctx, const pb::StoreWaitRequest* req,
                                   pb::StoreCheckReply* resp) override {
+    if (auto* rejected = reject_unauthenticated(ctx)) return rejected;
     auto* r = ctx->DefaultReactor();
-    if (auto s = auth::check(ctx, token_); !s.ok()) {
-      r->Finish(net::to_grpc(s));
-      return r;
-    }
     {
       absl::MutexLock lock(&mu_);
       for (const auto& k : req->keys()) resp->add_present(data_.count(k) > 0);
@@ -99,11 +90,8 @@ class StoreService final : public pb::Store::CallbackService {
 
   grpc::ServerUnaryReactor* Delete(grpc::CallbackServerContext* ctx, const pb::StoreKey* req,
                                    pb::StoreEmpty*) override {
+    if (auto* rejected = reject_unauthenticated(ctx)) return rejected;
     auto* r = ctx->DefaultReactor();
-    if (auto s = auth::check(ctx, token_); !s.ok()) {
-      r->Finish(net::to_grpc(s));
-      return r;
-    }
     {
       absl::MutexLock lock(&mu_);
       data_.erase(req->key());
@@ -114,6 +102,15 @@ class StoreService final : public pb::Store::CallbackService {
 
  private:
   using Fill = std::function<void(const std::map<std::string, std::string>&)>;
+
+  // A finished reactor when the caller lacks the job token, else nullptr.
+  grpc::ServerUnaryReactor* reject_unauthenticated(grpc::CallbackServerContext* ctx) {
+    absl::Status s = auth::check(ctx, token_);
+    if (s.ok()) return nullptr;
+    auto* r = ctx->DefaultReactor();
+    r->Finish(net::to_grpc(s));
+    return r;
+  }
 
   // A get/wait parked until its keys exist. It finishes exactly once: when the keys appear (take_ready_locked) or when
   // the call is cancelled (the caller's deadline passed, or the server shuts down). `finished` decides which, under mu_.
@@ -136,11 +133,7 @@ class StoreService final : public pb::Store::CallbackService {
   };
 
   grpc::ServerUnaryReactor* park(grpc::CallbackServerContext* ctx, std::vector<std::string> keys, Fill fill) {
-    if (auto s = auth::check(ctx, token_); !s.ok()) {
-      auto* r = ctx->DefaultReactor();
-      r->Finish(net::to_grpc(s));
-      return r;
-    }
+    if (auto* rejected = reject_unauthenticated(ctx)) return rejected;
     auto* w = new Waiter(this, std::move(keys), std::move(fill));
     bool ready = false;
     {

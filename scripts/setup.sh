@@ -7,7 +7,7 @@ pkgs=(
   libgrpc++-dev protobuf-compiler-grpc           # gRPC 1.51
   libprotobuf-dev protobuf-compiler libabsl-dev  # protobuf 3.21, abseil
   libgtest-dev libgmock-dev libbenchmark-dev
-  libssl-dev openssl                             # TLS tests make their own certificates
+  libssl-dev openssl ca-certificates             # TLS tests make their own certificates
   libopenblas0-pthread                           # LibTorch otherwise falls back to reference BLAS (~20x slower)
   dataset-fashion-mnist
 )

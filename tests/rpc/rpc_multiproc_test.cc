@@ -29,11 +29,16 @@ class MultiprocRpc : public ::testing::Test {
  protected:
   // Starts the children of `spec` and joins as rank 0 with `options` (defaults from the same environment they get).
   void start(JobSpec spec, rpc::RpcOptions options = options_from_env()) {
+    rpc::init_rpc("worker0", 0, spec.world_size, launch(spec, std::move(options)));
+  }
+
+  // Starts the children of `spec`; returns `options` pointed at the job (master, secret) for rank 0.
+  rpc::RpcOptions launch(const JobSpec& spec, rpc::RpcOptions options) {
     job_ = std::make_unique<Job>(spec);
     options.master_addr = "127.0.0.1";
     options.master_port = job_->port();
     options.secret = job_->secret();
-    rpc::init_rpc("worker0", 0, spec.world_size, options);
+    return options;
   }
 
   void TearDown() override {
@@ -224,12 +229,10 @@ TEST_F(MultiprocRpc, UnauthenticatedCallersAreRejected) {
 TEST_F(MultiprocRpc, WorkerWithWrongSecretCannotJoin) {
   rpc::RpcOptions options = options_from_env();
   options.init_timeout = milliseconds(3000);
-  job_ = std::make_unique<Job>(JobSpec{.world_size = 2,
-                                       .extra_env = {{"TANDEM_SECRET", "not-the-job-secret"}, {"TANDEM_TEST_INIT_MS", "3000"}}});
+  options = launch({.world_size = 2,
+                     .extra_env = {{"TANDEM_SECRET", "not-the-job-secret"}, {"TANDEM_TEST_INIT_MS", "3000"}}},
+                    options);
   expect_clean_children_ = false;
-  options.master_addr = "127.0.0.1";
-  options.master_port = job_->port();
-  options.secret = job_->secret();
   try {
     rpc::init_rpc("worker0", 0, 2, options);
     FAIL() << "joined with an intruder";
@@ -337,11 +340,8 @@ TEST_F(MultiprocRpc, NonGracefulShutdownCancelsAndCanReinit) {
 TEST_F(MultiprocRpc, DuplicateNamesAreRejected) {
   rpc::RpcOptions options = options_from_env();
   options.init_timeout = milliseconds(10000);
-  job_ = std::make_unique<Job>(JobSpec{.world_size = 2, .extra_env = {{"TANDEM_TEST_NAME", "worker0"}}});
+  options = launch({.world_size = 2, .extra_env = {{"TANDEM_TEST_NAME", "worker0"}}}, options);
   expect_clean_children_ = false;
-  options.master_addr = "127.0.0.1";
-  options.master_port = job_->port();
-  options.secret = job_->secret();
   try {
     rpc::init_rpc("worker0", 0, 2, options);
     FAIL();

@@ -76,14 +76,14 @@ at::Tensor random_tensor(c10::ScalarType dtype, at::IntArrayRef sizes) {
   if (dtype == at::kBool) return at::randint(0, 2, sizes).to(at::kBool);
   at::Tensor t = at::empty(sizes, at::TensorOptions().dtype(dtype));
   at::Tensor bytes = at::randint(0, 256, {static_cast<int64_t>(t.nbytes())}, at::kByte);
-  std::memcpy(t.data_ptr(), bytes.data_ptr(), t.nbytes());
+  if (t.nbytes() > 0) std::memcpy(t.data_ptr(), bytes.data_ptr(), t.nbytes());  // an empty tensor has no data pointer
   return t;
 }
 
 bool bit_equal(const at::Tensor& a, const at::Tensor& b) {
   if (a.scalar_type() != b.scalar_type() || a.sizes() != b.sizes()) return false;
   at::Tensor ca = a.contiguous(), cb = b.contiguous();
-  return ca.nbytes() == cb.nbytes() && std::memcmp(ca.data_ptr(), cb.data_ptr(), ca.nbytes()) == 0;
+  return ca.nbytes() == cb.nbytes() && (ca.nbytes() == 0 || std::memcmp(ca.data_ptr(), cb.data_ptr(), ca.nbytes()) == 0);
 }
 
 std::vector<c10::ScalarType> all_dtypes() {

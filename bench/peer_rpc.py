@@ -1,0 +1,107 @@
+"""bench/run.sh rpc -- the PyTorch peer: the same workloads as bench/rpc_bench.cc on torch.distributed.rpc (TensorPipe).
+
+  python3 bench/peer_rpc.py default|tcp [--small N --bulk N --async N --bulk-mib M]
+
+"default" is PyTorch's default configuration (TensorPipe picks shared memory and cross-memory-attach between processes
+of one host); "tcp" forces its TCP transport and basic channel. Small calls use the builtin torch.add (PyTorch's
+fastest path); the bulk call's function returns the element count. One intra-op thread per process.
+"""
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+import torch.distributed.rpc as rpc
+
+
+def numel(t):
+    return t.numel()
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def emit(impl, metric, value, unit, **extra):
+    print(json.dumps({"bench": "rpc", "impl": impl, "metric": metric, "value": round(value, 3), "unit": unit,
+                      "processes": 2, "intra_op_threads": 1, **extra}), flush=True)
+
+
+def run(rank, port, args):
+    torch.set_num_threads(1)
+    opts = rpc.TensorPipeRpcBackendOptions(num_worker_threads=16, rpc_timeout=120,
+                                           init_method=f"tcp://127.0.0.1:{port}")
+    if args.mode == "tcp":
+        opts._transports = ["uv"]
+        opts._channels = ["basic"]
+    rpc.init_rpc(f"w{rank}", rank=rank, world_size=2, rpc_backend_options=opts)
+    if rank == 0:
+        impl = "torch" if args.mode == "default" else "torch_tcp"
+        one = torch.ones(1)
+        for _ in range(500):
+            rpc.rpc_sync("w1", torch.add, args=(one, one))
+        rtt = []
+        for _ in range(args.small):
+            t0 = time.perf_counter()
+            rpc.rpc_sync("w1", torch.add, args=(one, one))
+            rtt.append((time.perf_counter() - t0) * 1e6)
+        rtt.sort()
+        emit(impl, "small_rtt_p50_us", statistics.median(rtt), "us", iters=args.small,
+             p99_us=rtt[int(0.99 * (len(rtt) - 1))])
+
+        big = torch.rand(args.bulk_mib << 18)
+        gbps = []
+        for i in range(args.bulk + 2):
+            t0 = time.perf_counter()
+            n = rpc.rpc_sync("w1", numel, args=(big,))
+            dt = time.perf_counter() - t0
+            assert n == big.numel()
+            if i >= 2:
+                gbps.append(big.numel() * 4 / dt / 1e9)
+        emit(impl, f"bulk_{args.bulk_mib}MiB_GBps", statistics.median(gbps), "GB/s", iters=args.bulk)
+
+        window = []
+        t0 = time.perf_counter()
+        for i in range(args.async_calls):
+            if len(window) == 128:
+                window.pop(0).wait()
+            window.append(rpc.rpc_async("w1", torch.add, args=(one, one)))
+        for f in window:
+            f.wait()
+        dt = time.perf_counter() - t0
+        emit(impl, "async_128_calls_per_s", args.async_calls / dt, "calls/s", calls=args.async_calls)
+    rpc.shutdown()
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("mode", choices=["default", "tcp"])
+    p.add_argument("--small", type=int, default=5000)
+    p.add_argument("--bulk", type=int, default=20)
+    p.add_argument("--async", dest="async_calls", type=int, default=50000)
+    p.add_argument("--bulk-mib", type=int, default=64)
+    p.add_argument("--rank", type=int, default=-1)
+    p.add_argument("--port", type=int, default=0)
+    args = p.parse_args()
+    if args.rank >= 0:
+        run(args.rank, args.port, args)
+        return
+    port = free_port()
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    argv = [sys.executable, __file__, args.mode, "--small", str(args.small), "--bulk", str(args.bulk),
+            "--async", str(args.async_calls), "--bulk-mib", str(args.bulk_mib), "--port", str(port)]
+    procs = [subprocess.Popen(argv + ["--rank", str(r)], env=env) for r in (0, 1)]
+    codes = [proc.wait(timeout=1800) for proc in procs]
+    if any(codes):
+        sys.exit(f"peer_rpc.py: ranks exited with {codes}")
+
+
+if __name__ == "__main__":
+    main()
