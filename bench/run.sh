@@ -9,7 +9,8 @@ cd "$(dirname "$0")/.."
 name="${1:?usage: bench/run.sh NAME [flags]}"
 shift
 bash scripts/setup.sh >&2
-if ! python3 -c "import torch.distributed.rpc" 2>/dev/null; then
+PY=/usr/bin/python3  # Debian's interpreter: python3-torch installs there, whatever python3 is first on PATH
+if ! "$PY" -c "import torch.distributed.rpc" 2>/dev/null; then
   echo "bench: installing python3-torch for the PyTorch peer" >&2
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends python3-torch >/dev/null
 fi
@@ -19,8 +20,8 @@ case "$name" in
   rpc)
     cmake --build build -j"$(nproc)" --target rpc_bench tandem-run >&2
     build/tandem-run --nproc-per-node 2 build/rpc_bench "$@" | sed -n 's/^\[rank0\]: {/{/p'
-    python3 bench/peer_rpc.py default "$@"
-    python3 bench/peer_rpc.py tcp "$@"
+    "$PY" bench/peer_rpc.py default "$@"
+    "$PY" bench/peer_rpc.py tcp "$@"
     ;;
   *) echo "bench: unknown benchmark '$name' (known: rpc)" >&2; exit 2 ;;
 esac
