@@ -69,6 +69,14 @@ struct RpcOptions {
   // Host this worker's server binds and advertises. Empty: the address it uses to reach the master (127.0.0.1 when the
   // master is on loopback).
   std::string listen_host;
+
+  // How calls travel. "auto": to a peer on the same host (same kernel boot, reachable socket) over the direct channel
+  // (docs/rpc.md), with large request tensors read straight from the caller's memory; to other peers over gRPC.
+  // "grpc": every peer over gRPC. Empty: TANDEM_TRANSPORT, else "auto". With TLS, every peer uses gRPC.
+  std::string transport;
+  // On the direct channel, request tensors of at least this many bytes are read from the caller's memory by the callee
+  // (one copy, by the kernel) instead of travelling through the socket. 0 turns the bulk path off.
+  int64_t bulk_min_bytes = int64_t{1} << 20;
 };
 
 // Joins the job as worker `name` with `rank` of `world_size`, after every worker has joined (or init_timeout, then
@@ -106,6 +114,21 @@ class To {
 // The type-erased call behind rpc_async. A non-positive timeout means the default.
 Future call(const To& to, const std::string& function, std::vector<c10::IValue> args,
             std::chrono::milliseconds timeout = std::chrono::milliseconds(0));
+// The same, returning only once the call has completed (the future is completed). Behind rpc_sync: on the direct
+// channel the calling thread reads its own reply, which saves a thread hand-off per call.
+Future call_and_wait(const To& to, const std::string& function, std::vector<c10::IValue> args,
+                     std::chrono::milliseconds timeout = std::chrono::milliseconds(0));
+
+// Which transport calls to `to` use: "direct" or "grpc" (see RpcOptions::transport).
+std::string transport_to(const To& to);
+
+// Counts of this worker's outgoing calls since init_rpc, by path (for tests, debugging and benchmarks' conditions).
+struct TransportStats {
+  int64_t grpc_calls = 0;
+  int64_t direct_calls = 0;
+  int64_t tensors_by_reference = 0;  // request tensors the callee read from this process's memory
+};
+TransportStats transport_stats();
 
 namespace detail {
 template <typename T>
@@ -134,7 +157,11 @@ Future rpc_async(const To& to, const std::string& function, Args&&... args) {
 
 template <typename R = c10::IValue, typename... Args>
 R rpc_sync(const To& to, const std::string& function, Args&&... args) {
-  Future f = rpc_async(to, function, std::forward<Args>(args)...);
+  std::vector<c10::IValue> values;
+  values.reserve(sizeof...(Args));
+  std::chrono::milliseconds timeout(0);
+  (detail::append_arg(values, timeout, std::forward<Args>(args)), ...);
+  Future f = call_and_wait(to, function, std::move(values), timeout);
   if constexpr (std::is_void_v<R>) {
     f.value();
   } else {

@@ -4,13 +4,17 @@
 #include <ATen/core/List.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
+#include <sys/uio.h>
 #include <torch/csrc/jit/mobile/type_parser.h>
+
+#include <cerrno>
 
 #include <cstring>
 #include <map>
 #include <mutex>
 
 #include "absl/strings/str_cat.h"
+#include "rpc/detail/buffer_pool.h"
 
 namespace tandem::rpc::wire {
 namespace {
@@ -100,12 +104,18 @@ absl::Status Encoder::encode_tensor(const at::Tensor& t, Payload* payload, uint3
   TensorMeta* meta = payload->add_tensors();
   meta->set_dtype(static_cast<int>(c.scalar_type()));
   for (int64_t s : c.sizes()) meta->add_sizes(s);
-  meta->set_offset(payload_bytes_);
   meta->set_nbytes(c.nbytes());
   meta->set_requires_grad(t.requires_grad());
-  payload_bytes_ = align_up(payload_bytes_ + c.nbytes());
   *index = static_cast<uint32_t>(payload->tensors_size() - 1);
   seen_.emplace_back(t.unsafeGetTensorImpl(), *index);
+  if (by_reference_min_bytes_ > 0 && c.nbytes() >= by_reference_min_bytes_) {
+    meta->set_by_reference(true);
+    meta->set_remote_addr(reinterpret_cast<uintptr_t>(c.data_ptr()));
+    referenced_.push_back(c.detach());
+    return absl::OkStatus();
+  }
+  meta->set_offset(payload_bytes_);
+  payload_bytes_ = align_up(payload_bytes_ + c.nbytes());
   if (c.nbytes() > 0) tensors_.push_back(c.detach());
   return absl::OkStatus();
 }
@@ -218,7 +228,30 @@ void Frame::copy_out(uint64_t offset, uint64_t len, void* dst) const {
   }
 }
 
-absl::StatusOr<at::Tensor> Frame::decode_tensor(const TensorMeta& meta) const {
+namespace {
+
+// Reads `nbytes` at `remote` in process `pid` into a pooled tensor (one copy, by the kernel).
+absl::StatusOr<at::Tensor> read_remote(pid_t pid, uint64_t remote, uint64_t nbytes, std::vector<int64_t>& sizes,
+                                       c10::ScalarType dtype) {
+  at::Tensor t = detail::pooled_empty(sizes, dtype);
+  auto* dst = static_cast<uint8_t*>(t.data_ptr());
+  uint64_t done = 0;
+  while (done < nbytes) {
+    iovec local{dst + done, static_cast<size_t>(nbytes - done)};
+    iovec far{reinterpret_cast<void*>(remote + done), static_cast<size_t>(nbytes - done)};
+    const ssize_t n = process_vm_readv(pid, &local, 1, &far, 1, 0);
+    if (n <= 0) {
+      return absl::InvalidArgumentError(absl::StrCat("cross-memory read of ", nbytes, " bytes from process ", pid,
+                                                     " failed: ", std::strerror(n < 0 ? errno : EFAULT)));
+    }
+    done += static_cast<uint64_t>(n);
+  }
+  return t;
+}
+
+}  // namespace
+
+absl::StatusOr<at::Tensor> Frame::decode_tensor(const TensorMeta& meta, pid_t cma_pid) const {
   if (!supported_dtype(meta.dtype())) {
     return absl::InvalidArgumentError(absl::StrCat("malformed message: unsupported dtype ", meta.dtype()));
   }
@@ -237,6 +270,13 @@ absl::StatusOr<at::Tensor> Frame::decode_tensor(const TensorMeta& meta) const {
     return absl::InvalidArgumentError(absl::StrCat("malformed message: tensor claims ", meta.nbytes(),
                                                    " bytes for ", numel, " elements of ", item, " bytes"));
   }
+  if (meta.by_reference()) {
+    if (cma_pid <= 0) {
+      return absl::InvalidArgumentError("malformed message: a tensor sent by reference on a channel without cross-memory access");
+    }
+    if (nbytes == 0) return at::empty(sizes, at::TensorOptions().dtype(dtype));
+    return read_remote(cma_pid, meta.remote_addr(), nbytes, sizes, dtype);
+  }
   uint64_t end = 0;
   if (__builtin_add_overflow(meta.offset(), nbytes, &end) || end > payload_size()) {
     return absl::InvalidArgumentError(absl::StrCat("malformed message: tensor bytes [", meta.offset(), ", +", nbytes,
@@ -254,13 +294,13 @@ absl::StatusOr<at::Tensor> Frame::decode_tensor(const TensorMeta& meta) const {
     auto* keep = new grpc::Slice(slices_[i]);
     return at::from_blob(const_cast<uint8_t*>(ptr), sizes, [keep](void*) { delete keep; }, options);
   }
-  at::Tensor t = at::empty(sizes, options);
+  at::Tensor t = detail::pooled_empty(sizes, dtype);
   copy_out(begin, nbytes, t.data_ptr());
   return t;
 }
 
 absl::StatusOr<c10::IValue> Frame::decode_value(const Value& v, const Payload& payload,
-                                                std::vector<c10::IValue>& tensors, int depth) const {
+                                                std::vector<c10::IValue>& tensors, int depth, pid_t cma_pid) const {
   if (depth > kMaxNesting) return absl::InvalidArgumentError("malformed message: value nested too deeply");
   switch (v.kind_case()) {
     case Value::kNone:
@@ -281,7 +321,7 @@ absl::StatusOr<c10::IValue> Frame::decode_value(const Value& v, const Payload& p
       }
       if (tensors[v.tensor()].isNone()) {
         const auto& meta = payload.tensors(v.tensor());
-        auto t = decode_tensor(meta);
+        auto t = decode_tensor(meta, cma_pid);
         if (!t.ok()) return t.status();
         if (meta.requires_grad() && at::isFloatingType(t->scalar_type())) t->set_requires_grad(true);
         tensors[v.tensor()] = std::move(*t);
@@ -293,7 +333,7 @@ absl::StatusOr<c10::IValue> Frame::decode_value(const Value& v, const Payload& p
       c10::impl::GenericList list(elem);
       list.reserve(v.list().items_size());
       for (const auto& item : v.list().items()) {
-        auto d = decode_value(item, payload, tensors, depth + 1);
+        auto d = decode_value(item, payload, tensors, depth + 1, cma_pid);
         if (!d.ok()) return d.status();
         if (!d->type()->isSubtypeOf(*elem)) return type_mismatch(*d, elem);
         list.push_back(std::move(*d));
@@ -304,7 +344,7 @@ absl::StatusOr<c10::IValue> Frame::decode_value(const Value& v, const Payload& p
       std::vector<c10::IValue> items;
       items.reserve(v.tuple().items_size());
       for (const auto& item : v.tuple().items()) {
-        auto d = decode_value(item, payload, tensors, depth + 1);
+        auto d = decode_value(item, payload, tensors, depth + 1, cma_pid);
         if (!d.ok()) return d.status();
         items.push_back(std::move(*d));
       }
@@ -317,9 +357,9 @@ absl::StatusOr<c10::IValue> Frame::decode_value(const Value& v, const Payload& p
       const c10::TypePtr vt = parse_type(d.value_type());
       c10::impl::GenericDict dict(kt, vt);
       for (int i = 0; i < d.keys_size(); ++i) {
-        auto k = decode_value(d.keys(i), payload, tensors, depth + 1);
+        auto k = decode_value(d.keys(i), payload, tensors, depth + 1, cma_pid);
         if (!k.ok()) return k.status();
-        auto val = decode_value(d.values(i), payload, tensors, depth + 1);
+        auto val = decode_value(d.values(i), payload, tensors, depth + 1, cma_pid);
         if (!val.ok()) return val.status();
         if (!is_valid_key(*k)) return absl::InvalidArgumentError("malformed message: unhashable dict key");
         if (!k->type()->isSubtypeOf(*kt)) return type_mismatch(*k, kt);
@@ -334,12 +374,12 @@ absl::StatusOr<c10::IValue> Frame::decode_value(const Value& v, const Payload& p
   return absl::InvalidArgumentError("malformed message: value of unknown kind");
 }
 
-absl::StatusOr<std::vector<c10::IValue>> Frame::decode(const Payload& payload) const {
+absl::StatusOr<std::vector<c10::IValue>> Frame::decode(const Payload& payload, pid_t cma_pid) const {
   std::vector<c10::IValue> tensors(payload.tensors_size());  // None until first referenced
   std::vector<c10::IValue> values;
   values.reserve(payload.values_size());
   for (const auto& v : payload.values()) {
-    auto d = decode_value(v, payload, tensors, 0);
+    auto d = decode_value(v, payload, tensors, 0, cma_pid);
     if (!d.ok()) return d.status();
     values.push_back(std::move(*d));
   }

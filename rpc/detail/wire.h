@@ -14,6 +14,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/core/ivalue.h>
 #include <grpcpp/support/byte_buffer.h>
+#include <sys/types.h>
 
 #include <string>
 #include <utility>
@@ -27,6 +28,11 @@ namespace tandem::rpc::wire {
 // Collects tensors while values are encoded into a Payload.
 class Encoder {
  public:
+  // Tensors of at least `by_reference_min_bytes` bytes (0: none) are sent by reference (TensorMeta.by_reference): the
+  // caller must keep referenced() alive until the receiver has read them, i.e. until the call completes.
+  explicit Encoder(uint64_t by_reference_min_bytes = 0) : by_reference_min_bytes_(by_reference_min_bytes) {}
+  std::vector<at::Tensor>& referenced() { return referenced_; }
+
   // Encodes `values` into `payload`; tensors are queued for the frame. Fails for values Tandem cannot send
   // (objects, quantized/sparse/non-CPU tensors).
   absl::Status encode(const std::vector<c10::IValue>& values, tandem::wire::Payload* payload);
@@ -36,7 +42,9 @@ class Encoder {
  private:
   absl::Status encode_value(const c10::IValue& v, tandem::wire::Value* out, tandem::wire::Payload* payload, int depth);
   absl::Status encode_tensor(const at::Tensor& t, tandem::wire::Payload* payload, uint32_t* index);
+  const uint64_t by_reference_min_bytes_;
   std::vector<at::Tensor> tensors_;
+  std::vector<at::Tensor> referenced_;
   std::vector<std::pair<const void*, uint32_t>> seen_;  // TensorImpl -> index: a tensor sent twice is sent once
   uint64_t payload_bytes_ = 0;
 };
@@ -46,15 +54,16 @@ class Frame {
  public:
   // Parses `buffer` (taking references to its slices) and its header into `header`.
   static absl::StatusOr<Frame> parse(const grpc::ByteBuffer& buffer, google::protobuf::MessageLite* header);
-  // Decodes the values of `payload`, validating every tensor against the frame.
-  absl::StatusOr<std::vector<c10::IValue>> decode(const tandem::wire::Payload& payload) const;
+  // Decodes the values of `payload`, validating every tensor against the frame. Tensors sent by reference are read
+  // from process `cma_pid`; with cma_pid 0 they are refused.
+  absl::StatusOr<std::vector<c10::IValue>> decode(const tandem::wire::Payload& payload, pid_t cma_pid = 0) const;
 
   uint64_t payload_size() const { return total_ - payload_start_; }
 
  private:
   absl::StatusOr<c10::IValue> decode_value(const tandem::wire::Value& v, const tandem::wire::Payload& payload,
-                                           std::vector<c10::IValue>& tensors, int depth) const;
-  absl::StatusOr<at::Tensor> decode_tensor(const tandem::wire::TensorMeta& meta) const;
+                                           std::vector<c10::IValue>& tensors, int depth, pid_t cma_pid) const;
+  absl::StatusOr<at::Tensor> decode_tensor(const tandem::wire::TensorMeta& meta, pid_t cma_pid) const;
   void copy_out(uint64_t offset, uint64_t len, void* dst) const;
 
   std::vector<grpc::Slice> slices_;

@@ -2,90 +2,14 @@
 // (tests/rpc/main.cc, scenario "serve" unless stated). Nothing here asserts on speed: where a bound on elapsed time is
 // checked, it is the point of the test (an error arrives long before the call could have finished), with wide margins.
 #include <ATen/ATen.h>
-#include <grpcpp/generic/generic_stub.h>
-#include <grpcpp/grpcpp.h>
-#include <gtest/gtest.h>
 #include <signal.h>
 
 #include <thread>
 
-#include "absl/synchronization/notification.h"
-#include "common/multiproc.h"
-#include "proto/tandem_rpc.pb.h"
-#include "rpc/detail/auth.h"
-#include "rpc/detail/net.h"
-#include "rpc/detail/wire.h"
-#include "rpc/rpc.h"
-#include "tests/rpc/test_env.h"
+#include "tests/rpc/rpc_fixture.h"
 
 namespace tandem::test {
 namespace {
-
-namespace pb = tandem::wire;
-using std::chrono::milliseconds;
-using Clock = std::chrono::steady_clock;
-
-class MultiprocRpc : public ::testing::Test {
- protected:
-  // Starts the children of `spec` and joins as rank 0 with `options` (defaults from the same environment they get).
-  void start(JobSpec spec, rpc::RpcOptions options = options_from_env()) {
-    rpc::init_rpc("worker0", 0, spec.world_size, launch(spec, std::move(options)));
-  }
-
-  // Starts the children of `spec`; returns `options` pointed at the job (master, secret) for rank 0.
-  rpc::RpcOptions launch(const JobSpec& spec, rpc::RpcOptions options) {
-    job_ = std::make_unique<Job>(spec);
-    options.master_addr = "127.0.0.1";
-    options.master_port = job_->port();
-    options.secret = job_->secret();
-    return options;
-  }
-
-  void TearDown() override {
-    if (rpc::is_initialized()) {
-      try {
-        rpc::shutdown(true);
-      } catch (const std::exception& e) {
-        ADD_FAILURE() << "shutdown: " << e.what();
-      }
-    }
-    if (job_ && expect_clean_children_) {
-      for (int code : job_->wait_children(milliseconds(30000))) EXPECT_EQ(code, 0) << job_->outputs();
-    }
-  }
-
-  // A raw client to rank `rank`'s server, to send what a well-behaved worker never would.
-  grpc::Status raw_call(int rank, const grpc::ByteBuffer& request, grpc::ByteBuffer* response, const std::string& token) {
-    auto channel = rpc::net::make_channel(rpc::get_worker_info(rank).address, nullptr, -1);
-    grpc::GenericStub stub(channel);
-    grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() + milliseconds(10000));
-    if (!token.empty()) ctx.AddMetadata(rpc::auth::kAuthMetadataKey, token);
-    grpc::Status result;
-    absl::Notification done;
-    stub.UnaryCall(&ctx, "/tandem.wire.Worker/Call", grpc::StubOptions(), &request, response, [&](grpc::Status s) {
-      result = s;
-      done.Notify();
-    });
-    done.WaitForNotification();  // bounded by the context deadline
-    return result;
-  }
-
-  // The error a raw request got back: the gRPC status when not OK, else the Response's error (OK when none).
-  absl::Status raw_error(int rank, const grpc::ByteBuffer& request) {
-    grpc::ByteBuffer response;
-    grpc::Status s = raw_call(rank, request, &response, rpc::auth::derive_token(job_->secret()));
-    if (!s.ok()) return rpc::net::from_grpc(s);
-    pb::Response r;
-    auto frame = rpc::wire::Frame::parse(response, &r);
-    if (!frame.ok()) return frame.status();
-    if (!r.has_error()) return absl::OkStatus();
-    return absl::Status(static_cast<absl::StatusCode>(r.error().code()), r.error().message());
-  }
-
-  std::unique_ptr<Job> job_;
-  bool expect_clean_children_ = true;
-};
 
 TEST_F(MultiprocRpc, SyncAsyncAndWorkerInfo) {
   start({.world_size = 3});
@@ -364,6 +288,7 @@ TEST_F(MultiprocRpc, TlsJob) {
   rpc::RpcOptions options = options_from_env();
   options.tls = tls_options(dir);
   start({.world_size = 2, .extra_env = {{"TANDEM_TEST_TLS_DIR", dir}}}, options);
+  EXPECT_EQ(rpc::transport_to(1), "grpc");  // the direct channel is plaintext: a TLS job does not use it
   EXPECT_TRUE(rpc::rpc_sync<at::Tensor>("worker1", "add", at::ones({2}), at::ones({2})).equal(at::full({2}, 2.0)));
   // A plaintext client cannot talk to a TLS worker even with the right token.
   pb::Request request;

@@ -1,0 +1,425 @@
+#include "rpc/detail/direct.h"
+
+#include <fcntl.h>
+#include <openssl/crypto.h>
+#include <poll.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "rpc/detail/auth.h"
+#include "rpc/detail/buffer_pool.h"
+
+namespace tandem::rpc::direct {
+namespace {
+
+constexpr uint32_t kMagic = 0x4d444e54;  // "TNDM"
+constexpr uint64_t kWakeTag = 1;
+constexpr uint64_t kListenTag = 2;
+constexpr size_t kHelloBytes = 64 + 4 + 4 + 8;
+constexpr uint64_t kProbeValue = 0x7461'6e64'656d'2121ULL;
+// Once a message has started to arrive, the rest must follow within this time.
+constexpr auto kMessageTimeout = absl::Seconds(30);
+constexpr int kSocketBuffer = 4 << 20;
+
+const volatile uint64_t kProbe = kProbeValue;  // the server reads it from our memory to test cross-memory access
+
+struct Header {
+  uint32_t magic;
+  uint32_t kind;
+  uint64_t call_id;
+  uint64_t length;
+};
+static_assert(sizeof(Header) == 24, "header layout");
+
+absl::Status errno_status(const char* what) {
+  return absl::UnavailableError(absl::StrCat(what, ": ", std::strerror(errno)));
+}
+
+// Waits until `fd` is ready for `events` or `deadline` passes.
+absl::Status wait_fd(int fd, short events, absl::Time deadline) {
+  for (;;) {
+    const int64_t ms = absl::ToInt64Milliseconds(deadline - absl::Now());
+    if (ms < 0) return absl::DeadlineExceededError("direct channel: deadline exceeded");
+    pollfd p{fd, events, 0};
+    const int n = poll(&p, 1, static_cast<int>(std::min<int64_t>(ms + 1, 1 << 30)));
+    if (n > 0) {
+      if (p.revents & (POLLERR | POLLNVAL)) return absl::UnavailableError("direct channel: connection error");
+      return absl::OkStatus();
+    }
+    if (n < 0 && errno != EINTR) return errno_status("poll");
+  }
+}
+
+absl::Status read_exact(int fd, void* dst, size_t len, absl::Time deadline) {
+  auto* p = static_cast<uint8_t*>(dst);
+  while (len > 0) {
+    const ssize_t n = ::read(fd, p, len);
+    if (n > 0) {
+      p += n;
+      len -= static_cast<size_t>(n);
+    } else if (n == 0) {
+      return absl::UnavailableError("connection closed by the peer");
+    } else if (errno == EAGAIN || errno == EWOULDBLOCK) {
+      if (auto s = wait_fd(fd, POLLIN, deadline); !s.ok()) return s;
+    } else if (errno != EINTR) {
+      return errno_status("read");
+    }
+  }
+  return absl::OkStatus();
+}
+
+void set_socket_options(int fd) {
+  setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &kSocketBuffer, sizeof(kSocketBuffer));
+  setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &kSocketBuffer, sizeof(kSocketBuffer));
+}
+
+sockaddr_un abstract_address(const std::string& name, socklen_t* len) {
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  const size_t n = std::min(name.size(), sizeof(addr.sun_path) - 1);
+  std::memcpy(addr.sun_path + 1, name.data(), n);  // sun_path[0] == 0: abstract namespace, nothing on disk
+  *len = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + n);
+  return addr;
+}
+
+struct PooledSlice {
+  void* buffer;
+  size_t capacity;
+};
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------------------------------
+// Conn
+
+Conn::~Conn() { ::close(fd_); }
+
+void Conn::shut() { ::shutdown(fd_, SHUT_RDWR); }
+
+absl::Status Conn::write(Kind kind, uint64_t call_id, const grpc::ByteBuffer& body, absl::Time deadline) {
+  std::vector<grpc::Slice> slices;
+  if (body.Valid() && !body.Dump(&slices).ok()) return absl::InternalError("direct channel: unreadable frame");
+  Header h{kMagic, static_cast<uint32_t>(kind), call_id, 0};
+  std::vector<iovec> iov;
+  iov.reserve(slices.size() + 1);
+  iov.push_back({&h, sizeof(h)});
+  for (const auto& s : slices) {
+    h.length += s.size();
+    if (s.size() > 0) iov.push_back({const_cast<uint8_t*>(s.begin()), s.size()});
+  }
+  std::lock_guard<std::mutex> lock(write_mu_);
+  size_t first = 0;
+  while (first < iov.size()) {
+    msghdr mh{};
+    mh.msg_iov = iov.data() + first;
+    mh.msg_iovlen = std::min<size_t>(iov.size() - first, IOV_MAX);
+    const ssize_t n = ::sendmsg(fd_, &mh, MSG_NOSIGNAL);  // a closed peer is an error, never a SIGPIPE
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      if (errno != EAGAIN && errno != EWOULDBLOCK) {
+        broken = true;
+        return errno_status("write");
+      }
+      if (auto s = wait_fd(fd_, POLLOUT, deadline); !s.ok()) {
+        broken = true;  // a partial message may be on the wire: the connection cannot be used again
+        return s;
+      }
+      continue;
+    }
+    size_t left = static_cast<size_t>(n);
+    while (first < iov.size() && left >= iov[first].iov_len) left -= iov[first++].iov_len;
+    if (left > 0) {
+      iov[first].iov_base = static_cast<uint8_t*>(iov[first].iov_base) + left;
+      iov[first].iov_len -= left;
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Conn::check_header(uint64_t max_body) const {
+  Header h;
+  std::memcpy(&h, header_, sizeof(h));
+  if (h.magic != kMagic || h.kind < 1 || h.kind > 4) {
+    return absl::InvalidArgumentError("direct channel: malformed message header");
+  }
+  if (h.length > max_body) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("direct channel: message of ", h.length, " bytes exceeds the limit of ", max_body));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<bool> Conn::poll_header(uint64_t max_body) {
+  while (header_got_ < sizeof(header_)) {
+    const ssize_t n = ::read(fd_, header_ + header_got_, sizeof(header_) - header_got_);
+    if (n > 0) {
+      header_got_ += static_cast<size_t>(n);
+    } else if (n == 0) {
+      return absl::UnavailableError("connection closed by the peer");
+    } else if (errno == EAGAIN || errno == EWOULDBLOCK) {
+      return false;
+    } else if (errno != EINTR) {
+      return errno_status("read");
+    }
+  }
+  if (auto s = check_header(max_body); !s.ok()) return s;
+  return true;
+}
+
+absl::StatusOr<Message> Conn::read_body(absl::Time deadline) {
+  Header h;
+  std::memcpy(&h, header_, sizeof(h));
+  header_got_ = 0;
+  Message m;
+  m.kind = static_cast<Kind>(h.kind);
+  m.call_id = h.call_id;
+  if (h.length == 0) return m;
+  auto* owner = new PooledSlice;
+  owner->buffer = detail::acquire_buffer(h.length, &owner->capacity);
+  grpc::Slice slice(owner->buffer, h.length, [](void* p) {
+    auto* o = static_cast<PooledSlice*>(p);
+    detail::release_buffer(o->buffer, o->capacity);
+    delete o;
+  }, owner);
+  if (auto s = read_exact(fd_, owner->buffer, h.length, deadline); !s.ok()) return s;
+  m.body = grpc::ByteBuffer(&slice, 1);
+  return m;
+}
+
+absl::StatusOr<Message> Conn::read(uint64_t max_body, absl::Time deadline) {
+  if (auto s = read_exact(fd_, header_, sizeof(header_), deadline); !s.ok()) return s;
+  header_got_ = sizeof(header_);
+  if (auto s = check_header(max_body); !s.ok()) return s;
+  return read_body(std::max(deadline, absl::Now() + kMessageTimeout));
+}
+
+// ---------------------------------------------------------------------------------------------------------------------
+// Transport
+
+absl::StatusOr<std::unique_ptr<Transport>> Transport::start(std::string token, int threads, uint64_t max_message_bytes,
+                                                            Callbacks callbacks) {
+  std::unique_ptr<Transport> t(new Transport);
+  t->token_ = std::move(token);
+  t->max_message_bytes_ = max_message_bytes;
+  t->callbacks_ = std::move(callbacks);
+  t->address_ = absl::StrCat("tandem-", getpid(), "-", auth::random_secret().substr(0, 16));
+
+  t->listen_fd_ = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  if (t->listen_fd_ < 0) return errno_status("socket");
+  socklen_t len = 0;
+  sockaddr_un addr = abstract_address(t->address_, &len);
+  if (bind(t->listen_fd_, reinterpret_cast<sockaddr*>(&addr), len) != 0 || listen(t->listen_fd_, 256) != 0) {
+    return errno_status("direct channel: cannot listen");
+  }
+  t->epoll_fd_ = epoll_create1(EPOLL_CLOEXEC);
+  t->wake_fd_ = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  if (t->epoll_fd_ < 0 || t->wake_fd_ < 0) return errno_status("epoll");
+  epoll_event wake{};
+  wake.events = EPOLLIN;  // level-triggered: once written, every worker sees it
+  wake.data.u64 = kWakeTag;
+  epoll_ctl(t->epoll_fd_, EPOLL_CTL_ADD, t->wake_fd_, &wake);
+  epoll_event listen_ev{};
+  listen_ev.events = EPOLLIN | EPOLLONESHOT;
+  listen_ev.data.u64 = kListenTag;
+  epoll_ctl(t->epoll_fd_, EPOLL_CTL_ADD, t->listen_fd_, &listen_ev);
+
+  t->threads_ = std::make_unique<detail::ThreadPool>(std::max(1, threads));
+  for (int i = 0; i < std::max(1, threads); ++i) t->threads_->submit([raw = t.get()] { raw->loop(); });
+  return t;
+}
+
+Transport::~Transport() {
+  stop(std::chrono::milliseconds(1000));
+  if (epoll_fd_ >= 0) ::close(epoll_fd_);
+  if (wake_fd_ >= 0) ::close(wake_fd_);
+}
+
+void Transport::arm(const std::shared_ptr<Conn>& conn, bool add) {
+  epoll_event ev{};
+  ev.events = EPOLLIN | EPOLLRDHUP | EPOLLONESHOT;
+  ev.data.ptr = conn.get();
+  epoll_ctl(epoll_fd_, add ? EPOLL_CTL_ADD : EPOLL_CTL_MOD, conn->fd(), &ev);
+}
+
+void Transport::drop(const std::shared_ptr<Conn>& conn, const absl::Status& why) {
+  epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, conn->fd(), nullptr);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    conns_.erase(conn.get());
+  }
+  conn->broken = true;
+  conn->shut();
+  if (!conn->inbound && callbacks_.on_lost) callbacks_.on_lost(conn, why);
+}
+
+void Transport::loop() {
+  for (;;) {
+    epoll_event ev{};
+    const int n = epoll_wait(epoll_fd_, &ev, 1, -1);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0 || stopping_ || ev.data.u64 == kWakeTag) return;
+    if (ev.data.u64 == kListenTag) {
+      accept_one();
+      continue;
+    }
+    std::shared_ptr<Conn> conn;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = conns_.find(static_cast<Conn*>(ev.data.ptr));
+      if (it == conns_.end()) continue;
+      conn = it->second;
+    }
+    handle_ready(conn);
+  }
+}
+
+void Transport::accept_one() {
+  const int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
+  epoll_event listen_ev{};
+  listen_ev.events = EPOLLIN | EPOLLONESHOT;
+  listen_ev.data.u64 = kListenTag;
+  epoll_ctl(epoll_fd_, EPOLL_CTL_MOD, listen_fd_, &listen_ev);
+  if (fd < 0) return;
+  set_socket_options(fd);
+  auto conn = std::make_shared<Conn>(fd);
+  conn->inbound = true;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopping_) return;
+    conns_[conn.get()] = conn;
+  }
+  arm(conn, /*add=*/true);
+}
+
+void Transport::handle_ready(const std::shared_ptr<Conn>& conn) {
+  const bool authenticated = !conn->inbound || conn->peer_rank >= 0;
+  // The header is read without waiting: a client that sends half of one holds no thread. The body of an
+  // authenticated peer's message follows within kMessageTimeout; a stranger's hello gets one second.
+  auto header = conn->poll_header(authenticated ? max_message_bytes_ : kHelloBytes);
+  if (!header.ok()) return drop(conn, header.status());
+  if (!*header) return arm(conn, /*add=*/false);
+  auto msg = conn->read_body(absl::Now() + (authenticated ? kMessageTimeout : absl::Seconds(1)));
+  if (!msg.ok()) return drop(conn, msg.status());
+  if (!authenticated) {
+    // The first message of an inbound connection must be a valid hello; anything else closes it.
+    grpc::Slice body;
+    if (msg->kind != Kind::kHello || !msg->body.Valid() || !msg->body.DumpToSingleSlice(&body).ok() ||
+        body.size() != kHelloBytes || CRYPTO_memcmp(body.begin(), token_.data(), 64) != 0 || token_.size() != 64) {
+      // Said explicitly, so the client can tell a rejection from a peer that died mid-handshake.
+      const uint32_t rejected = kRejected;
+      std::string reply(reinterpret_cast<const char*>(&rejected), sizeof(rejected));
+      grpc::Slice rs(reply);
+      (void)conn->write(Kind::kWelcome, 0, grpc::ByteBuffer(&rs, 1), absl::Now() + absl::Seconds(1));
+      return drop(conn, absl::UnauthenticatedError("bad hello"));
+    }
+    int32_t rank = 0, pid = 0;
+    uint64_t probe = 0;
+    std::memcpy(&rank, body.begin() + 64, 4);
+    std::memcpy(&pid, body.begin() + 68, 4);
+    std::memcpy(&probe, body.begin() + 72, 8);
+    ucred cred{};
+    socklen_t len = sizeof(cred);
+    uint32_t flags = 0;
+    if (getsockopt(conn->fd(), SOL_SOCKET, SO_PEERCRED, &cred, &len) == 0 && cred.pid == pid) {
+      uint64_t seen = 0;
+      iovec local{&seen, sizeof(seen)};
+      iovec far{reinterpret_cast<void*>(probe), sizeof(seen)};
+      if (process_vm_readv(cred.pid, &local, 1, &far, 1, 0) == sizeof(seen) && seen == kProbeValue) {
+        conn->cma_pid = cred.pid;  // the kernel's word for who is at the other end, not the peer's
+        flags |= kCmaOk;
+      }
+    }
+    conn->peer_rank = std::max(0, rank);
+    std::string welcome(reinterpret_cast<const char*>(&flags), sizeof(flags));
+    grpc::Slice ws(welcome);
+    if (!conn->write(Kind::kWelcome, 0, grpc::ByteBuffer(&ws, 1), absl::Now() + kMessageTimeout).ok()) {
+      return drop(conn, absl::UnavailableError("welcome failed"));
+    }
+    return arm(conn, /*add=*/false);
+  }
+  arm(conn, /*add=*/false);  // another worker may read the next message while this one runs
+  switch (msg->kind) {
+    case Kind::kRequest:
+      if (conn->inbound) return callbacks_.on_request(conn, std::move(*msg));
+      break;
+    case Kind::kResponse:
+      if (!conn->inbound) return callbacks_.on_response(conn, std::move(*msg));
+      break;
+    default:
+      break;
+  }
+  drop(conn, absl::InvalidArgumentError("direct channel: unexpected message kind"));
+}
+
+absl::StatusOr<std::shared_ptr<Conn>> Transport::connect(const std::string& address, int my_rank, bool for_responses,
+                                                         absl::Time deadline) {
+  if (stopping_) return absl::CancelledError("direct channel stopped");
+  const int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  if (fd < 0) return errno_status("socket");
+  auto conn = std::make_shared<Conn>(fd);
+  set_socket_options(fd);
+  socklen_t len = 0;
+  sockaddr_un addr = abstract_address(address, &len);
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), len) != 0) {
+    if (errno != EAGAIN && errno != EINPROGRESS) return errno_status("connect");
+    if (auto s = wait_fd(fd, POLLOUT, deadline); !s.ok()) return s;
+  }
+  std::string hello = token_;
+  const int32_t rank = my_rank, pid = getpid();
+  const uint64_t probe = reinterpret_cast<uintptr_t>(&kProbe);
+  hello.append(reinterpret_cast<const char*>(&rank), 4);
+  hello.append(reinterpret_cast<const char*>(&pid), 4);
+  hello.append(reinterpret_cast<const char*>(&probe), 8);
+  grpc::Slice hs(hello);
+  if (auto s = conn->write(Kind::kHello, 0, grpc::ByteBuffer(&hs, 1), deadline); !s.ok()) return s;
+  auto welcome = conn->read(64, deadline);
+  if (!welcome.ok()) return absl::UnavailableError(absl::StrCat("handshake: ", welcome.status().message()));
+  grpc::Slice w;
+  uint32_t flags = 0;
+  if (welcome->kind != Kind::kWelcome || !welcome->body.Valid() || !welcome->body.DumpToSingleSlice(&w).ok() ||
+      w.size() < 4) {
+    return absl::UnavailableError("handshake: malformed welcome");
+  }
+  std::memcpy(&flags, w.begin(), 4);
+  if (flags & kRejected) return absl::UnauthenticatedError("the peer rejected this worker's job token");
+  conn->cma_ok = flags & kCmaOk;
+  if (for_responses) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (stopping_) return absl::CancelledError("direct channel stopped");
+      conns_[conn.get()] = conn;
+    }
+    arm(conn, /*add=*/true);
+  }
+  return conn;
+}
+
+bool Transport::stop(std::chrono::milliseconds grace) {
+  if (stopping_.exchange(true)) return threads_ ? threads_->stop(grace) : true;
+  const uint64_t one = 1;
+  if (wake_fd_ >= 0) (void)!::write(wake_fd_, &one, sizeof(one));
+  if (listen_fd_ >= 0) ::close(listen_fd_);
+  listen_fd_ = -1;
+  std::map<Conn*, std::shared_ptr<Conn>> conns;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    conns.swap(conns_);
+  }
+  for (auto& [raw, conn] : conns) {
+    conn->broken = true;
+    conn->shut();
+    if (!conn->inbound && callbacks_.on_lost) callbacks_.on_lost(conn, absl::CancelledError("RPC stopped"));
+  }
+  return threads_ ? threads_->stop(grace) : true;
+}
+
+}  // namespace tandem::rpc::direct

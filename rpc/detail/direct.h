@@ -1,0 +1,131 @@
+// The direct channel: RPC between processes of one host over a Unix-domain socket, beside gRPC.
+//
+// Why: on this kind of machine a call's latency is mostly thread wake-ups, and gRPC spends several per call (its
+// poller, its callback executor, then ours). A direct call wakes two threads in all: on the callee, a worker thread
+// waiting in epoll reads the request and runs it on the spot; on the caller of rpc_sync, the caller itself reads its
+// reply. And because the kernel tells each side which process is at the other end (SO_PEERCRED), large request tensors
+// can be pulled straight from the caller's memory with process_vm_readv (one copy into a pooled buffer) instead of
+// being streamed through the socket.
+//
+// Messages: [Header (24 bytes)][body]. The body of a request or response is a frame of rpc/detail/wire.h.
+//   kHello    client -> server: token (64 hex chars), rank (i32), pid (i32), probe address (u64)
+//   kWelcome  server -> client: flags (u32): kCmaOk when a cross-memory read of the probe from the kernel-reported pid
+//             worked; kRejected when the token was wrong (then the server closes)
+//   kRequest / kResponse: a frame; call_id pairs them.
+// A server closes a connection whose hello is wrong (bad token or size) or whose header lies (bad magic, body over the
+// message limit). Every blocking read and write has a deadline.
+//
+// Threads: `threads` workers wait in one epoll set (EPOLLONESHOT), so at most one of them reads a given connection at a
+// time; having read a whole message it re-arms the connection and runs the message's callback itself.
+#pragma once
+
+#include <grpcpp/support/byte_buffer.h>
+#include <sys/types.h>
+
+#include <atomic>
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <map>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "rpc/detail/thread_pool.h"
+
+namespace tandem::rpc::direct {
+
+enum class Kind : uint32_t { kHello = 1, kWelcome = 2, kRequest = 3, kResponse = 4 };
+constexpr uint32_t kCmaOk = 1;
+constexpr uint32_t kRejected = 2;
+
+struct Message {
+  Kind kind;
+  uint64_t call_id = 0;
+  grpc::ByteBuffer body;
+};
+
+class Conn {
+ public:
+  explicit Conn(int fd) : fd_(fd) {}
+  ~Conn();
+  int fd() const { return fd_; }
+  // Writes one message (header + every slice of `body`), holding the write lock; fails at `deadline`.
+  absl::Status write(Kind kind, uint64_t call_id, const grpc::ByteBuffer& body, absl::Time deadline);
+  // Reads one whole message; fails at `deadline`, on EOF, or when the header lies.
+  absl::StatusOr<Message> read(uint64_t max_body, absl::Time deadline);
+  // For connections driven by epoll: reads what has arrived of the next header without waiting. True once it is
+  // complete (then read_body); false when more must arrive; an error on EOF or a header that lies.
+  absl::StatusOr<bool> poll_header(uint64_t max_body);
+  // The body of the header completed by poll_header, waiting for it until `deadline`.
+  absl::StatusOr<Message> read_body(absl::Time deadline);
+  // Wakes anyone blocked on the socket (they see an error); the fd stays open until the Conn dies.
+  void shut();
+
+  // Set at the handshake. For an inbound connection: the peer's rank, and its pid when cross-memory reads from it work.
+  int peer_rank = -1;
+  pid_t cma_pid = 0;
+  bool cma_ok = false;  // outbound: the server can read our memory
+  bool inbound = false;
+  std::atomic<bool> broken{false};
+
+ private:
+  absl::Status check_header(uint64_t max_body) const;
+
+  const int fd_;
+  std::mutex write_mu_;
+  // The header being received (poll_header); touched by one thread at a time (EPOLLONESHOT).
+  uint8_t header_[24] = {};
+  size_t header_got_ = 0;
+};
+
+// The epoll set and its worker threads, the listening socket, and the handshake.
+class Transport {
+ public:
+  struct Callbacks {
+    // Inline on a worker thread; the connection has been re-armed already.
+    std::function<void(const std::shared_ptr<Conn>&, Message)> on_request;
+    std::function<void(const std::shared_ptr<Conn>&, Message)> on_response;
+    // A connection registered for responses failed or closed.
+    std::function<void(const std::shared_ptr<Conn>&, const absl::Status&)> on_lost;
+  };
+
+  static absl::StatusOr<std::unique_ptr<Transport>> start(std::string token, int threads, uint64_t max_message_bytes,
+                                                          Callbacks callbacks);
+  ~Transport();
+
+  // This worker's abstract socket name (without the leading NUL).
+  const std::string& address() const { return address_; }
+
+  // Connects to `address` and authenticates as `my_rank`. With `for_responses` the connection joins the epoll set
+  // and its responses go to on_response; otherwise the caller reads it itself (Conn::read).
+  absl::StatusOr<std::shared_ptr<Conn>> connect(const std::string& address, int my_rank, bool for_responses,
+                                                absl::Time deadline);
+
+  // Closes the listener and every connection, then stops the threads (waiting up to `grace` for running callbacks).
+  // Returns false when threads were still busy.
+  bool stop(std::chrono::milliseconds grace);
+
+ private:
+  Transport() = default;
+  void loop();
+  void handle_ready(const std::shared_ptr<Conn>& conn);
+  void accept_one();
+  void arm(const std::shared_ptr<Conn>& conn, bool add);
+  void drop(const std::shared_ptr<Conn>& conn, const absl::Status& why);
+
+  std::string token_;
+  std::string address_;
+  uint64_t max_message_bytes_ = 0;
+  Callbacks callbacks_;
+  int epoll_fd_ = -1;
+  int listen_fd_ = -1;
+  int wake_fd_ = -1;  // eventfd: stop() wakes every worker
+  std::unique_ptr<detail::ThreadPool> threads_;
+  std::mutex mu_;
+  std::map<Conn*, std::shared_ptr<Conn>> conns_;  // guarded by mu_; epoll data points at the key
+  std::atomic<bool> stopping_{false};
+};
+
+}  // namespace tandem::rpc::direct

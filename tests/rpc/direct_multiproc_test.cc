@@ -1,0 +1,218 @@
+// The direct channel and its bulk path, across real processes: which path a call takes, each path forced, the
+// fall-back when cross-memory reads are impossible, and clients that do not play by the rules.
+#include <ATen/ATen.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cstring>
+
+#include "absl/strings/str_split.h"
+#include "rpc/detail/direct.h"
+#include "rpc/store.h"
+#include "tests/rpc/rpc_fixture.h"
+
+namespace tandem::test {
+namespace {
+
+class MultiprocDirect : public MultiprocRpc {
+ protected:
+  // Worker `rank`'s direct-channel address, from its rendezvous record.
+  std::string direct_address(int rank) {
+    auto channel = rpc::net::make_channel("127.0.0.1:" + std::to_string(job_->port()), nullptr, -1);
+    auto store = rpc::connect_store(channel, rpc::auth::derive_token(job_->secret()), false);
+    auto record = store->get("worker/" + std::to_string(rank), milliseconds(5000));
+    EXPECT_TRUE(record.ok()) << record.status();
+    std::vector<std::string> parts = absl::StrSplit(record.value_or(""), '\n');
+    return parts.size() == 6 ? parts[4] : "";
+  }
+
+  // A raw Unix-domain socket to `address`, for bytes no worker would send.
+  static int raw_connect(const std::string& address) {
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    std::memcpy(addr.sun_path + 1, address.data(), address.size());
+    const socklen_t len = offsetof(sockaddr_un, sun_path) + 1 + address.size();
+    if (connect(fd, reinterpret_cast<sockaddr*>(&addr), len) != 0) {
+      close(fd);
+      return -1;
+    }
+    timeval tv{10, 0};  // nothing below waits longer
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    return fd;
+  }
+
+  // Whether the server closed `fd` (read returns EOF or an error) within its receive timeout.
+  static bool closed_by_peer(int fd) {
+    char buf[256];
+    for (;;) {
+      const ssize_t n = read(fd, buf, sizeof(buf));
+      if (n == 0 || (n < 0 && errno != EINTR && errno != EAGAIN)) return true;
+      if (n < 0 && errno == EAGAIN) return false;  // timed out: still open
+    }
+  }
+};
+
+TEST_F(MultiprocDirect, SameHostPeersUseTheDirectChannel) {
+  rpc::RpcOptions options = options_from_env();
+  options.transport = "auto";
+  start({.world_size = 3, .extra_env = {{"TANDEM_TRANSPORT", "auto"}}}, options);
+  EXPECT_EQ(rpc::transport_to("worker1"), "direct");
+  EXPECT_EQ(rpc::transport_to(2), "direct");
+  const auto before = rpc::transport_stats();
+  EXPECT_TRUE(rpc::rpc_sync<at::Tensor>(1, "add", at::ones({2}), at::ones({2})).equal(at::full({2}, 2.0)));
+  EXPECT_EQ(rpc::rpc_async(2, "whoami").get<std::string>(), "worker2");
+  const auto after = rpc::transport_stats();
+  EXPECT_EQ(after.direct_calls - before.direct_calls, 2);
+  EXPECT_EQ(after.grpc_calls, before.grpc_calls);
+}
+
+TEST_F(MultiprocDirect, GrpcCanBeForced) {
+  rpc::RpcOptions options = options_from_env();
+  options.transport = "grpc";
+  start({.world_size = 2, .extra_env = {{"TANDEM_TRANSPORT", "grpc"}}}, options);
+  EXPECT_EQ(rpc::transport_to(1), "grpc");
+  const auto before = rpc::transport_stats();
+  EXPECT_EQ(rpc::rpc_sync<std::string>(1, "whoami"), "worker1");
+  EXPECT_EQ(rpc::rpc_async(1, "whoami").get<std::string>(), "worker1");
+  const auto after = rpc::transport_stats();
+  EXPECT_EQ(after.grpc_calls - before.grpc_calls, 2);
+  EXPECT_EQ(after.direct_calls, before.direct_calls);
+}
+
+// Every dtype, sync and async, through the bulk path (read from the caller's memory) and, with the bulk path off,
+// through the socket: bit-exact both ways, and the counters show which path carried the tensors.
+void check_bulk_round_trips(int64_t expected_by_reference) {
+  const auto before = rpc::transport_stats();
+  int64_t sent = 0;
+  for (auto dtype : all_dtypes()) {
+    at::Tensor t = random_tensor(dtype, {300000});  // over the 1 KiB threshold set below
+    EXPECT_TRUE(bit_equal(rpc::rpc_sync<at::Tensor>("worker1", "echo", t), t)) << c10::toString(dtype);
+    EXPECT_TRUE(bit_equal(rpc::rpc_async("worker1", "echo", t).get<at::Tensor>(), t)) << c10::toString(dtype);
+    sent += 2;
+  }
+  at::Tensor view = random_tensor(at::kFloat, {512, 512}).t();  // packed first, then read by reference
+  EXPECT_TRUE(bit_equal(rpc::rpc_sync<at::Tensor>("worker1", "echo", view), view));
+  ++sent;
+  EXPECT_EQ(rpc::transport_stats().tensors_by_reference - before.tensors_by_reference,
+            expected_by_reference < 0 ? sent : expected_by_reference);
+}
+
+TEST_F(MultiprocDirect, BulkPathReadsLargeTensorsFromTheCallersMemory) {
+  rpc::RpcOptions options = options_from_env();
+  options.transport = "auto";
+  options.bulk_min_bytes = 1024;
+  start({.world_size = 2, .extra_env = {{"TANDEM_TRANSPORT", "auto"}}}, options);
+  ASSERT_EQ(rpc::transport_to(1), "direct");
+  check_bulk_round_trips(/*expected_by_reference=*/-1);  // all of them
+}
+
+TEST_F(MultiprocDirect, BulkPathCanBeTurnedOff) {
+  rpc::RpcOptions options = options_from_env();
+  options.transport = "auto";
+  options.bulk_min_bytes = 0;
+  start({.world_size = 2, .extra_env = {{"TANDEM_TRANSPORT", "auto"}}}, options);
+  ASSERT_EQ(rpc::transport_to(1), "direct");
+  check_bulk_round_trips(/*expected_by_reference=*/0);
+}
+
+TEST_F(MultiprocDirect, BulkPathFallsBackWhenThePeerCannotReadOurMemory) {
+  // A worker in its own pid namespace cannot name our process: the handshake's probe read fails, so large tensors
+  // travel through the socket instead, and nothing else changes.
+  if (std::system("unshare --pid --fork true >/dev/null 2>&1") != 0) GTEST_SKIP() << "cannot make a pid namespace here";
+  job_ = std::make_unique<Job>(JobSpec{.world_size = 1});  // only for its port and secret
+  const auto env = job_->env_for(1);
+  std::map<std::string, std::string> child_env = env;
+  child_env["WORLD_SIZE"] = "2";
+  child_env["TANDEM_TRANSPORT"] = "auto";
+  Process child({"/usr/bin/unshare", "--pid", "--fork", self_exe(), "--worker", "serve"}, child_env);
+  rpc::RpcOptions options = options_from_env();
+  options.transport = "auto";
+  options.bulk_min_bytes = 1024;
+  options.master_addr = "127.0.0.1";
+  options.master_port = job_->port();
+  options.secret = job_->secret();
+  rpc::init_rpc("worker0", 0, 2, options);
+  ASSERT_EQ(rpc::transport_to(1), "direct");
+  check_bulk_round_trips(/*expected_by_reference=*/0);
+  rpc::shutdown(true);
+  EXPECT_EQ(exit_code(child.wait(milliseconds(30000))), 0) << child.output();
+}
+
+TEST_F(MultiprocDirect, HostileClientsAreTurnedAway) {
+  constexpr int kLimit = 1 << 20;
+  rpc::RpcOptions options = options_from_env();
+  options.transport = "auto";
+  options.max_message_bytes = kLimit;
+  start({.world_size = 2, .extra_env = {{"TANDEM_TRANSPORT", "auto"}, {"TANDEM_TEST_MAX_MSG", std::to_string(kLimit)}}},
+        options);
+  const std::string address = direct_address(1);
+  ASSERT_FALSE(address.empty());
+  const auto soon = [] { return absl::Now() + absl::Seconds(10); };
+
+  // The wrong job token is rejected at the handshake; the right one is welcomed (with the bulk path: same host).
+  auto intruder = rpc::direct::Transport::start(rpc::auth::derive_token("guess"), 1, 1 << 20, {});
+  ASSERT_TRUE(intruder.ok());
+  EXPECT_EQ((*intruder)->connect(address, 5, false, soon()).status().code(), absl::StatusCode::kUnauthenticated);
+  auto member = rpc::direct::Transport::start(rpc::auth::derive_token(job_->secret()), 1, 1 << 20, {});
+  ASSERT_TRUE(member.ok());
+  auto conn = (*member)->connect(address, 5, false, soon());
+  ASSERT_TRUE(conn.ok()) << conn.status();
+  EXPECT_TRUE((*conn)->cma_ok);
+
+  // Bytes that are not a message, and a header claiming more than the message limit: the connection is closed.
+  int fd = raw_connect(address);
+  ASSERT_GE(fd, 0);
+  const std::string http = "GET / HTTP/1.1\r\nHost: tandem\r\n\r\n";
+  ASSERT_EQ(write(fd, http.data(), http.size()), static_cast<ssize_t>(http.size()));
+  EXPECT_TRUE(closed_by_peer(fd));
+  close(fd);
+  // Strangers that send half a header and stall hold no thread: more of them than the worker has threads (16), and
+  // it still answers.
+  std::vector<int> stalled;
+  for (int i = 0; i < 20; ++i) {
+    stalled.push_back(raw_connect(address));
+    ASSERT_EQ(write(stalled.back(), "TNDM", 4), 4);
+  }
+  EXPECT_EQ(rpc::rpc_sync<std::string>("worker1", "whoami", milliseconds(10000)), "worker1");
+  for (int s : stalled) close(s);
+  pb::Request whoami;
+  whoami.set_function("whoami");
+  auto oversized = (*member)->connect(address, 5, false, soon());
+  ASSERT_TRUE(oversized.ok());
+  (void)(*oversized)->write(rpc::direct::Kind::kRequest, 1, make_frame(whoami, std::string(2 * kLimit, 'x')), soon());
+  EXPECT_FALSE((*oversized)->read(16 << 20, soon()).ok());  // closed: the header announced more than the limit
+
+  // A request whose tensor lies about where it is in our memory, and one that lies about its size.
+  pb::Request lying;
+  lying.set_function("echo");
+  lying.mutable_args()->add_values()->set_tensor(0);
+  auto* meta = lying.mutable_args()->add_tensors();
+  meta->set_dtype(static_cast<int>(at::kFloat));
+  meta->add_sizes(1024);
+  meta->set_nbytes(4096);
+  meta->set_by_reference(true);
+  meta->set_remote_addr(16);  // unmapped
+  auto error_of = [&](const grpc::ByteBuffer& frame) {
+    EXPECT_TRUE((*conn)->write(rpc::direct::Kind::kRequest, 7, frame, soon()).ok());
+    auto r = (*conn)->read(16 << 20, soon());
+    EXPECT_TRUE(r.ok()) << r.status();
+    pb::Response response;
+    auto f = r.ok() ? rpc::wire::Frame::parse(r->body, &response) : absl::StatusOr<rpc::wire::Frame>(r.status());
+    EXPECT_TRUE(f.ok());
+    return absl::Status(static_cast<absl::StatusCode>(response.error().code()), response.error().message());
+  };
+  auto s = error_of(make_frame(lying, ""));
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(s.message().find("cross-memory read"), std::string::npos) << s;
+  meta->set_by_reference(false);
+  EXPECT_EQ(error_of(make_frame(lying, std::string(64, 'x'))).code(), absl::StatusCode::kInvalidArgument);
+
+  (*intruder)->stop(milliseconds(1000));
+  (*member)->stop(milliseconds(1000));
+  EXPECT_EQ(rpc::rpc_sync<std::string>("worker1", "whoami"), "worker1");  // it kept serving throughout
+}
+
+}  // namespace
+}  // namespace tandem::test
