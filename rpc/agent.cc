@@ -478,6 +478,13 @@ void Agent::on_direct_request(const std::shared_ptr<direct::Conn>& conn, direct:
     if (stopped_) return;  // the connection is being shut: the caller sees it closed
     in_calls_.emplace(in.get(), in);
   }
+  if (!ready_.HasBeenNotified()) {
+    // Arrived before init_rpc returned here: wait on the pool, not on an epoll thread (handshakes need those).
+    if (!pool_->submit([this, in] { handle(in); })) {
+      finish_once(in, grpc::Status(grpc::StatusCode::UNAVAILABLE, absl::StrCat("worker '", name_, "' is shutting down")));
+    }
+    return;
+  }
   handle(in);  // on this worker thread: no hand-off
 }
 

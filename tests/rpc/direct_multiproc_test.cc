@@ -17,6 +17,13 @@ namespace {
 
 class MultiprocDirect : public MultiprocRpc {
  protected:
+  // A job whose workers (this one included) may use the direct channel, whatever TANDEM_TRANSPORT says outside.
+  void start_direct(JobSpec spec, rpc::RpcOptions options = options_from_env()) {
+    options.transport = "auto";
+    spec.extra_env["TANDEM_TRANSPORT"] = "auto";
+    start(spec, options);
+  }
+
   // Worker `rank`'s direct-channel address, from its rendezvous record.
   std::string direct_address(int rank) {
     auto channel = rpc::net::make_channel("127.0.0.1:" + std::to_string(job_->port()), nullptr, -1);
@@ -55,9 +62,7 @@ class MultiprocDirect : public MultiprocRpc {
 };
 
 TEST_F(MultiprocDirect, SameHostPeersUseTheDirectChannel) {
-  rpc::RpcOptions options = options_from_env();
-  options.transport = "auto";
-  start({.world_size = 3, .extra_env = {{"TANDEM_TRANSPORT", "auto"}}}, options);
+  start_direct({.world_size = 3});
   EXPECT_EQ(rpc::transport_to("worker1"), "direct");
   EXPECT_EQ(rpc::transport_to(2), "direct");
   const auto before = rpc::transport_stats();
@@ -101,18 +106,16 @@ void check_bulk_round_trips(int64_t expected_by_reference) {
 
 TEST_F(MultiprocDirect, BulkPathReadsLargeTensorsFromTheCallersMemory) {
   rpc::RpcOptions options = options_from_env();
-  options.transport = "auto";
   options.bulk_min_bytes = 1024;
-  start({.world_size = 2, .extra_env = {{"TANDEM_TRANSPORT", "auto"}}}, options);
+  start_direct({.world_size = 2}, options);
   ASSERT_EQ(rpc::transport_to(1), "direct");
   check_bulk_round_trips(/*expected_by_reference=*/-1);  // all of them
 }
 
 TEST_F(MultiprocDirect, BulkPathCanBeTurnedOff) {
   rpc::RpcOptions options = options_from_env();
-  options.transport = "auto";
   options.bulk_min_bytes = 0;
-  start({.world_size = 2, .extra_env = {{"TANDEM_TRANSPORT", "auto"}}}, options);
+  start_direct({.world_size = 2}, options);
   ASSERT_EQ(rpc::transport_to(1), "direct");
   check_bulk_round_trips(/*expected_by_reference=*/0);
 }
@@ -143,10 +146,8 @@ TEST_F(MultiprocDirect, BulkPathFallsBackWhenThePeerCannotReadOurMemory) {
 TEST_F(MultiprocDirect, HostileClientsAreTurnedAway) {
   constexpr int kLimit = 1 << 20;
   rpc::RpcOptions options = options_from_env();
-  options.transport = "auto";
   options.max_message_bytes = kLimit;
-  start({.world_size = 2, .extra_env = {{"TANDEM_TRANSPORT", "auto"}, {"TANDEM_TEST_MAX_MSG", std::to_string(kLimit)}}},
-        options);
+  start_direct({.world_size = 2, .extra_env = {{"TANDEM_TEST_MAX_MSG", std::to_string(kLimit)}}}, options);
   const std::string address = direct_address(1);
   ASSERT_FALSE(address.empty());
   const auto soon = [] { return absl::Now() + absl::Seconds(10); };
