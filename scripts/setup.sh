@@ -8,6 +8,7 @@ pkgs=(
   libprotobuf-dev protobuf-compiler libabsl-dev  # protobuf 3.21, abseil
   libgtest-dev libgmock-dev libbenchmark-dev
   libssl-dev openssl ca-certificates             # TLS tests make their own certificates
+  iproute2 util-linux                            # tests put workers in network and pid namespaces they create
   libopenblas0-pthread                           # LibTorch otherwise falls back to reference BLAS (~20x slower)
   dataset-fashion-mnist
 )

@@ -217,3 +217,63 @@ TEST_F(MultiprocDirect, HostileClientsAreTurnedAway) {
 
 }  // namespace
 }  // namespace tandem::test
+
+namespace tandem::test {
+namespace {
+
+// A network namespace of this test's own, joined to this one by a veth pair; removed when the object dies.
+class TestNetns {
+ public:
+  TestNetns() {
+    const std::string id = std::to_string(getpid() % 100000);
+    name_ = "tdm" + id;
+    host_if_ = "tdmA" + id;
+    const std::string ns_if = "tdmB" + id;
+    const std::string cmd = "ip netns add " + name_ + " && ip link add " + host_if_ + " type veth peer name " + ns_if +
+                            " && ip link set " + ns_if + " netns " + name_ + " && ip addr add " + kHostIp + "/30 dev " +
+                            host_if_ + " && ip link set " + host_if_ + " up && ip -n " + name_ + " addr add " + kNsIp +
+                            "/30 dev " + ns_if + " && ip -n " + name_ + " link set " + ns_if + " up && ip -n " + name_ +
+                            " link set lo up";
+    ok_ = std::system((cmd + " >/dev/null 2>&1").c_str()) == 0;
+  }
+  ~TestNetns() {
+    std::system(("ip link del " + host_if_ + " >/dev/null 2>&1; ip netns del " + name_ + " >/dev/null 2>&1").c_str());
+  }
+  bool ok() const { return ok_; }
+  const std::string& name() const { return name_; }
+  static constexpr const char* kHostIp = "10.213.7.1";
+  static constexpr const char* kNsIp = "10.213.7.2";
+
+ private:
+  std::string name_, host_if_;
+  bool ok_ = false;
+};
+
+TEST_F(MultiprocDirect, PeerInAnotherNetworkNamespaceFallsBackToGrpc) {
+  // Same kernel (same boot id), but the peer's Unix socket lives in another network namespace: the connection attempt
+  // at init_rpc fails, and that peer is served by gRPC over the veth link.
+  TestNetns netns;
+  if (!netns.ok()) GTEST_SKIP() << "cannot create a network namespace here";
+  job_ = std::make_unique<Job>(JobSpec{.world_size = 1});  // only for its port and secret
+  auto env = job_->env_for(1);
+  env["WORLD_SIZE"] = "2";
+  env["MASTER_ADDR"] = TestNetns::kHostIp;
+  env["TANDEM_TRANSPORT"] = "auto";
+  Process child({"/usr/sbin/ip", "netns", "exec", netns.name(), self_exe(), "--worker", "serve"}, env);
+  rpc::RpcOptions options = options_from_env();
+  options.transport = "auto";
+  options.master_addr = TestNetns::kHostIp;
+  options.master_port = job_->port();
+  options.secret = job_->secret();
+  rpc::init_rpc("worker0", 0, 2, options);
+  EXPECT_EQ(rpc::transport_to(1), "grpc");
+  EXPECT_EQ(rpc::get_worker_info(1).address.rfind(TestNetns::kNsIp, 0), 0u) << rpc::get_worker_info(1).address;
+  at::Tensor t = random_tensor(at::kFloat, {300000});
+  EXPECT_TRUE(bit_equal(rpc::rpc_sync<at::Tensor>(1, "echo", t), t));
+  EXPECT_EQ(rpc::rpc_sync<std::string>(1, "caller"), "worker0");
+  rpc::shutdown(true);
+  EXPECT_EQ(exit_code(child.wait(milliseconds(30000))), 0) << child.output();
+}
+
+}  // namespace
+}  // namespace tandem::test
