@@ -42,6 +42,7 @@
 #include "rpc/detail/net.h"
 #include "rpc/detail/thread_pool.h"
 #include "rpc/detail/wire.h"
+#include "rpc/extension.h"
 #include "rpc/rpc.h"
 #include "rpc/store.h"
 
@@ -119,6 +120,7 @@ class Agent {
     const grpc::ByteBuffer* request = nullptr;  // gRPC's buffer, or `owned`
     grpc::ByteBuffer owned;
     pid_t cma_pid = 0;  // the caller's process, when tensors may be read from its memory
+    int caller = -1;    // the caller's rank, once the request is parsed (for value codecs of the reply)
     // Sends the reply (or, with a non-OK status, the transport-level error). Called once, under mu.
     std::function<void(grpc::ByteBuffer* reply, const grpc::Status& status)> send;
     std::mutex mu;          // makes "send the reply" one step against a concurrent stop()
@@ -158,12 +160,18 @@ class Agent {
   absl::Status rendezvous(const std::string& master, const std::string& advertised);
   void connect_direct_peers(const std::string& boot_id);
   void handle(std::shared_ptr<InCall> in);
+  void run(const std::shared_ptr<InCall>& in, const std::string& function, std::vector<c10::IValue> args,
+           const std::string& caller_name);
   void reply(const std::shared_ptr<InCall>& in, const Future& result);
   void reply_error(const std::shared_ptr<InCall>& in, const absl::Status& error);
   // Answers the call unless it already was, first moving `reply` (if any) into it.
   void finish_once(const std::shared_ptr<InCall>& in, grpc::Status status, grpc::ByteBuffer* reply = nullptr);
   void on_reply(OutCall* call, const grpc::Status& status);
-  absl::StatusOr<c10::IValue> parse_reply(const grpc::ByteBuffer& frame, const std::string& prefix) const;
+  // The value of a reply frame from `peer`; `wait` receives the futures value codecs need completed before it is used.
+  absl::StatusOr<c10::IValue> parse_reply(const grpc::ByteBuffer& frame, int peer, const std::string& prefix,
+                                          std::vector<Future>* wait) const;
+  // Completes `target` with `value` once `wait` has completed (at once when empty), or with the first error.
+  static void deliver(const Future& target, absl::StatusOr<c10::IValue> value, std::vector<Future> wait);
   absl::Status transport_error(const absl::Status& s, int peer, const std::string& function, milliseconds timeout);
   std::string describe(int peer, const std::string& function) const;
 
@@ -171,12 +179,13 @@ class Agent {
   void on_direct_request(const std::shared_ptr<direct::Conn>& conn, direct::Message msg);
   void on_direct_response(direct::Message msg);
   void on_direct_lost(const direct::Conn* conn, const absl::Status& why);
-  void complete_direct(uint64_t call_id, absl::StatusOr<c10::IValue> result);
+  void complete_direct(uint64_t call_id, absl::StatusOr<c10::IValue> result, std::vector<Future> wait = {});
   absl::StatusOr<std::shared_ptr<direct::Conn>> async_conn(int peer, absl::Time deadline);
   Future call_direct(int peer, const std::string& function, std::vector<c10::IValue>& args, milliseconds timeout);
   Future call_direct_sync(int peer, const std::string& function, std::vector<c10::IValue>& args, milliseconds timeout);
-  absl::StatusOr<grpc::ByteBuffer> encode_request(const std::string& function, const std::vector<c10::IValue>& args,
-                                                  uint64_t by_reference_min_bytes, std::vector<at::Tensor>* referenced);
+  absl::StatusOr<grpc::ByteBuffer> encode_request(int peer, const std::string& function,
+                                                  const std::vector<c10::IValue>& args, uint64_t by_reference_min_bytes,
+                                                  std::vector<at::Tensor>* referenced);
   void run_timer();
 
   absl::Status drain_outgoing(absl::Time deadline);
@@ -500,18 +509,34 @@ void Agent::handle(std::shared_ptr<InCall> in) {
   pb::Request request;
   auto frame = wire::Frame::parse(*in->request, &request);
   if (!frame.ok()) return reply_error(in, frame.status());
-  auto args = frame->decode(request.args(), in->cma_pid);
+  in->caller = request.caller_rank();
+  std::vector<Future> wait;
+  auto args = frame->decode(request.args(), {in->cma_pid, request.caller_rank(), &wait});
   if (!args.ok()) return reply_error(in, args.status());
-  Handler handler = find_function(request.function());
+  if (wait.empty()) return run(in, request.function(), std::move(*args), request.caller_name());
+  // Some argument needs protocol work first (e.g. a remote reference its owner must confirm): run after it, on the pool.
+  auto shared_args = std::make_shared<std::vector<c10::IValue>>(std::move(*args));
+  when_all(wait).add_callback([this, in, shared_args, function = request.function(),
+                               caller = request.caller_name()](const Future& ready) {
+    if (absl::Status s = ready.status(); !s.ok()) return reply_error(in, s);
+    if (!pool_->submit([this, in, shared_args, function, caller] { run(in, function, std::move(*shared_args), caller); })) {
+      reply_error(in, absl::UnavailableError(absl::StrCat("worker '", name_, "' is shutting down")));
+    }
+  });
+}
+
+void Agent::run(const std::shared_ptr<InCall>& in, const std::string& function, std::vector<c10::IValue> args,
+                const std::string& caller_name) {
+  Handler handler = find_function(function);
   if (!handler) {
-    return reply_error(in, absl::NotFoundError(absl::StrCat("no function named '", request.function(),
+    return reply_error(in, absl::NotFoundError(absl::StrCat("no function named '", function,
                                                             "' is registered on worker '", name_, "'")));
   }
-  CallContext context{request.caller_name(), request.caller_rank(), request.function()};
+  CallContext context{caller_name, in->caller, function};
   t_current_call = &context;
   Future result;
   try {
-    result = handler(std::move(*args));
+    result = handler(std::move(args));
   } catch (const std::invalid_argument& e) {
     result = Future::failed(absl::InvalidArgumentError(exception_message(e)));
   } catch (const RpcError& e) {
@@ -529,7 +554,7 @@ void Agent::reply(const std::shared_ptr<InCall>& in, const Future& result) {
   absl::Status status = result.status();  // completed: does not wait
   if (!status.ok()) return reply_error(in, status);
   pb::Response response;
-  wire::Encoder encoder;
+  wire::Encoder encoder(0, in->caller);
   if (auto s = encoder.encode({result.value()}, response.mutable_result()); !s.ok()) {
     return reply_error(in, error_with(s, "cannot send the result: "));
   }
@@ -560,14 +585,15 @@ void Agent::finish_once(const std::shared_ptr<InCall>& in, grpc::Status status, 
 // ---------------------------------------------------------------------------------------------------------------------
 // Client side
 
-absl::StatusOr<grpc::ByteBuffer> Agent::encode_request(const std::string& function, const std::vector<c10::IValue>& args,
+absl::StatusOr<grpc::ByteBuffer> Agent::encode_request(int peer, const std::string& function,
+                                                       const std::vector<c10::IValue>& args,
                                                        uint64_t by_reference_min_bytes,
                                                        std::vector<at::Tensor>* referenced) {
   pb::Request request;
   request.set_function(function);
   request.set_caller_name(name_);
   request.set_caller_rank(rank_);
-  wire::Encoder encoder(by_reference_min_bytes);
+  wire::Encoder encoder(by_reference_min_bytes, peer);
   if (auto s = encoder.encode(args, request.mutable_args()); !s.ok()) {
     return error_with(s, "cannot send the arguments: ");
   }
@@ -596,7 +622,24 @@ absl::Status Agent::transport_error(const absl::Status& s, int peer, const std::
   }
 }
 
-absl::StatusOr<c10::IValue> Agent::parse_reply(const grpc::ByteBuffer& frame_bytes, const std::string& prefix) const {
+void Agent::deliver(const Future& target, absl::StatusOr<c10::IValue> value, std::vector<Future> wait) {
+  if (!value.ok()) {
+    target.set_error(value.status());
+  } else if (wait.empty()) {
+    target.set_value(std::move(*value));
+  } else {
+    when_all(wait).add_callback([target, v = std::move(*value)](const Future& ready) {
+      if (absl::Status s = ready.status(); !s.ok()) {
+        target.set_error(s);
+      } else {
+        target.set_value(v);
+      }
+    });
+  }
+}
+
+absl::StatusOr<c10::IValue> Agent::parse_reply(const grpc::ByteBuffer& frame_bytes, int peer, const std::string& prefix,
+                                               std::vector<Future>* wait) const {
   pb::Response response;
   auto frame = wire::Frame::parse(frame_bytes, &response);
   if (!frame.ok()) return error_with(frame.status(), prefix + "bad reply: ");
@@ -606,7 +649,7 @@ absl::StatusOr<c10::IValue> Agent::parse_reply(const grpc::ByteBuffer& frame_byt
                         prefix + (code == absl::StatusCode::kUnknown ? "remote exception: " : "") +
                             response.error().message());
   }
-  auto values = frame->decode(response.result());
+  auto values = frame->decode(response.result(), {0, peer, wait});
   if (!values.ok()) return error_with(values.status(), prefix + "bad reply: ");
   if (values->size() != 1) return absl::InternalError(prefix + "bad reply: expected one result");
   return std::move((*values)[0]);
@@ -619,7 +662,7 @@ Future Agent::call(const To& to, const std::string& function, std::vector<c10::I
   if (peers_[*peer]->direct) return call_direct(*peer, function, args, timeout);
   const auto deadline = std::chrono::system_clock::now() + timeout;
 
-  auto frame = encode_request(function, args, 0, nullptr);
+  auto frame = encode_request(*peer, function, args, 0, nullptr);
   if (!frame.ok()) return Future::failed(error_with(frame.status(), describe(*peer, function)));
   auto* call = new OutCall;
   call->future = Future(absl::FromChrono(deadline));
@@ -657,8 +700,9 @@ Future Agent::call_and_wait(const To& to, const std::string& function, std::vect
 
 void Agent::on_reply(OutCall* call, const grpc::Status& status) {
   std::unique_ptr<OutCall> owned(call);
+  std::vector<Future> wait;
   absl::StatusOr<c10::IValue> result =
-      status.ok() ? parse_reply(call->response, describe(call->peer, call->function))
+      status.ok() ? parse_reply(call->response, call->peer, describe(call->peer, call->function), &wait)
                   : absl::StatusOr<c10::IValue>(
                         transport_error(net::from_grpc(status), call->peer, call->function, call->timeout));
   Future future = call->future;
@@ -667,11 +711,7 @@ void Agent::on_reply(OutCall* call, const grpc::Status& status) {
     out_calls_.erase(call);
   }
   owned.reset();  // the request's tensors are released before user callbacks run
-  if (result.ok()) {
-    future.set_value(std::move(*result));
-  } else {
-    future.set_error(result.status());
-  }
+  deliver(future, std::move(result), std::move(wait));
 }
 
 // ---------------------------------------------------------------------------------------------------------------------
@@ -692,7 +732,7 @@ Future Agent::call_direct(int peer, const std::string& function, std::vector<c10
   auto conn = async_conn(peer, deadline);
   if (!conn.ok()) return Future::failed(transport_error(conn.status(), peer, function, timeout));
   auto call = std::make_shared<DirectCall>();
-  auto frame = encode_request(function, args, (*conn)->cma_ok ? options_.bulk_min_bytes : 0, &call->referenced);
+  auto frame = encode_request(peer, function, args, (*conn)->cma_ok ? options_.bulk_min_bytes : 0, &call->referenced);
   if (!frame.ok()) return Future::failed(error_with(frame.status(), describe(peer, function)));
   call->future = Future(deadline);
   call->peer = peer;
@@ -723,10 +763,12 @@ void Agent::on_direct_response(direct::Message msg) {
     if (it == direct_calls_.end()) return;  // it timed out or was cancelled; the late reply is dropped
     call = it->second;
   }
-  complete_direct(msg.call_id, parse_reply(msg.body, describe(call->peer, call->function)));
+  std::vector<Future> wait;
+  auto result = parse_reply(msg.body, call->peer, describe(call->peer, call->function), &wait);
+  complete_direct(msg.call_id, std::move(result), std::move(wait));
 }
 
-void Agent::complete_direct(uint64_t call_id, absl::StatusOr<c10::IValue> result) {
+void Agent::complete_direct(uint64_t call_id, absl::StatusOr<c10::IValue> result, std::vector<Future> wait) {
   std::shared_ptr<DirectCall> call;
   {
     absl::MutexLock lock(&mu_);
@@ -736,11 +778,7 @@ void Agent::complete_direct(uint64_t call_id, absl::StatusOr<c10::IValue> result
     direct_calls_.erase(it);
   }
   call->referenced.clear();
-  if (result.ok()) {
-    call->future.set_value(std::move(*result));
-  } else {
-    call->future.set_error(result.status());
-  }
+  deliver(call->future, std::move(result), std::move(wait));
 }
 
 void Agent::on_direct_lost(const direct::Conn* conn, const absl::Status& why) {
@@ -811,7 +849,7 @@ Future Agent::call_direct_sync(int peer, const std::string& function, std::vecto
     conn = *fresh;
   }
   std::vector<at::Tensor> referenced;  // alive until the reply: the callee reads them from our memory
-  auto frame = encode_request(function, args, conn->cma_ok ? options_.bulk_min_bytes : 0, &referenced);
+  auto frame = encode_request(peer, function, args, conn->cma_ok ? options_.bulk_min_bytes : 0, &referenced);
   if (!frame.ok()) return Future::failed(error_with(frame.status(), describe(peer, function)));
   {
     absl::MutexLock lock(&mu_);
@@ -839,8 +877,14 @@ Future Agent::call_direct_sync(int peer, const std::string& function, std::vecto
     std::lock_guard<std::mutex> lock(p.mu);
     p.idle_sync.push_back(conn);
   }
-  auto result = parse_reply(msg->body, describe(peer, function));
-  return result.ok() ? Future::ready(std::move(*result)) : Future::failed(result.status());
+  std::vector<Future> wait;
+  auto result = parse_reply(msg->body, peer, describe(peer, function), &wait);
+  Future done(deadline);
+  deliver(done, std::move(result), std::move(wait));
+  if (!done.wait_for(absl::ToChronoMilliseconds(deadline - absl::Now()))) {
+    return Future::failed(transport_error(absl::DeadlineExceededError(""), peer, function, timeout));
+  }
+  return done;
 }
 
 // ---------------------------------------------------------------------------------------------------------------------
@@ -863,7 +907,10 @@ absl::Status Agent::shutdown(bool graceful) {
   if (graceful) {
     const absl::Time deadline = absl::Now() + absl::FromChrono(options_.shutdown_timeout);
     auto left = [&] { return std::max(milliseconds(1), absl::ToChronoMilliseconds(deadline - absl::Now())); };
-    result = drain_outgoing(deadline);
+    for (const auto& hook : detail::shutdown_hooks()) {
+      if (absl::Status s = hook(deadline); !s.ok() && result.ok()) result = s;
+    }
+    if (absl::Status s = drain_outgoing(deadline); !s.ok() && result.ok()) result = s;
     if (result.ok()) result = barrier(*store_, "shutdown", rank_, world_size_, left());
     if (result.ok()) {
       // Rank 0 serves the store: it leaves last, once every other rank has read the barrier.

@@ -15,6 +15,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "rpc/detail/buffer_pool.h"
+#include "rpc/extension.h"
 
 namespace tandem::rpc::wire {
 namespace {
@@ -160,6 +161,11 @@ absl::Status Encoder::encode_value(const c10::IValue& v, Value* out, Payload* pa
       if (auto s = encode_value(entry.key(), d->add_keys(), payload, depth + 1); !s.ok()) return s;
       if (auto s = encode_value(entry.value(), d->add_values(), payload, depth + 1); !s.ok()) return s;
     }
+  } else if (const ValueCodec* codec = detail::find_codec(v)) {
+    auto data = codec->encode(v, to_);
+    if (!data.ok()) return data.status();
+    out->mutable_ext()->set_kind(codec->kind);
+    out->mutable_ext()->set_data(std::move(*data));
   } else {
     return absl::UnimplementedError(absl::StrCat("cannot send a value of kind ", v.tagKind()));
   }
@@ -300,7 +306,8 @@ absl::StatusOr<at::Tensor> Frame::decode_tensor(const TensorMeta& meta, pid_t cm
 }
 
 absl::StatusOr<c10::IValue> Frame::decode_value(const Value& v, const Payload& payload,
-                                                std::vector<c10::IValue>& tensors, int depth, pid_t cma_pid) const {
+                                                std::vector<c10::IValue>& tensors, int depth, const Origin& origin) const {
+  const pid_t cma_pid = origin.cma_pid;
   if (depth > kMaxNesting) return absl::InvalidArgumentError("malformed message: value nested too deeply");
   switch (v.kind_case()) {
     case Value::kNone:
@@ -333,7 +340,7 @@ absl::StatusOr<c10::IValue> Frame::decode_value(const Value& v, const Payload& p
       c10::impl::GenericList list(elem);
       list.reserve(v.list().items_size());
       for (const auto& item : v.list().items()) {
-        auto d = decode_value(item, payload, tensors, depth + 1, cma_pid);
+        auto d = decode_value(item, payload, tensors, depth + 1, origin);
         if (!d.ok()) return d.status();
         if (!d->type()->isSubtypeOf(*elem)) return type_mismatch(*d, elem);
         list.push_back(std::move(*d));
@@ -344,7 +351,7 @@ absl::StatusOr<c10::IValue> Frame::decode_value(const Value& v, const Payload& p
       std::vector<c10::IValue> items;
       items.reserve(v.tuple().items_size());
       for (const auto& item : v.tuple().items()) {
-        auto d = decode_value(item, payload, tensors, depth + 1, cma_pid);
+        auto d = decode_value(item, payload, tensors, depth + 1, origin);
         if (!d.ok()) return d.status();
         items.push_back(std::move(*d));
       }
@@ -357,9 +364,9 @@ absl::StatusOr<c10::IValue> Frame::decode_value(const Value& v, const Payload& p
       const c10::TypePtr vt = parse_type(d.value_type());
       c10::impl::GenericDict dict(kt, vt);
       for (int i = 0; i < d.keys_size(); ++i) {
-        auto k = decode_value(d.keys(i), payload, tensors, depth + 1, cma_pid);
+        auto k = decode_value(d.keys(i), payload, tensors, depth + 1, origin);
         if (!k.ok()) return k.status();
-        auto val = decode_value(d.values(i), payload, tensors, depth + 1, cma_pid);
+        auto val = decode_value(d.values(i), payload, tensors, depth + 1, origin);
         if (!val.ok()) return val.status();
         if (!is_valid_key(*k)) return absl::InvalidArgumentError("malformed message: unhashable dict key");
         if (!k->type()->isSubtypeOf(*kt)) return type_mismatch(*k, kt);
@@ -368,18 +375,26 @@ absl::StatusOr<c10::IValue> Frame::decode_value(const Value& v, const Payload& p
       }
       return c10::IValue(std::move(dict));
     }
+    case Value::kExt: {
+      const ValueCodec* codec = detail::find_codec(v.ext().kind());
+      if (!codec) {
+        return absl::InvalidArgumentError(absl::StrCat("malformed message: no codec for values of kind '", v.ext().kind(), "'"));
+      }
+      std::vector<Future> ignored;
+      return codec->decode(v.ext().data(), origin.from, origin.wait ? origin.wait : &ignored);
+    }
     case Value::KIND_NOT_SET:
       break;
   }
   return absl::InvalidArgumentError("malformed message: value of unknown kind");
 }
 
-absl::StatusOr<std::vector<c10::IValue>> Frame::decode(const Payload& payload, pid_t cma_pid) const {
+absl::StatusOr<std::vector<c10::IValue>> Frame::decode(const Payload& payload, const Origin& origin) const {
   std::vector<c10::IValue> tensors(payload.tensors_size());  // None until first referenced
   std::vector<c10::IValue> values;
   values.reserve(payload.values_size());
   for (const auto& v : payload.values()) {
-    auto d = decode_value(v, payload, tensors, 0, cma_pid);
+    auto d = decode_value(v, payload, tensors, 0, origin);
     if (!d.ok()) return d.status();
     values.push_back(std::move(*d));
   }

@@ -22,15 +22,20 @@
 
 #include "absl/status/statusor.h"
 #include "proto/tandem_rpc.pb.h"
+#include "rpc/future.h"
 
 namespace tandem::rpc::wire {
+
+using tandem::rpc::Future;
 
 // Collects tensors while values are encoded into a Payload.
 class Encoder {
  public:
   // Tensors of at least `by_reference_min_bytes` bytes (0: none) are sent by reference (TensorMeta.by_reference): the
   // caller must keep referenced() alive until the receiver has read them, i.e. until the call completes.
-  explicit Encoder(uint64_t by_reference_min_bytes = 0) : by_reference_min_bytes_(by_reference_min_bytes) {}
+  // `to`: the rank the message goes to, for value codecs (rpc/extension.h); -1 when unknown.
+  explicit Encoder(uint64_t by_reference_min_bytes = 0, int to = -1)
+      : by_reference_min_bytes_(by_reference_min_bytes), to_(to) {}
   std::vector<at::Tensor>& referenced() { return referenced_; }
 
   // Encodes `values` into `payload`; tensors are queued for the frame. Fails for values Tandem cannot send
@@ -43,6 +48,7 @@ class Encoder {
   absl::Status encode_value(const c10::IValue& v, tandem::wire::Value* out, tandem::wire::Payload* payload, int depth);
   absl::Status encode_tensor(const at::Tensor& t, tandem::wire::Payload* payload, uint32_t* index);
   const uint64_t by_reference_min_bytes_;
+  const int to_;
   std::vector<at::Tensor> tensors_;
   std::vector<at::Tensor> referenced_;
   std::vector<std::pair<const void*, uint32_t>> seen_;  // TensorImpl -> index: a tensor sent twice is sent once
@@ -54,15 +60,23 @@ class Frame {
  public:
   // Parses `buffer` (taking references to its slices) and its header into `header`.
   static absl::StatusOr<Frame> parse(const grpc::ByteBuffer& buffer, google::protobuf::MessageLite* header);
-  // Decodes the values of `payload`, validating every tensor against the frame. Tensors sent by reference are read
-  // from process `cma_pid`; with cma_pid 0 they are refused.
-  absl::StatusOr<std::vector<c10::IValue>> decode(const tandem::wire::Payload& payload, pid_t cma_pid = 0) const;
+  // What decoding needs to know about the message's origin.
+  struct Origin {
+    pid_t cma_pid = 0;  // tensors sent by reference are read from this process; 0: they are refused
+    int from = -1;      // the sender's rank, for value codecs
+    std::vector<Future>* wait = nullptr;  // codecs' futures that must complete before the values are used
+  };
+  // Decodes the values of `payload`, validating every tensor against the frame.
+  absl::StatusOr<std::vector<c10::IValue>> decode(const tandem::wire::Payload& payload, const Origin& origin) const;
+  absl::StatusOr<std::vector<c10::IValue>> decode(const tandem::wire::Payload& payload) const {
+    return decode(payload, Origin{});
+  }
 
   uint64_t payload_size() const { return total_ - payload_start_; }
 
  private:
   absl::StatusOr<c10::IValue> decode_value(const tandem::wire::Value& v, const tandem::wire::Payload& payload,
-                                           std::vector<c10::IValue>& tensors, int depth, pid_t cma_pid) const;
+                                           std::vector<c10::IValue>& tensors, int depth, const Origin& origin) const;
   absl::StatusOr<at::Tensor> decode_tensor(const tandem::wire::TensorMeta& meta, pid_t cma_pid) const;
   void copy_out(uint64_t offset, uint64_t len, void* dst) const;
 

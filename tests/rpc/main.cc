@@ -4,11 +4,13 @@
 
 #include <cstdlib>
 #include <iostream>
+#include <atomic>
 #include <mutex>
 #include <thread>
 
 #include <torch/jit.h>
 
+#include "rpc/extension.h"
 #include "rpc/script.h"
 #include "tests/rpc/test_env.h"
 
@@ -84,7 +86,38 @@ int run_worker(const std::string& scenario) {
 
 }  // namespace
 
+// A codec for a kind the wire format does not know (c10::Device), whose decoding makes the call wait 100 ms for a
+// future another thread completes: the "delayed" flag tells the function (or the caller) that the wait happened first.
+std::atomic<int> g_device_waits_done{0};
+
+void register_device_codec() {
+  rpc::ValueCodec codec;
+  codec.kind = "test.device";
+  codec.matches = [](const c10::IValue& v) { return v.isDevice(); };
+  codec.encode = [](const c10::IValue& v, int to) -> absl::StatusOr<std::string> {
+    return v.toDevice().str() + "@" + std::to_string(to);
+  };
+  codec.decode = [](const std::string& data, int from, std::vector<rpc::Future>* wait) -> absl::StatusOr<c10::IValue> {
+    rpc::Future later;
+    std::thread([later] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      ++g_device_waits_done;
+      later.set_value(c10::IValue());
+    }).detach();
+    wait->push_back(later);
+    const auto at = data.find('@');
+    if (at == std::string::npos || from < 0) return absl::InvalidArgumentError("bad test.device");
+    return c10::IValue(c10::Device(data.substr(0, at)));
+  };
+  rpc::register_value_codec(codec);
+}
+
 void register_test_functions() {
+  register_device_codec();
+  rpc::register_function("device_echo", [](c10::IValue device) {
+    // Runs only after the codec's wait: the counter has moved.
+    return std::make_tuple(device, static_cast<int64_t>(g_device_waits_done.load()));
+  });
   rpc::register_function("echo", [](c10::IValue v) { return v; });
   rpc::register_function("add", [](at::Tensor a, at::Tensor b) { return a + b; });
   rpc::register_function("whoami", [] { return rpc::get_worker_info().name; });

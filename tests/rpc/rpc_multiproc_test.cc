@@ -282,6 +282,24 @@ TEST_F(MultiprocRpc, ExitWithoutShutdownDoesNotHang) {
   EXPECT_NE(p.output().find("leaving without shutdown"), std::string::npos);
 }
 
+TEST_F(MultiprocRpc, ValueCodecsAndTheirWaits) {
+  // tests/rpc/main.cc registers a codec for c10::Device whose decoding waits 100 ms; the callee's function runs after
+  // that wait, and the reply (which carries the device back) is delivered to the caller after its own wait.
+  start({.world_size = 2});
+  for (bool sync : {true, false}) {
+    const c10::IValue cpu(c10::Device("cpu"));
+    const int waits_here = g_device_waits_done.load();
+    auto [device, waits_seen] =
+        sync ? rpc::rpc_sync<std::tuple<c10::IValue, int64_t>>("worker1", "device_echo", cpu)
+             : rpc::rpc_async("worker1", "device_echo", cpu).get<std::tuple<c10::IValue, int64_t>>();
+    EXPECT_TRUE(device.isDevice());
+    EXPECT_EQ(device.toDevice().str(), "cpu");
+    EXPECT_GE(waits_seen, 1);  // the callee's decode wait had completed before the function ran
+    EXPECT_EQ(g_device_waits_done.load(), waits_here + 1);  // and the caller's, before it saw the reply
+  }
+  EXPECT_EQ(rpc::rpc_sync<std::string>("worker1", "whoami"), "worker1");
+}
+
 TEST_F(MultiprocRpc, TlsJob) {
   const std::string dir = make_temp_dir();
   if (!make_test_certificates(dir)) GTEST_SKIP() << "openssl cannot make test certificates here";

@@ -1,11 +1,15 @@
 // What the RPC tests share between the test process (rank 0) and its worker processes.
 #pragma once
 
+#include <atomic>
 #include <string>
 
 #include "rpc/rpc.h"
 
 namespace tandem::test {
+
+// Completed waits of the test codec for c10::Device values (tests/rpc/main.cc), in this process.
+extern std::atomic<int> g_device_waits_done;
 
 // Registers the functions every test worker serves (echo, add, sleep_ms, throw_error, ...).
 void register_test_functions();

@@ -1,0 +1,78 @@
+#include "rpc/extension.h"
+
+#include <atomic>
+#include <deque>
+#include <mutex>
+
+namespace tandem::rpc {
+namespace {
+
+struct Extensions {
+  std::mutex mu;
+  std::deque<ValueCodec> codecs;  // push_back keeps references to earlier codecs valid
+  std::vector<std::function<absl::Status(absl::Time)>> shutdown_hooks;
+};
+
+Extensions& extensions() {
+  static auto* e = new Extensions;
+  return *e;
+}
+
+}  // namespace
+
+void register_value_codec(ValueCodec codec) {
+  auto& e = extensions();
+  std::lock_guard<std::mutex> lock(e.mu);
+  e.codecs.push_back(std::move(codec));
+}
+
+void add_shutdown_hook(std::function<absl::Status(absl::Time)> hook) {
+  auto& e = extensions();
+  std::lock_guard<std::mutex> lock(e.mu);
+  e.shutdown_hooks.push_back(std::move(hook));
+}
+
+Future when_all(const std::vector<Future>& futures) {
+  if (futures.empty()) return Future::ready(c10::IValue());
+  Future all;
+  auto left = std::make_shared<std::atomic<size_t>>(futures.size());
+  for (const auto& f : futures) {
+    f.add_callback([all, left](const Future& done) {
+      if (absl::Status s = done.status(); !s.ok()) {
+        all.set_error(s);  // the first error wins; later completions are ignored
+      } else if (left->fetch_sub(1) == 1) {
+        all.set_value(c10::IValue());
+      }
+    });
+  }
+  return all;
+}
+
+namespace detail {
+
+const ValueCodec* find_codec(const c10::IValue& value) {
+  auto& e = extensions();
+  std::lock_guard<std::mutex> lock(e.mu);
+  for (const auto& c : e.codecs) {
+    if (c.matches(value)) return &c;  // codecs are never removed: the pointer stays valid
+  }
+  return nullptr;
+}
+
+const ValueCodec* find_codec(const std::string& kind) {
+  auto& e = extensions();
+  std::lock_guard<std::mutex> lock(e.mu);
+  for (const auto& c : e.codecs) {
+    if (c.kind == kind) return &c;
+  }
+  return nullptr;
+}
+
+std::vector<std::function<absl::Status(absl::Time)>> shutdown_hooks() {
+  auto& e = extensions();
+  std::lock_guard<std::mutex> lock(e.mu);
+  return e.shutdown_hooks;
+}
+
+}  // namespace detail
+}  // namespace tandem::rpc
