@@ -988,6 +988,7 @@ void at_exit_shutdown() {
   if (agent) {
     (void)agent->shutdown(/*graceful=*/false);
     dispose(agent);
+    for (const auto& hook : detail::stop_hooks()) hook();
   }
 }
 
@@ -1031,6 +1032,7 @@ void shutdown(bool graceful) {
     if (g_agent == agent) g_agent.reset();
   }
   dispose(agent);
+  for (const auto& hook : detail::stop_hooks()) hook();
   throw_if_error(s);
 }
 

@@ -11,6 +11,7 @@ struct Extensions {
   std::mutex mu;
   std::deque<ValueCodec> codecs;  // push_back keeps references to earlier codecs valid
   std::vector<std::function<absl::Status(absl::Time)>> shutdown_hooks;
+  std::vector<std::function<void()>> stop_hooks;
 };
 
 Extensions& extensions() {
@@ -30,6 +31,12 @@ void add_shutdown_hook(std::function<absl::Status(absl::Time)> hook) {
   auto& e = extensions();
   std::lock_guard<std::mutex> lock(e.mu);
   e.shutdown_hooks.push_back(std::move(hook));
+}
+
+void add_stop_hook(std::function<void()> hook) {
+  auto& e = extensions();
+  std::lock_guard<std::mutex> lock(e.mu);
+  e.stop_hooks.push_back(std::move(hook));
 }
 
 Future when_all(const std::vector<Future>& futures) {
@@ -72,6 +79,12 @@ std::vector<std::function<absl::Status(absl::Time)>> shutdown_hooks() {
   auto& e = extensions();
   std::lock_guard<std::mutex> lock(e.mu);
   return e.shutdown_hooks;
+}
+
+std::vector<std::function<void()>> stop_hooks() {
+  auto& e = extensions();
+  std::lock_guard<std::mutex> lock(e.mu);
+  return e.stop_hooks;
 }
 
 }  // namespace detail

@@ -34,6 +34,9 @@ void register_value_codec(ValueCodec codec);
 // hooks run in registration order, each until `deadline` at most. An error fails the shutdown (which still happens).
 void add_shutdown_hook(std::function<absl::Status(absl::Time deadline)> hook);
 
+// Runs after this worker stopped serving (graceful or not), in registration order. Must not block for long.
+void add_stop_hook(std::function<void()> hook);
+
 // A future completed when all of `futures` are: with None, or with the first error among them.
 Future when_all(const std::vector<Future>& futures);
 
@@ -42,6 +45,7 @@ namespace detail {
 const ValueCodec* find_codec(const c10::IValue& value);
 const ValueCodec* find_codec(const std::string& kind);
 std::vector<std::function<absl::Status(absl::Time)>> shutdown_hooks();
+std::vector<std::function<void()>> stop_hooks();
 }  // namespace detail
 
 }  // namespace tandem::rpc

@@ -62,26 +62,18 @@ int run_worker(const std::string& scenario) {
     std::this_thread::sleep_for(std::chrono::seconds(60));
     return 0;
   }
-  try {
-    rpc::RpcOptions options = options_from_env();
-    const int rank = env_int("RANK", 0);
-    const int world = env_int("WORLD_SIZE", 1);
-    const char* name = std::getenv("TANDEM_TEST_NAME");
-    rpc::init_rpc(name ? name : "worker" + std::to_string(rank), rank, world, options);
-    if (scenario == "exit_without_shutdown") {
-      std::cout << "leaving without shutdown\n";
-      return 0;  // the at-exit handler must stop RPC without hanging
-    }
+  if (scenario == "exit_without_shutdown") {
+    rpc::init_rpc("worker" + std::to_string(env_int("RANK", 0)), env_int("RANK", 0), env_int("WORLD_SIZE", 1),
+                  options_from_env());
+    std::cout << "leaving without shutdown" << std::endl;
+    return 0;  // the at-exit handler must stop RPC without hanging
+  }
+  return run_worker_job([&] {
     if (scenario == "hello") {
-      const int next = (rank + 1) % world;
+      const int next = (env_int("RANK", 0) + 1) % env_int("WORLD_SIZE", 1);
       std::cout << rpc::rpc_sync<std::string>(next, "whoami") << " answered " << rpc::get_worker_info().name << "\n";
     }
-    rpc::shutdown(true);
-    return 0;
-  } catch (const std::exception& e) {
-    std::cerr << "worker failed: " << e.what() << "\n";
-    return 3;
-  }
+  });
 }
 
 }  // namespace

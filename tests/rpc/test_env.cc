@@ -1,6 +1,7 @@
 #include "tests/rpc/test_env.h"
 
 #include <cstdlib>
+#include <iostream>
 #include <string>
 
 namespace tandem::test {
@@ -10,6 +11,20 @@ int env_int(const char* name, int fallback) {
   return v && *v ? std::atoi(v) : fallback;
 }
 }  // namespace
+
+int run_worker_job(const std::function<void()>& body) {
+  try {
+    const int rank = env_int("RANK", 0);
+    const char* name = std::getenv("TANDEM_TEST_NAME");
+    rpc::init_rpc(name ? name : "worker" + std::to_string(rank), rank, env_int("WORLD_SIZE", 1), options_from_env());
+    body();
+    rpc::shutdown(true);
+    return 0;
+  } catch (const std::exception& e) {
+    std::cerr << "worker failed: " << e.what() << "\n";
+    return 3;
+  }
+}
 
 rpc::RpcOptions options_from_env() {
   rpc::RpcOptions o;

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <atomic>
+#include <functional>
 #include <string>
 
 #include "rpc/rpc.h"
@@ -13,6 +14,10 @@ extern std::atomic<int> g_device_waits_done;
 
 // Registers the functions every test worker serves (echo, add, sleep_ms, throw_error, ...).
 void register_test_functions();
+// A worker process of a test job: init_rpc from the environment (name "worker<RANK>" unless TANDEM_TEST_NAME), then
+// `body`, then a graceful shutdown. Returns the exit code: 0, or 3 after printing the error.
+int run_worker_job(const std::function<void()>& body);
+
 // RpcOptions from the environment the test set for its workers: TANDEM_TEST_SHUTDOWN_MS, TANDEM_TEST_THREADS,
 // TANDEM_TEST_MAX_MSG, TANDEM_TEST_INIT_MS, TANDEM_TEST_TLS_DIR.
 rpc::RpcOptions options_from_env();

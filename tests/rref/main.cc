@@ -1,0 +1,28 @@
+// rref_tests: GoogleTest main, and the worker side of the RRef multi-process tests (`rref_tests --worker serve`).
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <iostream>
+#include <mutex>
+
+#include "rref/rref.h"
+#include "tests/rpc/test_env.h"
+#include "tests/rref/rref_test_functions.h"
+
+namespace tandem::test {
+namespace {
+
+int run_worker(const std::string&) {
+  return run_worker_job([] {});  // serves until every worker shuts down
+}
+
+}  // namespace
+}  // namespace tandem::test
+
+int main(int argc, char** argv) {
+  tandem::test::register_rref_test_functions();
+  if (argc >= 3 && std::string(argv[1]) == "--worker") return tandem::test::run_worker(argv[2]);
+  testing::InitGoogleTest(&argc, argv);
+  return RUN_ALL_TESTS();
+}
