@@ -7,43 +7,26 @@ of one host); "tcp" forces its TCP transport and basic channel. Small calls use 
 fastest path); the bulk call's function returns the element count. One intra-op thread per process.
 """
 import argparse
-import json
-import os
-import socket
 import statistics
-import subprocess
-import sys
 import time
 
 import torch
 import torch.distributed.rpc as rpc
+
+from peer_common import emit as emit_line, init, launch
 
 
 def numel(t):
     return t.numel()
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def emit(impl, metric, value, unit, **extra):
-    print(json.dumps({"bench": "rpc", "impl": impl, "metric": metric, "value": round(value, 3), "unit": unit,
-                      "processes": 2, "intra_op_threads": 1, **extra}), flush=True)
+    emit_line("rpc", impl, metric, value, unit, processes=2, **extra)
 
 
 def run(rank, port, args):
-    torch.set_num_threads(1)
-    opts = rpc.TensorPipeRpcBackendOptions(num_worker_threads=16, rpc_timeout=120,
-                                           init_method=f"tcp://127.0.0.1:{port}")
-    if args.mode == "tcp":
-        opts._transports = ["uv"]
-        opts._channels = ["basic"]
-    rpc.init_rpc(f"w{rank}", rank=rank, world_size=2, rpc_backend_options=opts)
+    impl = init(rank, 2, port, args.mode)
     if rank == 0:
-        impl = "torch" if args.mode == "default" else "torch_tcp"
         one = torch.ones(1)
         for _ in range(500):
             rpc.rpc_sync("w1", torch.add, args=(one, one))
@@ -93,14 +76,8 @@ def main():
     if args.rank >= 0:
         run(args.rank, args.port, args)
         return
-    port = free_port()
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    argv = [sys.executable, __file__, args.mode, "--small", str(args.small), "--bulk", str(args.bulk),
-            "--async", str(args.async_calls), "--bulk-mib", str(args.bulk_mib), "--port", str(port)]
-    procs = [subprocess.Popen(argv + ["--rank", str(r)], env=env) for r in (0, 1)]
-    codes = [proc.wait(timeout=1800) for proc in procs]
-    if any(codes):
-        sys.exit(f"peer_rpc.py: ranks exited with {codes}")
+    launch(__file__, [args.mode, "--small", str(args.small), "--bulk", str(args.bulk), "--async", str(args.async_calls),
+                      "--bulk-mib", str(args.bulk_mib)], 2)
 
 
 if __name__ == "__main__":

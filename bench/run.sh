@@ -3,7 +3,7 @@
 # (PyTorch 1.13 torch.distributed, Debian's python3-torch) in its default configuration and with TCP forced. Prints one
 # JSON object per line on stdout: {"bench":NAME,"impl":"tandem"|"torch"|"torch_tcp","metric":..,"value":..,"unit":..}.
 # Flags are passed to both sides (e.g. --small 1000 --bulk 5 --async 10000).
-# Benchmarks: rpc.
+# Benchmarks: rpc, rref.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 name="${1:?usage: bench/run.sh NAME [flags]}"
@@ -23,5 +23,11 @@ case "$name" in
     "$PY" bench/peer_rpc.py default "$@"
     "$PY" bench/peer_rpc.py tcp "$@"
     ;;
-  *) echo "bench: unknown benchmark '$name' (known: rpc)" >&2; exit 2 ;;
+  rref)
+    cmake --build build -j"$(nproc)" --target rref_bench tandem-run >&2
+    build/tandem-run --nproc-per-node 3 build/rref_bench "$@" | sed -n 's/^\[rank0\]: {/{/p'
+    "$PY" bench/peer_rref.py default "$@"
+    "$PY" bench/peer_rref.py tcp "$@"
+    ;;
+  *) echo "bench: unknown benchmark '$name' (known: rpc, rref)" >&2; exit 2 ;;
 esac

@@ -100,7 +100,21 @@ class Context {
     auto& e = owners_[rref_id];
     if (fork_id != 0) e.forks[fork_id] = holder;
     start_probe_locked();
+    if (auto w = awaiting_.find(rref_id); w != awaiting_.end()) {  // fetches that overtook the creation
+      for (auto& [deadline, waiter] : w->second) forward(e.value, waiter);
+      awaiting_.erase(w);
+    }
     return e.value;
+  }
+  // The value of `rref_id`; when the owner has not heard of it yet (a fetch may overtake the creation it follows), a
+  // future that its creation completes, or that fails with NOT_FOUND after `wait`. No entry is made for it.
+  rpc::Future value_or_wait(int64_t rref_id, milliseconds wait) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (auto it = owners_.find(rref_id); it != owners_.end()) return it->second.value;
+    rpc::Future waiter;
+    awaiting_[rref_id].emplace_back(std::chrono::steady_clock::now() + wait, waiter);
+    start_probe_locked();
+    return waiter;
   }
   absl::StatusOr<rpc::Future> value_of(int64_t rref_id) {
     std::lock_guard<std::mutex> lock(mu_);
@@ -177,8 +191,12 @@ class Context {
 
   // Graceful shutdown: confirmations and accepts in flight settle before the workers leave.
   absl::Status drain(absl::Time deadline) {
+    batcher.flush();
     std::unique_lock<std::mutex> lock(mu_);
     while (!pending_users_.empty() || !pending_children_.empty()) {
+      lock.unlock();
+      batcher.flush();  // accepts owed to other workers
+      lock.lock();
       if (absl::Now() >= deadline) {
         return absl::DeadlineExceededError(absl::StrCat("rref: ", pending_users_.size(), " confirmations and ",
                                                         pending_children_.size(), " child acceptances still pending"));
@@ -203,16 +221,82 @@ class Context {
       owners.swap(owners_);
       users.swap(pending_users_);
       children.swap(pending_children_);
+      awaiting_.clear();
     }
+    batcher.stop();
     probe_cv_.notify_all();
     if (probe_.joinable()) probe_.join();
     std::lock_guard<std::mutex> lock(mu_);
     stop_probe_ = false;
   }
 
+  // accept and delete notes: one-way, so they are sent in batches per destination (flushed within kFlushDelay or at
+  // kBatchSize), which divides the protocol's message count for short-lived references.
+  class Batcher {
+   public:
+    static constexpr auto kFlushDelay = milliseconds(1);
+    static constexpr size_t kBatchSize = 256;
+    void add(int to, const char* function, int64_t a, int64_t b) {
+      std::unique_lock<std::mutex> lock(mu_);
+      auto& batch = batches_[{to, function}];
+      batch.push_back(a);
+      batch.push_back(b);
+      if (!thread_.joinable() && !stopping_) thread_ = std::thread([this] { loop(); });
+      if (batch.size() >= 2 * kBatchSize) cv_.notify_one();
+    }
+    // Sends what is queued now (for shutdown's drain).
+    void flush() {
+      std::map<std::pair<int, const char*>, std::vector<int64_t>> batches;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        batches.swap(batches_);
+      }
+      send(batches);
+    }
+    void stop() {
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        stopping_ = true;
+        batches_.clear();  // the job is over: nobody needs them
+      }
+      cv_.notify_all();
+      if (thread_.joinable()) thread_.join();
+      std::lock_guard<std::mutex> lock(mu_);
+      stopping_ = false;
+      thread_ = std::thread();
+    }
+
+   private:
+    void loop() {
+      std::unique_lock<std::mutex> lock(mu_);
+      while (!stopping_) {
+        cv_.wait_for(lock, kFlushDelay);
+        if (batches_.empty()) continue;
+        std::map<std::pair<int, const char*>, std::vector<int64_t>> batches;
+        batches.swap(batches_);
+        lock.unlock();
+        send(batches);
+        lock.lock();
+      }
+    }
+    static void send(const std::map<std::pair<int, const char*>, std::vector<int64_t>>& batches) {
+      for (const auto& [key, values] : batches) {
+        rpc::call(key.first, key.second, {c10::IValue(values)}).add_callback([](const rpc::Future& r) {
+          if (!r.status().ok()) ++Context::get().failed_notes;  // the destination is gone
+        });
+      }
+    }
+    std::mutex mu_;
+    std::condition_variable cv_;
+    std::map<std::pair<int, const char*>, std::vector<int64_t>> batches_;
+    std::thread thread_;
+    bool stopping_ = false;
+  };
+
   RRefOptions options;
+  Batcher batcher;
+  std::atomic<int64_t> failed_notes{0};
   std::atomic<int64_t> user_refs{0};
-  std::atomic<int64_t> failed_deletes{0};
 
  private:
   static absl::Status missing(int64_t rref_id) {
@@ -251,8 +335,22 @@ class Context {
           ++it;
         }
       }
+      std::vector<std::pair<int64_t, rpc::Future>> timed_out;
+      for (auto it = awaiting_.begin(); it != awaiting_.end();) {
+        auto& waiters = it->second;
+        for (auto w = waiters.begin(); w != waiters.end();) {
+          if (now > w->first) {
+            timed_out.emplace_back(it->first, w->second);
+            w = waiters.erase(w);
+          } else {
+            ++w;
+          }
+        }
+        it = waiters.empty() ? awaiting_.erase(it) : std::next(it);
+      }
       lock.unlock();
       expired.clear();
+      for (auto& [id, f] : timed_out) f.set_error(missing(id));
       std::vector<int> dead;
       for (int h : holders) {
         rpc::Future ping = rpc::call(h, "__tandem.rref.ping", {}, options.probe_interval);
@@ -280,6 +378,7 @@ class Context {
   std::unordered_map<int64_t, c10::intrusive_ptr<RRefImpl>> pending_users_;
   std::unordered_map<int64_t, std::pair<c10::intrusive_ptr<RRefImpl>, std::chrono::steady_clock::time_point>>
       pending_children_;
+  std::unordered_map<int64_t, std::vector<std::pair<std::chrono::steady_clock::time_point, rpc::Future>>> awaiting_;
   std::atomic<uint64_t> generation_{1};
   std::atomic<int64_t> next_id_{1};
   std::atomic<int> rank_{-1};
@@ -303,10 +402,8 @@ int64_t arg_int(const std::vector<c10::IValue>& args, size_t i) {
   return args[i].toInt();
 }
 
-void send_accept(int to, int64_t child) {
-  rpc::Future f = rpc::call(to, "__tandem.rref.accept", {c10::IValue(child)});
-  (void)f;  // best effort: if the sender is gone, so is the parent it kept
-}
+// Best effort: if the sender is gone, so is the parent it kept.
+void send_accept(int to, int64_t child) { Context::get().batcher.add(to, "__tandem.rref.accept", child, 0); }
 
 // ---- the codec
 
@@ -390,10 +487,8 @@ rpc::Future on_create(std::vector<c10::IValue>&& args) {
   return rpc::Future::ready(c10::IValue());  // the creator's confirmation; the value follows in its own time
 }
 
-rpc::Future on_fetch(std::vector<c10::IValue>&& args) {
-  auto value = Context::get().value_of(arg_int(args, 0));
-  if (!value.ok()) return rpc::Future::failed(value.status());
-  return *value;
+rpc::Future on_fetch(std::vector<c10::IValue>&& args) {  // rref, how long to wait for an unknown one (ms)
+  return Context::get().value_or_wait(arg_int(args, 0), milliseconds(std::clamp<int64_t>(arg_int(args, 1), 0, 3600000)));
 }
 
 rpc::Future on_fork(std::vector<c10::IValue>&& args) {
@@ -402,13 +497,27 @@ rpc::Future on_fork(std::vector<c10::IValue>&& args) {
   return s.ok() ? rpc::Future::ready(c10::IValue()) : rpc::Future::failed(s);
 }
 
-rpc::Future on_delete(std::vector<c10::IValue>&& args) {
-  Context::get().remove_fork(arg_int(args, 0), arg_int(args, 1));
+// Batched notes: a flat list of (a, b) pairs.
+std::vector<int64_t> note_pairs(const std::vector<c10::IValue>& args) {
+  if (args.size() != 1 || !args[0].isList()) throw std::invalid_argument("malformed rref note batch");
+  std::vector<int64_t> v;
+  for (const auto& x : args[0].toListRef()) {
+    if (!x.isInt()) throw std::invalid_argument("malformed rref note batch");
+    v.push_back(x.toInt());
+  }
+  if (v.size() % 2 != 0) throw std::invalid_argument("malformed rref note batch");
+  return v;
+}
+
+rpc::Future on_delete(std::vector<c10::IValue>&& args) {  // (rref, fork) pairs
+  const auto v = note_pairs(args);
+  for (size_t i = 0; i < v.size(); i += 2) Context::get().remove_fork(v[i], v[i + 1]);
   return rpc::Future::ready(c10::IValue());
 }
 
-rpc::Future on_accept(std::vector<c10::IValue>&& args) {  // on the parent's holder
-  Context::get().release_pending_child(arg_int(args, 0));
+rpc::Future on_accept(std::vector<c10::IValue>&& args) {  // (child, 0) pairs, on the parent's holder
+  const auto v = note_pairs(args);
+  for (size_t i = 0; i < v.size(); i += 2) Context::get().release_pending_child(v[i]);
   return rpc::Future::ready(c10::IValue());
 }
 
@@ -501,10 +610,7 @@ RRefImpl::~RRefImpl() {
   if (generation_ != ctx.generation()) return;  // its job is over
   // G1: the owner learns of every deletion. A user whose creation failed may still be known to the owner (the reply
   // was lost, not the request): deletes are idempotent, so it is sent anyway.
-  rpc::Future f = rpc::call(owner_, "__tandem.rref.delete", {c10::IValue(rref_id_), c10::IValue(fork_id_)});
-  f.add_callback([](const rpc::Future& r) {
-    if (!r.status().ok()) ++Context::get().failed_deletes;  // the owner is gone or unreachable
-  });
+  ctx.batcher.add(owner_, "__tandem.rref.delete", rref_id_, fork_id_);
 }
 
 std::string RRefImpl::ownerName() const {
@@ -554,32 +660,50 @@ bool RRef::is_owner() const { return checked(impl_).owner_side_; }
 bool RRef::confirmed_by_owner() const { return checked(impl_).confirmedByOwner(); }
 int64_t RRef::id() const { return checked(impl_).rref_id_; }
 
+namespace {
+absl::Status to_here_error(int owner, const absl::Status& s) {
+  std::string name;
+  try {
+    name = rpc::get_worker_info(owner).name;
+  } catch (const std::exception&) {
+    name = "rank " + std::to_string(owner);
+  }
+  return absl::Status(s.code(), absl::StrCat("to_here of an RRef owned by ", name, " (rank ", owner, "): ", s.message()));
+}
+
+// The fetch: sent at once, even before the owner confirmed the reference; the owner waits for a creation it has not
+// seen yet (bounded by the same timeout).
+std::vector<c10::IValue> fetch_args(int64_t rref_id, std::chrono::milliseconds timeout) {
+  const int64_t wait_ms = timeout.count() > 0 ? timeout.count() : 60000;
+  return {c10::IValue(rref_id), c10::IValue(wait_ms)};
+}
+}  // namespace
+
 rpc::Future RRef::to_here_async(std::chrono::milliseconds timeout) const {
   const auto& impl = checked(impl_);
-  auto annotate = [owner = impl.owner_](const absl::Status& s) {
-    return absl::Status(s.code(), absl::StrCat("to_here of an RRef owned by ", rpc::get_worker_info(owner).name,
-                                               " (rank ", owner, "): ", s.message()));
-  };
   if (impl.owner_side_) {
     auto value = detail::Context::get().value_of(impl.rref_id_);
     return value.ok() ? *value : rpc::Future::failed(value.status());
   }
-  // The owner may not have processed the creation or fork yet: fetch once it has confirmed this reference.
-  const int owner = impl.owner_;
-  const int64_t rref_id = impl.rref_id_;
   rpc::Future result;
-  impl.confirmed_.add_callback([result, owner, rref_id, timeout, annotate](const rpc::Future& confirmed) {
-    if (absl::Status s = confirmed.status(); !s.ok()) return (void)result.set_error(annotate(s));
-    rpc::call(owner, "__tandem.rref.fetch", {c10::IValue(rref_id)}, timeout)
-        .add_callback([result, annotate](const rpc::Future& fetched) {
-          if (absl::Status s = fetched.status(); !s.ok()) {
-            result.set_error(annotate(s));
-          } else {
-            result.set_value(fetched.value());
-          }
-        });
-  });
+  rpc::call(impl.owner_, "__tandem.rref.fetch", fetch_args(impl.rref_id_, timeout), timeout)
+      .add_callback([result, owner = impl.owner_](const rpc::Future& fetched) {
+        if (absl::Status s = fetched.status(); !s.ok()) {
+          result.set_error(to_here_error(owner, s));
+        } else {
+          result.set_value(fetched.value());
+        }
+      });
   return result;
+}
+
+c10::IValue RRef::to_here(std::chrono::milliseconds timeout) const {
+  const auto& impl = checked(impl_);
+  if (impl.owner_side_) return to_here_async(timeout).value();
+  // Blocking: rpc's call_and_wait lets the calling thread read its own reply (one hand-off less).
+  rpc::Future fetched = rpc::call_and_wait(impl.owner_, "__tandem.rref.fetch", fetch_args(impl.rref_id_, timeout), timeout);
+  if (absl::Status s = fetched.status(); !s.ok()) throw RpcError(to_here_error(impl.owner_, s));
+  return fetched.value();
 }
 
 rpc::Future RRef::call_method(const std::string& method, std::vector<c10::IValue> args,

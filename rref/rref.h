@@ -57,12 +57,10 @@ class RRef {
   // A copy of the value, fetched from the owner (waits for it while the owner's function runs). A non-positive
   // timeout means RpcOptions::rpc_timeout.
   rpc::Future to_here_async(std::chrono::milliseconds timeout = std::chrono::milliseconds(0)) const;
-  c10::IValue to_here(std::chrono::milliseconds timeout = std::chrono::milliseconds(0)) const {
-    return to_here_async(timeout).value();
-  }
+  c10::IValue to_here(std::chrono::milliseconds timeout = std::chrono::milliseconds(0)) const;
   template <typename T>
   T to_here(std::chrono::milliseconds timeout = std::chrono::milliseconds(0)) const {
-    return to_here_async(timeout).template get<T>();
+    return rpc::from_ivalue<T>(to_here(timeout));
   }
   // The value itself; only on the owner, once it is ready (throws RpcError otherwise).
   c10::IValue local_value() const;

@@ -42,6 +42,9 @@ TEST_F(MultiprocRRef, RemoteReturnsAtOnceAndToHereFetches) {
   EXPECT_EQ(r.owner_name(), "worker1");
   EXPECT_FALSE(r.is_owner());
   EXPECT_TRUE(r.to_here<at::Tensor>().equal(at::arange(5, at::kFloat)));
+  // The creation's acknowledgement travels independently of the fetch: confirmation follows, it need not precede.
+  const auto deadline = Clock::now() + milliseconds(10000);
+  while (!r.confirmed_by_owner() && Clock::now() < deadline) std::this_thread::sleep_for(milliseconds(1));
   EXPECT_TRUE(r.confirmed_by_owner());
   EXPECT_THROW(r.local_value(), RpcError);  // only the owner holds the value
 }

@@ -1,0 +1,50 @@
+"""Shared by the PyTorch peer scripts of bench/run.sh: process launch, RPC init, and the JSON line format."""
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import torch
+import torch.distributed.rpc as rpc
+
+
+def emit(bench, impl, metric, value, unit, processes, **extra):
+    print(json.dumps({"bench": bench, "impl": impl, "metric": metric, "value": round(value, 3), "unit": unit,
+                      "processes": processes, "intra_op_threads": 1, **extra}), flush=True)
+
+
+def init(rank, world, port, mode):
+    """Joins a torch.distributed.rpc job as w<rank>; mode "default" or "tcp" (TensorPipe's TCP transport forced).
+    Returns the impl name used in the JSON lines."""
+    torch.set_num_threads(1)
+    opts = rpc.TensorPipeRpcBackendOptions(num_worker_threads=16, rpc_timeout=120,
+                                           init_method=f"tcp://127.0.0.1:{port}")
+    if mode == "tcp":
+        opts._transports = ["uv"]
+        opts._channels = ["basic"]
+    rpc.init_rpc(f"w{rank}", rank=rank, world_size=world, rpc_backend_options=opts)
+    return "torch" if mode == "default" else "torch_tcp"
+
+
+def launch(script, argv, world):
+    """Runs `world` copies of `script` with `argv` plus --port and --rank; exits non-zero if any rank fails."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    base = [sys.executable, script] + argv + ["--port", str(port)]
+    procs = [subprocess.Popen(base + ["--rank", str(r)], env=env) for r in range(world)]
+    # PyTorch's ranks hang when a peer dies: once one fails, stop the others.
+    deadline = time.time() + 1800
+    while any(p.poll() is None for p in procs) and time.time() < deadline:
+        if any(p.poll() not in (None, 0) for p in procs):
+            break
+        time.sleep(0.2)
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+    codes = [p.wait() for p in procs]
+    if any(codes):
+        sys.exit(f"{os.path.basename(script)}: ranks exited with {codes}")
