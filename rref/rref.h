@@ -114,6 +114,25 @@ RRef remote(const rpc::To& to, const std::string& function, Args&&... args) {
   return remote_call(to, function, std::move(values), timeout);
 }
 
+// An RRef whose value has C++ type T (PyTorch's RRef[T]): to_here() and local_value() return T. The value is converted
+// (rpc/convert.h) when fetched; a value of another type is an error then.
+template <typename T>
+class TypedRRef : public RRef {
+ public:
+  TypedRRef() = default;
+  explicit TypedRRef(RRef r) : RRef(std::move(r)) {}
+  T to_here(std::chrono::milliseconds timeout = std::chrono::milliseconds(0)) const {
+    return RRef::to_here<T>(timeout);
+  }
+  T local_value() const { return rpc::from_ivalue<T>(RRef::local_value()); }
+};
+
+// remote() whose result is typed: rref::remote_as<at::Tensor>("ps", "make_weights", 784).to_here() is a tensor.
+template <typename T, typename... Args>
+TypedRRef<T> remote_as(const rpc::To& to, const std::string& function, Args&&... args) {
+  return TypedRRef<T>(remote(to, function, std::forward<Args>(args)...));
+}
+
 // An RRef owned by this worker to `value` (like PyTorch's RRef(value)), e.g. to return from a registered function.
 RRef make_local(c10::IValue value);
 

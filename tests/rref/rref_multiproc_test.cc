@@ -47,6 +47,10 @@ TEST_F(MultiprocRRef, RemoteReturnsAtOnceAndToHereFetches) {
   while (!r.confirmed_by_owner() && Clock::now() < deadline) std::this_thread::sleep_for(milliseconds(1));
   EXPECT_TRUE(r.confirmed_by_owner());
   EXPECT_THROW(r.local_value(), RpcError);  // only the owner holds the value
+  rref::TypedRRef<at::Tensor> typed = rref::remote_as<at::Tensor>(1, "make_tensor", int64_t{3});
+  EXPECT_TRUE(typed.to_here().equal(at::arange(3, at::kFloat)));
+  rref::TypedRRef<std::string> wrong = rref::remote_as<std::string>(1, "make_tensor", int64_t{3});
+  EXPECT_THROW(wrong.to_here(), std::invalid_argument);  // the value is not a string
 }
 
 TEST_F(MultiprocRRef, EveryForkPath) {
@@ -74,6 +78,9 @@ TEST_F(MultiprocRRef, EveryForkPath) {
   EXPECT_EQ(rpc::rpc_sync<SumResult>("worker1", "sum_rref", mine.to_ivalue()), SumResult(4, false, true));
   rref::RRef back = rref::RRef::from_ivalue(rpc::rpc_sync("worker1", "echo_rref", mine.to_ivalue()));
   EXPECT_TRUE(back.is_owner());
+  // As arguments of remote(): to a user and to the owner; the results stay where they were computed.
+  EXPECT_EQ(rref::remote("worker2", "sum_rref", r.to_ivalue()).to_here<SumResult>(), SumResult(10, false, true));
+  EXPECT_EQ(rref::remote("worker1", "sum_rref", r.to_ivalue()).to_here<SumResult>(), SumResult(10, true, true));
 }
 
 TEST_F(MultiprocRRef, ChainsOfWorkers) {
