@@ -862,7 +862,7 @@ Future Agent::call_direct_sync(int peer, const std::string& function, std::vecto
   if (auto sent = conn->write(direct::Kind::kRequest, id, *frame, deadline); !sent.ok()) {
     msg = sent;
   } else {
-    msg = conn->read(static_cast<uint64_t>(options_.max_message_bytes), deadline);
+    msg = conn->read(static_cast<uint64_t>(options_.max_message_bytes), deadline, options_.sync_spin);
   }
   {
     absl::MutexLock lock(&mu_);

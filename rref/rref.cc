@@ -186,6 +186,7 @@ class Context {
     s.user_refs = user_refs.load();
     s.pending_children = static_cast<int64_t>(pending_children_.size());
     s.pending_confirmations = static_cast<int64_t>(pending_users_.size());
+    s.failed_notes = failed_notes.load();
     return s;
   }
 
@@ -699,7 +700,14 @@ rpc::Future RRef::to_here_async(std::chrono::milliseconds timeout) const {
 
 c10::IValue RRef::to_here(std::chrono::milliseconds timeout) const {
   const auto& impl = checked(impl_);
-  if (impl.owner_side_) return to_here_async(timeout).value();
+  if (impl.owner_side_) {
+    rpc::Future value = to_here_async(timeout);
+    if (timeout.count() > 0 && !value.wait_for(timeout)) {
+      throw RpcError(to_here_error(impl.owner_, absl::DeadlineExceededError(absl::StrCat(
+                                                    "the value was not ready within ", timeout.count(), " ms"))));
+    }
+    return value.value();
+  }
   // Blocking: rpc's call_and_wait lets the calling thread read its own reply (one hand-off less).
   rpc::Future fetched = rpc::call_and_wait(impl.owner_, "__tandem.rref.fetch", fetch_args(impl.rref_id_, timeout), timeout);
   if (absl::Status s = fetched.status(); !s.ok()) throw RpcError(to_here_error(impl.owner_, s));

@@ -200,6 +200,7 @@ struct Stats {
   int64_t user_refs = 0;              // live user references held here
   int64_t pending_children = 0;       // references sent on, whose receivers the owner has not confirmed yet
   int64_t pending_confirmations = 0;  // references received here, not yet confirmed by their owner
+  int64_t failed_notes = 0;           // delete/accept batches that could not be delivered (their worker was gone)
 };
 Stats stats();
 

@@ -59,7 +59,9 @@ absl::Status wait_fd(int fd, short events, absl::Time deadline) {
   }
 }
 
-absl::Status read_exact(int fd, void* dst, size_t len, absl::Time deadline) {
+// Reads `len` bytes. Until `spin_until`, an empty socket is polled again at once instead of sleeping on it.
+absl::Status read_exact(int fd, void* dst, size_t len, absl::Time deadline,
+                        std::chrono::steady_clock::time_point spin_until = {}) {
   auto* p = static_cast<uint8_t*>(dst);
   while (len > 0) {
     const ssize_t n = ::read(fd, p, len);
@@ -69,6 +71,7 @@ absl::Status read_exact(int fd, void* dst, size_t len, absl::Time deadline) {
     } else if (n == 0) {
       return absl::UnavailableError("connection closed by the peer");
     } else if (errno == EAGAIN || errno == EWOULDBLOCK) {
+      if (std::chrono::steady_clock::now() < spin_until) continue;
       if (auto s = wait_fd(fd, POLLIN, deadline); !s.ok()) return s;
     } else if (errno != EINTR) {
       return errno_status("read");
@@ -195,8 +198,9 @@ absl::StatusOr<Message> Conn::read_body(absl::Time deadline) {
   return m;
 }
 
-absl::StatusOr<Message> Conn::read(uint64_t max_body, absl::Time deadline) {
-  if (auto s = read_exact(fd_, header_, sizeof(header_), deadline); !s.ok()) return s;
+absl::StatusOr<Message> Conn::read(uint64_t max_body, absl::Time deadline, std::chrono::microseconds spin) {
+  const auto spin_until = std::chrono::steady_clock::now() + spin;
+  if (auto s = read_exact(fd_, header_, sizeof(header_), deadline, spin_until); !s.ok()) return s;
   header_got_ = sizeof(header_);
   if (auto s = check_header(max_body); !s.ok()) return s;
   return read_body(std::max(deadline, absl::Now() + kMessageTimeout));

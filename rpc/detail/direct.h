@@ -53,8 +53,10 @@ class Conn {
   int fd() const { return fd_; }
   // Writes one message (header + every slice of `body`), holding the write lock; fails at `deadline`.
   absl::Status write(Kind kind, uint64_t call_id, const grpc::ByteBuffer& body, absl::Time deadline);
-  // Reads one whole message; fails at `deadline`, on EOF, or when the header lies.
-  absl::StatusOr<Message> read(uint64_t max_body, absl::Time deadline);
+  // Reads one whole message; fails at `deadline`, on EOF, or when the header lies. For the first `spin` the caller
+  // polls instead of sleeping (a reply expected within microseconds then costs no wake-up).
+  absl::StatusOr<Message> read(uint64_t max_body, absl::Time deadline,
+                               std::chrono::microseconds spin = std::chrono::microseconds(0));
   // For connections driven by epoll: reads what has arrived of the next header without waiting. True once it is
   // complete (then read_body); false when more must arrive; an error on EOF or a header that lies.
   absl::StatusOr<bool> poll_header(uint64_t max_body);
