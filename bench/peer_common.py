@@ -1,4 +1,5 @@
 """Shared by the PyTorch peer scripts of bench/run.sh: process launch, RPC init, and the JSON line format."""
+import argparse
 import json
 import os
 import socket
@@ -48,3 +49,22 @@ def launch(script, argv, world):
     codes = [p.wait() for p in procs]
     if any(codes):
         sys.exit(f"{os.path.basename(script)}: ranks exited with {codes}")
+
+
+def main(script, run, world, sizes):
+    """The command line of a peer script: `mode` plus integer `sizes` ({flag: default}); without --rank it launches the
+    `world` ranks, with it it runs `run(rank, port, args)`."""
+    p = argparse.ArgumentParser()
+    p.add_argument("mode", choices=["default", "tcp"])
+    for flag, default in sizes.items():
+        p.add_argument(flag, type=int, default=default)
+    p.add_argument("--rank", type=int, default=-1)
+    p.add_argument("--port", type=int, default=0)
+    args = p.parse_args()
+    if args.rank >= 0:
+        run(args.rank, args.port, args)
+        return
+    argv = [args.mode]
+    for flag in sizes:
+        argv += [flag, str(getattr(args, flag.lstrip("-").replace("-", "_")))]
+    launch(script, argv, world)

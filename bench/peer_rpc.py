@@ -6,14 +6,13 @@
 of one host); "tcp" forces its TCP transport and basic channel. Small calls use the builtin torch.add (PyTorch's
 fastest path); the bulk call's function returns the element count. One intra-op thread per process.
 """
-import argparse
 import statistics
 import time
 
 import torch
 import torch.distributed.rpc as rpc
 
-from peer_common import emit as emit_line, init, launch
+from peer_common import emit as emit_line, init, main as peer_main
 
 
 def numel(t):
@@ -52,33 +51,16 @@ def run(rank, port, args):
 
         window = []
         t0 = time.perf_counter()
-        for i in range(args.async_calls):
+        for i in range(getattr(args, "async")):
             if len(window) == 128:
                 window.pop(0).wait()
             window.append(rpc.rpc_async("w1", torch.add, args=(one, one)))
         for f in window:
             f.wait()
         dt = time.perf_counter() - t0
-        emit(impl, "async_128_calls_per_s", args.async_calls / dt, "calls/s", calls=args.async_calls)
+        emit(impl, "async_128_calls_per_s", getattr(args, "async") / dt, "calls/s", calls=getattr(args, "async"))
     rpc.shutdown()
 
 
-def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=["default", "tcp"])
-    p.add_argument("--small", type=int, default=5000)
-    p.add_argument("--bulk", type=int, default=20)
-    p.add_argument("--async", dest="async_calls", type=int, default=50000)
-    p.add_argument("--bulk-mib", type=int, default=64)
-    p.add_argument("--rank", type=int, default=-1)
-    p.add_argument("--port", type=int, default=0)
-    args = p.parse_args()
-    if args.rank >= 0:
-        run(args.rank, args.port, args)
-        return
-    launch(__file__, [args.mode, "--small", str(args.small), "--bulk", str(args.bulk), "--async", str(args.async_calls),
-                      "--bulk-mib", str(args.bulk_mib)], 2)
-
-
 if __name__ == "__main__":
-    main()
+    peer_main(__file__, run, 2, {"--small": 5000, "--bulk": 20, "--async": 50000, "--bulk-mib": 64})

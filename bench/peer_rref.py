@@ -5,14 +5,13 @@
 remote() uses the builtin torch.add (PyTorch's fastest path); the churn waits until the owner's RRef context holds no
 owner RRef (its own debug counter), as ours waits on the owner's count.
 """
-import argparse
 import statistics
 import time
 
 import torch
 import torch.distributed.rpc as rpc
 
-from peer_common import emit as emit_line, init, launch
+from peer_common import emit as emit_line, init, main as peer_main
 
 
 def touch(r):
@@ -58,19 +57,5 @@ def run(rank, port, args):
     rpc.shutdown()
 
 
-def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=["default", "tcp"])
-    p.add_argument("--small", type=int, default=3000)
-    p.add_argument("--churn", type=int, default=20000)
-    p.add_argument("--rank", type=int, default=-1)
-    p.add_argument("--port", type=int, default=0)
-    args = p.parse_args()
-    if args.rank >= 0:
-        run(args.rank, args.port, args)
-        return
-    launch(__file__, [args.mode, "--small", str(args.small), "--churn", str(args.churn)], 3)
-
-
 if __name__ == "__main__":
-    main()
+    peer_main(__file__, run, 3, {"--small": 3000, "--churn": 20000})
