@@ -22,7 +22,6 @@
 #include <atomic>
 #include <cstdlib>
 #include <fstream>
-#include <sstream>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -94,6 +93,7 @@ class Agent {
   absl::Status shutdown(bool graceful);
 
   const WorkerInfo& self() const { return peers_[rank_]->info; }
+  const WorkerInfo& info(int rank) const { return peers_[rank]->info; }
   std::vector<WorkerInfo> workers() const {
     std::vector<WorkerInfo> out;
     for (const auto& p : peers_) out.push_back(p->info);
@@ -158,7 +158,7 @@ class Agent {
       : name_(std::move(name)), rank_(rank), world_size_(world_size), options_(std::move(options)) {}
 
   absl::Status rendezvous(const std::string& master, const std::string& advertised);
-  void connect_direct_peers(const std::string& boot_id);
+  void connect_direct_peers();
   void handle(std::shared_ptr<InCall> in);
   void run(const std::shared_ptr<InCall>& in, const std::string& function, std::vector<c10::IValue> args,
            const std::string& caller_name);
@@ -399,13 +399,13 @@ absl::Status Agent::rendezvous(const std::string& master, const std::string& adv
     rank_of_[parts[0]] = r;
     peers_.push_back(std::move(peer));
   }
-  connect_direct_peers(my_boot);
+  connect_direct_peers();
   return absl::OkStatus();
 }
 
 // The direct channel is chosen per peer here, at connection time: a same-host peer whose socket cannot be reached (a
 // different network namespace, say) is served by gRPC instead.
-void Agent::connect_direct_peers(const std::string&) {
+void Agent::connect_direct_peers() {
   for (auto& peer : peers_) {
     if (!peer->direct) continue;
     auto conn = async_conn(peer->info.id, absl::Now() + absl::Seconds(5));
@@ -1040,19 +1040,18 @@ bool is_initialized() { return current_agent() != nullptr; }
 
 WorkerInfo get_worker_info() { return require_agent()->self(); }
 
-WorkerInfo get_worker_info(const std::string& name) {
+namespace {
+WorkerInfo worker_info(const To& to) {
   auto agent = require_agent();
-  auto r = agent->resolve(To(name));
+  auto r = agent->resolve(to);
   throw_if_error(r.status());
-  return agent->workers()[*r];
+  return agent->info(*r);
 }
+}  // namespace
 
-WorkerInfo get_worker_info(int id) {
-  auto agent = require_agent();
-  auto r = agent->resolve(To(id));
-  throw_if_error(r.status());
-  return agent->workers()[*r];
-}
+WorkerInfo get_worker_info(const std::string& name) { return worker_info(To(name)); }
+
+WorkerInfo get_worker_info(int id) { return worker_info(To(id)); }
 
 std::vector<WorkerInfo> get_all_worker_infos() { return require_agent()->workers(); }
 

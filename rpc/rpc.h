@@ -147,29 +147,41 @@ void append_arg(std::vector<c10::IValue>& args, std::chrono::milliseconds& timeo
     args.push_back(to_ivalue(std::forward<A>(a)));
   }
 }
-}  // namespace detail
 
-template <typename... Args>
-Future rpc_async(const To& to, const std::string& function, Args&&... args) {
+// A call's arguments as sent, and its timeout (a trailing duration argument; 0: the default).
+struct Packed {
   std::vector<c10::IValue> values;
-  values.reserve(sizeof...(Args));
-  std::chrono::milliseconds timeout(0);
-  (detail::append_arg(values, timeout, std::forward<Args>(args)), ...);
-  return call(to, function, std::move(values), timeout);
+  std::chrono::milliseconds timeout{0};
+};
+template <typename... Args>
+Packed pack(Args&&... args) {
+  Packed p;
+  p.values.reserve(sizeof...(Args));
+  (append_arg(p.values, p.timeout, std::forward<Args>(args)), ...);
+  return p;
 }
 
-template <typename R = c10::IValue, typename... Args>
-R rpc_sync(const To& to, const std::string& function, Args&&... args) {
-  std::vector<c10::IValue> values;
-  values.reserve(sizeof...(Args));
-  std::chrono::milliseconds timeout(0);
-  (detail::append_arg(values, timeout, std::forward<Args>(args)), ...);
-  Future f = call_and_wait(to, function, std::move(values), timeout);
+// The value of a completed call as R (nothing for void).
+template <typename R>
+R result_as(const Future& f) {
   if constexpr (std::is_void_v<R>) {
     f.value();
   } else {
     return f.get<R>();
   }
+}
+}  // namespace detail
+
+template <typename... Args>
+Future rpc_async(const To& to, const std::string& function, Args&&... args) {
+  detail::Packed p = detail::pack(std::forward<Args>(args)...);
+  return call(to, function, std::move(p.values), p.timeout);
+}
+
+template <typename R = c10::IValue, typename... Args>
+R rpc_sync(const To& to, const std::string& function, Args&&... args) {
+  detail::Packed p = detail::pack(std::forward<Args>(args)...);
+  return detail::result_as<R>(call_and_wait(to, function, std::move(p.values), p.timeout));
 }
 
 }  // namespace tandem::rpc

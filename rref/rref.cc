@@ -614,13 +614,16 @@ RRefImpl::~RRefImpl() {
   ctx.batcher.add(owner_, "__tandem.rref.delete", rref_id_, fork_id_);
 }
 
-std::string RRefImpl::ownerName() const {
+// A worker's name, or "rank N" once RPC is down (errors are still worth a name).
+std::string name_of(int rank) {
   try {
-    return rpc::get_worker_info(owner_).name;
+    return rpc::get_worker_info(rank).name;
   } catch (const std::exception&) {
-    return "rank " + std::to_string(owner_);
+    return "rank " + std::to_string(rank);
   }
 }
+
+std::string RRefImpl::ownerName() const { return name_of(owner_); }
 
 void register_class_impl(const std::string& name, Constructor constructor) {
   std::lock_guard<std::mutex> lock(g_classes_mu);
@@ -663,13 +666,8 @@ int64_t RRef::id() const { return checked(impl_).rref_id_; }
 
 namespace {
 absl::Status to_here_error(int owner, const absl::Status& s) {
-  std::string name;
-  try {
-    name = rpc::get_worker_info(owner).name;
-  } catch (const std::exception&) {
-    name = "rank " + std::to_string(owner);
-  }
-  return absl::Status(s.code(), absl::StrCat("to_here of an RRef owned by ", name, " (rank ", owner, "): ", s.message()));
+  return absl::Status(s.code(), absl::StrCat("to_here of an RRef owned by ", detail::name_of(owner), " (rank ", owner,
+                                             "): ", s.message()));
 }
 
 // The fetch: sent at once, even before the owner confirmed the reference; the owner waits for a creation it has not

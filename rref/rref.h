@@ -69,27 +69,18 @@ class RRef {
   // is sent once the owner has confirmed this reference. A trailing std::chrono::duration is the timeout.
   template <typename R = c10::IValue, typename... Args>
   R rpc_sync(const std::string& method, Args&&... args) const {
-    rpc::Future f = rpc_async(method, std::forward<Args>(args)...);
-    if constexpr (std::is_void_v<R>) {
-      f.value();
-    } else {
-      return f.template get<R>();
-    }
+    return rpc::detail::result_as<R>(rpc_async(method, std::forward<Args>(args)...));
   }
   template <typename... Args>
   rpc::Future rpc_async(const std::string& method, Args&&... args) const {
-    std::vector<c10::IValue> values;
-    std::chrono::milliseconds timeout(0);
-    (rpc::detail::append_arg(values, timeout, std::forward<Args>(args)), ...);
-    return call_method(method, std::move(values), timeout);
+    rpc::detail::Packed p = rpc::detail::pack(std::forward<Args>(args)...);
+    return call_method(method, std::move(p.values), p.timeout);
   }
   // The result stays on the owner: a new RRef to it.
   template <typename... Args>
   RRef remote(const std::string& method, Args&&... args) const {
-    std::vector<c10::IValue> values;
-    std::chrono::milliseconds timeout(0);
-    (rpc::detail::append_arg(values, timeout, std::forward<Args>(args)), ...);
-    return remote_method(method, std::move(values), timeout);
+    rpc::detail::Packed p = rpc::detail::pack(std::forward<Args>(args)...);
+    return remote_method(method, std::move(p.values), p.timeout);
   }
   rpc::Future call_method(const std::string& method, std::vector<c10::IValue> args,
                           std::chrono::milliseconds timeout) const;
@@ -108,10 +99,8 @@ RRef remote_call(const rpc::To& to, const std::string& function, std::vector<c10
                  std::chrono::milliseconds timeout = std::chrono::milliseconds(0));
 template <typename... Args>
 RRef remote(const rpc::To& to, const std::string& function, Args&&... args) {
-  std::vector<c10::IValue> values;
-  std::chrono::milliseconds timeout(0);
-  (rpc::detail::append_arg(values, timeout, std::forward<Args>(args)), ...);
-  return remote_call(to, function, std::move(values), timeout);
+  rpc::detail::Packed p = rpc::detail::pack(std::forward<Args>(args)...);
+  return remote_call(to, function, std::move(p.values), p.timeout);
 }
 
 // An RRef whose value has C++ type T (PyTorch's RRef[T]): to_here() and local_value() return T. The value is converted

@@ -317,7 +317,7 @@ void Transport::handle_ready(const std::shared_ptr<Conn>& conn) {
     // The first message of an inbound connection must be a valid hello; anything else closes it.
     grpc::Slice body;
     if (msg->kind != Kind::kHello || !msg->body.Valid() || !msg->body.DumpToSingleSlice(&body).ok() ||
-        body.size() != kHelloBytes || CRYPTO_memcmp(body.begin(), token_.data(), 64) != 0 || token_.size() != 64) {
+        body.size() != kHelloBytes || token_.size() != 64 || CRYPTO_memcmp(body.begin(), token_.data(), 64) != 0) {
       // Said explicitly, so the client can tell a rejection from a peer that died mid-handshake.
       const uint32_t rejected = kRejected;
       std::string reply(reinterpret_cast<const char*>(&rejected), sizeof(rejected));
