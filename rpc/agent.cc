@@ -121,6 +121,8 @@ class Agent {
     grpc::ByteBuffer owned;
     pid_t cma_pid = 0;  // the caller's process, when tensors may be read from its memory
     int caller = -1;    // the caller's rank, once the request is parsed (for value codecs of the reply)
+    bool traced = false;                // the request carried a call tracer's attachment
+    std::shared_ptr<void> trace_state;  // what the tracer keeps for this call
     // Sends the reply (or, with a non-OK status, the transport-level error). Called once, under mu.
     std::function<void(grpc::ByteBuffer* reply, const grpc::Status& status)> send;
     std::mutex mu;          // makes "send the reply" one step against a concurrent stop()
@@ -511,8 +513,17 @@ void Agent::handle(std::shared_ptr<InCall> in) {
   if (!frame.ok()) return reply_error(in, frame.status());
   in->caller = request.caller_rank();
   std::vector<Future> wait;
-  auto args = frame->decode(request.args(), {in->cma_pid, request.caller_rank(), &wait});
+  CallTracer* tracer = request.trace().empty() ? nullptr : detail::call_tracer();
+  std::vector<at::Tensor> wire_tensors;
+  auto args = frame->decode(request.args(),
+                            {in->cma_pid, request.caller_rank(), &wait, tracer ? &wire_tensors : nullptr});
   if (!args.ok()) return reply_error(in, args.status());
+  if (tracer) {
+    auto state = tracer->request_in(request.caller_rank(), request.trace(), wire_tensors);
+    if (!state.ok()) return reply_error(in, state.status());
+    in->trace_state = std::move(*state);
+    in->traced = true;
+  }
   if (wait.empty()) return run(in, request.function(), std::move(*args), request.caller_name());
   // Some argument needs protocol work first (e.g. a remote reference its owner must confirm): run after it, on the pool.
   auto shared_args = std::make_shared<std::vector<c10::IValue>>(std::move(*args));
@@ -534,6 +545,10 @@ void Agent::run(const std::shared_ptr<InCall>& in, const std::string& function, 
   }
   CallContext context{caller_name, in->caller, function};
   t_current_call = &context;
+  std::shared_ptr<void> trace_scope;
+  if (in->traced) {
+    if (CallTracer* tracer = detail::call_tracer()) trace_scope = tracer->enter(in->trace_state);
+  }
   Future result;
   try {
     result = handler(std::move(args));
@@ -546,6 +561,7 @@ void Agent::run(const std::shared_ptr<InCall>& in, const std::string& function, 
   } catch (...) {
     result = Future::failed(absl::UnknownError("unknown exception"));
   }
+  trace_scope.reset();
   t_current_call = nullptr;
   result.add_callback([this, in](const Future& f) { reply(in, f); });
 }
@@ -557,6 +573,11 @@ void Agent::reply(const std::shared_ptr<InCall>& in, const Future& result) {
   wire::Encoder encoder(0, in->caller);
   if (auto s = encoder.encode({result.value()}, response.mutable_result()); !s.ok()) {
     return reply_error(in, error_with(s, "cannot send the result: "));
+  }
+  if (in->traced) {
+    if (CallTracer* tracer = detail::call_tracer()) {
+      response.set_trace(tracer->reply_out(in->trace_state, in->caller, encoder.sent()));
+    }
   }
   grpc::ByteBuffer frame = encoder.frame(response);
   finish_once(in, grpc::Status::OK, &frame);
@@ -597,6 +618,7 @@ absl::StatusOr<grpc::ByteBuffer> Agent::encode_request(int peer, const std::stri
   if (auto s = encoder.encode(args, request.mutable_args()); !s.ok()) {
     return error_with(s, "cannot send the arguments: ");
   }
+  if (CallTracer* tracer = detail::call_tracer()) request.set_trace(tracer->request_out(peer, function, encoder.sent()));
   grpc::ByteBuffer frame = encoder.frame(request);
   by_reference_ += static_cast<int64_t>(encoder.referenced().size());
   if (referenced) referenced->swap(encoder.referenced());
@@ -649,8 +671,13 @@ absl::StatusOr<c10::IValue> Agent::parse_reply(const grpc::ByteBuffer& frame_byt
                         prefix + (code == absl::StatusCode::kUnknown ? "remote exception: " : "") +
                             response.error().message());
   }
-  auto values = frame->decode(response.result(), {0, peer, wait});
+  CallTracer* tracer = response.trace().empty() ? nullptr : detail::call_tracer();
+  std::vector<at::Tensor> wire_tensors;
+  auto values = frame->decode(response.result(), {0, peer, wait, tracer ? &wire_tensors : nullptr});
   if (!values.ok()) return error_with(values.status(), prefix + "bad reply: ");
+  if (tracer) {
+    if (auto s = tracer->reply_in(peer, response.trace(), wire_tensors); !s.ok()) return error_with(s, prefix);
+  }
   if (values->size() != 1) return absl::InternalError(prefix + "bad reply: expected one result");
   return std::move((*values)[0]);
 }

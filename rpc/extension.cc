@@ -14,6 +14,8 @@ struct Extensions {
   std::vector<std::function<void()>> stop_hooks;
 };
 
+std::atomic<CallTracer*> g_tracer{nullptr};
+
 Extensions& extensions() {
   static auto* e = new Extensions;
   return *e;
@@ -26,6 +28,8 @@ void register_value_codec(ValueCodec codec) {
   std::lock_guard<std::mutex> lock(e.mu);
   e.codecs.push_back(std::move(codec));
 }
+
+void set_call_tracer(CallTracer* tracer) { g_tracer.store(tracer, std::memory_order_release); }
 
 void add_shutdown_hook(std::function<absl::Status(absl::Time)> hook) {
   auto& e = extensions();
@@ -80,6 +84,8 @@ std::vector<std::function<absl::Status(absl::Time)>> shutdown_hooks() {
   std::lock_guard<std::mutex> lock(e.mu);
   return e.shutdown_hooks;
 }
+
+CallTracer* call_tracer() { return g_tracer.load(std::memory_order_acquire); }
 
 std::vector<std::function<void()>> stop_hooks() {
   auto& e = extensions();

@@ -7,6 +7,7 @@
 #include <ATen/core/ivalue.h>
 
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -30,6 +31,29 @@ struct ValueCodec {
 };
 void register_value_codec(ValueCodec codec);
 
+// Follows calls across workers (distributed autograd uses it to record where tensors that require grad go). It sees
+// every request and reply with the tensors in them (indexed as on the wire: a tensor sent twice appears once) and may
+// attach bytes to the message. A traced message's tensors arrive without requires_grad: the tracer decides.
+class CallTracer {
+ public:
+  virtual ~CallTracer() = default;
+  // Caller, on the calling thread, when a request for `function` on worker `to` is encoded. Returns what to attach
+  // (empty: the request is not traced).
+  virtual std::string request_out(int to, const std::string& function, const std::vector<at::Tensor>& tensors) = 0;
+  // Callee, when a traced request from worker `from` is decoded. Returns the call's state, handed to enter and
+  // reply_out (may be null); an error fails the call.
+  virtual absl::StatusOr<std::shared_ptr<void>> request_in(int from, const std::string& attached,
+                                                           const std::vector<at::Tensor>& tensors) = 0;
+  // Callee, around the synchronous part of the function: what it returns lives while the function runs.
+  virtual std::shared_ptr<void> enter(const std::shared_ptr<void>& state) = 0;
+  // Callee, when the reply of a traced request to `to` is encoded. Returns what to attach.
+  virtual std::string reply_out(const std::shared_ptr<void>& state, int to, const std::vector<at::Tensor>& tensors) = 0;
+  // Caller, when a reply with something attached arrives from worker `from`. An error fails the call.
+  virtual absl::Status reply_in(int from, const std::string& attached, const std::vector<at::Tensor>& tensors) = 0;
+};
+// Installs the process's tracer (one at most; it must live until exit).
+void set_call_tracer(CallTracer* tracer);
+
 // Runs at a graceful shutdown before this worker waits for its outgoing calls and meets the others at the barrier;
 // hooks run in registration order, each until `deadline` at most. An error fails the shutdown (which still happens).
 void add_shutdown_hook(std::function<absl::Status(absl::Time deadline)> hook);
@@ -46,6 +70,7 @@ const ValueCodec* find_codec(const c10::IValue& value);
 const ValueCodec* find_codec(const std::string& kind);
 std::vector<std::function<absl::Status(absl::Time)>> shutdown_hooks();
 std::vector<std::function<void()>> stop_hooks();
+CallTracer* call_tracer();
 }  // namespace detail
 
 }  // namespace tandem::rpc

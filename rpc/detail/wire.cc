@@ -109,6 +109,7 @@ absl::Status Encoder::encode_tensor(const at::Tensor& t, Payload* payload, uint3
   meta->set_requires_grad(t.requires_grad());
   *index = static_cast<uint32_t>(payload->tensors_size() - 1);
   seen_.emplace_back(t.unsafeGetTensorImpl(), *index);
+  sent_.push_back(t);
   if (by_reference_min_bytes_ > 0 && c.nbytes() >= by_reference_min_bytes_) {
     meta->set_by_reference(true);
     meta->set_remote_addr(reinterpret_cast<uintptr_t>(c.data_ptr()));
@@ -330,7 +331,9 @@ absl::StatusOr<c10::IValue> Frame::decode_value(const Value& v, const Payload& p
         const auto& meta = payload.tensors(v.tensor());
         auto t = decode_tensor(meta, cma_pid);
         if (!t.ok()) return t.status();
-        if (meta.requires_grad() && at::isFloatingType(t->scalar_type())) t->set_requires_grad(true);
+        if (meta.requires_grad() && !origin.tensors && at::isFloatingType(t->scalar_type())) {
+          t->set_requires_grad(true);
+        }
         tensors[v.tensor()] = std::move(*t);
       }
       return tensors[v.tensor()];  // a tensor sent twice arrives as one tensor, as it was sent
@@ -397,6 +400,12 @@ absl::StatusOr<std::vector<c10::IValue>> Frame::decode(const Payload& payload, c
     auto d = decode_value(v, payload, tensors, 0, origin);
     if (!d.ok()) return d.status();
     values.push_back(std::move(*d));
+  }
+  if (origin.tensors) {
+    origin.tensors->assign(tensors.size(), at::Tensor());
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      if (tensors[i].isTensor()) (*origin.tensors)[i] = tensors[i].toTensor();
+    }
   }
   return values;
 }

@@ -37,6 +37,8 @@ class Encoder {
   explicit Encoder(uint64_t by_reference_min_bytes = 0, int to = -1)
       : by_reference_min_bytes_(by_reference_min_bytes), to_(to) {}
   std::vector<at::Tensor>& referenced() { return referenced_; }
+  // The tensors encoded so far, as given (before any contiguous copy), indexed as in Payload.tensors.
+  const std::vector<at::Tensor>& sent() const { return sent_; }
 
   // Encodes `values` into `payload`; tensors are queued for the frame. Fails for values Tandem cannot send
   // (objects, quantized/sparse/non-CPU tensors).
@@ -51,6 +53,7 @@ class Encoder {
   const int to_;
   std::vector<at::Tensor> tensors_;
   std::vector<at::Tensor> referenced_;
+  std::vector<at::Tensor> sent_;
   std::vector<std::pair<const void*, uint32_t>> seen_;  // TensorImpl -> index: a tensor sent twice is sent once
   uint64_t payload_bytes_ = 0;
 };
@@ -65,6 +68,9 @@ class Frame {
     pid_t cma_pid = 0;  // tensors sent by reference are read from this process; 0: they are refused
     int from = -1;      // the sender's rank, for value codecs
     std::vector<Future>* wait = nullptr;  // codecs' futures that must complete before the values are used
+    // When set, the message is traced (rpc/extension.h): receives the decoded tensors indexed as in Payload.tensors
+    // (undefined for one no value refers to), and no tensor is made to require grad (the tracer decides).
+    std::vector<at::Tensor>* tensors = nullptr;
   };
   // Decodes the values of `payload`, validating every tensor against the frame.
   absl::StatusOr<std::vector<c10::IValue>> decode(const tandem::wire::Payload& payload, const Origin& origin) const;

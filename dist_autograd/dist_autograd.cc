@@ -1,0 +1,449 @@
+// Distributed autograd: contexts, the call tracer that records send/recv functions, and the FAST-mode backward pass.
+// docs/dist_autograd.md describes the algorithm; this file follows it.
+#include "dist_autograd/dist_autograd.h"
+
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/accumulate_grad.h>
+#include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <atomic>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <unordered_set>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "rpc/errors.h"
+#include "rpc/extension.h"
+#include "rpc/registry.h"
+#include "rpc/rpc.h"
+
+namespace tandem::dist_autograd {
+namespace {
+
+using torch::autograd::Edge;
+using torch::autograd::Node;
+using torch::autograd::variable_list;
+
+constexpr const char* kGradFunction = "__tandem.dist_autograd.grad";
+constexpr const char* kReleaseFunction = "__tandem.dist_autograd.release";
+constexpr const char* kPrefix = "__tandem.dist_autograd.";
+
+thread_local int64_t t_context = -1;
+
+// Sender side of a message: the gradients of the message's tensors arrive here (from the receiver's recv function)
+// and continue into this worker's graph.
+struct SendRpcBackward : Node {
+  variable_list apply(variable_list&& grads) override { return std::move(grads); }
+  std::string name() const override { return "tandem::SendRpcBackward"; }
+};
+
+// Receiver side: the tensors of a message were made its outputs. Its gradients are captured by the backward pass and
+// sent to the sender's SendRpcBackward; it is never applied itself.
+struct RecvRpcBackward : Node {
+  RecvRpcBackward(int64_t context, int from, int64_t send) : context_id(context), from_rank(from), send_id(send) {}
+  variable_list apply(variable_list&&) override {
+    throw std::logic_error("RecvRpcBackward is applied by distributed autograd only (use dist_autograd::backward)");
+  }
+  std::string name() const override { return "tandem::RecvRpcBackward"; }
+  const int64_t context_id;
+  const int from_rank;
+  const int64_t send_id;
+};
+
+struct Context {
+  explicit Context(int64_t i) : id(i) {}
+  const int64_t id;
+  std::mutex mu;
+  std::unordered_map<int64_t, std::shared_ptr<SendRpcBackward>> sends;
+  Gradients::Map grads;
+  std::set<int> workers;  // workers this context sent to or received from: release goes there
+};
+
+class Container {
+ public:
+  static Container& get() {
+    static auto* c = new Container;  // never destroyed: RPC threads may use it until exit
+    return *c;
+  }
+  int64_t next_id() {
+    int64_t rank = 0;
+    if (rpc::is_initialized()) rank = rpc::get_worker_info().id;
+    return (rank << 48) | (counter_.fetch_add(1) & ((int64_t{1} << 48) - 1));
+  }
+  std::shared_ptr<Context> find(int64_t id) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = contexts_.find(id);
+    return it == contexts_.end() ? nullptr : it->second;
+  }
+  std::shared_ptr<Context> get_or_create(int64_t id) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto& c = contexts_[id];
+    if (!c) c = std::make_shared<Context>(id);
+    return c;
+  }
+  std::shared_ptr<Context> take(int64_t id) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = contexts_.find(id);
+    if (it == contexts_.end()) return nullptr;
+    auto c = std::move(it->second);
+    contexts_.erase(it);
+    return c;
+  }
+  void clear() {
+    std::unordered_map<int64_t, std::shared_ptr<Context>> gone;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      gone.swap(contexts_);
+    }
+  }
+  int64_t size() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return static_cast<int64_t>(contexts_.size());
+  }
+  std::atomic<int64_t> failed_releases{0};
+
+ private:
+  std::mutex mu_;
+  std::unordered_map<int64_t, std::shared_ptr<Context>> contexts_;
+  std::atomic<int64_t> counter_{1};
+};
+
+int self_rank() { return rpc::is_initialized() ? rpc::get_worker_info().id : 0; }
+
+std::string worker_name() {
+  return rpc::is_initialized() ? rpc::get_worker_info().name : std::string("(rpc not initialized)");
+}
+
+// Records a send function for the tensors of a message that require grad. Returns "<send id> <index>..." or "".
+std::string record_send(Context& ctx, const std::vector<at::Tensor>& tensors) {
+  std::vector<size_t> indices;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    if (tensors[i].defined() && tensors[i].requires_grad()) indices.push_back(i);
+  }
+  if (indices.empty()) return "";
+  auto send = std::make_shared<SendRpcBackward>();
+  std::vector<at::Tensor> recorded;
+  recorded.reserve(indices.size());
+  for (size_t i : indices) recorded.push_back(tensors[i]);
+  send->set_next_edges(torch::autograd::collect_next_edges(recorded));
+  for (const auto& t : recorded) send->add_input_metadata(t);
+  const int64_t send_id = Container::get().next_id();
+  {
+    std::lock_guard<std::mutex> lock(ctx.mu);
+    ctx.sends.emplace(send_id, std::move(send));
+  }
+  return absl::StrCat(send_id, " ", absl::StrJoin(indices, " "));
+}
+
+struct Attached {
+  int64_t context_id = -1;
+  int64_t send_id = -1;  // -1: no tensor of the message requires grad
+  std::vector<size_t> indices;
+};
+
+absl::StatusOr<Attached> parse_attached(const std::string& s, size_t num_tensors) {
+  Attached a;
+  std::vector<absl::string_view> parts = absl::StrSplit(s, ' ', absl::SkipEmpty());
+  auto bad = [&s] {
+    return absl::InvalidArgumentError(absl::StrCat("malformed distributed autograd record '", s.substr(0, 64), "'"));
+  };
+  if (parts.empty() || !absl::SimpleAtoi(parts[0], &a.context_id)) return bad();
+  if (parts.size() == 1) return a;
+  if (!absl::SimpleAtoi(parts[1], &a.send_id) || parts.size() > 2 + num_tensors) return bad();
+  std::unordered_set<size_t> seen;
+  for (size_t i = 2; i < parts.size(); ++i) {
+    size_t index = 0;
+    if (!absl::SimpleAtoi(parts[i], &index) || index >= num_tensors || !seen.insert(index).second) return bad();
+    a.indices.push_back(index);
+  }
+  if (a.indices.empty()) return bad();
+  return a;
+}
+
+// Makes the tensors of a received message outputs of a recv function that sends their gradients to `from`'s send.
+absl::Status record_recv(const Attached& a, int from, const std::vector<at::Tensor>& tensors) {
+  if (a.send_id < 0) return absl::OkStatus();
+  for (size_t i : a.indices) {
+    const at::Tensor& t = tensors[i];
+    if (!t.defined() || !(at::isFloatingType(t.scalar_type()) || at::isComplexType(t.scalar_type()))) {
+      return absl::InvalidArgumentError(absl::StrCat("distributed autograd: tensor ", i, " cannot require grad"));
+    }
+  }
+  auto recv = std::make_shared<RecvRpcBackward>(a.context_id, from, a.send_id);
+  for (size_t i : a.indices) torch::autograd::set_history(const_cast<at::Tensor&>(tensors[i]), recv);
+  return absl::OkStatus();
+}
+
+struct CallState {
+  int64_t context_id;
+};
+
+class Tracer final : public rpc::CallTracer {
+ public:
+  std::string request_out(int to, const std::string& function, const std::vector<at::Tensor>& tensors) override {
+    if (t_context < 0 || function.rfind(kPrefix, 0) == 0) return "";
+    auto ctx = Container::get().get_or_create(t_context);
+    {
+      std::lock_guard<std::mutex> lock(ctx->mu);
+      ctx->workers.insert(to);
+    }
+    const std::string send = record_send(*ctx, tensors);
+    return send.empty() ? absl::StrCat(ctx->id) : absl::StrCat(ctx->id, " ", send);
+  }
+
+  absl::StatusOr<std::shared_ptr<void>> request_in(int from, const std::string& attached,
+                                                   const std::vector<at::Tensor>& tensors) override {
+    auto a = parse_attached(attached, tensors.size());
+    if (!a.ok()) return a.status();
+    if (a->send_id >= 0) {
+      auto ctx = Container::get().get_or_create(a->context_id);
+      std::lock_guard<std::mutex> lock(ctx->mu);
+      ctx->workers.insert(from);
+    }
+    if (auto s = record_recv(*a, from, tensors); !s.ok()) return s;
+    return std::shared_ptr<void>(std::make_shared<CallState>(CallState{a->context_id}));
+  }
+
+  std::shared_ptr<void> enter(const std::shared_ptr<void>& state) override {
+    struct Scope {
+      int64_t previous;
+      ~Scope() { t_context = previous; }
+    };
+    auto scope = std::make_shared<Scope>(Scope{t_context});
+    t_context = static_cast<CallState*>(state.get())->context_id;
+    return scope;
+  }
+
+  std::string reply_out(const std::shared_ptr<void>& state, int to, const std::vector<at::Tensor>& tensors) override {
+    bool any = false;
+    for (const auto& t : tensors) any |= t.defined() && t.requires_grad();
+    if (!any) return "";
+    auto ctx = Container::get().get_or_create(static_cast<CallState*>(state.get())->context_id);
+    {
+      std::lock_guard<std::mutex> lock(ctx->mu);
+      ctx->workers.insert(to);
+    }
+    return absl::StrCat(ctx->id, " ", record_send(*ctx, tensors));
+  }
+
+  absl::Status reply_in(int from, const std::string& attached, const std::vector<at::Tensor>& tensors) override {
+    auto a = parse_attached(attached, tensors.size());
+    if (!a.ok()) return a.status();
+    if (auto ctx = Container::get().find(a->context_id)) {
+      std::lock_guard<std::mutex> lock(ctx->mu);
+      ctx->workers.insert(from);
+    }
+    return record_recv(*a, from, tensors);
+  }
+};
+
+// The local part of a backward pass: from `roots` (with gradients `inputs`) through this worker's graph. Leaves'
+// gradients accumulate into the context; recv functions' gradients go to their senders. The future completes when
+// every worker reached from here is done.
+rpc::Future run_local(const std::shared_ptr<Context>& ctx, const torch::autograd::edge_list& roots,
+                      const variable_list& inputs, std::chrono::milliseconds timeout) {
+  // What to capture: every leaf (AccumulateGrad) and every recv function reachable from the roots.
+  torch::autograd::edge_list outputs;
+  std::vector<std::shared_ptr<Node>> leaves;
+  std::vector<std::shared_ptr<RecvRpcBackward>> recvs;
+  {
+    std::unordered_set<Node*> seen;
+    std::vector<std::shared_ptr<Node>> stack;
+    for (const auto& e : roots) {
+      if (e.function && seen.insert(e.function.get()).second) stack.push_back(e.function);
+    }
+    while (!stack.empty()) {
+      std::shared_ptr<Node> n = std::move(stack.back());
+      stack.pop_back();
+      if (dynamic_cast<torch::autograd::AccumulateGrad*>(n.get())) {
+        outputs.emplace_back(n, 0);
+        leaves.push_back(n);
+        continue;
+      }
+      if (auto recv = std::dynamic_pointer_cast<RecvRpcBackward>(n)) {
+        for (uint32_t i = 0; i < recv->num_inputs(); ++i) outputs.emplace_back(recv, i);
+        recvs.push_back(std::move(recv));
+        continue;
+      }
+      for (const auto& e : n->next_edges()) {
+        if (e.function && seen.insert(e.function.get()).second) stack.push_back(e.function);
+      }
+    }
+  }
+  if (outputs.empty()) return rpc::Future::ready(c10::IValue());
+
+  variable_list captured;
+  try {
+    captured = torch::autograd::Engine::get_default_engine().execute(roots, inputs, /*keep_graph=*/true,
+                                                                      /*create_graph=*/false,
+                                                                      /*accumulate_grad=*/false, outputs);
+  } catch (const std::exception& e) {
+    std::string what = e.what();
+    if (auto cut = what.find("\nException raised from"); cut != std::string::npos) what.resize(cut);
+    return rpc::Future::failed(absl::InternalError(
+        absl::StrCat("distributed backward failed on worker '", worker_name(), "' (context ", ctx->id, "): ", what)));
+  }
+
+  size_t k = 0;
+  {
+    std::lock_guard<std::mutex> lock(ctx->mu);
+    for (const auto& leaf : leaves) {
+      const at::Tensor& g = captured[k++];
+      if (!g.defined()) continue;
+      const at::Tensor& var = static_cast<torch::autograd::AccumulateGrad*>(leaf.get())->variable;
+      auto [it, fresh] = ctx->grads.try_emplace(var.unsafeGetTensorImpl(), var, g);
+      if (!fresh) it->second.second = it->second.second + g;
+    }
+  }
+  std::vector<rpc::Future> sent;
+  for (const auto& recv : recvs) {
+    std::vector<int64_t> indices;
+    std::vector<at::Tensor> grads;
+    for (uint32_t i = 0; i < recv->num_inputs(); ++i) {
+      const at::Tensor& g = captured[k++];
+      if (!g.defined()) continue;
+      indices.push_back(i);
+      grads.push_back(g);
+    }
+    if (grads.empty()) continue;  // nothing flowed into this message: its sender's part gets no gradient
+    sent.push_back(rpc::rpc_async(recv->from_rank, kGradFunction, recv->context_id, recv->send_id, indices, grads,
+                                  timeout));
+  }
+  return rpc::when_all(sent);
+}
+
+// Worker side of a gradient message: continue the pass from send function `send_id`.
+rpc::Future on_grad(int64_t context_id, int64_t send_id, std::vector<int64_t> indices, std::vector<at::Tensor> grads) {
+  auto ctx = Container::get().find(context_id);
+  if (!ctx) {
+    throw std::invalid_argument(absl::StrCat("distributed autograd context ", context_id,
+                                             " does not exist on this worker (released?)"));
+  }
+  std::shared_ptr<SendRpcBackward> send;
+  {
+    std::lock_guard<std::mutex> lock(ctx->mu);
+    auto it = ctx->sends.find(send_id);
+    if (it != ctx->sends.end()) send = it->second;
+  }
+  if (!send) {
+    throw std::invalid_argument(absl::StrCat("no send function ", send_id, " in context ", context_id));
+  }
+  if (indices.size() != grads.size()) throw std::invalid_argument("gradient message: indices and gradients differ");
+  torch::autograd::edge_list roots;
+  for (int64_t i : indices) {
+    if (i < 0 || i >= static_cast<int64_t>(send->num_inputs())) {
+      throw std::invalid_argument(absl::StrCat("gradient message: input ", i, " out of range"));
+    }
+    roots.emplace_back(send, static_cast<uint32_t>(i));
+  }
+  return run_local(ctx, roots, grads, std::chrono::milliseconds(0));
+}
+
+rpc::Future release_on(int64_t context_id, int except) {
+  auto ctx = Container::get().take(context_id);
+  if (!ctx) return rpc::Future::ready(c10::IValue());
+  std::set<int> workers;
+  {
+    std::lock_guard<std::mutex> lock(ctx->mu);
+    workers = ctx->workers;
+  }
+  const int self = self_rank();
+  std::vector<rpc::Future> released;
+  for (int w : workers) {
+    if (w == self || w == except) continue;
+    rpc::Future f = rpc::rpc_async(w, kReleaseFunction, context_id);
+    f.add_callback([](const rpc::Future& done) {
+      if (!done.status().ok()) Container::get().failed_releases.fetch_add(1);
+    });
+    released.push_back(f);
+  }
+  return rpc::when_all(released);
+}
+
+bool install() {
+  static Tracer tracer;
+  rpc::set_call_tracer(&tracer);
+  rpc::register_function(kGradFunction, on_grad);
+  rpc::register_function(kReleaseFunction, [](int64_t context_id) {
+    const rpc::CallContext* call = rpc::current_call();
+    return release_on(context_id, call ? call->caller_rank : -1);
+  });
+  rpc::add_stop_hook([] { Container::get().clear(); });
+  return true;
+}
+
+const bool g_installed = install();
+
+}  // namespace
+
+ContextGuard::ContextGuard() : id_(Container::get().next_id()), previous_(t_context) {
+  Container::get().get_or_create(id_);
+  t_context = id_;
+}
+
+ContextGuard::~ContextGuard() {
+  t_context = previous_;
+  try {
+    release_context(id_);
+  } catch (const std::exception&) {
+    Container::get().failed_releases.fetch_add(1);
+  }
+}
+
+int64_t current_context() { return t_context; }
+
+void backward(int64_t context_id, const std::vector<at::Tensor>& roots, bool /*retain_graph*/,
+              std::chrono::milliseconds timeout) {
+  (void)g_installed;
+  auto ctx = Container::get().find(context_id);
+  if (!ctx) {
+    throw RpcError(absl::NotFoundError(
+        absl::StrCat("distributed autograd context ", context_id, " does not exist on worker '", worker_name(), "'")));
+  }
+  if (roots.empty()) throw RpcError(absl::InvalidArgumentError("backward() needs at least one root"));
+  torch::autograd::edge_list edges;
+  variable_list grads;
+  for (const auto& r : roots) {
+    if (!r.defined() || !r.requires_grad()) {
+      throw RpcError(absl::InvalidArgumentError("backward(): every root must be a tensor that requires grad"));
+    }
+    edges.push_back(torch::autograd::impl::gradient_edge(r));
+    grads.push_back(at::ones_like(r));
+  }
+  rpc::Future done = run_local(ctx, edges, grads, timeout);
+  // Each hop has its RPC deadline; this bounds the whole pass as well.
+  const auto wait = timeout.count() > 0 ? timeout : std::chrono::milliseconds(std::chrono::minutes(5));
+  if (!done.wait_for(wait)) {
+    throw RpcError(absl::DeadlineExceededError(absl::StrCat("distributed backward of context ", context_id,
+                                                            " did not finish within ", wait.count(), " ms")));
+  }
+  throw_if_error(done.status());
+}
+
+at::Tensor Gradients::operator[](const at::Tensor& leaf) const {
+  auto it = map_.find(leaf.unsafeGetTensorImpl());
+  return it == map_.end() ? at::Tensor() : it->second.second;
+}
+
+Gradients get_gradients(int64_t context_id) {
+  auto ctx = Container::get().find(context_id);
+  if (!ctx) {
+    throw RpcError(absl::NotFoundError(
+        absl::StrCat("distributed autograd context ", context_id, " does not exist on worker '", worker_name(), "'")));
+  }
+  std::lock_guard<std::mutex> lock(ctx->mu);
+  return Gradients(ctx->grads);
+}
+
+rpc::Future release_context(int64_t context_id) { return release_on(context_id, -1); }
+
+Stats stats() { return Stats{Container::get().size(), Container::get().failed_releases.load()}; }
+
+}  // namespace tandem::dist_autograd

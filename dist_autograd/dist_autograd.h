@@ -1,0 +1,93 @@
+// Distributed autograd: a model split across workers trains as if it were local.
+//
+//   {
+//     dist_autograd::ContextGuard ctx;                          // a new context, current on this thread
+//     at::Tensor h = rpc::rpc_sync<at::Tensor>("ps", "forward", x);   // recorded: a send here, a recv there
+//     at::Tensor loss = head(h).sum();
+//     dist_autograd::backward(ctx.id(), {loss});                // gradients cross every worker the forward touched
+//     dist_autograd::Gradients g = dist_autograd::get_gradients(ctx.id());   // this worker's leaves only
+//     optimizer.step(ctx.id());                                 // dist_optim: each owner applies its own
+//   }                                                           // released here and on every worker it touched
+//
+// Recording: while a context is current on a thread (the guard's thread, and on a callee the thread running a
+// function called from it), every RPC, `remote` and `to_here` records a send function on the sender for the tensors
+// of the message that require grad, and a recv function on the receiver, whose tensors then require grad. Replies are
+// recorded the same way. Nested calls (A -> B -> C) carry the context along.
+//
+// backward() runs the FAST-mode algorithm (docs/dist_autograd.md): the local pass from the roots captures the
+// gradients of this worker's leaves and of its recv functions; each recv's gradients go to its send on the sender,
+// whose worker runs its local pass from there at once, and so on. backward() returns when every worker reached has
+// finished, with the first error anywhere. Rules: gradients accumulate per context (get_gradients), never into
+// `.grad`; the graph stays alive until the context is released (several sends may reach one part of it).
+//
+// Errors: tandem::RpcError naming the worker and the cause. A worker that dies mid-backward fails the backward (no
+// hang: every step has the RPC deadline).
+//
+// Thread-safety: contexts may be used from several threads; concurrent backward passes in one context accumulate.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <chrono>
+#include <cstdint>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "rpc/future.h"
+
+namespace tandem::dist_autograd {
+
+// Creates a context, current on this thread until the guard dies; then the context is released here and on every
+// worker it touched (asynchronously: release_context's future is not waited for). Guards nest.
+class ContextGuard {
+ public:
+  ContextGuard();
+  ~ContextGuard();
+  ContextGuard(const ContextGuard&) = delete;
+  ContextGuard& operator=(const ContextGuard&) = delete;
+  int64_t id() const { return id_; }
+
+ private:
+  int64_t id_;
+  int64_t previous_;
+};
+
+// The context current on this thread, or -1.
+int64_t current_context();
+
+// Backward pass from `roots` (each must require grad; its gradient is ones) in context `context_id`, across every
+// worker the context's forward touched. `retain_graph` is accepted for PyTorch parity: the graph is kept until the
+// context is released in any case. A non-positive timeout means the RPC default. Throws RpcError.
+void backward(int64_t context_id, const std::vector<at::Tensor>& roots, bool retain_graph = false,
+              std::chrono::milliseconds timeout = std::chrono::milliseconds(0));
+
+// The gradients a context accumulated on this worker, by leaf tensor.
+class Gradients {
+ public:
+  using Map = std::unordered_map<const void*, std::pair<at::Tensor, at::Tensor>>;  // TensorImpl -> (leaf, grad)
+  explicit Gradients(Map map = {}) : map_(std::move(map)) {}
+  // The gradient of `leaf`, or an undefined tensor if none reached it.
+  at::Tensor operator[](const at::Tensor& leaf) const;
+  bool contains(const at::Tensor& leaf) const { return map_.count(leaf.unsafeGetTensorImpl()) > 0; }
+  size_t size() const { return map_.size(); }
+  Map::const_iterator begin() const { return map_.begin(); }
+  Map::const_iterator end() const { return map_.end(); }
+
+ private:
+  Map map_;
+};
+// Throws RpcError (NOT_FOUND) for a context this worker does not know.
+Gradients get_gradients(int64_t context_id);
+
+// Releases a context here and, asynchronously, on every worker it touched; the future completes when all did.
+rpc::Future release_context(int64_t context_id);
+
+// Introspection: contexts alive on this worker, and release messages that could not be delivered.
+struct Stats {
+  int64_t contexts = 0;
+  int64_t failed_releases = 0;
+};
+Stats stats();
+
+}  // namespace tandem::dist_autograd

@@ -1,0 +1,233 @@
+// Distributed autograd across real processes: the test process is rank 0, ranks 1.. are `--worker serve` children.
+// Every split model is rebuilt in one process with local autograd; the gradients must match (1e-6).
+#include <ATen/ATen.h>
+#include <gmock/gmock.h>
+
+#include <thread>
+
+#include "dist_autograd/dist_autograd.h"
+#include "rref/rref.h"
+#include "tests/dist_autograd/model.h"
+#include "tests/rpc/rpc_fixture.h"
+
+namespace tandem::test {
+namespace {
+
+// A leaf copy of parameter `name` for the local reference computation.
+at::Tensor local(const std::string& name) { return param(name, 4, 4).detach().clone().set_requires_grad(true); }
+
+at::Tensor input() {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(42);
+  return at::randn({3, 4}, gen, at::kDouble);
+}
+
+// The gradient worker `rank` accumulated for its parameter `name` in context `ctx`.
+at::Tensor remote_grad(int rank, int64_t ctx, const std::string& name) {
+  auto [found, g] = rpc::rpc_sync<std::tuple<bool, at::Tensor>>(rank, "grad_of", ctx, name);
+  EXPECT_TRUE(found) << "no gradient for " << name << " on rank " << rank;
+  return g;
+}
+
+void expect_close(const at::Tensor& got, const at::Tensor& want, const std::string& what) {
+  ASSERT_TRUE(got.defined()) << what;
+  ASSERT_TRUE(want.defined()) << what;
+  EXPECT_TRUE(at::allclose(got, want, 1e-6, 1e-6)) << what << "\ngot\n" << got << "\nwant\n" << want;
+}
+
+class MultiprocDistAutograd : public MultiprocRpc {
+ protected:
+  static int64_t contexts_on(int rank) { return rpc::rpc_sync<int64_t>(rank, "contexts"); }
+  // Waits (bounded) until no worker holds a context; returns the counts last seen otherwise.
+  static std::string wait_no_contexts(int world) {
+    const auto deadline = Clock::now() + milliseconds(20000);
+    std::string last;
+    for (;;) {
+      bool zero = true;
+      last.clear();
+      for (int r = 0; r < world; ++r) {
+        const int64_t n = contexts_on(r);
+        zero &= n == 0;
+        last += "rank " + std::to_string(r) + ": " + std::to_string(n) + " ";
+      }
+      if (zero || Clock::now() > deadline) return zero ? "" : last;
+      std::this_thread::sleep_for(milliseconds(20));
+    }
+  }
+};
+
+TEST_F(MultiprocDistAutograd, MlpChainAcrossTwoWorkers) {
+  start({.world_size = 2});
+  at::Tensor x = input();
+  at::Tensor w0 = param("a0", 4, 4), w2 = param("a2", 4, 4);
+  dist_autograd::ContextGuard ctx;
+  at::Tensor h = at::tanh(x.mm(w0));
+  at::Tensor h1 = rpc::rpc_sync<at::Tensor>("worker1", "layer", "a1", h);
+  EXPECT_TRUE(h1.requires_grad());
+  at::Tensor loss = h1.mm(w2).pow(2).sum();
+  dist_autograd::backward(ctx.id(), {loss});
+  auto grads = dist_autograd::get_gradients(ctx.id());
+  EXPECT_EQ(grads.size(), 2u);
+  EXPECT_FALSE(w0.grad().defined()) << "distributed gradients must not land in .grad";
+
+  at::Tensor l0 = local("a0"), l1 = local("a1"), l2 = local("a2");
+  at::tanh(at::tanh(x.mm(l0)).mm(l1)).mm(l2).pow(2).sum().backward();
+  expect_close(grads[w0], l0.grad(), "a0");
+  expect_close(grads[w2], l2.grad(), "a2");
+  expect_close(remote_grad(1, ctx.id(), "a1"), l1.grad(), "a1 on worker1");
+}
+
+TEST_F(MultiprocDistAutograd, NestedCallsThreeHops) {
+  start({.world_size = 3});
+  at::Tensor x = input().set_requires_grad(true);
+  dist_autograd::ContextGuard ctx;
+  // worker0 -> worker1 ("b1") -> worker2 ("b2") -> back through worker1 (* 2) -> worker0
+  at::Tensor y = rpc::rpc_sync<at::Tensor>("worker1", "nested", "worker2", "b1", "b2", x);
+  dist_autograd::backward(ctx.id(), {y.sum()});
+
+  at::Tensor lx = input().set_requires_grad(true), l1 = local("b1"), l2 = local("b2");
+  (at::tanh(at::tanh(lx.mm(l1)).mm(l2)) * 2).sum().backward();
+  expect_close(dist_autograd::get_gradients(ctx.id())[x], lx.grad(), "input x");
+  expect_close(remote_grad(1, ctx.id(), "b1"), l1.grad(), "b1 on worker1");
+  expect_close(remote_grad(2, ctx.id(), "b2"), l2.grad(), "b2 on worker2");
+}
+
+TEST_F(MultiprocDistAutograd, FanOutFanInAndAParameterUsedOnSeveralWorkers) {
+  start({.world_size = 3});
+  at::Tensor x = input();
+  at::Tensor w = param("shared", 4, 4);  // lives here, used on worker1 and worker2
+  dist_autograd::ContextGuard ctx;
+  rpc::Future f1 = rpc::rpc_async("worker1", "mix", "c1", x, w);
+  rpc::Future f2 = rpc::rpc_async("worker2", "mix", "c2", x, w);
+  at::Tensor y = f1.get<at::Tensor>() * f2.get<at::Tensor>() + x.mm(w);
+  dist_autograd::backward(ctx.id(), {y.sum()});
+
+  at::Tensor lw = local("shared"), l1 = local("c1"), l2 = local("c2");
+  auto mix = [&](const at::Tensor& p) { return at::sigmoid(x.mm(lw) + x.mm(p)); };
+  (mix(l1) * mix(l2) + x.mm(lw)).sum().backward();
+  expect_close(dist_autograd::get_gradients(ctx.id())[w], lw.grad(), "shared parameter (three uses)");
+  expect_close(remote_grad(1, ctx.id(), "c1"), l1.grad(), "c1 on worker1");
+  expect_close(remote_grad(2, ctx.id(), "c2"), l2.grad(), "c2 on worker2");
+}
+
+TEST_F(MultiprocDistAutograd, RecurrentLoopOverRpcAndASharedParameterUsedTwice) {
+  start({.world_size = 3});
+  at::Tensor x = input();
+  at::Tensor u = param("r0", 4, 4);
+  dist_autograd::ContextGuard ctx;
+  at::Tensor h = x;
+  for (int t = 0; t < 4; ++t) {
+    h = at::tanh(h.mm(u));                                                  // here
+    h = rpc::rpc_sync<at::Tensor>(t % 2 == 0 ? "worker1" : "worker2", "layer", "rr", h);  // "rr" on both, twice each
+  }
+  dist_autograd::backward(ctx.id(), {h.pow(2).sum()});
+
+  at::Tensor lu = local("r0"), lr1 = local("rr"), lr2 = local("rr");
+  at::Tensor lh = x;
+  for (int t = 0; t < 4; ++t) lh = at::tanh(at::tanh(lh.mm(lu)).mm(t % 2 == 0 ? lr1 : lr2));
+  lh.pow(2).sum().backward();
+  expect_close(dist_autograd::get_gradients(ctx.id())[u], lu.grad(), "r0 (four steps)");
+  expect_close(remote_grad(1, ctx.id(), "rr"), lr1.grad(), "rr on worker1 (two steps)");
+  expect_close(remote_grad(2, ctx.id(), "rr"), lr2.grad(), "rr on worker2 (two steps)");
+}
+
+TEST_F(MultiprocDistAutograd, ThroughRRefsRemoteAndToHere) {
+  start({.world_size = 3});
+  at::Tensor x = input().set_requires_grad(true);
+  dist_autograd::ContextGuard ctx;
+  // The result stays on worker1; worker2 fetches nothing; we fetch it here (a send on worker1, a recv here).
+  rref::RRef r = rref::remote("worker1", "layer", "d1", x);
+  at::Tensor h = r.to_here<at::Tensor>();
+  at::Tensor y = rpc::rpc_sync<at::Tensor>("worker2", "layer", "d2", h);
+  dist_autograd::backward(ctx.id(), {y.sum()});
+
+  at::Tensor lx = input().set_requires_grad(true), l1 = local("d1"), l2 = local("d2");
+  at::tanh(at::tanh(lx.mm(l1)).mm(l2)).sum().backward();
+  expect_close(dist_autograd::get_gradients(ctx.id())[x], lx.grad(), "x");
+  expect_close(remote_grad(1, ctx.id(), "d1"), l1.grad(), "d1 on worker1 (via the RRef)");
+  expect_close(remote_grad(2, ctx.id(), "d2"), l2.grad(), "d2 on worker2");
+}
+
+TEST_F(MultiprocDistAutograd, ConcurrentContextsDoNotMix) {
+  start({.world_size = 2});
+  at::Tensor x = input();
+  auto run = [&](double scale) {
+    dist_autograd::ContextGuard ctx;
+    at::Tensor y = rpc::rpc_sync<at::Tensor>("worker1", "layer", "e1", x * scale);
+    dist_autograd::backward(ctx.id(), {y.sum()});
+    return remote_grad(1, ctx.id(), "e1");
+  };
+  std::vector<at::Tensor> got(8);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < 8; ++i) threads.emplace_back([&, i] { got[i] = run(1.0 + i); });
+  for (auto& t : threads) t.join();
+  for (int i = 0; i < 8; ++i) {
+    at::Tensor l1 = local("e1");
+    at::tanh((x * (1.0 + i)).mm(l1)).sum().backward();
+    expect_close(got[i], l1.grad(), "e1 in context " + std::to_string(i));
+  }
+}
+
+TEST_F(MultiprocDistAutograd, TenThousandContextsLeaveNoneBehind) {
+  start({.world_size = 3});
+  at::Tensor x = input().set_requires_grad(true);
+  for (int i = 0; i < 10000; ++i) {
+    dist_autograd::ContextGuard ctx;
+    at::Tensor y = rpc::rpc_sync<at::Tensor>(i % 2 ? "worker1" : "worker2", "nested", i % 2 ? "worker2" : "worker1",
+                                             "f1", "f2", x);
+    if (i % 500 == 0) dist_autograd::backward(ctx.id(), {y.sum()});
+  }
+  EXPECT_EQ(wait_no_contexts(3), "");
+  EXPECT_EQ(dist_autograd::stats().failed_releases, 0);
+}
+
+TEST_F(MultiprocDistAutograd, AnErrorInARemoteBackwardReachesTheCaller) {
+  start({.world_size = 3});
+  at::Tensor x = input().set_requires_grad(true);
+  dist_autograd::ContextGuard ctx;
+  at::Tensor a = rpc::rpc_sync<at::Tensor>("worker1", "fails_in_backward", x);
+  at::Tensor b = rpc::rpc_sync<at::Tensor>("worker2", "layer", "g2", a);
+  try {
+    dist_autograd::backward(ctx.id(), {b.sum()});
+    FAIL() << "backward succeeded";
+  } catch (const RpcError& e) {
+    EXPECT_THAT(e.what(), testing::HasSubstr("boom in a remote backward"));
+    EXPECT_THAT(e.what(), testing::HasSubstr("worker1"));
+  }
+  // The worker stays usable.
+  dist_autograd::ContextGuard again;
+  at::Tensor y = rpc::rpc_sync<at::Tensor>("worker1", "layer", "g1", x);
+  dist_autograd::backward(again.id(), {y.sum()});
+  EXPECT_TRUE(dist_autograd::get_gradients(again.id())[x].defined());
+}
+
+TEST_F(MultiprocDistAutograd, AWorkerDyingMidBackwardIsAnErrorNotAHang) {
+  start({.world_size = 2});
+  expect_clean_children_ = false;
+  at::Tensor x = input().set_requires_grad(true);
+  {
+    dist_autograd::ContextGuard ctx;
+    at::Tensor y = rpc::rpc_sync<at::Tensor>("worker1", "dies_in_backward", x);
+    const auto t0 = Clock::now();
+    try {
+      dist_autograd::backward(ctx.id(), {y.sum()});
+      FAIL() << "backward succeeded";
+    } catch (const RpcError& e) {
+      EXPECT_THAT(e.what(), testing::HasSubstr("worker1"));
+    }
+    EXPECT_LT(Clock::now() - t0, milliseconds(30000));
+  }
+  rpc::shutdown(false);
+  for (int code : job_->wait_children(milliseconds(30000))) EXPECT_EQ(code, 7);
+}
+
+TEST_F(MultiprocDistAutograd, UnknownContextAndBadRootsAreErrors) {
+  start({.world_size = 2});
+  EXPECT_THROW(dist_autograd::get_gradients(12345), RpcError);
+  EXPECT_THROW(dist_autograd::backward(12345, {at::ones({1}).set_requires_grad(true)}), RpcError);
+  dist_autograd::ContextGuard ctx;
+  EXPECT_THROW(dist_autograd::backward(ctx.id(), {at::ones({1})}), RpcError);  // does not require grad
+  EXPECT_EQ(dist_autograd::current_context(), ctx.id());
+}
+
+}  // namespace
+}  // namespace tandem::test

@@ -1,0 +1,79 @@
+// dist_autograd_tests: GoogleTest main, the functions every worker serves, and the worker side of the multi-process
+// tests (`dist_autograd_tests --worker serve`).
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/utils.h>
+#include <unistd.h>
+
+#include <map>
+#include <mutex>
+
+#include "dist_autograd/dist_autograd.h"
+#include "rref/rref.h"
+#include "tests/dist_autograd/model.h"
+#include "tests/rpc/test_env.h"
+
+namespace tandem::test {
+
+at::Tensor param(const std::string& name, int64_t rows, int64_t cols) {
+  static std::mutex mu;
+  static std::map<std::string, at::Tensor> params;
+  std::lock_guard<std::mutex> lock(mu);
+  auto& p = params[name];
+  if (!p.defined()) {
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(std::hash<std::string>{}(name) & 0xffffffff);
+    p = at::randn({rows, cols}, gen, at::kDouble).mul_(0.5).set_requires_grad(true);
+  }
+  return p;
+}
+
+namespace {
+
+// A backward function that fails (or kills its process) when the gradient reaches it.
+struct FailingBackward : torch::autograd::Node {
+  explicit FailingBackward(bool die) : die_(die) {}
+  torch::autograd::variable_list apply(torch::autograd::variable_list&&) override {
+    if (die_) _exit(7);
+    throw std::runtime_error("boom in a remote backward");
+  }
+  bool die_;
+};
+
+at::Tensor through(at::Tensor x, bool die) {
+  at::Tensor y = x.detach().clone();
+  auto node = std::make_shared<FailingBackward>(die);
+  node->set_next_edges(torch::autograd::collect_next_edges(x));
+  torch::autograd::set_history(y, node);
+  return y;
+}
+
+void register_functions() {
+  rpc::register_function("layer", [](std::string p, at::Tensor x) { return at::tanh(x.mm(param(p, 4, 4))); });
+  // A -> B -> C: this worker's layer, then `next`'s, then a local scale.
+  rpc::register_function("nested", [](std::string next, std::string p, std::string q, at::Tensor x) {
+    at::Tensor h = at::tanh(x.mm(param(p, 4, 4)));
+    return rpc::rpc_sync<at::Tensor>(next, "layer", q, h) * 2;
+  });
+  // A parameter sent by the caller, used here with a local one.
+  rpc::register_function("mix", [](std::string p, at::Tensor x, at::Tensor w) {
+    return at::sigmoid(x.mm(w) + x.mm(param(p, 4, 4)));
+  });
+  rpc::register_function("grad_of", [](int64_t ctx, std::string p) {
+    at::Tensor g = dist_autograd::get_gradients(ctx)[param(p, 4, 4)];
+    return std::make_tuple(g.defined(), g.defined() ? g : at::zeros({4, 4}, at::kDouble));
+  });
+  rpc::register_function("fails_in_backward", [](at::Tensor x) { return through(x.mm(param("pf", 4, 4)), false); });
+  rpc::register_function("dies_in_backward", [](at::Tensor x) { return through(x.mm(param("pd", 4, 4)), true); });
+  rpc::register_function("contexts", [] { return dist_autograd::stats().contexts; });
+}
+
+}  // namespace
+}  // namespace tandem::test
+
+int main(int argc, char** argv) {
+  tandem::test::register_functions();
+  if (argc >= 3 && std::string(argv[1]) == "--worker") return tandem::test::run_worker_job([] {});
+  testing::InitGoogleTest(&argc, argv);
+  return RUN_ALL_TESTS();
+}
