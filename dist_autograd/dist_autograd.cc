@@ -221,6 +221,11 @@ class Tracer final : public rpc::CallTracer {
     return scope;
   }
 
+  std::shared_ptr<void> capture() override {
+    if (t_context < 0) return nullptr;
+    return std::make_shared<CallState>(CallState{t_context});
+  }
+
   std::string reply_out(const std::shared_ptr<void>& state, int to, const std::vector<at::Tensor>& tensors) override {
     bool any = false;
     for (const auto& t : tensors) any |= t.defined() && t.requires_grad();
@@ -263,12 +268,10 @@ rpc::Future run_local(const std::shared_ptr<Context>& ctx, const torch::autograd
       std::shared_ptr<Node> n = std::move(stack.back());
       stack.pop_back();
       if (dynamic_cast<torch::autograd::AccumulateGrad*>(n.get())) {
-        outputs.emplace_back(n, 0);
         leaves.push_back(n);
         continue;
       }
       if (auto recv = std::dynamic_pointer_cast<RecvRpcBackward>(n)) {
-        for (uint32_t i = 0; i < recv->num_inputs(); ++i) outputs.emplace_back(recv, i);
         recvs.push_back(std::move(recv));
         continue;
       }
@@ -276,6 +279,11 @@ rpc::Future run_local(const std::shared_ptr<Context>& ctx, const torch::autograd
         if (e.function && seen.insert(e.function.get()).second) stack.push_back(e.function);
       }
     }
+  }
+  // Captured gradients come back in this order: the leaves, then every input of every recv function.
+  for (const auto& leaf : leaves) outputs.emplace_back(leaf, 0);
+  for (const auto& recv : recvs) {
+    for (uint32_t i = 0; i < recv->num_inputs(); ++i) outputs.emplace_back(recv, i);
   }
   if (outputs.empty()) return rpc::Future::ready(c10::IValue());
 

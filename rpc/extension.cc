@@ -31,6 +31,16 @@ void register_value_codec(ValueCodec codec) {
 
 void set_call_tracer(CallTracer* tracer) { g_tracer.store(tracer, std::memory_order_release); }
 
+std::function<void()> bind_call_scope(std::function<void()> fn) {
+  CallTracer* tracer = g_tracer.load(std::memory_order_acquire);
+  std::shared_ptr<void> state = tracer ? tracer->capture() : nullptr;
+  if (!state) return fn;
+  return [tracer, state = std::move(state), fn = std::move(fn)] {
+    std::shared_ptr<void> scope = tracer->enter(state);
+    fn();
+  };
+}
+
 void add_shutdown_hook(std::function<absl::Status(absl::Time)> hook) {
   auto& e = extensions();
   std::lock_guard<std::mutex> lock(e.mu);

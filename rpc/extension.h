@@ -50,9 +50,14 @@ class CallTracer {
   virtual std::string reply_out(const std::shared_ptr<void>& state, int to, const std::vector<at::Tensor>& tensors) = 0;
   // Caller, when a reply with something attached arrives from worker `from`. An error fails the call.
   virtual absl::Status reply_in(int from, const std::string& attached, const std::vector<at::Tensor>& tensors) = 0;
+  // The state of the scope current on this thread (null: none), for enter() on another thread.
+  virtual std::shared_ptr<void> capture() = 0;
 };
 // Installs the process's tracer (one at most; it must live until exit).
 void set_call_tracer(CallTracer* tracer);
+// `fn`, made to run inside the tracer scope current on this thread now, on whatever thread calls it later (for work a
+// registered function continues in a callback).
+std::function<void()> bind_call_scope(std::function<void()> fn);
 
 // Runs at a graceful shutdown before this worker waits for its outgoing calls and meets the others at the barrier;
 // hooks run in registration order, each until `deadline` at most. An error fails the shutdown (which still happens).

@@ -548,7 +548,9 @@ rpc::Future on_call(std::vector<c10::IValue>&& args) {
   const std::string method = args[1].toStringRef();
   auto rest = std::make_shared<std::vector<c10::IValue>>(args.begin() + 2, args.end());
   rpc::Future result;
-  value->add_callback([result, method, rest](const rpc::Future& v) {
+  // The method may run later on another thread (the object is still being built): it keeps the caller's scope (e.g.
+  // its distributed autograd context).
+  std::function<void()> run = rpc::bind_call_scope([result, method, rest, v = *value] {
     try {
       const c10::IValue& holder = v.value();
       auto* object = holder.isCapsule() ? dynamic_cast<Object*>(holder.toCapsule().get()) : nullptr;
@@ -571,6 +573,7 @@ rpc::Future on_call(std::vector<c10::IValue>&& args) {
       result.set_error(absl::UnknownError(e.what()));
     }
   });
+  value->add_callback([run = std::move(run)](const rpc::Future&) { run(); });
   return result;
 }
 

@@ -7,7 +7,7 @@
 
 #include "dist_autograd/dist_autograd.h"
 #include "rref/rref.h"
-#include "tests/dist_autograd/model.h"
+#include "tests/common/params.h"
 #include "tests/rpc/rpc_fixture.h"
 
 namespace tandem::test {

@@ -6,27 +6,12 @@
 #include <torch/csrc/autograd/functions/utils.h>
 #include <unistd.h>
 
-#include <map>
-#include <mutex>
-
 #include "dist_autograd/dist_autograd.h"
 #include "rref/rref.h"
-#include "tests/dist_autograd/model.h"
+#include "tests/common/params.h"
 #include "tests/rpc/test_env.h"
 
 namespace tandem::test {
-
-at::Tensor param(const std::string& name, int64_t rows, int64_t cols) {
-  static std::mutex mu;
-  static std::map<std::string, at::Tensor> params;
-  std::lock_guard<std::mutex> lock(mu);
-  auto& p = params[name];
-  if (!p.defined()) {
-    auto gen = at::make_generator<at::CPUGeneratorImpl>(std::hash<std::string>{}(name) & 0xffffffff);
-    p = at::randn({rows, cols}, gen, at::kDouble).mul_(0.5).set_requires_grad(true);
-  }
-  return p;
-}
 
 namespace {
 
@@ -73,7 +58,5 @@ void register_functions() {
 
 int main(int argc, char** argv) {
   tandem::test::register_functions();
-  if (argc >= 3 && std::string(argv[1]) == "--worker") return tandem::test::run_worker_job([] {});
-  testing::InitGoogleTest(&argc, argv);
-  return RUN_ALL_TESTS();
+  return tandem::test::test_main(argc, argv, [](const std::string&) { return tandem::test::run_worker_job([] {}); });
 }

@@ -1,5 +1,7 @@
 #include "tests/rpc/test_env.h"
 
+#include <gtest/gtest.h>
+
 #include <cstdlib>
 #include <iostream>
 #include <string>
@@ -11,6 +13,12 @@ int env_int(const char* name, int fallback) {
   return v && *v ? std::atoi(v) : fallback;
 }
 }  // namespace
+
+int test_main(int argc, char** argv, const std::function<int(const std::string& scenario)>& worker) {
+  if (argc >= 3 && std::string(argv[1]) == "--worker") return worker(argv[2]);
+  testing::InitGoogleTest(&argc, argv);
+  return RUN_ALL_TESTS();
+}
 
 int run_worker_job(const std::function<void()>& body) {
   try {

@@ -22,7 +22,5 @@ int run_worker(const std::string&) {
 
 int main(int argc, char** argv) {
   tandem::test::register_rref_test_functions();
-  if (argc >= 3 && std::string(argv[1]) == "--worker") return tandem::test::run_worker(argv[2]);
-  testing::InitGoogleTest(&argc, argv);
-  return RUN_ALL_TESTS();
+  return tandem::test::test_main(argc, argv, tandem::test::run_worker);
 }

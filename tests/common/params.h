@@ -1,4 +1,4 @@
-// What the distributed autograd tests share between the test process and its workers.
+// Parameters the training tests (dist_autograd, dist_optim, nn) share between the test process and its workers.
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -1,0 +1,246 @@
+// The distributed optimizer: a local LibTorch optimizer per owner, stepped with a context's gradients.
+#include "dist_optim/dist_optim.h"
+
+#include <ATen/ATen.h>
+#include <torch/optim/adagrad.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/rmsprop.h>
+#include <torch/optim/sgd.h>
+
+#include <atomic>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <unordered_map>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "dist_autograd/dist_autograd.h"
+#include "rpc/errors.h"
+#include "rpc/extension.h"
+#include "rpc/registry.h"
+#include "rpc/rpc.h"
+
+namespace tandem::dist_optim {
+namespace {
+
+constexpr const char* kCreate = "__tandem.dist_optim.create";
+constexpr const char* kStep = "__tandem.dist_optim.step";
+constexpr const char* kRelease = "__tandem.dist_optim.release";
+
+using Hyper = std::map<std::string, double>;
+
+// Reads the hyper-parameters a kind knows; anything left over is an error.
+class HyperReader {
+ public:
+  HyperReader(std::string kind, Hyper h) : kind_(std::move(kind)), h_(std::move(h)) {}
+  double get(const std::string& name, double fallback) {
+    auto it = h_.find(name);
+    if (it == h_.end()) return fallback;
+    double v = it->second;
+    h_.erase(it);
+    return v;
+  }
+  bool flag(const std::string& name) { return get(name, 0) != 0; }
+  void check_all_used() const {
+    if (h_.empty()) return;
+    std::vector<std::string> names;
+    for (const auto& [k, v] : h_) names.push_back(k);
+    throw std::invalid_argument(absl::StrCat("optimizer '", kind_, "' has no hyper-parameter ", absl::StrJoin(names, ", ")));
+  }
+
+ private:
+  std::string kind_;
+  Hyper h_;
+};
+
+std::unique_ptr<torch::optim::Optimizer> make_optimizer(const std::string& kind, std::vector<at::Tensor> params,
+                                                        const Hyper& hyper) {
+  HyperReader h(kind, hyper);
+  std::unique_ptr<torch::optim::Optimizer> opt;
+  if (kind == "sgd") {
+    torch::optim::SGDOptions o(h.get("lr", 0.01));
+    o.momentum(h.get("momentum", 0)).dampening(h.get("dampening", 0)).weight_decay(h.get("weight_decay", 0));
+    o.nesterov(h.flag("nesterov"));
+    opt = std::make_unique<torch::optim::SGD>(std::move(params), o);
+  } else if (kind == "adam" || kind == "adamw") {
+    const double lr = h.get("lr", 1e-3), b1 = h.get("beta1", 0.9), b2 = h.get("beta2", 0.999), eps = h.get("eps", 1e-8);
+    const double wd = h.get("weight_decay", kind == "adam" ? 0 : 1e-2);
+    const bool amsgrad = h.flag("amsgrad");
+    if (kind == "adam") {
+      opt = std::make_unique<torch::optim::Adam>(
+          std::move(params), torch::optim::AdamOptions(lr).betas({b1, b2}).eps(eps).weight_decay(wd).amsgrad(amsgrad));
+    } else {
+      opt = std::make_unique<torch::optim::AdamW>(
+          std::move(params), torch::optim::AdamWOptions(lr).betas({b1, b2}).eps(eps).weight_decay(wd).amsgrad(amsgrad));
+    }
+  } else if (kind == "adagrad") {
+    torch::optim::AdagradOptions o(h.get("lr", 0.01));
+    o.lr_decay(h.get("lr_decay", 0)).weight_decay(h.get("weight_decay", 0));
+    o.initial_accumulator_value(h.get("initial_accumulator_value", 0)).eps(h.get("eps", 1e-10));
+    opt = std::make_unique<torch::optim::Adagrad>(std::move(params), o);
+  } else if (kind == "rmsprop") {
+    torch::optim::RMSpropOptions o(h.get("lr", 0.01));
+    o.alpha(h.get("alpha", 0.99)).eps(h.get("eps", 1e-8)).weight_decay(h.get("weight_decay", 0));
+    o.momentum(h.get("momentum", 0)).centered(h.flag("centered"));
+    opt = std::make_unique<torch::optim::RMSprop>(std::move(params), o);
+  } else {
+    throw std::invalid_argument(
+        absl::StrCat("unknown optimizer '", kind, "' (known: sgd, adam, adamw, adagrad, rmsprop)"));
+  }
+  h.check_all_used();
+  return opt;
+}
+
+// One owner's part of a DistributedOptimizer.
+struct LocalOptimizer {
+  std::vector<at::Tensor> params;   // the parameters themselves (gradients are keyed by them)
+  std::vector<at::Tensor> handles;  // what the optimizer updates: same memory, own .grad
+  std::unique_ptr<torch::optim::Optimizer> optimizer;
+  bool hogwild = false;
+  std::mutex mu;  // one step at a time on this optimizer (its state and handles' .grad)
+};
+
+std::mutex g_owner_lock;  // steps of non-hogwild optimizers on this worker
+std::mutex g_registry_mu;
+std::unordered_map<int64_t, std::shared_ptr<LocalOptimizer>> g_optimizers;
+std::atomic<int64_t> g_next_id{1};
+
+// A handle on `p`'s memory with its own autograd metadata. Locked mode: detach() shares the version counter, so an
+// update is seen as the in-place change it is. Hogwild: a separate tensor over the same bytes, invisible to it.
+at::Tensor handle_of(const at::Tensor& p, bool hogwild) {
+  if (!hogwild) return p.detach();
+  return at::from_blob(p.data_ptr(), p.sizes(), p.strides(), [keep = p](void*) {}, p.options());
+}
+
+// create(kind, names, values, hogwild, rref...) -> optimizer id
+rpc::Future on_create(std::vector<c10::IValue>&& args) {
+  if (args.size() < 4) throw std::invalid_argument("malformed optimizer creation");
+  const std::string kind = rpc::from_ivalue<std::string>(args[0]);
+  auto names = rpc::from_ivalue<std::vector<std::string>>(args[1]);
+  auto values = rpc::from_ivalue<std::vector<double>>(args[2]);
+  const bool hogwild = rpc::from_ivalue<bool>(args[3]);
+  if (names.size() != values.size()) throw std::invalid_argument("malformed optimizer hyper-parameters");
+  Hyper hyper;
+  for (size_t i = 0; i < names.size(); ++i) hyper[names[i]] = values[i];
+  auto local = std::make_shared<LocalOptimizer>();
+  local->hogwild = hogwild;
+  for (size_t i = 4; i < args.size(); ++i) {
+    c10::IValue v = rref::RRef::from_ivalue(args[i]).local_value();
+    if (!v.isTensor()) throw std::invalid_argument(absl::StrCat("parameter ", i - 4, " is not a tensor"));
+    local->params.push_back(v.toTensor());
+    local->handles.push_back(handle_of(v.toTensor(), hogwild));
+  }
+  local->optimizer = make_optimizer(kind, local->handles, hyper);
+  const int64_t id = g_next_id.fetch_add(1);
+  std::lock_guard<std::mutex> lock(g_registry_mu);
+  g_optimizers.emplace(id, std::move(local));
+  return rpc::Future::ready(c10::IValue(id));
+}
+
+void on_step(int64_t id, int64_t context_id) {
+  std::shared_ptr<LocalOptimizer> local;
+  {
+    std::lock_guard<std::mutex> lock(g_registry_mu);
+    auto it = g_optimizers.find(id);
+    if (it != g_optimizers.end()) local = it->second;
+  }
+  if (!local) throw std::invalid_argument(absl::StrCat("no optimizer ", id, " on this worker (released?)"));
+  // No context here means no gradient reached this owner in it: nothing to apply.
+  dist_autograd::Gradients grads;
+  try {
+    grads = dist_autograd::get_gradients(context_id);
+  } catch (const RpcError& e) {
+    if (e.status().code() != absl::StatusCode::kNotFound) throw;
+  }
+  std::unique_lock<std::mutex> owner;
+  if (!local->hogwild) owner = std::unique_lock<std::mutex>(g_owner_lock);
+  std::lock_guard<std::mutex> lock(local->mu);
+  bool any = false;
+  for (size_t i = 0; i < local->params.size(); ++i) {
+    at::Tensor g = grads[local->params[i]];
+    any |= g.defined();
+    local->handles[i].mutable_grad() = g;
+  }
+  if (any) local->optimizer->step();
+  for (auto& h : local->handles) h.mutable_grad() = at::Tensor();
+}
+
+bool install() {
+  throw_if_error(rpc::register_handler(kCreate, on_create));
+  rpc::register_function(kStep, on_step);
+  rpc::register_function(kRelease, [](int64_t id) {
+    std::lock_guard<std::mutex> lock(g_registry_mu);
+    g_optimizers.erase(id);
+  });
+  rpc::add_stop_hook([] {
+    std::lock_guard<std::mutex> lock(g_registry_mu);
+    g_optimizers.clear();
+  });
+  return true;
+}
+
+const bool g_installed = install();
+
+}  // namespace
+
+DistributedOptimizer::DistributedOptimizer(const std::string& kind, const std::vector<rref::RRef>& parameters,
+                                           const std::map<std::string, double>& hyper,
+                                           DistributedOptimizerOptions options)
+    : options_(options) {
+  (void)g_installed;
+  std::vector<std::string> names;
+  std::vector<double> values;
+  for (const auto& [k, v] : hyper) {
+    names.push_back(k);
+    values.push_back(v);
+  }
+  std::map<int, std::vector<c10::IValue>> by_owner;
+  for (const auto& p : parameters) {
+    auto& args = by_owner[p.owner()];
+    if (args.empty()) {
+      args = {c10::IValue(kind), rpc::to_ivalue(names), rpc::to_ivalue(values), c10::IValue(options.hogwild)};
+    }
+    args.push_back(p.to_ivalue());
+  }
+  std::vector<std::pair<int, rpc::Future>> created;
+  for (auto& [owner, args] : by_owner) created.emplace_back(owner, rpc::call(owner, kCreate, args, options.timeout));
+  std::string errors;
+  for (auto& [owner, f] : created) {
+    if (absl::Status s = f.status(); !s.ok()) {
+      errors += std::string(errors.empty() ? "" : "; ") + std::string(s.message());
+    } else {
+      remote_.emplace_back(owner, f.get<int64_t>());
+    }
+  }
+  if (!errors.empty()) {
+    release();  // the optimizers that were created
+    throw RpcError(absl::InvalidArgumentError("DistributedOptimizer: " + errors));
+  }
+}
+
+DistributedOptimizer::~DistributedOptimizer() { release(); }
+
+void DistributedOptimizer::release() {
+  if (!rpc::is_initialized()) return;
+  for (const auto& [owner, id] : remote_) {
+    try {
+      rpc::rpc_async(owner, kRelease, id);
+    } catch (const std::exception&) {
+      // RPC is shutting down: the owner drops its optimizers when it stops.
+    }
+  }
+  remote_.clear();
+}
+
+rpc::Future DistributedOptimizer::step_async(int64_t context_id) {
+  std::vector<rpc::Future> steps;
+  steps.reserve(remote_.size());
+  for (const auto& [owner, id] : remote_) steps.push_back(rpc::rpc_async(owner, kStep, id, context_id, options_.timeout));
+  return rpc::when_all(steps);
+}
+
+void DistributedOptimizer::step(int64_t context_id) { throw_if_error(step_async(context_id).status()); }
+
+}  // namespace tandem::dist_optim

@@ -1,0 +1,66 @@
+// The distributed optimizer: applies a distributed autograd context's gradients to parameters wherever they live.
+//
+//   std::vector<rref::RRef> params = remote_model.remote_parameters();     // RRefs owned by the workers holding them
+//   dist_optim::DistributedOptimizer opt("sgd", params, {{"lr", 0.05}, {"momentum", 0.9}});
+//   {
+//     dist_autograd::ContextGuard ctx;
+//     ... forward through RPC ..., dist_autograd::backward(ctx.id(), {loss});
+//     opt.step(ctx.id());   // every owner steps its own parameters with that context's gradients, concurrently
+//   }
+//
+// Construction creates one local LibTorch optimizer per owner, over that owner's parameters (PyTorch's
+// DistributedOptimizer does the same). Kinds and hyper-parameters (PyTorch's names; unset ones take PyTorch's
+// defaults; an unknown name is an error):
+//   sgd      lr, momentum, dampening, weight_decay, nesterov (0/1)
+//   adam     lr, beta1, beta2, eps, weight_decay, amsgrad (0/1)
+//   adamw    lr, beta1, beta2, eps, weight_decay (default 0.01), amsgrad (0/1)
+//   adagrad  lr, lr_decay, weight_decay, initial_accumulator_value, eps
+//   rmsprop  lr, alpha, eps, weight_decay, momentum, centered (0/1)
+//
+// Concurrency: several trainers (each with its own DistributedOptimizer) may step the same parameters at once. By
+// default steps on one owner take that owner's lock, so each update is applied whole, and an update bumps the
+// parameters' version counters as an in-place change does (a backward that saved an older version then fails loudly,
+// as in PyTorch). With `hogwild`, steps from different optimizers run without the owner lock and the updates are
+// invisible to version counters (lock-free Hogwild!: a concurrent backward may see a newer parameter).
+//
+// Errors: tandem::RpcError naming the owner. A parameter no gradient reached in the context is left unchanged.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "rpc/future.h"
+#include "rref/rref.h"
+
+namespace tandem::dist_optim {
+
+struct DistributedOptimizerOptions {
+  bool hogwild = false;
+  std::chrono::milliseconds timeout{0};  // per RPC; non-positive: the RPC default
+};
+
+class DistributedOptimizer {
+ public:
+  // Throws RpcError when an owner cannot create its optimizer (unknown kind or hyper-parameter, not a tensor).
+  DistributedOptimizer(const std::string& kind, const std::vector<rref::RRef>& parameters,
+                       const std::map<std::string, double>& hyper = {}, DistributedOptimizerOptions options = {});
+  // Releases the remote optimizers (asynchronously, best effort: a dead owner has nothing to release).
+  ~DistributedOptimizer();
+  DistributedOptimizer(const DistributedOptimizer&) = delete;
+  DistributedOptimizer& operator=(const DistributedOptimizer&) = delete;
+
+  // Applies context `context_id`'s gradients on every owner, concurrently; returns when all have. Throws RpcError.
+  void step(int64_t context_id);
+  rpc::Future step_async(int64_t context_id);
+
+ private:
+  void release();
+  std::vector<std::pair<int, int64_t>> remote_;  // (owner rank, optimizer id there)
+  DistributedOptimizerOptions options_;
+};
+
+}  // namespace tandem::dist_optim

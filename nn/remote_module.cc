@@ -1,0 +1,66 @@
+// RemoteModule: modules built by registered factories, held as RRef'd objects on their worker.
+#include "nn/remote_module.h"
+
+#include <map>
+#include <mutex>
+
+#include "absl/strings/str_cat.h"
+
+namespace tandem::nn {
+namespace {
+
+std::mutex g_mu;
+std::map<std::string, detail::Factory>& factories() {
+  static auto* f = new std::map<std::string, detail::Factory>;
+  return *f;
+}
+
+bool install() {
+  rref::detail::register_class_impl(RemoteModule::kClass, [](std::vector<c10::IValue>&& args) -> std::shared_ptr<void> {
+    if (args.empty() || !args[0].isString()) throw std::invalid_argument("RemoteModule: missing factory name");
+    const std::string name = args[0].toStringRef();
+    detail::Factory factory;
+    {
+      std::lock_guard<std::mutex> lock(g_mu);
+      auto it = factories().find(name);
+      if (it == factories().end()) {
+        throw std::invalid_argument(absl::StrCat("no module factory named '", name, "' is registered on worker '",
+                                                 rpc::get_worker_info().name, "'"));
+      }
+      factory = it->second;
+    }
+    return std::make_shared<detail::Instance>(factory(std::vector<c10::IValue>(args.begin() + 1, args.end())));
+  });
+  rref::detail::register_method_impl(RemoteModule::kClass, "forward", [](void* self, std::vector<c10::IValue>&& args) {
+    return static_cast<detail::Instance*>(self)->forward(std::move(args));
+  });
+  rref::detail::register_method_impl(RemoteModule::kClass, "parameters", [](void* self, std::vector<c10::IValue>&&) {
+    std::vector<c10::IValue> refs;
+    for (const auto& p : static_cast<detail::Instance*>(self)->module->parameters()) {
+      refs.push_back(rref::make_local(c10::IValue(p)).to_ivalue());
+    }
+    return rpc::Future::ready(c10::ivalue::Tuple::create(std::move(refs)));
+  });
+  return true;
+}
+
+const bool g_installed = install();
+
+}  // namespace
+
+void detail::register_factory(const std::string& name, Factory factory) {
+  (void)g_installed;
+  std::lock_guard<std::mutex> lock(g_mu);
+  if (!factories().emplace(name, std::move(factory)).second) {
+    throw RpcError(absl::AlreadyExistsError(absl::StrCat("a module factory named '", name, "' is already registered")));
+  }
+}
+
+std::vector<rref::RRef> RemoteModule::remote_parameters() const {
+  c10::IValue refs = module_.rpc_sync("parameters");
+  std::vector<rref::RRef> out;
+  for (const auto& r : refs.toTupleRef().elements()) out.push_back(rref::RRef::from_ivalue(r));
+  return out;
+}
+
+}  // namespace tandem::nn

@@ -1,0 +1,157 @@
+// The distributed optimizer across real processes: parameters on workers 1 and 2, the trainer is rank 0. Each step
+// must equal the same LibTorch optimizer's step on the same model in one process.
+#include <ATen/ATen.h>
+#include <gmock/gmock.h>
+#include <torch/optim.h>
+
+#include <thread>
+
+#include "dist_autograd/dist_autograd.h"
+#include "dist_optim/dist_optim.h"
+#include "tests/common/params.h"
+#include "tests/rpc/rpc_fixture.h"
+
+namespace tandem::test {
+namespace {
+
+at::Tensor input() {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(7);
+  return at::randn({3, 4}, gen, at::kDouble);
+}
+
+rref::RRef param_ref(int rank, const std::string& name) {
+  return rref::RRef::from_ivalue(rpc::rpc_sync(rank, "param_ref", name));
+}
+
+struct Case {
+  std::string kind;
+  std::map<std::string, double> hyper;
+  std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<at::Tensor>)> local;
+};
+
+std::vector<Case> cases() {
+  using namespace torch::optim;
+  return {
+      {"sgd", {{"lr", 0.1}, {"momentum", 0.9}, {"weight_decay", 0.01}},
+       [](auto p) { return std::make_unique<SGD>(p, SGDOptions(0.1).momentum(0.9).weight_decay(0.01)); }},
+      {"adam", {{"lr", 0.01}, {"beta1", 0.8}},
+       [](auto p) { return std::make_unique<Adam>(p, AdamOptions(0.01).betas({0.8, 0.999})); }},
+      {"adamw", {{"lr", 0.01}, {"weight_decay", 0.05}},
+       [](auto p) { return std::make_unique<AdamW>(p, AdamWOptions(0.01).weight_decay(0.05)); }},
+      {"adagrad", {{"lr", 0.1}, {"lr_decay", 0.01}},
+       [](auto p) { return std::make_unique<Adagrad>(p, AdagradOptions(0.1).lr_decay(0.01)); }},
+      {"rmsprop", {{"lr", 0.01}, {"momentum", 0.5}, {"centered", 1}},
+       [](auto p) { return std::make_unique<RMSprop>(p, RMSpropOptions(0.01).momentum(0.5).centered(true)); }},
+  };
+}
+
+using MultiprocDistOptim = MultiprocRpc;
+
+TEST_F(MultiprocDistOptim, EveryKindStepsLikeTheLocalOptimizer) {
+  start({.world_size = 3});
+  const at::Tensor x = input();
+  for (const Case& c : cases()) {
+    SCOPED_TRACE(c.kind);
+    const std::string p1 = "p1_" + c.kind, p2 = "p2_" + c.kind;
+    // Two owners: worker1 holds p1, worker2 holds p2; the model is x -> tanh(x p1) -> tanh(. p2) -> squared sum.
+    dist_optim::DistributedOptimizer opt(c.kind, {param_ref(1, p1), param_ref(2, p2)}, c.hyper);
+    at::Tensor l1 = param(p1, 4, 4).detach().clone().set_requires_grad(true);
+    at::Tensor l2 = param(p2, 4, 4).detach().clone().set_requires_grad(true);
+    auto local = c.local({l1, l2});
+    for (int step = 0; step < 3; ++step) {
+      {
+        dist_autograd::ContextGuard ctx;
+        at::Tensor h = rpc::rpc_sync<at::Tensor>("worker1", "layer", p1, x);
+        at::Tensor y = rpc::rpc_sync<at::Tensor>("worker2", "layer", p2, h);
+        dist_autograd::backward(ctx.id(), {y.pow(2).sum()});
+        opt.step(ctx.id());
+      }
+      local->zero_grad();
+      at::tanh(at::tanh(x.mm(l1)).mm(l2)).pow(2).sum().backward();
+      local->step();
+      at::Tensor r1 = rpc::rpc_sync<at::Tensor>("worker1", "param_value", p1);
+      at::Tensor r2 = rpc::rpc_sync<at::Tensor>("worker2", "param_value", p2);
+      EXPECT_TRUE(at::allclose(r1, l1, 1e-6, 1e-6)) << "step " << step << "\n" << r1 << "\n" << l1;
+      EXPECT_TRUE(at::allclose(r2, l2, 1e-6, 1e-6)) << "step " << step << "\n" << r2 << "\n" << l2;
+    }
+  }
+}
+
+// Linear loss: the gradient does not depend on the parameter, so concurrent steps must add up exactly.
+void concurrent_trainers(bool hogwild, const std::string& name, int trainers, int steps) {
+  const at::Tensor x = input();
+  const at::Tensor before = rpc::rpc_sync<at::Tensor>("worker1", "param_value", name);
+  std::vector<std::thread> threads;
+  std::atomic<int> failures{0};
+  for (int t = 0; t < trainers; ++t) {
+    threads.emplace_back([&] {
+      try {
+        dist_optim::DistributedOptimizer opt("sgd", {param_ref(1, name)}, {{"lr", 0.01}}, {.hogwild = hogwild});
+        for (int s = 0; s < steps; ++s) {
+          dist_autograd::ContextGuard ctx;
+          at::Tensor y = rpc::rpc_sync<at::Tensor>("worker1", "linear", name, x);
+          dist_autograd::backward(ctx.id(), {y.sum()});
+          opt.step(ctx.id());
+        }
+      } catch (const std::exception& e) {
+        ADD_FAILURE() << e.what();
+        ++failures;
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  ASSERT_EQ(failures, 0);
+  const at::Tensor after = rpc::rpc_sync<at::Tensor>("worker1", "param_value", name);
+  const at::Tensor grad = x.t().mm(at::ones({3, 4}, at::kDouble));
+  const at::Tensor want = before - 0.01 * trainers * steps * grad;
+  if (hogwild) {
+    EXPECT_FALSE(at::allclose(after, before)) << "hogwild steps changed nothing";
+  } else {
+    EXPECT_TRUE(at::allclose(after, want, 1e-9, 1e-9)) << "locked steps were lost\n" << after << "\n" << want;
+  }
+}
+
+TEST_F(MultiprocDistOptim, ConcurrentTrainersWithTheOwnerLockLoseNoUpdate) {
+  start({.world_size = 2});
+  concurrent_trainers(false, "locked", 4, 25);
+}
+
+TEST_F(MultiprocDistOptim, HogwildTrainersRunWithoutTheLock) {
+  start({.world_size = 2});
+  concurrent_trainers(true, "hogwild", 4, 25);
+}
+
+TEST_F(MultiprocDistOptim, AContextWithoutGradientsHereChangesNothing) {
+  start({.world_size = 3});
+  dist_optim::DistributedOptimizer opt("sgd", {param_ref(1, "n1"), param_ref(2, "n2")}, {{"lr", 1.0}});
+  const at::Tensor before1 = rpc::rpc_sync<at::Tensor>("worker1", "param_value", "n1");
+  const at::Tensor before2 = rpc::rpc_sync<at::Tensor>("worker2", "param_value", "n2");
+  {
+    dist_autograd::ContextGuard ctx;
+    at::Tensor y = rpc::rpc_sync<at::Tensor>("worker1", "layer", "n1", input());  // worker2 is not involved
+    dist_autograd::backward(ctx.id(), {y.sum()});
+    opt.step(ctx.id());
+  }
+  EXPECT_FALSE(rpc::rpc_sync<at::Tensor>("worker1", "param_value", "n1").equal(before1));
+  EXPECT_TRUE(rpc::rpc_sync<at::Tensor>("worker2", "param_value", "n2").equal(before2));
+}
+
+TEST_F(MultiprocDistOptim, BadKindsAndHyperParametersNameTheOwner) {
+  start({.world_size = 2});
+  try {
+    dist_optim::DistributedOptimizer opt("lbfgs", {param_ref(1, "b1")});
+    FAIL() << "created";
+  } catch (const RpcError& e) {
+    EXPECT_THAT(e.what(), testing::HasSubstr("unknown optimizer 'lbfgs'"));
+    EXPECT_THAT(e.what(), testing::HasSubstr("worker1"));
+  }
+  try {
+    dist_optim::DistributedOptimizer opt("sgd", {param_ref(1, "b1")}, {{"betas", 0.9}});
+    FAIL() << "created";
+  } catch (const RpcError& e) {
+    EXPECT_THAT(e.what(), testing::HasSubstr("has no hyper-parameter betas"));
+  }
+}
+
+}  // namespace
+}  // namespace tandem::test

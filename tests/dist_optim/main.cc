@@ -1,0 +1,27 @@
+// dist_optim_tests: GoogleTest main, the functions every worker serves, and the worker side of the multi-process
+// tests (`dist_optim_tests --worker serve`).
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include "dist_autograd/dist_autograd.h"
+#include "rref/rref.h"
+#include "tests/common/params.h"
+#include "tests/rpc/test_env.h"
+
+namespace tandem::test {
+namespace {
+
+void register_functions() {
+  rpc::register_function("layer", [](std::string p, at::Tensor x) { return at::tanh(x.mm(param(p, 4, 4))); });
+  rpc::register_function("linear", [](std::string p, at::Tensor x) { return x.mm(param(p, 4, 4)); });
+  rpc::register_function("param_ref", [](std::string p) { return rref::make_local(c10::IValue(param(p, 4, 4))).to_ivalue(); });
+  rpc::register_function("param_value", [](std::string p) { return param(p, 4, 4).detach().clone(); });
+}
+
+}  // namespace
+}  // namespace tandem::test
+
+int main(int argc, char** argv) {
+  tandem::test::register_functions();
+  return tandem::test::test_main(argc, argv, [](const std::string&) { return tandem::test::run_worker_job([] {}); });
+}
