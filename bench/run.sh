@@ -3,7 +3,7 @@
 # (PyTorch 1.13 torch.distributed, Debian's python3-torch) in its default configuration and with TCP forced. Prints one
 # JSON object per line on stdout: {"bench":NAME,"impl":"tandem"|"torch"|"torch_tcp","metric":..,"value":..,"unit":..}.
 # Flags are passed to both sides (e.g. --small 1000 --bulk 5 --async 10000).
-# Benchmarks: rpc, rref.
+# Benchmarks: rpc, rref, autograd, ps.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 name="${1:?usage: bench/run.sh NAME [flags]}"
@@ -15,19 +15,21 @@ if ! "$PY" -c "import torch.distributed.rpc" 2>/dev/null; then
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends python3-torch >/dev/null
 fi
 cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DTANDEM_BUILD_BENCH=ON >/dev/null
-export OMP_NUM_THREADS=1
+export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1  # one intra-op thread per process, BLAS included
+# bench TARGET NPROC PEER_SCRIPT [flags]: Tandem's program on NPROC workers (rank 0's JSON lines), then the peer in
+# PyTorch's default configuration and with TCP forced.
+bench() {
+  local target="$1" nproc="$2" peer="$3"
+  shift 3
+  cmake --build build -j"$(nproc)" --target "$target" tandem-run >&2
+  build/tandem-run --nproc-per-node "$nproc" "build/$target" "$@" | sed -n 's/^\[rank0\]: {/{/p'
+  "$PY" "bench/$peer" default "$@"
+  "$PY" "bench/$peer" tcp "$@"
+}
 case "$name" in
-  rpc)
-    cmake --build build -j"$(nproc)" --target rpc_bench tandem-run >&2
-    build/tandem-run --nproc-per-node 2 build/rpc_bench "$@" | sed -n 's/^\[rank0\]: {/{/p'
-    "$PY" bench/peer_rpc.py default "$@"
-    "$PY" bench/peer_rpc.py tcp "$@"
-    ;;
-  rref)
-    cmake --build build -j"$(nproc)" --target rref_bench tandem-run >&2
-    build/tandem-run --nproc-per-node 3 build/rref_bench "$@" | sed -n 's/^\[rank0\]: {/{/p'
-    "$PY" bench/peer_rref.py default "$@"
-    "$PY" bench/peer_rref.py tcp "$@"
-    ;;
-  *) echo "bench: unknown benchmark '$name' (known: rpc, rref)" >&2; exit 2 ;;
+  rpc) bench rpc_bench 2 peer_rpc.py "$@" ;;
+  rref) bench rref_bench 3 peer_rref.py "$@" ;;
+  autograd) bench autograd_bench 2 peer_autograd.py "$@" ;;
+  ps) bench ps_bench 3 peer_ps.py "$@" ;;
+  *) echo "bench: unknown benchmark '$name' (known: rpc, rref, autograd, ps)" >&2; exit 2 ;;
 esac

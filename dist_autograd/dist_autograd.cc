@@ -252,8 +252,14 @@ class Tracer final : public rpc::CallTracer {
 // The local part of a backward pass: from `roots` (with gradients `inputs`) through this worker's graph. Leaves'
 // gradients accumulate into the context; recv functions' gradients go to their senders. The future completes when
 // every worker reached from here is done.
+// `may_block`: the caller is a user thread (backward()), which may wait for the last gradient message itself (on the
+// direct channel a synchronous call saves two thread hand-offs). An RPC thread may do the same only within a small
+// budget (kMaxBlockedRpcThreads at once): the others stay free to serve, so chains of waits cannot exhaust a worker.
+constexpr int kMaxBlockedRpcThreads = 4;
+std::atomic<int> g_blocked_rpc_threads{0};
+
 rpc::Future run_local(const std::shared_ptr<Context>& ctx, const torch::autograd::edge_list& roots,
-                      const variable_list& inputs, std::chrono::milliseconds timeout) {
+                      const variable_list& inputs, std::chrono::milliseconds timeout, bool may_block) {
   // What to capture: every leaf (AccumulateGrad) and every recv function reachable from the roots.
   torch::autograd::edge_list outputs;
   std::vector<std::shared_ptr<Node>> leaves;
@@ -310,7 +316,11 @@ rpc::Future run_local(const std::shared_ptr<Context>& ctx, const torch::autograd
       if (!fresh) it->second.second = it->second.second + g;
     }
   }
-  std::vector<rpc::Future> sent;
+  struct Message {
+    int to;
+    std::vector<c10::IValue> args;
+  };
+  std::vector<Message> messages;
   for (const auto& recv : recvs) {
     std::vector<int64_t> indices;
     std::vector<at::Tensor> grads;
@@ -321,10 +331,23 @@ rpc::Future run_local(const std::shared_ptr<Context>& ctx, const torch::autograd
       grads.push_back(g);
     }
     if (grads.empty()) continue;  // nothing flowed into this message: its sender's part gets no gradient
-    sent.push_back(rpc::rpc_async(recv->from_rank, kGradFunction, recv->context_id, recv->send_id, indices, grads,
-                                  timeout));
+    messages.push_back({recv->from_rank, {c10::IValue(recv->context_id), c10::IValue(recv->send_id),
+                                          rpc::to_ivalue(indices), rpc::to_ivalue(grads)}});
   }
-  return rpc::when_all(sent);
+  bool budget = false;
+  if (!may_block && !messages.empty()) {
+    budget = g_blocked_rpc_threads.fetch_add(1) < kMaxBlockedRpcThreads;
+    if (!budget) g_blocked_rpc_threads.fetch_sub(1);
+  }
+  std::vector<rpc::Future> sent;
+  for (size_t i = 0; i < messages.size(); ++i) {
+    auto& m = messages[i];
+    const bool last = i + 1 == messages.size();
+    sent.push_back((may_block || budget) && last ? rpc::call_and_wait(m.to, kGradFunction, std::move(m.args), timeout)
+                                                 : rpc::call(m.to, kGradFunction, std::move(m.args), timeout));
+  }
+  if (budget) g_blocked_rpc_threads.fetch_sub(1);
+  return sent.size() == 1 ? sent[0] : rpc::when_all(sent);
 }
 
 // Worker side of a gradient message: continue the pass from send function `send_id`.
@@ -351,8 +374,71 @@ rpc::Future on_grad(int64_t context_id, int64_t send_id, std::vector<int64_t> in
     }
     roots.emplace_back(send, static_cast<uint32_t>(i));
   }
-  return run_local(ctx, roots, grads, std::chrono::milliseconds(0));
+  return run_local(ctx, roots, grads, std::chrono::milliseconds(0), /*may_block=*/false);
 }
+
+// Release messages, batched per destination: while one is in flight to a worker, later releases for it queue and go
+// together when it completes (a training loop releases a context per step; this keeps that to a message per round
+// trip, not per step).
+class Releaser {
+ public:
+  static Releaser& get() {
+    static auto* r = new Releaser;
+    return *r;
+  }
+  rpc::Future release(int worker, int64_t context_id) {
+    rpc::Future done;
+    std::vector<int64_t> ids;
+    std::vector<rpc::Future> waiters;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      Pending& p = pending_[worker];
+      p.ids.push_back(context_id);
+      p.waiters.push_back(done);
+      if (p.in_flight) return done;
+      p.in_flight = true;
+      ids.swap(p.ids);
+      waiters.swap(p.waiters);
+    }
+    send(worker, std::move(ids), std::move(waiters));
+    return done;
+  }
+
+ private:
+  struct Pending {
+    bool in_flight = false;
+    std::vector<int64_t> ids;
+    std::vector<rpc::Future> waiters;
+  };
+  void send(int worker, std::vector<int64_t> ids, std::vector<rpc::Future> waiters) {
+    rpc::Future f;
+    try {
+      f = rpc::rpc_async(worker, kReleaseFunction, ids);
+    } catch (const std::exception& e) {
+      f = rpc::Future::failed(absl::UnavailableError(e.what()));
+    }
+    f.add_callback([this, worker, waiters = std::move(waiters)](const rpc::Future& done) {
+      const absl::Status s = done.status();
+      if (!s.ok()) Container::get().failed_releases.fetch_add(static_cast<int64_t>(waiters.size()));
+      for (const auto& w : waiters) s.ok() ? w.set_value(c10::IValue()) : w.set_error(s);
+      std::vector<int64_t> next;
+      std::vector<rpc::Future> next_waiters;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        Pending& p = pending_[worker];
+        if (p.ids.empty()) {
+          p.in_flight = false;
+          return;
+        }
+        next.swap(p.ids);
+        next_waiters.swap(p.waiters);
+      }
+      send(worker, std::move(next), std::move(next_waiters));
+    });
+  }
+  std::mutex mu_;
+  std::map<int, Pending> pending_;
+};
 
 rpc::Future release_on(int64_t context_id, int except) {
   auto ctx = Container::get().take(context_id);
@@ -365,12 +451,7 @@ rpc::Future release_on(int64_t context_id, int except) {
   const int self = self_rank();
   std::vector<rpc::Future> released;
   for (int w : workers) {
-    if (w == self || w == except) continue;
-    rpc::Future f = rpc::rpc_async(w, kReleaseFunction, context_id);
-    f.add_callback([](const rpc::Future& done) {
-      if (!done.status().ok()) Container::get().failed_releases.fetch_add(1);
-    });
-    released.push_back(f);
+    if (w != self && w != except) released.push_back(Releaser::get().release(w, context_id));
   }
   return rpc::when_all(released);
 }
@@ -379,9 +460,11 @@ bool install() {
   static Tracer tracer;
   rpc::set_call_tracer(&tracer);
   rpc::register_function(kGradFunction, on_grad);
-  rpc::register_function(kReleaseFunction, [](int64_t context_id) {
+  rpc::register_function(kReleaseFunction, [](std::vector<int64_t> context_ids) {
     const rpc::CallContext* call = rpc::current_call();
-    return release_on(context_id, call ? call->caller_rank : -1);
+    std::vector<rpc::Future> released;
+    for (int64_t id : context_ids) released.push_back(release_on(id, call ? call->caller_rank : -1));
+    return rpc::when_all(released);
   });
   rpc::add_stop_hook([] { Container::get().clear(); });
   return true;
@@ -425,7 +508,7 @@ void backward(int64_t context_id, const std::vector<at::Tensor>& roots, bool /*r
     edges.push_back(torch::autograd::impl::gradient_edge(r));
     grads.push_back(at::ones_like(r));
   }
-  rpc::Future done = run_local(ctx, edges, grads, timeout);
+  rpc::Future done = run_local(ctx, edges, grads, timeout, /*may_block=*/true);
   // Each hop has its RPC deadline; this bounds the whole pass as well.
   const auto wait = timeout.count() > 0 ? timeout : std::chrono::milliseconds(std::chrono::minutes(5));
   if (!done.wait_for(wait)) {

@@ -14,6 +14,7 @@
 #include <set>
 #include <unordered_map>
 
+#include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "dist_autograd/dist_autograd.h"
@@ -241,6 +242,37 @@ rpc::Future DistributedOptimizer::step_async(int64_t context_id) {
   return rpc::when_all(steps);
 }
 
-void DistributedOptimizer::step(int64_t context_id) { throw_if_error(step_async(context_id).status()); }
+void DistributedOptimizer::step(int64_t context_id) {
+  // Other owners' steps start first and run while this worker steps its own parameters in place (no RPC to itself);
+  // the last remote step is a synchronous call (on the direct channel this thread reads its own reply).
+  const int self = rpc::get_worker_info().id;
+  std::vector<std::pair<int, int64_t>> others;
+  std::vector<int64_t> mine;
+  for (const auto& [owner, id] : remote_) {
+    if (owner == self) {
+      mine.push_back(id);
+    } else {
+      others.emplace_back(owner, id);
+    }
+  }
+  std::vector<rpc::Future> steps;
+  for (size_t i = 0; i + 1 < others.size(); ++i) {
+    steps.push_back(rpc::rpc_async(others[i].first, kStep, others[i].second, context_id, options_.timeout));
+  }
+  absl::Status local = absl::OkStatus();
+  for (int64_t id : mine) {
+    try {
+      on_step(id, context_id);
+    } catch (const std::exception& e) {
+      local = absl::InternalError(absl::StrCat("optimizer step on worker '", rpc::get_worker_info().name, "': ", e.what()));
+    }
+  }
+  if (!others.empty()) {
+    const auto& [owner, id] = others.back();
+    steps.push_back(rpc::call_and_wait(owner, kStep, {c10::IValue(id), c10::IValue(context_id)}, options_.timeout));
+  }
+  for (const auto& f : steps) throw_if_error(f.status());
+  throw_if_error(local);
+}
 
 }  // namespace tandem::dist_optim

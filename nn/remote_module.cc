@@ -56,6 +56,15 @@ void detail::register_factory(const std::string& name, Factory factory) {
   }
 }
 
+std::shared_ptr<torch::nn::Module> RemoteModule::local_module() const {
+  c10::IValue v = module_.local_value();
+  auto* object = v.isCapsule() ? dynamic_cast<rref::detail::Object*>(v.toCapsule().get()) : nullptr;
+  if (!object || object->class_name != kClass) {
+    throw RpcError(absl::InvalidArgumentError("the RRef of this RemoteModule does not refer to a module"));
+  }
+  return std::static_pointer_cast<detail::Instance>(object->instance)->module;
+}
+
 std::vector<rref::RRef> RemoteModule::remote_parameters() const {
   c10::IValue refs = module_.rpc_sync("parameters");
   std::vector<rref::RRef> out;

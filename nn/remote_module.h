@@ -101,6 +101,9 @@ class RemoteModule {
     return RemoteModule(rref::remote_object(on, kClass, factory, std::forward<Args>(args)...));
   }
 
+  // A handle on a module another RemoteModule created (its module_rref(), e.g. received through RPC).
+  static RemoteModule from_rref(rref::RRef module) { return RemoteModule(std::move(module)); }
+
   template <typename... Args>
   at::Tensor forward(Args&&... args) const {
     return module_.rpc_sync<at::Tensor>("forward", std::forward<Args>(args)...);
@@ -112,6 +115,8 @@ class RemoteModule {
   // RRefs to the module's parameters, owned by the module's worker (for dist_optim::DistributedOptimizer).
   std::vector<rref::RRef> remote_parameters() const;
   const rref::RRef& module_rref() const { return module_; }
+  // The module itself; only on its worker, once built (throws RpcError elsewhere).
+  std::shared_ptr<torch::nn::Module> local_module() const;
   std::string owner_name() const { return module_.owner_name(); }
 
   static constexpr const char* kClass = "__tandem.nn.Module";

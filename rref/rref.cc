@@ -416,7 +416,10 @@ absl::StatusOr<std::string> encode(const c10::IValue& v, int to) {
   Wire w{impl->rref_id_, 0, impl->owner_, 0};
   if (impl->owner_side_) {
     if (to == impl->owner_) {
+      // Back to the owner itself (a call to self): the value must outlive this handle until the message is decoded.
       w.kind = kSelf;
+      w.fork_id = ctx.new_id();
+      ctx.hold_pending_child(w.fork_id, c10::intrusive_ptr<RRefImpl>::reclaim_copy(impl));
     } else {
       w.kind = kFromOwner;
       w.fork_id = ctx.new_id();
@@ -439,6 +442,7 @@ absl::StatusOr<c10::IValue> decode(const std::string& data, int from, std::vecto
     auto handle = ctx.owner_handle(w.rref_id);
     if (!handle.ok()) return handle.status();
     if (w.kind == kToOwner) send_accept(from, w.fork_id);
+    if (w.kind == kSelf && from == ctx.rank()) ctx.release_pending_child(w.fork_id);
     return c10::IValue(c10::intrusive_ptr<c10::RRefInterface>(*handle));
   }
   if (w.kind == kFromOwner) {
@@ -739,12 +743,20 @@ RRef RRef::remote_method(const std::string& method, std::vector<c10::IValue> arg
 
 c10::IValue RRef::local_value() const {
   const auto& impl = checked(impl_);
-  if (!impl.owner_side_) {
+  // A handle made on the owner for itself (remote() to self) is a user handle living where the value is: allowed.
+  if (!impl.owner_side_ && impl.owner_ != detail::Context::get().rank()) {
     throw RpcError(absl::FailedPreconditionError("local_value() on a user RRef: only its owner holds the value"));
   }
-  auto value = detail::Context::get().value_of(impl.rref_id_);
+  // A user handle on the owner may run ahead of the creation message it sent itself: wait for the entry as fetches do.
+  absl::StatusOr<rpc::Future> value =
+      impl.owner_side_ ? detail::Context::get().value_of(impl.rref_id_)
+                       : absl::StatusOr<rpc::Future>(
+                             detail::Context::get().value_or_wait(impl.rref_id_, std::chrono::minutes(5)));
   throw_if_error(value.status());
-  if (!value->completed()) throw RpcError(absl::UnavailableError("the RRef's value is not ready yet"));
+  // As in PyTorch, the owner waits for a value still being made (bounded: the value's function has the RPC deadline).
+  if (!value->wait_for(std::chrono::minutes(5))) {
+    throw RpcError(absl::DeadlineExceededError("the RRef's value was not ready within 5 minutes"));
+  }
   return value->value();
 }
 

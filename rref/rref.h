@@ -62,7 +62,7 @@ class RRef {
   T to_here(std::chrono::milliseconds timeout = std::chrono::milliseconds(0)) const {
     return rpc::from_ivalue<T>(to_here(timeout));
   }
-  // The value itself; only on the owner, once it is ready (throws RpcError otherwise).
+  // The value itself; only on the owner (throws RpcError elsewhere). Waits while the value is being made.
   c10::IValue local_value() const;
 
   // Calls `method` of the remote object this RRef refers to, on its owner (like rref.rpc_sync().method(...)). The call

@@ -10,7 +10,7 @@ pkgs=(
   libssl-dev openssl ca-certificates             # TLS tests make their own certificates
   iproute2 util-linux                            # tests put workers in network and pid namespaces they create
   libopenblas0-pthread                           # LibTorch otherwise falls back to reference BLAS (~20x slower)
-  dataset-fashion-mnist
+  dataset-fashion-mnist zlib1g-dev               # the examples read its gzipped IDX files
 )
 missing=()
 for p in "${pkgs[@]}"; do

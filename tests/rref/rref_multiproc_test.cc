@@ -211,3 +211,26 @@ TEST_F(MultiprocRRef, KilledUserIsDroppedByTheOwner) {
 
 }  // namespace
 }  // namespace tandem::test
+
+namespace tandem::test {
+namespace {
+
+TEST_F(MultiprocRRef, AnOwnerCallingItselfKeepsItsValues) {
+  start({.world_size = 2});
+  // A value made in a call to this worker itself and returned at once: its only handle dies in the reply, before the
+  // reply is decoded here; the value must survive that.
+  for (int i = 0; i < 50; ++i) {
+    rref::RRef mine = rref::RRef::from_ivalue(rpc::rpc_sync("worker0", "own_value", int64_t{2}));
+    EXPECT_TRUE(mine.is_owner());
+    EXPECT_TRUE(mine.local_value().toTensor().equal(at::full({2}, 2.0)));
+  }
+  {
+    // remote() to itself: local_value() is allowed where the value lives, and waits for it.
+    rref::RRef r = rref::remote("worker0", "make_tensor", int64_t{4});
+    EXPECT_TRUE(r.local_value().toTensor().equal(at::arange(4, at::kFloat)));
+  }
+  EXPECT_EQ(wait_all_zero(2, milliseconds(10000)), "") << "after the handles die";
+}
+
+}  // namespace
+}  // namespace tandem::test

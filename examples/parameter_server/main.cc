@@ -1,0 +1,132 @@
+// Parameter-server training on Fashion-MNIST: rank 0 is the server ("ps"), ranks 1..N are trainers.
+//
+//   build/tandem-run --nproc-per-node 3 build/parameter_server [--epochs 4] [--lr 0.002] [--mode sync|async] [--batch 64]
+//
+// The model (2 conv + pooling + FC) lives on the server as an nn::RemoteModule; each trainer reads its shard of the
+// training set, runs forward through the RemoteModule, and backward with distributed autograd (server.h has the two
+// modes). Trainer 1 prints steps/s, loss and the server's test accuracy after every epoch.
+#include <torch/torch.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#include "dist_autograd/dist_autograd.h"
+#include "dist_optim/dist_optim.h"
+#include "examples/data/fashion_mnist.h"
+#include "examples/parameter_server/server.h"
+#include "rpc/rpc.h"
+
+using namespace tandem;
+
+namespace {
+
+struct Args {
+  int epochs = 4;
+  double lr = 2e-3;  // Adam's step size (the server's optimizer in sync mode, each trainer's in async mode)
+  int batch = 64;
+  std::string mode = "sync";
+  int64_t limit = 0;  // train on at most this many images per trainer (0: the whole shard); for smoke tests
+  double min_accuracy = 0;  // exit 1 if the final test accuracy is lower
+};
+
+Args parse(int argc, char** argv) {
+  Args a;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string k = argv[i], v = argv[i + 1];
+    if (k == "--epochs") a.epochs = std::stoi(v);
+    else if (k == "--batch") a.batch = std::stoi(v);
+    else if (k == "--mode") a.mode = v;
+    else if (k == "--limit") a.limit = std::stoll(v);
+    else if (k == "--lr") a.lr = std::stod(v);
+    else if (k == "--min-accuracy") a.min_accuracy = std::stod(v);
+    else throw std::invalid_argument("unknown option " + k);
+  }
+  if (a.mode != "sync" && a.mode != "async") throw std::invalid_argument("--mode is sync or async");
+  return a;
+}
+
+int train(const Args& args, int rank, int trainers) {
+  examples::Dataset data = examples::load_fashion_mnist("train");
+  // This trainer's shard: every trainers-th image, starting at rank-1.
+  at::Tensor shard = at::arange(rank - 1, data.images.size(0), trainers);
+  if (args.limit > 0 && shard.size(0) > args.limit) shard = shard.slice(0, 0, args.limit);
+  const int64_t steps_per_epoch = shard.size(0) / args.batch;  // equal on every trainer: sync rounds line up
+
+  nn::RemoteModule model = examples::server_model();
+  std::unique_ptr<dist_optim::DistributedOptimizer> opt;
+  if (args.mode == "async") {
+    opt = std::make_unique<dist_optim::DistributedOptimizer>("adam", model.remote_parameters(),
+                                                            std::map<std::string, double>{{"lr", args.lr}},
+                                                            dist_optim::DistributedOptimizerOptions{.hogwild = true});
+  }
+  double accuracy = 0;
+  for (int epoch = 1; epoch <= args.epochs; ++epoch) {
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(1000 * epoch + rank);
+    at::Tensor order = shard.index_select(0, at::randperm(shard.size(0), gen));
+    double loss_sum = 0;
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int64_t step = 0; step < steps_per_epoch; ++step) {
+      at::Tensor idx = order.slice(0, step * args.batch, (step + 1) * args.batch);
+      at::Tensor x = data.images.index_select(0, idx), y = data.labels.index_select(0, idx);
+      dist_autograd::ContextGuard ctx;
+      at::Tensor loss = torch::nn::functional::cross_entropy(model.forward(x), y);
+      dist_autograd::backward(ctx.id(), {loss});
+      if (opt) {
+        opt->step(ctx.id());
+      } else {
+        examples::submit(ctx.id());
+      }
+      loss_sum += loss.item<double>();
+    }
+    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (rank == 1) {
+      accuracy = examples::evaluate();
+      std::printf("epoch %d/%d  %.0f steps/s (all %d trainers)  loss %.4f  test accuracy %.4f\n", epoch, args.epochs,
+                  trainers * steps_per_epoch / secs, trainers, loss_sum / std::max<int64_t>(1, steps_per_epoch),
+                  accuracy);
+      std::fflush(stdout);
+    }
+  }
+  if (rank == 1 && accuracy < args.min_accuracy) {
+    std::fprintf(stderr, "test accuracy %.4f is below --min-accuracy %.4f\n", accuracy, args.min_accuracy);
+    return 1;
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    const Args args = parse(argc, argv);
+    examples::register_parameter_server();
+    const char* rank_env = std::getenv("RANK");
+    const int rank = rank_env ? std::atoi(rank_env) : 0;
+    const char* world_env = std::getenv("WORLD_SIZE");
+    const int world = world_env ? std::atoi(world_env) : 1;
+    if (world < 2) throw std::invalid_argument("run with tandem-run --nproc-per-node N (N >= 2: a server and trainers)");
+    rpc::init_rpc(rank == 0 ? "ps" : "trainer" + std::to_string(rank), rank, world);
+    int code = 0;
+    if (rank == 0) {
+      examples::ServerOptions options;
+      options.trainers = world - 1;
+      options.lr = args.lr;
+      std::printf("parameter server: %d trainers, %s mode, batch %d, %d epochs, Fashion-MNIST\n", world - 1,
+                  args.mode.c_str(), args.batch, args.epochs);
+      std::fflush(stdout);
+      examples::start_parameter_server(options);
+      if (!examples::wait_for_trainers(std::chrono::hours(2))) throw std::runtime_error("trainers did not finish in 2 h");
+    } else {
+      code = train(args, rank, world - 1);
+      examples::done();
+    }
+    rpc::shutdown(true);
+    return code;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "parameter_server: %s\n", e.what());
+    return 1;
+  }
+}

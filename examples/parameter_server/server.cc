@@ -1,0 +1,134 @@
+#include "examples/parameter_server/server.h"
+
+#include <torch/torch.h>
+
+#include <atomic>
+#include <mutex>
+
+#include "dist_autograd/dist_autograd.h"
+#include "examples/data/fashion_mnist.h"
+#include "rpc/rpc.h"
+
+namespace tandem::examples {
+namespace {
+
+torch::nn::Sequential make_cnn() {
+  namespace tn = torch::nn;
+  return tn::Sequential(tn::Conv2d(tn::Conv2dOptions(1, 32, 3).padding(1)), tn::ReLU(), tn::MaxPool2d(2),
+                        tn::Conv2d(tn::Conv2dOptions(32, 64, 3).padding(1)), tn::ReLU(), tn::MaxPool2d(2),
+                        tn::Flatten(), tn::Linear(64 * 7 * 7, 128), tn::ReLU(), tn::Linear(128, 10));
+}
+
+torch::nn::Sequential make_mlp() {
+  namespace tn = torch::nn;
+  return tn::Sequential(tn::Flatten(), tn::Linear(784, 512), tn::ReLU(), tn::Linear(512, 512), tn::ReLU(),
+                        tn::Linear(512, 10));
+}
+
+struct Server {
+  ServerOptions options;
+  nn::RemoteModule model;
+  std::vector<at::Tensor> params;
+  std::unique_ptr<torch::optim::Optimizer> optimizer;
+  Dataset test;
+  rpc::Future ready;  // completed with the model's RRef once built
+  rpc::Future finished;
+  std::atomic<int> done{0};
+
+  std::mutex mu;
+  std::vector<at::Tensor> sum;        // gradients submitted in this round
+  std::vector<rpc::Future> waiting;   // the trainers that submitted them
+};
+
+Server& server() {
+  static auto* s = new Server;
+  return *s;
+}
+
+rpc::Future on_submit(int64_t context_id) {
+  Server& s = server();
+  dist_autograd::Gradients grads = dist_autograd::get_gradients(context_id);
+  rpc::Future done;
+  std::vector<rpc::Future> release;
+  {
+    std::lock_guard<std::mutex> lock(s.mu);
+    for (size_t i = 0; i < s.params.size(); ++i) {
+      at::Tensor g = grads[s.params[i]];
+      if (!g.defined()) continue;
+      s.sum[i] = s.sum[i].defined() ? s.sum[i].add_(g) : g.clone();
+    }
+    s.waiting.push_back(done);
+    if (static_cast<int>(s.waiting.size()) == s.options.trainers) {
+      for (size_t i = 0; i < s.params.size(); ++i) {
+        s.params[i].mutable_grad() = s.sum[i].defined() ? s.sum[i].div_(s.options.trainers) : at::Tensor();
+      }
+      s.optimizer->step();
+      for (size_t i = 0; i < s.params.size(); ++i) {
+        s.params[i].mutable_grad() = at::Tensor();
+        s.sum[i] = at::Tensor();
+      }
+      release.swap(s.waiting);
+    }
+  }
+  for (auto& f : release) f.set_value(c10::IValue());
+  return done;
+}
+
+double on_evaluate() {
+  Server& s = server();
+  if (!s.test.images.defined()) throw std::invalid_argument("the server was started without the test set");
+  torch::NoGradGuard no_grad;
+  auto net = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(s.model.local_module());
+  int64_t correct = 0;
+  const int64_t n = s.test.images.size(0);
+  for (int64_t at = 0; at < n; at += 1000) {
+    at::Tensor x = s.test.images.slice(0, at, std::min(n, at + 1000));
+    at::Tensor y = s.test.labels.slice(0, at, std::min(n, at + 1000));
+    correct += net->forward(x).argmax(1).eq(y).sum().item<int64_t>();
+  }
+  return static_cast<double>(correct) / static_cast<double>(n);
+}
+
+}  // namespace
+
+void register_parameter_server() {
+  nn::register_module("cnn", make_cnn);
+  nn::register_module("mlp", make_mlp);
+  rpc::register_function("ps.submit", on_submit);
+  rpc::register_function("ps.evaluate", on_evaluate);
+  rpc::register_function("ps.model", [] { return server().ready; });
+  rpc::register_function("ps.done", [] {
+    Server& s = server();
+    if (s.done.fetch_add(1) + 1 == s.options.trainers) s.finished.set_value(c10::IValue());
+  });
+}
+
+void start_parameter_server(const ServerOptions& options) {
+  Server& s = server();
+  s.options = options;
+  if (options.evaluate) s.test = load_fashion_mnist("t10k");
+  torch::manual_seed(0);
+  s.model = nn::RemoteModule::create(rpc::get_worker_info().id, options.model);
+  for (const auto& r : s.model.remote_parameters()) s.params.push_back(r.local_value().toTensor());
+  s.sum.resize(s.params.size());
+  if (options.optimizer == "adam") {
+    s.optimizer = std::make_unique<torch::optim::Adam>(s.params, torch::optim::AdamOptions(options.lr));
+  } else {
+    s.optimizer = std::make_unique<torch::optim::SGD>(s.params, torch::optim::SGDOptions(options.lr).momentum(0.9));
+  }
+  s.ready.set_value(s.model.module_rref().to_ivalue());
+}
+
+nn::RemoteModule server_model() {
+  return nn::RemoteModule::from_rref(rref::RRef::from_ivalue(rpc::rpc_sync("ps", "ps.model")));
+}
+
+bool wait_for_trainers(std::chrono::milliseconds timeout) { return server().finished.wait_for(timeout); }
+
+void done() { rpc::rpc_sync("ps", "ps.done"); }
+
+void submit(int64_t context_id) { rpc::rpc_sync("ps", "ps.submit", context_id); }
+
+double evaluate() { return rpc::rpc_sync<double>("ps", "ps.evaluate"); }
+
+}  // namespace tandem::examples
