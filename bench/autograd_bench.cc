@@ -4,7 +4,7 @@
 // over the four parameters, each on its owner), context released.
 //   dist_autograd_small_iter_us  d = 64, batch 8: median time per iteration
 //   dist_autograd_overhead_ms    d = 1024, batch 64: median distributed iteration minus median local iteration (the
-//                                same model, loss.backward() and torch::optim::SGD in one process)
+//                                same model, loss.backward() and torch::optim::SGD in one process), interleaved
 // Flags: --small N, --large N (iterations).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -36,7 +36,9 @@ Layer make_layer(int64_t d) {
 
 Layer g_remote;  // worker 1's layer
 
-std::vector<double> run_distributed(int64_t d, int64_t batch, int iters) {
+// Times `iters` distributed iterations (after a tenth as warm-up); with `local`, each one is followed by an iteration
+// of the same model in this process (interleaved, so both see the same machine: this VM's speed drifts between runs).
+void run(int64_t d, int64_t batch, int iters, std::vector<double>* dist, std::vector<double>* local) {
   Layer mine = make_layer(d);
   rpc::rpc_sync(1, "make_layer", d);
   std::vector<rref::RRef> params = {rref::make_local(mine.w), rref::make_local(mine.b)};
@@ -44,10 +46,12 @@ std::vector<double> run_distributed(int64_t d, int64_t batch, int iters) {
     params.push_back(rref::RRef::from_ivalue(r));
   }
   tandem::dist_optim::DistributedOptimizer opt("sgd", params, {{"lr", 0.01}});
+  Layer a = make_layer(d), b = make_layer(d);
+  torch::optim::SGD local_opt({a.w, a.b, b.w, b.b}, torch::optim::SGDOptions(0.01));
   const at::Tensor x = at::randn({batch, d});
-  std::vector<double> t;
   for (int i = 0; i < iters + iters / 10; ++i) {
-    const double t0 = bench::now_us();
+    const bool timed = i >= iters / 10;
+    double t0 = bench::now_us();
     {
       dist_autograd::ContextGuard ctx;
       at::Tensor h = at::linear(x, mine.w, mine.b);
@@ -55,24 +59,14 @@ std::vector<double> run_distributed(int64_t d, int64_t batch, int iters) {
       dist_autograd::backward(ctx.id(), {loss});
       opt.step(ctx.id());
     }
-    if (i >= iters / 10) t.push_back(bench::now_us() - t0);  // the first tenth warms up
-  }
-  return t;
-}
-
-std::vector<double> run_local(int64_t d, int64_t batch, int iters) {
-  Layer a = make_layer(d), b = make_layer(d);
-  torch::optim::SGD opt({a.w, a.b, b.w, b.b}, torch::optim::SGDOptions(0.01));
-  const at::Tensor x = at::randn({batch, d});
-  std::vector<double> t;
-  for (int i = 0; i < iters + iters / 10; ++i) {
-    const double t0 = bench::now_us();
-    opt.zero_grad();
+    if (timed) dist->push_back(bench::now_us() - t0);
+    if (!local) continue;
+    t0 = bench::now_us();
+    local_opt.zero_grad();
     at::linear(at::linear(x, a.w, a.b), b.w, b.b).pow(2).mean().backward();
-    opt.step();
-    if (i >= iters / 10) t.push_back(bench::now_us() - t0);
+    local_opt.step();
+    if (timed) local->push_back(bench::now_us() - t0);
   }
-  return t;
 }
 
 }  // namespace
@@ -95,11 +89,11 @@ int main(int argc, char** argv) {
   rpc::init_rpc();
   if (rpc::get_worker_info().id == 0) {
     const std::string cond = "\"processes\":2,\"intra_op_threads\":1";
-    auto small_t = run_distributed(64, 8, small);
+    std::vector<double> small_t, dist_t, local_t;
+    run(64, 8, small, &small_t, nullptr);
     bench::emit("autograd", "dist_autograd_small_iter_us", bench::median(small_t), "us",
                 cond + ",\"d\":64,\"batch\":8,\"iters\":" + std::to_string(small));
-    auto dist_t = run_distributed(1024, 64, large);
-    auto local_t = run_local(1024, 64, large);
+    run(1024, 64, large, &dist_t, &local_t);
     const double dist_ms = bench::median(dist_t) / 1000, local_ms = bench::median(local_t) / 1000;
     bench::emit("autograd", "dist_autograd_overhead_ms", dist_ms - local_ms, "ms",
                 cond + ",\"d\":1024,\"batch\":64,\"iters\":" + std::to_string(large) +
