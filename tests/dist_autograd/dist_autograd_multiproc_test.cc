@@ -231,3 +231,37 @@ TEST_F(MultiprocDistAutograd, UnknownContextAndBadRootsAreErrors) {
 
 }  // namespace
 }  // namespace tandem::test
+
+namespace tandem::test {
+namespace {
+
+TEST_F(MultiprocDistAutograd, MalformedAutogradRecordsGetErrorRepliesAndTheWorkerSurvives) {
+  start({.world_size = 2});
+  pb::Request request;  // layer("a1", <4x4 double tensor>), with a hand-made autograd record
+  request.set_function("layer");
+  request.mutable_args()->add_values()->set_s("h1");
+  request.mutable_args()->add_values()->set_tensor(0);
+  auto* meta = request.mutable_args()->add_tensors();
+  meta->set_dtype(static_cast<int>(at::kDouble));
+  meta->add_sizes(1);
+  meta->add_sizes(4);
+  meta->set_nbytes(32);
+  const std::string bytes(32, '\0');
+  for (const char* bad : {"not-a-number", "5 7", "5 7 1", "5 7 0 0", "5 x 0", "5 7 -1"}) {
+    request.set_trace(bad);
+    absl::Status s = raw_error(1, make_frame(request, bytes));
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << "'" << bad << "': " << s;
+  }
+  meta->set_dtype(static_cast<int>(at::kLong));  // an integer tensor cannot require grad
+  request.set_trace("5 7 0");
+  EXPECT_EQ(raw_error(1, make_frame(request, bytes)).code(), absl::StatusCode::kInvalidArgument);
+  meta->set_dtype(static_cast<int>(at::kDouble));
+  request.set_trace("5 7 0");  // well formed: accepted, and the call runs
+  EXPECT_TRUE(raw_error(1, make_frame(request, bytes)).ok());
+  // Releasing the context the record created there leaves the worker clean and serving.
+  (void)rpc::rpc_sync(1, "__tandem.dist_autograd.release", std::vector<int64_t>{5});
+  EXPECT_EQ(wait_no_contexts(2), "");
+}
+
+}  // namespace
+}  // namespace tandem::test
