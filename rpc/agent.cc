@@ -93,6 +93,7 @@ class Agent {
   absl::Status shutdown(bool graceful);
 
   const WorkerInfo& self() const { return peers_[rank_]->info; }
+  Store& store() { return *store_; }
   const WorkerInfo& info(int rank) const { return peers_[rank]->info; }
   std::vector<WorkerInfo> workers() const {
     std::vector<WorkerInfo> out;
@@ -1066,6 +1067,8 @@ void shutdown(bool graceful) {
 bool is_initialized() { return current_agent() != nullptr; }
 
 WorkerInfo get_worker_info() { return require_agent()->self(); }
+
+Store& job_store() { return require_agent()->store(); }
 
 namespace {
 WorkerInfo worker_info(const To& to) {

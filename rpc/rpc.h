@@ -125,6 +125,11 @@ Future call_and_wait(const To& to, const std::string& function, std::vector<c10:
 // Which transport calls to `to` use: "direct" or "grpc" (see RpcOptions::transport).
 std::string transport_to(const To& to);
 
+// The job's rendezvous store (rpc/store.h), for layers that set up more connections (collectives). Valid between
+// init_rpc and shutdown; throws RpcError otherwise.
+class Store;
+Store& job_store();
+
 // Counts of this worker's outgoing calls since init_rpc, by path (for tests, debugging and benchmarks' conditions).
 struct TransportStats {
   int64_t grpc_calls = 0;

@@ -1,0 +1,60 @@
+// Collectives: a process group over the workers of a job (all of them, or a subset), on Gloo for CPU tensors.
+//
+//   rpc::init_rpc(...);                                          // the group meets through the job's store
+//   auto pg = comm::ProcessGroup::create("default");             // every rank calls it, with the same name
+//   pg->allreduce(grad, comm::ReduceOp::kAvg).get...;            // asynchronous: a future per operation
+//   comm::wait(pg->allreduce(grad));                             // or synchronous (throws RpcError on failure)
+//
+// Operations run in the order they are issued, on the group's own thread; a future completes (None, or the error)
+// when the operation is done. Tensors are reduced in place and must be contiguous CPU tensors of the same shape and
+// dtype on every rank (float, double, int8, uint8, int32, int64; kAvg needs a floating dtype).
+//
+// Failures: every operation has the group's timeout; a rank that dies or never arrives makes the others fail with
+// DEADLINE_EXCEEDED or UNAVAILABLE naming the group and the operation — never a hang. After a failure the group is
+// unusable (its connections are in an unknown state): create a new one.
+//
+// NCCL (CUDA tensors) is not built: neither CUDA nor NCCL exists on these machines (see docs). This interface takes
+// any at::Tensor so a backend for them can be added behind a build option.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "rpc/future.h"
+
+namespace tandem::comm {
+
+enum class ReduceOp { kSum, kAvg, kMin, kMax, kProduct };
+
+struct ProcessGroupOptions {
+  std::chrono::milliseconds timeout{std::chrono::seconds(60)};  // per operation, and for set-up
+};
+
+class ProcessGroup {
+ public:
+  // Collective over `ranks` (job ranks, every one when empty): each of them calls it with the same `name`; returns
+  // when all are connected. A worker not in `ranks` must not call it. Throws RpcError.
+  static std::shared_ptr<ProcessGroup> create(const std::string& name, std::vector<int> ranks = {},
+                                              ProcessGroupOptions options = {});
+  virtual ~ProcessGroup() = default;
+
+  virtual int rank() const = 0;  // within the group
+  virtual int size() const = 0;
+  virtual const std::string& name() const = 0;
+
+  virtual rpc::Future allreduce(at::Tensor tensor, ReduceOp op = ReduceOp::kSum) = 0;
+  // `tensor` holds the root's data on return, on every rank (`root` is a group rank).
+  virtual rpc::Future broadcast(at::Tensor tensor, int root) = 0;
+  // `output` (size() times input's elements, same dtype) receives every rank's input, in group rank order.
+  virtual rpc::Future allgather(at::Tensor output, at::Tensor input) = 0;
+  virtual rpc::Future barrier() = 0;
+};
+
+// Waits for an operation (bounded by its future's deadline); throws RpcError when it failed.
+void wait(const rpc::Future& work);
+
+}  // namespace tandem::comm

@@ -1,0 +1,113 @@
+#include "tests/comm/scenarios.h"
+
+#include <ATen/ATen.h>
+#include <unistd.h>
+
+#include "absl/strings/str_cat.h"
+#include "comm/process_group.h"
+#include "rpc/errors.h"
+#include "rpc/registry.h"
+#include "rpc/rpc.h"
+
+namespace tandem::test {
+namespace {
+
+using comm::ReduceOp;
+
+std::string check(bool ok, const std::string& what) { return ok ? "" : what + "; "; }
+
+// Every collective and dtype on the group, against values each rank can compute.
+std::string basic(const std::shared_ptr<comm::ProcessGroup>& pg) {
+  std::string err;
+  const int n = pg->size(), r = pg->rank();
+  for (auto dtype : {at::kFloat, at::kDouble, at::kChar, at::kByte, at::kInt, at::kLong}) {
+    const std::string d = c10::toString(dtype);
+    auto t = at::full({5}, r + 1, at::TensorOptions().dtype(dtype));
+    comm::wait(pg->allreduce(t, ReduceOp::kSum));
+    err += check(t.equal(at::full({5}, n * (n + 1) / 2, t.options())), d + " sum");
+    t.fill_(r + 1);
+    comm::wait(pg->allreduce(t, ReduceOp::kMax));
+    err += check(t.equal(at::full({5}, n, t.options())), d + " max");
+    t.fill_(r + 1);
+    comm::wait(pg->allreduce(t, ReduceOp::kMin));
+    err += check(t.equal(at::full({5}, 1, t.options())), d + " min");
+    t.fill_(r + 1);
+    comm::wait(pg->allreduce(t, ReduceOp::kProduct));
+    int64_t fact = 1;
+    for (int k = 1; k <= n; ++k) fact *= k;
+    err += check(t.equal(at::full({5}, fact, t.options())), d + " product");
+    auto b = at::full({3}, r == n - 1 ? 7 : 0, t.options());
+    comm::wait(pg->broadcast(b, n - 1));
+    err += check(b.equal(at::full({3}, 7, t.options())), d + " broadcast");
+    auto in = at::full({2}, r, t.options());
+    auto out = at::empty({2 * n}, t.options());
+    comm::wait(pg->allgather(out, in));
+    err += check(out.equal(at::arange(n, t.options()).repeat_interleave(2)), d + " allgather");
+  }
+  auto avg = at::full({4}, static_cast<double>(r), at::kDouble);
+  comm::wait(pg->allreduce(avg, ReduceOp::kAvg));
+  err += check(avg.equal(at::full({4}, (n - 1) / 2.0, at::kDouble)), "avg");
+  // Several operations in flight at once complete in order, each correctly.
+  std::vector<at::Tensor> ts;
+  std::vector<rpc::Future> fs;
+  for (int i = 0; i < 20; ++i) {
+    ts.push_back(at::full({1000}, static_cast<float>(i), at::kFloat));
+    fs.push_back(pg->allreduce(ts.back()));
+  }
+  for (int i = 0; i < 20; ++i) {
+    comm::wait(fs[i]);
+    err += check(ts[i].equal(at::full({1000}, static_cast<float>(i * n), at::kFloat)), "in flight " + std::to_string(i));
+  }
+  comm::wait(pg->barrier());
+  return err;
+}
+
+std::string run(const std::string& name) {
+  const int rank = rpc::get_worker_info().id;
+  const int world = static_cast<int>(rpc::get_all_worker_infos().size());
+  if (name == "basic") return basic(comm::ProcessGroup::create("basic"));
+  if (name == "subgroup") {
+    // Ranks 0 and 2 of 3 form a group of their own; rank 1 is not in it.
+    if (rank == 1) return "";
+    auto pg = comm::ProcessGroup::create("pair", {0, 2});
+    if (pg->size() != 2 || pg->rank() != (rank == 0 ? 0 : 1)) return "subgroup ranks wrong";
+    return basic(pg);
+  }
+  if (name == "dead_rank") {
+    // The last rank dies before the allreduce: the others get an error within the group's timeout.
+    auto pg = comm::ProcessGroup::create("dead", {}, {.timeout = std::chrono::milliseconds(3000)});
+    comm::wait(pg->barrier());
+    if (rank == world - 1) _exit(9);
+    auto t = at::ones({10});
+    try {
+      comm::wait(pg->allreduce(t));
+      return "allreduce succeeded without the dead rank";
+    } catch (const RpcError& e) {
+      const std::string m = e.what();
+      if (m.find("process group 'dead'") == std::string::npos || m.find("allreduce") == std::string::npos) {
+        return "error does not name the group and operation: " + m;
+      }
+    }
+    try {
+      comm::wait(pg->barrier());
+      return "a failed group kept working";
+    } catch (const RpcError&) {
+    }
+    return "";
+  }
+  return "unknown scenario " + name;
+}
+
+}  // namespace
+
+std::string run_scenario(const std::string& name) {
+  try {
+    return run(name);
+  } catch (const std::exception& e) {
+    return std::string("exception: ") + e.what();
+  }
+}
+
+void register_scenarios() { rpc::register_function("scenario", [](std::string name) { return run_scenario(name); }); }
+
+}  // namespace tandem::test
