@@ -5,10 +5,14 @@
 #include <gloo/allgather.h>
 #include <gloo/allreduce.h>
 #include <gloo/barrier.h>
+#include <gloo/alltoall.h>
 #include <gloo/broadcast.h>
+#include <gloo/gather.h>
 #include <gloo/math.h>
+#include <gloo/reduce.h>
 #include <gloo/rendezvous/context.h>
 #include <gloo/rendezvous/store.h>
+#include <gloo/scatter.h>
 #include <gloo/transport/tcp/device.h>
 
 #include <algorithm>
@@ -137,8 +141,7 @@ class GlooGroup final : public ProcessGroup {
         gloo::AllreduceOptions o(ctx_);
         o.setOutput(t.data_ptr<T>(), static_cast<size_t>(t.numel()));
         o.setReduceFunction(reduce_fn<T>(op));
-        o.setTag(tag);
-        o.setTimeout(options_.timeout);
+        tagged(o, tag);
         gloo::allreduce(o);
       });
       if (op == ReduceOp::kAvg) t.div_(size_);
@@ -147,35 +150,112 @@ class GlooGroup final : public ProcessGroup {
 
   rpc::Future broadcast(at::Tensor t, int root) override {
     check_tensor(t, "broadcast: the tensor");
-    if (root < 0 || root >= size_) throw std::invalid_argument(absl::StrCat("broadcast: no rank ", root, " in the group"));
+    check_root(root, "broadcast");
     return submit("broadcast", [this, t, root](uint32_t tag) {
       dispatch(t.scalar_type(), [&](auto zero) {
         using T = decltype(zero);
         gloo::BroadcastOptions o(ctx_);
         o.setOutput(t.data_ptr<T>(), static_cast<size_t>(t.numel()));
         o.setRoot(root);
-        o.setTag(tag);
-        o.setTimeout(options_.timeout);
+        tagged(o, tag);
         gloo::broadcast(o);
       });
     });
   }
 
   rpc::Future allgather(at::Tensor output, at::Tensor input) override {
-    check_tensor(output, "allgather: the output");
     check_tensor(input, "allgather: the input");
-    if (output.scalar_type() != input.scalar_type() || output.numel() != input.numel() * size_) {
-      throw std::invalid_argument("allgather: the output must hold size() inputs of the same dtype");
-    }
+    check_chunks(output, input, "allgather");
     return submit("allgather", [this, output, input](uint32_t tag) {
       dispatch(input.scalar_type(), [&](auto zero) {
         using T = decltype(zero);
         gloo::AllgatherOptions o(ctx_);
         o.setInput(input.data_ptr<T>(), static_cast<size_t>(input.numel()));
         o.setOutput(output.data_ptr<T>(), static_cast<size_t>(output.numel()));
-        o.setTag(tag);
-        o.setTimeout(options_.timeout);
+        tagged(o, tag);
         gloo::allgather(o);
+      });
+    });
+  }
+
+  rpc::Future reduce(at::Tensor t, int root, ReduceOp op) override {
+    check_tensor(t, "reduce: the tensor");
+    check_root(root, "reduce");
+    if (op == ReduceOp::kAvg && !at::isFloatingType(t.scalar_type())) {
+      throw std::invalid_argument("reduce: kAvg needs a floating-point tensor");
+    }
+    return submit("reduce", [this, t, root, op](uint32_t tag) {
+      at::Tensor result = at::empty_like(t);  // Gloo's output; the tensor itself changes on the root only
+      dispatch(t.scalar_type(), [&](auto zero) {
+        using T = decltype(zero);
+        gloo::ReduceOptions o(ctx_);
+        o.setInput(t.data_ptr<T>(), static_cast<size_t>(t.numel()));
+        o.setOutput(result.data_ptr<T>(), static_cast<size_t>(result.numel()));
+        o.setRoot(root);
+        o.setReduceFunction(reduce_fn<T>(op));
+        tagged(o, tag);
+        gloo::reduce(o);
+      });
+      if (rank_ == root) {
+        t.copy_(result);
+        if (op == ReduceOp::kAvg) t.div_(size_);
+      }
+    });
+  }
+
+  rpc::Future gather(at::Tensor output, at::Tensor input, int root) override {
+    check_tensor(input, "gather: the input");
+    check_root(root, "gather");
+    if (rank_ == root) check_chunks(output, input, "gather");
+    return submit("gather", [this, output, input, root](uint32_t tag) {
+      dispatch(input.scalar_type(), [&](auto zero) {
+        using T = decltype(zero);
+        gloo::GatherOptions o(ctx_);
+        o.setInput(input.data_ptr<T>(), static_cast<size_t>(input.numel()));
+        if (rank_ == root) o.setOutput(output.data_ptr<T>(), static_cast<size_t>(output.numel()));
+        o.setRoot(root);
+        tagged(o, tag);
+        gloo::gather(o);
+      });
+    });
+  }
+
+  rpc::Future scatter(at::Tensor output, at::Tensor input, int root) override {
+    check_tensor(output, "scatter: the output");
+    check_root(root, "scatter");
+    if (rank_ == root) check_chunks(input, output, "scatter");
+    return submit("scatter", [this, output, input, root](uint32_t tag) {
+      dispatch(output.scalar_type(), [&](auto zero) {
+        using T = decltype(zero);
+        gloo::ScatterOptions o(ctx_);
+        const size_t n = static_cast<size_t>(output.numel());
+        std::vector<T*> chunks;
+        if (rank_ == root) {
+          for (int i = 0; i < size_; ++i) chunks.push_back(input.data_ptr<T>() + i * n);
+          o.setInputs(chunks, n);
+        }
+        o.setOutput(output.data_ptr<T>(), n);
+        o.setRoot(root);
+        tagged(o, tag);
+        gloo::scatter(o);
+      });
+    });
+  }
+
+  rpc::Future all_to_all(at::Tensor output, at::Tensor input) override {
+    check_tensor(output, "all_to_all: the output");
+    check_tensor(input, "all_to_all: the input");
+    if (output.scalar_type() != input.scalar_type() || output.numel() != input.numel() || input.numel() % size_ != 0) {
+      throw std::invalid_argument("all_to_all: input and output must have the same dtype and size() equal chunks");
+    }
+    return submit("all_to_all", [this, output, input](uint32_t tag) {
+      dispatch(input.scalar_type(), [&](auto zero) {
+        using T = decltype(zero);
+        gloo::AlltoallOptions o(ctx_);
+        o.setInput(input.data_ptr<T>(), static_cast<size_t>(input.numel()));
+        o.setOutput(output.data_ptr<T>(), static_cast<size_t>(output.numel()));
+        tagged(o, tag);
+        gloo::alltoall(o);
       });
     });
   }
@@ -183,13 +263,30 @@ class GlooGroup final : public ProcessGroup {
   rpc::Future barrier() override {
     return submit("barrier", [this](uint32_t tag) {
       gloo::BarrierOptions o(ctx_);
-      o.setTag(tag);
-      o.setTimeout(options_.timeout);
+      tagged(o, tag);
       gloo::barrier(o);
     });
   }
 
  private:
+  // Every operation: its own tag (operations may overlap on the wire) and the group's timeout.
+  template <typename Options>
+  void tagged(Options& o, uint32_t tag) const {
+    o.setTag(tag);
+    o.setTimeout(options_.timeout);
+  }
+
+  void check_root(int root, const char* what) const {
+    if (root < 0 || root >= size_) throw std::invalid_argument(absl::StrCat(what, ": no rank ", root, " in the group"));
+  }
+  // `whole` holds size() chunks the size and dtype of `chunk`.
+  void check_chunks(const at::Tensor& whole, const at::Tensor& chunk, const char* what) const {
+    check_tensor(whole, what);
+    if (whole.scalar_type() != chunk.scalar_type() || whole.numel() != chunk.numel() * size_) {
+      throw std::invalid_argument(absl::StrCat(what, ": the whole tensor must hold size() chunks of the same dtype"));
+    }
+  }
+
   struct Op {
     std::string what;
     std::function<void(uint32_t tag)> run;

@@ -51,6 +51,15 @@ class ProcessGroup {
   virtual rpc::Future broadcast(at::Tensor tensor, int root) = 0;
   // `output` (size() times input's elements, same dtype) receives every rank's input, in group rank order.
   virtual rpc::Future allgather(at::Tensor output, at::Tensor input) = 0;
+  // The reduction of every rank's `tensor` lands in root's `tensor`; other ranks' tensors are left unchanged.
+  virtual rpc::Future reduce(at::Tensor tensor, int root, ReduceOp op = ReduceOp::kSum) = 0;
+  // Root's `output` (size() times input's elements) receives every rank's input in rank order; `output` is ignored
+  // (may be undefined) elsewhere.
+  virtual rpc::Future gather(at::Tensor output, at::Tensor input, int root) = 0;
+  // Rank i's `output` receives the i-th of size() equal chunks of root's `input` (ignored, may be undefined, elsewhere).
+  virtual rpc::Future scatter(at::Tensor output, at::Tensor input, int root) = 0;
+  // Chunk i of every rank's `input` (size() equal chunks) goes to rank i; `output` receives them in rank order.
+  virtual rpc::Future all_to_all(at::Tensor output, at::Tensor input) = 0;
   virtual rpc::Future barrier() = 0;
 };
 

@@ -44,6 +44,27 @@ std::string basic(const std::shared_ptr<comm::ProcessGroup>& pg) {
     comm::wait(pg->allgather(out, in));
     err += check(out.equal(at::arange(n, t.options()).repeat_interleave(2)), d + " allgather");
   }
+  for (int root = 0; root < n; ++root) {
+    const std::string at_root = " (root " + std::to_string(root) + ")";
+    auto t = at::full({6}, r + 1, at::kLong);
+    comm::wait(pg->reduce(t, root, ReduceOp::kSum));
+    err += check(t.equal(at::full({6}, r == root ? n * (n + 1) / 2 : r + 1, at::kLong)), "reduce" + at_root);
+    auto in = at::full({3}, r * 10, at::kFloat);
+    auto out = r == root ? at::empty({3 * n}, at::kFloat) : at::Tensor();
+    comm::wait(pg->gather(out, in, root));
+    if (r == root) err += check(out.equal((at::arange(n, at::kFloat) * 10).repeat_interleave(3)), "gather" + at_root);
+    auto whole = r == root ? at::arange(2 * n, at::kDouble) : at::Tensor();
+    auto part = at::empty({2}, at::kDouble);
+    comm::wait(pg->scatter(part, whole, root));
+    err += check(part.equal(at::arange(2 * r, 2 * r + 2, at::kDouble)), "scatter" + at_root);
+  }
+  {
+    // all_to_all: rank r sends r*100 + i to rank i; rank r receives i*100 + r from each rank i.
+    auto in = at::arange(n, at::kInt) + r * 100;
+    auto out = at::empty({n}, at::kInt);
+    comm::wait(pg->all_to_all(out, in));
+    err += check(out.equal(at::arange(n, at::kInt) * 100 + r), "all_to_all");
+  }
   auto avg = at::full({4}, static_cast<double>(r), at::kDouble);
   comm::wait(pg->allreduce(avg, ReduceOp::kAvg));
   err += check(avg.equal(at::full({4}, (n - 1) / 2.0, at::kDouble)), "avg");
