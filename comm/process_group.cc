@@ -15,7 +15,12 @@
 #include <gloo/scatter.h>
 #include <gloo/transport/tcp/device.h>
 
+#include <signal.h>
+
 #include <algorithm>
+#include <csignal>
+#include <cstdlib>
+#include <iterator>
 #include <condition_variable>
 #include <deque>
 #include <mutex>
@@ -135,7 +140,7 @@ class GlooGroup final : public ProcessGroup {
     if (op == ReduceOp::kAvg && !at::isFloatingType(t.scalar_type())) {
       throw std::invalid_argument("allreduce: kAvg needs a floating-point tensor");
     }
-    return submit("allreduce", [this, t, op](uint32_t tag) {
+    return submit("allreduce", t, static_cast<int>(op), [this, t, op](uint32_t tag) {
       dispatch(t.scalar_type(), [&](auto zero) {
         using T = decltype(zero);
         gloo::AllreduceOptions o(ctx_);
@@ -151,7 +156,7 @@ class GlooGroup final : public ProcessGroup {
   rpc::Future broadcast(at::Tensor t, int root) override {
     check_tensor(t, "broadcast: the tensor");
     check_root(root, "broadcast");
-    return submit("broadcast", [this, t, root](uint32_t tag) {
+    return submit("broadcast", t, root, [this, t, root](uint32_t tag) {
       dispatch(t.scalar_type(), [&](auto zero) {
         using T = decltype(zero);
         gloo::BroadcastOptions o(ctx_);
@@ -166,7 +171,7 @@ class GlooGroup final : public ProcessGroup {
   rpc::Future allgather(at::Tensor output, at::Tensor input) override {
     check_tensor(input, "allgather: the input");
     check_chunks(output, input, "allgather");
-    return submit("allgather", [this, output, input](uint32_t tag) {
+    return submit("allgather", input, 0, [this, output, input](uint32_t tag) {
       dispatch(input.scalar_type(), [&](auto zero) {
         using T = decltype(zero);
         gloo::AllgatherOptions o(ctx_);
@@ -184,7 +189,7 @@ class GlooGroup final : public ProcessGroup {
     if (op == ReduceOp::kAvg && !at::isFloatingType(t.scalar_type())) {
       throw std::invalid_argument("reduce: kAvg needs a floating-point tensor");
     }
-    return submit("reduce", [this, t, root, op](uint32_t tag) {
+    return submit("reduce", t, root * 8 + static_cast<int>(op), [this, t, root, op](uint32_t tag) {
       at::Tensor result = at::empty_like(t);  // Gloo's output; the tensor itself changes on the root only
       dispatch(t.scalar_type(), [&](auto zero) {
         using T = decltype(zero);
@@ -207,7 +212,7 @@ class GlooGroup final : public ProcessGroup {
     check_tensor(input, "gather: the input");
     check_root(root, "gather");
     if (rank_ == root) check_chunks(output, input, "gather");
-    return submit("gather", [this, output, input, root](uint32_t tag) {
+    return submit("gather", input, root, [this, output, input, root](uint32_t tag) {
       dispatch(input.scalar_type(), [&](auto zero) {
         using T = decltype(zero);
         gloo::GatherOptions o(ctx_);
@@ -224,7 +229,7 @@ class GlooGroup final : public ProcessGroup {
     check_tensor(output, "scatter: the output");
     check_root(root, "scatter");
     if (rank_ == root) check_chunks(input, output, "scatter");
-    return submit("scatter", [this, output, input, root](uint32_t tag) {
+    return submit("scatter", output, root, [this, output, input, root](uint32_t tag) {
       dispatch(output.scalar_type(), [&](auto zero) {
         using T = decltype(zero);
         gloo::ScatterOptions o(ctx_);
@@ -248,7 +253,7 @@ class GlooGroup final : public ProcessGroup {
     if (output.scalar_type() != input.scalar_type() || output.numel() != input.numel() || input.numel() % size_ != 0) {
       throw std::invalid_argument("all_to_all: input and output must have the same dtype and size() equal chunks");
     }
-    return submit("all_to_all", [this, output, input](uint32_t tag) {
+    return submit("all_to_all", input, 0, [this, output, input](uint32_t tag) {
       dispatch(input.scalar_type(), [&](auto zero) {
         using T = decltype(zero);
         gloo::AlltoallOptions o(ctx_);
@@ -261,7 +266,7 @@ class GlooGroup final : public ProcessGroup {
   }
 
   rpc::Future barrier() override {
-    return submit("barrier", [this](uint32_t tag) {
+    return submit("barrier", at::Tensor(), 0, [this](uint32_t tag) {
       gloo::BarrierOptions o(ctx_);
       tagged(o, tag);
       gloo::barrier(o);
@@ -289,15 +294,64 @@ class GlooGroup final : public ProcessGroup {
 
   struct Op {
     std::string what;
+    std::vector<int64_t> fingerprint;  // what debug mode compares across ranks (kFingerprint values)
     std::function<void(uint32_t tag)> run;
     rpc::Future done;
   };
 
-  rpc::Future submit(std::string what, std::function<void(uint32_t)> run) {
+  // An operation's fingerprint: its name, its parameter (root, reduce op), and the dtype and shape of the tensor that
+  // characterises it (the same on every rank).
+  static constexpr size_t kFingerprint = 8;
+  static constexpr const char* kOps[] = {"allreduce", "broadcast", "allgather", "reduce",
+                                         "gather",    "scatter",   "all_to_all", "barrier"};
+  static std::vector<int64_t> fingerprint(const std::string& what, const at::Tensor& t, int64_t param) {
+    std::vector<int64_t> f(kFingerprint, -1);
+    for (size_t i = 0; i < std::size(kOps); ++i) {
+      if (what == kOps[i]) f[0] = static_cast<int64_t>(i);
+    }
+    f[1] = param;
+    if (t.defined()) {
+      f[2] = static_cast<int64_t>(t.scalar_type());
+      f[3] = t.dim();
+      for (int64_t d = 0; d < std::min<int64_t>(t.dim(), 4); ++d) f[4 + d] = t.size(d);
+    }
+    return f;
+  }
+  static std::string describe(const int64_t* f) {
+    std::string s = f[0] >= 0 && f[0] < static_cast<int64_t>(std::size(kOps)) ? kOps[f[0]] : "?";
+    if (f[2] < 0) return s + "()";
+    s += absl::StrCat("(", c10::toString(static_cast<c10::ScalarType>(f[2])), "[");
+    for (int64_t d = 0; d < std::min<int64_t>(f[3], 4); ++d) s += absl::StrCat(d ? ", " : "", f[4 + d]);
+    return s + absl::StrCat(f[3] > 4 ? ", ..." : "", "], parameter ", f[1], ")");
+  }
+
+  // Debug mode: all ranks exchange the fingerprint of the operation they are about to run; the first rank whose
+  // fingerprint differs from rank 0's is reported, on every rank.
+  void check_same(const Op& op, uint32_t tag) {
+    std::vector<int64_t> all(kFingerprint * size_);
+    gloo::AllgatherOptions o(ctx_);
+    o.setInput(const_cast<int64_t*>(op.fingerprint.data()), kFingerprint);
+    o.setOutput(all.data(), all.size());
+    tagged(o, tag);
+    gloo::allgather(o);
+    for (int r = 1; r < size_; ++r) {
+      if (!std::equal(all.begin(), all.begin() + kFingerprint, all.begin() + r * kFingerprint)) {
+        throw MismatchError(absl::StrCat("collective mismatch: rank ", r, " called ", describe(&all[r * kFingerprint]),
+                                         " where rank 0 called ", describe(all.data())));
+      }
+    }
+  }
+  struct MismatchError : std::runtime_error {
+    using std::runtime_error::runtime_error;
+  };
+
+  rpc::Future submit(std::string what, const at::Tensor& characteristic, int64_t param,
+                     std::function<void(uint32_t)> run) {
     rpc::Future done;
+    Op op{what, fingerprint(what, characteristic, param), std::move(run), done};
     {
       std::lock_guard<std::mutex> lock(mu_);
-      queue_.push_back({std::move(what), std::move(run), done});
+      queue_.push_back(std::move(op));
     }
     cv_.notify_all();
     return done;
@@ -322,8 +376,12 @@ class GlooGroup final : public ProcessGroup {
         continue;
       }
       try {
+        if (options_.debug) check_same(op, ++tag);
         op.run(++tag);
         op.done.set_value(c10::IValue());
+      } catch (const MismatchError& e) {
+        broken_ = absl::FailedPreconditionError(prefix + e.what());
+        op.done.set_error(broken_);
       } catch (const std::exception& e) {
         std::string cause = e.what();
         const bool timed_out = cause.find("imed out") != std::string::npos || cause.find("imeout") != std::string::npos;
@@ -385,6 +443,11 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(const std::string& name, std:
     gloo::transport::tcp::attr attr;
     attr.hostname = host_of(self.address);
     auto device = gloo::transport::tcp::CreateDevice(attr);
+    // Gloo writes to its sockets without MSG_NOSIGNAL: a peer that died would kill this process with SIGPIPE instead of
+    // failing the operation. Ignore it unless the program installed a handler of its own.
+    struct sigaction current {};
+    if (sigaction(SIGPIPE, nullptr, &current) == 0 && current.sa_handler == SIG_DFL) std::signal(SIGPIPE, SIG_IGN);
+    if (const char* d = std::getenv("TANDEM_DEBUG_COLLECTIVES"); d && std::string(d) == "1") options.debug = true;
     auto ctx = std::make_shared<gloo::rendezvous::Context>(rank, size);
     ctx->setTimeout(options.timeout);
     StoreAdapter store(rpc::job_store(), absl::StrCat("comm/", name, "/"), options.timeout);

@@ -11,7 +11,8 @@
 //
 // Failures: every operation has the group's timeout; a rank that dies or never arrives makes the others fail with
 // DEADLINE_EXCEEDED or UNAVAILABLE naming the group and the operation — never a hang. After a failure the group is
-// unusable (its connections are in an unknown state): create a new one.
+// unusable (its connections are in an unknown state): create a new one. create() sets SIGPIPE to be ignored (unless
+// the program installed a handler): Gloo's writes to a dead peer would otherwise kill the process.
 //
 // NCCL (CUDA tensors) is not built: neither CUDA nor NCCL exists on these machines (see docs). This interface takes
 // any at::Tensor so a backend for them can be added behind a build option.
@@ -32,6 +33,11 @@ enum class ReduceOp { kSum, kAvg, kMin, kMax, kProduct };
 
 struct ProcessGroupOptions {
   std::chrono::milliseconds timeout{std::chrono::seconds(60)};  // per operation, and for set-up
+  // Debug mode: before each operation the ranks compare what they are about to call (operation, root or reduce op,
+  // dtype and shape) and every rank fails with FAILED_PRECONDITION naming the first rank that differs from rank 0
+  // (PyTorch users otherwise get a hang, then a watchdog kill). Costs one small allgather per operation. The
+  // environment variable TANDEM_DEBUG_COLLECTIVES=1 turns it on for every group.
+  bool debug = false;
 };
 
 class ProcessGroup {

@@ -43,6 +43,11 @@ TEST_F(MultiprocComm, SubgroupOfTwoOutOfThree) {
   EXPECT_EQ(everywhere(3, "subgroup"), "");
 }
 
+TEST_F(MultiprocComm, DebugModeReportsTheFirstMismatchingRankOnEveryRank) {
+  start({.world_size = 3});
+  EXPECT_EQ(everywhere(3, "mismatch"), "");
+}
+
 TEST_F(MultiprocComm, ADeadRankIsAnErrorOnTheOthersWithinTheTimeout) {
   start({.world_size = 3});
   expect_clean_children_ = false;

@@ -116,6 +116,35 @@ std::string run(const std::string& name) {
     }
     return "";
   }
+  if (name == "mismatch") {
+    // Debug mode: rank 1 passes a tensor of another shape, then (in a new group) calls another collective.
+    std::string err;
+    auto pg = comm::ProcessGroup::create("debug", {}, {.timeout = std::chrono::milliseconds(10000), .debug = true});
+    auto ok = at::ones({4});
+    comm::wait(pg->allreduce(ok));  // matching calls pass
+    auto t = at::ones({rank == 1 ? 5 : 4});
+    try {
+      comm::wait(pg->allreduce(t));
+      err += "a shape mismatch went through; ";
+    } catch (const RpcError& e) {
+      const std::string m = e.what();
+      if (m.find("rank 1 called allreduce(Float[5]") == std::string::npos || m.find("rank 0 called allreduce(Float[4]") == std::string::npos) {
+        err += "shape mismatch report: " + m + "; ";
+      }
+    }
+    auto pg2 = comm::ProcessGroup::create("debug2", {}, {.timeout = std::chrono::milliseconds(10000), .debug = true});
+    try {
+      auto x = at::ones({4});
+      comm::wait(rank == world - 1 ? pg2->broadcast(x, 0) : pg2->allreduce(x));
+      err += "an operation mismatch went through; ";
+    } catch (const RpcError& e) {
+      const std::string m = e.what();
+      if (m.find("rank " + std::to_string(world - 1) + " called broadcast(") == std::string::npos) {
+        err += "operation mismatch report: " + m + "; ";
+      }
+    }
+    return err;
+  }
   return "unknown scenario " + name;
 }
 
