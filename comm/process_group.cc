@@ -14,10 +14,14 @@
 #include <gloo/rendezvous/store.h>
 #include <gloo/scatter.h>
 #include <gloo/transport/tcp/device.h>
+#include <gloo/transport/unbound_buffer.h>
+#include <gloo/types.h>
 
 #include <signal.h>
 
 #include <algorithm>
+#include <atomic>
+#include <list>
 #include <csignal>
 #include <cstdlib>
 #include <iterator>
@@ -67,8 +71,50 @@ class StoreAdapter : public gloo::rendezvous::Store {
 
 using ReduceFn = void (*)(void*, const void*, const void*, size_t);
 
+// Reductions for the 16-bit floating types, which Gloo does not provide: computed in float, rounded once.
+template <typename T>
+void sum16(void* c, const void* a, const void* b, size_t n) {
+  auto* o = static_cast<T*>(c);
+  const auto *x = static_cast<const T*>(a), *y = static_cast<const T*>(b);
+  for (size_t i = 0; i < n; ++i) o[i] = static_cast<T>(static_cast<float>(x[i]) + static_cast<float>(y[i]));
+}
+template <typename T>
+void product16(void* c, const void* a, const void* b, size_t n) {
+  auto* o = static_cast<T*>(c);
+  const auto *x = static_cast<const T*>(a), *y = static_cast<const T*>(b);
+  for (size_t i = 0; i < n; ++i) o[i] = static_cast<T>(static_cast<float>(x[i]) * static_cast<float>(y[i]));
+}
+template <typename T>
+void min16(void* c, const void* a, const void* b, size_t n) {
+  auto* o = static_cast<T*>(c);
+  const auto *x = static_cast<const T*>(a), *y = static_cast<const T*>(b);
+  for (size_t i = 0; i < n; ++i) o[i] = static_cast<float>(x[i]) <= static_cast<float>(y[i]) ? x[i] : y[i];
+}
+template <typename T>
+void max16(void* c, const void* a, const void* b, size_t n) {
+  auto* o = static_cast<T*>(c);
+  const auto *x = static_cast<const T*>(a), *y = static_cast<const T*>(b);
+  for (size_t i = 0; i < n; ++i) o[i] = static_cast<float>(x[i]) >= static_cast<float>(y[i]) ? x[i] : y[i];
+}
+template <typename T>
+constexpr bool is16 = std::is_same_v<T, c10::Half> || std::is_same_v<T, c10::BFloat16>;
+
 template <typename T>
 ReduceFn reduce_fn(ReduceOp op) {
+  if constexpr (is16<T>) {
+    switch (op) {
+      case ReduceOp::kSum:
+      case ReduceOp::kAvg:
+        return &sum16<T>;
+      case ReduceOp::kProduct:
+        return &product16<T>;
+      case ReduceOp::kMin:
+        return &min16<T>;
+      case ReduceOp::kMax:
+        return &max16<T>;
+    }
+    return nullptr;
+  }
   switch (op) {
     case ReduceOp::kSum:
     case ReduceOp::kAvg:
@@ -89,6 +135,8 @@ void dispatch(c10::ScalarType dtype, F&& f) {
   switch (dtype) {
     case at::kFloat: return f(float{});
     case at::kDouble: return f(double{});
+    case at::kHalf: return f(c10::Half{});
+    case at::kBFloat16: return f(c10::BFloat16{});
     case at::kChar: return f(int8_t{});
     case at::kByte: return f(uint8_t{});
     case at::kInt: return f(int32_t{});
@@ -129,6 +177,7 @@ class GlooGroup final : public ProcessGroup {
     }
     cv_.notify_all();
     thread_.join();  // an operation in progress ends within its timeout
+    for (auto& w : waiters_) w.first.join();  // likewise
   }
 
   int rank() const override { return rank_; }
@@ -137,21 +186,23 @@ class GlooGroup final : public ProcessGroup {
 
   rpc::Future allreduce(at::Tensor t, ReduceOp op) override {
     check_tensor(t, "allreduce: the tensor");
-    if (op == ReduceOp::kAvg && !at::isFloatingType(t.scalar_type())) {
-      throw std::invalid_argument("allreduce: kAvg needs a floating-point tensor");
-    }
-    return submit("allreduce", t, static_cast<int>(op), [this, t, op](uint32_t tag) {
-      dispatch(t.scalar_type(), [&](auto zero) {
-        using T = decltype(zero);
-        gloo::AllreduceOptions o(ctx_);
-        o.setOutput(t.data_ptr<T>(), static_cast<size_t>(t.numel()));
-        o.setReduceFunction(reduce_fn<T>(op));
-        tagged(o, tag);
-        gloo::allreduce(o);
-      });
-      if (op == ReduceOp::kAvg) t.div_(size_);
+    check_op(t, op, "allreduce");
+    return submit("allreduce", t, static_cast<int>(op), [this, t, op](uint32_t tag) { run_allreduce(t, op, tag); });
+  }
+
+  rpc::Future reduce_scatter(at::Tensor output, at::Tensor input, ReduceOp op) override {
+    check_tensor(output, "reduce_scatter: the output");
+    check_chunks(input, output, "reduce_scatter");
+    check_op(input, op, "reduce_scatter");
+    return submit("reduce_scatter", input, static_cast<int>(op), [this, output, input, op](uint32_t tag) {
+      at::Tensor whole = input.clone();
+      run_allreduce(whole, op, tag);
+      output.copy_(whole.view({size_, -1})[rank_].view_as(output));
     });
   }
+
+  rpc::Future send(at::Tensor t, int dst, uint32_t tag) override { return p2p("send", t, dst, tag); }
+  rpc::Future recv(at::Tensor t, int src, uint32_t tag) override { return p2p("recv", t, src, tag); }
 
   rpc::Future broadcast(at::Tensor t, int root) override {
     check_tensor(t, "broadcast: the tensor");
@@ -186,9 +237,7 @@ class GlooGroup final : public ProcessGroup {
   rpc::Future reduce(at::Tensor t, int root, ReduceOp op) override {
     check_tensor(t, "reduce: the tensor");
     check_root(root, "reduce");
-    if (op == ReduceOp::kAvg && !at::isFloatingType(t.scalar_type())) {
-      throw std::invalid_argument("reduce: kAvg needs a floating-point tensor");
-    }
+    check_op(t, op, "reduce");
     return submit("reduce", t, root * 8 + static_cast<int>(op), [this, t, root, op](uint32_t tag) {
       at::Tensor result = at::empty_like(t);  // Gloo's output; the tensor itself changes on the root only
       dispatch(t.scalar_type(), [&](auto zero) {
@@ -274,6 +323,90 @@ class GlooGroup final : public ProcessGroup {
   }
 
  private:
+  void run_allreduce(const at::Tensor& t, ReduceOp op, uint32_t tag) {
+    dispatch(t.scalar_type(), [&](auto zero) {
+      using T = decltype(zero);
+      gloo::AllreduceOptions o(ctx_);
+      o.setOutput(t.data_ptr<T>(), static_cast<size_t>(t.numel()));
+      o.setReduceFunction(reduce_fn<T>(op));
+      tagged(o, tag);
+      gloo::allreduce(o);
+    });
+    if (op == ReduceOp::kAvg) t.div_(size_);
+  }
+
+  // Point-to-point operations start at once (Gloo progresses them on its own thread) and each gets a thread that
+  // waits for it within the timeout; the threads are joined as they finish and when the group goes.
+  rpc::Future p2p(const char* what, const at::Tensor& t, int peer, uint32_t tag) {
+    check_tensor(t, what);
+    check_root(peer, what);
+    if (peer == rank_) throw std::invalid_argument(absl::StrCat(what, ": the peer is this rank"));
+    const std::string prefix = absl::StrCat("process group '", name_, "' (rank ", rank_, " of ", size_, "), ", what,
+                                            (what[0] == 's' ? " to rank " : " from rank "), peer, " (tag ", tag, "): ");
+    const bool sending = what[0] == 's';
+    std::shared_ptr<gloo::transport::UnboundBuffer> buffer = ctx_->createUnboundBuffer(t.data_ptr(), t.nbytes());
+    const uint64_t slot = gloo::Slot::build(kP2pSlotPrefix, tag);
+    try {
+      sending ? buffer->send(peer, slot) : buffer->recv(peer, slot);
+    } catch (const std::exception& e) {
+      mark_broken(failure(prefix, e.what()));
+      return rpc::Future::failed(broken());
+    }
+    if (absl::Status b = broken(); !b.ok()) return rpc::Future::failed(failed_earlier(prefix, b));
+    rpc::Future done;
+    auto finished = std::make_shared<std::atomic<bool>>(false);
+    std::thread waiter([this, buffer, t, done, sending, prefix, finished] {
+      try {
+        const bool ok = sending ? buffer->waitSend(options_.timeout) : buffer->waitRecv(options_.timeout);
+        ok ? done.set_value(c10::IValue()) : done.set_error(absl::AbortedError(prefix + "aborted"));
+      } catch (const std::exception& e) {
+        absl::Status error = failure(prefix, e.what());
+        mark_broken(error);
+        done.set_error(error);
+      }
+      *finished = true;
+    });
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto it = waiters_.begin(); it != waiters_.end();) {
+      if (*it->second) {
+        it->first.join();
+        it = waiters_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    waiters_.emplace_back(std::move(waiter), std::move(finished));
+    return done;
+  }
+
+  absl::Status broken() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return broken_;
+  }
+  void mark_broken(const absl::Status& error) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (broken_.ok()) broken_ = error;
+  }
+  static absl::Status failed_earlier(const std::string& prefix, const absl::Status& cause) {
+    return absl::FailedPreconditionError(prefix + "the group failed earlier (" + std::string(cause.message()) +
+                                         "); create a new one");
+  }
+
+  absl::Status failure(const std::string& prefix, const std::string& cause) const {
+    const bool timed_out = cause.find("imed out") != std::string::npos || cause.find("imeout") != std::string::npos;
+    return timed_out ? absl::DeadlineExceededError(prefix + "a rank did not take part within " +
+                                                   std::to_string(options_.timeout.count()) + " ms: " + cause)
+                     : absl::UnavailableError(prefix + cause);
+  }
+
+  static void check_op(const at::Tensor& t, ReduceOp op, const char* what) {
+    if (op == ReduceOp::kAvg && !at::isFloatingType(t.scalar_type())) {
+      throw std::invalid_argument(absl::StrCat(what, ": kAvg needs a floating-point tensor"));
+    }
+  }
+
+  static constexpr uint8_t kP2pSlotPrefix = 0x40;  // beside Gloo's collective prefixes (0x01..0x08)
+
   // Every operation: its own tag (operations may overlap on the wire) and the group's timeout.
   template <typename Options>
   void tagged(Options& o, uint32_t tag) const {
@@ -302,8 +435,8 @@ class GlooGroup final : public ProcessGroup {
   // An operation's fingerprint: its name, its parameter (root, reduce op), and the dtype and shape of the tensor that
   // characterises it (the same on every rank).
   static constexpr size_t kFingerprint = 8;
-  static constexpr const char* kOps[] = {"allreduce", "broadcast", "allgather", "reduce",
-                                         "gather",    "scatter",   "all_to_all", "barrier"};
+  static constexpr const char* kOps[] = {"allreduce", "broadcast",  "allgather", "reduce",        "gather",
+                                         "scatter",   "all_to_all", "barrier",   "reduce_scatter"};
   static std::vector<int64_t> fingerprint(const std::string& what, const at::Tensor& t, int64_t param) {
     std::vector<int64_t> f(kFingerprint, -1);
     for (size_t i = 0; i < std::size(kOps); ++i) {
@@ -370,9 +503,8 @@ class GlooGroup final : public ProcessGroup {
       }
       const std::string prefix = absl::StrCat("process group '", name_, "' (rank ", rank_, " of ", size_, "), ", op.what,
                                               ": ");
-      if (!broken_.ok()) {
-        op.done.set_error(absl::FailedPreconditionError(prefix + "the group failed earlier (" +
-                                                        std::string(broken_.message()) + "); create a new one"));
+      if (absl::Status b = broken(); !b.ok()) {
+        op.done.set_error(failed_earlier(prefix, b));
         continue;
       }
       try {
@@ -380,15 +512,11 @@ class GlooGroup final : public ProcessGroup {
         op.run(++tag);
         op.done.set_value(c10::IValue());
       } catch (const MismatchError& e) {
-        broken_ = absl::FailedPreconditionError(prefix + e.what());
-        op.done.set_error(broken_);
+        mark_broken(absl::FailedPreconditionError(prefix + e.what()));
+        op.done.set_error(broken());
       } catch (const std::exception& e) {
-        std::string cause = e.what();
-        const bool timed_out = cause.find("imed out") != std::string::npos || cause.find("imeout") != std::string::npos;
-        broken_ = timed_out ? absl::DeadlineExceededError(prefix + "a rank did not take part within " +
-                                                          std::to_string(options_.timeout.count()) + " ms: " + cause)
-                            : absl::UnavailableError(prefix + cause);
-        op.done.set_error(broken_);
+        mark_broken(failure(prefix, e.what()));
+        op.done.set_error(broken());
       }
     }
   }
@@ -400,8 +528,9 @@ class GlooGroup final : public ProcessGroup {
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<Op> queue_;
+  std::list<std::pair<std::thread, std::shared_ptr<std::atomic<bool>>>> waiters_;  // p2p, guarded by mu_
   bool stopping_ = false;
-  absl::Status broken_;  // the group's thread only
+  absl::Status broken_;  // the first failure; guarded by mu_
   std::thread thread_;
 };
 
@@ -430,6 +559,10 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(const std::string& name, std:
   if (me == ranks.end()) {
     throw RpcError(absl::InvalidArgumentError(absl::StrCat("process group '", name, "': worker '", self.name,
                                                            "' is not one of its ranks (", absl::StrJoin(ranks, ", "), ")")));
+  }
+  if (options.backend != Backend::kGloo) {
+    throw RpcError(absl::UnimplementedError(absl::StrCat("process group '", name, "': this build has no NCCL backend "
+                                                         "(CUDA tensors); use Backend::kGloo for CPU tensors")));
   }
   {
     std::lock_guard<std::mutex> lock(g_names_mu);

@@ -7,15 +7,18 @@
 //
 // Operations run in the order they are issued, on the group's own thread; a future completes (None, or the error)
 // when the operation is done. Tensors are reduced in place and must be contiguous CPU tensors of the same shape and
-// dtype on every rank (float, double, int8, uint8, int32, int64; kAvg needs a floating dtype).
+// dtype on every rank (float, double, half, bfloat16, int8, uint8, int32, int64; kAvg needs a floating dtype; half and
+// bfloat16 are summed in float and rounded once per step, as on the wire).
+// send/recv are point-to-point and do not queue behind collectives: they start at once and complete independently.
 //
 // Failures: every operation has the group's timeout; a rank that dies or never arrives makes the others fail with
 // DEADLINE_EXCEEDED or UNAVAILABLE naming the group and the operation — never a hang. After a failure the group is
 // unusable (its connections are in an unknown state): create a new one. create() sets SIGPIPE to be ignored (unless
 // the program installed a handler): Gloo's writes to a dead peer would otherwise kill the process.
 //
-// NCCL (CUDA tensors) is not built: neither CUDA nor NCCL exists on these machines (see docs). This interface takes
-// any at::Tensor so a backend for them can be added behind a build option.
+// NCCL (CUDA tensors) is not written: neither CUDA nor NCCL exists on these machines (docs/collectives.md). This
+// interface takes any at::Tensor and returns futures, so an NCCL group can implement it behind TANDEM_WITH_NCCL;
+// ProcessGroupOptions::backend = kNccl fails with UNIMPLEMENTED until then.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -31,6 +34,8 @@ namespace tandem::comm {
 
 enum class ReduceOp { kSum, kAvg, kMin, kMax, kProduct };
 
+enum class Backend { kGloo, kNccl };
+
 struct ProcessGroupOptions {
   std::chrono::milliseconds timeout{std::chrono::seconds(60)};  // per operation, and for set-up
   // Debug mode: before each operation the ranks compare what they are about to call (operation, root or reduce op,
@@ -38,6 +43,7 @@ struct ProcessGroupOptions {
   // (PyTorch users otherwise get a hang, then a watchdog kill). Costs one small allgather per operation. The
   // environment variable TANDEM_DEBUG_COLLECTIVES=1 turns it on for every group.
   bool debug = false;
+  Backend backend = Backend::kGloo;
 };
 
 class ProcessGroup {
@@ -66,7 +72,16 @@ class ProcessGroup {
   virtual rpc::Future scatter(at::Tensor output, at::Tensor input, int root) = 0;
   // Chunk i of every rank's `input` (size() equal chunks) goes to rank i; `output` receives them in rank order.
   virtual rpc::Future all_to_all(at::Tensor output, at::Tensor input) = 0;
+  // `output` receives chunk rank() of the reduction of every rank's `input` (size() equal chunks, same dtype). Gloo
+  // has no reduce-scatter: this is an allreduce of a copy of `input` (twice the traffic of a dedicated algorithm).
+  virtual rpc::Future reduce_scatter(at::Tensor output, at::Tensor input, ReduceOp op = ReduceOp::kSum) = 0;
   virtual rpc::Future barrier() = 0;
+
+  // Point-to-point: `tensor` goes to group rank `dst`, which posts a recv with the same `tag` and the same number of
+  // bytes; messages between two ranks with the same tag arrive in the order they were sent. Each has the group's
+  // timeout; a failed or timed-out send/recv breaks the group like a failed collective (Gloo closes the connection).
+  virtual rpc::Future send(at::Tensor tensor, int dst, uint32_t tag = 0) = 0;
+  virtual rpc::Future recv(at::Tensor tensor, int src, uint32_t tag = 0) = 0;
 };
 
 // Waits for an operation (bounded by its future's deadline); throws RpcError when it failed.

@@ -43,6 +43,11 @@ TEST_F(MultiprocComm, SubgroupOfTwoOutOfThree) {
   EXPECT_EQ(everywhere(3, "subgroup"), "");
 }
 
+TEST_F(MultiprocComm, ARecvWithoutASendFailsWithinTheTimeoutNamingThePeer) {
+  start({.world_size = 2});
+  EXPECT_EQ(everywhere(2, "p2p_timeout"), "");
+}
+
 TEST_F(MultiprocComm, DebugModeReportsTheFirstMismatchingRankOnEveryRank) {
   start({.world_size = 3});
   EXPECT_EQ(everywhere(3, "mismatch"), "");

@@ -8,6 +8,7 @@
 #include "rpc/errors.h"
 #include "rpc/registry.h"
 #include "rpc/rpc.h"
+#include "rpc/store.h"
 
 namespace tandem::test {
 namespace {
@@ -20,7 +21,7 @@ std::string check(bool ok, const std::string& what) { return ok ? "" : what + ";
 std::string basic(const std::shared_ptr<comm::ProcessGroup>& pg) {
   std::string err;
   const int n = pg->size(), r = pg->rank();
-  for (auto dtype : {at::kFloat, at::kDouble, at::kChar, at::kByte, at::kInt, at::kLong}) {
+  for (auto dtype : {at::kFloat, at::kDouble, at::kHalf, at::kBFloat16, at::kChar, at::kByte, at::kInt, at::kLong}) {
     const std::string d = c10::toString(dtype);
     auto t = at::full({5}, r + 1, at::TensorOptions().dtype(dtype));
     comm::wait(pg->allreduce(t, ReduceOp::kSum));
@@ -64,6 +65,37 @@ std::string basic(const std::shared_ptr<comm::ProcessGroup>& pg) {
     auto out = at::empty({n}, at::kInt);
     comm::wait(pg->all_to_all(out, in));
     err += check(out.equal(at::arange(n, at::kInt) * 100 + r), "all_to_all");
+  }
+  for (auto op : {ReduceOp::kSum, ReduceOp::kMax}) {
+    // reduce_scatter: rank r contributes (r+1) * [0, 1, ..., 3n-1]; rank i receives chunk i of the reduction.
+    auto in = at::arange(3 * n, at::kLong) * (r + 1);
+    auto out = at::empty({3}, at::kLong);
+    comm::wait(pg->reduce_scatter(out, in, op));
+    auto chunk = at::arange(3 * r, 3 * r + 3, at::kLong);
+    err += check(out.equal(op == ReduceOp::kSum ? chunk * (n * (n + 1) / 2) : chunk * n), "reduce_scatter");
+  }
+  {
+    // send/recv around the ring, both directions at once, two tags; a recv posted before its send arrives.
+    const int next = (r + 1) % n, prev = (r + n - 1) % n;
+    auto to_next = at::full({1000}, r, at::kFloat), to_prev = at::full({7}, r * 10, at::kLong);
+    auto from_prev = at::empty({1000}, at::kFloat), from_next = at::empty({7}, at::kLong);
+    auto f1 = pg->recv(from_prev, prev, 1);
+    auto f2 = pg->recv(from_next, next, 2);
+    auto f3 = pg->send(to_next, next, 1);
+    auto f4 = pg->send(to_prev, prev, 2);
+    for (auto* f : {&f1, &f2, &f3, &f4}) comm::wait(*f);
+    err += check(from_prev.equal(at::full({1000}, prev, at::kFloat)), "recv from previous rank");
+    err += check(from_next.equal(at::full({7}, next * 10, at::kLong)), "recv from next rank");
+    // Several messages with one tag keep their order.
+    std::vector<at::Tensor> got;
+    std::vector<rpc::Future> fs;
+    for (int i = 0; i < 5; ++i) {
+      fs.push_back(pg->send(at::full({3}, i, at::kInt), next, 3));
+      got.push_back(at::empty({3}, at::kInt));
+      fs.push_back(pg->recv(got.back(), prev, 3));
+    }
+    for (auto& f : fs) comm::wait(f);
+    for (int i = 0; i < 5; ++i) err += check(got[i].equal(at::full({3}, i, at::kInt)), "send order " + std::to_string(i));
   }
   auto avg = at::full({4}, static_cast<double>(r), at::kDouble);
   comm::wait(pg->allreduce(avg, ReduceOp::kAvg));
@@ -115,6 +147,28 @@ std::string run(const std::string& name) {
     } catch (const RpcError&) {
     }
     return "";
+  }
+  if (name == "p2p_timeout") {
+    // A recv whose send never comes fails within the timeout, naming the peer. Gloo closes the connection on a
+    // timeout, so the group is broken: the next operation fails at once here, and with an error on the peer.
+    auto pg = comm::ProcessGroup::create("p2p", {}, {.timeout = std::chrono::milliseconds(1500)});
+    std::string err;
+    auto t = at::ones({4});
+    if (rank == 0) {
+      auto s = pg->recv(t, 1, 9).status();
+      if (s.code() != absl::StatusCode::kDeadlineExceeded || std::string(s.message()).find("recv from rank 1 (tag 9)") == std::string::npos) {
+        err += "recv without a send: " + s.ToString() + "; ";
+      }
+      s = pg->allreduce(t).status();
+      if (s.code() != absl::StatusCode::kFailedPrecondition || std::string(s.message()).find("failed earlier") == std::string::npos) {
+        err += "allreduce after the failed recv: " + s.ToString() + "; ";
+      }
+      throw_if_error(rpc::job_store().set("p2p_timeout/done", "1"));
+    } else {
+      throw_if_error(rpc::job_store().wait({"p2p_timeout/done"}, std::chrono::milliseconds(30000)));
+      if (pg->allreduce(t).status().ok()) err += "allreduce with the broken peer succeeded; ";
+    }
+    return err;
   }
   if (name == "mismatch") {
     // Debug mode: rank 1 passes a tensor of another shape, then (in a new group) calls another collective.
