@@ -1,5 +1,7 @@
 #include "tests/comm/scenarios.h"
 
+#include "tests/common/scenario.h"
+
 #include <ATen/ATen.h>
 #include <unistd.h>
 
@@ -204,14 +206,6 @@ std::string run(const std::string& name) {
 
 }  // namespace
 
-std::string run_scenario(const std::string& name) {
-  try {
-    return run(name);
-  } catch (const std::exception& e) {
-    return std::string("exception: ") + e.what();
-  }
-}
-
-void register_scenarios() { rpc::register_function("scenario", [](std::string name) { return run_scenario(name); }); }
+void register_scenarios() { register_scenario_runner(run); }
 
 }  // namespace tandem::test

@@ -5,8 +5,7 @@
 
 namespace tandem::test {
 
-// Registers "scenario"(name) -> error string, run by every rank of a test.
+// Registers the collective scenarios (tests/common/scenario.h).
 void register_scenarios();
-std::string run_scenario(const std::string& name);
 
 }  // namespace tandem::test

@@ -1,0 +1,478 @@
+// The Reducer behind DistributedDataParallel: buckets, gradient-ready hooks, overlapped allreduce, join.
+#include "ddp/ddp.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/strides.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+#include <torch/nn/module.h>
+
+#include <map>
+#include <unordered_set>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "rpc/errors.h"
+
+namespace tandem::ddp {
+
+namespace {
+
+[[noreturn]] void fail(absl::StatusCode code, const std::string& message) {
+  throw RpcError(absl::Status(code, "DistributedDataParallel: " + message));
+}
+
+}  // namespace
+
+CommHook allreduce_hook() {
+  return [](comm::ProcessGroup& group, at::Tensor bucket) { return group.allreduce(bucket, comm::ReduceOp::kAvg); };
+}
+
+namespace {
+CommHook compress_hook(at::ScalarType wire) {
+  return [wire](comm::ProcessGroup& group, at::Tensor bucket) {
+    at::Tensor compressed = bucket.to(wire).div_(group.size());  // divide first: the sum stays in range
+    return group.allreduce(compressed, comm::ReduceOp::kSum).then([bucket, compressed](const rpc::Future& f) {
+      (void)f.value();  // rethrows the allreduce's error
+      bucket.copy_(compressed);
+      return c10::IValue();
+    });
+  };
+}
+}  // namespace
+
+CommHook fp16_compress_hook() { return compress_hook(at::kHalf); }
+CommHook bf16_compress_hook() { return compress_hook(at::kBFloat16); }
+
+struct DistributedDataParallelBase::Impl : std::enable_shared_from_this<Impl> {
+  struct Param {
+    std::string name;
+    at::Tensor tensor;
+    std::shared_ptr<torch::autograd::Node> accumulator;  // retained: the tensor holds it only weakly
+    size_t bucket = 0, offset = 0;
+  };
+  struct Bucket {
+    std::vector<size_t> params;
+    at::Tensor flat;
+    size_t pending = 0;
+    rpc::Future work;
+  };
+
+  std::shared_ptr<torch::nn::Module> module;
+  std::shared_ptr<comm::ProcessGroup> group;
+  DdpOptions options;
+  CommHook hook = allreduce_hook();
+  std::vector<Param> params;
+  std::vector<at::Tensor> buffers;
+  std::vector<Bucket> buckets;
+
+  // The current iteration.
+  bool require_sync = true;
+  bool armed = false;            // post_forward readied the reducer: the next backward reduces
+  bool callback_queued = false;  // finalize() is queued on the autograd engine
+  size_t hooks_fired = 0;
+  std::vector<char> ready, locally_used;
+  size_t next_launch = 0;
+  // Bucket rebuilding and statistics.
+  bool record_order = true, rebuild_pending = false, rebuilt = false;
+  std::vector<size_t> ready_order;
+  int64_t iterations = 0;
+  int64_t last_active = -1;  // uneven inputs: the highest rank that still had data, last time anyone had
+
+  std::string where() const {
+    return absl::StrCat("rank ", group->rank(), " of process group '", group->name(), "'");
+  }
+
+  // ---- set-up ----
+
+  void collect() {
+    for (const auto& item : module->named_parameters(/*recurse=*/true)) {
+      const at::Tensor& t = item.value();
+      if (!t.requires_grad()) continue;
+      if (t.is_sparse() || !t.is_contiguous()) fail(absl::StatusCode::kInvalidArgument, "parameter '" + item.key() + "' is sparse or not contiguous");
+      params.push_back(Param{item.key(), t, torch::autograd::impl::grad_accumulator(t)});
+    }
+    for (const auto& b : module->named_buffers(/*recurse=*/true)) {
+      if (b.value().defined()) buffers.push_back(b.value());
+    }
+    ready.assign(params.size(), 0);
+    locally_used.assign(params.size(), 0);
+  }
+
+  // All ranks must hold the same parameters: count, elements, and a digest of shapes and dtypes.
+  void verify_same_parameters() {
+    int64_t numel = 0;
+    uint64_t digest = 1469598103934665603ull;
+    auto mix = [&](uint64_t v) { digest = (digest ^ v) * 1099511628211ull; };
+    for (const auto& p : params) {
+      numel += p.tensor.numel();
+      mix(static_cast<uint64_t>(p.tensor.scalar_type()));
+      for (int64_t d : p.tensor.sizes()) mix(static_cast<uint64_t>(d));
+    }
+    auto mine = at::tensor({static_cast<int64_t>(params.size()), numel, static_cast<int64_t>(digest >> 1)}, at::kLong);
+    auto all = at::empty({3 * group->size()}, at::kLong);
+    comm::wait(group->allgather(all, mine));
+    auto a = all.accessor<int64_t, 1>();
+    for (int r = 1; r < group->size(); ++r) {
+      if (a[3 * r] != a[0] || a[3 * r + 1] != a[1] || a[3 * r + 2] != a[2]) {
+        fail(absl::StatusCode::kFailedPrecondition,
+             absl::StrCat("rank ", r, " of process group '", group->name(), "' holds ", a[3 * r], " parameters with ",
+                          a[3 * r + 1], " elements where rank 0 holds ", a[0], " with ", a[1],
+                          a[3 * r] == a[0] && a[3 * r + 1] == a[1] ? " (shapes or dtypes differ)" : "",
+                          ": every rank must wrap the same model"));
+      }
+    }
+  }
+
+  void broadcast_from(int root, bool with_params) {
+    std::vector<rpc::Future> works;
+    if (with_params) {
+      for (const auto& p : params) works.push_back(group->broadcast(p.tensor, root));
+    }
+    for (const auto& b : buffers) works.push_back(group->broadcast(b, root));
+    for (const auto& w : works) comm::wait(w);
+  }
+
+  void install_hooks() {
+    std::weak_ptr<Impl> self = weak_from_this();
+    struct ReadyHook : torch::autograd::FunctionPostHook {
+      ReadyHook(std::weak_ptr<Impl> impl, size_t index) : impl(std::move(impl)), index(index) {}
+      torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                                const torch::autograd::variable_list&) override {
+        if (auto s = impl.lock()) s->mark_ready(index);
+        return outputs;
+      }
+      std::weak_ptr<Impl> impl;
+      size_t index;
+    };
+    for (size_t i = 0; i < params.size(); ++i) {
+      params[i].accumulator->add_post_hook(std::make_unique<ReadyHook>(self, i));
+    }
+  }
+
+  // Buckets over the parameters in `order`: one dtype per bucket, the first of each dtype capped at
+  // first_bucket_bytes, the others at bucket_cap_bytes; buckets launch in the order they were opened.
+  void assign_buckets(const std::vector<size_t>& order) {
+    std::vector<at::Tensor> old_grads;  // gradients keep their values across a rebuild
+    for (const auto& p : params) old_grads.push_back(p.tensor.grad());
+    buckets.clear();
+    std::map<at::ScalarType, size_t> open, opened;  // dtype -> open bucket; dtype -> buckets opened
+    std::vector<size_t> bytes;
+    for (size_t i : order) {
+      const at::ScalarType dtype = params[i].tensor.scalar_type();
+      auto it = open.find(dtype);
+      if (it == open.end()) {
+        it = open.emplace(dtype, buckets.size()).first;
+        buckets.emplace_back();
+        bytes.push_back(0);
+        ++opened[dtype];
+      }
+      const size_t b = it->second;
+      buckets[b].params.push_back(i);
+      bytes[b] += params[i].tensor.nbytes();
+      const size_t limit = opened[dtype] == 1 ? options.first_bucket_bytes : options.bucket_cap_bytes;
+      if (bytes[b] >= limit) open.erase(it);
+    }
+    for (size_t b = 0; b < buckets.size(); ++b) {
+      int64_t n = 0;
+      for (size_t i : buckets[b].params) {
+        params[i].bucket = b;
+        params[i].offset = static_cast<size_t>(n);
+        n += params[i].tensor.numel();
+      }
+      buckets[b].flat = at::zeros({n}, params[buckets[b].params.front()].tensor.options().requires_grad(false));
+      buckets[b].pending = buckets[b].params.size();
+    }
+    if (options.gradient_as_bucket_view) {
+      for (size_t i = 0; i < params.size(); ++i) {
+        if (!old_grads[i].defined()) continue;
+        at::Tensor view = bucket_view(i);
+        view.copy_(old_grads[i]);
+        params[i].tensor.mutable_grad() = view;
+      }
+    }
+  }
+
+  at::Tensor slice(size_t i) const {
+    const Param& p = params[i];
+    return buckets[p.bucket].flat.narrow(0, static_cast<int64_t>(p.offset), p.tensor.numel());
+  }
+
+  // Parameter i's place in its bucket, shaped like the parameter: it shares the bucket's storage without being an
+  // autograd view, so that LibTorch's Optimizer::zero_grad (which detaches .grad in place) accepts it as .grad.
+  at::Tensor bucket_view(size_t i) const {
+    const Param& p = params[i];
+    const at::Tensor& flat = buckets[p.bucket].flat;
+    at::NoGradGuard no_grad;
+    at::Tensor v = at::empty({0}, flat.options());
+    v.set_(flat.storage(), flat.storage_offset() + static_cast<int64_t>(p.offset), p.tensor.sizes(),
+           c10::contiguous_strides(p.tensor.sizes()));
+    return v;
+  }
+
+  // ---- forward ----
+
+  // Uneven inputs: every rank says whether it still has data (its rank, or -1) and whether the coming backward
+  // reduces. Returns {highest rank with data or -1, whether any reduces}.
+  std::pair<int64_t, bool> agree(bool active, bool sync) {
+    auto t = at::tensor({active ? static_cast<int64_t>(group->rank()) : int64_t{-1}, int64_t{active && sync}}, at::kLong);
+    comm::wait(group->allreduce(t, comm::ReduceOp::kMax));
+    const int64_t highest = t[0].item<int64_t>();
+    if (highest >= 0) last_active = highest;
+    return {highest, t[1].item<int64_t>() != 0};
+  }
+
+  // Buckets rebuilt in the order gradients became ready in the first iteration: rank 0's order, so that every rank
+  // launches the same buckets in the same order.
+  void rebuild() {
+    rebuild_pending = false;
+    std::vector<char> seen(params.size(), 0);
+    std::vector<int64_t> order;
+    for (size_t i : ready_order) {
+      if (!seen[i]) order.push_back(static_cast<int64_t>(i)), seen[i] = 1;
+    }
+    for (size_t i = params.size(); i-- > 0;) {
+      if (!seen[i]) order.push_back(static_cast<int64_t>(i));
+    }
+    auto t = at::tensor(order, at::kLong);
+    comm::wait(group->broadcast(t, 0));
+    std::vector<size_t> agreed(params.size());
+    for (size_t k = 0; k < agreed.size(); ++k) agreed[k] = static_cast<size_t>(t[k].item<int64_t>());
+    assign_buckets(agreed);
+    rebuilt = true;
+  }
+
+  void pre_forward() {
+    if (options.uneven_inputs) agree(true, require_sync && at::GradMode::is_enabled());
+    if (options.broadcast_buffers && !buffers.empty()) broadcast_from(0, /*with_params=*/false);
+    if (rebuild_pending) rebuild();
+  }
+
+  void post_forward(const std::vector<at::Tensor>& outputs) {
+    if (armed && hooks_fired > 0) {
+      // A backward ran but did not reach every parameter, and did not reduce (finalize threw); start over.
+      reset_iteration();
+    }
+    armed = false;
+    if (!require_sync || !at::GradMode::is_enabled()) return;
+    reset_iteration();
+    armed = true;
+    if (!options.find_unused_parameters) return;
+    // Parameters whose accumulators the graph does not reach get no gradient in this backward: ready now, with zeros.
+    std::unordered_set<const torch::autograd::Node*> reached;
+    std::vector<torch::autograd::Node*> stack;
+    for (const auto& out : outputs) {
+      if (out.defined() && out.grad_fn()) stack.push_back(out.grad_fn().get());
+      else if (out.defined() && out.requires_grad()) reached.insert(torch::autograd::impl::grad_accumulator(out).get());
+    }
+    while (!stack.empty()) {
+      torch::autograd::Node* n = stack.back();
+      stack.pop_back();
+      if (!reached.insert(n).second) continue;
+      for (const auto& e : n->next_edges()) {
+        if (e.function) stack.push_back(e.function.get());
+      }
+    }
+    for (size_t i = 0; i < params.size(); ++i) {
+      if (reached.count(params[i].accumulator.get())) continue;
+      slice(i).zero_();
+      ready[i] = 1;
+      --buckets[params[i].bucket].pending;
+    }
+  }
+
+  void reset_iteration() {
+    hooks_fired = 0;
+    callback_queued = false;
+    next_launch = 0;
+    std::fill(ready.begin(), ready.end(), 0);
+    std::fill(locally_used.begin(), locally_used.end(), 0);
+    for (auto& b : buckets) {
+      b.pending = b.params.size();
+      b.work = rpc::Future();
+    }
+  }
+
+  // ---- backward ----
+
+  void mark_ready(size_t i) {
+    if (!armed) return;  // no_sync, or a backward through a forward DDP did not see: .grad accumulates locally
+    Param& p = params[i];
+    if (ready[i]) {
+      fail(absl::StatusCode::kFailedPrecondition,
+           "parameter '" + p.name + "' got a gradient twice in one backward (reentrant backward or checkpointing?)");
+    }
+    if (!callback_queued) {
+      callback_queued = true;
+      std::weak_ptr<Impl> self = weak_from_this();
+      torch::autograd::Engine::get_default_engine().queue_callback([self] {
+        if (auto s = self.lock()) s->finalize();
+      });
+    }
+    ++hooks_fired;
+    at::Tensor s = slice(i);
+    const at::Tensor& g = p.tensor.grad();
+    if (!g.defined()) {
+      s.zero_();
+    } else if (!options.gradient_as_bucket_view) {
+      s.copy_(g.reshape({-1}));
+    } else if (g.data_ptr() != s.data_ptr()) {  // .grad was replaced (first backward, set to none): view it again
+      s.copy_(g.reshape({-1}));
+      p.tensor.mutable_grad() = bucket_view(i);
+    }
+    ready[i] = 1;
+    locally_used[i] = 1;
+    if (record_order) ready_order.push_back(i);
+    --buckets[p.bucket].pending;
+    launch_ready();
+  }
+
+  // Buckets start in index order only, so every rank issues the same collectives in the same order.
+  void launch_ready() {
+    while (next_launch < buckets.size() && buckets[next_launch].pending == 0) {
+      Bucket& b = buckets[next_launch++];
+      try {
+        b.work = hook(*group, b.flat);
+      } catch (const std::exception& e) {
+        b.work = rpc::Future::failed(absl::InternalError(absl::StrCat("the communication hook threw: ", e.what())));
+      }
+    }
+  }
+
+  // At the end of backward (queued on the autograd engine by the first hook).
+  void finalize() {
+    armed = false;
+    std::vector<std::string> missing;
+    for (size_t i = 0; i < params.size(); ++i) {
+      if (!ready[i]) missing.push_back(params[i].name);
+    }
+    if (!missing.empty()) {
+      for (size_t b = 0; b < next_launch; ++b) (void)buckets[b].work.status();  // launched ones finish first
+      const size_t n = missing.size();
+      if (n > 5) missing.resize(5);
+      fail(absl::StatusCode::kFailedPrecondition,
+           absl::StrCat(where(), ": ", n, " parameter(s) got no gradient in this backward (", absl::StrJoin(missing, ", "),
+                        n > 5 ? ", ..." : "", "); construct with find_unused_parameters = true when a forward "
+                        "does not use every parameter"));
+    }
+    launch_ready();
+    at::Tensor used;
+    rpc::Future used_work;
+    if (options.find_unused_parameters) {
+      used = at::tensor(std::vector<int32_t>(locally_used.begin(), locally_used.end()), at::kInt);
+      used_work = group->allreduce(used, comm::ReduceOp::kMax);
+    }
+    for (auto& b : buckets) throw_if_error(b.work.status());
+    if (used.defined()) throw_if_error(used_work.status());
+    for (size_t i = 0; i < params.size(); ++i) {
+      if (used.defined() && used[static_cast<int64_t>(i)].item<int32_t>() == 0) continue;  // no rank used it
+      at::Tensor& grad = params[i].tensor.mutable_grad();
+      at::Tensor view = slice(i).view(params[i].tensor.sizes());
+      if (options.gradient_as_bucket_view) {
+        if (!grad.defined() || grad.data_ptr() != view.data_ptr()) grad = bucket_view(i);
+      } else if (grad.defined()) {
+        grad.copy_(view);
+      } else {
+        grad = view.clone();
+      }
+    }
+    ++iterations;
+    finish_iteration();
+  }
+
+  void finish_iteration() {
+    if (record_order) {
+      record_order = false;
+      rebuild_pending = options.rebuild_buckets;
+    }
+    reset_iteration();
+  }
+
+  // ---- uneven inputs ----
+
+  void join() {
+    if (!options.uneven_inputs) {
+      fail(absl::StatusCode::kFailedPrecondition, "join() needs DdpOptions::uneven_inputs on every rank");
+    }
+    for (;;) {
+      const auto [highest, sync] = agree(false, false);
+      if (highest < 0) break;
+      if (options.broadcast_buffers && !buffers.empty()) broadcast_from(0, false);
+      if (rebuild_pending) rebuild();
+      if (!sync) continue;
+      // Shadow the others' backward: the same buckets, in the same order, with zero gradients.
+      for (auto& b : buckets) {
+        b.flat.zero_();
+        b.work = hook(*group, b.flat);
+      }
+      at::Tensor used;
+      rpc::Future used_work;
+      if (options.find_unused_parameters) {
+        used = at::zeros({static_cast<int64_t>(params.size())}, at::kInt);
+        used_work = group->allreduce(used, comm::ReduceOp::kMax);
+      }
+      for (auto& b : buckets) throw_if_error(b.work.status());
+      if (used.defined()) throw_if_error(used_work.status());
+      finish_iteration();
+    }
+    // Everyone is out of data: the last rank that trained holds the final model.
+    if (last_active >= 0) {
+      at::NoGradGuard no_grad;
+      broadcast_from(static_cast<int>(last_active), /*with_params=*/true);
+    }
+    last_active = -1;
+  }
+};
+
+DistributedDataParallelBase::DistributedDataParallelBase(std::shared_ptr<torch::nn::Module> module,
+                                                         std::shared_ptr<comm::ProcessGroup> group, DdpOptions options)
+    : impl_(std::make_shared<Impl>()) {
+  if (!module || !group) fail(absl::StatusCode::kInvalidArgument, "a module and a process group are required");
+  impl_->module = std::move(module);
+  impl_->group = std::move(group);
+  impl_->options = options;
+  impl_->collect();
+  impl_->verify_same_parameters();
+  {
+    at::NoGradGuard no_grad;
+    impl_->broadcast_from(0, /*with_params=*/true);
+  }
+  std::vector<size_t> reverse;
+  for (size_t i = impl_->params.size(); i-- > 0;) reverse.push_back(i);
+  if (!reverse.empty()) impl_->assign_buckets(reverse);
+  impl_->install_hooks();
+}
+
+DistributedDataParallelBase::~DistributedDataParallelBase() = default;
+
+DistributedDataParallelBase::NoSync::NoSync(DistributedDataParallelBase& ddp)
+    : ddp_(ddp), previous_(ddp.impl_->require_sync) {
+  ddp_.impl_->require_sync = false;
+}
+DistributedDataParallelBase::NoSync::~NoSync() { ddp_.impl_->require_sync = previous_; }
+
+void DistributedDataParallelBase::register_comm_hook(CommHook hook) {
+  if (impl_->iterations > 0 || impl_->armed) {
+    fail(absl::StatusCode::kFailedPrecondition, "register_comm_hook must come before the first forward");
+  }
+  impl_->hook = std::move(hook);
+}
+
+void DistributedDataParallelBase::join() { impl_->join(); }
+void DistributedDataParallelBase::pre_forward() { impl_->pre_forward(); }
+void DistributedDataParallelBase::post_forward(const std::vector<at::Tensor>& outputs) {
+  impl_->post_forward(outputs);
+}
+comm::ProcessGroup& DistributedDataParallelBase::group() const { return *impl_->group; }
+
+DdpStats DistributedDataParallelBase::stats() const {
+  DdpStats s;
+  for (const auto& b : impl_->buckets) s.bucket_bytes.push_back(b.flat.nbytes());
+  s.iterations = impl_->iterations;
+  s.rebuilt = impl_->rebuilt;
+  return s;
+}
+
+}  // namespace tandem::ddp

@@ -1,0 +1,143 @@
+// DistributedDataParallel: data-parallel training over a process group, as PyTorch's DDP does it.
+//
+//   auto pg = comm::ProcessGroup::create("ddp");                       // every rank, after rpc::init_rpc
+//   auto model = std::make_shared<Net>();                              // same architecture everywhere
+//   ddp::DistributedDataParallel ddp(model, pg);                       // rank 0's parameters and buffers everywhere
+//   torch::optim::SGD opt(model->parameters(), 0.1);
+//   for (auto& batch : *loader) {                                      // each rank its own shard (DistributedSampler)
+//     opt.zero_grad();
+//     auto loss = torch::nll_loss(ddp.forward(batch.data), batch.target);
+//     loss.backward();                                                 // gradients averaged over the ranks, in .grad
+//     opt.step();
+//   }
+//
+// How (PyTorch's Reducer, VLDB'20): parameters are grouped into buckets in reverse order of registration (the first
+// bucket capped at first_bucket_bytes, the others at bucket_cap_bytes, one dtype per bucket). An autograd hook on each
+// parameter's gradient accumulator copies the gradient into its bucket; when a bucket is complete its asynchronous
+// allreduce starts (buckets start in index order, the same on every rank) and overlaps with the rest of backward. At the
+// end of backward the averaged gradients are written to .grad (or already are, with gradient_as_bucket_view). After the
+// first iteration the buckets are rebuilt in the order gradients actually became ready (rank 0's order, broadcast).
+//
+// Contract:
+// - Every rank runs forward and backward the same number of times (use uneven_inputs + join() otherwise), with
+//   backward after each forward that is not under no_sync(). The gradient hooks fire only under loss.backward() /
+//   torch::autograd::backward (not torch::autograd::grad, not distributed autograd's capture).
+// - Without find_unused_parameters, every parameter must get a gradient in every synchronised backward; otherwise
+//   backward throws, naming the parameters. With it, forward's outputs are traversed to find the parameters the graph
+//   does not reach; parameters no rank used keep their .grad unchanged, as in PyTorch.
+// - Errors of the process group (a dead rank, a timeout) come out of backward() as RpcError naming group and operation.
+// - Not thread-safe: one thread drives forward and backward.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <chrono>
+#include <cstddef>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "comm/process_group.h"
+#include "rpc/future.h"
+
+namespace torch::nn {
+class Module;
+}
+
+namespace tandem::ddp {
+
+// Reduces one bucket across the group: `bucket` holds this rank's gradients of the bucket, flat; the returned future
+// completes once `bucket` holds the gradients averaged over the group's size (the initial world size under join()).
+using CommHook = std::function<rpc::Future(comm::ProcessGroup& group, at::Tensor bucket)>;
+
+CommHook allreduce_hook();       // the default: allreduce, average
+CommHook fp16_compress_hook();   // sent as float16 (half the bytes), averaged, written back in the bucket's dtype
+CommHook bf16_compress_hook();   // likewise as bfloat16
+
+struct DdpOptions {
+  size_t bucket_cap_bytes = 25u << 20;   // PyTorch's kDefaultBucketBytesCap
+  size_t first_bucket_bytes = 1u << 20;  // PyTorch's kDefaultFirstBucketBytes: the first allreduce starts early
+  bool broadcast_buffers = true;         // rank 0's buffers (e.g. batch-norm statistics) before every forward
+  bool find_unused_parameters = false;
+  bool gradient_as_bucket_view = false;  // .grad are views into the buckets: no copy back, less memory
+  bool rebuild_buckets = true;           // after the first iteration, in the order gradients became ready
+  bool uneven_inputs = false;            // ranks may run out of data at different times: see join()
+};
+
+struct DdpStats {
+  std::vector<size_t> bucket_bytes;  // current buckets, in launch order
+  int64_t iterations = 0;            // synchronised backwards
+  bool rebuilt = false;
+};
+
+class DistributedDataParallelBase {
+ public:
+  // Collective: checks that all ranks hold the same parameter shapes and dtypes (else RpcError naming the first rank
+  // that differs), then broadcasts rank 0's parameters and buffers.
+  DistributedDataParallelBase(std::shared_ptr<torch::nn::Module> module, std::shared_ptr<comm::ProcessGroup> group,
+                              DdpOptions options = {});
+  ~DistributedDataParallelBase();
+  DistributedDataParallelBase(const DistributedDataParallelBase&) = delete;
+  DistributedDataParallelBase& operator=(const DistributedDataParallelBase&) = delete;
+
+  // Gradient accumulation: forwards and backwards while the guard lives only accumulate .grad locally; the next
+  // synchronised backward reduces the accumulated sums.
+  class NoSync {
+   public:
+    explicit NoSync(DistributedDataParallelBase& ddp);
+    ~NoSync();
+    NoSync(const NoSync&) = delete;
+    NoSync& operator=(const NoSync&) = delete;
+
+   private:
+    DistributedDataParallelBase& ddp_;
+    bool previous_;
+  };
+  NoSync no_sync() { return NoSync(*this); }
+
+  // Before the first backward. The hook sees the flat bucket and must average it over the group.
+  void register_comm_hook(CommHook hook);
+
+  // Uneven inputs (needs uneven_inputs): a rank out of data calls join(), which takes part in the others' collectives
+  // with zero gradients until every rank has joined, then gives every rank the parameters and buffers of the last
+  // rank that trained. Gradients are always averaged over the group's size. Throws RpcError on a group failure.
+  void join();
+
+  // The steps around the module's forward (forward() below does both): pre_forward broadcasts buffers, agrees on who
+  // still has data (uneven_inputs) and rebuilds buckets; post_forward readies the reducer for the next backward.
+  void pre_forward();
+  void post_forward(const std::vector<at::Tensor>& outputs);
+  void post_forward(const at::Tensor& output) { post_forward(std::vector<at::Tensor>{output}); }
+
+  comm::ProcessGroup& group() const;
+  DdpStats stats() const;
+
+  struct Impl;
+
+ private:
+  std::shared_ptr<Impl> impl_;  // shared with the gradient hooks, which hold it weakly
+};
+
+// The module-typed wrapper: forward(args...) is the module's forward between pre_forward and post_forward. Its output
+// must be a tensor or a vector of tensors (call pre_forward/post_forward yourself for other outputs).
+template <typename M>
+class DistributedDataParallel : public DistributedDataParallelBase {
+ public:
+  DistributedDataParallel(std::shared_ptr<M> module, std::shared_ptr<comm::ProcessGroup> group, DdpOptions options = {})
+      : DistributedDataParallelBase(module, std::move(group), options), module_(std::move(module)) {}
+
+  template <typename... Args>
+  auto forward(Args&&... args) {
+    pre_forward();
+    auto out = module_->forward(std::forward<Args>(args)...);
+    post_forward(out);
+    return out;
+  }
+  M& module() const { return *module_; }
+
+ private:
+  std::shared_ptr<M> module_;
+};
+
+}  // namespace tandem::ddp
