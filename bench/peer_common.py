@@ -3,6 +3,7 @@ import argparse
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -14,6 +15,17 @@ import torch.distributed.rpc as rpc
 def emit(bench, impl, metric, value, unit, processes, **extra):
     print(json.dumps({"bench": bench, "impl": impl, "metric": metric, "value": round(value, 3), "unit": unit,
                       "processes": processes, "intra_op_threads": 1, **extra}), flush=True)
+
+
+def median_time(iters, warmup, fn, scale=1e6):
+    """Median duration of `iters` calls of fn() after `warmup` untimed ones, in seconds times `scale` (us default)."""
+    t = []
+    for i in range(iters + warmup):
+        t0 = time.perf_counter()
+        fn()
+        if i >= warmup:
+            t.append((time.perf_counter() - t0) * scale)
+    return statistics.median(t)
 
 
 def init(rank, world, port, mode):

@@ -63,7 +63,7 @@ struct DistributedDataParallelBase::Impl : std::enable_shared_from_this<Impl> {
   std::shared_ptr<torch::nn::Module> module;
   std::shared_ptr<comm::ProcessGroup> group;
   DdpOptions options;
-  CommHook hook = allreduce_hook();
+  CommHook hook;  // none: the built-in path (each gradient divided as it lands in its bucket, then a sum allreduce)
   std::vector<Param> params;
   std::vector<at::Tensor> buffers;
   std::vector<Bucket> buckets;
@@ -314,13 +314,17 @@ struct DistributedDataParallelBase::Impl : std::enable_shared_from_this<Impl> {
     ++hooks_fired;
     at::Tensor s = slice(i);
     const at::Tensor& g = p.tensor.grad();
+    // Without a comm hook the average's division happens here, spread over backward as PyTorch's Reducer does (in the
+    // copy, or in place), instead of over whole buckets at the end on the critical path.
+    const double scale = hook ? 1.0 : 1.0 / group->size();
     if (!g.defined()) {
       s.zero_();
-    } else if (!options.gradient_as_bucket_view) {
-      s.copy_(g.reshape({-1}));
-    } else if (g.data_ptr() != s.data_ptr()) {  // .grad was replaced (first backward, set to none): view it again
-      s.copy_(g.reshape({-1}));
-      p.tensor.mutable_grad() = bucket_view(i);
+    } else if (!options.gradient_as_bucket_view || g.data_ptr() != s.data_ptr()) {
+      at::mul_out(s, g.reshape({-1}), at::scalar_tensor(scale, s.options()));
+      // .grad was replaced (first backward, or set by the user): share the bucket again
+      if (options.gradient_as_bucket_view) p.tensor.mutable_grad() = bucket_view(i);
+    } else if (scale != 1.0) {
+      s.mul_(scale);
     }
     ready[i] = 1;
     locally_used[i] = 1;
@@ -329,12 +333,17 @@ struct DistributedDataParallelBase::Impl : std::enable_shared_from_this<Impl> {
     launch_ready();
   }
 
+  // A complete bucket's reduction: the comm hook's, or a sum of the already divided gradients.
+  rpc::Future reduce(const at::Tensor& flat) {
+    return hook ? hook(*group, flat) : group->allreduce(flat, comm::ReduceOp::kSum);
+  }
+
   // Buckets start in index order only, so every rank issues the same collectives in the same order.
   void launch_ready() {
     while (next_launch < buckets.size() && buckets[next_launch].pending == 0) {
       Bucket& b = buckets[next_launch++];
       try {
-        b.work = hook(*group, b.flat);
+        b.work = reduce(b.flat);
       } catch (const std::exception& e) {
         b.work = rpc::Future::failed(absl::InternalError(absl::StrCat("the communication hook threw: ", e.what())));
       }
@@ -405,7 +414,7 @@ struct DistributedDataParallelBase::Impl : std::enable_shared_from_this<Impl> {
       // Shadow the others' backward: the same buckets, in the same order, with zero gradients.
       for (auto& b : buckets) {
         b.flat.zero_();
-        b.work = hook(*group, b.flat);
+        b.work = reduce(b.flat);
       }
       at::Tensor used;
       rpc::Future used_work;

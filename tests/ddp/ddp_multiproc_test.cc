@@ -19,7 +19,7 @@ TEST_P(MultiprocDdpEquivalence, FollowsOneProcessWithTheWholeBatch) {
 }
 
 INSTANTIATE_TEST_SUITE_P(MultiprocDdp, MultiprocDdpEquivalence,
-                         ::testing::Combine(::testing::Values("plain", "view", "default_buckets", "no_sync", "unused",
+                         ::testing::Combine(::testing::Values("plain", "copy", "default_buckets", "no_sync", "unused",
                                                               "fp16", "bf16", "uneven", "zero"),
                                             ::testing::Values(2, 3)),
                          [](const auto& info) {

@@ -52,7 +52,7 @@ double max_diff(torch::nn::Module& a, torch::nn::Module& b) {
   return d;
 }
 
-// Variants: "plain", "view" (gradient_as_bucket_view), "default_buckets", "no_sync", "unused", "fp16", "bf16",
+// Variants: "plain", "copy" (gradient_as_bucket_view off), "default_buckets", "no_sync", "unused", "fp16", "bf16",
 // "uneven", "zero".
 std::string equivalence(const std::string& variant) {
   const int world = static_cast<int>(rpc::get_all_worker_infos().size());
@@ -63,7 +63,7 @@ std::string equivalence(const std::string& variant) {
     options.first_bucket_bytes = 256;  // several buckets, so order, launch and rebuild matter
     options.bucket_cap_bytes = 512;
   }
-  options.gradient_as_bucket_view = variant == "view";
+  options.gradient_as_bucket_view = variant != "copy";
   options.find_unused_parameters = side;
   options.uneven_inputs = variant == "uneven";
   const int micro = variant == "no_sync" ? 3 : 1;
@@ -128,7 +128,7 @@ std::string equivalence(const std::string& variant) {
   const double d = max_diff(*model, *ref);
   if (!(d <= tolerance)) return absl::StrCat(variant, ": parameters differ from one process by ", d, " (tolerance ", tolerance, ")");
   if (variant == "unused" && model->unused->weight.grad().defined()) return "a parameter no rank used got a gradient";
-  if (variant == "view") {
+  if (variant == "plain") {
     auto g = model->fc1->weight.grad();  // shares its bucket with fc1.bias: the storage is larger than the gradient
     if (g.storage().nbytes() <= g.nbytes()) return "with gradient_as_bucket_view, .grad is not a view into a bucket";
   }

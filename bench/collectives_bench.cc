@@ -1,0 +1,67 @@
+// bench/run.sh collectives — Tandem's side. Two ranks (tandem-run --nproc-per-node 2), one process group on Gloo;
+// rank 0 reports, per size, the median time of an allreduce (sum, float32) issued and waited back to back, and the
+// bus bandwidth busbw = 2 (n-1)/n * bytes / time (NCCL-tests' definition; n = 2 gives bytes / time).
+//   allreduce_4B_us, allreduce_1MiB_busbw_GBps, allreduce_64MiB_busbw_GBps, broadcast_64MiB_GBps (bytes / time)
+// Flags: --iters N (64 MiB iterations; smaller sizes run 10× or 100× more).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <cstdlib>
+#include <functional>
+#include <string>
+
+#include "bench/common.h"
+#include "comm/process_group.h"
+#include "rpc/rpc.h"
+
+namespace bench = tandem::bench;
+namespace comm = tandem::comm;
+namespace rpc = tandem::rpc;
+
+namespace {
+
+// Median microseconds of `iters` runs of `op` (after a tenth, at least one, as warm-up); the ranks start together.
+double time_op(comm::ProcessGroup& pg, int iters, const std::function<rpc::Future()>& op) {
+  std::vector<double> t;
+  comm::wait(pg.barrier());
+  for (int i = 0; i < iters + std::max(1, iters / 10); ++i) {
+    const double t0 = bench::now_us();
+    comm::wait(op());
+    if (i >= std::max(1, iters / 10)) t.push_back(bench::now_us() - t0);
+  }
+  return bench::median(t);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int iters = 20;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    if (std::string(argv[i]) == "--iters") iters = std::atoi(argv[i + 1]);
+  }
+  at::set_num_threads(1);
+  rpc::init_rpc();
+  auto pg = comm::ProcessGroup::create("bench");
+  const int n = pg->size();
+  const double factor = 2.0 * (n - 1) / n;
+  const std::string cond = "\"processes\":" + std::to_string(n) + ",\"intra_op_threads\":1,\"backend\":\"gloo\"";
+  auto tiny = at::ones({1});
+  auto mib = at::ones({1 << 18});
+  auto big = at::ones({16 << 20});
+  const double t_tiny = time_op(*pg, iters * 100, [&] { return pg->allreduce(tiny); });
+  const double t_mib = time_op(*pg, iters * 10, [&] { return pg->allreduce(mib); });
+  const double t_big = time_op(*pg, iters, [&] { return pg->allreduce(big); });
+  const double t_bcast = time_op(*pg, iters, [&] { return pg->broadcast(big, 0); });
+  if (pg->rank() == 0) {
+    bench::emit("collectives", "allreduce_4B_us", t_tiny, "us", cond + ",\"iters\":" + std::to_string(iters * 100));
+    bench::emit("collectives", "allreduce_1MiB_busbw_GBps", factor * mib.nbytes() / t_mib / 1e3, "GB/s",
+                cond + ",\"iters\":" + std::to_string(iters * 10));
+    bench::emit("collectives", "allreduce_64MiB_busbw_GBps", factor * big.nbytes() / t_big / 1e3, "GB/s",
+                cond + ",\"iters\":" + std::to_string(iters) + ",\"median_ms\":" + std::to_string(t_big / 1e3));
+    bench::emit("collectives", "broadcast_64MiB_GBps", big.nbytes() / t_bcast / 1e3, "GB/s",
+                cond + ",\"iters\":" + std::to_string(iters));
+  }
+  comm::wait(pg->barrier());
+  rpc::shutdown();
+  return 0;
+}

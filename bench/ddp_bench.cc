@@ -1,0 +1,103 @@
+// bench/run.sh ddp — Tandem's side. Two ranks (tandem-run --nproc-per-node 2), one intra-op thread each.
+// Model: MLP 1024-2048-2048-1024 with ReLU (8.4 M parameters), MSE loss, SGD; batch 64 per rank. One iteration:
+// zero_grad, forward, backward (gradients averaged across the ranks, overlapped with backward), step.
+//   local_iter_ms   the same iteration in one process (rank 0 alone, rank 1 waiting): the weak-scaling baseline
+//   ddp_iter_ms     median iteration on rank 0, for bucket caps 25 MiB (the default, reported first), then 1, 5, 100
+//                   and 1000 MiB (the last layer's 8 MiB, then everything at the end of backward: the least overlap),
+//                   with Tandem's default gradient_as_bucket_view = true; 25 MiB also with it false (PyTorch's default)
+// Flags: --iters N (timed iterations per configuration, after 3 warm-up), --sweep 0|1.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/nn/modules/activation.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/optim/sgd.h>
+
+#include <cstdlib>
+#include <string>
+
+#include "bench/common.h"
+#include "comm/process_group.h"
+#include "ddp/ddp.h"
+#include "rpc/rpc.h"
+
+namespace bench = tandem::bench;
+namespace comm = tandem::comm;
+namespace ddp = tandem::ddp;
+namespace rpc = tandem::rpc;
+
+namespace {
+
+torch::nn::Sequential make_model() {
+  torch::manual_seed(0);
+  return torch::nn::Sequential(torch::nn::Linear(1024, 2048), torch::nn::ReLU(), torch::nn::Linear(2048, 2048),
+                               torch::nn::ReLU(), torch::nn::Linear(2048, 1024));
+}
+
+// Median milliseconds of `iters` iterations of `step` (after 3 warm-up ones).
+template <typename Step>
+double time_iters(int iters, Step step) {
+  std::vector<double> t;
+  for (int i = 0; i < iters + 3; ++i) {
+    const double t0 = bench::now_us();
+    step();
+    if (i >= 3) t.push_back((bench::now_us() - t0) / 1e3);
+  }
+  return bench::median(t);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int iters = 30, sweep = 1;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string f = argv[i];
+    if (f == "--iters") iters = std::atoi(argv[i + 1]);
+    else if (f == "--sweep") sweep = std::atoi(argv[i + 1]);
+  }
+  at::set_num_threads(1);
+  rpc::init_rpc();
+  auto pg = comm::ProcessGroup::create("ddp_bench", {}, {.timeout = std::chrono::minutes(5)});
+  const bool report = pg->rank() == 0;
+  const std::string cond = "\"processes\":" + std::to_string(pg->size()) +
+                           ",\"intra_op_threads\":1,\"model\":\"mlp1024-2048-2048-1024\",\"params\":8400896,"
+                           "\"batch_per_rank\":64,\"iters\":" + std::to_string(iters);
+  const at::Tensor x = at::randn({64, 1024}), y = at::randn({64, 1024});
+
+  double local_ms = 0;
+  if (report) {
+    auto model = make_model();
+    torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.01));
+    local_ms = time_iters(iters, [&] {
+      opt.zero_grad();
+      at::mse_loss(model->forward(x), y).backward();
+      opt.step();
+    });
+    bench::emit("ddp", "local_iter_ms", local_ms, "ms", cond + ",\"processes_running\":1");
+  }
+  comm::wait(pg->barrier());
+
+  std::vector<std::pair<int, bool>> configs = {{25, true}, {25, false}};  // (bucket cap in MiB, gradient_as_bucket_view)
+  if (sweep) configs.insert(configs.end(), {{1, true}, {5, true}, {100, true}, {1000, true}});
+  for (auto [cap, view] : configs) {
+    auto model = make_model();
+    ddp::DistributedDataParallel<torch::nn::SequentialImpl> net(
+        model.ptr(), pg, {.bucket_cap_bytes = static_cast<size_t>(cap) << 20, .gradient_as_bucket_view = view});
+    torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.01));
+    const double ms = time_iters(iters, [&] {
+      opt.zero_grad();
+      at::mse_loss(net.forward(x), y).backward();
+      opt.step();
+    });
+    if (report) {
+      bench::emit("ddp", "ddp_iter_ms", ms, "ms",
+                  cond + ",\"bucket_cap_mb\":" + std::to_string(cap) +
+                      ",\"gradient_as_bucket_view\":" + (view ? "true" : "false") +
+                      ",\"buckets\":" + std::to_string(net.stats().bucket_bytes.size()) +
+                      ",\"weak_scaling_efficiency\":" + std::to_string(local_ms / ms));
+    }
+    comm::wait(pg->barrier());
+  }
+  rpc::shutdown();
+  return 0;
+}
