@@ -15,6 +15,7 @@
 
 #include "dist_autograd/dist_autograd.h"
 #include "dist_optim/dist_optim.h"
+#include "examples/data/cnn.h"
 #include "examples/data/fashion_mnist.h"
 #include "examples/parameter_server/server.h"
 #include "rpc/rpc.h"
@@ -90,11 +91,7 @@ int train(const Args& args, int rank, int trainers) {
       std::fflush(stdout);
     }
   }
-  if (rank == 1 && accuracy < args.min_accuracy) {
-    std::fprintf(stderr, "test accuracy %.4f is below --min-accuracy %.4f\n", accuracy, args.min_accuracy);
-    return 1;
-  }
-  return 0;
+  return rank == 1 ? examples::accuracy_exit_code(accuracy, args.min_accuracy) : 0;
 }
 
 }  // namespace

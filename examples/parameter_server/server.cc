@@ -6,18 +6,12 @@
 #include <mutex>
 
 #include "dist_autograd/dist_autograd.h"
+#include "examples/data/cnn.h"
 #include "examples/data/fashion_mnist.h"
 #include "rpc/rpc.h"
 
 namespace tandem::examples {
 namespace {
-
-torch::nn::Sequential make_cnn() {
-  namespace tn = torch::nn;
-  return tn::Sequential(tn::Conv2d(tn::Conv2dOptions(1, 32, 3).padding(1)), tn::ReLU(), tn::MaxPool2d(2),
-                        tn::Conv2d(tn::Conv2dOptions(32, 64, 3).padding(1)), tn::ReLU(), tn::MaxPool2d(2),
-                        tn::Flatten(), tn::Linear(64 * 7 * 7, 128), tn::ReLU(), tn::Linear(128, 10));
-}
 
 torch::nn::Sequential make_mlp() {
   namespace tn = torch::nn;
@@ -92,7 +86,7 @@ double on_evaluate() {
 }  // namespace
 
 void register_parameter_server() {
-  nn::register_module("cnn", make_cnn);
+  nn::register_module("cnn", fashion_mnist_cnn);
   nn::register_module("mlp", make_mlp);
   rpc::register_function("ps.submit", on_submit);
   rpc::register_function("ps.evaluate", on_evaluate);

@@ -1,0 +1,14 @@
+// The examples' Fashion-MNIST model, and their accuracy check.
+#pragma once
+
+#include <torch/nn/modules/container/sequential.h>
+
+namespace tandem::examples {
+
+// 2 conv (32, 64 channels, 3x3) + 2x2 max pooling + FC 3136-128-10, for [N, 1, 28, 28] images.
+torch::nn::Sequential fashion_mnist_cnn();
+
+// 0, or 1 after telling stderr that `accuracy` is below `min_accuracy`: an example's exit code for --min-accuracy.
+int accuracy_exit_code(double accuracy, double min_accuracy);
+
+}  // namespace tandem::examples

@@ -1,0 +1,143 @@
+// Data-parallel training on Fashion-MNIST with DistributedDataParallel: every rank holds the whole model and trains on
+// its own shard (DistributedSampler); gradients are averaged across the ranks during backward.
+//
+//   build/tandem-run --nproc-per-node 2 build/ddp_train [--epochs 4] [--lr 0.002] [--batch 64] [--zero 1]
+//
+// Model: 2 conv + pooling + FC (the parameter-server example's CNN). Adam; with --zero 1 its state is sharded across
+// the ranks (ZeroRedundancyOptimizer). Rank 0 prints progress, and after every epoch the loss, the images per second
+// of all ranks together and the test accuracy (each rank scores half the test set; the counts are summed).
+#include <torch/torch.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <string>
+
+#include "comm/process_group.h"
+#include "ddp/ddp.h"
+#include "ddp/sampler.h"
+#include "ddp/zero.h"
+#include "examples/data/cnn.h"
+#include "examples/data/fashion_mnist.h"
+#include "rpc/rpc.h"
+
+using namespace tandem;
+
+namespace {
+
+struct Args {
+  int epochs = 4;
+  double lr = 2e-3;
+  int batch = 64;  // per rank
+  bool zero = false;
+  int64_t limit = 0;        // train on at most this many images in all (0: all 60,000); for smoke tests
+  double min_accuracy = 0;  // exit 1 if the final test accuracy is lower
+};
+
+Args parse(int argc, char** argv) {
+  Args a;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string k = argv[i], v = argv[i + 1];
+    if (k == "--epochs") a.epochs = std::stoi(v);
+    else if (k == "--lr") a.lr = std::stod(v);
+    else if (k == "--batch") a.batch = std::stoi(v);
+    else if (k == "--zero") a.zero = v == "1";
+    else if (k == "--limit") a.limit = std::stoll(v);
+    else if (k == "--min-accuracy") a.min_accuracy = std::stod(v);
+    else throw std::invalid_argument("unknown option " + k);
+  }
+  return a;
+}
+
+// Test accuracy over all ranks: rank r scores every size()-th test image from r; the counts are summed.
+double evaluate(torch::nn::Sequential& model, const examples::Dataset& test, comm::ProcessGroup& pg) {
+  torch::NoGradGuard no_grad;
+  model->eval();
+  at::Tensor idx = at::arange(pg.rank(), test.images.size(0), pg.size());
+  int64_t correct = 0;
+  for (int64_t i = 0; i < idx.size(0); i += 1000) {
+    at::Tensor part = idx.slice(0, i, i + 1000);
+    at::Tensor pred = model->forward(test.images.index_select(0, part)).argmax(1);
+    correct += pred.eq(test.labels.index_select(0, part)).sum().item<int64_t>();
+  }
+  model->train();
+  at::Tensor counts = at::tensor({correct, idx.size(0)}, at::kLong);
+  comm::wait(pg.allreduce(counts));
+  return static_cast<double>(counts[0].item<int64_t>()) / static_cast<double>(counts[1].item<int64_t>());
+}
+
+int train(const Args& args) {
+  auto pg = comm::ProcessGroup::create("ddp");
+  const bool lead = pg->rank() == 0;
+  examples::Dataset data = examples::load_fashion_mnist("train");
+  examples::Dataset test = examples::load_fashion_mnist("t10k");
+  const int64_t n = args.limit > 0 ? std::min(args.limit, data.images.size(0)) : data.images.size(0);
+
+  torch::manual_seed(pg->rank());  // different on purpose: DDP starts every rank from rank 0's parameters
+  auto model = examples::fashion_mnist_cnn();
+  ddp::DistributedDataParallel<torch::nn::SequentialImpl> net(model.ptr(), pg);
+  std::unique_ptr<torch::optim::Optimizer> adam;
+  std::unique_ptr<ddp::ZeroRedundancyOptimizer> zero;
+  if (args.zero) {
+    zero = std::make_unique<ddp::ZeroRedundancyOptimizer>(model->parameters(), pg, [&](std::vector<at::Tensor> shard) {
+      return std::make_unique<torch::optim::Adam>(shard, torch::optim::AdamOptions(args.lr));
+    });
+  } else {
+    adam = std::make_unique<torch::optim::Adam>(model->parameters(), torch::optim::AdamOptions(args.lr));
+  }
+  ddp::DistributedSampler sampler(static_cast<size_t>(n), *pg, {.shuffle = true, .seed = 42});
+  const int64_t steps = static_cast<int64_t>((sampler.size() + args.batch - 1) / args.batch);
+  if (lead) {
+    std::printf("ddp: %d ranks, batch %d per rank, %lld training images, %d epochs, Adam lr %g%s\n", pg->size(),
+                args.batch, static_cast<long long>(n), args.epochs, args.lr, args.zero ? " (ZeRO-sharded)" : "");
+    std::fflush(stdout);
+  }
+  double accuracy = 0;
+  for (int epoch = 1; epoch <= args.epochs; ++epoch) {
+    sampler.set_epoch(epoch);
+    const auto t0 = std::chrono::steady_clock::now();
+    double loss_sum = 0;
+    int64_t step = 0;
+    while (auto batch = sampler.next(args.batch)) {
+      at::Tensor idx = at::tensor(std::vector<int64_t>(batch->begin(), batch->end()), at::kLong);
+      at::Tensor x = data.images.index_select(0, idx), y = data.labels.index_select(0, idx);
+      zero ? zero->zero_grad() : adam->zero_grad();
+      at::Tensor loss = torch::nn::functional::cross_entropy(net.forward(x), y);
+      loss.backward();
+      if (zero) zero->step(); else adam->step();
+      loss_sum += loss.item<double>();
+      if (lead && ++step % 100 == 0) {
+        std::printf("  epoch %d  step %lld/%lld  loss %.4f\n", epoch, static_cast<long long>(step),
+                    static_cast<long long>(steps), loss_sum / step);
+        std::fflush(stdout);
+      }
+    }
+    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    at::Tensor mean_loss = at::tensor({loss_sum / std::max<int64_t>(1, steps)}, at::kDouble);
+    comm::wait(pg->allreduce(mean_loss, comm::ReduceOp::kAvg));
+    accuracy = evaluate(model, test, *pg);
+    if (lead) {
+      std::printf("epoch %d/%d  %.0f images/s (all ranks)  loss %.4f  test accuracy %.4f\n", epoch, args.epochs,
+                  sampler.size() * pg->size() / secs, mean_loss.item<double>(), accuracy);
+      std::fflush(stdout);
+    }
+  }
+  return lead ? examples::accuracy_exit_code(accuracy, args.min_accuracy) : 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    const Args args = parse(argc, argv);
+    at::set_num_threads(1);  // one intra-op thread per rank: the ranks share the machine's cores
+    rpc::init_rpc();         // rank, world and rendezvous from tandem-run's environment
+    const int code = train(args);
+    rpc::shutdown();
+    return code;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "ddp_train: %s\n", e.what());
+    return 1;
+  }
+}
