@@ -277,7 +277,7 @@ struct DistributedDataParallelBase::Impl : std::enable_shared_from_this<Impl> {
     }
     for (size_t i = 0; i < params.size(); ++i) {
       if (reached.count(params[i].accumulator.get())) continue;
-      slice(i).zero_();
+      land(i);  // its current .grad (zero after zero_grad, or what no_sync accumulated), as PyTorch does
       ready[i] = 1;
       --buckets[params[i].bucket].pending;
     }
@@ -312,10 +312,20 @@ struct DistributedDataParallelBase::Impl : std::enable_shared_from_this<Impl> {
       });
     }
     ++hooks_fired;
+    land(i);
+    ready[i] = 1;
+    locally_used[i] = 1;
+    if (record_order) ready_order.push_back(i);
+    --buckets[p.bucket].pending;
+    launch_ready();
+  }
+
+  // Parameter i's gradient into its bucket. Without a comm hook the average's division happens here, spread over
+  // backward as PyTorch's Reducer does (in the copy, or in place), instead of over whole buckets at the end.
+  void land(size_t i) {
+    Param& p = params[i];
     at::Tensor s = slice(i);
     const at::Tensor& g = p.tensor.grad();
-    // Without a comm hook the average's division happens here, spread over backward as PyTorch's Reducer does (in the
-    // copy, or in place), instead of over whole buckets at the end on the critical path.
     const double scale = hook ? 1.0 : 1.0 / group->size();
     if (!g.defined()) {
       s.zero_();
@@ -326,11 +336,6 @@ struct DistributedDataParallelBase::Impl : std::enable_shared_from_this<Impl> {
     } else if (scale != 1.0) {
       s.mul_(scale);
     }
-    ready[i] = 1;
-    locally_used[i] = 1;
-    if (record_order) ready_order.push_back(i);
-    --buckets[p.bucket].pending;
-    launch_ready();
   }
 
   // A complete bucket's reduction: the comm hook's, or a sum of the already divided gradients.
