@@ -21,12 +21,12 @@
 
 #include <algorithm>
 #include <atomic>
-#include <list>
+#include <condition_variable>
 #include <csignal>
 #include <cstdlib>
-#include <iterator>
-#include <condition_variable>
 #include <deque>
+#include <iterator>
+#include <list>
 #include <mutex>
 #include <set>
 #include <thread>
@@ -341,9 +341,10 @@ class GlooGroup final : public ProcessGroup {
     check_tensor(t, what);
     check_root(peer, what);
     if (peer == rank_) throw std::invalid_argument(absl::StrCat(what, ": the peer is this rank"));
-    const std::string prefix = absl::StrCat("process group '", name_, "' (rank ", rank_, " of ", size_, "), ", what,
-                                            (what[0] == 's' ? " to rank " : " from rank "), peer, " (tag ", tag, "): ");
     const bool sending = what[0] == 's';
+    const std::string prefix = absl::StrCat("process group '", name_, "' (rank ", rank_, " of ", size_, "), ", what,
+                                            (sending ? " to rank " : " from rank "), peer, " (tag ", tag, "): ");
+    if (absl::Status b = broken(); !b.ok()) return rpc::Future::failed(failed_earlier(prefix, b));
     std::shared_ptr<gloo::transport::UnboundBuffer> buffer = ctx_->createUnboundBuffer(t.data_ptr(), t.nbytes());
     const uint64_t slot = gloo::Slot::build(kP2pSlotPrefix, tag);
     try {
@@ -352,7 +353,6 @@ class GlooGroup final : public ProcessGroup {
       mark_broken(failure(prefix, e.what()));
       return rpc::Future::failed(broken());
     }
-    if (absl::Status b = broken(); !b.ok()) return rpc::Future::failed(failed_earlier(prefix, b));
     rpc::Future done;
     auto finished = std::make_shared<std::atomic<bool>>(false);
     std::thread waiter([this, buffer, t, done, sending, prefix, finished] {
