@@ -14,6 +14,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "dist_autograd/dist_autograd.h"
 #include "rpc/errors.h"
 
 namespace tandem::ddp {
@@ -326,16 +327,21 @@ struct DistributedDataParallelBase::Impl : std::enable_shared_from_this<Impl> {
     Param& p = params[i];
     at::Tensor s = slice(i);
     const at::Tensor& g = p.tensor.grad();
-    const double scale = hook ? 1.0 : 1.0 / group->size();
     if (!g.defined()) {
       s.zero_();
     } else if (!options.gradient_as_bucket_view || g.data_ptr() != s.data_ptr()) {
-      at::mul_out(s, g.reshape({-1}), at::scalar_tensor(scale, s.options()));
+      copy_scaled(s, g);
       // .grad was replaced (first backward, or set by the user): share the bucket again
       if (options.gradient_as_bucket_view) p.tensor.mutable_grad() = bucket_view(i);
-    } else if (scale != 1.0) {
-      s.mul_(scale);
+    } else if (!hook) {
+      s.div_(group->size());
     }
+  }
+
+  // `slice` = `grad`, divided by the group's size unless a comm hook averages.
+  void copy_scaled(at::Tensor& slice, const at::Tensor& grad) const {
+    const double scale = hook ? 1.0 : 1.0 / group->size();
+    at::mul_out(slice, grad.reshape({-1}), at::scalar_tensor(scale, slice.options()));
   }
 
   // A complete bucket's reduction: the comm hook's, or a sum of the already divided gradients.
@@ -372,14 +378,7 @@ struct DistributedDataParallelBase::Impl : std::enable_shared_from_this<Impl> {
                         "does not use every parameter"));
     }
     launch_ready();
-    at::Tensor used;
-    rpc::Future used_work;
-    if (options.find_unused_parameters) {
-      used = at::tensor(std::vector<int32_t>(locally_used.begin(), locally_used.end()), at::kInt);
-      used_work = group->allreduce(used, comm::ReduceOp::kMax);
-    }
-    for (auto& b : buckets) throw_if_error(b.work.status());
-    if (used.defined()) throw_if_error(used_work.status());
+    at::Tensor used = wait_all();
     for (size_t i = 0; i < params.size(); ++i) {
       if (used.defined() && used[static_cast<int64_t>(i)].item<int32_t>() == 0) continue;  // no rank used it
       at::Tensor& grad = params[i].tensor.mutable_grad();
@@ -404,6 +403,59 @@ struct DistributedDataParallelBase::Impl : std::enable_shared_from_this<Impl> {
     reset_iteration();
   }
 
+  // ---- distributed autograd ----
+
+  void reduce_context(int64_t context_id) {
+    reset_iteration();
+    armed = false;
+    const dist_autograd::Gradients grads = dist_autograd::get_gradients(context_id);
+    std::vector<std::string> missing;
+    for (size_t i = 0; i < params.size(); ++i) {
+      locally_used[i] = grads.contains(params[i].tensor);
+      if (!locally_used[i]) missing.push_back(params[i].name);
+    }
+    if (!missing.empty() && !options.find_unused_parameters) {
+      const size_t n = missing.size();
+      if (n > 5) missing.resize(5);
+      fail(absl::StatusCode::kFailedPrecondition,
+           absl::StrCat(where(), ": ", n, " parameter(s) got no gradient in distributed autograd context ", context_id,
+                        " (", absl::StrJoin(missing, ", "), n > 5 ? ", ..." : "",
+                        "); construct with find_unused_parameters = true when a forward does not use every parameter"));
+    }
+    for (auto& b : buckets) {
+      for (size_t i : b.params) {
+        at::Tensor s = slice(i);
+        if (locally_used[i]) {
+          copy_scaled(s, grads[params[i].tensor]);
+        } else {
+          s.zero_();
+        }
+      }
+      b.work = reduce(b.flat);
+    }
+    at::Tensor used = wait_all();
+    for (size_t i = 0; i < params.size(); ++i) {
+      if (used.defined() && used[static_cast<int64_t>(i)].item<int32_t>() == 0) continue;  // no rank used it
+      dist_autograd::set_gradient(context_id, params[i].tensor, slice(i).view(params[i].tensor.sizes()).clone());
+    }
+    ++iterations;
+    finish_iteration();
+  }
+
+  // After every bucket was launched: with find_unused_parameters, the max-allreduce of the ranks' used-maps (returned);
+  // then waits for all of it. Throws RpcError on a group failure.
+  at::Tensor wait_all() {
+    at::Tensor used;
+    rpc::Future used_work;
+    if (options.find_unused_parameters) {
+      used = at::tensor(std::vector<int32_t>(locally_used.begin(), locally_used.end()), at::kInt);
+      used_work = group->allreduce(used, comm::ReduceOp::kMax);
+    }
+    for (auto& b : buckets) throw_if_error(b.work.status());
+    if (used.defined()) throw_if_error(used_work.status());
+    return used;
+  }
+
   // ---- uneven inputs ----
 
   void join() {
@@ -421,14 +473,8 @@ struct DistributedDataParallelBase::Impl : std::enable_shared_from_this<Impl> {
         b.flat.zero_();
         b.work = reduce(b.flat);
       }
-      at::Tensor used;
-      rpc::Future used_work;
-      if (options.find_unused_parameters) {
-        used = at::zeros({static_cast<int64_t>(params.size())}, at::kInt);
-        used_work = group->allreduce(used, comm::ReduceOp::kMax);
-      }
-      for (auto& b : buckets) throw_if_error(b.work.status());
-      if (used.defined()) throw_if_error(used_work.status());
+      std::fill(locally_used.begin(), locally_used.end(), 0);
+      wait_all();
       finish_iteration();
     }
     // Everyone is out of data: the last rank that trained holds the final model.
@@ -475,6 +521,7 @@ void DistributedDataParallelBase::register_comm_hook(CommHook hook) {
 }
 
 void DistributedDataParallelBase::join() { impl_->join(); }
+void DistributedDataParallelBase::reduce_context_gradients(int64_t context_id) { impl_->reduce_context(context_id); }
 void DistributedDataParallelBase::pre_forward() { impl_->pre_forward(); }
 void DistributedDataParallelBase::post_forward(const std::vector<at::Tensor>& outputs) {
   impl_->post_forward(outputs);

@@ -21,7 +21,7 @@
 // Contract:
 // - Every rank runs forward and backward the same number of times (use uneven_inputs + join() otherwise), with
 //   backward after each forward that is not under no_sync(). The gradient hooks fire only under loss.backward() /
-//   torch::autograd::backward (not torch::autograd::grad, not distributed autograd's capture).
+//   torch::autograd::backward (not torch::autograd::grad); with distributed autograd, see reduce_context_gradients.
 // - Without find_unused_parameters, every parameter must get a gradient in every synchronised backward; otherwise
 //   backward throws, naming the parameters. With it, forward's outputs are traversed to find the parameters the graph
 //   does not reach; parameters no rank used keep their .grad unchanged, as in PyTorch.
@@ -116,6 +116,13 @@ class DistributedDataParallelBase {
   void pre_forward();
   void post_forward(const std::vector<at::Tensor>& outputs);
   void post_forward(const at::Tensor& output) { post_forward(std::vector<at::Tensor>{output}); }
+
+  // Hybrid with the RPC path: a backward through dist_autograd::backward does not run DDP's gradient hooks (they need
+  // LibTorch's accumulating engine). After it, every rank calls reduce_context_gradients with its context: the
+  // context's gradients of this module's parameters are averaged across the group, bucket by bucket (after backward:
+  // no overlap), and written back into the context, where DistributedOptimizer (or get_gradients) finds them.
+  // Without find_unused_parameters a parameter without gradient is an error naming it. Not with join().
+  void reduce_context_gradients(int64_t context_id);
 
   comm::ProcessGroup& group() const;
   DdpStats stats() const;

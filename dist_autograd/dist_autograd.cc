@@ -523,14 +523,27 @@ at::Tensor Gradients::operator[](const at::Tensor& leaf) const {
   return it == map_.end() ? at::Tensor() : it->second.second;
 }
 
-Gradients get_gradients(int64_t context_id) {
+namespace {
+std::shared_ptr<Context> find_or_throw(int64_t context_id) {
   auto ctx = Container::get().find(context_id);
   if (!ctx) {
     throw RpcError(absl::NotFoundError(
         absl::StrCat("distributed autograd context ", context_id, " does not exist on worker '", worker_name(), "'")));
   }
+  return ctx;
+}
+}  // namespace
+
+Gradients get_gradients(int64_t context_id) {
+  auto ctx = find_or_throw(context_id);
   std::lock_guard<std::mutex> lock(ctx->mu);
   return Gradients(ctx->grads);
+}
+
+void set_gradient(int64_t context_id, const at::Tensor& leaf, at::Tensor grad) {
+  auto ctx = find_or_throw(context_id);
+  std::lock_guard<std::mutex> lock(ctx->mu);
+  ctx->grads.insert_or_assign(leaf.unsafeGetTensorImpl(), std::make_pair(leaf, std::move(grad)));
 }
 
 rpc::Future release_context(int64_t context_id) { return release_on(context_id, -1); }

@@ -80,6 +80,10 @@ class Gradients {
 // Throws RpcError (NOT_FOUND) for a context this worker does not know.
 Gradients get_gradients(int64_t context_id);
 
+// Replaces the gradient the context holds for `leaf` on this worker (DistributedDataParallel writes averaged gradients
+// back this way). Throws RpcError (NOT_FOUND) for a context this worker does not know.
+void set_gradient(int64_t context_id, const at::Tensor& leaf, at::Tensor grad);
+
 // Releases a context here and, asynchronously, on every worker it touched; the future completes when all did.
 rpc::Future release_context(int64_t context_id);
 

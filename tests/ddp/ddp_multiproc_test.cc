@@ -31,6 +31,11 @@ TEST_F(MultiprocDdp, BucketsFollowReverseOrderWithASmallFirstBucketAndAreRebuilt
   EXPECT_EQ(everywhere(2, "buckets"), "");
 }
 
+TEST_F(MultiprocDdp, HybridWithDistributedAutogradFollowsOneProcess) {
+  start({.world_size = 3});
+  EXPECT_EQ(everywhere(3, "hybrid"), "");
+}
+
 TEST_F(MultiprocDdp, AParameterWithoutGradientIsAnErrorNamingIt) {
   start({.world_size = 2});
   EXPECT_EQ(everywhere(2, "missing_gradient"), "");

@@ -13,7 +13,11 @@
 #include "comm/process_group.h"
 #include "ddp/ddp.h"
 #include "ddp/zero.h"
+#include "dist_autograd/dist_autograd.h"
+#include "dist_optim/dist_optim.h"
+#include "rref/rref.h"
 #include "rpc/errors.h"
+#include "rpc/registry.h"
 #include "rpc/rpc.h"
 #include "tests/common/scenario.h"
 
@@ -140,6 +144,38 @@ std::string run(const std::string& name) {
   const int world = static_cast<int>(rpc::get_all_worker_infos().size());
   const int rank = rpc::get_worker_info().id;
   if (absl::StartsWith(name, "equivalence/")) return equivalence(name.substr(12));
+  if (name == "hybrid") {
+    // DDP over ranks 0 and 1 combined with the RPC path: the forward calls rank 2 (tanh there) under distributed
+    // autograd; reduce_context_gradients averages the context's gradients; DistributedOptimizer steps them. The
+    // trainers follow one process with both batches.
+    if (rank == 2) return "";
+    torch::manual_seed(100 + rank);
+    auto model = std::make_shared<Net>(false, false);
+    torch::manual_seed(100);
+    auto ref = std::make_shared<Net>(false, false);
+    auto pg = comm::ProcessGroup::create("hybrid", {0, 1});
+    ddp::DistributedDataParallel<Net> ddp(model, pg);
+    std::vector<rref::RRef> handles;
+    for (const auto& p : model->parameters()) handles.push_back(rref::make_local(p));
+    dist_optim::DistributedOptimizer opt("sgd", handles, {{"lr", 0.1}});
+    torch::optim::SGD ref_opt(ref->parameters(), torch::optim::SGDOptions(0.1));
+    for (int step = 0; step < 4; ++step) {
+      auto [x, y] = data(step, 2);
+      {
+        dist_autograd::ContextGuard ctx;
+        at::Tensor out = rpc::rpc_sync<at::Tensor>(2, "ddp_remote_tanh", ddp.forward(rows(x, rank)));
+        dist_autograd::backward(ctx.id(), {torch::mse_loss(out, rows(y, rank))});
+        ddp.reduce_context_gradients(ctx.id());
+        opt.step(ctx.id());
+      }
+      ref_opt.zero_grad();
+      torch::mse_loss(torch::tanh(ref->forward(x)), y).backward();
+      ref_opt.step();
+    }
+    const double d = max_diff(*model, *ref);
+    if (!(d <= 1e-5)) return absl::StrCat("hybrid: parameters differ from one process by ", d);
+    return "";
+  }
   if (name == "buckets") {
     // Reverse registration order, the first bucket capped at first_bucket_bytes; rebuilt after one iteration.
     auto model = std::make_shared<Net>(false, false);  // fc1: 576 + 64 bytes, fc2: 256 + 16 bytes
@@ -230,6 +266,9 @@ std::string run(const std::string& name) {
 
 }  // namespace
 
-void register_scenarios() { register_scenario_runner(run); }
+void register_scenarios() {
+  register_scenario_runner(run);
+  rpc::register_function("ddp_remote_tanh", [](at::Tensor x) { return torch::tanh(x); });
+}
 
 }  // namespace tandem::test
