@@ -73,7 +73,6 @@ struct DistributedDataParallelBase::Impl : std::enable_shared_from_this<Impl> {
   bool require_sync = true;
   bool armed = false;            // post_forward readied the reducer: the next backward reduces
   bool callback_queued = false;  // finalize() is queued on the autograd engine
-  size_t hooks_fired = 0;
   std::vector<char> ready, locally_used;
   size_t next_launch = 0;
   // Bucket rebuilding and statistics.
@@ -252,16 +251,12 @@ struct DistributedDataParallelBase::Impl : std::enable_shared_from_this<Impl> {
   }
 
   void post_forward(const std::vector<at::Tensor>& outputs) {
-    if (armed && hooks_fired > 0) {
-      // A backward ran but did not reach every parameter, and did not reduce (finalize threw); start over.
-      reset_iteration();
-    }
-    armed = false;
+    armed = false;  // a backward that did not reduce (finalize threw) left state behind: arming resets it
     if (!require_sync || !at::GradMode::is_enabled()) return;
     reset_iteration();
     armed = true;
     if (!options.find_unused_parameters) return;
-    // Parameters whose accumulators the graph does not reach get no gradient in this backward: ready now, with zeros.
+    // Parameters whose accumulators the graph does not reach get no gradient in this backward: ready now.
     std::unordered_set<const torch::autograd::Node*> reached;
     std::vector<torch::autograd::Node*> stack;
     for (const auto& out : outputs) {
@@ -285,7 +280,6 @@ struct DistributedDataParallelBase::Impl : std::enable_shared_from_this<Impl> {
   }
 
   void reset_iteration() {
-    hooks_fired = 0;
     callback_queued = false;
     next_launch = 0;
     std::fill(ready.begin(), ready.end(), 0);
@@ -312,7 +306,6 @@ struct DistributedDataParallelBase::Impl : std::enable_shared_from_this<Impl> {
         if (auto s = self.lock()) s->finalize();
       });
     }
-    ++hooks_fired;
     land(i);
     ready[i] = 1;
     locally_used[i] = 1;
@@ -370,17 +363,12 @@ struct DistributedDataParallelBase::Impl : std::enable_shared_from_this<Impl> {
     }
     if (!missing.empty()) {
       for (size_t b = 0; b < next_launch; ++b) (void)buckets[b].work.status();  // launched ones finish first
-      const size_t n = missing.size();
-      if (n > 5) missing.resize(5);
-      fail(absl::StatusCode::kFailedPrecondition,
-           absl::StrCat(where(), ": ", n, " parameter(s) got no gradient in this backward (", absl::StrJoin(missing, ", "),
-                        n > 5 ? ", ..." : "", "); construct with find_unused_parameters = true when a forward "
-                        "does not use every parameter"));
+      fail_missing(std::move(missing), "this backward");
     }
     launch_ready();
     at::Tensor used = wait_all();
     for (size_t i = 0; i < params.size(); ++i) {
-      if (used.defined() && used[static_cast<int64_t>(i)].item<int32_t>() == 0) continue;  // no rank used it
+      if (!used_anywhere(used, i)) continue;
       at::Tensor& grad = params[i].tensor.mutable_grad();
       at::Tensor view = slice(i).view(params[i].tensor.sizes());
       if (options.gradient_as_bucket_view) {
@@ -415,12 +403,7 @@ struct DistributedDataParallelBase::Impl : std::enable_shared_from_this<Impl> {
       if (!locally_used[i]) missing.push_back(params[i].name);
     }
     if (!missing.empty() && !options.find_unused_parameters) {
-      const size_t n = missing.size();
-      if (n > 5) missing.resize(5);
-      fail(absl::StatusCode::kFailedPrecondition,
-           absl::StrCat(where(), ": ", n, " parameter(s) got no gradient in distributed autograd context ", context_id,
-                        " (", absl::StrJoin(missing, ", "), n > 5 ? ", ..." : "",
-                        "); construct with find_unused_parameters = true when a forward does not use every parameter"));
+      fail_missing(std::move(missing), absl::StrCat("distributed autograd context ", context_id));
     }
     for (auto& b : buckets) {
       for (size_t i : b.params) {
@@ -435,12 +418,24 @@ struct DistributedDataParallelBase::Impl : std::enable_shared_from_this<Impl> {
     }
     at::Tensor used = wait_all();
     for (size_t i = 0; i < params.size(); ++i) {
-      if (used.defined() && used[static_cast<int64_t>(i)].item<int32_t>() == 0) continue;  // no rank used it
+      if (!used_anywhere(used, i)) continue;
       dist_autograd::set_gradient(context_id, params[i].tensor, slice(i).view(params[i].tensor.sizes()).clone());
     }
     ++iterations;
     finish_iteration();
   }
+
+  [[noreturn]] void fail_missing(std::vector<std::string> missing, const std::string& in) const {
+    const size_t n = missing.size();
+    if (n > 5) missing.resize(5);
+    fail(absl::StatusCode::kFailedPrecondition,
+         absl::StrCat(where(), ": ", n, " parameter(s) got no gradient in ", in, " (", absl::StrJoin(missing, ", "),
+                      n > 5 ? ", ..." : "", "); construct with find_unused_parameters = true when a forward does not "
+                      "use every parameter"));
+  }
+
+  // Whether parameter i is to be written back: with find_unused_parameters, only if some rank used it.
+  static bool used_anywhere(const at::Tensor& used, size_t i) { return !used.defined() || used.data_ptr<int32_t>()[i] != 0; }
 
   // After every bucket was launched: with find_unused_parameters, the max-allreduce of the ranks' used-maps (returned);
   // then waits for all of it. Throws RpcError on a group failure.
