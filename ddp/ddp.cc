@@ -73,7 +73,14 @@ struct DistributedDataParallelBase::Impl : std::enable_shared_from_this<Impl> {
   bool require_sync = true;
   bool armed = false;            // post_forward readied the reducer: the next backward reduces
   bool callback_queued = false;  // finalize() is queued on the autograd engine
-  std::vector<char> ready, locally_used;
+  std::vector<char> ready;
+  // Parameters that got a gradient here in any backward since the last synchronised one, no_sync micro-steps
+  // included (pytorch#124193): what the used-map allreduce reports, so that a parameter any rank used anywhere in an
+  // accumulation window is reduced and written back on every rank.
+  std::vector<char> locally_used;
+  // gradient_as_bucket_view: the .grad of parameters no backward reached, as they were before landing divided them in
+  // their buckets, so that a parameter no rank used keeps its .grad exactly (as with copies).
+  std::vector<std::pair<size_t, at::Tensor>> untouched;
   size_t next_launch = 0;
   // Bucket rebuilding and statistics.
   bool record_order = true, rebuild_pending = false, rebuilt = false;
@@ -273,17 +280,20 @@ struct DistributedDataParallelBase::Impl : std::enable_shared_from_this<Impl> {
     }
     for (size_t i = 0; i < params.size(); ++i) {
       if (reached.count(params[i].accumulator.get())) continue;
+      const at::Tensor& g = params[i].tensor.grad();
+      if (options.gradient_as_bucket_view && g.defined()) untouched.emplace_back(i, g.clone());
       land(i);  // its current .grad (zero after zero_grad, or what no_sync accumulated), as PyTorch does
       ready[i] = 1;
       --buckets[params[i].bucket].pending;
     }
   }
 
+  // Before a synchronised backward. The used-map is not reset here: it covers the whole accumulation window.
   void reset_iteration() {
     callback_queued = false;
     next_launch = 0;
     std::fill(ready.begin(), ready.end(), 0);
-    std::fill(locally_used.begin(), locally_used.end(), 0);
+    untouched.clear();
     for (auto& b : buckets) {
       b.pending = b.params.size();
       b.work = rpc::Future();
@@ -293,6 +303,7 @@ struct DistributedDataParallelBase::Impl : std::enable_shared_from_this<Impl> {
   // ---- backward ----
 
   void mark_ready(size_t i) {
+    locally_used[i] = 1;
     if (!armed) return;  // no_sync, or a backward through a forward DDP did not see: .grad accumulates locally
     Param& p = params[i];
     if (ready[i]) {
@@ -308,7 +319,6 @@ struct DistributedDataParallelBase::Impl : std::enable_shared_from_this<Impl> {
     }
     land(i);
     ready[i] = 1;
-    locally_used[i] = 1;
     if (record_order) ready_order.push_back(i);
     --buckets[p.bucket].pending;
     launch_ready();
@@ -331,10 +341,14 @@ struct DistributedDataParallelBase::Impl : std::enable_shared_from_this<Impl> {
     }
   }
 
-  // `slice` = `grad`, divided by the group's size unless a comm hook averages.
+  // `slice` = `grad`, divided by the group's size unless a comm hook averages: the same division as land()'s in place,
+  // so that both gradient modes give bit-identical results.
   void copy_scaled(at::Tensor& slice, const at::Tensor& grad) const {
-    const double scale = hook ? 1.0 : 1.0 / group->size();
-    at::mul_out(slice, grad.reshape({-1}), at::scalar_tensor(scale, slice.options()));
+    if (hook) {
+      slice.copy_(grad.reshape({-1}));
+    } else {
+      at::div_out(slice, grad.reshape({-1}), at::scalar_tensor(group->size(), slice.options()));
+    }
   }
 
   // A complete bucket's reduction: the comm hook's, or a sum of the already divided gradients.
@@ -363,10 +377,14 @@ struct DistributedDataParallelBase::Impl : std::enable_shared_from_this<Impl> {
     }
     if (!missing.empty()) {
       for (size_t b = 0; b < next_launch; ++b) (void)buckets[b].work.status();  // launched ones finish first
+      std::fill(locally_used.begin(), locally_used.end(), 0);
       fail_missing(std::move(missing), "this backward");
     }
     launch_ready();
     at::Tensor used = wait_all();
+    for (const auto& [i, grad] : untouched) {
+      if (!used_anywhere(used, i)) params[i].tensor.mutable_grad().copy_(grad);
+    }
     for (size_t i = 0; i < params.size(); ++i) {
       if (!used_anywhere(used, i)) continue;
       at::Tensor& grad = params[i].tensor.mutable_grad();
@@ -383,32 +401,50 @@ struct DistributedDataParallelBase::Impl : std::enable_shared_from_this<Impl> {
     finish_iteration();
   }
 
+  // After a synchronised backward (or its shadow under join): a new accumulation window begins.
   void finish_iteration() {
     if (record_order) {
       record_order = false;
       rebuild_pending = options.rebuild_buckets;
     }
     reset_iteration();
+    std::fill(locally_used.begin(), locally_used.end(), 0);
+  }
+
+  // gradient_as_bucket_view: paths that write the buckets without landing .grad in them first (distributed autograd,
+  // join's shadow) give the parameters whose .grad shares a bucket their own copy, so .grad is what it would be with
+  // copies. It is shared again when the next local backward lands it.
+  void unshare_gradients() {
+    if (!options.gradient_as_bucket_view) return;
+    for (size_t i = 0; i < params.size(); ++i) {
+      at::Tensor& g = params[i].tensor.mutable_grad();
+      if (g.defined() && g.data_ptr() == slice(i).data_ptr()) g = g.clone();
+    }
   }
 
   // ---- distributed autograd ----
 
+  // The context holds every micro-step's gradients of this window (backward passes in one context accumulate).
   void reduce_context(int64_t context_id) {
     reset_iteration();
     armed = false;
+    unshare_gradients();
     const dist_autograd::Gradients grads = dist_autograd::get_gradients(context_id);
+    std::vector<char> in_context(params.size());
     std::vector<std::string> missing;
     for (size_t i = 0; i < params.size(); ++i) {
-      locally_used[i] = grads.contains(params[i].tensor);
-      if (!locally_used[i]) missing.push_back(params[i].name);
+      in_context[i] = grads.contains(params[i].tensor);
+      if (!in_context[i]) missing.push_back(params[i].name);
     }
     if (!missing.empty() && !options.find_unused_parameters) {
+      std::fill(locally_used.begin(), locally_used.end(), 0);
       fail_missing(std::move(missing), absl::StrCat("distributed autograd context ", context_id));
     }
+    for (size_t i = 0; i < params.size(); ++i) locally_used[i] = locally_used[i] || in_context[i];
     for (auto& b : buckets) {
       for (size_t i : b.params) {
         at::Tensor s = slice(i);
-        if (locally_used[i]) {
+        if (in_context[i]) {
           copy_scaled(s, grads[params[i].tensor]);
         } else {
           s.zero_();
@@ -457,6 +493,8 @@ struct DistributedDataParallelBase::Impl : std::enable_shared_from_this<Impl> {
     if (!options.uneven_inputs) {
       fail(absl::StatusCode::kFailedPrecondition, "join() needs DdpOptions::uneven_inputs on every rank");
     }
+    // A joined rank's unfinished accumulation window is dropped: it shadows with zero gradients and uses nothing.
+    std::fill(locally_used.begin(), locally_used.end(), 0);
     for (;;) {
       const auto [highest, sync] = agree(false, false);
       if (highest < 0) break;
@@ -464,11 +502,11 @@ struct DistributedDataParallelBase::Impl : std::enable_shared_from_this<Impl> {
       if (rebuild_pending) rebuild();
       if (!sync) continue;
       // Shadow the others' backward: the same buckets, in the same order, with zero gradients.
+      unshare_gradients();
       for (auto& b : buckets) {
         b.flat.zero_();
         b.work = reduce(b.flat);
       }
-      std::fill(locally_used.begin(), locally_used.end(), 0);
       wait_all();
       finish_iteration();
     }

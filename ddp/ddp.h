@@ -24,7 +24,9 @@
 //   torch::autograd::backward (not torch::autograd::grad); with distributed autograd, see reduce_context_gradients.
 // - Without find_unused_parameters, every parameter must get a gradient in every synchronised backward; otherwise
 //   backward throws, naming the parameters. With it, forward's outputs are traversed to find the parameters the graph
-//   does not reach; parameters no rank used keep their .grad unchanged, as in PyTorch.
+//   does not reach; a parameter that any rank used in any micro-step since the last synchronised backward (no_sync
+//   ones included) is averaged on every rank; parameters no rank used keep their .grad unchanged, as in PyTorch.
+// - gradient_as_bucket_view changes memory and speed only: both settings give bit-identical gradients.
 // - Errors of the process group (a dead rank, a timeout) come out of backward() as RpcError naming group and operation.
 // - Not thread-safe: one thread drives forward and backward.
 #pragma once
@@ -89,7 +91,8 @@ class DistributedDataParallelBase {
   DistributedDataParallelBase& operator=(const DistributedDataParallelBase&) = delete;
 
   // Gradient accumulation: forwards and backwards while the guard lives only accumulate .grad locally; the next
-  // synchronised backward reduces the accumulated sums.
+  // synchronised backward reduces the accumulated sums (of every parameter any rank used in the window). Under
+  // distributed autograd, run the window's backward passes in one context and call reduce_context_gradients once.
   class NoSync {
    public:
     explicit NoSync(DistributedDataParallelBase& ddp);

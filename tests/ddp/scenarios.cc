@@ -6,7 +6,10 @@
 #include <torch/torch.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <optional>
+#include <map>
+#include <random>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -140,10 +143,236 @@ std::string equivalence(const std::string& variant) {
   return "";
 }
 
+// ---- Accumulation windows (no_sync) with branches used by some ranks only ----
+//
+// A window is an optimizer step: micro-steps under no_sync, then one synchronised micro-step. Each micro-step says, for
+// every rank, which branches its forward uses (a bit mask). The reference is one process whose micro-step loss is the
+// mean over the ranks' losses (the whole batch), accumulating over the window; with uneven inputs, a rank out of data
+// adds nothing (its share stays divided by the world size, as join() averages).
+
+constexpr int kBranches = 4;
+
+struct BranchNet : torch::nn::Module {
+  BranchNet() {
+    fc1 = register_module("fc1", torch::nn::Linear(kIn, kHidden));
+    fc2 = register_module("fc2", torch::nn::Linear(kHidden, kOut));
+    for (int j = 0; j < kBranches; ++j) branch.push_back(register_module("branch" + std::to_string(j), torch::nn::Linear(kHidden, kOut)));
+  }
+  at::Tensor forward(const at::Tensor& x, uint32_t mask) {
+    auto h = torch::tanh(fc1(x));
+    auto y = fc2(h);
+    for (int j = 0; j < kBranches; ++j) {
+      if (mask >> j & 1) y = y + branch[j](h);
+    }
+    return y;
+  }
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+  std::vector<torch::nn::Linear> branch;
+};
+
+struct Window {
+  std::vector<std::vector<uint32_t>> masks;  // [micro-step][rank]; the last micro-step is the synchronised one
+  std::vector<char> active;                  // [rank]: whether the rank still has data (uneven inputs)
+};
+
+// Random windows: branch 0 used by random ranks in random micro-steps, branch 1 likewise but only under no_sync,
+// branch 2 only ever by one rank, branch 3 never. A window where no rank uses a branch happens by chance.
+std::vector<Window> random_windows(uint32_t seed, int world, bool uneven) {
+  std::mt19937 gen(seed);
+  auto coin = [&] { return gen() % 2 == 0; };
+  const int lonely = static_cast<int>(seed % world);
+  const int count = uneven ? 2 + world : 4;
+  std::vector<Window> windows(count);
+  for (int w = 0; w < count; ++w) {
+    const int micro = 1 + static_cast<int>(gen() % 3);
+    windows[w].masks.assign(micro, std::vector<uint32_t>(world, 0));
+    for (int k = 0; k < micro; ++k) {
+      for (int r = 0; r < world; ++r) {
+        uint32_t& m = windows[w].masks[k][r];
+        if (coin()) m |= 1u << 0;
+        if (k + 1 < micro && coin()) m |= 1u << 1;
+        if (r == lonely && coin()) m |= 1u << 2;
+      }
+    }
+    windows[w].active.assign(world, 1);
+    // Uneven inputs: rank r has data for count - (world - 1 - r) windows.
+    for (int r = 0; r < world; ++r) windows[w].active[r] = !uneven || w < count - (world - 1 - r);
+  }
+  return windows;
+}
+
+// The case of pytorch#69031: rank 0 uses branch 0 in a no_sync micro-step, no rank uses it in the synchronised one.
+std::vector<Window> branch_only_under_no_sync(int world) {
+  Window w;
+  w.masks = {std::vector<uint32_t>(world, 0), std::vector<uint32_t>(world, 0)};
+  w.masks[0][0] = 1;
+  w.active.assign(world, 1);
+  return {w, w};
+}
+
+struct Snapshot {
+  std::vector<at::Tensor> params, grads;  // after each window's optimizer step (grads: before it); grads may be undefined
+};
+
+std::vector<at::Tensor> clones(const std::vector<at::Tensor>& ts) {
+  std::vector<at::Tensor> out;
+  for (const auto& t : ts) out.push_back(t.defined() ? t.detach().clone() : at::Tensor());
+  return out;
+}
+std::vector<at::Tensor> grads_of(torch::nn::Module& m) {
+  std::vector<at::Tensor> out;
+  for (const auto& p : m.parameters()) out.push_back(p.grad());
+  return out;
+}
+
+// Differences between two lists of tensors (undefined must match undefined), or "" when all are within `tolerance`.
+std::string compare(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b, double tolerance,
+                    const std::vector<std::string>& names) {
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (a[i].defined() != b[i].defined()) {
+      return absl::StrCat(names[i], " is ", a[i].defined() ? "defined" : "undefined", " where the other is not");
+    }
+    if (!a[i].defined()) continue;
+    const double d = (a[i] - b[i]).abs().max().item<double>();
+    if (!(d <= tolerance)) return absl::StrCat(names[i], " differs by ", d);
+  }
+  return "";
+}
+
+// One process with the whole batch. Hybrid: the remote tanh is local here, and gradients start undefined in every
+// window (a distributed autograd context has none of a parameter no rank used; the optimizer then skips it).
+std::vector<Snapshot> train_reference(const std::vector<Window>& windows, int world, bool hybrid) {
+  torch::manual_seed(100);
+  BranchNet ref;
+  torch::optim::SGD opt(ref.parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  std::vector<Snapshot> out;
+  int64_t step = 0;
+  for (const Window& w : windows) {
+    if (hybrid) {
+      for (auto& p : ref.parameters()) p.mutable_grad() = at::Tensor();
+    } else {
+      opt.zero_grad();
+    }
+    for (const auto& masks : w.masks) {
+      auto [x, y] = data(step++, world);
+      at::Tensor loss = at::zeros({});
+      for (int r = 0; r < world; ++r) {
+        if (!w.active[r]) continue;
+        at::Tensor out = ref.forward(rows(x, r), masks[r]);
+        if (hybrid) out = torch::tanh(out);
+        loss = loss + torch::mse_loss(out, rows(y, r)) / world;
+      }
+      loss.backward();
+    }
+    Snapshot s;
+    s.grads = clones(grads_of(ref));
+    opt.step();
+    s.params = clones(ref.parameters());
+    out.push_back(std::move(s));
+  }
+  return out;
+}
+
+// This rank's DDP training over `windows`; one snapshot per window it had data for, then (uneven) one after join().
+std::vector<Snapshot> train_ddp(const std::vector<Window>& windows, const std::string& mode, bool bucket_view,
+                                const std::string& group_name) {
+  const int world = static_cast<int>(rpc::get_all_worker_infos().size());
+  const int rank = rpc::get_worker_info().id;
+  const bool hybrid = mode == "hybrid", uneven = mode == "uneven";
+  torch::manual_seed(100 + rank);
+  auto model = std::make_shared<BranchNet>();
+  ddp::DdpOptions options{.bucket_cap_bytes = 512, .first_bucket_bytes = 256};
+  options.find_unused_parameters = true;
+  options.gradient_as_bucket_view = bucket_view;
+  options.uneven_inputs = uneven;
+  ddp::DistributedDataParallel<BranchNet> ddp(model, comm::ProcessGroup::create(group_name), options);
+  torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  std::vector<rref::RRef> handles;
+  for (const auto& p : model->parameters()) handles.push_back(rref::make_local(p));
+  std::optional<dist_optim::DistributedOptimizer> dist_opt;
+  if (hybrid) dist_opt.emplace("sgd", handles, std::map<std::string, double>{{"lr", 0.1}, {"momentum", 0.9}});
+  std::vector<Snapshot> out;
+  int64_t step = 0;
+  for (const Window& w : windows) {
+    if (!w.active[rank]) break;
+    std::optional<dist_autograd::ContextGuard> ctx;
+    if (hybrid) ctx.emplace(); else opt.zero_grad();
+    for (size_t k = 0; k < w.masks.size(); ++k) {
+      auto [x, y] = data(step++, world);
+      std::optional<ddp::DistributedDataParallelBase::NoSync> no_sync;
+      if (k + 1 < w.masks.size()) no_sync.emplace(ddp);
+      at::Tensor pred = ddp.forward(rows(x, rank), w.masks[k][rank]);
+      if (hybrid) {
+        pred = rpc::rpc_sync<at::Tensor>((rank + 1) % world, "ddp_remote_tanh", pred);
+        dist_autograd::backward(ctx->id(), {torch::mse_loss(pred, rows(y, rank))});
+      } else {
+        torch::mse_loss(pred, rows(y, rank)).backward();
+      }
+    }
+    Snapshot s;
+    if (hybrid) {
+      ddp.reduce_context_gradients(ctx->id());
+      const auto grads = dist_autograd::get_gradients(ctx->id());
+      for (const auto& p : model->parameters()) s.grads.push_back(grads[p].defined() ? grads[p].clone() : at::Tensor());
+      dist_opt->step(ctx->id());
+    } else {
+      s.grads = clones(grads_of(*model));
+      opt.step();
+    }
+    s.params = clones(model->parameters());
+    out.push_back(std::move(s));
+  }
+  if (uneven) {
+    ddp.join();
+    out.push_back(Snapshot{clones(model->parameters()), {}});
+  }
+  return out;
+}
+
+// `spec`: "<mode>/<seed>" (mode local, hybrid or uneven; random windows) or "issue11". Both gradient modes must be
+// bit-identical, and each must follow one process within 1e-5 after every window: gradients and parameters.
+std::string accumulation(const std::string& spec) {
+  const int world = static_cast<int>(rpc::get_all_worker_infos().size());
+  const int rank = rpc::get_worker_info().id;
+  std::vector<std::string> parts = absl::StrSplit(spec, '/');
+  const std::string mode = parts[0] == "issue11" ? "local" : parts[0];
+  const uint32_t seed = parts.size() > 1 ? static_cast<uint32_t>(std::stoul(parts[1])) : 0;
+  const auto windows = parts[0] == "issue11" ? branch_only_under_no_sync(world)
+                                             : random_windows(seed, world, mode == "uneven");
+  const auto ref = train_reference(windows, world, mode == "hybrid");
+  const auto view = train_ddp(windows, mode, true, "acc_view_" + spec);
+  const auto copy = train_ddp(windows, mode, false, "acc_copy_" + spec);
+  std::vector<std::string> names;
+  for (const auto& item : BranchNet().named_parameters()) names.push_back(item.key());
+  for (size_t w = 0; w < view.size(); ++w) {
+    const bool after_join = mode == "uneven" && w + 1 == view.size();
+    const Snapshot& expected = after_join ? ref.back() : ref[w];
+    const std::string where = absl::StrCat(spec, " on rank ", rank, after_join ? " after join" : "", ", window ", w, ": ");
+    std::string err = compare(view[w].params, copy[w].params, 0, names);
+    if (err.empty() && !after_join) err = compare(view[w].grads, copy[w].grads, 0, names);
+    if (!err.empty()) return where + "the gradient modes differ: " + err;
+    err = compare(view[w].params, expected.params, 1e-5, names);
+    if (err.empty() && !after_join) err = compare(view[w].grads, expected.grads, 1e-5, names);
+    if (!err.empty()) return where + "DDP differs from one process with the whole batch: " + err;
+  }
+  const size_t expected_snapshots = mode == "uneven" ? std::count_if(windows.begin(), windows.end(), [&](const Window& w) { return w.active[rank] != 0; }) + 1 : windows.size();
+  if (view.size() != expected_snapshots) return absl::StrCat(spec, ": ", view.size(), " snapshots, expected ", expected_snapshots);
+  return "";
+}
+
 std::string run(const std::string& name) {
   const int world = static_cast<int>(rpc::get_all_worker_infos().size());
   const int rank = rpc::get_worker_info().id;
   if (absl::StartsWith(name, "equivalence/")) return equivalence(name.substr(12));
+  if (absl::StartsWith(name, "accumulation/")) {
+    // "accumulation/<mode>/<seed>,<seed>,...": every seed in turn.
+    std::vector<std::string> parts = absl::StrSplit(name.substr(13), '/');
+    if (parts.size() != 2) return accumulation(parts[0]);
+    for (const std::string& seed : std::vector<std::string>(absl::StrSplit(parts[1], ','))) {
+      if (std::string err = accumulation(parts[0] + "/" + seed); !err.empty()) return err;
+    }
+    return "";
+  }
   if (name == "hybrid") {
     // DDP over ranks 0 and 1 combined with the RPC path: the forward calls rank 2 (tanh there) under distributed
     // autograd; reduce_context_gradients averages the context's gradients; DistributedOptimizer steps them. The
