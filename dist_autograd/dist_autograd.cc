@@ -546,6 +546,13 @@ void set_gradient(int64_t context_id, const at::Tensor& leaf, at::Tensor grad) {
   ctx->grads.insert_or_assign(leaf.unsafeGetTensorImpl(), std::make_pair(leaf, std::move(grad)));
 }
 
+void add_gradient(int64_t context_id, const at::Tensor& leaf, const at::Tensor& grad) {
+  auto ctx = Container::get().get_or_create(context_id);
+  std::lock_guard<std::mutex> lock(ctx->mu);
+  auto [it, inserted] = ctx->grads.try_emplace(leaf.unsafeGetTensorImpl(), leaf, grad);
+  if (!inserted) it->second.second = it->second.second + grad;
+}
+
 rpc::Future release_context(int64_t context_id) { return release_on(context_id, -1); }
 
 Stats stats() { return Stats{Container::get().size(), Container::get().failed_releases.load()}; }

@@ -18,18 +18,8 @@ std::map<std::string, detail::Factory>& factories() {
 bool install() {
   rref::detail::register_class_impl(RemoteModule::kClass, [](std::vector<c10::IValue>&& args) -> std::shared_ptr<void> {
     if (args.empty() || !args[0].isString()) throw std::invalid_argument("RemoteModule: missing factory name");
-    const std::string name = args[0].toStringRef();
-    detail::Factory factory;
-    {
-      std::lock_guard<std::mutex> lock(g_mu);
-      auto it = factories().find(name);
-      if (it == factories().end()) {
-        throw std::invalid_argument(absl::StrCat("no module factory named '", name, "' is registered on worker '",
-                                                 rpc::get_worker_info().name, "'"));
-      }
-      factory = it->second;
-    }
-    return std::make_shared<detail::Instance>(factory(std::vector<c10::IValue>(args.begin() + 1, args.end())));
+    return std::make_shared<detail::Instance>(
+        detail::make_instance(args[0].toStringRef(), std::vector<c10::IValue>(args.begin() + 1, args.end())));
   });
   rref::detail::register_method_impl(RemoteModule::kClass, "forward", [](void* self, std::vector<c10::IValue>&& args) {
     return static_cast<detail::Instance*>(self)->forward(std::move(args));
@@ -54,6 +44,21 @@ void detail::register_factory(const std::string& name, Factory factory) {
   if (!factories().emplace(name, std::move(factory)).second) {
     throw RpcError(absl::AlreadyExistsError(absl::StrCat("a module factory named '", name, "' is already registered")));
   }
+}
+
+detail::Instance detail::make_instance(const std::string& name, std::vector<c10::IValue>&& args) {
+  (void)g_installed;
+  detail::Factory factory;
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    auto it = factories().find(name);
+    if (it == factories().end()) {
+      throw std::invalid_argument(absl::StrCat("no module factory named '", name, "' is registered on worker '",
+                                               rpc::is_initialized() ? rpc::get_worker_info().name : "(local)", "'"));
+    }
+    factory = it->second;
+  }
+  return factory(std::move(args));
 }
 
 std::shared_ptr<torch::nn::Module> RemoteModule::local_module() const {

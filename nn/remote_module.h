@@ -41,6 +41,9 @@ struct Instance {
 };
 using Factory = std::function<Instance(std::vector<c10::IValue>&& args)>;
 void register_factory(const std::string& name, Factory factory);
+// Builds a module here with the factory registered under `name` (for layers that place modules themselves, e.g. the
+// pipeline). Throws std::invalid_argument for an unknown name, or what the factory throws.
+Instance make_instance(const std::string& name, std::vector<c10::IValue>&& args);
 
 template <typename M>
 std::shared_ptr<torch::nn::Module> module_ptr(const M& m) {

@@ -1,0 +1,779 @@
+// Pipeline parallelism: the driver (plans, step, errors) and the stage workers' runtime (stages, mailbox, runs).
+#include "pipeline/pipeline.h"
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/nn/modules/container/sequential.h>
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <map>
+#include <mutex>
+#include <numeric>
+#include <set>
+#include <thread>
+#include <tuple>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "dist_autograd/dist_autograd.h"
+#include "nn/remote_module.h"
+#include "rpc/errors.h"
+#include "rpc/extension.h"
+#include "rpc/registry.h"
+
+namespace tandem::pipeline {
+namespace {
+
+constexpr const char* kCreate = "__tandem.pipeline.create";
+constexpr const char* kRun = "__tandem.pipeline.run";
+constexpr const char* kAct = "__tandem.pipeline.act";
+constexpr const char* kAbort = "__tandem.pipeline.abort";
+constexpr const char* kRelease = "__tandem.pipeline.release";
+// A worker's reply (its own error naming stage and micro-batch) must reach the driver before the driver's own wait
+// on that worker runs out: the RPC carrying a plan gets the step's timeout plus this.
+constexpr std::chrono::milliseconds kReplyMargin{2000};
+// After the first failure, how long the driver waits for the other workers' errors (which name, e.g., the
+// micro-batch a dead worker's neighbour could not send) before it reports.
+constexpr std::chrono::milliseconds kErrorGrace{2000};
+
+using Clock = std::chrono::steady_clock;
+
+[[noreturn]] void fail(absl::StatusCode code, const std::string& message) {
+  throw RpcError(absl::Status(code, "pipeline: " + message));
+}
+
+int64_t now_us() {
+  return std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+std::string self_name() { return rpc::is_initialized() ? rpc::get_worker_info().name : "(local)"; }
+
+// ---- losses ----
+
+using LossFn = std::function<at::Tensor(const at::Tensor&, const at::Tensor&)>;
+std::mutex g_loss_mu;
+std::map<std::string, LossFn>& losses() {
+  static auto* m = new std::map<std::string, LossFn>{
+      {"mse", [](const at::Tensor& o, const at::Tensor& t) { return at::mse_loss(o, t); }},
+      {"cross_entropy", [](const at::Tensor& o, const at::Tensor& t) { return at::cross_entropy_loss(o, t); }},
+      {"nll", [](const at::Tensor& o, const at::Tensor& t) { return at::nll_loss(o, t); }},
+  };
+  return *m;
+}
+LossFn find_loss(const std::string& name) {
+  std::lock_guard<std::mutex> lock(g_loss_mu);
+  auto it = losses().find(name);
+  if (it == losses().end()) {
+    throw std::invalid_argument(absl::StrCat("no loss named '", name, "' on worker '", self_name(),
+                                             "' (built in: mse, cross_entropy, nll; or pipeline::register_loss)"));
+  }
+  return it->second;
+}
+
+// ---- stages held by this worker ----
+
+struct Stage {
+  std::shared_ptr<torch::nn::Module> module;
+  std::function<at::Tensor(const at::Tensor&)> forward;
+  std::vector<at::Tensor> params;
+};
+
+std::mutex g_stages_mu;
+std::map<std::pair<int64_t, int>, std::shared_ptr<Stage>>& stages() {
+  static auto* m = new std::map<std::pair<int64_t, int>, std::shared_ptr<Stage>>;
+  return *m;
+}
+std::shared_ptr<Stage> find_stage(int64_t pipe, int stage) {
+  std::lock_guard<std::mutex> lock(g_stages_mu);
+  auto it = stages().find({pipe, stage});
+  return it == stages().end() ? nullptr : it->second;
+}
+
+std::shared_ptr<Stage> build_stage(const std::string& factory, std::vector<c10::IValue> args, int64_t begin,
+                                   int64_t end) {
+  // One build at a time in a process: factories seed LibTorch's global generator (torch::manual_seed) to build the
+  // same weights everywhere, and two stages of one worker built at once would draw from it interleaved.
+  static std::mutex build_mu;
+  std::unique_lock<std::mutex> build_lock(build_mu);
+  nn::detail::Instance instance = nn::detail::make_instance(factory, std::move(args));
+  build_lock.unlock();
+  auto stage = std::make_shared<Stage>();
+  if (begin < 0) {
+    stage->module = instance.module;
+    auto forward = instance.forward;
+    stage->forward = [forward](const at::Tensor& x) { return forward({c10::IValue(x)}).value().toTensor(); };
+  } else {
+    auto full = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(instance.module);
+    if (!full) throw std::invalid_argument("factory '" + factory + "' does not return a torch::nn::Sequential");
+    if (end <= begin || end > static_cast<int64_t>(full->size())) {
+      throw std::invalid_argument(absl::StrCat("layers [", begin, ", ", end, ") are not within the ", full->size(),
+                                               " layers of factory '", factory, "'"));
+    }
+    torch::nn::Sequential part;
+    for (int64_t i = begin; i < end; ++i) part->push_back(std::to_string(i), *(full->begin() + i));
+    stage->module = part.ptr();
+    stage->forward = [part](const at::Tensor& x) mutable { return part->forward(x); };
+  }
+  for (const auto& p : stage->module->parameters()) {
+    if (p.requires_grad()) stage->params.push_back(p);
+  }
+  return stage;
+}
+
+// ---- the mailbox: activations and gradients arriving for this worker's stages ----
+
+using Key = std::tuple<int64_t, int64_t, int, int, bool>;  // pipeline, step, stage, micro-batch, is gradient
+
+class Mailbox {
+ public:
+  static Mailbox& get() {
+    static auto* m = new Mailbox;
+    return *m;
+  }
+  void put(const Key& key, at::Tensor t) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (aborted_.count(step_of(key))) return;
+    box_[key] = std::move(t);
+    cv_.notify_all();
+  }
+  // The tensor for `key`, or an error: the step was abandoned (its reason), or nothing came by `deadline`.
+  absl::StatusOr<at::Tensor> take(const Key& key, Clock::time_point deadline, const std::string& what) {
+    std::unique_lock<std::mutex> lock(mu_);
+    for (;;) {
+      if (auto a = aborted_.find(step_of(key)); a != aborted_.end()) {
+        return absl::Status(a->second.code(), absl::StrCat("abandoned while waiting for ", what, ": ", a->second.message()));
+      }
+      if (auto it = box_.find(key); it != box_.end()) {
+        at::Tensor t = std::move(it->second);
+        box_.erase(it);
+        return t;
+      }
+      if (cv_.wait_until(lock, deadline) == std::cv_status::timeout && Clock::now() >= deadline) {
+        return absl::DeadlineExceededError("nothing arrived in time: waited for " + what + " until the step's deadline");
+      }
+    }
+  }
+  void abort(int64_t pipe, int64_t step, absl::Status reason) {
+    std::lock_guard<std::mutex> lock(mu_);
+    aborted_.emplace(std::make_pair(pipe, step), std::move(reason));
+    order_.push_back({pipe, step});
+    if (order_.size() > 1000) aborted_.erase(order_.front()), order_.erase(order_.begin());
+    for (auto it = box_.begin(); it != box_.end();) {
+      it = step_of(it->first) == std::make_pair(pipe, step) ? box_.erase(it) : std::next(it);
+    }
+    cv_.notify_all();
+  }
+  void abort_all(const absl::Status& reason) {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopped_ = reason;
+    for (const auto& entry : box_) aborted_.emplace(step_of(entry.first), reason);
+    box_.clear();
+    cv_.notify_all();
+  }
+  void forget(int64_t pipe) {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto it = box_.begin(); it != box_.end();) it = std::get<0>(it->first) == pipe ? box_.erase(it) : std::next(it);
+  }
+
+ private:
+  static std::pair<int64_t, int64_t> step_of(const Key& k) { return {std::get<0>(k), std::get<1>(k)}; }
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::map<Key, at::Tensor> box_;
+  std::map<std::pair<int64_t, int64_t>, absl::Status> aborted_;
+  std::vector<std::pair<int64_t, int64_t>> order_;  // abandoned steps, oldest first (a bounded memory of them)
+  absl::Status stopped_;
+};
+
+// ---- a worker's run of its plan ----
+
+struct Plan {
+  int64_t pipe = 0, step = 0;
+  std::vector<Action> actions;
+  std::vector<int> stage_rank;
+  std::vector<int64_t> sizes;
+  std::vector<at::Tensor> inputs, targets;  // stage 0's micro-batches / the last stage's targets (else empty)
+  std::string loss;
+  bool checkpoint = false, to_grad = false, record = false;
+  std::chrono::milliseconds timeout{0};
+  int64_t context = -1;
+};
+
+struct StageRun {
+  std::shared_ptr<Stage> stage;
+  struct Live {
+    at::Tensor input, output;  // output: the stage's output (none with checkpointing), or its weighted loss
+  };
+  std::map<int, Live> live;
+  int64_t peak = 0, busy_us = 0;
+  std::vector<at::Tensor> grads;
+};
+
+class Run {
+ public:
+  explicit Run(Plan plan) : p_(std::move(plan)), deadline_(Clock::now() + p_.timeout) {}
+
+  // Returns (loss, [stage, peak, busy_us]..., [stage, mb, backward, start_us, end_us]...).
+  c10::IValue execute() {
+    const int n = static_cast<int>(p_.stage_rank.size());
+    const int64_t batch = std::accumulate(p_.sizes.begin(), p_.sizes.end(), int64_t{0});
+    const LossFn loss = find_loss_if_last(n);
+    for (const Action& a : p_.actions) {
+      StageRun& run = stage_run(a.stage);
+      const int64_t start = now_us();
+      try {
+        a.backward ? backward(run, a, n) : forward(run, a, n, loss, batch);
+      } catch (const RpcError& e) {
+        throw_error(e.status().code(), a, e.status().message());
+      } catch (const std::exception& e) {
+        throw_error(absl::StatusCode::kUnknown, a, e.what());
+      }
+      const int64_t end = now_us();
+      run.busy_us += end - start;
+      if (p_.record) events_.insert(events_.end(), {a.stage, a.microbatch, a.backward, start, end});
+    }
+    for (auto& f : sends_) {
+      if (!f.wait_for(remaining())) throw RpcError(absl::DeadlineExceededError("a message to the next stage did not complete"));
+      throw_if_error(f.status());
+    }
+    std::vector<int64_t> stats;
+    for (auto& [index, run] : runs_) {
+      deliver_gradients(run);
+      stats.insert(stats.end(), {index, run.peak, run.busy_us});
+    }
+    return c10::ivalue::Tuple::create({c10::IValue(loss_), rpc::to_ivalue(stats), rpc::to_ivalue(events_)});
+  }
+
+ private:
+  std::chrono::milliseconds remaining() const {
+    return std::max(std::chrono::milliseconds(1),
+                    std::chrono::duration_cast<std::chrono::milliseconds>(deadline_ - Clock::now()));
+  }
+
+  LossFn find_loss_if_last(int n) {
+    for (const Action& a : p_.actions) {
+      if (a.stage == n - 1) return find_loss(p_.loss);
+    }
+    return nullptr;
+  }
+
+  StageRun& stage_run(int index) {
+    auto it = runs_.find(index);
+    if (it != runs_.end()) return it->second;
+    auto stage = find_stage(p_.pipe, index);
+    if (!stage) {
+      throw RpcError(absl::NotFoundError(absl::StrCat("pipeline ", p_.pipe, " has no stage ", index, " on worker '",
+                                                      self_name(), "' (released?)")));
+    }
+    StageRun& run = runs_[index];
+    run.stage = std::move(stage);
+    run.grads.resize(run.stage->params.size());
+    return run;
+  }
+
+  [[noreturn]] void throw_error(absl::StatusCode code, const Action& a, absl::string_view cause) {
+    throw RpcError(absl::Status(code, absl::StrCat("stage ", a.stage, " on worker '", self_name(), "', micro-batch ",
+                                                   a.microbatch, ", ", a.backward ? "backward" : "forward", ": ", cause)));
+  }
+
+  at::Tensor receive(int stage, int mb, bool grad) {
+    const int from = grad ? stage + 1 : stage - 1;
+    auto got = Mailbox::get().take({p_.pipe, p_.step, stage, mb, grad}, deadline_,
+                                   absl::StrCat(grad ? "the gradient" : "the activation", " from stage ", from,
+                                                " (worker '", rpc::get_worker_info(p_.stage_rank[from]).name, "')"));
+    throw_if_error(got.status());
+    return *std::move(got);
+  }
+
+  void send(int stage, int mb, bool grad, at::Tensor t) {
+    const int to = p_.stage_rank[stage];
+    if (to == rpc::get_worker_info().id) return Mailbox::get().put({p_.pipe, p_.step, stage, mb, grad}, std::move(t));
+    rpc::Future f = rpc::rpc_async(to, kAct, p_.pipe, p_.step, int64_t{stage}, int64_t{mb}, grad, std::move(t), remaining());
+    const int64_t pipe = p_.pipe, step = p_.step;
+    f.add_callback([pipe, step, stage, mb, grad](const rpc::Future& done) {
+      absl::Status s = done.status();
+      if (s.ok()) return;
+      // Wakes this worker's waits at once: the step cannot finish without that message.
+      Mailbox::get().abort(pipe, step,
+                           absl::Status(s.code(), absl::StrCat("sending the ", grad ? "gradient" : "activation",
+                                                               " of micro-batch ", mb, " to stage ", stage,
+                                                               " failed: ", s.message())));
+    });
+    sends_.push_back(std::move(f));
+  }
+
+  void forward(StageRun& run, const Action& a, int n, const LossFn& loss, int64_t batch) {
+    const bool last = a.stage == n - 1;
+    at::Tensor x = a.stage == 0 ? p_.inputs.at(a.microbatch) : receive(a.stage, a.microbatch, false);
+    if (a.stage > 0 && x.is_floating_point()) x = x.detach().requires_grad_(true);
+    at::Tensor out;
+    if (p_.checkpoint && !last) {
+      at::NoGradGuard no_grad;
+      out = run.stage->forward(x);
+    } else {
+      out = run.stage->forward(x);
+    }
+    if (last) {
+      const double share = static_cast<double>(p_.sizes[a.microbatch]) / static_cast<double>(batch);
+      at::Tensor l = loss(out, p_.targets.at(a.microbatch)) * share;
+      loss_ += l.item<double>();
+      run.live[a.microbatch] = {x, l};
+    } else {
+      run.live[a.microbatch] = {x, p_.checkpoint ? at::Tensor() : out};
+      send(a.stage + 1, a.microbatch, false, out.detach());
+    }
+    run.peak = std::max(run.peak, static_cast<int64_t>(run.live.size()));
+  }
+
+  void backward(StageRun& run, const Action& a, int n) {
+    auto it = run.live.find(a.microbatch);
+    if (it == run.live.end()) throw std::logic_error("backward before forward");
+    StageRun::Live live = std::move(it->second);
+    run.live.erase(it);  // the micro-batch's activations go when this backward is done
+    at::Tensor root = live.output, grad_out;
+    if (a.stage < n - 1) {
+      grad_out = receive(a.stage, a.microbatch, true);
+      if (p_.checkpoint) root = run.stage->forward(live.input);
+    }
+    std::vector<at::Tensor> wrt = run.stage->params;
+    const bool input_grad = a.stage > 0 && live.input.requires_grad();
+    if (input_grad) wrt.push_back(live.input);
+    std::vector<at::Tensor> grads;
+    if (!wrt.empty() && root.requires_grad()) {
+      grads = torch::autograd::grad({root}, wrt, grad_out.defined() ? std::vector<at::Tensor>{grad_out}
+                                                                   : std::vector<at::Tensor>{},
+                                    /*retain_graph=*/false, /*create_graph=*/false, /*allow_unused=*/true);
+    } else {
+      grads.resize(wrt.size());
+    }
+    for (size_t j = 0; j < run.grads.size(); ++j) {
+      if (!grads[j].defined()) continue;
+      run.grads[j] = run.grads[j].defined() ? run.grads[j] + grads[j] : grads[j];
+    }
+    if (a.stage > 0) {
+      at::Tensor dx = input_grad && grads.back().defined() ? grads.back() : at::zeros_like(live.input);
+      send(a.stage - 1, a.microbatch, true, dx);
+    }
+  }
+
+  void deliver_gradients(StageRun& run) {
+    for (size_t j = 0; j < run.grads.size(); ++j) {
+      const at::Tensor& g = run.grads[j];
+      if (!g.defined()) continue;
+      at::Tensor& param = run.stage->params[j];
+      if (p_.to_grad) {
+        at::NoGradGuard no_grad;
+        if (param.grad().defined()) {
+          param.mutable_grad().add_(g);
+        } else {
+          param.mutable_grad() = g.clone();
+        }
+      } else {
+        dist_autograd::add_gradient(p_.context, param, g);
+      }
+    }
+  }
+
+  Plan p_;
+  const Clock::time_point deadline_;
+  std::map<int, StageRun> runs_;
+  std::vector<rpc::Future> sends_;
+  std::vector<int64_t> events_;
+  double loss_ = 0;
+};
+
+rpc::Future on_run(int64_t pipe, int64_t step, std::vector<int64_t> actions, std::vector<int64_t> stage_rank,
+                   std::vector<int64_t> sizes, std::vector<at::Tensor> inputs, std::vector<at::Tensor> targets,
+                   std::string loss, std::vector<int64_t> flags) {
+  Plan plan;
+  plan.pipe = pipe, plan.step = step;
+  if (actions.size() % 3 != 0 || flags.size() != 4) throw std::invalid_argument("malformed pipeline plan");
+  for (size_t i = 0; i < actions.size(); i += 3) {
+    plan.actions.push_back(Action{static_cast<int>(actions[i]), static_cast<int>(actions[i + 1]), actions[i + 2] != 0});
+  }
+  for (int64_t r : stage_rank) plan.stage_rank.push_back(static_cast<int>(r));
+  for (const Action& a : plan.actions) {
+    if (a.stage < 0 || a.stage >= static_cast<int>(stage_rank.size()) || a.microbatch < 0 ||
+        a.microbatch >= static_cast<int>(sizes.size())) {
+      throw std::invalid_argument("malformed pipeline plan: an action outside the stages or micro-batches");
+    }
+  }
+  plan.sizes = std::move(sizes);
+  plan.inputs = std::move(inputs);
+  plan.targets = std::move(targets);
+  plan.loss = std::move(loss);
+  plan.checkpoint = flags[0] != 0, plan.to_grad = flags[1] != 0, plan.record = flags[2] != 0;
+  plan.timeout = std::chrono::milliseconds(std::max<int64_t>(1, flags[3]));
+  plan.context = dist_autograd::current_context();
+  if (!plan.to_grad && plan.context < 0) throw std::invalid_argument("the plan came without a distributed autograd context");
+  rpc::Future result(absl::Now() + absl::FromChrono(plan.timeout + kReplyMargin));
+  std::thread([plan = std::move(plan), result]() mutable {
+    const int64_t pipe = plan.pipe, step = plan.step;
+    try {
+      Run run(std::move(plan));
+      result.set_value(run.execute());
+    } catch (const RpcError& e) {
+      result.set_error(e.status());
+    } catch (const std::exception& e) {
+      result.set_error(absl::UnknownError(e.what()));
+    }
+    if (!result.completed()) result.set_error(absl::InternalError("pipeline run ended without a result"));
+    // Whatever else of this step is still on its way here is of no use now.
+    if (!result.status().ok()) Mailbox::get().abort(pipe, step, result.status());
+  }).detach();
+  return result;
+}
+
+bool install() {
+  throw_if_error(rpc::register_handler(kCreate, [](std::vector<c10::IValue>&& a) -> rpc::Future {
+    if (a.size() != 6) throw std::invalid_argument("malformed pipeline stage creation");
+    const int64_t pipe = a[0].toInt();
+    const int index = static_cast<int>(a[1].toInt());
+    std::vector<c10::IValue> args;
+    for (const auto& v : a[3].toListRef()) args.push_back(v);
+    auto stage = build_stage(a[2].toStringRef(), std::move(args), a[4].toInt(), a[5].toInt());
+    std::vector<c10::IValue> refs;
+    for (const auto& p : stage->params) refs.push_back(rref::make_local(c10::IValue(p)).to_ivalue());
+    {
+      std::lock_guard<std::mutex> lock(g_stages_mu);
+      stages()[{pipe, index}] = std::move(stage);
+    }
+    return rpc::Future::ready(c10::ivalue::Tuple::create(std::move(refs)));
+  }));
+  rpc::register_function(kRun, on_run);
+  rpc::register_function(kAct, [](int64_t pipe, int64_t step, int64_t stage, int64_t mb, bool grad, at::Tensor t) {
+    Mailbox::get().put({pipe, step, static_cast<int>(stage), static_cast<int>(mb), grad}, std::move(t));
+  });
+  rpc::register_function(kAbort, [](int64_t pipe, int64_t step, std::string reason) {
+    Mailbox::get().abort(pipe, step, absl::AbortedError(reason));
+  });
+  rpc::register_function(kRelease, [](int64_t pipe) {
+    {
+      std::lock_guard<std::mutex> lock(g_stages_mu);
+      for (auto it = stages().begin(); it != stages().end();) it = it->first.first == pipe ? stages().erase(it) : std::next(it);
+    }
+    Mailbox::get().forget(pipe);
+  });
+  rpc::add_stop_hook([] {
+    Mailbox::get().abort_all(absl::CancelledError("RPC is shutting down"));
+    std::lock_guard<std::mutex> lock(g_stages_mu);
+    stages().clear();
+  });
+  return true;
+}
+
+const bool g_installed = install();
+
+std::atomic<int64_t> g_next_pipeline{1};
+
+}  // namespace
+
+// ---- public functions ----
+
+void register_loss(const std::string& name, std::function<at::Tensor(const at::Tensor&, const at::Tensor&)> loss) {
+  std::lock_guard<std::mutex> lock(g_loss_mu);
+  if (!losses().emplace(name, std::move(loss)).second) {
+    throw RpcError(absl::AlreadyExistsError("a pipeline loss named '" + name + "' is already registered"));
+  }
+}
+
+std::shared_ptr<torch::nn::Module> local_stage(int64_t pipeline_id, int stage) {
+  auto s = find_stage(pipeline_id, stage);
+  return s ? s->module : nullptr;
+}
+
+std::vector<std::pair<int64_t, int64_t>> balanced_cut(const std::vector<double>& weights, int n_stages) {
+  const int L = static_cast<int>(weights.size());
+  if (n_stages < 1 || L < n_stages) {
+    throw std::invalid_argument(absl::StrCat("cannot cut ", L, " layers into ", n_stages, " non-empty stages"));
+  }
+  std::vector<double> prefix(L + 1, 0);
+  for (int i = 0; i < L; ++i) prefix[i + 1] = prefix[i] + weights[i];
+  const double inf = std::numeric_limits<double>::infinity();
+  // best[k][i]: the smallest largest part cutting layers [0, i) into k parts; from[k][i]: where the last part begins.
+  std::vector<std::vector<double>> best(n_stages + 1, std::vector<double>(L + 1, inf));
+  std::vector<std::vector<int>> from(n_stages + 1, std::vector<int>(L + 1, 0));
+  best[0][0] = 0;
+  for (int k = 1; k <= n_stages; ++k) {
+    for (int i = k; i <= L; ++i) {
+      for (int j = k - 1; j < i; ++j) {
+        const double v = std::max(best[k - 1][j], prefix[i] - prefix[j]);
+        if (v < best[k][i]) best[k][i] = v, from[k][i] = j;
+      }
+    }
+  }
+  std::vector<std::pair<int64_t, int64_t>> cut(n_stages);
+  for (int k = n_stages, i = L; k > 0; --k) {
+    cut[k - 1] = {from[k][i], i};
+    i = from[k][i];
+  }
+  return cut;
+}
+
+struct Pipeline::State {
+  int64_t id = 0;
+  PipelineOptions options;
+  std::vector<StageSpec> specs;
+  std::vector<int> stage_rank;          // per stage
+  std::vector<int> workers;             // distinct ranks, in order of first stage
+  std::vector<int> stage_worker;        // per stage: index into workers
+  std::vector<rref::RRef> params;
+  std::map<int, std::vector<std::vector<Action>>> plans;  // by number of micro-batches
+  std::mutex step_mu;
+  int64_t next_step = 0;
+  StepStats stats;
+  std::vector<TimelineEvent> timeline;
+
+  ~State() {
+    if (!rpc::is_initialized()) return;
+    for (int w : workers) {
+      try {
+        (void)rpc::rpc_async(w, kRelease, id, std::chrono::milliseconds(5000));  // best effort, not waited for
+      } catch (const std::exception&) {
+      }
+    }
+  }
+
+  std::string describe_worker(int rank) const {
+    std::vector<int> hosted;
+    for (size_t s = 0; s < stage_rank.size(); ++s) {
+      if (stage_rank[s] == rank) hosted.push_back(static_cast<int>(s));
+    }
+    return absl::StrCat("worker '", rpc::get_worker_info(rank).name, "' (stage", hosted.size() > 1 ? "s " : " ",
+                        absl::StrJoin(hosted, ", "), ")");
+  }
+
+  void validate(const at::Tensor& input, const at::Tensor& target) const {
+    const int m = options.n_microbatches;
+    if (m < 1) fail(absl::StatusCode::kInvalidArgument, absl::StrCat("n_microbatches must be at least 1 (is ", m, ")"));
+    if (!input.defined() || input.dim() == 0 || input.size(0) == 0) {
+      fail(absl::StatusCode::kInvalidArgument, "the batch is empty (the input needs at least one row)");
+    }
+    if (!target.defined() || target.dim() == 0 || target.size(0) != input.size(0)) {
+      fail(absl::StatusCode::kInvalidArgument,
+           absl::StrCat("the target's batch size (", target.defined() && target.dim() > 0 ? target.size(0) : 0,
+                        ") differs from the input's (", input.size(0), ")"));
+    }
+    if (input.size(0) < m) {
+      fail(absl::StatusCode::kInvalidArgument,
+           absl::StrCat("a batch of ", input.size(0), " rows cannot be split into ", m,
+                        " non-empty micro-batches: use a larger batch or fewer micro-batches"));
+    }
+    if (options.gradients == GradientsTo::kContext && dist_autograd::current_context() < 0) {
+      fail(absl::StatusCode::kFailedPrecondition,
+           "step() leaves gradients in the current distributed autograd context, and there is none: run it inside a "
+           "dist_autograd::ContextGuard (or set gradients = GradientsTo::kDotGrad)");
+    }
+  }
+
+  double step(const at::Tensor& input, const at::Tensor& target) {
+    std::lock_guard<std::mutex> lock(step_mu);
+    validate(input, target);
+    const int m = options.n_microbatches, n = static_cast<int>(stage_rank.size());
+    const std::vector<at::Tensor> xs = at::tensor_split(input, m), ys = at::tensor_split(target, m);
+    std::vector<int64_t> sizes;
+    for (const auto& x : xs) sizes.push_back(x.size(0));
+    auto& plan = plans[m];
+    if (plan.empty()) plan = make_plans(options.schedule, stage_worker, static_cast<int>(workers.size()), m);
+    const int64_t step_id = next_step++;
+    std::vector<int64_t> ranks(stage_rank.begin(), stage_rank.end());
+    const std::vector<int64_t> flags{options.checkpoint, options.gradients == GradientsTo::kDotGrad,
+                                     options.record_timeline, options.timeout.count()};
+    const auto t0 = Clock::now();
+    std::vector<rpc::Future> replies;
+    for (size_t w = 0; w < workers.size(); ++w) {
+      std::vector<int64_t> actions;
+      for (const Action& a : plan[w]) actions.insert(actions.end(), {a.stage, a.microbatch, a.backward});
+      const bool first = stage_worker.front() == static_cast<int>(w), last = stage_worker.back() == static_cast<int>(w);
+      replies.push_back(rpc::rpc_async(workers[w], kRun, id, step_id, actions, ranks, sizes,
+                                       first ? xs : std::vector<at::Tensor>{}, last ? ys : std::vector<at::Tensor>{},
+                                       options.loss, flags, options.timeout + kReplyMargin));
+    }
+    wait_all(replies, step_id);
+    stats = StepStats{};
+    stats.step_ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+    stats.busy_ms.assign(n, 0);
+    stats.peak_activations.assign(n, 0);
+    stats.microbatch_sizes = sizes;
+    timeline.clear();
+    for (size_t w = 0; w < workers.size(); ++w) {
+      auto reply = replies[w].value().toTuple();
+      stats.loss += reply->elements()[0].toDouble();
+      auto st = rpc::from_ivalue<std::vector<int64_t>>(reply->elements()[1]);
+      for (size_t i = 0; i + 2 < st.size(); i += 3) {
+        stats.peak_activations.at(st[i]) = st[i + 1];
+        stats.busy_ms.at(st[i]) = static_cast<double>(st[i + 2]) / 1000.0;
+      }
+      auto ev = rpc::from_ivalue<std::vector<int64_t>>(reply->elements()[2]);
+      for (size_t i = 0; i + 4 < ev.size(); i += 5) {
+        timeline.push_back(TimelineEvent{static_cast<int>(ev[i]), workers[w], static_cast<int>(ev[i + 1]), ev[i + 2] != 0,
+                                         ev[i + 3], ev[i + 4]});
+      }
+    }
+    std::sort(timeline.begin(), timeline.end(), [](const auto& a, const auto& b) { return a.start_us < b.start_us; });
+    return stats.loss;
+  }
+
+  // Waits for every worker's reply. On the first error, tells every worker to abandon the step, gathers the others'
+  // errors for a moment, and throws one RpcError naming them (the first failure's code).
+  void wait_all(const std::vector<rpc::Future>& replies, int64_t step_id) {
+    struct Waiter {
+      std::mutex mu;
+      std::condition_variable cv;
+      size_t done = 0;
+      bool failed = false;
+    };
+    auto waiter = std::make_shared<Waiter>();
+    for (const auto& f : replies) {
+      f.add_callback([waiter](const rpc::Future& done) {
+        std::lock_guard<std::mutex> lock(waiter->mu);
+        ++waiter->done;
+        waiter->failed |= !done.status().ok();
+        waiter->cv.notify_all();
+      });
+    }
+    const auto deadline = Clock::now() + options.timeout + kReplyMargin;
+    {
+      std::unique_lock<std::mutex> lock(waiter->mu);
+      waiter->cv.wait_until(lock, deadline, [&] { return waiter->failed || waiter->done == replies.size(); });
+      if (!waiter->failed && waiter->done == replies.size()) return;
+    }
+    for (int w : workers) {
+      (void)rpc::rpc_async(w, kAbort, id, step_id, std::string("another stage failed"), kErrorGrace);
+    }
+    {
+      std::unique_lock<std::mutex> lock(waiter->mu);
+      waiter->cv.wait_for(lock, kErrorGrace, [&] { return waiter->done == replies.size(); });
+    }
+    // The causes first; then the workers that abandoned the step on our request, which say what they were waiting
+    // for (the micro-batch a dead or failed stage held up).
+    std::vector<std::string> errors, abandoned;
+    absl::StatusCode code = absl::StatusCode::kDeadlineExceeded;
+    bool coded = false;
+    for (size_t w = 0; w < replies.size(); ++w) {
+      if (!replies[w].completed()) {
+        errors.push_back(describe_worker(workers[w]) + ": no reply within the step's timeout");
+        continue;
+      }
+      absl::Status s = replies[w].status();
+      if (s.ok()) continue;
+      const std::string line = describe_worker(workers[w]) + ": " + std::string(s.message());
+      if (s.code() == absl::StatusCode::kAborted) {
+        abandoned.push_back(line);
+        continue;
+      }
+      if (!coded) code = s.code(), coded = true;
+      errors.push_back(line);
+    }
+    if (errors.empty()) errors.push_back("a worker failed and no other error was reported");
+    errors.insert(errors.end(), abandoned.begin(), abandoned.end());
+    fail(code, absl::StrCat("step ", step_id, " of pipeline ", id, " failed (", options.timeout.count(),
+                            " ms timeout): ", absl::StrJoin(errors, "; ")));
+  }
+};
+
+Pipeline Pipeline::create(std::vector<StageSpec> stages, PipelineOptions options) {
+  (void)g_installed;
+  if (stages.empty()) fail(absl::StatusCode::kInvalidArgument, "a pipeline needs at least one stage");
+  auto st = std::make_shared<State>();
+  const int64_t self = rpc::get_worker_info().id;
+  st->id = (self << 40) | g_next_pipeline.fetch_add(1);
+  st->options = options;
+  std::vector<rpc::Future> built;
+  for (size_t s = 0; s < stages.size(); ++s) {
+    const StageSpec& spec = stages[s];
+    rpc::WorkerInfo info;
+    try {
+      info = spec.worker.name().empty() ? rpc::get_worker_info(spec.worker.rank())
+                                        : rpc::get_worker_info(spec.worker.name());
+    } catch (const std::exception&) {
+      std::vector<std::string> names;
+      for (const auto& w : rpc::get_all_worker_infos()) names.push_back(w.name);
+      fail(absl::StatusCode::kInvalidArgument,
+           absl::StrCat("stage ", s, " is placed on worker '",
+                        spec.worker.name().empty() ? std::to_string(spec.worker.rank()) : spec.worker.name(),
+                        "', which is not in this job (workers: ", absl::StrJoin(names, ", "), ")"));
+    }
+    st->stage_rank.push_back(info.id);
+    auto it = std::find(st->workers.begin(), st->workers.end(), info.id);
+    st->stage_worker.push_back(static_cast<int>(it - st->workers.begin()));
+    if (it == st->workers.end()) st->workers.push_back(info.id);
+    c10::impl::GenericList args(c10::AnyType::get());
+    for (const auto& a : spec.args) args.push_back(a);
+    built.push_back(rpc::call(info.id, kCreate,
+                              {c10::IValue(st->id), c10::IValue(static_cast<int64_t>(s)), c10::IValue(spec.factory),
+                               c10::IValue(args), c10::IValue(spec.layer_begin), c10::IValue(spec.layer_end)},
+                              options.timeout));
+  }
+  st->specs = std::move(stages);
+  for (size_t s = 0; s < built.size(); ++s) {
+    absl::Status status = built[s].status();
+    if (!status.ok()) {
+      fail(status.code(), absl::StrCat("building stage ", s, " on worker '", rpc::get_worker_info(st->stage_rank[s]).name,
+                                       "' failed: ", status.message()));
+    }
+    for (const auto& r : built[s].value().toTupleRef().elements()) st->params.push_back(rref::RRef::from_ivalue(r));
+  }
+  return Pipeline(std::move(st));
+}
+
+Pipeline Pipeline::from_sequential(const std::string& factory, std::vector<c10::IValue> args,
+                                   const std::vector<rpc::To>& workers, PartitionOptions partition,
+                                   PipelineOptions options) {
+  if (workers.empty()) fail(absl::StatusCode::kInvalidArgument, "from_sequential needs at least one worker");
+  nn::detail::Instance model = nn::detail::make_instance(factory, std::vector<c10::IValue>(args));
+  auto seq = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(model.module);
+  if (!seq) fail(absl::StatusCode::kInvalidArgument, "factory '" + factory + "' does not return a torch::nn::Sequential");
+  std::vector<double> weights;
+  if (partition.by == Partition::kParameters) {
+    for (const auto& layer : seq->children()) {
+      double n = 1;  // a layer without parameters still counts a little, so every stage gets a layer
+      for (const auto& p : layer->parameters()) n += static_cast<double>(p.numel());
+      weights.push_back(n);
+    }
+  } else {
+    if (!partition.sample.defined()) fail(absl::StatusCode::kInvalidArgument, "Partition::kTime needs a sample batch");
+    weights.assign(seq->size(), std::numeric_limits<double>::infinity());
+    for (int rep = 0; rep < 3; ++rep) {  // the fastest of three: the first pays for allocations
+      at::Tensor x = partition.sample;
+      for (size_t i = 0; i < seq->size(); ++i) {
+        at::Tensor in = x.is_floating_point() ? x.detach().requires_grad_(true) : x;
+        const auto t0 = Clock::now();
+        at::Tensor y = (seq->begin() + i)->forward(in);
+        if (y.requires_grad()) y.sum().backward();
+        weights[i] = std::min(weights[i], std::chrono::duration<double>(Clock::now() - t0).count());
+        x = y.detach();
+      }
+    }
+  }
+  std::vector<std::pair<int64_t, int64_t>> cut;
+  try {
+    cut = balanced_cut(weights, partition.n_stages);
+  } catch (const std::invalid_argument& e) {
+    fail(absl::StatusCode::kInvalidArgument, e.what());
+  }
+  std::vector<StageSpec> stages;
+  for (int k = 0; k < partition.n_stages; ++k) {
+    stages.push_back(StageSpec{workers[k % workers.size()], factory, args, cut[k].first, cut[k].second});
+  }
+  return create(std::move(stages), options);
+}
+
+double Pipeline::step(const at::Tensor& input, const at::Tensor& target) { return state_->step(input, target); }
+int Pipeline::num_stages() const { return static_cast<int>(state_->stage_rank.size()); }
+std::string Pipeline::stage_worker(int stage) const { return rpc::get_worker_info(state_->stage_rank.at(stage)).name; }
+std::pair<int64_t, int64_t> Pipeline::stage_layers(int stage) const {
+  const StageSpec& s = state_->specs.at(stage);
+  return {s.layer_begin, s.layer_end};
+}
+std::vector<rref::RRef> Pipeline::parameter_rrefs() const { return state_->params; }
+int64_t Pipeline::id() const { return state_->id; }
+const PipelineOptions& Pipeline::options() const { return state_->options; }
+const StepStats& Pipeline::last_stats() const { return state_->stats; }
+const std::vector<TimelineEvent>& Pipeline::last_timeline() const { return state_->timeline; }
+
+}  // namespace tandem::pipeline

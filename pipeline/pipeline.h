@@ -1,0 +1,158 @@
+// Pipeline parallelism: a model cut into stages on several workers, micro-batches flowing through them by a schedule
+// (GPipe, 1F1B, interleaved 1F1B), the gradients left where DistributedOptimizer finds them.
+//
+//   // every worker, before init_rpc: the model's factory (deterministic: seed it, or load weights)
+//   nn::register_module("net", [] { torch::manual_seed(0); return torch::nn::Sequential(...); });
+//   // the driver:
+//   auto pipe = pipeline::Pipeline::from_sequential("net", {}, {"worker1", "worker2", "worker3"},
+//                                                   {.n_stages = 3}, {.schedule = pipeline::Schedule::k1F1B,
+//                                                                     .n_microbatches = 8, .loss = "cross_entropy"});
+//   dist_optim::DistributedOptimizer opt("sgd", pipe.parameter_rrefs(), {{"lr", 0.05}});
+//   for (auto& batch : *loader) {
+//     dist_autograd::ContextGuard ctx;
+//     double loss = pipe.step(batch.data, batch.target);   // gradients of the whole batch, in the context
+//     opt.step(ctx.id());
+//   }
+//
+// How: every stage is built on its worker (a registered module factory, or layers [begin, end) of the Sequential a
+// factory returns). step() splits the batch into micro-batches (the last may be smaller; fewer micro-batches than
+// stages is fine), computes every worker's plan (pipeline/schedule.h) and sends each worker its plan once, stage 0's
+// micro-batches and the last stage's targets with it. Each worker then runs its actions in order: a forward waits for
+// its activation from the previous stage, sends its output straight to the next stage's worker (not through the
+// driver), and keeps what its backward needs (only the stage input with checkpointing, which recomputes the forward
+// in backward); a backward waits for the gradient from the next stage, computes this stage's gradients with LibTorch's
+// engine, sends the input's gradient to the previous stage, and frees the micro-batch's activations. The last stage
+// weighs each micro-batch's loss by its share of the batch (n_i / N; PyTorch's scale_grads when they are equal), so
+// the loss and the gradients are the whole batch's. When every worker has finished, the gradients are added to the
+// caller's distributed autograd context on each stage's worker (or to the parameters' .grad, by option).
+//
+// Errors (tandem::RpcError): bad input before any work starts (INVALID_ARGUMENT: an empty batch, fewer rows than
+// micro-batches, input and target of different batch sizes); a stage placed on a worker not in the job (at creation);
+// a stage whose forward or backward throws (for instance an input of the wrong shape or dtype from the previous stage,
+// found on the first step), a dead stage worker, a lost message or the step's deadline: step() fails naming the
+// stage, its worker and the micro-batch, the other workers abandon the step at once, and the next step works.
+//
+// Thread-safety: one step at a time per Pipeline (step() serialises); several pipelines may share workers.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <ATen/core/ivalue.h>
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "pipeline/schedule.h"
+#include "rpc/rpc.h"
+#include "rref/rref.h"
+
+namespace torch::nn {
+class Module;
+}
+
+namespace tandem::pipeline {
+
+struct StageSpec {
+  rpc::To worker;
+  std::string factory;            // a module factory registered with nn::register_module on that worker
+  std::vector<c10::IValue> args;  // its arguments
+  // When the factory returns a torch::nn::Sequential: keep only its layers [layer_begin, layer_end). -1: all of it.
+  int64_t layer_begin = -1, layer_end = -1;
+};
+
+enum class GradientsTo { kContext, kDotGrad };
+
+struct PipelineOptions {
+  Schedule schedule = Schedule::k1F1B;
+  int n_microbatches = 4;
+  // Computed on the last stage from its output and the target: "mse", "cross_entropy", "nll", or register_loss().
+  // A loss is the mean over its micro-batch.
+  std::string loss = "mse";
+  // kContext: step() must run inside a dist_autograd::ContextGuard; the gradients go to that context on each stage's
+  // worker (for DistributedOptimizer). kDotGrad: they are added to the stage parameters' .grad (zero them yourself).
+  GradientsTo gradients = GradientsTo::kContext;
+  bool checkpoint = false;  // recompute each stage's forward in its backward (activation memory: inputs only)
+  std::chrono::milliseconds timeout{std::chrono::seconds(60)};  // the whole step, and every wait inside it
+  bool record_timeline = false;  // every action's start and end, for write_chrome_trace / write_svg
+};
+
+enum class Partition { kParameters, kTime };
+struct PartitionOptions {
+  int n_stages = 2;
+  // kParameters: balances parameter counts; kTime: balances each layer's measured forward + backward time on
+  // `sample` (a batch like the real ones), as DeepSpeed's partition_method does.
+  Partition by = Partition::kParameters;
+  at::Tensor sample;
+};
+
+struct TimelineEvent {
+  int stage = 0, worker = 0, microbatch = 0;
+  bool backward = false;
+  int64_t start_us = 0, end_us = 0;  // system clock, microseconds
+};
+
+struct StepStats {
+  double loss = 0;
+  double step_ms = 0;                       // on the driver, from sending the plans to the last reply
+  std::vector<double> busy_ms;              // per stage: time spent in its forwards and backwards
+  std::vector<int64_t> peak_activations;    // per stage: most micro-batches whose activations were alive at once
+  std::vector<int64_t> microbatch_sizes;
+};
+
+// Registers a loss function for PipelineOptions::loss on this worker (every worker that may hold a last stage).
+// Throws RpcError (ALREADY_EXISTS) for a taken name.
+void register_loss(const std::string& name, std::function<at::Tensor(const at::Tensor& output, const at::Tensor& target)> loss);
+
+// Layer ranges [begin, end) of a contiguous cut of `weights` into n_stages parts minimising the largest part's sum.
+// Throws std::invalid_argument when there are fewer layers than stages.
+std::vector<std::pair<int64_t, int64_t>> balanced_cut(const std::vector<double>& weights, int n_stages);
+
+class Pipeline {
+ public:
+  // Builds every stage on its worker (in parallel; returns when all are built). Throws RpcError naming the stage
+  // (unknown worker, unknown factory, a layer range outside the Sequential).
+  static Pipeline create(std::vector<StageSpec> stages, PipelineOptions options = {});
+  // Builds factory(args...) here (it must return a torch::nn::Sequential), cuts it into balanced stages and builds
+  // them on `workers`: stage k on workers[k % workers.size()] (with more stages than workers: interleaved stages).
+  static Pipeline from_sequential(const std::string& factory, std::vector<c10::IValue> args,
+                                  const std::vector<rpc::To>& workers, PartitionOptions partition,
+                                  PipelineOptions options = {});
+
+  // One training step on the whole batch: forward and backward of every micro-batch by the schedule. Returns the
+  // batch's loss. See the header comment for where the gradients go and for errors.
+  double step(const at::Tensor& input, const at::Tensor& target);
+
+  int num_stages() const;
+  std::string stage_worker(int stage) const;
+  std::pair<int64_t, int64_t> stage_layers(int stage) const;  // (-1, -1) unless cut from a Sequential
+  // RRefs to every stage's parameters, stage by stage, owned by the stages' workers (for DistributedOptimizer).
+  std::vector<rref::RRef> parameter_rrefs() const;
+  int64_t id() const;
+  const PipelineOptions& options() const;
+
+  const StepStats& last_stats() const;
+  // The last step's actions (needs record_timeline).
+  const std::vector<TimelineEvent>& last_timeline() const;
+  // The last step's timeline as a Chrome trace (open in Perfetto or chrome://tracing) and as a self-contained SVG
+  // picture of the schedule: one row per stage, forwards and backwards by micro-batch, gaps are the bubbles.
+  void write_chrome_trace(const std::string& path) const;
+  void write_svg(const std::string& path) const;
+
+  struct State;
+
+ private:
+  explicit Pipeline(std::shared_ptr<State> state) : state_(std::move(state)) {}
+  std::shared_ptr<State> state_;  // released on the workers when the last copy goes
+};
+
+// On a stage's worker: the module of stage `stage` of pipeline `pipeline_id` (nullptr when not here).
+std::shared_ptr<torch::nn::Module> local_stage(int64_t pipeline_id, int stage);
+
+// Timeline writers, for any events (also used by benchmarks).
+std::string chrome_trace_json(const std::vector<TimelineEvent>& events);
+std::string schedule_svg(const std::vector<TimelineEvent>& events, int n_stages, const std::string& title);
+
+}  // namespace tandem::pipeline

@@ -1,0 +1,235 @@
+// Schedules by simulation: every idle worker picks its next action by the schedule's rule (see schedule.h).
+#include "pipeline/schedule.h"
+
+#include <algorithm>
+#include <limits>
+#include <stdexcept>
+#include <tuple>
+
+#include "absl/strings/str_cat.h"
+
+namespace tandem::pipeline {
+
+Schedule schedule_from_name(const std::string& name) {
+  if (name == "gpipe") return Schedule::kGPipe;
+  if (name == "1f1b") return Schedule::k1F1B;
+  if (name == "interleaved") return Schedule::kInterleaved1F1B;
+  throw std::invalid_argument("unknown pipeline schedule '" + name + "' (known: gpipe, 1f1b, interleaved)");
+}
+
+std::string schedule_name(Schedule schedule) {
+  switch (schedule) {
+    case Schedule::kGPipe: return "gpipe";
+    case Schedule::k1F1B: return "1f1b";
+    case Schedule::kInterleaved1F1B: return "interleaved";
+  }
+  return "?";
+}
+
+namespace {
+
+constexpr double kNever = std::numeric_limits<double>::infinity();
+
+void check_placement(const std::vector<int>& stage_worker, int n_workers, int m) {
+  if (stage_worker.empty()) throw std::invalid_argument("a pipeline needs at least one stage");
+  if (m < 1) throw std::invalid_argument(absl::StrCat("a pipeline step needs at least one micro-batch (got ", m, ")"));
+  for (size_t s = 0; s < stage_worker.size(); ++s) {
+    if (stage_worker[s] < 0 || stage_worker[s] >= n_workers) {
+      throw std::invalid_argument(absl::StrCat("stage ", s, " is placed on worker index ", stage_worker[s],
+                                               " outside 0..", n_workers - 1));
+    }
+  }
+}
+
+// Completion times of every forward and backward; kNever until done.
+struct Times {
+  Times(int p, int m) : f(p, std::vector<double>(m, kNever)), b(p, std::vector<double>(m, kNever)) {}
+  std::vector<std::vector<double>> f, b;
+  // When the action's inputs are there (kNever if not yet known).
+  double ready_at(const Action& a, int p) const {
+    if (!a.backward) return a.stage == 0 ? 0 : f[a.stage - 1][a.microbatch];
+    const double own = f[a.stage][a.microbatch];
+    return a.stage == p - 1 ? own : std::max(own, b[a.stage + 1][a.microbatch]);
+  }
+  double& done(const Action& a) { return a.backward ? b[a.stage][a.microbatch] : f[a.stage][a.microbatch]; }
+};
+
+// Megatron's interleaved order (arXiv 2104.04473) when every worker holds the same number v of stages: forwards in
+// groups of P micro-batches, chunk by chunk; backwards likewise, deepest chunk first; 2 (P - r - 1) + (v - 1) P
+// warm-up forwards on worker r, then one forward and one backward alternately. Empty when the placement is uneven.
+std::vector<std::vector<Action>> megatron_plans(const std::vector<std::vector<int>>& hosted, int m) {
+  const int P = static_cast<int>(hosted.size()), v = static_cast<int>(hosted[0].size());
+  for (const auto& h : hosted) {
+    if (static_cast<int>(h.size()) != v) return {};
+  }
+  std::vector<std::vector<Action>> plans(P);
+  for (int r = 0; r < P; ++r) {
+    std::vector<Action> fwd, bwd;
+    for (int g = 0; g * P < m; ++g) {
+      for (int c = 0; c < v; ++c) {
+        for (int j = 0; j < P && g * P + j < m; ++j) {
+          fwd.push_back(Action{hosted[r][c], g * P + j, false});
+          bwd.push_back(Action{hosted[r][v - 1 - c], g * P + j, true});
+        }
+      }
+    }
+    const size_t warmup = std::min(fwd.size(), static_cast<size_t>(2 * (P - r - 1) + (v - 1) * P));
+    size_t f = 0, b = 0;
+    while (f < warmup) plans[r].push_back(fwd[f++]);
+    while (f < fwd.size()) plans[r].push_back(fwd[f++]), plans[r].push_back(bwd[b++]);
+    while (b < bwd.size()) plans[r].push_back(bwd[b++]);
+  }
+  return plans;
+}
+
+}  // namespace
+
+std::vector<std::vector<Action>> make_plans(Schedule schedule, const std::vector<int>& stage_worker, int n_workers,
+                                            int m) {
+  check_placement(stage_worker, n_workers, m);
+  const int p = static_cast<int>(stage_worker.size());
+  const double t_f = 1, t_b = 2;
+  std::vector<std::vector<int>> hosted(n_workers);
+  std::vector<int> chunk(p);  // the stage's position among its worker's stages
+  for (int s = 0; s < p; ++s) {
+    chunk[s] = static_cast<int>(hosted[stage_worker[s]].size());
+    hosted[stage_worker[s]].push_back(s);
+  }
+  int v = 1;
+  for (const auto& h : hosted) v = std::max(v, static_cast<int>(h.size()));
+  const int P = n_workers;
+  if (schedule == Schedule::kInterleaved1F1B) {
+    auto plans = megatron_plans(hosted, m);
+    if (!plans.empty()) {
+      try {
+        simulate(plans, stage_worker, m, t_f, t_b);  // throws if this order could deadlock (not seen; a safety net)
+        return plans;
+      } catch (const std::logic_error&) {
+      }
+    }
+  }
+
+  Times times(p, m);
+  std::vector<std::vector<char>> started_f(p, std::vector<char>(m, 0)), started_b(p, std::vector<char>(m, 0));
+  std::vector<int> live_stage(p, 0), live_worker(n_workers, 0);
+  auto capped = [&](int s) {
+    const int w = stage_worker[s];
+    switch (schedule) {
+      case Schedule::kGPipe: return false;
+      case Schedule::k1F1B: return live_stage[s] >= p - s;
+      case Schedule::kInterleaved1F1B: return live_worker[w] >= 2 * (P - w - 1) + (v - 1) * P + 1;
+    }
+    return false;
+  };
+  // Priority keys (smaller first).
+  auto key = [&](const Action& a) {
+    if (schedule == Schedule::kInterleaved1F1B) {
+      const int c = a.backward ? v - 1 - chunk[a.stage] : chunk[a.stage];
+      return std::make_tuple(a.microbatch / P, c, a.microbatch % P);
+    }
+    return std::make_tuple(a.microbatch, a.backward ? -a.stage : a.stage, 0);
+  };
+  auto choose = [&](int w, double t, bool relax, Action* out) {
+    bool have_f = false, have_b = false;
+    Action best_f, best_b;
+    for (int s : hosted[w]) {
+      for (int i = 0; i < m; ++i) {
+        if (!started_f[s][i]) {
+          Action a{s, i, false};
+          if (times.ready_at(a, p) <= t && (relax || !capped(s)) && (!have_f || key(a) < key(best_f))) {
+            best_f = a, have_f = true;
+          }
+        }
+        if (!started_b[s][i]) {
+          Action a{s, i, true};
+          if (times.ready_at(a, p) <= t && (!have_b || key(a) < key(best_b))) best_b = a, have_b = true;
+        }
+      }
+    }
+    const bool prefer_f = schedule == Schedule::kGPipe;
+    if (have_f && (prefer_f || !have_b)) return *out = best_f, true;
+    if (have_b) return *out = best_b, true;
+    return false;
+  };
+
+  std::vector<std::vector<Action>> plans(n_workers);
+  std::vector<double> free_at(n_workers, 0);
+  int remaining = 2 * p * m;
+  double t = 0;
+  while (remaining > 0) {
+    bool started = false;
+    for (int relax = 0; relax < 2 && !started; ++relax) {
+      for (int w = 0; w < n_workers; ++w) {
+        Action a;
+        if (free_at[w] > t || !choose(w, t, relax != 0, &a)) continue;
+        plans[w].push_back(a);
+        const double end = t + (a.backward ? t_b : t_f);
+        free_at[w] = end;
+        times.done(a) = end;
+        (a.backward ? started_b : started_f)[a.stage][a.microbatch] = 1;
+        const int d = a.backward ? -1 : 1;
+        live_stage[a.stage] += d;
+        live_worker[stage_worker[a.stage]] += d;
+        --remaining, started = true;
+      }
+      // Relaxing the caps is only for a state where nothing runs and nothing may start (never seen; a safety net).
+      bool busy = false;
+      for (double f : free_at) busy |= f > t;
+      if (busy) break;
+    }
+    double next = kNever;
+    for (double f : free_at) {
+      if (f > t) next = std::min(next, f);
+    }
+    if (next == kNever) {
+      if (remaining > 0 && !started) throw std::logic_error("pipeline schedule simulation made no progress");
+      continue;
+    }
+    t = next;
+  }
+  return plans;
+}
+
+double simulate(const std::vector<std::vector<Action>>& plans, const std::vector<int>& stage_worker, int m, double t_f,
+                double t_b) {
+  const int p = static_cast<int>(stage_worker.size());
+  check_placement(stage_worker, static_cast<int>(plans.size()), m);
+  std::vector<std::vector<int>> seen(p, std::vector<int>(2 * m, 0));
+  for (size_t w = 0; w < plans.size(); ++w) {
+    for (const Action& a : plans[w]) {
+      if (a.stage < 0 || a.stage >= p || a.microbatch < 0 || a.microbatch >= m || stage_worker[a.stage] != int(w)) {
+        throw std::logic_error(absl::StrCat("plan of worker ", w, " holds an action of another worker or none"));
+      }
+      if (seen[a.stage][2 * a.microbatch + a.backward]++) throw std::logic_error("an action is planned twice");
+    }
+  }
+  for (const auto& s : seen) {
+    for (int c : s) {
+      if (c != 1) throw std::logic_error("an action is missing from the plans");
+    }
+  }
+  Times times(p, m);
+  std::vector<size_t> next(plans.size(), 0);
+  std::vector<double> free_at(plans.size(), 0);
+  double makespan = 0;
+  for (bool progress = true; progress;) {
+    progress = false;
+    for (size_t w = 0; w < plans.size(); ++w) {
+      while (next[w] < plans[w].size()) {
+        const Action& a = plans[w][next[w]];
+        const double ready = times.ready_at(a, p);
+        if (ready == kNever) break;
+        const double end = std::max(ready, free_at[w]) + (a.backward ? t_b : t_f);
+        times.done(a) = free_at[w] = end;
+        makespan = std::max(makespan, end);
+        ++next[w], progress = true;
+      }
+    }
+  }
+  for (size_t w = 0; w < plans.size(); ++w) {
+    if (next[w] != plans[w].size()) throw std::logic_error(absl::StrCat("the plans deadlock on worker ", w));
+  }
+  return makespan;
+}
+
+}  // namespace tandem::pipeline

@@ -1,0 +1,53 @@
+// Pipeline schedules: which forward (F) and backward (B) of which micro-batch each worker runs, in which order.
+//
+// A schedule is computed once per step on the driver and sent to every worker as its plan; a worker then runs its
+// actions in that order, waiting only for the activations and gradients its actions need (no round trip to the
+// driver per action). The orders come from a simulation with unit costs (a forward 1, a backward 2) in which every
+// idle worker picks its next action by the schedule's rule:
+//   GPipe             every forward before any backward (a stage keeps all m micro-batches' activations);
+//   1F1B              a backward whenever one is ready, a forward only while the stage has fewer than p - s
+//                     micro-batches in flight (stage s of p; stage 0 keeps at most p, not m);
+//   Interleaved1F1B   several stages per worker (stage k on worker k mod P, v per worker): Megatron's order, forwards
+//                     in groups of P micro-batches chunk by chunk, 2 (P - r - 1) + (v - 1) P warm-up forwards on
+//                     worker r, then one forward and one backward alternately (checked by simulation). With an
+//                     uneven placement, the simulation's rule instead: backwards first when ready, forwards in
+//                     Megatron's order while fewer than 2 (P - r - 1) + (v - 1) P + 1 are in flight on worker r.
+// Because each worker's order is the order of one valid execution, no assignment of real costs can deadlock it. Any
+// m >= 1 works, also fewer micro-batches than stages.
+//
+// Thread-safety: pure functions.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace tandem::pipeline {
+
+enum class Schedule { kGPipe, k1F1B, kInterleaved1F1B };
+
+// "gpipe", "1f1b", "interleaved" (and back). Throws std::invalid_argument for another name.
+Schedule schedule_from_name(const std::string& name);
+std::string schedule_name(Schedule schedule);
+
+struct Action {
+  int stage = 0;
+  int microbatch = 0;
+  bool backward = false;
+  bool operator==(const Action& o) const {
+    return stage == o.stage && microbatch == o.microbatch && backward == o.backward;
+  }
+};
+
+// The plan of every worker: plans[w] lists, in order, the actions of the stages placed on worker w
+// (stage_worker[s] = w, workers numbered 0..n_workers-1). Throws std::invalid_argument for m < 1, no stages, or a
+// placement that names a worker outside 0..n_workers-1.
+std::vector<std::vector<Action>> make_plans(Schedule schedule, const std::vector<int>& stage_worker, int n_workers,
+                                            int n_microbatches);
+
+// The makespan of `plans` when every forward takes t_f and every backward t_b and messages are free; also checks that
+// the plans cover every action once and respect the dependencies (else std::logic_error).
+double simulate(const std::vector<std::vector<Action>>& plans, const std::vector<int>& stage_worker,
+                int n_microbatches, double t_f, double t_b);
+
+}  // namespace tandem::pipeline

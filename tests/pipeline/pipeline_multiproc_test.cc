@@ -1,0 +1,254 @@
+// Pipelines across real processes: the test process (rank 0) drives, ranks 1.. hold the stages.
+#include <gmock/gmock.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+
+#include "dist_autograd/dist_autograd.h"
+#include "dist_optim/dist_optim.h"
+#include "nn/remote_module.h"
+#include "pipeline/pipeline.h"
+#include "rpc/errors.h"
+#include "tests/pipeline/stages.h"
+#include "tests/rpc/rpc_fixture.h"
+
+namespace tandem::test {
+namespace {
+
+using pipeline::Pipeline;
+using pipeline::Schedule;
+
+constexpr int64_t kLayers = 6, kWidth = 5, kSeed = 7;
+
+// max |a - b| / max |b| over lists of tensors.
+double relative_diff(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
+  double diff = 0, scale = 1e-300;
+  EXPECT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < std::min(a.size(), b.size()); ++i) {
+    diff = std::max(diff, (a[i] - b[i]).abs().max().item<double>());
+    scale = std::max(scale, b[i].abs().max().item<double>());
+  }
+  return diff / scale;
+}
+
+// The reference's parameters (or their gradients) of a stage cut from the Sequential.
+std::vector<at::Tensor> layers_of(torch::nn::Sequential& ref, std::pair<int64_t, int64_t> range, bool grads) {
+  std::vector<at::Tensor> out;
+  for (int64_t i = range.first; i < range.second; ++i) {
+    for (const auto& p : (ref->begin() + i)->ptr()->parameters()) out.push_back(grads ? p.grad() : p.detach());
+  }
+  return out;
+}
+
+std::pair<at::Tensor, at::Tensor> batch(int64_t rows, int64_t step) {
+  auto gen = at::detail::createCPUGenerator(500 + step);
+  return {at::randn({rows, kWidth}, gen, at::kDouble), at::randn({rows, kWidth}, gen, at::kDouble)};
+}
+
+std::vector<rpc::To> stage_workers(int n) {
+  std::vector<rpc::To> w;
+  for (int r = 1; r <= n; ++r) w.emplace_back(r);
+  return w;
+}
+
+// Trains the pipeline and one local model side by side for 3 steps; returns what differs ("" when nothing).
+std::string follow_one_process(Schedule schedule, int stages, int workers, int m, bool checkpoint,
+                               pipeline::GradientsTo to = pipeline::GradientsTo::kContext) {
+  std::ostringstream where;
+  where << pipeline::schedule_name(schedule) << ", " << stages << " stages on " << workers << " workers, m " << m
+        << (checkpoint ? ", checkpointing" : "") << ": ";
+  auto pipe = Pipeline::from_sequential("pipe_mlp", {kLayers, kWidth, kSeed}, stage_workers(workers),
+                                        {.n_stages = stages},
+                                        {.schedule = schedule, .n_microbatches = m, .loss = "mse", .gradients = to,
+                                         .checkpoint = checkpoint});
+  auto ref = make_pipe_mlp(kLayers, kWidth, kSeed);
+  torch::optim::SGD ref_opt(ref->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  dist_optim::DistributedOptimizer opt("sgd", pipe.parameter_rrefs(), {{"lr", 0.1}, {"momentum", 0.9}});
+  // An uneven last micro-batch: 2m - 1 rows split into m parts (2, ..., 2, 1); m = 1: 3 rows.
+  const int64_t rows = m == 1 ? 3 : 2 * m - 1;
+  for (int step = 0; step < 3; ++step) {
+    auto [x, y] = batch(rows, step);
+    ref_opt.zero_grad();
+    at::Tensor ref_loss = torch::mse_loss(ref->forward(x), y);
+    ref_loss.backward();
+    dist_autograd::ContextGuard ctx;
+    const double loss = pipe.step(x, y);
+    if (std::abs(loss - ref_loss.item<double>()) > 1e-10 * std::abs(ref_loss.item<double>())) {
+      return where.str() + "loss " + std::to_string(loss) + " differs from " + std::to_string(ref_loss.item<double>());
+    }
+    for (int s = 0; s < stages; ++s) {
+      auto grads = to == pipeline::GradientsTo::kContext
+                       ? rpc::rpc_sync<std::vector<at::Tensor>>(pipe.stage_worker(s), "pipe_grads", pipe.id(), s, ctx.id())
+                       : rpc::rpc_sync<std::vector<at::Tensor>>(pipe.stage_worker(s), "pipe_dot_grads", pipe.id(), s);
+      const double d = relative_diff(grads, layers_of(ref, pipe.stage_layers(s), true));
+      if (!(d <= 1e-10)) return where.str() + "stage " + std::to_string(s) + "'s gradients differ by " + std::to_string(d);
+    }
+    if (to == pipeline::GradientsTo::kDotGrad) return "";  // .grad accumulates: one step checks it
+    opt.step(ctx.id());
+    ref_opt.step();
+  }
+  for (int s = 0; s < stages; ++s) {
+    auto params = rpc::rpc_sync<std::vector<at::Tensor>>(pipe.stage_worker(s), "pipe_params", pipe.id(), s);
+    const double d = relative_diff(params, layers_of(ref, pipe.stage_layers(s), false));
+    if (!(d <= 1e-10)) return where.str() + "stage " + std::to_string(s) + "'s parameters differ by " + std::to_string(d);
+  }
+  return "";
+}
+
+using MultiprocPipeline = MultiprocRpc;
+
+// GPipe and 1F1B with p = 2..4 stages on p workers, interleaved 1F1B with p = 2..4 stages on 2 workers; m = 1, 3, 8
+// micro-batches (m < p included), an uneven last micro-batch; float64: the loss and every gradient equal one process's
+// on the whole batch, and after 3 optimizer steps the parameters do (1e-10 relative).
+class MultiprocPipelineEquivalence : public MultiprocRpc,
+                                     public ::testing::WithParamInterface<std::tuple<std::string, int>> {};
+
+TEST_P(MultiprocPipelineEquivalence, LossGradientsAndStepsEqualTheUnsplitModel) {
+  const auto& [name, stages] = GetParam();
+  const Schedule schedule = pipeline::schedule_from_name(name);
+  const int workers = schedule == Schedule::kInterleaved1F1B ? 2 : stages;
+  start({.world_size = workers + 1});
+  for (int m : {1, 3, 8}) EXPECT_EQ(follow_one_process(schedule, stages, workers, m, false), "");
+}
+
+INSTANTIATE_TEST_SUITE_P(MultiprocPipeline, MultiprocPipelineEquivalence,
+                         ::testing::Combine(::testing::Values("gpipe", "1f1b", "interleaved"), ::testing::Values(2, 3, 4)),
+                         [](const auto& info) {
+                           return std::get<0>(info.param) + "_" + std::to_string(std::get<1>(info.param)) + "_stages";
+                         });
+
+TEST_F(MultiprocPipeline, CheckpointingAndDotGradGiveTheSameGradients) {
+  start({.world_size = 4});
+  EXPECT_EQ(follow_one_process(Schedule::k1F1B, 3, 3, 3, true), "");
+  EXPECT_EQ(follow_one_process(Schedule::k1F1B, 3, 3, 4, false, pipeline::GradientsTo::kDotGrad), "");
+}
+
+// The stages' own counters: on stage 0, 1F1B keeps at most p micro-batches' activations alive, GPipe keeps m.
+TEST_F(MultiprocPipeline, OneFOneBBoundsLiveActivationsOnStageZero) {
+  start({.world_size = 5});
+  const int p = 4, m = 8;
+  for (auto schedule : {Schedule::k1F1B, Schedule::kGPipe}) {
+    auto pipe = Pipeline::from_sequential("pipe_mlp", {kLayers, kWidth, kSeed}, stage_workers(p), {.n_stages = p},
+                                          {.schedule = schedule, .n_microbatches = m});
+    auto [x, y] = batch(2 * m, 0);
+    dist_autograd::ContextGuard ctx;
+    pipe.step(x, y);
+    const auto& peak = pipe.last_stats().peak_activations;
+    ASSERT_EQ(peak.size(), static_cast<size_t>(p));
+    if (schedule == Schedule::k1F1B) {
+      for (int s = 0; s < p; ++s) EXPECT_EQ(peak[s], p - s) << "stage " << s;
+    } else {
+      for (int s = 0; s < p; ++s) EXPECT_EQ(peak[s], m) << "stage " << s;
+    }
+  }
+}
+
+TEST_F(MultiprocPipeline, TimelineIsWrittenAsChromeTraceAndSvg) {
+  start({.world_size = 3});
+  pipeline::PipelineOptions options;
+  options.n_microbatches = 4;
+  options.record_timeline = true;
+  auto pipe = Pipeline::from_sequential("pipe_mlp", {kLayers, kWidth, kSeed}, stage_workers(2), {.n_stages = 2}, options);
+  auto [x, y] = batch(8, 0);
+  dist_autograd::ContextGuard ctx;
+  pipe.step(x, y);
+  EXPECT_EQ(pipe.last_timeline().size(), 2u * 2 * 4);
+  const std::string dir = ::testing::TempDir();
+  pipe.write_chrome_trace(dir + "/pipe.json");
+  pipe.write_svg(dir + "/pipe.svg");
+  std::ifstream json(dir + "/pipe.json"), svg(dir + "/pipe.svg");
+  std::stringstream j, s;
+  j << json.rdbuf();
+  s << svg.rdbuf();
+  EXPECT_THAT(j.str(), ::testing::HasSubstr("\"traceEvents\""));
+  EXPECT_THAT(j.str(), ::testing::HasSubstr("\"name\":\"B3\""));
+  EXPECT_THAT(s.str(), ::testing::HasSubstr("1f1b, 2 stages, 4 micro-batches"));
+  for (const auto& e : pipe.last_timeline()) EXPECT_LE(e.start_us, e.end_us);
+}
+
+// Bad input is refused before any work starts, naming what is wrong.
+TEST_F(MultiprocPipeline, BadInputIsAClearErrorBeforeAnyWork) {
+  start({.world_size = 3});
+  auto pipe = Pipeline::from_sequential("pipe_mlp", {kLayers, kWidth, kSeed}, stage_workers(2), {.n_stages = 2},
+                                        {.n_microbatches = 4});
+  auto expect_error = [](const std::function<void()>& f, const std::string& text) {
+    try {
+      f();
+      ADD_FAILURE() << "no error; expected one saying " << text;
+    } catch (const RpcError& e) {
+      EXPECT_THAT(e.what(), ::testing::HasSubstr(text));
+    }
+  };
+  {
+    dist_autograd::ContextGuard ctx;
+    expect_error([&] { pipe.step(at::zeros({0, kWidth}, at::kDouble), at::zeros({0, kWidth}, at::kDouble)); },
+                 "the batch is empty");
+    expect_error([&] { pipe.step(at::zeros({3, kWidth}, at::kDouble), at::zeros({3, kWidth}, at::kDouble)); },
+                 "a batch of 3 rows cannot be split into 4");
+    expect_error([&] { pipe.step(at::zeros({8, kWidth}, at::kDouble), at::zeros({7, kWidth}, at::kDouble)); },
+                 "differs from the input's");
+  }
+  expect_error([&] { pipe.step(at::zeros({8, kWidth}, at::kDouble), at::zeros({8, kWidth}, at::kDouble)); },
+               "dist_autograd::ContextGuard");
+  expect_error([] { Pipeline::create({{"nobody", "pipe_linear", {int64_t{4}, int64_t{4}}}}); },
+               "stage 0 is placed on worker 'nobody', which is not in this job");
+  expect_error([] { Pipeline::create({{1, "no_such_factory", {}}}); }, "no module factory named 'no_such_factory'");
+  // Stages that do not fit: stage 1 expects 5 features, stage 0 gives 4. Found on the first step, naming stage 1.
+  auto misfit = Pipeline::create({{1, "pipe_linear", {int64_t{4}, int64_t{4}}}, {2, "pipe_linear", {int64_t{5}, int64_t{4}}}},
+                                 {.n_microbatches = 2});
+  dist_autograd::ContextGuard ctx;
+  expect_error([&] { misfit.step(at::zeros({4, 4}, at::kDouble), at::zeros({4, 4}, at::kDouble)); },
+               "stage 1 on worker 'worker2', micro-batch 0, forward");
+}
+
+// A stage that throws: step fails naming the stage, the worker and the micro-batch; the next step works.
+TEST_F(MultiprocPipeline, AStageThatThrowsFailsTheStepNamingItAndTheNextStepWorks) {
+  start({.world_size = 4});
+  auto pipe = Pipeline::create({{1, "pipe_faulty", {int64_t{0}}}, {2, "pipe_faulty", {int64_t{1}}},
+                                {3, "pipe_faulty", {int64_t{0}}}},
+                               {.n_microbatches = 4, .timeout = std::chrono::milliseconds(20000)});
+  at::Tensor x = at::ones({8, 4}, at::kDouble), y = at::zeros({8, 4}, at::kDouble);
+  x[5][0] = 999;  // micro-batch 2 (rows 4 and 5)
+  const auto t0 = Clock::now();
+  try {
+    dist_autograd::ContextGuard ctx;
+    pipe.step(x, y);
+    ADD_FAILURE() << "a throwing stage did not fail the step";
+  } catch (const RpcError& e) {
+    EXPECT_THAT(e.what(), ::testing::HasSubstr("stage 1 on worker 'worker2', micro-batch 2, forward"));
+    EXPECT_THAT(e.what(), ::testing::HasSubstr("a marked row reached the faulty stage"));
+  }
+  EXPECT_LT(Clock::now() - t0, milliseconds(10000));  // the others abandon the step at once, not at its timeout
+  x[5][0] = 1;
+  dist_autograd::ContextGuard ctx;
+  EXPECT_NEAR(pipe.step(x, y), 1.0, 1e-12);  // identity stages: mean of ones squared
+}
+
+// A stage worker that dies mid-step: the step fails within its timeout naming the worker and stage; no hang.
+TEST_F(MultiprocPipeline, AKilledStageWorkerFailsTheStepWithinTheTimeout) {
+  start({.world_size = 4});
+  expect_clean_children_ = false;
+  auto pipe = Pipeline::create({{1, "pipe_faulty", {int64_t{0}}}, {2, "pipe_faulty", {int64_t{0}}},
+                                {3, "pipe_faulty", {int64_t{2}}}},
+                               {.n_microbatches = 4, .timeout = std::chrono::milliseconds(8000)});
+  at::Tensor x = at::ones({8, 4}, at::kDouble), y = at::zeros({8, 4}, at::kDouble);
+  x[2][0] = 999;  // micro-batch 1 kills worker3 (stage 2)
+  const auto t0 = Clock::now();
+  try {
+    dist_autograd::ContextGuard ctx;
+    pipe.step(x, y);
+    ADD_FAILURE() << "a dead stage worker did not fail the step";
+  } catch (const RpcError& e) {
+    EXPECT_THAT(e.what(), ::testing::HasSubstr("worker 'worker3' (stage 2)"));
+    EXPECT_THAT(e.what(), ::testing::HasSubstr("micro-batch"));
+  }
+  EXPECT_LT(Clock::now() - t0, milliseconds(8000 + 5000));
+  rpc::shutdown(false);
+  auto codes = job_->wait_children(milliseconds(30000));
+  EXPECT_EQ(codes.back(), 9);
+}
+
+}  // namespace
+}  // namespace tandem::test

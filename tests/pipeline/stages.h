@@ -1,0 +1,17 @@
+// Modules and functions the pipeline tests register on every worker (the test process is the driver, rank 0).
+#pragma once
+
+#include <torch/torch.h>
+
+namespace tandem::test {
+
+// "pipe_mlp"(layers, width, seed): a float64 Sequential of `layers` Linear(width, width), each followed by Tanh.
+torch::nn::Sequential make_pipe_mlp(int64_t layers, int64_t width, int64_t seed);
+
+// Also registers: "pipe_linear"(in, out) (float64 Linear); "pipe_faulty"(mode): a float64 identity Linear(4, 4) whose
+// forward, when a row's first value is 999, throws (mode 1) or kills its process with exit code 9 (mode 2); and the
+// functions "pipe_grads"(pipeline, stage, context) / "pipe_params"(pipeline, stage) / "pipe_dot_grads"(pipeline,
+// stage) returning a local stage's context gradients, parameters and .grad (zeros where undefined).
+void register_pipeline_stages();
+
+}  // namespace tandem::test
