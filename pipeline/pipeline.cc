@@ -3,6 +3,7 @@
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/jit/serialization/import.h>
 #include <torch/nn/modules/container/sequential.h>
 
 #include <algorithm>
@@ -32,6 +33,7 @@ constexpr const char* kRun = "__tandem.pipeline.run";
 constexpr const char* kAct = "__tandem.pipeline.act";
 constexpr const char* kAbort = "__tandem.pipeline.abort";
 constexpr const char* kRelease = "__tandem.pipeline.release";
+constexpr const char* kForward = "__tandem.pipeline.forward";
 // A worker's reply (its own error naming stage and micro-batch) must reach the driver before the driver's own wait
 // on that worker runs out: the RPC carrying a plan gets the step's timeout plus this.
 constexpr std::chrono::milliseconds kReplyMargin{2000};
@@ -93,6 +95,26 @@ std::shared_ptr<Stage> find_stage(int64_t pipe, int stage) {
   return it == stages().end() ? nullptr : it->second;
 }
 
+// A TorchScript module as a stage: its parameters and forward. Holds the module, which is not a torch::nn::Module.
+struct ScriptStage : torch::nn::Module {
+  explicit ScriptStage(torch::jit::Module m) : script(std::move(m)) {
+    int i = 0;
+    for (const auto& p : script.parameters()) register_parameter("p" + std::to_string(i++), p, p.requires_grad());
+  }
+  torch::jit::Module script;
+};
+
+std::shared_ptr<Stage> load_script_stage(const std::string& path) {
+  auto module = std::make_shared<ScriptStage>(torch::jit::load(path));
+  auto stage = std::make_shared<Stage>();
+  stage->module = module;
+  stage->forward = [module](const at::Tensor& x) { return module->script.forward({x}).toTensor(); };
+  for (const auto& p : module->parameters()) {
+    if (p.requires_grad()) stage->params.push_back(p);
+  }
+  return stage;
+}
+
 std::shared_ptr<Stage> build_stage(const std::string& factory, std::vector<c10::IValue> args, int64_t begin,
                                    int64_t end) {
   // One build at a time in a process: factories seed LibTorch's global generator (torch::manual_seed) to build the
@@ -140,10 +162,15 @@ class Mailbox {
     box_[key] = std::move(t);
     cv_.notify_all();
   }
-  // The tensor for `key`, or an error: the step was abandoned (its reason), or nothing came by `deadline`.
+  // The tensor for `key`, or an error: the step was abandoned (its reason), RPC stopped, or nothing came by
+  // `deadline`.
   absl::StatusOr<at::Tensor> take(const Key& key, Clock::time_point deadline, const std::string& what) {
     std::unique_lock<std::mutex> lock(mu_);
+    const int64_t epoch = epoch_;
     for (;;) {
+      if (epoch_ != epoch) {
+        return absl::Status(stopped_.code(), absl::StrCat("abandoned while waiting for ", what, ": ", stopped_.message()));
+      }
       if (auto a = aborted_.find(step_of(key)); a != aborted_.end()) {
         return absl::Status(a->second.code(), absl::StrCat("abandoned while waiting for ", what, ": ", a->second.message()));
       }
@@ -167,10 +194,11 @@ class Mailbox {
     }
     cv_.notify_all();
   }
+  // Every wait in progress ends with `reason` (RPC is stopping); later steps are not affected.
   void abort_all(const absl::Status& reason) {
     std::lock_guard<std::mutex> lock(mu_);
     stopped_ = reason;
-    for (const auto& entry : box_) aborted_.emplace(step_of(entry.first), reason);
+    ++epoch_;
     box_.clear();
     cv_.notify_all();
   }
@@ -186,7 +214,8 @@ class Mailbox {
   std::map<Key, at::Tensor> box_;
   std::map<std::pair<int64_t, int64_t>, absl::Status> aborted_;
   std::vector<std::pair<int64_t, int64_t>> order_;  // abandoned steps, oldest first (a bounded memory of them)
-  absl::Status stopped_;
+  int64_t epoch_ = 0;                                 // abort_all() calls so far
+  absl::Status stopped_;                              // the last one's reason
 };
 
 // ---- a worker's run of its plan ----
@@ -215,7 +244,9 @@ struct StageRun {
 
 class Run {
  public:
-  explicit Run(Plan plan) : p_(std::move(plan)), deadline_(Clock::now() + p_.timeout) {}
+  explicit Run(Plan plan) : p_(std::move(plan)), deadline_(Clock::now() + p_.timeout), self_(rpc::get_worker_info().id) {
+    for (int r : p_.stage_rank) stage_names_.push_back(rpc::get_worker_info(r).name);
+  }
 
   // Returns (loss, [stage, peak, busy_us]..., [stage, mb, backward, start_us, end_us]...).
   c10::IValue execute() {
@@ -224,7 +255,7 @@ class Run {
     const LossFn loss = find_loss_if_last(n);
     for (const Action& a : p_.actions) {
       StageRun& run = stage_run(a.stage);
-      const int64_t start = now_us();
+      compute_start_ = 0;
       try {
         a.backward ? backward(run, a, n) : forward(run, a, n, loss, batch);
       } catch (const RpcError& e) {
@@ -232,7 +263,8 @@ class Run {
       } catch (const std::exception& e) {
         throw_error(absl::StatusCode::kUnknown, a, e.what());
       }
-      const int64_t end = now_us();
+      // Busy time and the timeline count computing only, not the wait for the action's input.
+      const int64_t end = now_us(), start = compute_start_;
       run.busy_us += end - start;
       if (p_.record) events_.insert(events_.end(), {a.stage, a.microbatch, a.backward, start, end});
     }
@@ -284,14 +316,14 @@ class Run {
     const int from = grad ? stage + 1 : stage - 1;
     auto got = Mailbox::get().take({p_.pipe, p_.step, stage, mb, grad}, deadline_,
                                    absl::StrCat(grad ? "the gradient" : "the activation", " from stage ", from,
-                                                " (worker '", rpc::get_worker_info(p_.stage_rank[from]).name, "')"));
+                                                " (worker '", stage_names_[from], "')"));
     throw_if_error(got.status());
     return *std::move(got);
   }
 
   void send(int stage, int mb, bool grad, at::Tensor t) {
     const int to = p_.stage_rank[stage];
-    if (to == rpc::get_worker_info().id) return Mailbox::get().put({p_.pipe, p_.step, stage, mb, grad}, std::move(t));
+    if (to == self_) return Mailbox::get().put({p_.pipe, p_.step, stage, mb, grad}, std::move(t));
     rpc::Future f = rpc::rpc_async(to, kAct, p_.pipe, p_.step, int64_t{stage}, int64_t{mb}, grad, std::move(t), remaining());
     const int64_t pipe = p_.pipe, step = p_.step;
     f.add_callback([pipe, step, stage, mb, grad](const rpc::Future& done) {
@@ -309,6 +341,7 @@ class Run {
   void forward(StageRun& run, const Action& a, int n, const LossFn& loss, int64_t batch) {
     const bool last = a.stage == n - 1;
     at::Tensor x = a.stage == 0 ? p_.inputs.at(a.microbatch) : receive(a.stage, a.microbatch, false);
+    compute_start_ = now_us();
     if (a.stage > 0 && x.is_floating_point()) x = x.detach().requires_grad_(true);
     at::Tensor out;
     if (p_.checkpoint && !last) {
@@ -335,10 +368,9 @@ class Run {
     StageRun::Live live = std::move(it->second);
     run.live.erase(it);  // the micro-batch's activations go when this backward is done
     at::Tensor root = live.output, grad_out;
-    if (a.stage < n - 1) {
-      grad_out = receive(a.stage, a.microbatch, true);
-      if (p_.checkpoint) root = run.stage->forward(live.input);
-    }
+    if (a.stage < n - 1) grad_out = receive(a.stage, a.microbatch, true);
+    compute_start_ = now_us();
+    if (a.stage < n - 1 && p_.checkpoint) root = run.stage->forward(live.input);
     std::vector<at::Tensor> wrt = run.stage->params;
     const bool input_grad = a.stage > 0 && live.input.requires_grad();
     if (input_grad) wrt.push_back(live.input);
@@ -352,7 +384,13 @@ class Run {
     }
     for (size_t j = 0; j < run.grads.size(); ++j) {
       if (!grads[j].defined()) continue;
-      run.grads[j] = run.grads[j].defined() ? run.grads[j] + grads[j] : grads[j];
+      if (run.grads[j].defined()) {
+        run.grads[j].add_(grads[j]);
+      } else if (grads[j].use_count() == 1 && grads[j].storage().use_count() == 1) {
+        run.grads[j] = std::move(grads[j]);  // computed for this parameter alone: ours to accumulate into
+      } else {
+        run.grads[j] = grads[j].clone();  // the engine may hand one tensor to several inputs (x * (a + b))
+      }
     }
     if (a.stage > 0) {
       at::Tensor dx = input_grad && grads.back().defined() ? grads.back() : at::zeros_like(live.input);
@@ -380,10 +418,13 @@ class Run {
 
   Plan p_;
   const Clock::time_point deadline_;
+  const int self_;
+  std::vector<std::string> stage_names_;
   std::map<int, StageRun> runs_;
   std::vector<rpc::Future> sends_;
   std::vector<int64_t> events_;
   double loss_ = 0;
+  int64_t compute_start_ = 0;  // when the current action had its input and began computing
 };
 
 rpc::Future on_run(int64_t pipe, int64_t step, std::vector<int64_t> actions, std::vector<int64_t> stage_rank,
@@ -430,12 +471,13 @@ rpc::Future on_run(int64_t pipe, int64_t step, std::vector<int64_t> actions, std
 
 bool install() {
   throw_if_error(rpc::register_handler(kCreate, [](std::vector<c10::IValue>&& a) -> rpc::Future {
-    if (a.size() != 6) throw std::invalid_argument("malformed pipeline stage creation");
+    if (a.size() != 7) throw std::invalid_argument("malformed pipeline stage creation");
     const int64_t pipe = a[0].toInt();
     const int index = static_cast<int>(a[1].toInt());
     std::vector<c10::IValue> args;
     for (const auto& v : a[3].toListRef()) args.push_back(v);
-    auto stage = build_stage(a[2].toStringRef(), std::move(args), a[4].toInt(), a[5].toInt());
+    auto stage = a[6].toStringRef().empty() ? build_stage(a[2].toStringRef(), std::move(args), a[4].toInt(), a[5].toInt())
+                                            : load_script_stage(a[6].toStringRef());
     std::vector<c10::IValue> refs;
     for (const auto& p : stage->params) refs.push_back(rref::make_local(c10::IValue(p)).to_ivalue());
     {
@@ -445,6 +487,22 @@ bool install() {
     return rpc::Future::ready(c10::ivalue::Tuple::create(std::move(refs)));
   }));
   rpc::register_function(kRun, on_run);
+  // Inference: this stage's forward, then the next stage's (asynchronously: no thread waits for the rest).
+  rpc::register_function(kForward, [](int64_t pipe, int64_t index, std::vector<int64_t> ranks, at::Tensor x,
+                                      int64_t timeout_ms) -> rpc::Future {
+    auto stage = find_stage(pipe, static_cast<int>(index));
+    if (!stage) throw std::invalid_argument(absl::StrCat("pipeline ", pipe, " has no stage ", index, " here"));
+    at::Tensor y;
+    try {
+      at::NoGradGuard no_grad;
+      y = stage->forward(x);
+    } catch (const std::exception& e) {
+      throw std::runtime_error(absl::StrCat("stage ", index, " on worker '", self_name(), "', forward: ", e.what()));
+    }
+    if (index + 1 >= static_cast<int64_t>(ranks.size())) return rpc::Future::ready(c10::IValue(y));
+    return rpc::rpc_async(static_cast<int>(ranks[index + 1]), kForward, pipe, index + 1, ranks, y, timeout_ms,
+                          std::chrono::milliseconds(timeout_ms));
+  });
   rpc::register_function(kAct, [](int64_t pipe, int64_t step, int64_t stage, int64_t mb, bool grad, at::Tensor t) {
     Mailbox::get().put({pipe, step, static_cast<int>(stage), static_cast<int>(mb), grad}, std::move(t));
   });
@@ -706,7 +764,8 @@ Pipeline Pipeline::create(std::vector<StageSpec> stages, PipelineOptions options
     for (const auto& a : spec.args) args.push_back(a);
     built.push_back(rpc::call(info.id, kCreate,
                               {c10::IValue(st->id), c10::IValue(static_cast<int64_t>(s)), c10::IValue(spec.factory),
-                               c10::IValue(args), c10::IValue(spec.layer_begin), c10::IValue(spec.layer_end)},
+                               c10::IValue(args), c10::IValue(spec.layer_begin), c10::IValue(spec.layer_end),
+                               c10::IValue(spec.torchscript)},
                               options.timeout));
   }
   st->specs = std::move(stages);
@@ -764,6 +823,32 @@ Pipeline Pipeline::from_sequential(const std::string& factory, std::vector<c10::
 }
 
 double Pipeline::step(const at::Tensor& input, const at::Tensor& target) { return state_->step(input, target); }
+
+at::Tensor Pipeline::forward(const at::Tensor& input) {
+  if (!input.defined() || input.dim() == 0 || input.size(0) == 0) {
+    fail(absl::StatusCode::kInvalidArgument, "the batch is empty (the input needs at least one row)");
+  }
+  const auto& st = *state_;
+  const int64_t m = std::min<int64_t>(std::max(1, st.options.n_microbatches), input.size(0));
+  const std::vector<int64_t> ranks(st.stage_rank.begin(), st.stage_rank.end());
+  std::vector<rpc::Future> outs;
+  for (const at::Tensor& x : at::tensor_split(input, m)) {
+    outs.push_back(rpc::rpc_async(st.stage_rank[0], kForward, st.id, int64_t{0}, ranks, x,
+                                  static_cast<int64_t>(st.options.timeout.count()), st.options.timeout));
+  }
+  std::vector<at::Tensor> ys;
+  for (const auto& f : outs) {
+    absl::Status s = f.status();
+    if (!s.ok()) fail(s.code(), absl::StrCat("forward of pipeline ", st.id, " failed: ", s.message()));
+    ys.push_back(f.value().toTensor());
+  }
+  return at::cat(ys);
+}
+
+void Pipeline::set_record_timeline(bool on) {
+  std::lock_guard<std::mutex> lock(state_->step_mu);
+  state_->options.record_timeline = on;
+}
 int Pipeline::num_stages() const { return static_cast<int>(state_->stage_rank.size()); }
 std::string Pipeline::stage_worker(int stage) const { return rpc::get_worker_info(state_->stage_rank.at(stage)).name; }
 std::pair<int64_t, int64_t> Pipeline::stage_layers(int stage) const {

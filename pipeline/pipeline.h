@@ -14,8 +14,8 @@
 //     opt.step(ctx.id());
 //   }
 //
-// How: every stage is built on its worker (a registered module factory, or layers [begin, end) of the Sequential a
-// factory returns). step() splits the batch into micro-batches (the last may be smaller; fewer micro-batches than
+// How: every stage is built on its worker (a registered module factory, layers [begin, end) of the Sequential a
+// factory returns, or a TorchScript file). step() splits the batch into micro-batches (the last may be smaller; fewer micro-batches than
 // stages is fine), computes every worker's plan (pipeline/schedule.h) and sends each worker its plan once, stage 0's
 // micro-batches and the last stage's targets with it. Each worker then runs its actions in order: a forward waits for
 // its activation from the previous stage, sends its output straight to the next stage's worker (not through the
@@ -61,6 +61,9 @@ struct StageSpec {
   std::vector<c10::IValue> args;  // its arguments
   // When the factory returns a torch::nn::Sequential: keep only its layers [layer_begin, layer_end). -1: all of it.
   int64_t layer_begin = -1, layer_end = -1;
+  // Instead of a factory: a TorchScript module file (torch.jit.save / torch::jit::Module::save) that the worker loads
+  // (the path as the worker sees it); its forward takes and returns one tensor.
+  std::string torchscript;
 };
 
 enum class GradientsTo { kContext, kDotGrad };
@@ -124,6 +127,12 @@ class Pipeline {
   // One training step on the whole batch: forward and backward of every micro-batch by the schedule. Returns the
   // batch's loss. See the header comment for where the gradients go and for errors.
   double step(const at::Tensor& input, const at::Tensor& target);
+  // Inference: the last stage's output for the whole batch, without gradients. The batch's micro-batches go through
+  // the stages concurrently, each from stage to stage (stage i's worker calls stage i+1's). Throws RpcError naming the
+  // stage and worker that failed.
+  at::Tensor forward(const at::Tensor& input);
+  // Turns PipelineOptions::record_timeline on or off for the following steps.
+  void set_record_timeline(bool on);
 
   int num_stages() const;
   std::string stage_worker(int stage) const;

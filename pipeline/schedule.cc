@@ -192,7 +192,16 @@ std::vector<std::vector<Action>> make_plans(Schedule schedule, const std::vector
 
 double simulate(const std::vector<std::vector<Action>>& plans, const std::vector<int>& stage_worker, int m, double t_f,
                 double t_b) {
+  return simulate(plans, stage_worker, m, std::vector<double>(stage_worker.size(), t_f),
+                  std::vector<double>(stage_worker.size(), t_b));
+}
+
+double simulate(const std::vector<std::vector<Action>>& plans, const std::vector<int>& stage_worker, int m,
+                const std::vector<double>& t_f, const std::vector<double>& t_b) {
   const int p = static_cast<int>(stage_worker.size());
+  if (t_f.size() != stage_worker.size() || t_b.size() != stage_worker.size()) {
+    throw std::invalid_argument("simulate: one forward and one backward cost per stage");
+  }
   check_placement(stage_worker, static_cast<int>(plans.size()), m);
   std::vector<std::vector<int>> seen(p, std::vector<int>(2 * m, 0));
   for (size_t w = 0; w < plans.size(); ++w) {
@@ -219,7 +228,7 @@ double simulate(const std::vector<std::vector<Action>>& plans, const std::vector
         const Action& a = plans[w][next[w]];
         const double ready = times.ready_at(a, p);
         if (ready == kNever) break;
-        const double end = std::max(ready, free_at[w]) + (a.backward ? t_b : t_f);
+        const double end = std::max(ready, free_at[w]) + (a.backward ? t_b[a.stage] : t_f[a.stage]);
         times.done(a) = free_at[w] = end;
         makespan = std::max(makespan, end);
         ++next[w], progress = true;

@@ -49,5 +49,8 @@ std::vector<std::vector<Action>> make_plans(Schedule schedule, const std::vector
 // the plans cover every action once and respect the dependencies (else std::logic_error).
 double simulate(const std::vector<std::vector<Action>>& plans, const std::vector<int>& stage_worker,
                 int n_microbatches, double t_f, double t_b);
+// The same with a cost per stage (t_f[s], t_b[s]).
+double simulate(const std::vector<std::vector<Action>>& plans, const std::vector<int>& stage_worker,
+                int n_microbatches, const std::vector<double>& t_f, const std::vector<double>& t_b);
 
 }  // namespace tandem::pipeline

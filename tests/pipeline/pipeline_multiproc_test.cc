@@ -6,6 +6,8 @@
 #include <fstream>
 #include <sstream>
 
+#include <torch/script.h>
+
 #include "dist_autograd/dist_autograd.h"
 #include "dist_optim/dist_optim.h"
 #include "nn/remote_module.h"
@@ -123,6 +125,39 @@ TEST_F(MultiprocPipeline, CheckpointingAndDotGradGiveTheSameGradients) {
   start({.world_size = 4});
   EXPECT_EQ(follow_one_process(Schedule::k1F1B, 3, 3, 3, true), "");
   EXPECT_EQ(follow_one_process(Schedule::k1F1B, 3, 3, 4, false, pipeline::GradientsTo::kDotGrad), "");
+}
+
+// A TorchScript stage (saved here, loaded by its worker) followed by layers of a registered Sequential: the loss and
+// both stages' gradients equal a local copy's.
+TEST_F(MultiprocPipeline, ATorchScriptStageGivesTheGradientsOfItsLocalCopy) {
+  start({.world_size = 3});
+  torch::jit::Module script("Stage");
+  script.register_parameter("w", torch::randn({kWidth, kWidth}, torch::kDouble).requires_grad_(), false);
+  // a + b: the engine hands both the same gradient tensor, which must not be accumulated into twice.
+  script.register_parameter("a", torch::full({}, 0.7, torch::kDouble).requires_grad_(), false);
+  script.register_parameter("b", torch::full({}, 0.6, torch::kDouble).requires_grad_(), false);
+  script.define("def forward(self, x):\n    return torch.tanh(x.mm(self.w)) * (self.a + self.b)\n");
+  const std::string path = ::testing::TempDir() + "/pipeline_stage.pt";
+  script.save(path);
+  pipeline::StageSpec first{1, "", {}};
+  first.torchscript = path;
+  auto pipe = Pipeline::create({first, {2, "pipe_mlp", {kLayers, kWidth, kSeed}, 0, 2}}, {.n_microbatches = 3});
+  auto ref_script = torch::jit::load(path);
+  auto ref = make_pipe_mlp(kLayers, kWidth, kSeed);
+  auto [x, y] = batch(7, 0);
+  at::Tensor h = ref_script.forward({x}).toTensor();
+  for (int i = 0; i < 2; ++i) h = (ref->begin() + i)->forward(h);
+  at::Tensor ref_loss = torch::mse_loss(h, y);
+  ref_loss.backward();
+  dist_autograd::ContextGuard ctx;
+  EXPECT_NEAR(pipe.step(x, y), ref_loss.item<double>(), 1e-10 * ref_loss.item<double>());
+  std::vector<at::Tensor> script_grads;
+  for (const auto& p : ref_script.parameters()) script_grads.push_back(p.grad());
+  EXPECT_LE(relative_diff(rpc::rpc_sync<std::vector<at::Tensor>>(1, "pipe_grads", pipe.id(), 0, ctx.id()), script_grads),
+            1e-10);
+  EXPECT_LE(relative_diff(rpc::rpc_sync<std::vector<at::Tensor>>(2, "pipe_grads", pipe.id(), 1, ctx.id()),
+                          layers_of(ref, {0, 2}, true)),
+            1e-10);
 }
 
 // The stages' own counters: on stage 0, 1F1B keeps at most p micro-batches' activations alive, GPipe keeps m.

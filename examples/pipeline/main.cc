@@ -1,0 +1,158 @@
+// Pipeline-parallel training on Fashion-MNIST: the CNN cut into 3 stages on 3 workers, driven by a fourth.
+//
+//   build/tandem-run --nproc-per-node 4 build/pipeline_train [--epochs 4] [--lr 0.002] [--batch 64]
+//        [--microbatches 4] [--schedule 1f1b|gpipe|interleaved] [--timeline pipeline_timeline] [--checkpoint 1]
+//
+// Rank 0 (the driver) cuts the CNN (the other examples' model) into stages of balanced measured time, places stage k
+// on worker k+1, and trains with Adam through DistributedOptimizer: each batch goes through pipe.step() (micro-batches
+// by the schedule, activations from stage to stage), then opt.step(). It prints progress every 100 steps, per epoch
+// the loss, images/s and test accuracy (inference through the pipeline), and writes one step's timeline as
+// <timeline>.svg (the schedule as a picture) and <timeline>.json (a Chrome trace for Perfetto).
+#include <torch/torch.h>
+
+#include <chrono>
+#include <cstdio>
+#include <string>
+
+#include "dist_autograd/dist_autograd.h"
+#include "dist_optim/dist_optim.h"
+#include "examples/data/cnn.h"
+#include "examples/data/fashion_mnist.h"
+#include "nn/remote_module.h"
+#include "pipeline/pipeline.h"
+#include "rpc/rpc.h"
+
+using namespace tandem;
+
+namespace {
+
+struct Args {
+  int epochs = 4;
+  double lr = 2e-3;
+  int batch = 64;
+  int microbatches = 4;
+  std::string schedule = "1f1b";
+  std::string timeline = "pipeline_timeline";  // "" writes none
+  bool checkpoint = false;
+  int64_t limit = 0;        // train on at most this many images (0: all 60,000); for smoke tests
+  double min_accuracy = 0;  // exit 1 if the final test accuracy is lower
+};
+
+Args parse(int argc, char** argv) {
+  Args a;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string k = argv[i], v = argv[i + 1];
+    if (k == "--epochs") a.epochs = std::stoi(v);
+    else if (k == "--lr") a.lr = std::stod(v);
+    else if (k == "--batch") a.batch = std::stoi(v);
+    else if (k == "--microbatches") a.microbatches = std::stoi(v);
+    else if (k == "--schedule") a.schedule = v;
+    else if (k == "--timeline") a.timeline = v;
+    else if (k == "--checkpoint") a.checkpoint = v == "1";
+    else if (k == "--limit") a.limit = std::stoll(v);
+    else if (k == "--min-accuracy") a.min_accuracy = std::stod(v);
+    else throw std::invalid_argument("unknown option " + k);
+  }
+  return a;
+}
+
+double evaluate(pipeline::Pipeline& pipe, const examples::Dataset& test) {
+  int64_t correct = 0;
+  for (int64_t i = 0; i < test.images.size(0); i += 1000) {
+    at::Tensor pred = pipe.forward(test.images.slice(0, i, i + 1000)).argmax(1);
+    correct += pred.eq(test.labels.slice(0, i, i + 1000)).sum().item<int64_t>();
+  }
+  return static_cast<double>(correct) / static_cast<double>(test.images.size(0));
+}
+
+int drive(const Args& args) {
+  const int n_stages = static_cast<int>(rpc::get_all_worker_infos().size()) - 1;
+  if (n_stages < 1) throw std::invalid_argument("needs a driver and at least one stage worker (--nproc-per-node 4)");
+  examples::Dataset data = examples::load_fashion_mnist("train");
+  examples::Dataset test = examples::load_fashion_mnist("t10k");
+  const int64_t n = args.limit > 0 ? std::min(args.limit, data.images.size(0)) : data.images.size(0);
+
+  std::vector<rpc::To> workers;
+  for (int r = 1; r <= n_stages; ++r) workers.emplace_back(r);
+  pipeline::PipelineOptions options;
+  options.schedule = pipeline::schedule_from_name(args.schedule);
+  options.n_microbatches = args.microbatches;
+  options.loss = "cross_entropy";
+  options.checkpoint = args.checkpoint;
+  auto pipe = pipeline::Pipeline::from_sequential(
+      "fashion_cnn", {}, workers,
+      {.n_stages = n_stages, .by = pipeline::Partition::kTime, .sample = data.images.slice(0, 0, args.batch)}, options);
+  std::printf("pipeline: %d stages (layers", n_stages);
+  for (int s = 0; s < n_stages; ++s) {
+    auto [b, e] = pipe.stage_layers(s);
+    std::printf(" %lld-%lld on %s%s", static_cast<long long>(b), static_cast<long long>(e - 1),
+                pipe.stage_worker(s).c_str(), s + 1 < n_stages ? "," : ")");
+  }
+  std::printf(", %s, batch %d in %d micro-batches, %lld training images, %d epochs, Adam lr %g\n",
+              args.schedule.c_str(), args.batch, args.microbatches, static_cast<long long>(n), args.epochs, args.lr);
+  std::fflush(stdout);
+  dist_optim::DistributedOptimizer opt("adam", pipe.parameter_rrefs(), {{"lr", args.lr}});
+
+  torch::manual_seed(42);
+  const int64_t steps = (n + args.batch - 1) / args.batch;
+  double accuracy = 0;
+  for (int epoch = 1; epoch <= args.epochs; ++epoch) {
+    at::Tensor order = at::randperm(n, at::kLong);
+    const auto t0 = std::chrono::steady_clock::now();
+    double loss_sum = 0;
+    for (int64_t step = 0; step < steps; ++step) {
+      at::Tensor idx = order.slice(0, step * args.batch, std::min(n, (step + 1) * args.batch));
+      if (idx.size(0) < args.microbatches) continue;  // a last batch too small to split
+      at::Tensor x = data.images.index_select(0, idx), y = data.labels.index_select(0, idx);
+      const bool picture = epoch == 1 && step == 10 && !args.timeline.empty();
+      if (picture) pipe.set_record_timeline(true);
+      {
+        dist_autograd::ContextGuard ctx;
+        loss_sum += pipe.step(x, y);
+        opt.step(ctx.id());
+      }
+      if (picture) {
+        pipe.set_record_timeline(false);
+        pipe.write_svg(args.timeline + ".svg");
+        pipe.write_chrome_trace(args.timeline + ".json");
+        std::printf("  wrote %s.svg and %s.json (step %lld: %.1f ms)\n", args.timeline.c_str(), args.timeline.c_str(),
+                    static_cast<long long>(step), pipe.last_stats().step_ms);
+      }
+      if ((step + 1) % 100 == 0) {
+        std::printf("  epoch %d  step %lld/%lld  loss %.4f\n", epoch, static_cast<long long>(step + 1),
+                    static_cast<long long>(steps), loss_sum / static_cast<double>(step + 1));
+        std::fflush(stdout);
+      }
+    }
+    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    accuracy = evaluate(pipe, test);
+    std::printf("epoch %d/%d  %.0f images/s  loss %.4f  test accuracy %.4f\n", epoch, args.epochs,
+                static_cast<double>(n) / secs, loss_sum / static_cast<double>(steps), accuracy);
+    std::fflush(stdout);
+  }
+  return examples::accuracy_exit_code(accuracy, args.min_accuracy);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    const Args args = parse(argc, argv);
+    at::set_num_threads(1);  // one intra-op thread per process: the stages share the machine's cores
+    nn::register_module("fashion_cnn", [] {
+      torch::manual_seed(0);  // every worker builds the same weights; each keeps its own layers
+      return examples::fashion_mnist_cnn();
+    });
+    // Stage workers only serve: their graceful shutdown waits for the driver's, for as long as training may take
+    // (the driver's death ends the wait at once, with an error).
+    rpc::RpcOptions options;
+    options.shutdown_timeout = std::chrono::hours(2);
+    rpc::init_rpc(options);
+    const int code = rpc::get_worker_info().id == 0 ? drive(args) : 0;
+    rpc::shutdown();
+    return code;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "pipeline_train: %s\n", e.what());
+    return 1;
+  }
+}
