@@ -2,6 +2,8 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
 #include <cstdlib>
 #include <iostream>
 #include <atomic>
@@ -10,6 +12,7 @@
 
 #include <torch/jit.h>
 
+#include "rpc/batching.h"
 #include "rpc/extension.h"
 #include "rpc/script.h"
 #include "tests/rpc/test_env.h"
@@ -123,6 +126,28 @@ void register_test_functions() {
     return rpc::rpc_sync<at::Tensor>(to, "add", x, x);
   });
   rpc::register_function("gather_sum", gather_sum);
+  // Batched: each caller gets (the batch's sum, the batch's size); a negative request makes the function throw.
+  rpc::register_batched_function<int64_t, std::tuple<int64_t, int64_t>>(
+      "batched_sum", {.max_batch = 3, .max_delay = std::chrono::milliseconds(200)}, [](std::vector<int64_t> xs) {
+        int64_t sum = 0;
+        for (int64_t x : xs) {
+          if (x < 0) throw std::invalid_argument("negative request");
+          sum += x;
+        }
+        return std::vector<std::tuple<int64_t, int64_t>>(xs.size(), {sum, static_cast<int64_t>(xs.size())});
+      });
+  rpc::register_function("batch_stats", [](std::string name) {
+    const rpc::BatchStats s = rpc::batch_stats(name);
+    return std::vector<int64_t>{s.batches, s.requests, s.full_batches};
+  });
+  // Sends a request to `to`'s batched_sum and dies before its answer comes.
+  rpc::register_function("batched_call_and_die", [](int64_t to) {
+    (void)rpc::rpc_async(static_cast<int>(to), "batched_sum", int64_t{100});
+    std::thread([] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      _exit(9);
+    }).detach();
+  });
   rpc::register_function("later", [](int64_t ms, int64_t value) {
     rpc::Future f;
     std::thread([f, ms, value] {

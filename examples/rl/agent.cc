@@ -1,0 +1,208 @@
+#include "examples/rl/agent.h"
+
+#include <ATen/ATen.h>
+#include <torch/nn/modules/activation.h>
+#include <torch/nn/modules/linear.h>
+
+#include <atomic>
+#include <optional>
+
+#include "absl/strings/str_cat.h"
+#include "examples/rl/cartpole.h"
+#include "rpc/batching.h"
+#include "rpc/errors.h"
+#include "rpc/rpc.h"
+
+namespace tandem::examples::rl {
+namespace {
+
+constexpr const char* kSelect = "rl.select_action";
+constexpr const char* kSelectBatch = "rl.select_action_batch";
+constexpr const char* kDone = "rl.observer_done";
+constexpr const char* kObserver = "rl.Observer";
+// How long a batch waits for the observers that have not asked yet (a slow or dead one) before it runs without them.
+constexpr std::chrono::milliseconds kBatchDelay{5};
+
+torch::nn::Sequential make_policy(uint64_t seed) {
+  at::manual_seed(seed);
+  return torch::nn::Sequential(torch::nn::Linear(4, 128), torch::nn::ReLU(), torch::nn::Linear(128, 2));
+}
+
+std::mutex g_agent_mu;
+std::shared_ptr<Agent> g_agent;
+std::atomic<int64_t> g_active{0};  // observers still playing this round (batched mode: the full batch)
+
+std::shared_ptr<Agent> agent() {
+  std::lock_guard<std::mutex> lock(g_agent_mu);
+  if (!g_agent) throw std::runtime_error("no agent on worker '" + rpc::get_worker_info().name + "'");
+  return g_agent;
+}
+
+class Observer {
+ public:
+  Observer(int64_t id, int64_t seed) : id_(id), env_(static_cast<uint64_t>(seed) * 1000 + id), rng_(seed * 7919 + id) {}
+
+  // Plays for the agent on worker `agent_rank`: `steps` steps, or one episode when steps is 0.
+  std::tuple<std::vector<double>, std::vector<int64_t>, std::vector<int64_t>, std::vector<double>> run(
+      int64_t agent_rank, int64_t steps, bool batched) {
+    Trajectory t;
+    CartPole::State s = env_.reset();
+    std::uniform_real_distribution<double> uniform(0.0, 1.0);
+    for (int64_t k = 0; steps == 0 || k < steps; ++k) {
+      const double u = uniform(rng_);
+      const auto t0 = std::chrono::steady_clock::now();
+      const int64_t action = rpc::rpc_sync<int64_t>(static_cast<int>(agent_rank), batched ? kSelectBatch : kSelect,
+                                                    Request{static_cast<double>(id_), s[0], s[1], s[2], s[3], u});
+      t.rtt_us.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
+      const CartPole::Step r = env_.step(static_cast<int>(action));
+      t.actions.push_back(action);
+      t.rewards.push_back(r.reward);
+      t.ends.push_back(r.done);
+      s = r.state;
+      if (r.done) {
+        if (steps == 0) break;
+        s = env_.reset();
+      }
+    }
+    if (batched) rpc::rpc_sync(static_cast<int>(agent_rank), kDone);  // the next batches need one request fewer
+    return {t.rewards, t.ends, t.actions, t.rtt_us};
+  }
+
+ private:
+  int64_t id_;
+  CartPole env_;
+  std::mt19937_64 rng_;
+};
+
+}  // namespace
+
+Agent::Agent(int observers, uint64_t seed, double lr, double gamma)
+    : policy(make_policy(seed)), optimizer_(policy->parameters(), torch::optim::AdamOptions(lr)), gamma_(gamma),
+      steps_(observers) {}
+
+std::vector<int64_t> Agent::select(const std::vector<Request>& requests) {
+  std::vector<double> flat;
+  for (const Request& r : requests) {
+    if (r.size() != 6) throw std::invalid_argument("a request is {observer, 4 state values, u}");
+    flat.insert(flat.end(), r.begin() + 1, r.begin() + 5);
+  }
+  at::Tensor states = at::tensor(flat, at::kDouble).to(at::kFloat).view({static_cast<int64_t>(requests.size()), 4});
+  at::NoGradGuard no_grad;
+  std::lock_guard<std::mutex> lock(mu_);
+  at::Tensor p0 = at::softmax(policy->forward(states), 1).select(1, 0).contiguous();
+  const float* p = p0.data_ptr<float>();
+  const float* st = states.data_ptr<float>();
+  std::vector<int64_t> actions;
+  for (size_t i = 0; i < requests.size(); ++i) {
+    const auto o = static_cast<size_t>(requests[i][0]);
+    if (o >= steps_.size()) throw std::invalid_argument(absl::StrCat("no observer ", o));
+    const int64_t a = requests[i][5] < static_cast<double>(p[i]) ? 0 : 1;
+    actions.push_back(a);
+    steps_[o].states.insert(steps_[o].states.end(), st + 4 * i, st + 4 * i + 4);
+    steps_[o].actions.push_back(a);
+  }
+  return actions;
+}
+
+double Agent::finish_round(const std::vector<int>& observers, const std::vector<std::vector<double>>& rewards,
+                           const std::vector<std::vector<int64_t>>& ends) {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<double> returns;
+  std::vector<float> states;
+  std::vector<int64_t> actions;
+  for (size_t k = 0; k < observers.size(); ++k) {
+    const Steps& taken = steps_.at(observers[k]);
+    const auto& r = rewards[k];
+    if (taken.actions.size() != r.size()) {
+      throw std::logic_error(
+          absl::StrCat("observer ", observers[k], ": ", taken.actions.size(), " actions for ", r.size(), " rewards"));
+    }
+    std::vector<double> g(r.size());
+    double R = 0;
+    for (size_t i = r.size(); i-- > 0;) {
+      if (ends[k][i]) R = 0;  // a new episode's returns start at its end
+      R = r[i] + gamma_ * R;
+      g[i] = R;
+    }
+    returns.insert(returns.end(), g.begin(), g.end());
+    states.insert(states.end(), taken.states.begin(), taken.states.end());
+    actions.insert(actions.end(), taken.actions.begin(), taken.actions.end());
+  }
+  for (auto& s : steps_) s = Steps{};
+  if (actions.empty()) return 0;
+  const auto n = static_cast<int64_t>(actions.size());
+  at::Tensor R = at::tensor(returns, at::kDouble).to(at::kFloat);
+  R = (R - R.mean()) / (n > 1 ? R.std() + 1e-8 : at::ones({}));
+  at::Tensor logp = at::log_softmax(policy->forward(at::tensor(states).view({n, 4})), 1)
+                        .gather(1, at::tensor(actions, at::kLong).view({n, 1}))
+                        .view({n});
+  at::Tensor loss = -(logp * R).sum();
+  optimizer_.zero_grad();
+  loss.backward();
+  optimizer_.step();
+  return loss.item<double>();
+}
+
+void register_rl() {
+  rpc::register_function(kSelect, [](Request r) { return agent()->select({std::move(r)}).front(); });
+  rpc::register_batched_function<Request, int64_t>(kSelectBatch, {.max_batch = 1, .max_delay = kBatchDelay},
+                                                    [](std::vector<Request> rs) { return agent()->select(rs); });
+  rpc::register_function(kDone, [] {
+    const int64_t left = std::max<int64_t>(1, --g_active);
+    throw_if_error(rpc::set_max_batch(kSelectBatch, static_cast<size_t>(left)));
+  });
+  rref::register_class<Observer>(kObserver).constructor<int64_t, int64_t>().method("run", &Observer::run);
+}
+
+void set_agent(std::shared_ptr<Agent> a) {
+  std::lock_guard<std::mutex> lock(g_agent_mu);
+  g_agent = std::move(a);
+}
+
+rref::RRef make_observer(const rpc::To& on, int64_t id, uint64_t seed) {
+  return rref::remote_object(on, kObserver, id, static_cast<int64_t>(seed));
+}
+
+Round run_round(const std::vector<rref::RRef>& observers, const RoundOptions& options) {
+  const int me = rpc::get_worker_info().id;
+  g_active = static_cast<int64_t>(observers.size());
+  if (options.batched) throw_if_error(rpc::set_max_batch(kSelectBatch, std::max<size_t>(1, observers.size())));
+  std::vector<rpc::Future> runs;
+  for (const auto& o : observers) {
+    runs.push_back(o.rpc_async("run", int64_t{me}, int64_t{options.steps}, options.batched, options.timeout));
+  }
+  // Failures are handled as they happen (a dead observer must not wait behind a long-lived one): the others' batches
+  // stop counting it at once, or the round fails at once.
+  Round round;
+  std::vector<char> handled(runs.size(), 0);
+  std::vector<std::optional<Trajectory>> done(runs.size());
+  const auto deadline = std::chrono::steady_clock::now() + options.timeout + std::chrono::seconds(1);
+  for (size_t left = runs.size(); left > 0;) {
+    if (std::chrono::steady_clock::now() > deadline) {
+      throw RpcError(absl::DeadlineExceededError("rl: observers did not finish the round in time"));
+    }
+    for (size_t i = 0; i < runs.size(); ++i) {
+      if (handled[i] || !runs[i].wait_for(std::chrono::milliseconds(runs.size() == 1 ? 100 : 2))) continue;
+      handled[i] = 1, --left;
+      absl::Status s = runs[i].status();
+      if (s.ok()) {
+        auto [rewards, ends, actions, rtt] = runs[i].get<
+            std::tuple<std::vector<double>, std::vector<int64_t>, std::vector<int64_t>, std::vector<double>>>();
+        done[i] = Trajectory{std::move(rewards), std::move(ends), std::move(actions), std::move(rtt)};
+        continue;
+      }
+      const std::string what = absl::StrCat("observer ", i, " (worker '", observers[i].owner_name(), "'): ", s.message());
+      if (!options.skip_failed) throw RpcError(absl::Status(s.code(), "rl: " + what));
+      round.failed.push_back(what);
+      if (options.batched && --g_active >= 1) (void)rpc::set_max_batch(kSelectBatch, static_cast<size_t>(g_active));
+    }
+  }
+  for (size_t i = 0; i < runs.size(); ++i) {
+    if (!done[i]) continue;
+    round.observers.push_back(static_cast<int>(i));
+    round.trajectories.push_back(std::move(*done[i]));
+  }
+  return round;
+}
+
+}  // namespace tandem::examples::rl

@@ -1,0 +1,87 @@
+// Reinforcement learning with observers and an agent (PyTorch's RPC RL tutorial, batch variant): the agent holds the
+// policy; every observer runs a CartPole and asks the agent for each action over RPC; the agent learns by REINFORCE.
+//
+// Action sampling is by inverse CDF with a number u in [0, 1) the observer draws from its own seeded generator, so an
+// action is a function of (policy, state, u): batched and unbatched answers agree, whatever order requests arrive in.
+#pragma once
+
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/optim/adam.h>
+
+#include <chrono>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "rref/rref.h"
+
+namespace tandem::examples::rl {
+
+// A request for an action: {observer, x, x_dot, theta, theta_dot, u}.
+using Request = std::vector<double>;
+
+class Agent {
+ public:
+  // Policy 4 -> 128 -> ReLU -> 2 -> softmax, initialised from `seed`; Adam with `lr`; discount `gamma`.
+  Agent(int observers, uint64_t seed, double lr = 1e-2, double gamma = 0.99);
+
+  // One policy forward for all requests (no autograd); action 0 if u < p0, else 1. Keeps each state and action for
+  // its observer's trajectory. Thread-safe.
+  std::vector<int64_t> select(const std::vector<Request>& requests);
+
+  // REINFORCE over the round: rewards[o] in step order and ends[o] (1 where an episode ended) for each observer whose
+  // trajectory counts (the others' steps are dropped). The log-probabilities come from one forward over all the
+  // round's states, on this thread: the update does not depend on which RPC threads answered (per-step graphs built
+  // on several threads would be accumulated in a thread-dependent order, and training would not repeat). Returns
+  // the loss.
+  double finish_round(const std::vector<int>& observers, const std::vector<std::vector<double>>& rewards,
+                      const std::vector<std::vector<int64_t>>& ends);
+
+  torch::nn::Sequential policy;
+
+ private:
+  std::mutex mu_;
+  torch::optim::Adam optimizer_;
+  double gamma_;
+  struct Steps {
+    std::vector<float> states;  // 4 per step
+    std::vector<int64_t> actions;
+  };
+  std::vector<Steps> steps_;  // per observer, this round
+};
+
+// What an observer reports of its part of a round.
+struct Trajectory {
+  std::vector<double> rewards;
+  std::vector<int64_t> ends;     // 1 at the last step of each episode
+  std::vector<int64_t> actions;
+  std::vector<double> rtt_us;    // each select_action call's round trip, measured by the observer
+};
+
+// The agent side of a job: set on the agent's worker before observers call it. The functions and the Observer class
+// are registered once per process by register_rl() (every worker, before init_rpc).
+void register_rl();
+void set_agent(std::shared_ptr<Agent> agent);
+
+struct RoundOptions {
+  bool batched = true;
+  int steps = 0;  // 0: every observer plays one episode; n > 0: exactly n steps, a new episode after each end
+  std::chrono::milliseconds timeout{std::chrono::seconds(60)};
+  bool skip_failed = false;  // a failed observer is dropped (and named in `failed`) instead of failing the round
+};
+
+struct Round {
+  std::vector<int> observers;         // the indices (into the observers given) whose trajectories came back
+  std::vector<Trajectory> trajectories;
+  std::vector<std::string> failed;    // "observer 2 (worker 'worker3'): cause", with skip_failed
+};
+
+// Creates observer `id` (seeded) on worker `on`, as a remote object.
+rref::RRef make_observer(const rpc::To& on, int64_t id, uint64_t seed);
+
+// One round on this (the agent's) worker: every observer runs concurrently, asking the agent for its actions. Throws
+// RpcError naming the first observer that failed (unless skip_failed), within options.timeout.
+Round run_round(const std::vector<rref::RRef>& observers, const RoundOptions& options);
+
+}  // namespace tandem::examples::rl

@@ -1,0 +1,174 @@
+// Batched functions: a queue of requests per function, flushed by count or by the oldest request's age.
+#include "rpc/batching.h"
+
+#include <condition_variable>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "rpc/errors.h"
+
+namespace tandem::rpc {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+class Batcher : public std::enable_shared_from_this<Batcher> {
+ public:
+  Batcher(std::string name, BatchOptions options, BatchHandler handler)
+      : name_(std::move(name)), options_(options), handler_(std::move(handler)) {}
+
+  // The flushing thread holds the batcher: both live until the process ends.
+  void start() {
+    std::thread([self = shared_from_this()] { self->flush_loop(); }).detach();
+  }
+
+  Future enqueue(std::vector<c10::IValue>&& args) {
+    Future reply;
+    std::vector<Pending> batch;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      pending_.push_back(Pending{std::move(args), reply, Clock::now()});
+      if (pending_.size() < options_.max_batch) {
+        cv_.notify_all();  // the flushing thread starts timing the oldest request
+        return reply;
+      }
+      batch.swap(pending_);
+      ++stats_.full_batches;
+    }
+    run(std::move(batch));
+    return reply;
+  }
+
+  void set_max_batch(size_t n) {
+    std::vector<Pending> batch;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      options_.max_batch = n;
+      if (pending_.empty() || pending_.size() < n) return;
+      batch.swap(pending_);
+      ++stats_.full_batches;
+    }
+    run(std::move(batch));
+  }
+
+  BatchStats stats() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return stats_;
+  }
+
+ private:
+  struct Pending {
+    std::vector<c10::IValue> args;
+    Future reply;
+    Clock::time_point arrived;
+  };
+
+  void flush_loop() {
+    std::unique_lock<std::mutex> lock(mu_);
+    for (;;) {
+      if (pending_.empty()) {
+        cv_.wait(lock);
+        continue;
+      }
+      const auto due = pending_.front().arrived + options_.max_delay;
+      if (Clock::now() < due) {
+        cv_.wait_until(lock, due);
+        continue;
+      }
+      std::vector<Pending> batch;
+      batch.swap(pending_);
+      lock.unlock();
+      run(std::move(batch));
+      lock.lock();
+    }
+  }
+
+  // Runs one batch; batches of this function never overlap.
+  void run(std::vector<Pending> batch) {
+    std::lock_guard<std::mutex> running(run_mu_);
+    std::vector<std::vector<c10::IValue>> requests;
+    requests.reserve(batch.size());
+    for (auto& p : batch) requests.push_back(std::move(p.args));
+    absl::Status error;
+    std::vector<c10::IValue> results;
+    try {
+      results = handler_(requests);
+      if (results.size() != batch.size()) {
+        error = absl::InternalError(absl::StrCat("batched function '", name_, "' returned ", results.size(),
+                                                 " results for ", batch.size(), " requests"));
+      }
+    } catch (const RpcError& e) {
+      error = absl::Status(e.status().code(), absl::StrCat("batched function '", name_, "': ", e.status().message()));
+    } catch (const std::exception& e) {
+      error = absl::UnknownError(absl::StrCat("batched function '", name_, "' threw: ", e.what()));
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      ++stats_.batches;
+      stats_.requests += static_cast<int64_t>(batch.size());
+    }
+    for (size_t i = 0; i < batch.size(); ++i) {
+      if (error.ok()) {
+        batch[i].reply.set_value(std::move(results[i]));
+      } else {
+        batch[i].reply.set_error(error);
+      }
+    }
+  }
+
+  const std::string name_;
+  BatchOptions options_;  // max_delay is fixed; max_batch changes under mu_
+  BatchHandler handler_;
+  std::mutex mu_;  // guards pending_, stats_ and options_.max_batch
+  std::condition_variable cv_;
+  std::vector<Pending> pending_;
+  BatchStats stats_;
+  std::mutex run_mu_;  // one batch at a time
+};
+
+std::mutex g_mu;
+std::map<std::string, std::shared_ptr<Batcher>>& batchers() {
+  static auto* m = new std::map<std::string, std::shared_ptr<Batcher>>;
+  return *m;
+}
+
+}  // namespace
+
+absl::Status register_batched_handler(const std::string& name, BatchOptions options, BatchHandler handler) {
+  if (options.max_batch == 0) return absl::InvalidArgumentError("a batched function needs max_batch of at least 1");
+  auto batcher = std::make_shared<Batcher>(name, options, std::move(handler));
+  absl::Status s = register_handler(name, [batcher](std::vector<c10::IValue>&& args) {
+    return batcher->enqueue(std::move(args));
+  });
+  if (!s.ok()) return s;
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    batchers()[name] = batcher;
+  }
+  batcher->start();
+  return absl::OkStatus();
+}
+
+absl::Status set_max_batch(const std::string& name, size_t max_batch) {
+  if (max_batch == 0) return absl::InvalidArgumentError("a batched function needs max_batch of at least 1");
+  std::shared_ptr<Batcher> batcher;
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    auto it = batchers().find(name);
+    if (it == batchers().end()) return absl::NotFoundError("no batched function '" + name + "' is registered here");
+    batcher = it->second;
+  }
+  batcher->set_max_batch(max_batch);
+  return absl::OkStatus();
+}
+
+BatchStats batch_stats(const std::string& name) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  auto it = batchers().find(name);
+  return it == batchers().end() ? BatchStats{} : it->second->stats();
+}
+
+}  // namespace tandem::rpc

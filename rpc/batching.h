@@ -1,0 +1,78 @@
+// Batched functions: many callers' requests gathered into one call of a user function (batched inference for an RL
+// agent, a batched parameter server).
+//
+//   rpc::register_batched_function<at::Tensor, int64_t>("select_action", {.max_batch = n_observers,
+//                                                                        .max_delay = std::chrono::milliseconds(5)},
+//       [&](std::vector<at::Tensor> states) { ...one forward...; return actions; });   // one result per request
+//   // a caller, anywhere in the job:
+//   int64_t a = rpc::rpc_sync<int64_t>("agent", "select_action", state);
+//
+// Contract. Every call of the registered name becomes one request of the next batch; it is answered (asynchronously:
+// no server thread waits) when its batch runs. A batch runs as soon as `max_batch` requests wait (on the thread of the
+// call that completed it), or when the oldest waiting request has waited `max_delay` (on the batcher's own thread),
+// so a slow, late or dead caller never holds up the others by more than max_delay. The function gets the requests in
+// arrival order and must return exactly one result per request, in the same order. If it throws, or returns another
+// number of results, every request of that batch gets an error naming the function and the cause. A caller that dies
+// while waiting changes nothing for the others (its reply goes nowhere). Each caller's wait is bounded by its own RPC
+// timeout. Batches of one function never run concurrently, so the function needs no lock of its own against itself.
+//
+// Thread-safety: registration may happen at any time from any thread; a batcher lives until the process ends.
+#pragma once
+
+#include <ATen/core/ivalue.h>
+
+#include <chrono>
+#include <cstddef>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "rpc/registry.h"
+
+namespace tandem::rpc {
+
+struct BatchOptions {
+  size_t max_batch = 8;                                     // run as soon as this many requests wait
+  std::chrono::microseconds max_delay{std::chrono::milliseconds(5)};  // or once the oldest has waited this long
+};
+
+struct BatchStats {
+  int64_t batches = 0;
+  int64_t requests = 0;
+  int64_t full_batches = 0;  // run because max_batch requests were waiting (the others ran at max_delay)
+};
+
+// The type-erased form: each request is the argument list of one call.
+using BatchHandler = std::function<std::vector<c10::IValue>(std::vector<std::vector<c10::IValue>>& requests)>;
+// Fails with ALREADY_EXISTS when the name is taken, INVALID_ARGUMENT for max_batch 0.
+absl::Status register_batched_handler(const std::string& name, BatchOptions options, BatchHandler handler);
+
+// Counts for a function registered here (zeros for an unknown name).
+BatchStats batch_stats(const std::string& name);
+
+// Changes how many waiting requests make a full batch (e.g. the callers still active, as some finish early); if as
+// many already wait, their batch runs now, on this thread. Fails with NOT_FOUND for a name not registered here,
+// INVALID_ARGUMENT for 0.
+absl::Status set_max_batch(const std::string& name, size_t max_batch);
+
+// Typed: a call takes one argument of type Arg; fn maps the batch's arguments to one Result each. Throws RpcError
+// (ALREADY_EXISTS, INVALID_ARGUMENT) as register_batched_handler fails.
+template <typename Arg, typename Result, typename F>
+void register_batched_function(const std::string& name, BatchOptions options, F fn) {
+  BatchHandler handler = [fn = std::move(fn)](std::vector<std::vector<c10::IValue>>& requests) mutable {
+    std::vector<Arg> args;
+    args.reserve(requests.size());
+    for (size_t i = 0; i < requests.size(); ++i) {
+      if (requests[i].size() != 1) detail::arity_error(1, requests[i].size());
+      args.push_back(detail::convert_argument<Arg>(0, requests[i][0]));
+    }
+    std::vector<Result> results = fn(std::move(args));
+    std::vector<c10::IValue> out;
+    out.reserve(results.size());
+    for (auto& r : results) out.push_back(to_ivalue(std::move(r)));
+    return out;
+  };
+  throw_if_error(register_batched_handler(name, options, std::move(handler)));
+}
+
+}  // namespace tandem::rpc

@@ -1,0 +1,84 @@
+// The C++ CartPole against the published equations of motion, and the agent's batched and single answers.
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "examples/rl/agent.h"
+#include "examples/rl/cartpole.h"
+
+namespace tandem::examples::rl {
+namespace {
+
+// The cart-pole's equations of motion as the linear system they are (Barto, Sutton & Anderson 1983; a uniform pole of
+// half-length l on a frictionless cart), solved by Cramer's rule — not gym's closed form, which CartPole uses:
+//   (M + m) x'' + m l cos(t) t'' = F + m l t'^2 sin(t)
+//   cos(t) x'' + (4/3) l t''      = g sin(t)
+std::array<double, 4> reference_step(const std::array<double, 4>& s, int action) {
+  const double M = 1.0, m = 0.1, l = 0.5, g = 9.8, tau = 0.02;
+  const double F = action == 1 ? 10.0 : -10.0;
+  const double x = s[0], xd = s[1], t = s[2], td = s[3];
+  const double a11 = M + m, a12 = m * l * std::cos(t), b1 = F + m * l * td * td * std::sin(t);
+  const double a21 = std::cos(t), a22 = 4.0 / 3.0 * l, b2 = g * std::sin(t);
+  const double det = a11 * a22 - a12 * a21;
+  const double xdd = (b1 * a22 - a12 * b2) / det, tdd = (a11 * b2 - a21 * b1) / det;
+  return {x + tau * xd, xd + tau * xdd, t + tau * td, td + tau * tdd};  // Euler, positions from old velocities
+}
+
+TEST(UnitCartPole, FollowsTheEquationsOfMotionStepByStep) {
+  CartPole env(1);
+  const std::array<double, 4> start{0.01, -0.02, 0.03, 0.04};
+  env.set_state(start);
+  auto expected = start;
+  const int actions[] = {1, 1, 0, 1, 0, 0, 0, 1, 1, 0, 1, 0, 1, 1, 1, 0, 0, 1, 0, 1};
+  for (int k = 0; k < 20; ++k) {
+    const auto r = env.step(actions[k]);
+    expected = reference_step(expected, actions[k]);
+    for (int i = 0; i < 4; ++i) EXPECT_NEAR(r.state[i], expected[i], 1e-12) << "step " << k << " value " << i;
+    EXPECT_EQ(r.reward, 1.0);
+    EXPECT_FALSE(r.done) << "step " << k;
+  }
+}
+
+TEST(UnitCartPole, EndsWhenThePoleFallsPast12DegreesOrAt500Steps) {
+  CartPole env(1);
+  env.set_state({0, 0, 0.2, 0});  // 11.5 degrees, falling right
+  int steps = 0;
+  CartPole::Step r{};
+  do {
+    r = env.step(0);  // pushing left makes it fall faster
+    ++steps;
+  } while (!r.done && steps < 100);
+  EXPECT_TRUE(r.done);
+  EXPECT_GT(r.state[2], CartPole::kThetaThreshold);
+  EXPECT_LE(steps, 5);
+  // Pushing the way the pole leans (angle plus angular velocity) keeps it up; the episode is cut at 500 steps.
+  env.set_state({0, 0, 0, 0});
+  for (int k = 1; k <= 500; ++k) {
+    const auto& s = env.state();
+    r = env.step(s[2] + s[3] > 0 ? 1 : 0);
+    if (r.done) {
+      EXPECT_EQ(k, 500) << "fell at step " << k;
+      break;
+    }
+  }
+  EXPECT_TRUE(r.done);
+}
+
+TEST(UnitCartPole, ResetIsSeededAndSmall) {
+  CartPole a(7), b(7), c(8);
+  const auto sa = a.reset(), sb = b.reset(), sc = c.reset();
+  EXPECT_EQ(sa, sb);
+  EXPECT_NE(sa, sc);
+  for (double v : sa) EXPECT_TRUE(v >= -0.05 && v < 0.05);
+}
+
+TEST(UnitRlAgent, OneBatchedForwardAnswersAsSingleOnesDo) {
+  Agent batched(5, 3), single(5, 3);
+  std::vector<Request> requests;
+  for (int o = 0; o < 5; ++o) requests.push_back({double(o), 0.01 * o, -0.02, 0.03 * o, 0.1, 0.1 + 0.2 * o});
+  const auto together = batched.select(requests);
+  for (int o = 0; o < 5; ++o) EXPECT_EQ(single.select({requests[o]}).front(), together[o]) << "observer " << o;
+}
+
+}  // namespace
+}  // namespace tandem::examples::rl

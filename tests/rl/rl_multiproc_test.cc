@@ -1,0 +1,102 @@
+// The agent and its observers across processes: the test process is the agent (rank 0), ranks 1.. hold observers.
+#include <gmock/gmock.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <thread>
+
+#include "examples/rl/agent.h"
+#include "rpc/errors.h"
+#include "tests/rpc/rpc_fixture.h"
+
+namespace tandem::test {
+namespace {
+
+namespace rl = examples::rl;
+using MultiprocRl = MultiprocRpc;
+
+std::vector<rref::RRef> observers(int n, uint64_t seed) {
+  std::vector<rref::RRef> out;
+  for (int i = 0; i < n; ++i) out.push_back(rl::make_observer(i + 1, i, seed));
+  return out;
+}
+
+// The same seeds give the same states and draws: batched and unbatched agents must choose the same actions.
+TEST_F(MultiprocRl, BatchedAndUnbatchedRoundsTakeTheSameActions) {
+  start({.world_size = 4});
+  std::vector<std::vector<int64_t>> actions[2];
+  for (int batched = 0; batched < 2; ++batched) {
+    rl::set_agent(std::make_shared<rl::Agent>(3, 11));
+    rl::Round r = rl::run_round(observers(3, 5), {.batched = batched == 1, .steps = 80});
+    ASSERT_EQ(r.trajectories.size(), 3u);
+    for (const auto& t : r.trajectories) actions[batched].push_back(t.actions);
+  }
+  EXPECT_EQ(actions[0], actions[1]);
+  EXPECT_EQ(actions[0][0].size(), 80u);
+  EXPECT_NE(actions[0][0], actions[0][1]);  // different observers, different episodes
+}
+
+// A killed observer: the round fails within the timeout with an error naming it; nothing hangs.
+TEST_F(MultiprocRl, AKilledObserverFailsTheRoundNamingIt) {
+  start({.world_size = 3});
+  expect_clean_children_ = false;
+  rl::set_agent(std::make_shared<rl::Agent>(2, 1));
+  auto obs = observers(2, 1);
+  rpc::rpc_sync("worker2", "rl_test.die_in", int64_t{300});
+  const auto t0 = Clock::now();
+  try {
+    rl::run_round(obs, {.batched = true, .steps = 1000000, .timeout = milliseconds(20000)});
+    ADD_FAILURE() << "a round with a dead observer succeeded";
+  } catch (const RpcError& e) {
+    EXPECT_THAT(e.what(), ::testing::HasSubstr("observer 1 (worker 'worker2')"));
+  }
+  EXPECT_LT(Clock::now() - t0, milliseconds(15000));
+  rpc::shutdown(false);
+  EXPECT_EQ(job_->wait_children(milliseconds(30000))[1], 9);
+}
+
+// With skip_failed, the agent carries on with the observers that are left.
+TEST_F(MultiprocRl, WithSkipFailedTheRoundCarriesOnWithoutAKilledObserver) {
+  start({.world_size = 3});
+  expect_clean_children_ = false;
+  rl::set_agent(std::make_shared<rl::Agent>(2, 1));
+  auto obs = observers(2, 1);
+  rpc::rpc_sync("worker2", "rl_test.die_in", int64_t{300});
+  rl::Round r = rl::run_round(obs, {.batched = true, .steps = 20000, .timeout = milliseconds(60000), .skip_failed = true});
+  ASSERT_EQ(r.failed.size(), 1u);
+  EXPECT_THAT(r.failed[0], ::testing::HasSubstr("observer 1 (worker 'worker2')"));
+  ASSERT_EQ(r.observers, std::vector<int>{0});
+  EXPECT_EQ(r.trajectories[0].rewards.size(), 20000u);
+  rpc::shutdown(false);
+  EXPECT_EQ(job_->wait_children(milliseconds(30000))[1], 9);
+}
+
+// SIGTERM to the launcher stops the agent and every observer of the example.
+TEST(MultiprocRlExample, SigtermStopsEveryProcess) {
+  const pid_t pid = fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    execl(TANDEM_RUN_PATH, TANDEM_RUN_PATH, "--nproc-per-node", "3", RL_TRAIN_PATH, "--max-episodes", "1000000",
+          "--target", "100000", "--seed", "424242", static_cast<char*>(nullptr));
+    _exit(127);
+  }
+  const std::string running = "pgrep -f 'rl_trai[n] --max-episodes 1000000 --target 100000 --seed 424242' > /dev/null";
+  std::this_thread::sleep_for(std::chrono::seconds(4));  // training is under way
+  EXPECT_EQ(system(running.c_str()), 0) << "the example's processes are not running";
+  ASSERT_EQ(kill(pid, SIGTERM), 0);
+  int status = 0;
+  pid_t done = 0;
+  for (int i = 0; i < 300 && done == 0; ++i) {
+    done = waitpid(pid, &status, WNOHANG);
+    if (done == 0) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  if (done == 0) kill(pid, SIGKILL), waitpid(pid, &status, 0);
+  ASSERT_EQ(done, pid) << "tandem-run did not stop within 30 s of SIGTERM";
+  EXPECT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 128 + SIGTERM);
+  EXPECT_NE(system(running.c_str()), 0) << "a worker outlived the launcher";
+}
+
+}  // namespace
+}  // namespace tandem::test
