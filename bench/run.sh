@@ -5,8 +5,8 @@
 # Flags are passed to both sides (e.g. --small 1000 --bulk 5 --async 10000). ROUNDS=N repeats both sides N times,
 # interleaved (this VM's speed drifts between runs); `bench/summarize.py` gives medians and ratios of the lines.
 # Benchmarks: rpc, rref, autograd, ps (peer: torch.distributed.rpc, default and TCP); collectives, ddp (peer: the Gloo
-# process group, in its only configuration); pipeline, rl (peers: PyTorch's RPC pipeline and RL tutorials' designs, TensorPipe
-# defaults).
+# process group, in its only configuration); pipeline, rl, hybrid (peers: PyTorch's RPC pipeline, RL and DDP+RPC tutorials'
+# designs, TensorPipe defaults; hybrid also with TCP forced).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 name="${1:?usage: bench/run.sh NAME [flags]}"
@@ -39,5 +39,6 @@ case "$name" in
   ddp) PEER_MODES=default bench ddp_bench 2 peer_ddp.py "$@" ;;
   pipeline) PEER_MODES=default bench pipeline_bench 5 peer_pipeline.py "$@" ;;
   rl) PEER_MODES=default bench rl_bench 11 peer_rl.py "$@" ;;
-  *) echo "bench: unknown benchmark '$name' (known: rpc, rref, autograd, ps, collectives, ddp, pipeline, rl)" >&2; exit 2 ;;
+  hybrid) bench hybrid_bench 4 peer_hybrid.py "$@" ;;
+  *) echo "bench: unknown benchmark '$name' (known: rpc, rref, autograd, ps, collectives, ddp, pipeline, rl, hybrid)" >&2; exit 2 ;;
 esac

@@ -155,7 +155,12 @@ void check_tensor(const at::Tensor& t, const char* what) {
 std::mutex g_names_mu;
 std::set<std::string> g_names;  // group names used by this worker in this job: each names one group
 
+constexpr const char* kPing = "__tandem.comm.ping";
+// How long a failed group waits for its members to answer a ping, to name the ones that are gone.
+constexpr std::chrono::milliseconds kPingTimeout{1000};
+
 const bool g_installed = [] {
+  rpc::register_function(kPing, [] {});
   rpc::add_stop_hook([] {  // a new job (init_rpc again) starts with a new store: names are free again
     std::lock_guard<std::mutex> lock(g_names_mu);
     g_names.clear();
@@ -166,8 +171,9 @@ const bool g_installed = [] {
 class GlooGroup final : public ProcessGroup {
  public:
   GlooGroup(std::string name, int rank, int size, std::shared_ptr<gloo::rendezvous::Context> ctx,
-            ProcessGroupOptions options)
-      : name_(std::move(name)), rank_(rank), size_(size), options_(options), ctx_(std::move(ctx)) {
+            ProcessGroupOptions options, std::vector<int> job_ranks)
+      : name_(std::move(name)), rank_(rank), size_(size), options_(options), ctx_(std::move(ctx)),
+        job_ranks_(std::move(job_ranks)) {
     thread_ = std::thread([this] { loop(); });
   }
   ~GlooGroup() override {
@@ -394,9 +400,33 @@ class GlooGroup final : public ProcessGroup {
 
   absl::Status failure(const std::string& prefix, const std::string& cause) const {
     const bool timed_out = cause.find("imed out") != std::string::npos || cause.find("imeout") != std::string::npos;
+    const std::string gone = unanswering_members();
     return timed_out ? absl::DeadlineExceededError(prefix + "a rank did not take part within " +
-                                                   std::to_string(options_.timeout.count()) + " ms: " + cause)
-                     : absl::UnavailableError(prefix + cause);
+                                                   std::to_string(options_.timeout.count()) + " ms: " + cause + gone)
+                     : absl::UnavailableError(prefix + cause + gone);
+  }
+
+  // Gloo's errors name a socket, not a rank: after a failure, the members that do not answer a ping within
+  // kPingTimeout ("; rank 1 (worker 'worker2') does not answer: ..."), or "".
+  std::string unanswering_members() const {
+    if (!rpc::is_initialized()) return "";
+    std::vector<std::pair<int, rpc::Future>> pings;
+    for (int r = 0; r < size_; ++r) {
+      if (r == rank_) continue;
+      try {
+        pings.emplace_back(r, rpc::call(job_ranks_[r], kPing, {}, kPingTimeout));
+      } catch (const std::exception&) {
+        continue;
+      }
+    }
+    std::string out;
+    for (auto& [r, f] : pings) {
+      absl::Status s = f.status();
+      if (s.ok()) continue;
+      absl::StrAppend(&out, "; rank ", r, " (worker '", rpc::get_worker_info(job_ranks_[r]).name,
+                      "') does not answer: ", s.message());
+    }
+    return out;
   }
 
   static void check_op(const at::Tensor& t, ReduceOp op, const char* what) {
@@ -525,6 +555,7 @@ class GlooGroup final : public ProcessGroup {
   const int rank_, size_;
   const ProcessGroupOptions options_;
   std::shared_ptr<gloo::rendezvous::Context> ctx_;
+  const std::vector<int> job_ranks_;  // the group's ranks in the job, by group rank
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<Op> queue_;
@@ -585,7 +616,7 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(const std::string& name, std:
     ctx->setTimeout(options.timeout);
     StoreAdapter store(rpc::job_store(), absl::StrCat("comm/", name, "/"), options.timeout);
     ctx->connectFullMesh(store, device);
-    return std::make_shared<GlooGroup>(name, rank, size, std::move(ctx), options);
+    return std::make_shared<GlooGroup>(name, rank, size, std::move(ctx), options, ranks);
   } catch (const RpcError& e) {
     throw RpcError(absl::Status(e.status().code(),
                                 absl::StrCat("process group '", name, "' set-up on worker '", self.name, "': ",

@@ -10,11 +10,12 @@
 #include <torch/nn/module.h>
 
 #include <map>
+#include <mutex>
+#include <unordered_map>
 #include <unordered_set>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "dist_autograd/dist_autograd.h"
 #include "rpc/errors.h"
 
 namespace tandem::ddp {
@@ -23,6 +24,14 @@ namespace {
 
 [[noreturn]] void fail(absl::StatusCode code, const std::string& message) {
   throw RpcError(absl::Status(code, "DistributedDataParallel: " + message));
+}
+
+std::mutex g_probe_mu;
+std::function<bool()> g_external_probe;  // set by ddp_dist_autograd/: a distributed autograd context is current
+
+bool external_backward_ahead() {
+  std::lock_guard<std::mutex> lock(g_probe_mu);
+  return g_external_probe && g_external_probe();
 }
 
 }  // namespace
@@ -71,6 +80,13 @@ struct DistributedDataParallelBase::Impl : std::enable_shared_from_this<Impl> {
 
   // The current iteration.
   bool require_sync = true;
+  // The coming backward runs on another engine (distributed autograd, capture mode: no accumulator hooks): forward
+  // put a tap between each parameter and its accumulator, which lands the gradient in its bucket as that backward
+  // computes it.
+  bool tapping = false;
+  // This accumulation window had a no_sync forward before an external backward: its gradients are summed in the
+  // context, not seen by taps, so the window is reduced after backward from what the context holds.
+  bool window_accumulates_externally = false;
   bool armed = false;            // post_forward readied the reducer: the next backward reduces
   bool callback_queued = false;  // finalize() is queued on the autograd engine
   std::vector<char> ready;
@@ -259,9 +275,16 @@ struct DistributedDataParallelBase::Impl : std::enable_shared_from_this<Impl> {
 
   void post_forward(const std::vector<at::Tensor>& outputs) {
     armed = false;  // a backward that did not reduce (finalize threw) left state behind: arming resets it
-    if (!require_sync || !at::GradMode::is_enabled()) return;
+    tapping = false;
+    const bool external = external_backward_ahead();
+    if (!at::GradMode::is_enabled()) return;
+    if (!require_sync) {
+      window_accumulates_externally |= external;
+      return;
+    }
     reset_iteration();
     armed = true;
+    if (external && !window_accumulates_externally) insert_taps(outputs);
     if (!options.find_unused_parameters) return;
     // Parameters whose accumulators the graph does not reach get no gradient in this backward: ready now.
     std::unordered_set<const torch::autograd::Node*> reached;
@@ -280,12 +303,84 @@ struct DistributedDataParallelBase::Impl : std::enable_shared_from_this<Impl> {
     }
     for (size_t i = 0; i < params.size(); ++i) {
       if (reached.count(params[i].accumulator.get())) continue;
+      if (tapping) {  // the external backward gives it nothing here: zero from this rank
+        slice(i).zero_();
+        ready[i] = 1;
+        --buckets[params[i].bucket].pending;
+        continue;
+      }
       const at::Tensor& g = params[i].tensor.grad();
       if (options.gradient_as_bucket_view && g.defined()) untouched.emplace_back(i, g.clone());
       land(i);  // its current .grad (zero after zero_grad, or what no_sync accumulated), as PyTorch does
       ready[i] = 1;
       --buckets[params[i].bucket].pending;
     }
+  }
+
+  // Between a parameter's uses in the graph and its accumulator: the gradient of an external backward (which runs no
+  // accumulator hooks) reaches the reducer here, summed over the parameter's uses, as soon as it is computed.
+  struct GradTap : torch::autograd::Node {
+    GradTap(std::weak_ptr<Impl> impl, size_t index) : impl(std::move(impl)), index(index) {}
+    torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
+      if (auto s = impl.lock()) s->tapped(index, grads.at(0));
+      return std::move(grads);
+    }
+    std::string name() const override { return "tandem::ddp::GradTap"; }
+    std::weak_ptr<Impl> impl;
+    size_t index;
+  };
+
+  void insert_taps(const std::vector<at::Tensor>& outputs) {
+    std::unordered_map<const torch::autograd::Node*, size_t> param_of;
+    for (size_t i = 0; i < params.size(); ++i) param_of.emplace(params[i].accumulator.get(), i);
+    std::vector<std::shared_ptr<torch::autograd::Node>> taps(params.size());
+    std::unordered_set<const torch::autograd::Node*> seen;
+    std::vector<torch::autograd::Node*> stack;
+    for (const auto& out : outputs) {
+      if (out.defined() && out.grad_fn()) stack.push_back(out.grad_fn().get());
+    }
+    while (!stack.empty()) {
+      torch::autograd::Node* n = stack.back();
+      stack.pop_back();
+      if (!seen.insert(n).second) continue;
+      for (auto& e : n->next_edges()) {  // rewritten in place: a new edge would re-check the node's parents
+        if (!e.function) continue;
+        auto it = param_of.find(e.function.get());
+        if (it == param_of.end()) {
+          stack.push_back(e.function.get());
+          continue;
+        }
+        auto& tap = taps[it->second];
+        if (!tap) {
+          const Param& p = params[it->second];
+          tap = std::make_shared<GradTap>(weak_from_this(), it->second);
+          tap->add_input_metadata(p.tensor);
+          tap->add_next_edge(torch::autograd::Edge(p.accumulator, 0));
+        }
+        e = torch::autograd::Edge(tap, 0);
+      }
+    }
+    tapping = true;
+  }
+
+  void tapped(size_t i, const at::Tensor& grad) {
+    if (!armed || !tapping) return;  // a backward the reducer was not armed for
+    if (ready[i]) {
+      fail(absl::StatusCode::kFailedPrecondition, "parameter '" + params[i].name +
+                                                      "' got a gradient twice in one distributed backward (several "
+                                                      "gradient messages reaching it?)");
+    }
+    at::Tensor s = slice(i);
+    if (grad.defined()) {
+      copy_scaled(s, grad);
+    } else {
+      s.zero_();
+    }
+    ready[i] = 1;
+    locally_used[i] = 1;
+    if (record_order) ready_order.push_back(i);
+    --buckets[params[i].bucket].pending;
+    launch_ready();
   }
 
   // Before a synchronised backward. The used-map is not reset here: it covers the whole accumulation window.
@@ -409,6 +504,7 @@ struct DistributedDataParallelBase::Impl : std::enable_shared_from_this<Impl> {
     }
     reset_iteration();
     std::fill(locally_used.begin(), locally_used.end(), 0);
+    tapping = window_accumulates_externally = false;
   }
 
   // gradient_as_bucket_view: paths that write the buckets without landing .grad in them first (distributed autograd,
@@ -422,40 +518,66 @@ struct DistributedDataParallelBase::Impl : std::enable_shared_from_this<Impl> {
     }
   }
 
-  // ---- distributed autograd ----
+  // ---- external backward (distributed autograd, through ddp_dist_autograd/) ----
 
-  // The context holds every micro-step's gradients of this window (backward passes in one context accumulate).
-  void reduce_context(int64_t context_id) {
+  void reduce_external(const GradientOf& grad_of, const SetAverage& set_average, const std::string& what) {
+    if (armed && tapping) {  // buckets launched as the backward computed their gradients
+      armed = false;
+      std::vector<std::string> missing;
+      for (size_t i = 0; i < params.size(); ++i) {
+        if (!ready[i]) missing.push_back(params[i].name);
+      }
+      if (!missing.empty() && !options.find_unused_parameters) {
+        for (size_t b = 0; b < next_launch; ++b) (void)buckets[b].work.status();  // launched ones finish first
+        std::fill(locally_used.begin(), locally_used.end(), 0);
+        tapping = window_accumulates_externally = false;
+        fail_missing(std::move(missing), what);
+      }
+      for (size_t i = 0; i < params.size(); ++i) {
+        if (ready[i]) continue;  // reached by the graph, but this backward gave it no gradient
+        slice(i).zero_();
+        ready[i] = 1;
+        --buckets[params[i].bucket].pending;
+      }
+      launch_ready();
+      write_averages(wait_all(), set_average);
+      return;
+    }
+    // Not tapped (the forward ran outside a context, or the window accumulated under no_sync): the whole reduction
+    // now, from the gradients the backward left; the context holds every micro-step's.
     reset_iteration();
     armed = false;
     unshare_gradients();
-    const dist_autograd::Gradients grads = dist_autograd::get_gradients(context_id);
-    std::vector<char> in_context(params.size());
+    std::vector<at::Tensor> grads(params.size());
     std::vector<std::string> missing;
     for (size_t i = 0; i < params.size(); ++i) {
-      in_context[i] = grads.contains(params[i].tensor);
-      if (!in_context[i]) missing.push_back(params[i].name);
+      grads[i] = grad_of(params[i].tensor);
+      if (!grads[i].defined()) missing.push_back(params[i].name);
     }
     if (!missing.empty() && !options.find_unused_parameters) {
       std::fill(locally_used.begin(), locally_used.end(), 0);
-      fail_missing(std::move(missing), absl::StrCat("distributed autograd context ", context_id));
+      tapping = window_accumulates_externally = false;
+      fail_missing(std::move(missing), what);
     }
-    for (size_t i = 0; i < params.size(); ++i) locally_used[i] = locally_used[i] || in_context[i];
+    for (size_t i = 0; i < params.size(); ++i) locally_used[i] = locally_used[i] || grads[i].defined();
     for (auto& b : buckets) {
       for (size_t i : b.params) {
         at::Tensor s = slice(i);
-        if (in_context[i]) {
-          copy_scaled(s, grads[params[i].tensor]);
+        if (grads[i].defined()) {
+          copy_scaled(s, grads[i]);
         } else {
           s.zero_();
         }
       }
       b.work = reduce(b.flat);
     }
-    at::Tensor used = wait_all();
+    write_averages(wait_all(), set_average);
+  }
+
+  void write_averages(const at::Tensor& used, const SetAverage& set_average) {
     for (size_t i = 0; i < params.size(); ++i) {
       if (!used_anywhere(used, i)) continue;
-      dist_autograd::set_gradient(context_id, params[i].tensor, slice(i).view(params[i].tensor.sizes()).clone());
+      set_average(params[i].tensor, slice(i).view(params[i].tensor.sizes()).clone());
     }
     ++iterations;
     finish_iteration();
@@ -554,7 +676,15 @@ void DistributedDataParallelBase::register_comm_hook(CommHook hook) {
 }
 
 void DistributedDataParallelBase::join() { impl_->join(); }
-void DistributedDataParallelBase::reduce_context_gradients(int64_t context_id) { impl_->reduce_context(context_id); }
+void DistributedDataParallelBase::reduce_external(const GradientOf& grad_of, const SetAverage& set_average,
+                                                  const std::string& what) {
+  impl_->reduce_external(grad_of, set_average, what);
+}
+
+void set_external_backward_probe(std::function<bool()> probe) {
+  std::lock_guard<std::mutex> lock(g_probe_mu);
+  g_external_probe = std::move(probe);
+}
 void DistributedDataParallelBase::pre_forward() { impl_->pre_forward(); }
 void DistributedDataParallelBase::post_forward(const std::vector<at::Tensor>& outputs) {
   impl_->post_forward(outputs);
@@ -565,6 +695,7 @@ DdpStats DistributedDataParallelBase::stats() const {
   DdpStats s;
   for (const auto& b : impl_->buckets) s.bucket_bytes.push_back(b.flat.nbytes());
   s.iterations = impl_->iterations;
+  s.buckets_launched = static_cast<int64_t>(impl_->next_launch);
   s.rebuilt = impl_->rebuilt;
   return s;
 }

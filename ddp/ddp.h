@@ -21,7 +21,7 @@
 // Contract:
 // - Every rank runs forward and backward the same number of times (use uneven_inputs + join() otherwise), with
 //   backward after each forward that is not under no_sync(). The gradient hooks fire only under loss.backward() /
-//   torch::autograd::backward (not torch::autograd::grad); with distributed autograd, see reduce_context_gradients.
+//   torch::autograd::backward (not torch::autograd::grad); with distributed autograd, see ddp_dist_autograd/.
 // - Without find_unused_parameters, every parameter must get a gradient in every synchronised backward; otherwise
 //   backward throws, naming the parameters. With it, forward's outputs are traversed to find the parameters the graph
 //   does not reach; a parameter that any rank used in any micro-step since the last synchronised backward (no_sync
@@ -77,6 +77,7 @@ struct DdpOptions {
 struct DdpStats {
   std::vector<size_t> bucket_bytes;  // current buckets, in launch order
   int64_t iterations = 0;            // synchronised backwards
+  int64_t buckets_launched = 0;      // buckets of the synchronised backward under way whose reduction has started
   bool rebuilt = false;
 };
 
@@ -92,7 +93,7 @@ class DistributedDataParallelBase {
 
   // Gradient accumulation: forwards and backwards while the guard lives only accumulate .grad locally; the next
   // synchronised backward reduces the accumulated sums (of every parameter any rank used in the window). Under
-  // distributed autograd, run the window's backward passes in one context and call reduce_context_gradients once.
+  // distributed autograd, run the window's backward passes in one context and reduce it once (ddp_dist_autograd/).
   class NoSync {
    public:
     explicit NoSync(DistributedDataParallelBase& ddp);
@@ -120,12 +121,15 @@ class DistributedDataParallelBase {
   void post_forward(const std::vector<at::Tensor>& outputs);
   void post_forward(const at::Tensor& output) { post_forward(std::vector<at::Tensor>{output}); }
 
-  // Hybrid with the RPC path: a backward through dist_autograd::backward does not run DDP's gradient hooks (they need
-  // LibTorch's accumulating engine). After it, every rank calls reduce_context_gradients with its context: the
-  // context's gradients of this module's parameters are averaged across the group, bucket by bucket (after backward:
-  // no overlap), and written back into the context, where DistributedOptimizer (or get_gradients) finds them.
-  // Without find_unused_parameters a parameter without gradient is an error naming it. Not with join().
-  void reduce_context_gradients(int64_t context_id);
+  // A backward on another engine (distributed autograd: see ddp_dist_autograd/, which calls this). If this
+  // iteration's forward ran while the external-backward probe said so, a tap between each parameter and its
+  // accumulator landed its gradient in its bucket as that backward computed it, and complete buckets were launched
+  // then (overlap); otherwise every bucket is filled from grad_of(param) now (undefined: no gradient here). Waits for
+  // the reductions, gives set_average(param, average) for every parameter some rank used, and ends the iteration.
+  // Without find_unused_parameters a parameter without gradient is an error naming it, in `what`. Throws RpcError.
+  using GradientOf = std::function<at::Tensor(const at::Tensor& param)>;
+  using SetAverage = std::function<void(const at::Tensor& param, at::Tensor average)>;
+  void reduce_external(const GradientOf& grad_of, const SetAverage& set_average, const std::string& what);
 
   comm::ProcessGroup& group() const;
   DdpStats stats() const;
@@ -156,5 +160,9 @@ class DistributedDataParallel : public DistributedDataParallelBase {
  private:
   std::shared_ptr<M> module_;
 };
+
+// For a layer that runs backward passes on another engine (ddp_dist_autograd/ sets it): whether the forward running on
+// this thread will be followed by such a backward (a distributed autograd context is current). Process-wide.
+void set_external_backward_probe(std::function<bool()> probe);
 
 }  // namespace tandem::ddp

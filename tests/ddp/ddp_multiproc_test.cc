@@ -40,7 +40,7 @@ TEST_P(MultiprocDdpAccumulation, RandomNoSyncWindowsFollowOneProcessInBothGradie
 }
 
 INSTANTIATE_TEST_SUITE_P(MultiprocDdp, MultiprocDdpAccumulation,
-                         ::testing::Combine(::testing::Values("local", "hybrid", "uneven"), ::testing::Values(2, 3)),
+                         ::testing::Combine(::testing::Values("local", "hybrid", "uneven", "hybrid_uneven"), ::testing::Values(2, 3)),
                          [](const auto& info) {
                            return std::get<0>(info.param) + "_on_" + std::to_string(std::get<1>(info.param));
                          });
@@ -57,9 +57,35 @@ TEST_F(MultiprocDdp, BucketsFollowReverseOrderWithASmallFirstBucketAndAreRebuilt
   EXPECT_EQ(everywhere(2, "buckets"), "");
 }
 
-TEST_F(MultiprocDdp, HybridWithDistributedAutogradFollowsOneProcess) {
+// Hybrid DDP + RPC under distributed autograd: every bucket's reduction starts during dist_autograd::backward (the
+// reducer's counter, not timing), and training follows one process; default and small buckets.
+TEST_F(MultiprocDdp, HybridWithDistributedAutogradOverlapsAndFollowsOneProcess) {
   start({.world_size = 3});
-  EXPECT_EQ(everywhere(3, "hybrid"), "");
+  EXPECT_EQ(everywhere(3, "hybrid/default"), "");
+  EXPECT_EQ(everywhere(3, "hybrid/small"), "");
+}
+
+// The tutorial's layout: an embedding table on a parameter server (rank 2), DDP trainers (ranks 0 and 1) under
+// distributed autograd; dense and embedding parameters follow one process with the whole batch after every step, with
+// default and small buckets, and with uneven inputs and join().
+TEST_F(MultiprocDdp, HybridEmbeddingAndDenseFollowOneProcess) {
+  start({.world_size = 3});
+  for (const char* spec : {"default/even", "small/even", "small/uneven", "default/uneven"}) {
+    EXPECT_EQ(everywhere(3, std::string("hybrid_embedding/") + spec), "") << spec;
+  }
+}
+
+// A killed parameter server or trainer: the surviving trainer's next step fails within the timeout, naming it.
+TEST_F(MultiprocDdp, HybridKilledParameterServerIsAnErrorNamingIt) { expect_last_rank_killed(3, "hybrid_killed/ps"); }
+
+TEST_F(MultiprocDdp, HybridKilledTrainerIsAnErrorNamingIt) {
+  start({.world_size = 3});
+  expect_clean_children_ = false;
+  const auto t0 = Clock::now();
+  EXPECT_EQ(everywhere(3, "hybrid_killed/trainer", {1}), "");
+  EXPECT_LT(Clock::now() - t0, milliseconds(30000));
+  rpc::shutdown(false);
+  EXPECT_EQ(job_->wait_children(milliseconds(30000))[0], 9);
 }
 
 TEST_F(MultiprocDdp, AParameterWithoutGradientIsAnErrorNamingIt) {

@@ -10,14 +10,17 @@
 #include <optional>
 #include <map>
 #include <random>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "comm/process_group.h"
 #include "ddp/ddp.h"
 #include "ddp/zero.h"
+#include "ddp_dist_autograd/ddp_dist_autograd.h"
 #include "dist_autograd/dist_autograd.h"
 #include "dist_optim/dist_optim.h"
+#include "nn/remote_module.h"
 #include "rref/rref.h"
 #include "rpc/errors.h"
 #include "rpc/registry.h"
@@ -278,7 +281,7 @@ std::vector<Snapshot> train_ddp(const std::vector<Window>& windows, const std::s
                                 const std::string& group_name) {
   const int world = static_cast<int>(rpc::get_all_worker_infos().size());
   const int rank = rpc::get_worker_info().id;
-  const bool hybrid = mode == "hybrid", uneven = mode == "uneven";
+  const bool hybrid = mode == "hybrid" || mode == "hybrid_uneven", uneven = mode == "uneven" || mode == "hybrid_uneven";
   torch::manual_seed(100 + rank);
   auto model = std::make_shared<BranchNet>();
   ddp::DdpOptions options{.bucket_cap_bytes = 512, .first_bucket_bytes = 256};
@@ -311,7 +314,7 @@ std::vector<Snapshot> train_ddp(const std::vector<Window>& windows, const std::s
     }
     Snapshot s;
     if (hybrid) {
-      ddp.reduce_context_gradients(ctx->id());
+      ddp::reduce_context_gradients(ddp, ctx->id());
       const auto grads = dist_autograd::get_gradients(ctx->id());
       for (const auto& p : model->parameters()) s.grads.push_back(grads[p].defined() ? grads[p].clone() : at::Tensor());
       dist_opt->step(ctx->id());
@@ -337,15 +340,15 @@ std::string accumulation(const std::string& spec) {
   std::vector<std::string> parts = absl::StrSplit(spec, '/');
   const std::string mode = parts[0] == "issue11" ? "local" : parts[0];
   const uint32_t seed = parts.size() > 1 ? static_cast<uint32_t>(std::stoul(parts[1])) : 0;
-  const auto windows = parts[0] == "issue11" ? branch_only_under_no_sync(world)
-                                             : random_windows(seed, world, mode == "uneven");
-  const auto ref = train_reference(windows, world, mode == "hybrid");
+  const bool uneven = mode == "uneven" || mode == "hybrid_uneven";
+  const auto windows = parts[0] == "issue11" ? branch_only_under_no_sync(world) : random_windows(seed, world, uneven);
+  const auto ref = train_reference(windows, world, mode == "hybrid" || mode == "hybrid_uneven");
   const auto view = train_ddp(windows, mode, true, "acc_view_" + spec);
   const auto copy = train_ddp(windows, mode, false, "acc_copy_" + spec);
   std::vector<std::string> names;
   for (const auto& item : BranchNet().named_parameters()) names.push_back(item.key());
   for (size_t w = 0; w < view.size(); ++w) {
-    const bool after_join = mode == "uneven" && w + 1 == view.size();
+    const bool after_join = uneven && w + 1 == view.size();
     const Snapshot& expected = after_join ? ref.back() : ref[w];
     const std::string where = absl::StrCat(spec, " on rank ", rank, after_join ? " after join" : "", ", window ", w, ": ");
     std::string err = compare(view[w].params, copy[w].params, 0, names);
@@ -355,8 +358,132 @@ std::string accumulation(const std::string& spec) {
     if (err.empty() && !after_join) err = compare(view[w].grads, expected.grads, 1e-5, names);
     if (!err.empty()) return where + "DDP differs from one process with the whole batch: " + err;
   }
-  const size_t expected_snapshots = mode == "uneven" ? std::count_if(windows.begin(), windows.end(), [&](const Window& w) { return w.active[rank] != 0; }) + 1 : windows.size();
+  const size_t expected_snapshots = uneven ? std::count_if(windows.begin(), windows.end(), [&](const Window& w) { return w.active[rank] != 0; }) + 1 : windows.size();
   if (view.size() != expected_snapshots) return absl::StrCat(spec, ": ", view.size(), " snapshots, expected ", expected_snapshots);
+  return "";
+}
+
+// ---- Hybrid: an embedding table on a parameter server (rank 2) and DDP trainers (ranks 0 and 1) ----
+
+constexpr int64_t kTokens = 40, kBag = 5, kEmbDim = 8;
+
+torch::nn::EmbeddingBag make_embedding() {
+  torch::manual_seed(7);
+  return torch::nn::EmbeddingBag(torch::nn::EmbeddingBagOptions(kTokens, kEmbDim).mode(torch::kSum));
+}
+
+struct Dense : torch::nn::Module {
+  Dense() {
+    fc1 = register_module("fc1", torch::nn::Linear(kEmbDim, kHidden));
+    fc2 = register_module("fc2", torch::nn::Linear(kHidden, kOut));
+  }
+  at::Tensor forward(const at::Tensor& x) { return fc2(torch::tanh(fc1(x))); }
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+};
+
+// The whole batch of one step: W·b bags of kBag token ids and targets; trainer r takes bags [r·b, (r+1)·b).
+std::pair<at::Tensor, at::Tensor> bags(int64_t step, int world) {
+  auto gen = at::detail::createCPUGenerator(2000 + step);
+  return {at::randint(0, kTokens, {world * kBatch, kBag}, gen, at::kLong), at::randn({world * kBatch, kOut}, gen)};
+}
+at::Tensor bag_offsets(int64_t n) { return at::arange(0, n * kBag, kBag, at::kLong); }
+
+// "hybrid_embedding/<buckets>/<even|uneven>": the trainers' parameters (dense, here; embedding, on the server) follow
+// one process with the whole batch after every step (1e-5). The server steps the embedding once per trainer (each
+// trainer's context), as PyTorch's tutorial does: the reference's embedding takes lr on the sum of the trainers'
+// gradients, its dense part lr on their average.
+std::string hybrid_embedding(const std::string& spec) {
+  const int rank = rpc::get_worker_info().id;
+  if (rank == 2) return "";
+  std::vector<std::string> parts = absl::StrSplit(spec, '/');
+  const bool small = parts.at(0) == "small", uneven = parts.at(1) == "uneven";
+  const double lr = 0.1;
+  auto embedding = nn::RemoteModule::from_rref(rref::RRef::from_ivalue(rpc::rpc_sync(2, "ddp_test.embedding", spec)));
+  torch::manual_seed(100 + rank);
+  auto dense = std::make_shared<Dense>();
+  auto pg = comm::ProcessGroup::create("hybrid_embedding_" + spec, {0, 1});
+  ddp::DdpOptions options;
+  if (small) options.first_bucket_bytes = 256, options.bucket_cap_bytes = 512;
+  options.uneven_inputs = uneven;
+  ddp::DistributedDataParallel<Dense> ddp(dense, pg, options);
+  std::vector<rref::RRef> params = embedding.remote_parameters();
+  for (const auto& p : dense->parameters()) params.push_back(rref::make_local(p));
+  dist_optim::DistributedOptimizer opt("sgd", params, {{"lr", lr}});
+  torch::manual_seed(100);
+  auto ref_dense = std::make_shared<Dense>();
+  auto ref_emb = make_embedding();
+  const int mine = uneven ? 2 + rank : 4, steps = uneven ? 3 : 4;
+  for (int step = 0; step < steps; ++step) {
+    auto [ids, y] = bags(step, 2);
+    if (step < mine) {
+      dist_autograd::ContextGuard ctx;
+      at::Tensor my_ids = ids.narrow(0, rank * kBatch, kBatch).reshape({-1});
+      at::Tensor out = ddp.forward(embedding.forward(my_ids, bag_offsets(kBatch)));
+      dist_autograd::backward(ctx.id(), {torch::mse_loss(out, rows(y, rank))});
+      ddp::reduce_context_gradients(ddp, ctx.id());
+      opt.step(ctx.id());
+    }
+    // Both trainers' steps on the server are done before either reads the table again.
+    if (!uneven || step < 2) comm::wait(pg->barrier());
+    // The reference: the trainers with data this step, the loss divided by the world size (as DDP averages).
+    for (auto& p : ref_dense->parameters()) p.mutable_grad() = at::Tensor();
+    for (auto& p : ref_emb->parameters()) p.mutable_grad() = at::Tensor();
+    at::Tensor loss = at::zeros({});
+    for (int r = 0; r < 2; ++r) {
+      if (uneven && step >= 2 + r) continue;
+      at::Tensor r_ids = ids.narrow(0, r * kBatch, kBatch).reshape({-1});
+      loss = loss + torch::mse_loss(ref_dense->forward(ref_emb->forward(r_ids, bag_offsets(kBatch))), rows(y, r)) / 2;
+    }
+    loss.backward();
+    {
+      torch::NoGradGuard no_grad;
+      for (auto& p : ref_dense->parameters()) p.sub_(p.grad() * lr);
+      for (auto& p : ref_emb->parameters()) p.sub_(p.grad() * (2 * lr));
+    }
+    if (step < mine) {
+      const double d = max_diff(*dense, *ref_dense);
+      if (!(d <= 1e-5)) return absl::StrCat(spec, ": dense parameters differ from one process by ", d, " at step ", step);
+      at::Tensor table = rpc::rpc_sync<at::Tensor>(2, "ddp_test.embedding_weight", spec);
+      const double e = (table - ref_emb->weight).abs().max().item<double>();
+      if (!(e <= 1e-5)) return absl::StrCat(spec, ": the embedding differs from one process by ", e, " at step ", step);
+    }
+  }
+  if (uneven) ddp.join();
+  return "";
+}
+
+// "hybrid_killed/ps" or "hybrid_killed/trainer": after a first step, the parameter server (rank 2) or trainer 1 dies;
+// the surviving trainer's next step fails within the group's timeout, naming the dead worker.
+std::string hybrid_killed(const std::string& who) {
+  const int rank = rpc::get_worker_info().id;
+  if (rank == 2) return "";
+  auto embedding = nn::RemoteModule::from_rref(rref::RRef::from_ivalue(rpc::rpc_sync(2, "ddp_test.embedding", who)));
+  auto dense = std::make_shared<Dense>();
+  auto pg = comm::ProcessGroup::create("hybrid_killed", {0, 1}, {.timeout = std::chrono::milliseconds(3000)});
+  ddp::DistributedDataParallel<Dense> ddp(dense, pg);
+  auto step = [&](int64_t k) {
+    auto [ids, y] = bags(k, 2);
+    dist_autograd::ContextGuard ctx;
+    at::Tensor out = ddp.forward(embedding.forward(ids.narrow(0, rank * kBatch, kBatch).reshape({-1}), bag_offsets(kBatch)));
+    dist_autograd::backward(ctx.id(), {torch::mse_loss(out, rows(y, rank))});
+    ddp::reduce_context_gradients(ddp, ctx.id());
+  };
+  step(0);
+  comm::wait(pg->barrier());
+  const bool ps = who == "ps";
+  if (!ps && rank == 1) _exit(9);
+  if (ps && rank == 0) (void)rpc::rpc_async(2, "ddp_test.die_in", int64_t{50});
+  if (ps) std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  const std::string dead = ps ? "worker2" : "rank 1";
+  const auto t0 = std::chrono::steady_clock::now();
+  try {
+    step(1);
+    return "a step succeeded after " + dead + " died";
+  } catch (const std::exception& e) {
+    const std::string m = e.what();
+    if (m.find(dead) == std::string::npos) return "the error does not name " + dead + ": " + m;
+  }
+  if (std::chrono::steady_clock::now() - t0 > std::chrono::seconds(20)) return "the failure took longer than 20 s";
   return "";
 }
 
@@ -364,6 +491,8 @@ std::string run(const std::string& name) {
   const int world = static_cast<int>(rpc::get_all_worker_infos().size());
   const int rank = rpc::get_worker_info().id;
   if (absl::StartsWith(name, "equivalence/")) return equivalence(name.substr(12));
+  if (absl::StartsWith(name, "hybrid_embedding/")) return hybrid_embedding(name.substr(17));
+  if (absl::StartsWith(name, "hybrid_killed/")) return hybrid_killed(name.substr(14));
   if (absl::StartsWith(name, "accumulation/")) {
     // "accumulation/<mode>/<seed>,<seed>,...": every seed in turn.
     std::vector<std::string> parts = absl::StrSplit(name.substr(13), '/');
@@ -373,17 +502,21 @@ std::string run(const std::string& name) {
     }
     return "";
   }
-  if (name == "hybrid") {
+  if (absl::StartsWith(name, "hybrid/")) {
     // DDP over ranks 0 and 1 combined with the RPC path: the forward calls rank 2 (tanh there) under distributed
-    // autograd; reduce_context_gradients averages the context's gradients; DistributedOptimizer steps them. The
-    // trainers follow one process with both batches.
+    // autograd; the buckets are reduced during dist_autograd::backward (their reductions have started when it
+    // returns: the reducer's counter), reduce_context_gradients writes the averages into the context, and
+    // DistributedOptimizer steps them. The trainers follow one process with both batches. "hybrid/small": buckets of
+    // 256/512 bytes; "hybrid/default": PyTorch's.
     if (rank == 2) return "";
     torch::manual_seed(100 + rank);
     auto model = std::make_shared<Net>(false, false);
     torch::manual_seed(100);
     auto ref = std::make_shared<Net>(false, false);
-    auto pg = comm::ProcessGroup::create("hybrid", {0, 1});
-    ddp::DistributedDataParallel<Net> ddp(model, pg);
+    auto pg = comm::ProcessGroup::create(name, {0, 1});
+    ddp::DdpOptions options;
+    if (name == "hybrid/small") options.first_bucket_bytes = 256, options.bucket_cap_bytes = 512;
+    ddp::DistributedDataParallel<Net> ddp(model, pg, options);
     std::vector<rref::RRef> handles;
     for (const auto& p : model->parameters()) handles.push_back(rref::make_local(p));
     dist_optim::DistributedOptimizer opt("sgd", handles, {{"lr", 0.1}});
@@ -394,7 +527,13 @@ std::string run(const std::string& name) {
         dist_autograd::ContextGuard ctx;
         at::Tensor out = rpc::rpc_sync<at::Tensor>(2, "ddp_remote_tanh", ddp.forward(rows(x, rank)));
         dist_autograd::backward(ctx.id(), {torch::mse_loss(out, rows(y, rank))});
-        ddp.reduce_context_gradients(ctx.id());
+        const auto st = ddp.stats();
+        if (st.buckets_launched != static_cast<int64_t>(st.bucket_bytes.size())) {
+          return absl::StrCat(name, ": ", st.buckets_launched, " of ", st.bucket_bytes.size(),
+                              " buckets were launched during the distributed backward");
+        }
+        if (name == "hybrid/small" && st.bucket_bytes.size() < 2) return "hybrid/small: fewer than 2 buckets";
+        ddp::reduce_context_gradients(ddp, ctx.id());
         opt.step(ctx.id());
       }
       ref_opt.zero_grad();
@@ -402,7 +541,7 @@ std::string run(const std::string& name) {
       ref_opt.step();
     }
     const double d = max_diff(*model, *ref);
-    if (!(d <= 1e-5)) return absl::StrCat("hybrid: parameters differ from one process by ", d);
+    if (!(d <= 1e-5)) return absl::StrCat(name, ": parameters differ from one process by ", d);
     return "";
   }
   if (name == "buckets") {
@@ -498,6 +637,29 @@ std::string run(const std::string& name) {
 void register_scenarios() {
   register_scenario_runner(run);
   rpc::register_function("ddp_remote_tanh", [](at::Tensor x) { return torch::tanh(x); });
+  nn::register_module("ddp_test.embedding_bag", [] { return make_embedding(); },
+                      [](torch::nn::EmbeddingBag& m, at::Tensor ids, at::Tensor offsets) { return m->forward(ids, offsets); });
+  // The parameter server's tables, one per scenario, created on first request (their owner is this worker).
+  static std::mutex mu;
+  static std::map<std::string, nn::RemoteModule> tables;
+  rpc::register_function("ddp_test.embedding", [](std::string name) {
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = tables.find(name);
+    if (it == tables.end()) {
+      it = tables.emplace(name, nn::RemoteModule::create(rpc::get_worker_info().id, "ddp_test.embedding_bag")).first;
+    }
+    return it->second.module_rref().to_ivalue();
+  });
+  rpc::register_function("ddp_test.die_in", [](int64_t ms) {
+    std::thread([ms] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+      _exit(9);
+    }).detach();
+  });
+  rpc::register_function("ddp_test.embedding_weight", [](std::string name) {
+    std::lock_guard<std::mutex> lock(mu);
+    return tables.at(name).local_module()->parameters().at(0).detach().clone();
+  });
 }
 
 }  // namespace tandem::test
