@@ -284,36 +284,21 @@ struct DistributedDataParallelBase::Impl : std::enable_shared_from_this<Impl> {
     }
     reset_iteration();
     armed = true;
-    if (external && !window_accumulates_externally) insert_taps(outputs);
+    const bool tap = external && !window_accumulates_externally;
+    if (!tap && !options.find_unused_parameters) return;
+    const std::vector<char> reached = walk_graph(outputs, tap);
     if (!options.find_unused_parameters) return;
     // Parameters whose accumulators the graph does not reach get no gradient in this backward: ready now.
-    std::unordered_set<const torch::autograd::Node*> reached;
-    std::vector<torch::autograd::Node*> stack;
-    for (const auto& out : outputs) {
-      if (out.defined() && out.grad_fn()) stack.push_back(out.grad_fn().get());
-      else if (out.defined() && out.requires_grad()) reached.insert(torch::autograd::impl::grad_accumulator(out).get());
-    }
-    while (!stack.empty()) {
-      torch::autograd::Node* n = stack.back();
-      stack.pop_back();
-      if (!reached.insert(n).second) continue;
-      for (const auto& e : n->next_edges()) {
-        if (e.function) stack.push_back(e.function.get());
-      }
-    }
     for (size_t i = 0; i < params.size(); ++i) {
-      if (reached.count(params[i].accumulator.get())) continue;
-      if (tapping) {  // the external backward gives it nothing here: zero from this rank
-        slice(i).zero_();
-        ready[i] = 1;
-        --buckets[params[i].bucket].pending;
-        continue;
+      if (reached[i]) continue;
+      if (tapping) {
+        slice(i).zero_();  // the external backward gives it nothing here: zero from this rank
+      } else {
+        const at::Tensor& g = params[i].tensor.grad();
+        if (options.gradient_as_bucket_view && g.defined()) untouched.emplace_back(i, g.clone());
+        land(i);  // its current .grad (zero after zero_grad, or what no_sync accumulated), as PyTorch does
       }
-      const at::Tensor& g = params[i].tensor.grad();
-      if (options.gradient_as_bucket_view && g.defined()) untouched.emplace_back(i, g.clone());
-      land(i);  // its current .grad (zero after zero_grad, or what no_sync accumulated), as PyTorch does
-      ready[i] = 1;
-      --buckets[params[i].bucket].pending;
+      set_ready(i);
     }
   }
 
@@ -330,14 +315,23 @@ struct DistributedDataParallelBase::Impl : std::enable_shared_from_this<Impl> {
     size_t index;
   };
 
-  void insert_taps(const std::vector<at::Tensor>& outputs) {
+  // One walk of the graph forward produced, from its outputs: which parameters' accumulators it reaches (by parameter);
+  // with `tap`, every edge into one of them is rewritten to go through that parameter's tap.
+  std::vector<char> walk_graph(const std::vector<at::Tensor>& outputs, bool tap) {
     std::unordered_map<const torch::autograd::Node*, size_t> param_of;
     for (size_t i = 0; i < params.size(); ++i) param_of.emplace(params[i].accumulator.get(), i);
+    std::vector<char> reached(params.size(), 0);
     std::vector<std::shared_ptr<torch::autograd::Node>> taps(params.size());
     std::unordered_set<const torch::autograd::Node*> seen;
     std::vector<torch::autograd::Node*> stack;
     for (const auto& out : outputs) {
-      if (out.defined() && out.grad_fn()) stack.push_back(out.grad_fn().get());
+      if (!out.defined()) continue;
+      if (out.grad_fn()) {
+        stack.push_back(out.grad_fn().get());
+      } else if (out.requires_grad()) {  // an output that is a leaf: its accumulator is reached directly
+        auto it = param_of.find(torch::autograd::impl::grad_accumulator(out).get());
+        if (it != param_of.end()) reached[it->second] = 1;
+      }
     }
     while (!stack.empty()) {
       torch::autograd::Node* n = stack.back();
@@ -350,17 +344,34 @@ struct DistributedDataParallelBase::Impl : std::enable_shared_from_this<Impl> {
           stack.push_back(e.function.get());
           continue;
         }
-        auto& tap = taps[it->second];
-        if (!tap) {
+        reached[it->second] = 1;
+        if (!tap) continue;
+        auto& t = taps[it->second];
+        if (!t) {
           const Param& p = params[it->second];
-          tap = std::make_shared<GradTap>(weak_from_this(), it->second);
-          tap->add_input_metadata(p.tensor);
-          tap->add_next_edge(torch::autograd::Edge(p.accumulator, 0));
+          t = std::make_shared<GradTap>(weak_from_this(), it->second);
+          t->add_input_metadata(p.tensor);
+          t->add_next_edge(torch::autograd::Edge(p.accumulator, 0));
         }
-        e = torch::autograd::Edge(tap, 0);
+        e = torch::autograd::Edge(t, 0);
       }
     }
-    tapping = true;
+    tapping = tap;
+    return reached;
+  }
+
+  // Parameter i is accounted for in its bucket (its gradient, or zeros).
+  void set_ready(size_t i) {
+    ready[i] = 1;
+    --buckets[params[i].bucket].pending;
+  }
+
+  // Parameter i's gradient of this backward has landed in its bucket: count it and launch what is complete.
+  void gradient_landed(size_t i) {
+    set_ready(i);
+    locally_used[i] = 1;
+    if (record_order) ready_order.push_back(i);
+    launch_ready();
   }
 
   void tapped(size_t i, const at::Tensor& grad) {
@@ -376,11 +387,7 @@ struct DistributedDataParallelBase::Impl : std::enable_shared_from_this<Impl> {
     } else {
       s.zero_();
     }
-    ready[i] = 1;
-    locally_used[i] = 1;
-    if (record_order) ready_order.push_back(i);
-    --buckets[params[i].bucket].pending;
-    launch_ready();
+    gradient_landed(i);
   }
 
   // Before a synchronised backward. The used-map is not reset here: it covers the whole accumulation window.
@@ -413,10 +420,7 @@ struct DistributedDataParallelBase::Impl : std::enable_shared_from_this<Impl> {
       });
     }
     land(i);
-    ready[i] = 1;
-    if (record_order) ready_order.push_back(i);
-    --buckets[p.bucket].pending;
-    launch_ready();
+    gradient_landed(i);
   }
 
   // Parameter i's gradient into its bucket. Without a comm hook the average's division happens here, spread over
@@ -536,8 +540,7 @@ struct DistributedDataParallelBase::Impl : std::enable_shared_from_this<Impl> {
       for (size_t i = 0; i < params.size(); ++i) {
         if (ready[i]) continue;  // reached by the graph, but this backward gave it no gradient
         slice(i).zero_();
-        ready[i] = 1;
-        --buckets[params[i].bucket].pending;
+        set_ready(i);
       }
       launch_ready();
       write_averages(wait_all(), set_average);
