@@ -37,15 +37,12 @@ std::vector<rref::RRef> observers(int n, uint64_t seed) {
 // One round and its update; adds the observers' round trips to `rtt`.
 int64_t round_and_update(rl::Agent& agent, const std::vector<rref::RRef>& obs, int steps, std::vector<double>* rtt) {
   rl::Round r = rl::run_round(obs, {.batched = true, .steps = steps});
-  std::vector<std::vector<double>> rewards;
-  std::vector<std::vector<int64_t>> ends;
   int64_t n = 0;
   for (const auto& t : r.trajectories) {
-    rewards.push_back(t.rewards), ends.push_back(t.ends);
     n += static_cast<int64_t>(t.rewards.size());
     if (rtt) rtt->insert(rtt->end(), t.rtt_us.begin(), t.rtt_us.end());
   }
-  agent.finish_round(r.observers, rewards, ends);
+  agent.finish_round(r.observers, r.trajectories);
   return n;
 }
 
@@ -76,7 +73,7 @@ std::pair<int64_t, bool> solve(uint64_t seed, int64_t max_episodes) {
     rl::Round r = rl::run_round(obs, {.batched = true, .steps = 0});
     const auto& t = r.trajectories.at(0);
     running = 0.05 * std::accumulate(t.rewards.begin(), t.rewards.end(), 0.0) + 0.95 * running;
-    agent->finish_round(r.observers, {t.rewards}, {t.ends});
+    agent->finish_round(r.observers, r.trajectories);
     if (running > 475) return {episodes, true};
   }
   return {max_episodes, false};

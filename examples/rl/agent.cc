@@ -32,6 +32,12 @@ std::mutex g_agent_mu;
 std::shared_ptr<Agent> g_agent;
 std::atomic<int64_t> g_active{0};  // observers still playing this round (batched mode: the full batch)
 
+// An observer finished its round (or failed): the next batches need one request fewer.
+void one_observer_fewer() {
+  const int64_t left = std::max<int64_t>(1, --g_active);
+  throw_if_error(rpc::set_max_batch(kSelectBatch, static_cast<size_t>(left)));
+}
+
 std::shared_ptr<Agent> agent() {
   std::lock_guard<std::mutex> lock(g_agent_mu);
   if (!g_agent) throw std::runtime_error("no agent on worker '" + rpc::get_worker_info().name + "'");
@@ -104,15 +110,15 @@ std::vector<int64_t> Agent::select(const std::vector<Request>& requests) {
   return actions;
 }
 
-double Agent::finish_round(const std::vector<int>& observers, const std::vector<std::vector<double>>& rewards,
-                           const std::vector<std::vector<int64_t>>& ends) {
+double Agent::finish_round(const std::vector<int>& observers, const std::vector<Trajectory>& trajectories) {
   std::lock_guard<std::mutex> lock(mu_);
   std::vector<double> returns;
   std::vector<float> states;
   std::vector<int64_t> actions;
   for (size_t k = 0; k < observers.size(); ++k) {
     const Steps& taken = steps_.at(observers[k]);
-    const auto& r = rewards[k];
+    const auto& r = trajectories[k].rewards;
+    const auto& ends = trajectories[k].ends;
     if (taken.actions.size() != r.size()) {
       throw std::logic_error(
           absl::StrCat("observer ", observers[k], ": ", taken.actions.size(), " actions for ", r.size(), " rewards"));
@@ -120,7 +126,7 @@ double Agent::finish_round(const std::vector<int>& observers, const std::vector<
     std::vector<double> g(r.size());
     double R = 0;
     for (size_t i = r.size(); i-- > 0;) {
-      if (ends[k][i]) R = 0;  // a new episode's returns start at its end
+      if (ends[i]) R = 0;  // a new episode's returns start at its end
       R = r[i] + gamma_ * R;
       g[i] = R;
     }
@@ -147,10 +153,7 @@ void register_rl() {
   rpc::register_function(kSelect, [](Request r) { return agent()->select({std::move(r)}).front(); });
   rpc::register_batched_function<Request, int64_t>(kSelectBatch, {.max_batch = 1, .max_delay = kBatchDelay},
                                                     [](std::vector<Request> rs) { return agent()->select(rs); });
-  rpc::register_function(kDone, [] {
-    const int64_t left = std::max<int64_t>(1, --g_active);
-    throw_if_error(rpc::set_max_batch(kSelectBatch, static_cast<size_t>(left)));
-  });
+  rpc::register_function(kDone, [] { one_observer_fewer(); });
   rref::register_class<Observer>(kObserver).constructor<int64_t, int64_t>().method("run", &Observer::run);
 }
 
@@ -194,7 +197,7 @@ Round run_round(const std::vector<rref::RRef>& observers, const RoundOptions& op
       const std::string what = absl::StrCat("observer ", i, " (worker '", observers[i].owner_name(), "'): ", s.message());
       if (!options.skip_failed) throw RpcError(absl::Status(s.code(), "rl: " + what));
       round.failed.push_back(what);
-      if (options.batched && --g_active >= 1) (void)rpc::set_max_batch(kSelectBatch, static_cast<size_t>(g_active));
+      if (options.batched) one_observer_fewer();
     }
   }
   for (size_t i = 0; i < runs.size(); ++i) {

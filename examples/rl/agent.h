@@ -21,6 +21,14 @@ namespace tandem::examples::rl {
 // A request for an action: {observer, x, x_dot, theta, theta_dot, u}.
 using Request = std::vector<double>;
 
+// What an observer reports of its part of a round.
+struct Trajectory {
+  std::vector<double> rewards;
+  std::vector<int64_t> ends;     // 1 at the last step of each episode
+  std::vector<int64_t> actions;
+  std::vector<double> rtt_us;    // each select_action call's round trip, measured by the observer
+};
+
 class Agent {
  public:
   // Policy 4 -> 128 -> ReLU -> 2 -> softmax, initialised from `seed`; Adam with `lr`; discount `gamma`.
@@ -30,13 +38,12 @@ class Agent {
   // its observer's trajectory. Thread-safe.
   std::vector<int64_t> select(const std::vector<Request>& requests);
 
-  // REINFORCE over the round: rewards[o] in step order and ends[o] (1 where an episode ended) for each observer whose
-  // trajectory counts (the others' steps are dropped). The log-probabilities come from one forward over all the
+  // REINFORCE over the round: trajectories[k] is observer observers[k]'s (rewards in step order, ends marking each
+  // episode's last step); the steps of observers not named are dropped. The log-probabilities come from one forward over all the
   // round's states, on this thread: the update does not depend on which RPC threads answered (per-step graphs built
   // on several threads would be accumulated in a thread-dependent order, and training would not repeat). Returns
   // the loss.
-  double finish_round(const std::vector<int>& observers, const std::vector<std::vector<double>>& rewards,
-                      const std::vector<std::vector<int64_t>>& ends);
+  double finish_round(const std::vector<int>& observers, const std::vector<Trajectory>& trajectories);
 
   torch::nn::Sequential policy;
 
@@ -49,14 +56,6 @@ class Agent {
     std::vector<int64_t> actions;
   };
   std::vector<Steps> steps_;  // per observer, this round
-};
-
-// What an observer reports of its part of a round.
-struct Trajectory {
-  std::vector<double> rewards;
-  std::vector<int64_t> ends;     // 1 at the last step of each episode
-  std::vector<int64_t> actions;
-  std::vector<double> rtt_us;    // each select_action call's round trip, measured by the observer
 };
 
 // The agent side of a job: set on the agent's worker before observers call it. The functions and the Observer class

@@ -66,8 +66,6 @@ int train(const Args& args) {
   for (int64_t round = 1; episodes < args.max_episodes; ++round) {
     rl::Round r = rl::run_round(observers, {.batched = args.batched, .skip_failed = args.skip_dead});
     for (const auto& f : r.failed) std::printf("rl: carrying on without %s\n", f.c_str());
-    std::vector<std::vector<double>> rewards;
-    std::vector<std::vector<int64_t>> ends;
     std::vector<int> who;
     double last = 0;
     for (size_t k = 0; k < r.trajectories.size(); ++k) {
@@ -76,9 +74,9 @@ int train(const Args& args) {
       running = 0.05 * last + 0.95 * running;
       ++episodes;
       steps += static_cast<int64_t>(t.rewards.size());
-      rewards.push_back(t.rewards), ends.push_back(t.ends), who.push_back(ids[r.observers[k]]);
+      who.push_back(ids[r.observers[k]]);
     }
-    agent->finish_round(who, rewards, ends);
+    agent->finish_round(who, r.trajectories);
     if (!r.failed.empty()) {  // keep the observers that answered
       std::vector<rref::RRef> alive;
       std::vector<int> alive_ids;
