@@ -52,6 +52,12 @@ int64_t now_us() {
       .count();
 }
 
+void check_not_empty(const at::Tensor& input) {
+  if (!input.defined() || input.dim() == 0 || input.size(0) == 0) {
+    fail(absl::StatusCode::kInvalidArgument, "the batch is empty (the input needs at least one row)");
+  }
+}
+
 std::string self_name() { return rpc::is_initialized() ? rpc::get_worker_info().name : "(local)"; }
 
 // ---- losses ----
@@ -608,9 +614,7 @@ struct Pipeline::State {
   void validate(const at::Tensor& input, const at::Tensor& target) const {
     const int m = options.n_microbatches;
     if (m < 1) fail(absl::StatusCode::kInvalidArgument, absl::StrCat("n_microbatches must be at least 1 (is ", m, ")"));
-    if (!input.defined() || input.dim() == 0 || input.size(0) == 0) {
-      fail(absl::StatusCode::kInvalidArgument, "the batch is empty (the input needs at least one row)");
-    }
+    check_not_empty(input);
     if (!target.defined() || target.dim() == 0 || target.size(0) != input.size(0)) {
       fail(absl::StatusCode::kInvalidArgument,
            absl::StrCat("the target's batch size (", target.defined() && target.dim() > 0 ? target.size(0) : 0,
@@ -825,9 +829,7 @@ Pipeline Pipeline::from_sequential(const std::string& factory, std::vector<c10::
 double Pipeline::step(const at::Tensor& input, const at::Tensor& target) { return state_->step(input, target); }
 
 at::Tensor Pipeline::forward(const at::Tensor& input) {
-  if (!input.defined() || input.dim() == 0 || input.size(0) == 0) {
-    fail(absl::StatusCode::kInvalidArgument, "the batch is empty (the input needs at least one row)");
-  }
+  check_not_empty(input);
   const auto& st = *state_;
   const int64_t m = std::min<int64_t>(std::max(1, st.options.n_microbatches), input.size(0));
   const std::vector<int64_t> ranks(st.stage_rank.begin(), st.stage_rank.end());
