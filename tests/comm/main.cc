@@ -1,7 +1,7 @@
 // comm_tests: GoogleTest main, and the worker side of the multi-process tests (`comm_tests --worker serve`). The
 // test process (rank 0) and every worker run the same scenario (tests/comm/scenarios.h), started through RPC.
 #include "tests/comm/scenarios.h"
-#include "tests/rpc/test_env.h"
+#include "tests/common/test_env.h"
 
 int main(int argc, char** argv) {
   tandem::test::register_scenarios();

@@ -1,4 +1,4 @@
-#include "common/multiproc.h"
+#include "tests/common/multiproc.h"
 
 #include <arpa/inet.h>
 #include <fcntl.h>

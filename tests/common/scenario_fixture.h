@@ -6,7 +6,7 @@
 #include <string>
 
 #include "tests/common/scenario.h"
-#include "tests/rpc/rpc_fixture.h"
+#include "tests/common/rpc_fixture.h"
 
 namespace tandem::test {
 

@@ -8,7 +8,7 @@
 #include "dist_autograd/dist_autograd.h"
 #include "rref/rref.h"
 #include "tests/common/params.h"
-#include "tests/rpc/rpc_fixture.h"
+#include "tests/common/rpc_fixture.h"
 
 namespace tandem::test {
 namespace {

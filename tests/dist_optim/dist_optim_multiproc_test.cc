@@ -9,7 +9,7 @@
 #include "dist_autograd/dist_autograd.h"
 #include "dist_optim/dist_optim.h"
 #include "tests/common/params.h"
-#include "tests/rpc/rpc_fixture.h"
+#include "tests/common/rpc_fixture.h"
 
 namespace tandem::test {
 namespace {

@@ -6,7 +6,7 @@
 #include "dist_autograd/dist_autograd.h"
 #include "rref/rref.h"
 #include "tests/common/params.h"
-#include "tests/rpc/test_env.h"
+#include "tests/common/test_env.h"
 
 namespace tandem::test {
 namespace {

@@ -5,7 +5,7 @@
 
 #include "nn/remote_module.h"
 #include "tests/nn/modules.h"
-#include "tests/rpc/test_env.h"
+#include "tests/common/test_env.h"
 
 namespace tandem::test {
 

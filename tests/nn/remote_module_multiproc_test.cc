@@ -7,7 +7,7 @@
 #include "dist_optim/dist_optim.h"
 #include "nn/remote_module.h"
 #include "tests/nn/modules.h"
-#include "tests/rpc/rpc_fixture.h"
+#include "tests/common/rpc_fixture.h"
 
 namespace tandem::test {
 namespace {

@@ -14,7 +14,7 @@
 #include "pipeline/pipeline.h"
 #include "rpc/errors.h"
 #include "tests/pipeline/stages.h"
-#include "tests/rpc/rpc_fixture.h"
+#include "tests/common/rpc_fixture.h"
 
 namespace tandem::test {
 namespace {

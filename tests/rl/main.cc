@@ -1,7 +1,7 @@
 // rl_tests: GoogleTest main, and the worker side of the multi-process tests (`rl_tests --worker serve`): every worker
 // registers the RL functions and the Observer class.
 #include "examples/rl/agent.h"
-#include "tests/rpc/test_env.h"
+#include "tests/common/test_env.h"
 
 #include <unistd.h>
 

@@ -8,7 +8,7 @@
 
 #include "examples/rl/agent.h"
 #include "rpc/errors.h"
-#include "tests/rpc/rpc_fixture.h"
+#include "tests/common/rpc_fixture.h"
 
 namespace tandem::test {
 namespace {

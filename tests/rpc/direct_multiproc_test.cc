@@ -10,7 +10,7 @@
 #include "absl/strings/str_split.h"
 #include "rpc/detail/direct.h"
 #include "rpc/store.h"
-#include "tests/rpc/rpc_fixture.h"
+#include "tests/common/rpc_fixture.h"
 
 namespace tandem::test {
 namespace {

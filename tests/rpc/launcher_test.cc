@@ -1,7 +1,7 @@
 // tandem-run: the torchrun environment, output prefixes, and failure propagation, with real processes.
 #include <gtest/gtest.h>
 
-#include "common/multiproc.h"
+#include "tests/common/multiproc.h"
 
 namespace tandem::test {
 namespace {

@@ -15,7 +15,7 @@
 #include "rpc/batching.h"
 #include "rpc/extension.h"
 #include "rpc/script.h"
-#include "tests/rpc/test_env.h"
+#include "tests/common/test_env.h"
 
 namespace tandem::test {
 namespace {

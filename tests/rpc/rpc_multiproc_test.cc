@@ -6,7 +6,7 @@
 
 #include <thread>
 
-#include "tests/rpc/rpc_fixture.h"
+#include "tests/common/rpc_fixture.h"
 
 namespace tandem::test {
 namespace {

@@ -4,7 +4,7 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
-#include "tests/rpc/test_env.h"
+#include "tests/common/test_env.h"
 
 namespace tandem::rpc::wire {
 namespace {

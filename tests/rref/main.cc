@@ -7,7 +7,7 @@
 #include <mutex>
 
 #include "rref/rref.h"
-#include "tests/rpc/test_env.h"
+#include "tests/common/test_env.h"
 #include "tests/rref/rref_test_functions.h"
 
 namespace tandem::test {

@@ -5,7 +5,7 @@
 #include <thread>
 
 #include "rref/rref.h"
-#include "tests/rpc/rpc_fixture.h"
+#include "tests/common/rpc_fixture.h"
 
 namespace tandem::test {
 namespace {

@@ -9,13 +9,13 @@
 #include <string>
 
 #include "absl/synchronization/notification.h"
-#include "common/multiproc.h"
+#include "tests/common/multiproc.h"
 #include "proto/tandem_rpc.pb.h"
 #include "rpc/detail/auth.h"
 #include "rpc/detail/net.h"
 #include "rpc/detail/wire.h"
 #include "rpc/rpc.h"
-#include "tests/rpc/test_env.h"
+#include "tests/common/test_env.h"
 
 namespace tandem::test {
 

@@ -1,4 +1,4 @@
-#include "tests/rpc/test_env.h"
+#include "tests/common/test_env.h"
 
 #include <gtest/gtest.h>
 
