@@ -83,9 +83,8 @@ int main(int argc, char** argv) {
   rpc::register_function("layer_params", [] {
     return std::vector<c10::IValue>{rref::make_local(g_remote.w).to_ivalue(), rref::make_local(g_remote.b).to_ivalue()};
   });
-  rpc::register_function("forward_loss", [](at::Tensor h) {
-    return at::linear(h, g_remote.w, g_remote.b).pow(2).mean();
-  });
+  rpc::register_function("forward_loss",
+                         [](at::Tensor h) { return at::linear(h, g_remote.w, g_remote.b).pow(2).mean(); });
   rpc::init_rpc();
   if (rpc::get_worker_info().id == 0) {
     const std::string cond = "\"processes\":2,\"intra_op_threads\":1";

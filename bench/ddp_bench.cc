@@ -61,7 +61,8 @@ int main(int argc, char** argv) {
   const bool report = pg->rank() == 0;
   const std::string cond = "\"processes\":" + std::to_string(pg->size()) +
                            ",\"intra_op_threads\":1,\"model\":\"mlp1024-2048-2048-1024\",\"params\":8400896,"
-                           "\"batch_per_rank\":64,\"iters\":" + std::to_string(iters);
+                           "\"batch_per_rank\":64,\"iters\":" +
+                           std::to_string(iters);
   const at::Tensor x = at::randn({64, 1024}), y = at::randn({64, 1024});
 
   double local_ms = 0;
@@ -77,7 +78,8 @@ int main(int argc, char** argv) {
   }
   comm::wait(pg->barrier());
 
-  std::vector<std::pair<int, bool>> configs = {{25, true}, {25, false}};  // (bucket cap in MiB, gradient_as_bucket_view)
+  std::vector<std::pair<int, bool>> configs = {{25, true},
+                                               {25, false}};  // (bucket cap in MiB, gradient_as_bucket_view)
   if (sweep) configs.insert(configs.end(), {{1, true}, {5, true}, {100, true}, {1000, true}});
   for (auto [cap, view] : configs) {
     auto model = make_model();
@@ -91,9 +93,8 @@ int main(int argc, char** argv) {
     });
     if (report) {
       bench::emit("ddp", "ddp_iter_ms", ms, "ms",
-                  cond + ",\"bucket_cap_mb\":" + std::to_string(cap) +
-                      ",\"gradient_as_bucket_view\":" + (view ? "true" : "false") +
-                      ",\"buckets\":" + std::to_string(net.stats().bucket_bytes.size()) +
+                  cond + ",\"bucket_cap_mb\":" + std::to_string(cap) + ",\"gradient_as_bucket_view\":" +
+                      (view ? "true" : "false") + ",\"buckets\":" + std::to_string(net.stats().bucket_bytes.size()) +
                       ",\"weak_scaling_efficiency\":" + std::to_string(local_ms / ms));
     }
     comm::wait(pg->barrier());

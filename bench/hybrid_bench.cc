@@ -62,8 +62,8 @@ int main(int argc, char** argv) {
     const double m1 = f1.get<double>(), m2 = f2.get<double>();
     bench::emit("hybrid", "hybrid_iter_ms", std::max(m1, m2), "ms",
                 "\"processes\":4,\"intra_op_threads\":1,\"trainers\":2,\"batch\":64,\"bag\":196,\"embeddings\":1568,"
-                "\"dim\":64,\"iters\":" + std::to_string(iters) + ",\"trainer_ms\":[" + std::to_string(m1) + "," +
-                    std::to_string(m2) + "]");
+                "\"dim\":64,\"iters\":" +
+                    std::to_string(iters) + ",\"trainer_ms\":[" + std::to_string(m1) + "," + std::to_string(m2) + "]");
   }
   rpc::shutdown();
   return 0;

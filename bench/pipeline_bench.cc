@@ -101,8 +101,12 @@ void step_time(const std::string& size, int64_t d, int64_t batch, int steps) {
     local_opt.step();
   });
   bench::emit("pipeline", "pipeline_local_step_ms", local_ms, "ms",
-              fields({{"processes", "1"}, {"intra_op_threads", "1"}, {"size", str(size)}, {"dim", std::to_string(d)},
-                      {"batch", std::to_string(batch)}, {"steps", std::to_string(steps)}}));
+              fields({{"processes", "1"},
+                      {"intra_op_threads", "1"},
+                      {"size", str(size)},
+                      {"dim", std::to_string(d)},
+                      {"batch", std::to_string(batch)},
+                      {"steps", std::to_string(steps)}}));
   double m1_ms = 0;
   for (int m : {1, 2, 4, 8}) {
     pipeline::PipelineOptions options;
@@ -121,18 +125,24 @@ void step_time(const std::string& size, int64_t d, int64_t batch, int steps) {
     std::vector<double> f(2, 0), b(2, 0);
     for (const auto& e : pipe.last_timeline()) (e.backward ? b : f)[e.stage] += (e.end_us - e.start_us) / 1000.0 / m;
     const std::vector<int> placement{0, 1};
-    const double ideal = pipeline::simulate(pipeline::make_plans(options.schedule, placement, 2, m), placement, m, f, b);
+    const double ideal =
+        pipeline::simulate(pipeline::make_plans(options.schedule, placement, 2, m), placement, m, f, b);
     const double step_only = pipe.last_stats().step_ms;
-    const std::string cond = fields({{"processes", "3"}, {"intra_op_threads", "1"}, {"size", str(size)},
-                                     {"m", std::to_string(m)}, {"schedule", str("1f1b")}, {"dim", std::to_string(d)},
-                                     {"batch", std::to_string(batch)}, {"steps", std::to_string(steps)}});
+    const std::string cond = fields({{"processes", "3"},
+                                     {"intra_op_threads", "1"},
+                                     {"size", str(size)},
+                                     {"m", std::to_string(m)},
+                                     {"schedule", str("1f1b")},
+                                     {"dim", std::to_string(d)},
+                                     {"batch", std::to_string(batch)},
+                                     {"steps", std::to_string(steps)}});
     bench::emit("pipeline", "pipeline_step_ms", ms, "ms",
-                cond + ",\"speedup_vs_m1\":" + std::to_string(m1_ms / ms) + ",\"speedup_vs_local\":" +
-                    std::to_string(local_ms / ms));
+                cond + ",\"speedup_vs_m1\":" + std::to_string(m1_ms / ms) +
+                    ",\"speedup_vs_local\":" + std::to_string(local_ms / ms));
     bench::emit("pipeline", "pipeline_control_overhead_us", (step_only - ideal) * 1000 / m, "us",
-                cond + ",\"last_step_ms\":" + std::to_string(step_only) + ",\"schedule_makespan_ms\":" +
-                    std::to_string(ideal) + ",\"stage_busy_ms\":[" + std::to_string(m * (f[0] + b[0])) + "," +
-                    std::to_string(m * (f[1] + b[1])) + "]");
+                cond + ",\"last_step_ms\":" + std::to_string(step_only) +
+                    ",\"schedule_makespan_ms\":" + std::to_string(ideal) + ",\"stage_busy_ms\":[" +
+                    std::to_string(m * (f[0] + b[0])) + "," + std::to_string(m * (f[1] + b[1])) + "]");
   }
 }
 
@@ -155,9 +165,14 @@ void bubble(int steps, int64_t tf_ms, int64_t tb_ms) {
     });
     const double ideal = static_cast<double>((m + p - 1) * (tf_ms + tb_ms));
     bench::emit("pipeline", "pipeline_bubble_ratio", ms / ideal, "x",
-                fields({{"processes", "5"}, {"schedule", str(pipeline::schedule_name(schedule))}, {"p", "4"}, {"m", "8"},
-                        {"tf_ms", std::to_string(tf_ms)}, {"tb_ms", std::to_string(tb_ms)},
-                        {"step_ms", std::to_string(ms)}, {"ideal_ms", std::to_string(ideal)}}));
+                fields({{"processes", "5"},
+                        {"schedule", str(pipeline::schedule_name(schedule))},
+                        {"p", "4"},
+                        {"m", "8"},
+                        {"tf_ms", std::to_string(tf_ms)},
+                        {"tb_ms", std::to_string(tb_ms)},
+                        {"step_ms", std::to_string(ms)},
+                        {"ideal_ms", std::to_string(ideal)}}));
   }
 }
 
@@ -178,9 +193,8 @@ int main(int argc, char** argv) {
     at::manual_seed(d);
     return mlp_stage(d);
   });
-  tandem::nn::register_module("bench_sleep_stage", [](int64_t tf_us, int64_t tb_us) {
-    return std::make_shared<SleepStage>(tf_us, tb_us);
-  });
+  tandem::nn::register_module("bench_sleep_stage",
+                              [](int64_t tf_us, int64_t tb_us) { return std::make_shared<SleepStage>(tf_us, tb_us); });
   pipeline::register_loss("bench_sum", [](const at::Tensor& out, const at::Tensor&) { return out.sum(); });
   rpc::RpcOptions options;
   options.shutdown_timeout = std::chrono::hours(1);  // stage workers wait in shutdown while rank 0 measures

@@ -1,9 +1,10 @@
 // bench/run.sh rl — Tandem's side. 11 workers (tandem-run --nproc-per-node 11): rank 0 is the agent, ranks 1..10 the
 // observers; the peer (bench/peer_rl.py) runs PyTorch's RPC RL tutorial, batch variant, on the same workload.
 //   rl_env_steps_per_s     N = 1, 4, 10 observers, batched: --rounds rounds (after one warm-up round) in which every
-//                          observer takes exactly --steps CartPole steps (a new episode after each end), asking the agent
-//                          for every action; the agent answers all waiting observers from one forward pass and updates
-//                          the policy (REINFORCE, Adam) after each round. Env steps of all observers per second.
+//                          observer takes exactly --steps CartPole steps (a new episode after each end), asking the
+//                          agent for every action; the agent answers all waiting observers from one forward pass and
+//                          updates the policy (REINFORCE, Adam) after each round. Env steps of all observers per
+//                          second.
 //   select_action_p50_us   the median round trip of one observer's select_action call in those rounds, as the
 //                          observers measured it.
 //   rl_episodes_to_solve   1 observer, one episode per round, running reward 0.05 r + 0.95 running from 10: episodes
@@ -56,8 +57,8 @@ void throughput(int n, int rounds, int steps) {
   const double t0 = bench::now_us();
   for (int r = 0; r < rounds; ++r) total += round_and_update(*agent, obs, steps, &rtt);
   const double secs = (bench::now_us() - t0) / 1e6;
-  const std::string cond = "\"processes\":" + std::to_string(n + 1) + ",\"intra_op_threads\":1,\"observers\":" +
-                           std::to_string(n) + ",\"batched\":true";
+  const std::string cond = "\"processes\":" + std::to_string(n + 1) +
+                           ",\"intra_op_threads\":1,\"observers\":" + std::to_string(n) + ",\"batched\":true";
   bench::emit("rl", "rl_env_steps_per_s", static_cast<double>(total) / secs, "steps/s",
               cond + ",\"rounds\":" + std::to_string(rounds) + ",\"steps\":" + std::to_string(steps));
   bench::emit("rl", "select_action_p50_us", bench::median(rtt), "us", cond);

@@ -43,8 +43,9 @@ int main(int argc, char** argv) {
       rpc::rpc_sync<at::Tensor>(1, "add", one, one);
       rtt.push_back(bench::now_us() - t0);
     }
-    bench::emit("rpc", "small_rtt_p50_us", bench::median(rtt), "us",
-                cond + ",\"iters\":" + std::to_string(small) + ",\"p99_us\":" + std::to_string(bench::percentile(rtt, 0.99)));
+    bench::emit(
+        "rpc", "small_rtt_p50_us", bench::median(rtt), "us",
+        cond + ",\"iters\":" + std::to_string(small) + ",\"p99_us\":" + std::to_string(bench::percentile(rtt, 0.99)));
 
     // Bulk: one tensor of `mib` MiB per call.
     const at::Tensor big = at::rand({int64_t{mib} << 18});

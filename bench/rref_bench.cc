@@ -1,6 +1,7 @@
 // bench/run.sh rref — Tandem's side. Three workers (tandem-run --nproc-per-node 3); rank 0 measures.
 //   remote_to_here_p50_us  remote() of a function making a small tensor on worker 1, then to_here(); p50
-//   rref_churn_per_s       RRefs created on worker 1, passed to worker 2 (which drops them), dropped here, until worker 1
+//   rref_churn_per_s       RRefs created on worker 1, passed to worker 2 (which drops them), dropped here, until worker
+//   1
 //                          has freed every one of them (its own count); 128 in flight
 // Flags: --small N, --churn N.
 #include <ATen/ATen.h>

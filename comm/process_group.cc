@@ -4,8 +4,8 @@
 #include <ATen/ATen.h>
 #include <gloo/allgather.h>
 #include <gloo/allreduce.h>
-#include <gloo/barrier.h>
 #include <gloo/alltoall.h>
+#include <gloo/barrier.h>
 #include <gloo/broadcast.h>
 #include <gloo/gather.h>
 #include <gloo/math.h>
@@ -133,14 +133,22 @@ ReduceFn reduce_fn(ReduceOp op) {
 template <typename F>
 void dispatch(c10::ScalarType dtype, F&& f) {
   switch (dtype) {
-    case at::kFloat: return f(float{});
-    case at::kDouble: return f(double{});
-    case at::kHalf: return f(c10::Half{});
-    case at::kBFloat16: return f(c10::BFloat16{});
-    case at::kChar: return f(int8_t{});
-    case at::kByte: return f(uint8_t{});
-    case at::kInt: return f(int32_t{});
-    case at::kLong: return f(int64_t{});
+    case at::kFloat:
+      return f(float{});
+    case at::kDouble:
+      return f(double{});
+    case at::kHalf:
+      return f(c10::Half{});
+    case at::kBFloat16:
+      return f(c10::BFloat16{});
+    case at::kChar:
+      return f(int8_t{});
+    case at::kByte:
+      return f(uint8_t{});
+    case at::kInt:
+      return f(int32_t{});
+    case at::kLong:
+      return f(int64_t{});
     default:
       throw std::invalid_argument(absl::StrCat("collectives do not support dtype ", c10::toString(dtype)));
   }
@@ -172,7 +180,11 @@ class GlooGroup final : public ProcessGroup {
  public:
   GlooGroup(std::string name, int rank, int size, std::shared_ptr<gloo::rendezvous::Context> ctx,
             ProcessGroupOptions options, std::vector<int> job_ranks)
-      : name_(std::move(name)), rank_(rank), size_(size), options_(options), ctx_(std::move(ctx)),
+      : name_(std::move(name)),
+        rank_(rank),
+        size_(size),
+        options_(options),
+        ctx_(std::move(ctx)),
         job_ranks_(std::move(job_ranks)) {
     thread_ = std::thread([this] { loop(); });
   }
@@ -182,7 +194,7 @@ class GlooGroup final : public ProcessGroup {
       stopping_ = true;
     }
     cv_.notify_all();
-    thread_.join();  // an operation in progress ends within its timeout
+    thread_.join();                           // an operation in progress ends within its timeout
     for (auto& w : waiters_) w.first.join();  // likewise
   }
 
@@ -531,8 +543,8 @@ class GlooGroup final : public ProcessGroup {
         op = std::move(queue_.front());
         queue_.pop_front();
       }
-      const std::string prefix = absl::StrCat("process group '", name_, "' (rank ", rank_, " of ", size_, "), ", op.what,
-                                              ": ");
+      const std::string prefix =
+          absl::StrCat("process group '", name_, "' (rank ", rank_, " of ", size_, "), ", op.what, ": ");
       if (absl::Status b = broken(); !b.ok()) {
         op.done.set_error(failed_earlier(prefix, b));
         continue;
@@ -584,15 +596,18 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(const std::string& name, std:
   }
   std::sort(ranks.begin(), ranks.end());
   if (std::adjacent_find(ranks.begin(), ranks.end()) != ranks.end() || ranks.front() < 0 || ranks.back() >= world) {
-    throw RpcError(absl::InvalidArgumentError(absl::StrCat("process group '", name, "': ranks must be distinct job ranks")));
+    throw RpcError(
+        absl::InvalidArgumentError(absl::StrCat("process group '", name, "': ranks must be distinct job ranks")));
   }
   auto me = std::find(ranks.begin(), ranks.end(), self.id);
   if (me == ranks.end()) {
-    throw RpcError(absl::InvalidArgumentError(absl::StrCat("process group '", name, "': worker '", self.name,
-                                                           "' is not one of its ranks (", absl::StrJoin(ranks, ", "), ")")));
+    throw RpcError(
+        absl::InvalidArgumentError(absl::StrCat("process group '", name, "': worker '", self.name,
+                                                "' is not one of its ranks (", absl::StrJoin(ranks, ", "), ")")));
   }
   if (options.backend != Backend::kGloo) {
-    throw RpcError(absl::UnimplementedError(absl::StrCat("process group '", name, "': this build has no NCCL backend "
+    throw RpcError(absl::UnimplementedError(absl::StrCat("process group '", name,
+                                                         "': this build has no NCCL backend "
                                                          "(CUDA tensors); use Backend::kGloo for CPU tensors")));
   }
   {
@@ -618,9 +633,8 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(const std::string& name, std:
     ctx->connectFullMesh(store, device);
     return std::make_shared<GlooGroup>(name, rank, size, std::move(ctx), options, ranks);
   } catch (const RpcError& e) {
-    throw RpcError(absl::Status(e.status().code(),
-                                absl::StrCat("process group '", name, "' set-up on worker '", self.name, "': ",
-                                             e.status().message())));
+    throw RpcError(absl::Status(e.status().code(), absl::StrCat("process group '", name, "' set-up on worker '",
+                                                                self.name, "': ", e.status().message())));
   } catch (const std::exception& e) {
     throw RpcError(absl::UnavailableError(
         absl::StrCat("process group '", name, "' set-up on worker '", self.name, "': ", e.what())));

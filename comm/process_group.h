@@ -68,7 +68,8 @@ class ProcessGroup {
   // Root's `output` (size() times input's elements) receives every rank's input in rank order; `output` is ignored
   // (may be undefined) elsewhere.
   virtual rpc::Future gather(at::Tensor output, at::Tensor input, int root) = 0;
-  // Rank i's `output` receives the i-th of size() equal chunks of root's `input` (ignored, may be undefined, elsewhere).
+  // Rank i's `output` receives the i-th of size() equal chunks of root's `input` (ignored, may be undefined,
+  // elsewhere).
   virtual rpc::Future scatter(at::Tensor output, at::Tensor input, int root) = 0;
   // Chunk i of every rank's `input` (size() equal chunks) goes to rank i; `output` receives them in rank order.
   virtual rpc::Future all_to_all(at::Tensor output, at::Tensor input) = 0;

@@ -104,9 +104,7 @@ struct DistributedDataParallelBase::Impl : std::enable_shared_from_this<Impl> {
   int64_t iterations = 0;
   int64_t last_active = -1;  // uneven inputs: the highest rank that still had data, last time anyone had
 
-  std::string where() const {
-    return absl::StrCat("rank ", group->rank(), " of process group '", group->name(), "'");
-  }
+  std::string where() const { return absl::StrCat("rank ", group->rank(), " of process group '", group->name(), "'"); }
 
   // ---- set-up ----
 
@@ -114,7 +112,8 @@ struct DistributedDataParallelBase::Impl : std::enable_shared_from_this<Impl> {
     for (const auto& item : module->named_parameters(/*recurse=*/true)) {
       const at::Tensor& t = item.value();
       if (!t.requires_grad()) continue;
-      if (t.is_sparse() || !t.is_contiguous()) fail(absl::StatusCode::kInvalidArgument, "parameter '" + item.key() + "' is sparse or not contiguous");
+      if (t.is_sparse() || !t.is_contiguous())
+        fail(absl::StatusCode::kInvalidArgument, "parameter '" + item.key() + "' is sparse or not contiguous");
       params.push_back(Param{item.key(), t, torch::autograd::impl::grad_accumulator(t)});
     }
     for (const auto& b : module->named_buffers(/*recurse=*/true)) {
@@ -240,7 +239,8 @@ struct DistributedDataParallelBase::Impl : std::enable_shared_from_this<Impl> {
   // Uneven inputs: every rank says whether it still has data (its rank, or -1) and whether the coming backward
   // reduces. Returns {highest rank with data or -1, whether any reduces}.
   std::pair<int64_t, bool> agree(bool active, bool sync) {
-    auto t = at::tensor({active ? static_cast<int64_t>(group->rank()) : int64_t{-1}, int64_t{active && sync}}, at::kLong);
+    auto t =
+        at::tensor({active ? static_cast<int64_t>(group->rank()) : int64_t{-1}, int64_t{active && sync}}, at::kLong);
     comm::wait(group->allreduce(t, comm::ReduceOp::kMax));
     const int64_t highest = t[0].item<int64_t>();
     if (highest >= 0) last_active = highest;
@@ -591,12 +591,15 @@ struct DistributedDataParallelBase::Impl : std::enable_shared_from_this<Impl> {
     if (n > 5) missing.resize(5);
     fail(absl::StatusCode::kFailedPrecondition,
          absl::StrCat(where(), ": ", n, " parameter(s) got no gradient in ", in, " (", absl::StrJoin(missing, ", "),
-                      n > 5 ? ", ..." : "", "); construct with find_unused_parameters = true when a forward does not "
+                      n > 5 ? ", ..." : "",
+                      "); construct with find_unused_parameters = true when a forward does not "
                       "use every parameter"));
   }
 
   // Whether parameter i is to be written back: with find_unused_parameters, only if some rank used it.
-  static bool used_anywhere(const at::Tensor& used, size_t i) { return !used.defined() || used.data_ptr<int32_t>()[i] != 0; }
+  static bool used_anywhere(const at::Tensor& used, size_t i) {
+    return !used.defined() || used.data_ptr<int32_t>()[i] != 0;
+  }
 
   // After every bucket was launched: with find_unused_parameters, the max-allreduce of the ranks' used-maps (returned);
   // then waits for all of it. Throws RpcError on a group failure.
@@ -689,9 +692,7 @@ void set_external_backward_probe(std::function<bool()> probe) {
   g_external_probe = std::move(probe);
 }
 void DistributedDataParallelBase::pre_forward() { impl_->pre_forward(); }
-void DistributedDataParallelBase::post_forward(const std::vector<at::Tensor>& outputs) {
-  impl_->post_forward(outputs);
-}
+void DistributedDataParallelBase::post_forward(const std::vector<at::Tensor>& outputs) { impl_->post_forward(outputs); }
 comm::ProcessGroup& DistributedDataParallelBase::group() const { return *impl_->group; }
 
 DdpStats DistributedDataParallelBase::stats() const {

@@ -14,9 +14,9 @@
 // How (PyTorch's Reducer, VLDB'20): parameters are grouped into buckets in reverse order of registration (the first
 // bucket capped at first_bucket_bytes, the others at bucket_cap_bytes, one dtype per bucket). An autograd hook on each
 // parameter's gradient accumulator copies the gradient into its bucket; when a bucket is complete its asynchronous
-// allreduce starts (buckets start in index order, the same on every rank) and overlaps with the rest of backward. At the
-// end of backward the averaged gradients are written to .grad (or already are, with gradient_as_bucket_view). After the
-// first iteration the buckets are rebuilt in the order gradients actually became ready (rank 0's order, broadcast).
+// allreduce starts (buckets start in index order, the same on every rank) and overlaps with the rest of backward. At
+// the end of backward the averaged gradients are written to .grad (or already are, with gradient_as_bucket_view). After
+// the first iteration the buckets are rebuilt in the order gradients actually became ready (rank 0's order, broadcast).
 //
 // Contract:
 // - Every rank runs forward and backward the same number of times (use uneven_inputs + join() otherwise), with
@@ -57,8 +57,8 @@ using CommHook = std::function<rpc::Future(comm::ProcessGroup& group, at::Tensor
 // backward, as PyTorch's Reducer does) and sums the buckets; allreduce_hook() does the same as a hook (one division
 // of the whole bucket, when it is complete).
 CommHook allreduce_hook();
-CommHook fp16_compress_hook();   // sent as float16 (half the bytes), averaged, written back in the bucket's dtype
-CommHook bf16_compress_hook();   // likewise as bfloat16
+CommHook fp16_compress_hook();  // sent as float16 (half the bytes), averaged, written back in the bucket's dtype
+CommHook bf16_compress_hook();  // likewise as bfloat16
 
 struct DdpOptions {
   size_t bucket_cap_bytes = 25u << 20;   // PyTorch's kDefaultBucketBytesCap
@@ -70,8 +70,8 @@ struct DdpOptions {
   // autograd views, so LibTorch's Optimizer::zero_grad (which detaches them) works; a .grad replaced by the user is
   // copied into the bucket and shared again at the next backward.
   bool gradient_as_bucket_view = true;
-  bool rebuild_buckets = true;           // after the first iteration, in the order gradients became ready
-  bool uneven_inputs = false;            // ranks may run out of data at different times: see join()
+  bool rebuild_buckets = true;  // after the first iteration, in the order gradients became ready
+  bool uneven_inputs = false;   // ranks may run out of data at different times: see join()
 };
 
 struct DdpStats {

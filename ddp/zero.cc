@@ -13,7 +13,8 @@ namespace tandem::ddp {
 ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::vector<at::Tensor> parameters,
                                                  std::shared_ptr<comm::ProcessGroup> group, Factory make)
     : parameters_(std::move(parameters)), owner_(parameters_.size(), 0), group_(std::move(group)) {
-  if (!group_ || !make) throw RpcError(absl::InvalidArgumentError("ZeroRedundancyOptimizer: a group and a factory are required"));
+  if (!group_ || !make)
+    throw RpcError(absl::InvalidArgumentError("ZeroRedundancyOptimizer: a group and a factory are required"));
   std::vector<size_t> by_size(parameters_.size());
   std::iota(by_size.begin(), by_size.end(), 0);
   std::stable_sort(by_size.begin(), by_size.end(),

@@ -16,11 +16,10 @@ const bool g_installed = [] {
 void reduce_context_gradients(DistributedDataParallelBase& ddp, int64_t context_id) {
   (void)g_installed;
   const dist_autograd::Gradients grads = dist_autograd::get_gradients(context_id);
-  ddp.reduce_external([&grads](const at::Tensor& p) { return grads[p]; },
-                      [context_id](const at::Tensor& p, at::Tensor avg) {
-                        dist_autograd::set_gradient(context_id, p, std::move(avg));
-                      },
-                      absl::StrCat("distributed autograd context ", context_id));
+  ddp.reduce_external(
+      [&grads](const at::Tensor& p) { return grads[p]; },
+      [context_id](const at::Tensor& p, at::Tensor avg) { dist_autograd::set_gradient(context_id, p, std::move(avg)); },
+      absl::StrCat("distributed autograd context ", context_id));
 }
 
 }  // namespace tandem::ddp

@@ -2,7 +2,8 @@
 // and dist_autograd/, so that neither needs the other.
 //
 //   ddp::DistributedDataParallel<Net> net(model, pg);             // the dense part, replicated on every trainer
-//   dist_optim::DistributedOptimizer opt("sgd", params, {...});     // net's parameters (rref::make_local) + remote ones
+//   dist_optim::DistributedOptimizer opt("sgd", params, {...});     // net's parameters (rref::make_local) + remote
+//   ones
 //   {
 //     dist_autograd::ContextGuard ctx;
 //     at::Tensor loss = loss_fn(net.forward(remote_embedding.forward(ids)));  // forward under the context

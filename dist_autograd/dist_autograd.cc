@@ -296,8 +296,8 @@ rpc::Future run_local(const std::shared_ptr<Context>& ctx, const torch::autograd
   variable_list captured;
   try {
     captured = torch::autograd::Engine::get_default_engine().execute(roots, inputs, /*keep_graph=*/true,
-                                                                      /*create_graph=*/false,
-                                                                      /*accumulate_grad=*/false, outputs);
+                                                                     /*create_graph=*/false,
+                                                                     /*accumulate_grad=*/false, outputs);
   } catch (const std::exception& e) {
     std::string what = e.what();
     if (auto cut = what.find("\nException raised from"); cut != std::string::npos) what.resize(cut);
@@ -331,8 +331,9 @@ rpc::Future run_local(const std::shared_ptr<Context>& ctx, const torch::autograd
       grads.push_back(g);
     }
     if (grads.empty()) continue;  // nothing flowed into this message: its sender's part gets no gradient
-    messages.push_back({recv->from_rank, {c10::IValue(recv->context_id), c10::IValue(recv->send_id),
-                                          rpc::to_ivalue(indices), rpc::to_ivalue(grads)}});
+    messages.push_back(
+        {recv->from_rank,
+         {c10::IValue(recv->context_id), c10::IValue(recv->send_id), rpc::to_ivalue(indices), rpc::to_ivalue(grads)}});
   }
   bool budget = false;
   if (!may_block && !messages.empty()) {
@@ -354,8 +355,8 @@ rpc::Future run_local(const std::shared_ptr<Context>& ctx, const torch::autograd
 rpc::Future on_grad(int64_t context_id, int64_t send_id, std::vector<int64_t> indices, std::vector<at::Tensor> grads) {
   auto ctx = Container::get().find(context_id);
   if (!ctx) {
-    throw std::invalid_argument(absl::StrCat("distributed autograd context ", context_id,
-                                             " does not exist on this worker (released?)"));
+    throw std::invalid_argument(
+        absl::StrCat("distributed autograd context ", context_id, " does not exist on this worker (released?)"));
   }
   std::shared_ptr<SendRpcBackward> send;
   {
@@ -512,8 +513,8 @@ void backward(int64_t context_id, const std::vector<at::Tensor>& roots, bool /*r
   // Each hop has its RPC deadline; this bounds the whole pass as well.
   const auto wait = timeout.count() > 0 ? timeout : std::chrono::milliseconds(std::chrono::minutes(5));
   if (!done.wait_for(wait)) {
-    throw RpcError(absl::DeadlineExceededError(absl::StrCat("distributed backward of context ", context_id,
-                                                            " did not finish within ", wait.count(), " ms")));
+    throw RpcError(absl::DeadlineExceededError(
+        absl::StrCat("distributed backward of context ", context_id, " did not finish within ", wait.count(), " ms")));
   }
   throw_if_error(done.status());
 }

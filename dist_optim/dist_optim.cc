@@ -48,7 +48,8 @@ class HyperReader {
     if (h_.empty()) return;
     std::vector<std::string> names;
     for (const auto& [k, v] : h_) names.push_back(k);
-    throw std::invalid_argument(absl::StrCat("optimizer '", kind_, "' has no hyper-parameter ", absl::StrJoin(names, ", ")));
+    throw std::invalid_argument(
+        absl::StrCat("optimizer '", kind_, "' has no hyper-parameter ", absl::StrJoin(names, ", ")));
   }
 
  private:
@@ -112,7 +113,8 @@ std::atomic<int64_t> g_next_id{1};
 // update is seen as the in-place change it is. Hogwild: a separate tensor over the same bytes, invisible to it.
 at::Tensor handle_of(const at::Tensor& p, bool hogwild) {
   if (!hogwild) return p.detach();
-  return at::from_blob(p.data_ptr(), p.sizes(), p.strides(), [keep = p](void*) {}, p.options());
+  return at::from_blob(
+      p.data_ptr(), p.sizes(), p.strides(), [keep = p](void*) {}, p.options());
 }
 
 // create(kind, names, values, hogwild, rref...) -> optimizer id
@@ -238,7 +240,8 @@ void DistributedOptimizer::release() {
 rpc::Future DistributedOptimizer::step_async(int64_t context_id) {
   std::vector<rpc::Future> steps;
   steps.reserve(remote_.size());
-  for (const auto& [owner, id] : remote_) steps.push_back(rpc::rpc_async(owner, kStep, id, context_id, options_.timeout));
+  for (const auto& [owner, id] : remote_)
+    steps.push_back(rpc::rpc_async(owner, kStep, id, context_id, options_.timeout));
   return rpc::when_all(steps);
 }
 
@@ -264,7 +267,8 @@ void DistributedOptimizer::step(int64_t context_id) {
     try {
       on_step(id, context_id);
     } catch (const std::exception& e) {
-      local = absl::InternalError(absl::StrCat("optimizer step on worker '", rpc::get_worker_info().name, "': ", e.what()));
+      local =
+          absl::InternalError(absl::StrCat("optimizer step on worker '", rpc::get_worker_info().name, "': ", e.what()));
     }
   }
   if (!others.empty()) {

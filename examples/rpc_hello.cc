@@ -15,7 +15,8 @@ int main() {
   // 1. Functions peers may call, by name, with typed signatures.
   rpc::register_function("add", [](at::Tensor a, at::Tensor b) { return a + b; });
   rpc::register_function("describe", [](std::string who, std::vector<int64_t> shape) {
-    return who + " asked " + rpc::get_worker_info().name + " about a tensor of " + std::to_string(shape.size()) + " dims";
+    return who + " asked " + rpc::get_worker_info().name + " about a tensor of " + std::to_string(shape.size()) +
+           " dims";
   });
   // An async function: the reply is sent when the returned future completes, without holding a server thread.
   rpc::register_function("delayed_double", [](at::Tensor x) {

@@ -175,10 +175,12 @@ class Mailbox {
     const int64_t epoch = epoch_;
     for (;;) {
       if (epoch_ != epoch) {
-        return absl::Status(stopped_.code(), absl::StrCat("abandoned while waiting for ", what, ": ", stopped_.message()));
+        return absl::Status(stopped_.code(),
+                            absl::StrCat("abandoned while waiting for ", what, ": ", stopped_.message()));
       }
       if (auto a = aborted_.find(step_of(key)); a != aborted_.end()) {
-        return absl::Status(a->second.code(), absl::StrCat("abandoned while waiting for ", what, ": ", a->second.message()));
+        return absl::Status(a->second.code(),
+                            absl::StrCat("abandoned while waiting for ", what, ": ", a->second.message()));
       }
       if (auto it = box_.find(key); it != box_.end()) {
         at::Tensor t = std::move(it->second);
@@ -186,7 +188,8 @@ class Mailbox {
         return t;
       }
       if (cv_.wait_until(lock, deadline) == std::cv_status::timeout && Clock::now() >= deadline) {
-        return absl::DeadlineExceededError("nothing arrived in time: waited for " + what + " until the step's deadline");
+        return absl::DeadlineExceededError("nothing arrived in time: waited for " + what +
+                                           " until the step's deadline");
       }
     }
   }
@@ -210,7 +213,8 @@ class Mailbox {
   }
   void forget(int64_t pipe) {
     std::lock_guard<std::mutex> lock(mu_);
-    for (auto it = box_.begin(); it != box_.end();) it = std::get<0>(it->first) == pipe ? box_.erase(it) : std::next(it);
+    for (auto it = box_.begin(); it != box_.end();)
+      it = std::get<0>(it->first) == pipe ? box_.erase(it) : std::next(it);
   }
 
  private:
@@ -220,8 +224,8 @@ class Mailbox {
   std::map<Key, at::Tensor> box_;
   std::map<std::pair<int64_t, int64_t>, absl::Status> aborted_;
   std::vector<std::pair<int64_t, int64_t>> order_;  // abandoned steps, oldest first (a bounded memory of them)
-  int64_t epoch_ = 0;                                 // abort_all() calls so far
-  absl::Status stopped_;                              // the last one's reason
+  int64_t epoch_ = 0;                               // abort_all() calls so far
+  absl::Status stopped_;                            // the last one's reason
 };
 
 // ---- a worker's run of its plan ----
@@ -250,7 +254,8 @@ struct StageRun {
 
 class Run {
  public:
-  explicit Run(Plan plan) : p_(std::move(plan)), deadline_(Clock::now() + p_.timeout), self_(rpc::get_worker_info().id) {
+  explicit Run(Plan plan)
+      : p_(std::move(plan)), deadline_(Clock::now() + p_.timeout), self_(rpc::get_worker_info().id) {
     for (int r : p_.stage_rank) stage_names_.push_back(rpc::get_worker_info(r).name);
   }
 
@@ -275,7 +280,8 @@ class Run {
       if (p_.record) events_.insert(events_.end(), {a.stage, a.microbatch, a.backward, start, end});
     }
     for (auto& f : sends_) {
-      if (!f.wait_for(remaining())) throw RpcError(absl::DeadlineExceededError("a message to the next stage did not complete"));
+      if (!f.wait_for(remaining()))
+        throw RpcError(absl::DeadlineExceededError("a message to the next stage did not complete"));
       throw_if_error(f.status());
     }
     std::vector<int64_t> stats;
@@ -304,8 +310,8 @@ class Run {
     if (it != runs_.end()) return it->second;
     auto stage = find_stage(p_.pipe, index);
     if (!stage) {
-      throw RpcError(absl::NotFoundError(absl::StrCat("pipeline ", p_.pipe, " has no stage ", index, " on worker '",
-                                                      self_name(), "' (released?)")));
+      throw RpcError(absl::NotFoundError(
+          absl::StrCat("pipeline ", p_.pipe, " has no stage ", index, " on worker '", self_name(), "' (released?)")));
     }
     StageRun& run = runs_[index];
     run.stage = std::move(stage);
@@ -314,8 +320,9 @@ class Run {
   }
 
   [[noreturn]] void throw_error(absl::StatusCode code, const Action& a, absl::string_view cause) {
-    throw RpcError(absl::Status(code, absl::StrCat("stage ", a.stage, " on worker '", self_name(), "', micro-batch ",
-                                                   a.microbatch, ", ", a.backward ? "backward" : "forward", ": ", cause)));
+    throw RpcError(
+        absl::Status(code, absl::StrCat("stage ", a.stage, " on worker '", self_name(), "', micro-batch ", a.microbatch,
+                                        ", ", a.backward ? "backward" : "forward", ": ", cause)));
   }
 
   at::Tensor receive(int stage, int mb, bool grad) {
@@ -330,16 +337,17 @@ class Run {
   void send(int stage, int mb, bool grad, at::Tensor t) {
     const int to = p_.stage_rank[stage];
     if (to == self_) return Mailbox::get().put({p_.pipe, p_.step, stage, mb, grad}, std::move(t));
-    rpc::Future f = rpc::rpc_async(to, kAct, p_.pipe, p_.step, int64_t{stage}, int64_t{mb}, grad, std::move(t), remaining());
+    rpc::Future f =
+        rpc::rpc_async(to, kAct, p_.pipe, p_.step, int64_t{stage}, int64_t{mb}, grad, std::move(t), remaining());
     const int64_t pipe = p_.pipe, step = p_.step;
     f.add_callback([pipe, step, stage, mb, grad](const rpc::Future& done) {
       absl::Status s = done.status();
       if (s.ok()) return;
       // Wakes this worker's waits at once: the step cannot finish without that message.
-      Mailbox::get().abort(pipe, step,
-                           absl::Status(s.code(), absl::StrCat("sending the ", grad ? "gradient" : "activation",
-                                                               " of micro-batch ", mb, " to stage ", stage,
-                                                               " failed: ", s.message())));
+      Mailbox::get().abort(
+          pipe, step,
+          absl::Status(s.code(), absl::StrCat("sending the ", grad ? "gradient" : "activation", " of micro-batch ", mb,
+                                              " to stage ", stage, " failed: ", s.message())));
     });
     sends_.push_back(std::move(f));
   }
@@ -382,8 +390,8 @@ class Run {
     if (input_grad) wrt.push_back(live.input);
     std::vector<at::Tensor> grads;
     if (!wrt.empty() && root.requires_grad()) {
-      grads = torch::autograd::grad({root}, wrt, grad_out.defined() ? std::vector<at::Tensor>{grad_out}
-                                                                   : std::vector<at::Tensor>{},
+      grads = torch::autograd::grad({root}, wrt,
+                                    grad_out.defined() ? std::vector<at::Tensor>{grad_out} : std::vector<at::Tensor>{},
                                     /*retain_graph=*/false, /*create_graph=*/false, /*allow_unused=*/true);
     } else {
       grads.resize(wrt.size());
@@ -456,7 +464,8 @@ rpc::Future on_run(int64_t pipe, int64_t step, std::vector<int64_t> actions, std
   plan.checkpoint = flags[0] != 0, plan.to_grad = flags[1] != 0, plan.record = flags[2] != 0;
   plan.timeout = std::chrono::milliseconds(std::max<int64_t>(1, flags[3]));
   plan.context = dist_autograd::current_context();
-  if (!plan.to_grad && plan.context < 0) throw std::invalid_argument("the plan came without a distributed autograd context");
+  if (!plan.to_grad && plan.context < 0)
+    throw std::invalid_argument("the plan came without a distributed autograd context");
   rpc::Future result(absl::Now() + absl::FromChrono(plan.timeout + kReplyMargin));
   std::thread([plan = std::move(plan), result]() mutable {
     const int64_t pipe = plan.pipe, step = plan.step;
@@ -482,8 +491,9 @@ bool install() {
     const int index = static_cast<int>(a[1].toInt());
     std::vector<c10::IValue> args;
     for (const auto& v : a[3].toListRef()) args.push_back(v);
-    auto stage = a[6].toStringRef().empty() ? build_stage(a[2].toStringRef(), std::move(args), a[4].toInt(), a[5].toInt())
-                                            : load_script_stage(a[6].toStringRef());
+    auto stage = a[6].toStringRef().empty()
+                     ? build_stage(a[2].toStringRef(), std::move(args), a[4].toInt(), a[5].toInt())
+                     : load_script_stage(a[6].toStringRef());
     std::vector<c10::IValue> refs;
     for (const auto& p : stage->params) refs.push_back(rref::make_local(c10::IValue(p)).to_ivalue());
     {
@@ -494,21 +504,23 @@ bool install() {
   }));
   rpc::register_function(kRun, on_run);
   // Inference: this stage's forward, then the next stage's (asynchronously: no thread waits for the rest).
-  rpc::register_function(kForward, [](int64_t pipe, int64_t index, std::vector<int64_t> ranks, at::Tensor x,
-                                      int64_t timeout_ms) -> rpc::Future {
-    auto stage = find_stage(pipe, static_cast<int>(index));
-    if (!stage) throw std::invalid_argument(absl::StrCat("pipeline ", pipe, " has no stage ", index, " here"));
-    at::Tensor y;
-    try {
-      at::NoGradGuard no_grad;
-      y = stage->forward(x);
-    } catch (const std::exception& e) {
-      throw std::runtime_error(absl::StrCat("stage ", index, " on worker '", self_name(), "', forward: ", e.what()));
-    }
-    if (index + 1 >= static_cast<int64_t>(ranks.size())) return rpc::Future::ready(c10::IValue(y));
-    return rpc::rpc_async(static_cast<int>(ranks[index + 1]), kForward, pipe, index + 1, ranks, y, timeout_ms,
-                          std::chrono::milliseconds(timeout_ms));
-  });
+  rpc::register_function(
+      kForward,
+      [](int64_t pipe, int64_t index, std::vector<int64_t> ranks, at::Tensor x, int64_t timeout_ms) -> rpc::Future {
+        auto stage = find_stage(pipe, static_cast<int>(index));
+        if (!stage) throw std::invalid_argument(absl::StrCat("pipeline ", pipe, " has no stage ", index, " here"));
+        at::Tensor y;
+        try {
+          at::NoGradGuard no_grad;
+          y = stage->forward(x);
+        } catch (const std::exception& e) {
+          throw std::runtime_error(
+              absl::StrCat("stage ", index, " on worker '", self_name(), "', forward: ", e.what()));
+        }
+        if (index + 1 >= static_cast<int64_t>(ranks.size())) return rpc::Future::ready(c10::IValue(y));
+        return rpc::rpc_async(static_cast<int>(ranks[index + 1]), kForward, pipe, index + 1, ranks, y, timeout_ms,
+                              std::chrono::milliseconds(timeout_ms));
+      });
   rpc::register_function(kAct, [](int64_t pipe, int64_t step, int64_t stage, int64_t mb, bool grad, at::Tensor t) {
     Mailbox::get().put({pipe, step, static_cast<int>(stage), static_cast<int>(mb), grad}, std::move(t));
   });
@@ -518,7 +530,8 @@ bool install() {
   rpc::register_function(kRelease, [](int64_t pipe) {
     {
       std::lock_guard<std::mutex> lock(g_stages_mu);
-      for (auto it = stages().begin(); it != stages().end();) it = it->first.first == pipe ? stages().erase(it) : std::next(it);
+      for (auto it = stages().begin(); it != stages().end();)
+        it = it->first.first == pipe ? stages().erase(it) : std::next(it);
     }
     Mailbox::get().forget(pipe);
   });
@@ -582,9 +595,9 @@ struct Pipeline::State {
   int64_t id = 0;
   PipelineOptions options;
   std::vector<StageSpec> specs;
-  std::vector<int> stage_rank;          // per stage
-  std::vector<int> workers;             // distinct ranks, in order of first stage
-  std::vector<int> stage_worker;        // per stage: index into workers
+  std::vector<int> stage_rank;    // per stage
+  std::vector<int> workers;       // distinct ranks, in order of first stage
+  std::vector<int> stage_worker;  // per stage: index into workers
   std::vector<rref::RRef> params;
   std::map<int, std::vector<std::vector<Action>>> plans;  // by number of micro-batches
   std::mutex step_mu;
@@ -672,8 +685,8 @@ struct Pipeline::State {
       }
       auto ev = rpc::from_ivalue<std::vector<int64_t>>(reply->elements()[2]);
       for (size_t i = 0; i + 4 < ev.size(); i += 5) {
-        timeline.push_back(TimelineEvent{static_cast<int>(ev[i]), workers[w], static_cast<int>(ev[i + 1]), ev[i + 2] != 0,
-                                         ev[i + 3], ev[i + 4]});
+        timeline.push_back(TimelineEvent{static_cast<int>(ev[i]), workers[w], static_cast<int>(ev[i + 1]),
+                                         ev[i + 2] != 0, ev[i + 3], ev[i + 4]});
       }
     }
     std::sort(timeline.begin(), timeline.end(), [](const auto& a, const auto& b) { return a.start_us < b.start_us; });
@@ -766,18 +779,18 @@ Pipeline Pipeline::create(std::vector<StageSpec> stages, PipelineOptions options
     if (it == st->workers.end()) st->workers.push_back(info.id);
     c10::impl::GenericList args(c10::AnyType::get());
     for (const auto& a : spec.args) args.push_back(a);
-    built.push_back(rpc::call(info.id, kCreate,
-                              {c10::IValue(st->id), c10::IValue(static_cast<int64_t>(s)), c10::IValue(spec.factory),
-                               c10::IValue(args), c10::IValue(spec.layer_begin), c10::IValue(spec.layer_end),
-                               c10::IValue(spec.torchscript)},
-                              options.timeout));
+    built.push_back(rpc::call(
+        info.id, kCreate,
+        {c10::IValue(st->id), c10::IValue(static_cast<int64_t>(s)), c10::IValue(spec.factory), c10::IValue(args),
+         c10::IValue(spec.layer_begin), c10::IValue(spec.layer_end), c10::IValue(spec.torchscript)},
+        options.timeout));
   }
   st->specs = std::move(stages);
   for (size_t s = 0; s < built.size(); ++s) {
     absl::Status status = built[s].status();
     if (!status.ok()) {
-      fail(status.code(), absl::StrCat("building stage ", s, " on worker '", rpc::get_worker_info(st->stage_rank[s]).name,
-                                       "' failed: ", status.message()));
+      fail(status.code(), absl::StrCat("building stage ", s, " on worker '",
+                                       rpc::get_worker_info(st->stage_rank[s]).name, "' failed: ", status.message()));
     }
     for (const auto& r : built[s].value().toTupleRef().elements()) st->params.push_back(rref::RRef::from_ivalue(r));
   }
@@ -790,7 +803,8 @@ Pipeline Pipeline::from_sequential(const std::string& factory, std::vector<c10::
   if (workers.empty()) fail(absl::StatusCode::kInvalidArgument, "from_sequential needs at least one worker");
   nn::detail::Instance model = nn::detail::make_instance(factory, std::vector<c10::IValue>(args));
   auto seq = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(model.module);
-  if (!seq) fail(absl::StatusCode::kInvalidArgument, "factory '" + factory + "' does not return a torch::nn::Sequential");
+  if (!seq)
+    fail(absl::StatusCode::kInvalidArgument, "factory '" + factory + "' does not return a torch::nn::Sequential");
   std::vector<double> weights;
   if (partition.by == Partition::kParameters) {
     for (const auto& layer : seq->children()) {

@@ -15,16 +15,16 @@
 //   }
 //
 // How: every stage is built on its worker (a registered module factory, layers [begin, end) of the Sequential a
-// factory returns, or a TorchScript file). step() splits the batch into micro-batches (the last may be smaller; fewer micro-batches than
-// stages is fine), computes every worker's plan (pipeline/schedule.h) and sends each worker its plan once, stage 0's
-// micro-batches and the last stage's targets with it. Each worker then runs its actions in order: a forward waits for
-// its activation from the previous stage, sends its output straight to the next stage's worker (not through the
-// driver), and keeps what its backward needs (only the stage input with checkpointing, which recomputes the forward
-// in backward); a backward waits for the gradient from the next stage, computes this stage's gradients with LibTorch's
-// engine, sends the input's gradient to the previous stage, and frees the micro-batch's activations. The last stage
-// weighs each micro-batch's loss by its share of the batch (n_i / N; PyTorch's scale_grads when they are equal), so
-// the loss and the gradients are the whole batch's. When every worker has finished, the gradients are added to the
-// caller's distributed autograd context on each stage's worker (or to the parameters' .grad, by option).
+// factory returns, or a TorchScript file). step() splits the batch into micro-batches (the last may be smaller; fewer
+// micro-batches than stages is fine), computes every worker's plan (pipeline/schedule.h) and sends each worker its plan
+// once, stage 0's micro-batches and the last stage's targets with it. Each worker then runs its actions in order: a
+// forward waits for its activation from the previous stage, sends its output straight to the next stage's worker (not
+// through the driver), and keeps what its backward needs (only the stage input with checkpointing, which recomputes the
+// forward in backward); a backward waits for the gradient from the next stage, computes this stage's gradients with
+// LibTorch's engine, sends the input's gradient to the previous stage, and frees the micro-batch's activations. The
+// last stage weighs each micro-batch's loss by its share of the batch (n_i / N; PyTorch's scale_grads when they are
+// equal), so the loss and the gradients are the whole batch's. When every worker has finished, the gradients are added
+// to the caller's distributed autograd context on each stage's worker (or to the parameters' .grad, by option).
 //
 // Errors (tandem::RpcError): bad input before any work starts (INVALID_ARGUMENT: an empty batch, fewer rows than
 // micro-batches, input and target of different batch sizes); a stage placed on a worker not in the job (at creation);
@@ -99,15 +99,16 @@ struct TimelineEvent {
 
 struct StepStats {
   double loss = 0;
-  double step_ms = 0;                       // on the driver, from sending the plans to the last reply
-  std::vector<double> busy_ms;              // per stage: time spent in its forwards and backwards
-  std::vector<int64_t> peak_activations;    // per stage: most micro-batches whose activations were alive at once
+  double step_ms = 0;                     // on the driver, from sending the plans to the last reply
+  std::vector<double> busy_ms;            // per stage: time spent in its forwards and backwards
+  std::vector<int64_t> peak_activations;  // per stage: most micro-batches whose activations were alive at once
   std::vector<int64_t> microbatch_sizes;
 };
 
 // Registers a loss function for PipelineOptions::loss on this worker (every worker that may hold a last stage).
 // Throws RpcError (ALREADY_EXISTS) for a taken name.
-void register_loss(const std::string& name, std::function<at::Tensor(const at::Tensor& output, const at::Tensor& target)> loss);
+void register_loss(const std::string& name,
+                   std::function<at::Tensor(const at::Tensor& output, const at::Tensor& target)> loss);
 
 // Layer ranges [begin, end) of a contiguous cut of `weights` into n_stages parts minimising the largest part's sum.
 // Throws std::invalid_argument when there are fewer layers than stages.

@@ -19,9 +19,12 @@ Schedule schedule_from_name(const std::string& name) {
 
 std::string schedule_name(Schedule schedule) {
   switch (schedule) {
-    case Schedule::kGPipe: return "gpipe";
-    case Schedule::k1F1B: return "1f1b";
-    case Schedule::kInterleaved1F1B: return "interleaved";
+    case Schedule::kGPipe:
+      return "gpipe";
+    case Schedule::k1F1B:
+      return "1f1b";
+    case Schedule::kInterleaved1F1B:
+      return "interleaved";
   }
   return "?";
 }
@@ -35,8 +38,8 @@ void check_placement(const std::vector<int>& stage_worker, int n_workers, int m)
   if (m < 1) throw std::invalid_argument(absl::StrCat("a pipeline step needs at least one micro-batch (got ", m, ")"));
   for (size_t s = 0; s < stage_worker.size(); ++s) {
     if (stage_worker[s] < 0 || stage_worker[s] >= n_workers) {
-      throw std::invalid_argument(absl::StrCat("stage ", s, " is placed on worker index ", stage_worker[s],
-                                               " outside 0..", n_workers - 1));
+      throw std::invalid_argument(
+          absl::StrCat("stage ", s, " is placed on worker index ", stage_worker[s], " outside 0..", n_workers - 1));
     }
   }
 }
@@ -115,9 +118,12 @@ std::vector<std::vector<Action>> make_plans(Schedule schedule, const std::vector
   auto capped = [&](int s) {
     const int w = stage_worker[s];
     switch (schedule) {
-      case Schedule::kGPipe: return false;
-      case Schedule::k1F1B: return live_stage[s] >= p - s;
-      case Schedule::kInterleaved1F1B: return live_worker[w] >= 2 * (P - w - 1) + (v - 1) * P + 1;
+      case Schedule::kGPipe:
+        return false;
+      case Schedule::k1F1B:
+        return live_stage[s] >= p - s;
+      case Schedule::kInterleaved1F1B:
+        return live_worker[w] >= 2 * (P - w - 1) + (v - 1) * P + 1;
     }
     return false;
   };

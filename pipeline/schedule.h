@@ -47,10 +47,10 @@ std::vector<std::vector<Action>> make_plans(Schedule schedule, const std::vector
 
 // The makespan of `plans` when every forward takes t_f and every backward t_b and messages are free; also checks that
 // the plans cover every action once and respect the dependencies (else std::logic_error).
-double simulate(const std::vector<std::vector<Action>>& plans, const std::vector<int>& stage_worker,
-                int n_microbatches, double t_f, double t_b);
+double simulate(const std::vector<std::vector<Action>>& plans, const std::vector<int>& stage_worker, int n_microbatches,
+                double t_f, double t_b);
 // The same with a cost per stage (t_f[s], t_b[s]).
-double simulate(const std::vector<std::vector<Action>>& plans, const std::vector<int>& stage_worker,
-                int n_microbatches, const std::vector<double>& t_f, const std::vector<double>& t_b);
+double simulate(const std::vector<std::vector<Action>>& plans, const std::vector<int>& stage_worker, int n_microbatches,
+                const std::vector<double>& t_f, const std::vector<double>& t_b);
 
 }  // namespace tandem::pipeline

@@ -93,18 +93,20 @@ std::string schedule_svg(const std::vector<TimelineEvent>& events, int n_stages,
     absl::StrAppendFormat(&svg, "<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\">%.1f ms</text>\n", x, axis + 18,
                           total_ms * k / 4);
   }
-  absl::StrAppendFormat(&svg,
-                        "<rect x=\"%.0f\" y=\"%.1f\" width=\"12\" height=\"12\" fill=\"#3f7fbf\"/><text x=\"%.0f\" "
-                        "y=\"%.1f\">forward (micro-batch)</text>\n<rect x=\"%.0f\" y=\"%.1f\" width=\"12\" height=\"12\" "
-                        "fill=\"#4c9a5b\"/><text x=\"%.0f\" y=\"%.1f\">backward</text>\n<text x=\"%.0f\" y=\"%.1f\" "
-                        "fill=\"#666\">grey: idle (the bubble)</text>\n",
-                        left, axis + 28, left + 16, axis + 38, left + 180, axis + 28, left + 196, axis + 38,
-                        left + 300, axis + 38);
+  absl::StrAppendFormat(
+      &svg,
+      "<rect x=\"%.0f\" y=\"%.1f\" width=\"12\" height=\"12\" fill=\"#3f7fbf\"/><text x=\"%.0f\" "
+      "y=\"%.1f\">forward (micro-batch)</text>\n<rect x=\"%.0f\" y=\"%.1f\" width=\"12\" height=\"12\" "
+      "fill=\"#4c9a5b\"/><text x=\"%.0f\" y=\"%.1f\">backward</text>\n<text x=\"%.0f\" y=\"%.1f\" "
+      "fill=\"#666\">grey: idle (the bubble)</text>\n",
+      left, axis + 28, left + 16, axis + 38, left + 180, axis + 28, left + 196, axis + 38, left + 300, axis + 38);
   svg += "</svg>\n";
   return svg;
 }
 
-void Pipeline::write_chrome_trace(const std::string& path) const { write_file(path, chrome_trace_json(last_timeline())); }
+void Pipeline::write_chrome_trace(const std::string& path) const {
+  write_file(path, chrome_trace_json(last_timeline()));
+}
 
 void Pipeline::write_svg(const std::string& path) const {
   const auto& s = last_stats();

@@ -102,9 +102,7 @@ class Agent {
   }
   absl::StatusOr<int> resolve(const To& to) const;
   bool uses_direct(int peer) const { return peers_[peer]->direct; }
-  TransportStats stats() const {
-    return {grpc_calls_.load(), direct_calls_count_.load(), by_reference_.load()};
-  }
+  TransportStats stats() const { return {grpc_calls_.load(), direct_calls_count_.load(), by_reference_.load()}; }
 
   grpc::ServerUnaryReactor* accept(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* request,
                                    grpc::ByteBuffer* response);
@@ -120,8 +118,8 @@ class Agent {
   struct InCall {
     const grpc::ByteBuffer* request = nullptr;  // gRPC's buffer, or `owned`
     grpc::ByteBuffer owned;
-    pid_t cma_pid = 0;  // the caller's process, when tensors may be read from its memory
-    int caller = -1;    // the caller's rank, once the request is parsed (for value codecs of the reply)
+    pid_t cma_pid = 0;                  // the caller's process, when tensors may be read from its memory
+    int caller = -1;                    // the caller's rank, once the request is parsed (for value codecs of the reply)
     bool traced = false;                // the request carried a call tracer's attachment
     std::shared_ptr<void> trace_state;  // what the tracer keeps for this call
     // Sends the reply (or, with a non-OK status, the transport-level error). Called once, under mu.
@@ -241,7 +239,8 @@ absl::StatusOr<std::string> resolve_secret(const RpcOptions& options, int world_
     std::ifstream in(path);
     std::string secret;
     if (!in || !std::getline(in, secret) || secret.empty()) {
-      return absl::FailedPreconditionError(absl::StrCat("cannot read the job secret from TANDEM_SECRET_FILE='", path, "'"));
+      return absl::FailedPreconditionError(
+          absl::StrCat("cannot read the job secret from TANDEM_SECRET_FILE='", path, "'"));
     }
     return secret;
   }
@@ -295,7 +294,8 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::start(const std::string& name, int
     if (master_port < 0) master_port = 0;
   }
   if (master_addr.empty() || master_port < 0 || master_port > 65535) {
-    return absl::InvalidArgumentError("no master address: set RpcOptions::master_addr/master_port or MASTER_ADDR/MASTER_PORT");
+    return absl::InvalidArgumentError(
+        "no master address: set RpcOptions::master_addr/master_port or MASTER_ADDR/MASTER_PORT");
   }
   if (master_port == 0 && world_size > 1) {
     return absl::InvalidArgumentError("master port 0 works only for a job of one worker");
@@ -330,7 +330,9 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::start(const std::string& name, int
         agent->token_, threads, static_cast<uint64_t>(options.max_message_bytes),
         {[raw](const std::shared_ptr<direct::Conn>& c, direct::Message m) { raw->on_direct_request(c, std::move(m)); },
          [raw](const std::shared_ptr<direct::Conn>&, direct::Message m) { raw->on_direct_response(std::move(m)); },
-         [raw](const std::shared_ptr<direct::Conn>& c, const absl::Status& why) { raw->on_direct_lost(c.get(), why); }});
+         [raw](const std::shared_ptr<direct::Conn>& c, const absl::Status& why) {
+           raw->on_direct_lost(c.get(), why);
+         }});
     if (direct.ok()) {
       agent->direct_ = std::move(*direct);
       agent->timer_ = std::thread([raw] { raw->run_timer(); });
@@ -419,7 +421,8 @@ void Agent::connect_direct_peers() {
 absl::StatusOr<int> Agent::resolve(const To& to) const {
   if (to.rank() >= 0) {
     if (to.rank() >= world_size_) {
-      return absl::InvalidArgumentError(absl::StrCat("no worker of rank ", to.rank(), " (world size ", world_size_, ")"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("no worker of rank ", to.rank(), " (world size ", world_size_, ")"));
     }
     return to.rank();
   }
@@ -493,7 +496,8 @@ void Agent::on_direct_request(const std::shared_ptr<direct::Conn>& conn, direct:
   if (!ready_.HasBeenNotified()) {
     // Arrived before init_rpc returned here: wait on the pool, not on an epoll thread (handshakes need those).
     if (!pool_->submit([this, in] { handle(in); })) {
-      finish_once(in, grpc::Status(grpc::StatusCode::UNAVAILABLE, absl::StrCat("worker '", name_, "' is shutting down")));
+      finish_once(in,
+                  grpc::Status(grpc::StatusCode::UNAVAILABLE, absl::StrCat("worker '", name_, "' is shutting down")));
     }
     return;
   }
@@ -516,8 +520,8 @@ void Agent::handle(std::shared_ptr<InCall> in) {
   std::vector<Future> wait;
   CallTracer* tracer = request.trace().empty() ? nullptr : detail::call_tracer();
   std::vector<at::Tensor> wire_tensors;
-  auto args = frame->decode(request.args(),
-                            {in->cma_pid, request.caller_rank(), &wait, tracer ? &wire_tensors : nullptr});
+  auto args =
+      frame->decode(request.args(), {in->cma_pid, request.caller_rank(), &wait, tracer ? &wire_tensors : nullptr});
   if (!args.ok()) return reply_error(in, args.status());
   if (tracer) {
     auto state = tracer->request_in(request.caller_rank(), request.trace(), wire_tensors);
@@ -526,15 +530,17 @@ void Agent::handle(std::shared_ptr<InCall> in) {
     in->traced = true;
   }
   if (wait.empty()) return run(in, request.function(), std::move(*args), request.caller_name());
-  // Some argument needs protocol work first (e.g. a remote reference its owner must confirm): run after it, on the pool.
+  // Some argument needs protocol work first (e.g. a remote reference its owner must confirm): run after it, on the
+  // pool.
   auto shared_args = std::make_shared<std::vector<c10::IValue>>(std::move(*args));
-  when_all(wait).add_callback([this, in, shared_args, function = request.function(),
-                               caller = request.caller_name()](const Future& ready) {
-    if (absl::Status s = ready.status(); !s.ok()) return reply_error(in, s);
-    if (!pool_->submit([this, in, shared_args, function, caller] { run(in, function, std::move(*shared_args), caller); })) {
-      reply_error(in, absl::UnavailableError(absl::StrCat("worker '", name_, "' is shutting down")));
-    }
-  });
+  when_all(wait).add_callback(
+      [this, in, shared_args, function = request.function(), caller = request.caller_name()](const Future& ready) {
+        if (absl::Status s = ready.status(); !s.ok()) return reply_error(in, s);
+        if (!pool_->submit(
+                [this, in, shared_args, function, caller] { run(in, function, std::move(*shared_args), caller); })) {
+          reply_error(in, absl::UnavailableError(absl::StrCat("worker '", name_, "' is shutting down")));
+        }
+      });
 }
 
 void Agent::run(const std::shared_ptr<InCall>& in, const std::string& function, std::vector<c10::IValue> args,
@@ -619,18 +625,20 @@ absl::StatusOr<grpc::ByteBuffer> Agent::encode_request(int peer, const std::stri
   if (auto s = encoder.encode(args, request.mutable_args()); !s.ok()) {
     return error_with(s, "cannot send the arguments: ");
   }
-  if (CallTracer* tracer = detail::call_tracer()) request.set_trace(tracer->request_out(peer, function, encoder.sent()));
+  if (CallTracer* tracer = detail::call_tracer())
+    request.set_trace(tracer->request_out(peer, function, encoder.sent()));
   grpc::ByteBuffer frame = encoder.frame(request);
   by_reference_ += static_cast<int64_t>(encoder.referenced().size());
   if (referenced) referenced->swap(encoder.referenced());
   if (frame.Length() > static_cast<uint64_t>(options_.max_message_bytes)) {
-    return absl::ResourceExhaustedError(absl::StrCat("a request of ", frame.Length(),
-                                                     " bytes exceeds the message limit of ", options_.max_message_bytes));
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "a request of ", frame.Length(), " bytes exceeds the message limit of ", options_.max_message_bytes));
   }
   return frame;
 }
 
-absl::Status Agent::transport_error(const absl::Status& s, int peer, const std::string& function, milliseconds timeout) {
+absl::Status Agent::transport_error(const absl::Status& s, int peer, const std::string& function,
+                                    milliseconds timeout) {
   const std::string prefix = describe(peer, function);
   switch (s.code()) {
     case absl::StatusCode::kDeadlineExceeded:
@@ -668,9 +676,9 @@ absl::StatusOr<c10::IValue> Agent::parse_reply(const grpc::ByteBuffer& frame_byt
   if (!frame.ok()) return error_with(frame.status(), prefix + "bad reply: ");
   if (response.has_error()) {
     const auto code = static_cast<absl::StatusCode>(response.error().code());
-    return absl::Status(code == absl::StatusCode::kOk ? absl::StatusCode::kUnknown : code,
-                        prefix + (code == absl::StatusCode::kUnknown ? "remote exception: " : "") +
-                            response.error().message());
+    return absl::Status(
+        code == absl::StatusCode::kOk ? absl::StatusCode::kUnknown : code,
+        prefix + (code == absl::StatusCode::kUnknown ? "remote exception: " : "") + response.error().message());
   }
   CallTracer* tracer = response.trace().empty() ? nullptr : detail::call_tracer();
   std::vector<at::Tensor> wire_tensors;
@@ -705,7 +713,8 @@ Future Agent::call(const To& to, const std::string& function, std::vector<c10::I
     absl::MutexLock lock(&mu_);
     if (stopped_) {
       delete call;
-      return Future::failed(absl::UnavailableError(describe(*peer, function) + "RPC has been shut down on this worker"));
+      return Future::failed(
+          absl::UnavailableError(describe(*peer, function) + "RPC has been shut down on this worker"));
     }
     out_calls_.emplace(call, true);
   }
@@ -771,7 +780,8 @@ Future Agent::call_direct(int peer, const std::string& function, std::vector<c10
   Future future = call->future;
   {
     absl::MutexLock lock(&mu_);
-    if (stopped_) return Future::failed(absl::UnavailableError(describe(peer, function) + "RPC has been shut down on this worker"));
+    if (stopped_)
+      return Future::failed(absl::UnavailableError(describe(peer, function) + "RPC has been shut down on this worker"));
     direct_calls_.emplace(id, call);
     direct_deadlines_.emplace(deadline, id);  // run_timer waits on mu_ for the earliest of these
   }
@@ -851,8 +861,8 @@ void Agent::run_timer() {
         if (it != direct_calls_.end()) call = it->second;
       }
       if (!call) continue;
-      const absl::Status s = stopping ? absl::CancelledError("RPC was shut down on this worker")
-                                      : absl::DeadlineExceededError("");
+      const absl::Status s =
+          stopping ? absl::CancelledError("RPC was shut down on this worker") : absl::DeadlineExceededError("");
       complete_direct(id, transport_error(s, call->peer, call->function, call->timeout));
     }
     mu_.Lock();
@@ -881,7 +891,8 @@ Future Agent::call_direct_sync(int peer, const std::string& function, std::vecto
   if (!frame.ok()) return Future::failed(error_with(frame.status(), describe(peer, function)));
   {
     absl::MutexLock lock(&mu_);
-    if (stopped_) return Future::failed(absl::UnavailableError(describe(peer, function) + "RPC has been shut down on this worker"));
+    if (stopped_)
+      return Future::failed(absl::UnavailableError(describe(peer, function) + "RPC has been shut down on this worker"));
     sync_calls_.insert(conn);
   }
   const uint64_t id = next_call_id_.fetch_add(1);
@@ -924,8 +935,8 @@ absl::Status Agent::drain_outgoing(absl::Time deadline) {
     return out_calls_.empty() && direct_calls_.empty() && sync_calls_.empty();
   };
   if (!mu_.AwaitWithDeadline(absl::Condition(&empty), deadline)) {
-    return absl::DeadlineExceededError(absl::StrCat(out_calls_.size() + direct_calls_.size() + sync_calls_.size(),
-                                                    " outgoing calls still pending"));
+    return absl::DeadlineExceededError(
+        absl::StrCat(out_calls_.size() + direct_calls_.size() + sync_calls_.size(), " outgoing calls still pending"));
   }
   return absl::OkStatus();
 }
@@ -963,7 +974,7 @@ void Agent::stop(milliseconds grace) {
     if (stopped_) return;
     stopped_ = true;
     for (auto& [call, _] : out_calls_) call->ctx.TryCancel();  // their callbacks fire promptly with CANCELLED
-    for (auto& conn : sync_calls_) conn->shut();                // their callers see the channel closed
+    for (auto& conn : sync_calls_) conn->shut();               // their callers see the channel closed
     for (auto& [_, in] : in_calls_) in_calls.push_back(in);
   }
   set_ready();  // releases calls parked before init completed; they see stopped_
@@ -1040,7 +1051,8 @@ void init_rpc(RpcOptions options) {
     int v = 0;
     const std::string s = getenv_or(var);
     if (s.empty() || !absl::SimpleAtoi(s, &v)) {
-      throw RpcError(absl::InvalidArgumentError(absl::StrCat("init_rpc: environment variable ", var, " is not set to a number")));
+      throw RpcError(
+          absl::InvalidArgumentError(absl::StrCat("init_rpc: environment variable ", var, " is not set to a number")));
     }
     return v;
   };

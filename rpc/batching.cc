@@ -140,9 +140,8 @@ std::map<std::string, std::shared_ptr<Batcher>>& batchers() {
 absl::Status register_batched_handler(const std::string& name, BatchOptions options, BatchHandler handler) {
   if (options.max_batch == 0) return absl::InvalidArgumentError("a batched function needs max_batch of at least 1");
   auto batcher = std::make_shared<Batcher>(name, options, std::move(handler));
-  absl::Status s = register_handler(name, [batcher](std::vector<c10::IValue>&& args) {
-    return batcher->enqueue(std::move(args));
-  });
+  absl::Status s =
+      register_handler(name, [batcher](std::vector<c10::IValue>&& args) { return batcher->enqueue(std::move(args)); });
   if (!s.ok()) return s;
   {
     std::lock_guard<std::mutex> lock(g_mu);

@@ -32,7 +32,7 @@
 namespace tandem::rpc {
 
 struct BatchOptions {
-  size_t max_batch = 8;                                     // run as soon as this many requests wait
+  size_t max_batch = 8;                                               // run as soon as this many requests wait
   std::chrono::microseconds max_delay{std::chrono::milliseconds(5)};  // or once the oldest has waited this long
 };
 

@@ -5,8 +5,8 @@
 // std::tuple<T...>, c10::optional<T> / std::optional<T>, and nesting of these.
 //
 // from_ivalue<T> accepts any list whose elements convert to T (typed or generic), so a value sent as List[Any] still
-// converts to std::vector<int64_t>. A mismatch throws c10::Error with a message naming both types; the RPC layer turns it
-// into an error reply.
+// converts to std::vector<int64_t>. A mismatch throws c10::Error with a message naming both types; the RPC layer turns
+// it into an error reply.
 #pragma once
 
 #include <ATen/core/ivalue.h>
@@ -36,7 +36,8 @@ std::decay_t<T> from_ivalue(const c10::IValue& value) {
   return IValueConverter<std::decay_t<T>>::from(value);
 }
 
-// The TorchScript type a C++ type converts to: used to type lists and dicts, so typed consumers (TorchScript) accept them.
+// The TorchScript type a C++ type converts to: used to type lists and dicts, so typed consumers (TorchScript) accept
+// them.
 template <typename T>
 c10::TypePtr static_type() {
   return IValueConverter<std::decay_t<T>>::type();
@@ -80,7 +81,8 @@ struct IValueConverter<T, std::enable_if_t<std::is_integral_v<T> && !std::is_sam
     if (!v.isInt()) detail::conversion_error("int", v);
     const int64_t i = v.toInt();
     if constexpr (std::is_unsigned_v<T>) {
-      if (i < 0 || static_cast<uint64_t>(i) > std::numeric_limits<T>::max()) detail::conversion_error("in-range int", v);
+      if (i < 0 || static_cast<uint64_t>(i) > std::numeric_limits<T>::max())
+        detail::conversion_error("in-range int", v);
     } else {
       if (i < std::numeric_limits<T>::min() || i > std::numeric_limits<T>::max()) {
         detail::conversion_error("in-range int", v);

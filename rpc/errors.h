@@ -1,8 +1,8 @@
 // The one exception type of Tandem's public synchronous API.
 //
 // Internals return absl::Status; futures carry an absl::Status instead of a value. Where the public API is synchronous
-// (rpc_sync, Future::value, init_rpc, shutdown) a failure is thrown as RpcError, whose message names the worker, the call
-// and the cause, e.g.
+// (rpc_sync, Future::value, init_rpc, shutdown) a failure is thrown as RpcError, whose message names the worker, the
+// call and the cause, e.g.
 //   rpc to worker 'trainer1' (rank 1) calling 'add' failed: DEADLINE_EXCEEDED: no reply within 500 ms
 #pragma once
 
@@ -16,8 +16,7 @@ namespace tandem {
 class RpcError : public std::runtime_error {
  public:
   explicit RpcError(const absl::Status& status)
-      : std::runtime_error(std::string(absl::StatusCodeToString(status.code())) + ": " +
-                           std::string(status.message())),
+      : std::runtime_error(std::string(absl::StatusCodeToString(status.code())) + ": " + std::string(status.message())),
         status_(status) {}
   const absl::Status& status() const { return status_; }
   absl::StatusCode code() const { return status_.code(); }

@@ -3,8 +3,8 @@
 // A Future is a cheap, copyable handle to shared state; copies see the same result. It completes exactly once, with a
 // value (c10::IValue) or an error (absl::Status); later completions are ignored and reported by the return value.
 //
-// Waiting is always bounded. A future returned by rpc_async carries the call's deadline and is guaranteed to complete by
-// then (with DEADLINE_EXCEEDED if nothing else happened). value()/status() wait until the future's deadline, or
+// Waiting is always bounded. A future returned by rpc_async carries the call's deadline and is guaranteed to complete
+// by then (with DEADLINE_EXCEEDED if nothing else happened). value()/status() wait until the future's deadline, or
 // kDefaultWait for a future created by user code without one.
 //
 // Callbacks always fire exactly once: inline in add_callback() when already completed, otherwise on the thread that

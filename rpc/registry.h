@@ -6,8 +6,8 @@
 // a Future is "async execution": the server thread is released at once and the reply is sent when that future completes
 // (use it for functions that wait for several callers, e.g. a batching parameter server).
 //
-// A call whose name is not registered, whose arguments do not convert, or whose function throws gets an error reply that
-// names the function and the cause; the worker keeps serving.
+// A call whose name is not registered, whose arguments do not convert, or whose function throws gets an error reply
+// that names the function and the cause; the worker keeps serving.
 //
 // Thread-safety: registration and lookup may happen from any thread at any time, also while RPC is running. Names are
 // process-wide; registering a name twice fails with ALREADY_EXISTS (unregister first to replace).

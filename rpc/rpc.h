@@ -6,8 +6,8 @@
 //   tandem::rpc::Future f = tandem::rpc::rpc_async("worker1", "add", a, b, std::chrono::milliseconds(500));
 //   tandem::rpc::shutdown();                                   // all workers leave together
 //
-// Arguments are converted with rpc/convert.h. A trailing std::chrono::duration argument is the call's timeout (it is not
-// sent); without it the call uses RpcOptions::rpc_timeout.
+// Arguments are converted with rpc/convert.h. A trailing std::chrono::duration argument is the call's timeout (it is
+// not sent); without it the call uses RpcOptions::rpc_timeout.
 //
 // Errors. rpc_sync and every synchronous function here throw tandem::RpcError; a Future carries the same error. The
 // message names the worker, the function and the cause:
@@ -39,14 +39,14 @@ namespace tandem::rpc {
 
 struct WorkerInfo {
   std::string name;
-  int id = -1;  // the rank
+  int id = -1;          // the rank
   std::string address;  // host:port of its server
 };
 
 struct TlsOptions {
-  std::string cert_chain_path;   // this worker's certificate (PEM)
-  std::string private_key_path;  // its key (PEM)
-  std::string root_certs_path;   // CA that signed the job's certificates (PEM); peers are verified against it
+  std::string cert_chain_path;       // this worker's certificate (PEM)
+  std::string private_key_path;      // its key (PEM)
+  std::string root_certs_path;       // CA that signed the job's certificates (PEM); peers are verified against it
   std::string target_name_override;  // name to verify in peers' certificates instead of the dialled host (optional)
 };
 
@@ -89,8 +89,9 @@ void init_rpc(const std::string& name, int rank, int world_size, RpcOptions opti
 void init_rpc(RpcOptions options = {});
 
 // graceful=true: waits for this worker's outstanding calls, then for every worker to arrive (a barrier with
-// shutdown_timeout), then stops serving; throws RpcError naming the workers that did not arrive (after stopping anyway).
-// graceful=false: fails outstanding calls with CANCELLED and stops at once. Either way the worker can init_rpc again.
+// shutdown_timeout), then stops serving; throws RpcError naming the workers that did not arrive (after stopping
+// anyway). graceful=false: fails outstanding calls with CANCELLED and stops at once. Either way the worker can init_rpc
+// again.
 void shutdown(bool graceful = true);
 bool is_initialized();
 

@@ -51,7 +51,8 @@ class StoreService final : public pb::Store::CallbackService {
       int64_t value = 0;
       auto it = data_.find(req->key());
       if (it != data_.end() && !absl::SimpleAtoi(it->second, &value)) {
-        status = grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, absl::StrCat("key '", req->key(), "' is not a counter"));
+        status =
+            grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, absl::StrCat("key '", req->key(), "' is not a counter"));
       } else {
         value += req->delta();
         data_[req->key()] = absl::StrCat(value);
@@ -113,7 +114,8 @@ class StoreService final : public pb::Store::CallbackService {
   }
 
   // A get/wait parked until its keys exist. It finishes exactly once: when the keys appear (take_ready_locked) or when
-  // the call is cancelled (the caller's deadline passed, or the server shuts down). `finished` decides which, under mu_.
+  // the call is cancelled (the caller's deadline passed, or the server shuts down). `finished` decides which, under
+  // mu_.
   struct Waiter : grpc::ServerUnaryReactor {
     Waiter(StoreService* s, std::vector<std::string> k, Fill f) : service(s), keys(std::move(k)), fill(std::move(f)) {}
     void OnCancel() override {
@@ -294,11 +296,13 @@ absl::Status wait_for_ranks(Store& store, const std::string& prefix, const std::
     }
   }
   if (missing.empty()) return s;
-  return absl::DeadlineExceededError(absl::StrCat("rank", missing.size() == 1 ? " " : "s ", absl::StrJoin(missing, ", "),
-                                                  " did not ", what, " within ", timeout.count(), " ms"));
+  return absl::DeadlineExceededError(absl::StrCat("rank", missing.size() == 1 ? " " : "s ",
+                                                  absl::StrJoin(missing, ", "), " did not ", what, " within ",
+                                                  timeout.count(), " ms"));
 }
 
-absl::Status barrier(Store& store, const std::string& name, int rank, int world_size, std::chrono::milliseconds timeout) {
+absl::Status barrier(Store& store, const std::string& name, int rank, int world_size,
+                     std::chrono::milliseconds timeout) {
   const std::string prefix = "barrier/" + name + "/";
   if (auto s = store.set(prefix + std::to_string(rank), ""); !s.ok()) return s;
   std::vector<int> all(world_size);

@@ -47,8 +47,9 @@ std::unique_ptr<grpc::Service> make_store_service(std::string token);
 absl::Status wait_for_ranks(Store& store, const std::string& prefix, const std::vector<int>& ranks,
                             std::chrono::milliseconds timeout, const std::string& what);
 
-// Blocks until all `world_size` ranks called barrier with the same `name`, or `timeout` passes; the error then names the
-// ranks that did not arrive. Each name is one barrier, used once.
-absl::Status barrier(Store& store, const std::string& name, int rank, int world_size, std::chrono::milliseconds timeout);
+// Blocks until all `world_size` ranks called barrier with the same `name`, or `timeout` passes; the error then names
+// the ranks that did not arrive. Each name is one barrier, used once.
+absl::Status barrier(Store& store, const std::string& name, int rank, int world_size,
+                     std::chrono::milliseconds timeout);
 
 }  // namespace tandem::rpc

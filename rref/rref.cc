@@ -213,7 +213,8 @@ class Context {
   void reset() {
     std::unordered_map<int64_t, OwnerEntry> owners;
     std::unordered_map<int64_t, c10::intrusive_ptr<RRefImpl>> users;
-    std::unordered_map<int64_t, std::pair<c10::intrusive_ptr<RRefImpl>, std::chrono::steady_clock::time_point>> children;
+    std::unordered_map<int64_t, std::pair<c10::intrusive_ptr<RRefImpl>, std::chrono::steady_clock::time_point>>
+        children;
     {
       std::lock_guard<std::mutex> lock(mu_);
       ++generation_;
@@ -412,7 +413,8 @@ absl::StatusOr<std::string> encode(const c10::IValue& v, int to) {
   auto* impl = dynamic_cast<RRefImpl*>(v.toRRef().get());
   if (!impl) return absl::InvalidArgumentError("cannot send an RRef that Tandem did not create");
   auto& ctx = Context::get();
-  if (impl->generation_ != ctx.generation()) return absl::FailedPreconditionError("this RRef belongs to a finished job");
+  if (impl->generation_ != ctx.generation())
+    return absl::FailedPreconditionError("this RRef belongs to a finished job");
   Wire w{impl->rref_id_, 0, impl->owner_, 0};
   if (impl->owner_side_) {
     if (to == impl->owner_) {
@@ -473,7 +475,8 @@ absl::StatusOr<c10::IValue> decode(const std::string& data, int from, std::vecto
 rpc::Future on_create(std::vector<c10::IValue>&& args) {
   // args: rref id, fork id, function, arguments (a list)
   const int64_t rref_id = arg_int(args, 0), fork_id = arg_int(args, 1);
-  if (args.size() != 4 || !args[2].isString() || !args[3].isList()) throw std::invalid_argument("malformed rref create");
+  if (args.size() != 4 || !args[2].isString() || !args[3].isList())
+    throw std::invalid_argument("malformed rref create");
   const std::string function = args[2].toStringRef();
   std::vector<c10::IValue> fargs(args[3].toListRef().begin(), args[3].toListRef().end());
   const auto* call = rpc::current_call();
@@ -493,7 +496,8 @@ rpc::Future on_create(std::vector<c10::IValue>&& args) {
 }
 
 rpc::Future on_fetch(std::vector<c10::IValue>&& args) {  // rref, how long to wait for an unknown one (ms)
-  return Context::get().value_or_wait(arg_int(args, 0), milliseconds(std::clamp<int64_t>(arg_int(args, 1), 0, 3600000)));
+  return Context::get().value_or_wait(arg_int(args, 0),
+                                      milliseconds(std::clamp<int64_t>(arg_int(args, 1), 0, 3600000)));
 }
 
 rpc::Future on_fork(std::vector<c10::IValue>&& args) {
@@ -534,8 +538,8 @@ rpc::Future on_construct(std::vector<c10::IValue>&& args) {
     std::lock_guard<std::mutex> lock(g_classes_mu);
     auto it = classes().find(name);
     if (it == classes().end()) {
-      throw std::invalid_argument(absl::StrCat("no class named '", name, "' is registered on worker '",
-                                               rpc::get_worker_info().name, "'"));
+      throw std::invalid_argument(
+          absl::StrCat("no class named '", name, "' is registered on worker '", rpc::get_worker_info().name, "'"));
     }
     ctor = it->second;
   }
@@ -590,9 +594,8 @@ bool install() {
   throw_if_error(rpc::register_handler("__tandem.rref.accept", on_accept));
   throw_if_error(rpc::register_handler("__tandem.rref.construct", on_construct));
   throw_if_error(rpc::register_handler(RRef::kCallMethod, on_call));
-  throw_if_error(rpc::register_handler("__tandem.rref.ping", [](std::vector<c10::IValue>&&) {
-    return rpc::Future::ready(c10::IValue());
-  }));
+  throw_if_error(rpc::register_handler("__tandem.rref.ping",
+                                       [](std::vector<c10::IValue>&&) { return rpc::Future::ready(c10::IValue()); }));
   rpc::add_shutdown_hook([](absl::Time deadline) { return Context::get().drain(deadline); });
   rpc::add_stop_hook([] { Context::get().reset(); });
   return true;
@@ -714,7 +717,8 @@ c10::IValue RRef::to_here(std::chrono::milliseconds timeout) const {
     return value.value();
   }
   // Blocking: rpc's call_and_wait lets the calling thread read its own reply (one hand-off less).
-  rpc::Future fetched = rpc::call_and_wait(impl.owner_, "__tandem.rref.fetch", fetch_args(impl.rref_id_, timeout), timeout);
+  rpc::Future fetched =
+      rpc::call_and_wait(impl.owner_, "__tandem.rref.fetch", fetch_args(impl.rref_id_, timeout), timeout);
   if (absl::Status s = fetched.status(); !s.ok()) throw RpcError(to_here_error(impl.owner_, s));
   return fetched.value();
 }
@@ -749,9 +753,9 @@ c10::IValue RRef::local_value() const {
   }
   // A user handle on the owner may run ahead of the creation message it sent itself: wait for the entry as fetches do.
   absl::StatusOr<rpc::Future> value =
-      impl.owner_side_ ? detail::Context::get().value_of(impl.rref_id_)
-                       : absl::StatusOr<rpc::Future>(
-                             detail::Context::get().value_or_wait(impl.rref_id_, std::chrono::minutes(5)));
+      impl.owner_side_
+          ? detail::Context::get().value_of(impl.rref_id_)
+          : absl::StatusOr<rpc::Future>(detail::Context::get().value_or_wait(impl.rref_id_, std::chrono::minutes(5)));
   throw_if_error(value.status());
   // As in PyTorch, the owner waits for a value still being made (bounded: the value's function has the RPC deadline).
   if (!value->wait_for(std::chrono::minutes(5))) {
@@ -770,9 +774,9 @@ RRef remote_call(const rpc::To& to, const std::string& function, std::vector<c10
   ctx.hold_pending_user(user);  // until the owner confirms: it cannot be deleted before (G1)
   c10::impl::GenericList list(c10::AnyType::get());
   for (auto& a : args) list.push_back(std::move(a));
-  rpc::Future created = rpc::call(owner, "__tandem.rref.create",
-                                  {c10::IValue(rref_id), c10::IValue(fork_id), c10::IValue(function), c10::IValue(list)},
-                                  timeout);
+  rpc::Future created =
+      rpc::call(owner, "__tandem.rref.create",
+                {c10::IValue(rref_id), c10::IValue(fork_id), c10::IValue(function), c10::IValue(list)}, timeout);
   rpc::Future confirmed = user->confirmed_;
   created.add_callback([confirmed, fork_id](const rpc::Future& r) {
     if (absl::Status s = r.status(); !s.ok()) {

@@ -5,8 +5,8 @@
 //
 // Each worker gets RANK, LOCAL_RANK, GROUP_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT (torchrun's
 // variables) and TANDEM_SECRET, the job secret: generated when the job is on one node (unless TANDEM_SECRET is set),
-// taken from TANDEM_SECRET or --secret-file when it spans nodes. On one node without --master-port a free port is chosen.
-// Every output line of a worker is prefixed with "[rankN]: ".
+// taken from TANDEM_SECRET or --secret-file when it spans nodes. On one node without --master-port a free port is
+// chosen. Every output line of a worker is prefixed with "[rankN]: ".
 //
 // When a worker fails (non-zero exit or a signal), the others get SIGTERM, then SIGKILL after the grace period, and
 // tandem-run exits non-zero with one summary line naming who failed and why. Workers die with tandem-run (PDEATHSIG).
@@ -247,7 +247,7 @@ int main(int argc, char** argv) {
     spawn(workers[i], o, world, secret);
   }
 
-  int first_failed = -1;           // index into workers
+  int first_failed = -1;  // index into workers
   int first_status = 0;
   bool stopping = false;
   auto kill_deadline = std::chrono::steady_clock::time_point::max();

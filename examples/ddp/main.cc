@@ -105,7 +105,8 @@ int train(const Args& args) {
       zero ? zero->zero_grad() : adam->zero_grad();
       at::Tensor loss = torch::nn::functional::cross_entropy(net.forward(x), y);
       loss.backward();
-      if (zero) zero->step(); else adam->step();
+      if (zero) zero->step();
+      else adam->step();
       loss_sum += loss.item<double>();
       if (lead && ++step % 100 == 0) {
         std::printf("  epoch %d  step %lld/%lld  loss %.4f\n", epoch, static_cast<long long>(step),

@@ -33,7 +33,7 @@ Trainer::Trainer(nn::RemoteModule embedding, std::shared_ptr<comm::ProcessGroup>
                  ddp::DdpOptions options)
     : embedding_(std::move(embedding)), dense_(dense(dim)) {
   ddp_ = std::make_unique<ddp::DistributedDataParallel<torch::nn::SequentialImpl>>(dense_.ptr(), std::move(group),
-                                                                                    options);
+                                                                                   options);
   std::vector<rref::RRef> params = embedding_.remote_parameters();
   for (const auto& p : dense_->parameters()) params.push_back(rref::make_local(p));
   opt_ = std::make_unique<dist_optim::DistributedOptimizer>("sgd", params, std::map<std::string, double>{{"lr", lr}});

@@ -80,8 +80,8 @@ double train(c10::IValue embedding, int64_t epochs, double lr, int64_t batch, in
     accuracy = static_cast<double>(correct) / static_cast<double>(test_ids.size(0));
     std::printf("epoch %lld/%lld  %.0f images/s (both trainers)  loss %.4f  test accuracy %.4f\n",
                 static_cast<long long>(epoch), static_cast<long long>(epochs),
-                static_cast<double>(sampler.size() * 2) / secs, loss_sum / static_cast<double>(std::max<int64_t>(1, steps)),
-                accuracy);
+                static_cast<double>(sampler.size() * 2) / secs,
+                loss_sum / static_cast<double>(std::max<int64_t>(1, steps)), accuracy);
     std::fflush(stdout);
   }
   return accuracy;
@@ -121,13 +121,16 @@ int main(int argc, char** argv) {
     int code = 0;
     if (rpc::get_worker_info().id == 0) {
       auto embedding = nn::RemoteModule::create(3, hybrid::kEmbeddingBag, kTokens, kDim);
-      std::printf("hybrid: embedding table %lld x %lld on %s, 2 DDP trainers, %lld epochs, batch %lld each, SGD lr %g\n",
-                  static_cast<long long>(kTokens), static_cast<long long>(kDim), embedding.owner_name().c_str(),
-                  static_cast<long long>(args.epochs), static_cast<long long>(args.batch), args.lr);
+      std::printf(
+          "hybrid: embedding table %lld x %lld on %s, 2 DDP trainers, %lld epochs, batch %lld each, SGD lr %g\n",
+          static_cast<long long>(kTokens), static_cast<long long>(kDim), embedding.owner_name().c_str(),
+          static_cast<long long>(args.epochs), static_cast<long long>(args.batch), args.lr);
       std::fflush(stdout);
       const auto timeout = std::chrono::hours(2);
-      auto t1 = rpc::rpc_async(1, "hybrid.train", embedding.module_rref().to_ivalue(), args.epochs, args.lr, args.batch, args.limit, timeout);
-      auto t2 = rpc::rpc_async(2, "hybrid.train", embedding.module_rref().to_ivalue(), args.epochs, args.lr, args.batch, args.limit, timeout);
+      auto t1 = rpc::rpc_async(1, "hybrid.train", embedding.module_rref().to_ivalue(), args.epochs, args.lr, args.batch,
+                               args.limit, timeout);
+      auto t2 = rpc::rpc_async(2, "hybrid.train", embedding.module_rref().to_ivalue(), args.epochs, args.lr, args.batch,
+                               args.limit, timeout);
       const double accuracy = t1.get<double>();
       (void)t2.get<double>();
       std::printf("hybrid: final test accuracy %.4f\n", accuracy);

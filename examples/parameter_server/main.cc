@@ -1,6 +1,7 @@
 // Parameter-server training on Fashion-MNIST: rank 0 is the server ("ps"), ranks 1..N are trainers.
 //
-//   build/tandem-run --nproc-per-node 3 build/parameter_server [--epochs 4] [--lr 0.002] [--mode sync|async] [--batch 64]
+//   build/tandem-run --nproc-per-node 3 build/parameter_server [--epochs 4] [--lr 0.002] [--mode sync|async] [--batch
+//   64]
 //
 // The model (2 conv + pooling + FC) lives on the server as an nn::RemoteModule; each trainer reads its shard of the
 // training set, runs forward through the RemoteModule, and backward with distributed autograd (server.h has the two
@@ -29,7 +30,7 @@ struct Args {
   double lr = 2e-3;  // Adam's step size (the server's optimizer in sync mode, each trainer's in async mode)
   int batch = 64;
   std::string mode = "sync";
-  int64_t limit = 0;  // train on at most this many images per trainer (0: the whole shard); for smoke tests
+  int64_t limit = 0;        // train on at most this many images per trainer (0: the whole shard); for smoke tests
   double min_accuracy = 0;  // exit 1 if the final test accuracy is lower
 };
 
@@ -60,8 +61,8 @@ int train(const Args& args, int rank, int trainers) {
   std::unique_ptr<dist_optim::DistributedOptimizer> opt;
   if (args.mode == "async") {
     opt = std::make_unique<dist_optim::DistributedOptimizer>("adam", model.remote_parameters(),
-                                                            std::map<std::string, double>{{"lr", args.lr}},
-                                                            dist_optim::DistributedOptimizerOptions{.hogwild = true});
+                                                             std::map<std::string, double>{{"lr", args.lr}},
+                                                             dist_optim::DistributedOptimizerOptions{.hogwild = true});
   }
   double accuracy = 0;
   for (int epoch = 1; epoch <= args.epochs; ++epoch) {
@@ -104,7 +105,8 @@ int main(int argc, char** argv) {
     const int rank = rank_env ? std::atoi(rank_env) : 0;
     const char* world_env = std::getenv("WORLD_SIZE");
     const int world = world_env ? std::atoi(world_env) : 1;
-    if (world < 2) throw std::invalid_argument("run with tandem-run --nproc-per-node N (N >= 2: a server and trainers)");
+    if (world < 2)
+      throw std::invalid_argument("run with tandem-run --nproc-per-node N (N >= 2: a server and trainers)");
     rpc::init_rpc(rank == 0 ? "ps" : "trainer" + std::to_string(rank), rank, world);
     int code = 0;
     if (rank == 0) {
@@ -115,7 +117,8 @@ int main(int argc, char** argv) {
                   args.mode.c_str(), args.batch, args.epochs);
       std::fflush(stdout);
       examples::start_parameter_server(options);
-      if (!examples::wait_for_trainers(std::chrono::hours(2))) throw std::runtime_error("trainers did not finish in 2 h");
+      if (!examples::wait_for_trainers(std::chrono::hours(2)))
+        throw std::runtime_error("trainers did not finish in 2 h");
     } else {
       code = train(args, rank, world - 1);
       examples::done();

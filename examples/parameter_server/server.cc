@@ -30,8 +30,8 @@ struct Server {
   std::atomic<int> done{0};
 
   std::mutex mu;
-  std::vector<at::Tensor> sum;        // gradients submitted in this round
-  std::vector<rpc::Future> waiting;   // the trainers that submitted them
+  std::vector<at::Tensor> sum;       // gradients submitted in this round
+  std::vector<rpc::Future> waiting;  // the trainers that submitted them
 };
 
 Server& server() {

@@ -35,9 +35,9 @@ void start_parameter_server(const ServerOptions& options);
 bool wait_for_trainers(std::chrono::milliseconds timeout);
 
 // Trainer side.
-nn::RemoteModule server_model();                   // the model on "ps"
-void submit(int64_t context_id);                   // synchronous mode: waits for the averaged step
-double evaluate();                                 // test accuracy of the current model, computed on the server
-void done();                                       // this trainer has finished
+nn::RemoteModule server_model();  // the model on "ps"
+void submit(int64_t context_id);  // synchronous mode: waits for the averaged step
+double evaluate();                // test accuracy of the current model, computed on the server
+void done();                      // this trainer has finished
 
 }  // namespace tandem::examples

@@ -83,7 +83,9 @@ class Observer {
 }  // namespace
 
 Agent::Agent(int observers, uint64_t seed, double lr, double gamma)
-    : policy(make_policy(seed)), optimizer_(policy->parameters(), torch::optim::AdamOptions(lr)), gamma_(gamma),
+    : policy(make_policy(seed)),
+      optimizer_(policy->parameters(), torch::optim::AdamOptions(lr)),
+      gamma_(gamma),
       steps_(observers) {}
 
 std::vector<int64_t> Agent::select(const std::vector<Request>& requests) {
@@ -152,7 +154,7 @@ double Agent::finish_round(const std::vector<int>& observers, const std::vector<
 void register_rl() {
   rpc::register_function(kSelect, [](Request r) { return agent()->select({std::move(r)}).front(); });
   rpc::register_batched_function<Request, int64_t>(kSelectBatch, {.max_batch = 1, .max_delay = kBatchDelay},
-                                                    [](std::vector<Request> rs) { return agent()->select(rs); });
+                                                   [](std::vector<Request> rs) { return agent()->select(rs); });
   rpc::register_function(kDone, [] { one_observer_fewer(); });
   rref::register_class<Observer>(kObserver).constructor<int64_t, int64_t>().method("run", &Observer::run);
 }
@@ -189,12 +191,15 @@ Round run_round(const std::vector<rref::RRef>& observers, const RoundOptions& op
       handled[i] = 1, --left;
       absl::Status s = runs[i].status();
       if (s.ok()) {
-        auto [rewards, ends, actions, rtt] = runs[i].get<
-            std::tuple<std::vector<double>, std::vector<int64_t>, std::vector<int64_t>, std::vector<double>>>();
+        auto [rewards, ends, actions, rtt] =
+            runs[i]
+                .get<
+                    std::tuple<std::vector<double>, std::vector<int64_t>, std::vector<int64_t>, std::vector<double>>>();
         done[i] = Trajectory{std::move(rewards), std::move(ends), std::move(actions), std::move(rtt)};
         continue;
       }
-      const std::string what = absl::StrCat("observer ", i, " (worker '", observers[i].owner_name(), "'): ", s.message());
+      const std::string what =
+          absl::StrCat("observer ", i, " (worker '", observers[i].owner_name(), "'): ", s.message());
       if (!options.skip_failed) throw RpcError(absl::Status(s.code(), "rl: " + what));
       round.failed.push_back(what);
       if (options.batched) one_observer_fewer();

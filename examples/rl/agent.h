@@ -24,9 +24,9 @@ using Request = std::vector<double>;
 // What an observer reports of its part of a round.
 struct Trajectory {
   std::vector<double> rewards;
-  std::vector<int64_t> ends;     // 1 at the last step of each episode
+  std::vector<int64_t> ends;  // 1 at the last step of each episode
   std::vector<int64_t> actions;
-  std::vector<double> rtt_us;    // each select_action call's round trip, measured by the observer
+  std::vector<double> rtt_us;  // each select_action call's round trip, measured by the observer
 };
 
 class Agent {
@@ -39,10 +39,10 @@ class Agent {
   std::vector<int64_t> select(const std::vector<Request>& requests);
 
   // REINFORCE over the round: trajectories[k] is observer observers[k]'s (rewards in step order, ends marking each
-  // episode's last step); the steps of observers not named are dropped. The log-probabilities come from one forward over all the
-  // round's states, on this thread: the update does not depend on which RPC threads answered (per-step graphs built
-  // on several threads would be accumulated in a thread-dependent order, and training would not repeat). Returns
-  // the loss.
+  // episode's last step); the steps of observers not named are dropped. The log-probabilities come from one forward
+  // over all the round's states, on this thread: the update does not depend on which RPC threads answered (per-step
+  // graphs built on several threads would be accumulated in a thread-dependent order, and training would not repeat).
+  // Returns the loss.
   double finish_round(const std::vector<int>& observers, const std::vector<Trajectory>& trajectories);
 
   torch::nn::Sequential policy;
@@ -71,9 +71,9 @@ struct RoundOptions {
 };
 
 struct Round {
-  std::vector<int> observers;         // the indices (into the observers given) whose trajectories came back
+  std::vector<int> observers;  // the indices (into the observers given) whose trajectories came back
   std::vector<Trajectory> trajectories;
-  std::vector<std::string> failed;    // "observer 2 (worker 'worker3'): cause", with skip_failed
+  std::vector<std::string> failed;  // "observer 2 (worker 'worker3'): cause", with skip_failed
 };
 
 // Creates observer `id` (seeded) on worker `on`, as a remote object.

@@ -26,8 +26,8 @@ std::string derive_token(const std::string& secret) {
   static const char kLabel[] = "tandem-auth-v1";
   unsigned char mac[EVP_MAX_MD_SIZE];
   unsigned int len = 0;
-  if (!HMAC(EVP_sha256(), secret.data(), static_cast<int>(secret.size()), reinterpret_cast<const unsigned char*>(kLabel),
-            sizeof(kLabel) - 1, mac, &len)) {
+  if (!HMAC(EVP_sha256(), secret.data(), static_cast<int>(secret.size()),
+            reinterpret_cast<const unsigned char*>(kLabel), sizeof(kLabel) - 1, mac, &len)) {
     throw std::runtime_error("HMAC-SHA256 failed");
   }
   return hex(mac, len);

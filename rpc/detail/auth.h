@@ -2,8 +2,8 @@
 // (HMAC-SHA256(secret, "tandem-auth-v1"), hex) in the metadata key kAuthMetadataKey, and every handler checks it in
 // constant time before reading the request. The secret itself never crosses the network.
 //
-// Without TLS the token is visible to anyone who can sniff the job's traffic (and could be replayed by them); enable TLS
-// (RpcOptions::tls) on networks you do not trust.
+// Without TLS the token is visible to anyone who can sniff the job's traffic (and could be replayed by them); enable
+// TLS (RpcOptions::tls) on networks you do not trust.
 #pragma once
 
 #include <grpcpp/server_context.h>

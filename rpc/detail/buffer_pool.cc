@@ -74,8 +74,8 @@ at::Tensor pooled_empty(at::IntArrayRef sizes, c10::ScalarType dtype) {
   const size_t bytes = static_cast<size_t>(numel) * c10::elementSize(dtype);
   size_t capacity = 0;
   void* buf = acquire_buffer(bytes, &capacity);
-  return at::from_blob(buf, sizes, [capacity](void* p) { release_buffer(p, capacity); },
-                       at::TensorOptions().dtype(dtype));
+  return at::from_blob(
+      buf, sizes, [capacity](void* p) { release_buffer(p, capacity); }, at::TensorOptions().dtype(dtype));
 }
 
 size_t pooled_bytes_cached() {

@@ -188,11 +188,14 @@ absl::StatusOr<Message> Conn::read_body(absl::Time deadline) {
   if (h.length == 0) return m;
   auto* owner = new PooledSlice;
   owner->buffer = detail::acquire_buffer(h.length, &owner->capacity);
-  grpc::Slice slice(owner->buffer, h.length, [](void* p) {
-    auto* o = static_cast<PooledSlice*>(p);
-    detail::release_buffer(o->buffer, o->capacity);
-    delete o;
-  }, owner);
+  grpc::Slice slice(
+      owner->buffer, h.length,
+      [](void* p) {
+        auto* o = static_cast<PooledSlice*>(p);
+        detail::release_buffer(o->buffer, o->capacity);
+        delete o;
+      },
+      owner);
   if (auto s = read_exact(fd_, owner->buffer, h.length, deadline); !s.ok()) return s;
   m.body = grpc::ByteBuffer(&slice, 1);
   return m;

@@ -97,9 +97,7 @@ grpc::Status to_grpc(const absl::Status& s) {
   return grpc::Status(static_cast<grpc::StatusCode>(s.code()), std::string(s.message()));
 }
 
-bool is_loopback(const std::string& host) {
-  return host == "localhost" || host == "::1" || host.rfind("127.", 0) == 0;
-}
+bool is_loopback(const std::string& host) { return host == "localhost" || host == "::1" || host.rfind("127.", 0) == 0; }
 
 std::string join_host_port(const std::string& host, int port) {
   if (host.find(':') != std::string::npos) return absl::StrCat("[", host, "]:", port);
@@ -122,8 +120,9 @@ absl::StatusOr<std::string> local_address_towards(const std::string& host) {
     socklen_t len = sizeof(local);
     char buf[INET6_ADDRSTRLEN] = {0};
     if (getsockname(fd, reinterpret_cast<sockaddr*>(&local), &len) == 0) {
-      const void* addr = local.ss_family == AF_INET ? static_cast<const void*>(&reinterpret_cast<sockaddr_in*>(&local)->sin_addr)
-                                                    : static_cast<const void*>(&reinterpret_cast<sockaddr_in6*>(&local)->sin6_addr);
+      const void* addr = local.ss_family == AF_INET
+                             ? static_cast<const void*>(&reinterpret_cast<sockaddr_in*>(&local)->sin_addr)
+                             : static_cast<const void*>(&reinterpret_cast<sockaddr_in6*>(&local)->sin6_addr);
       if (inet_ntop(local.ss_family, addr, buf, sizeof(buf))) out = buf;
     }
   }

@@ -21,7 +21,8 @@ namespace tandem::rpc::net {
 
 // Channel and server settings common to every connection of a job: message size limit, keepalive (so a silent peer is
 // noticed), TLS when configured.
-std::shared_ptr<grpc::Channel> make_channel(const std::string& address, const TlsOptions* tls, int64_t max_message_bytes);
+std::shared_ptr<grpc::Channel> make_channel(const std::string& address, const TlsOptions* tls,
+                                            int64_t max_message_bytes);
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> server_credentials(const TlsOptions* tls);
 void configure_server(grpc::ServerBuilder& builder, int64_t max_message_bytes);
 

@@ -36,8 +36,7 @@ class ThreadPool {
       std::unique_lock<std::mutex> lock(mu_);
       stopping_ = true;
       cv_.notify_all();
-      if (timeout.count() >= 0 &&
-          !idle_cv_.wait_for(lock, timeout, [this] { return queue_.empty() && busy_ == 0; })) {
+      if (timeout.count() >= 0 && !idle_cv_.wait_for(lock, timeout, [this] { return queue_.empty() && busy_ == 0; })) {
         return false;
       }
     }

@@ -187,7 +187,8 @@ grpc::ByteBuffer Encoder::frame(const google::protobuf::MessageLite& header) {
   for (auto& t : tensors_) {
     auto* keep = new at::Tensor(std::move(t));
     const size_t n = keep->nbytes();
-    slices.emplace_back(keep->data_ptr(), n, [](void* p) { delete static_cast<at::Tensor*>(p); }, keep);
+    slices.emplace_back(
+        keep->data_ptr(), n, [](void* p) { delete static_cast<at::Tensor*>(p); }, keep);
     if (const size_t pad = align_up(n) - n) slices.emplace_back(kZeros, pad, grpc::Slice::STATIC_SLICE);
   }
   tensors_.clear();
@@ -208,7 +209,8 @@ absl::StatusOr<Frame> Frame::parse(const grpc::ByteBuffer& buffer, google::proto
   if (f.total_ < 4) return absl::InvalidArgumentError("malformed message: shorter than its frame header");
   uint8_t len_bytes[4];
   f.copy_out(0, 4, len_bytes);
-  const uint32_t header_len = len_bytes[0] | (len_bytes[1] << 8) | (len_bytes[2] << 16) | (uint32_t{len_bytes[3]} << 24);
+  const uint32_t header_len =
+      len_bytes[0] | (len_bytes[1] << 8) | (len_bytes[2] << 16) | (uint32_t{len_bytes[3]} << 24);
   if (header_len > kMaxHeaderBytes || header_len > f.total_ - 4) {
     return absl::InvalidArgumentError(
         absl::StrCat("malformed message: header length ", header_len, " exceeds the message (", f.total_, " bytes)"));
@@ -274,12 +276,13 @@ absl::StatusOr<at::Tensor> Frame::decode_tensor(const TensorMeta& meta, pid_t cm
   }
   uint64_t nbytes = 0;
   if (__builtin_mul_overflow(numel, item, &nbytes) || nbytes != meta.nbytes()) {
-    return absl::InvalidArgumentError(absl::StrCat("malformed message: tensor claims ", meta.nbytes(),
-                                                   " bytes for ", numel, " elements of ", item, " bytes"));
+    return absl::InvalidArgumentError(absl::StrCat("malformed message: tensor claims ", meta.nbytes(), " bytes for ",
+                                                   numel, " elements of ", item, " bytes"));
   }
   if (meta.by_reference()) {
     if (cma_pid <= 0) {
-      return absl::InvalidArgumentError("malformed message: a tensor sent by reference on a channel without cross-memory access");
+      return absl::InvalidArgumentError(
+          "malformed message: a tensor sent by reference on a channel without cross-memory access");
     }
     if (nbytes == 0) return at::empty(sizes, at::TensorOptions().dtype(dtype));
     return read_remote(cma_pid, meta.remote_addr(), nbytes, sizes, dtype);
@@ -299,7 +302,8 @@ absl::StatusOr<at::Tensor> Frame::decode_tensor(const TensorMeta& meta, pid_t cm
   if (in_slice + nbytes <= slices_[i].size() && reinterpret_cast<uintptr_t>(ptr) % item == 0) {
     // Zero copy: the tensor lives in the received slice, which it keeps alive.
     auto* keep = new grpc::Slice(slices_[i]);
-    return at::from_blob(const_cast<uint8_t*>(ptr), sizes, [keep](void*) { delete keep; }, options);
+    return at::from_blob(
+        const_cast<uint8_t*>(ptr), sizes, [keep](void*) { delete keep; }, options);
   }
   at::Tensor t = detail::pooled_empty(sizes, dtype);
   copy_out(begin, nbytes, t.data_ptr());
@@ -307,7 +311,8 @@ absl::StatusOr<at::Tensor> Frame::decode_tensor(const TensorMeta& meta, pid_t cm
 }
 
 absl::StatusOr<c10::IValue> Frame::decode_value(const Value& v, const Payload& payload,
-                                                std::vector<c10::IValue>& tensors, int depth, const Origin& origin) const {
+                                                std::vector<c10::IValue>& tensors, int depth,
+                                                const Origin& origin) const {
   const pid_t cma_pid = origin.cma_pid;
   if (depth > kMaxNesting) return absl::InvalidArgumentError("malformed message: value nested too deeply");
   switch (v.kind_case()) {
@@ -325,7 +330,8 @@ absl::StatusOr<c10::IValue> Frame::decode_value(const Value& v, const Payload& p
       return c10::IValue(v.s());
     case Value::kTensor: {
       if (v.tensor() >= tensors.size()) {
-        return absl::InvalidArgumentError(absl::StrCat("malformed message: tensor index ", v.tensor(), " out of range"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("malformed message: tensor index ", v.tensor(), " out of range"));
       }
       if (tensors[v.tensor()].isNone()) {
         const auto& meta = payload.tensors(v.tensor());
@@ -381,7 +387,8 @@ absl::StatusOr<c10::IValue> Frame::decode_value(const Value& v, const Payload& p
     case Value::kExt: {
       const ValueCodec* codec = detail::find_codec(v.ext().kind());
       if (!codec) {
-        return absl::InvalidArgumentError(absl::StrCat("malformed message: no codec for values of kind '", v.ext().kind(), "'"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("malformed message: no codec for values of kind '", v.ext().kind(), "'"));
       }
       std::vector<Future> ignored;
       return codec->decode(v.ext().data(), origin.from, origin.wait ? origin.wait : &ignored);

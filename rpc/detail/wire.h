@@ -4,9 +4,10 @@
 //   [u32 little-endian header length][header: a serialized tandem.wire.Request or Response][pad][tensor bytes, pad ...]
 // The header describes every value; a tensor is a TensorMeta whose bytes lie in the payload area at `offset`. The
 // payload area starts at the first multiple of kAlign after the header and every tensor's offset is a multiple of
-// kAlign, so a receiver that gets the frame in one slice can use every tensor in place. On send each tensor's bytes are their own grpc::Slice over the tensor's storage (no copy; the slice holds a
-// reference to the tensor until gRPC is done with it). On receive a tensor whose bytes arrived in one slice, suitably
-// aligned, is built over that slice without a copy; otherwise it is copied once into a fresh tensor.
+// kAlign, so a receiver that gets the frame in one slice can use every tensor in place. On send each tensor's bytes are
+// their own grpc::Slice over the tensor's storage (no copy; the slice holds a reference to the tensor until gRPC is
+// done with it). On receive a tensor whose bytes arrived in one slice, suitably aligned, is built over that slice
+// without a copy; otherwise it is copied once into a fresh tensor.
 //
 // Every size in a received header is validated against the frame before use: a frame that lies gets INVALID_ARGUMENT.
 #pragma once
@@ -65,8 +66,8 @@ class Frame {
   static absl::StatusOr<Frame> parse(const grpc::ByteBuffer& buffer, google::protobuf::MessageLite* header);
   // What decoding needs to know about the message's origin.
   struct Origin {
-    pid_t cma_pid = 0;  // tensors sent by reference are read from this process; 0: they are refused
-    int from = -1;      // the sender's rank, for value codecs
+    pid_t cma_pid = 0;                    // tensors sent by reference are read from this process; 0: they are refused
+    int from = -1;                        // the sender's rank, for value codecs
     std::vector<Future>* wait = nullptr;  // codecs' futures that must complete before the values are used
     // When set, the message is traced (rpc/extension.h): receives the decoded tensors indexed as in Payload.tensors
     // (undefined for one no value refers to), and no tensor is made to require grad (the tracer decides).

@@ -33,9 +33,7 @@ TEST_F(MultiprocComm, DebugModeReportsTheFirstMismatchingRankOnEveryRank) {
   EXPECT_EQ(everywhere(3, "mismatch"), "");
 }
 
-TEST_F(MultiprocComm, ADeadRankIsAnErrorOnTheOthersWithinTheTimeout) {
-  expect_last_rank_killed(3, "dead_rank");
-}
+TEST_F(MultiprocComm, ADeadRankIsAnErrorOnTheOthersWithinTheTimeout) { expect_last_rank_killed(3, "dead_rank"); }
 
 }  // namespace
 }  // namespace tandem::test

@@ -97,7 +97,8 @@ std::string basic(const std::shared_ptr<comm::ProcessGroup>& pg) {
       fs.push_back(pg->recv(got.back(), prev, 3));
     }
     for (auto& f : fs) comm::wait(f);
-    for (int i = 0; i < 5; ++i) err += check(got[i].equal(at::full({3}, i, at::kInt)), "send order " + std::to_string(i));
+    for (int i = 0; i < 5; ++i)
+      err += check(got[i].equal(at::full({3}, i, at::kInt)), "send order " + std::to_string(i));
   }
   auto avg = at::full({4}, static_cast<double>(r), at::kDouble);
   comm::wait(pg->allreduce(avg, ReduceOp::kAvg));
@@ -111,7 +112,8 @@ std::string basic(const std::shared_ptr<comm::ProcessGroup>& pg) {
   }
   for (int i = 0; i < 20; ++i) {
     comm::wait(fs[i]);
-    err += check(ts[i].equal(at::full({1000}, static_cast<float>(i * n), at::kFloat)), "in flight " + std::to_string(i));
+    err +=
+        check(ts[i].equal(at::full({1000}, static_cast<float>(i * n), at::kFloat)), "in flight " + std::to_string(i));
   }
   comm::wait(pg->barrier());
   return err;
@@ -158,11 +160,13 @@ std::string run(const std::string& name) {
     auto t = at::ones({4});
     if (rank == 0) {
       auto s = pg->recv(t, 1, 9).status();
-      if (s.code() != absl::StatusCode::kDeadlineExceeded || std::string(s.message()).find("recv from rank 1 (tag 9)") == std::string::npos) {
+      if (s.code() != absl::StatusCode::kDeadlineExceeded ||
+          std::string(s.message()).find("recv from rank 1 (tag 9)") == std::string::npos) {
         err += "recv without a send: " + s.ToString() + "; ";
       }
       s = pg->allreduce(t).status();
-      if (s.code() != absl::StatusCode::kFailedPrecondition || std::string(s.message()).find("failed earlier") == std::string::npos) {
+      if (s.code() != absl::StatusCode::kFailedPrecondition ||
+          std::string(s.message()).find("failed earlier") == std::string::npos) {
         err += "allreduce after the failed recv: " + s.ToString() + "; ";
       }
       throw_if_error(rpc::job_store().set("p2p_timeout/done", "1"));
@@ -184,7 +188,8 @@ std::string run(const std::string& name) {
       err += "a shape mismatch went through; ";
     } catch (const RpcError& e) {
       const std::string m = e.what();
-      if (m.find("rank 1 called allreduce(Float[5]") == std::string::npos || m.find("rank 0 called allreduce(Float[4]") == std::string::npos) {
+      if (m.find("rank 1 called allreduce(Float[5]") == std::string::npos ||
+          m.find("rank 0 called allreduce(Float[4]") == std::string::npos) {
         err += "shape mismatch report: " + m + "; ";
       }
     }

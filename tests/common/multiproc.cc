@@ -113,7 +113,8 @@ Job::Job(const JobSpec& spec) : spec_(spec), port_(free_port()), secret_("test-s
   for (int r = 1; r < spec.world_size; ++r) {
     auto env = env_for(r);
     for (const auto& [k, v] : spec.extra_env) env[k] = v;
-    children_.push_back(std::make_unique<Process>(std::vector<std::string>{self_exe(), "--worker", spec.scenario}, env));
+    children_.push_back(
+        std::make_unique<Process>(std::vector<std::string>{self_exe(), "--worker", spec.scenario}, env));
   }
 }
 

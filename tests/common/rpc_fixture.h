@@ -9,12 +9,12 @@
 #include <string>
 
 #include "absl/synchronization/notification.h"
-#include "tests/common/multiproc.h"
 #include "proto/tandem_rpc.pb.h"
 #include "rpc/detail/auth.h"
 #include "rpc/detail/net.h"
 #include "rpc/detail/wire.h"
 #include "rpc/rpc.h"
+#include "tests/common/multiproc.h"
 #include "tests/common/test_env.h"
 
 namespace tandem::test {
@@ -53,7 +53,8 @@ class MultiprocRpc : public ::testing::Test {
   }
 
   // A raw client to rank `rank`'s server, to send what a well-behaved worker never would.
-  grpc::Status raw_call(int rank, const grpc::ByteBuffer& request, grpc::ByteBuffer* response, const std::string& token) {
+  grpc::Status raw_call(int rank, const grpc::ByteBuffer& request, grpc::ByteBuffer* response,
+                        const std::string& token) {
     auto channel = rpc::net::make_channel(rpc::get_worker_info(rank).address, nullptr, -1);
     grpc::GenericStub stub(channel);
     grpc::ClientContext ctx;

@@ -5,8 +5,8 @@
 
 #include <string>
 
-#include "tests/common/scenario.h"
 #include "tests/common/rpc_fixture.h"
+#include "tests/common/scenario.h"
 
 namespace tandem::test {
 

@@ -54,7 +54,8 @@ rpc::TlsOptions tls_options(const std::string& dir) {
 
 bool make_test_certificates(const std::string& dir) {
   const std::string cmd =
-      "cd '" + dir + "' && "
+      "cd '" + dir +
+      "' && "
       "openssl req -x509 -newkey rsa:2048 -nodes -days 2 -subj /CN=tandem-test-ca -keyout ca.key -out ca.crt && "
       "openssl req -newkey rsa:2048 -nodes -subj /CN=127.0.0.1 -keyout node.key -out node.csr && "
       "printf 'subjectAltName=IP:127.0.0.1,DNS:localhost\\n' > ext.cnf && "
@@ -106,13 +107,14 @@ at::Tensor random_tensor(c10::ScalarType dtype, at::IntArrayRef sizes) {
 bool bit_equal(const at::Tensor& a, const at::Tensor& b) {
   if (a.scalar_type() != b.scalar_type() || a.sizes() != b.sizes()) return false;
   at::Tensor ca = a.contiguous(), cb = b.contiguous();
-  return ca.nbytes() == cb.nbytes() && (ca.nbytes() == 0 || std::memcmp(ca.data_ptr(), cb.data_ptr(), ca.nbytes()) == 0);
+  return ca.nbytes() == cb.nbytes() &&
+         (ca.nbytes() == 0 || std::memcmp(ca.data_ptr(), cb.data_ptr(), ca.nbytes()) == 0);
 }
 
 std::vector<c10::ScalarType> all_dtypes() {
   using S = c10::ScalarType;
-  return {S::Byte, S::Char, S::Short, S::Int, S::Long, S::Half, S::Float, S::Double, S::ComplexHalf, S::ComplexFloat,
-          S::ComplexDouble, S::Bool, S::BFloat16};
+  return {S::Byte,   S::Char,        S::Short,        S::Int,           S::Long, S::Half,    S::Float,
+          S::Double, S::ComplexHalf, S::ComplexFloat, S::ComplexDouble, S::Bool, S::BFloat16};
 }
 
 }  // namespace tandem::test

@@ -32,9 +32,9 @@ bool make_test_certificates(const std::string& dir);
 
 }  // namespace tandem::test
 
-#include <grpcpp/support/byte_buffer.h>
-#include <google/protobuf/message_lite.h>
 #include <ATen/core/Tensor.h>
+#include <google/protobuf/message_lite.h>
+#include <grpcpp/support/byte_buffer.h>
 
 namespace tandem::test {
 

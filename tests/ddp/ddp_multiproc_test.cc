@@ -10,7 +10,8 @@ using MultiprocDdp = MultiprocScenario;
 
 // DDP on W ranks with batch b follows one process with batch W·b step for step (parameters within 1e-5; the
 // compression hooks within their precision), for every variant and W = 2 and 3.
-class MultiprocDdpEquivalence : public MultiprocScenario, public ::testing::WithParamInterface<std::tuple<std::string, int>> {};
+class MultiprocDdpEquivalence : public MultiprocScenario,
+                                public ::testing::WithParamInterface<std::tuple<std::string, int>> {};
 
 TEST_P(MultiprocDdpEquivalence, FollowsOneProcessWithTheWholeBatch) {
   const auto& [variant, world] = GetParam();
@@ -40,7 +41,8 @@ TEST_P(MultiprocDdpAccumulation, RandomNoSyncWindowsFollowOneProcessInBothGradie
 }
 
 INSTANTIATE_TEST_SUITE_P(MultiprocDdp, MultiprocDdpAccumulation,
-                         ::testing::Combine(::testing::Values("local", "hybrid", "uneven", "hybrid_uneven"), ::testing::Values(2, 3)),
+                         ::testing::Combine(::testing::Values("local", "hybrid", "uneven", "hybrid_uneven"),
+                                            ::testing::Values(2, 3)),
                          [](const auto& info) {
                            return std::get<0>(info.param) + "_on_" + std::to_string(std::get<1>(info.param));
                          });

@@ -7,8 +7,8 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <optional>
 #include <map>
+#include <optional>
 #include <random>
 #include <thread>
 
@@ -21,10 +21,10 @@
 #include "dist_autograd/dist_autograd.h"
 #include "dist_optim/dist_optim.h"
 #include "nn/remote_module.h"
-#include "rref/rref.h"
 #include "rpc/errors.h"
 #include "rpc/registry.h"
 #include "rpc/rpc.h"
+#include "rref/rref.h"
 #include "tests/common/scenario.h"
 
 namespace tandem::test {
@@ -116,7 +116,8 @@ std::string equivalence(const std::string& variant) {
         if (k + 1 < micro) no_sync.emplace(ddp);
         torch::mse_loss(ddp.forward(rows(x, rank), use_side), rows(y, rank)).backward();
       }
-      if (zero) zero->step(); else opt->step();
+      if (zero) zero->step();
+      else opt->step();
     }
     ref_opt->zero_grad();
     for (int k = 0; k < micro; ++k) {
@@ -136,13 +137,15 @@ std::string equivalence(const std::string& variant) {
   }
   if (variant == "uneven") ddp.join();
   const double d = max_diff(*model, *ref);
-  if (!(d <= tolerance)) return absl::StrCat(variant, ": parameters differ from one process by ", d, " (tolerance ", tolerance, ")");
+  if (!(d <= tolerance))
+    return absl::StrCat(variant, ": parameters differ from one process by ", d, " (tolerance ", tolerance, ")");
   if (variant == "unused" && model->unused->weight.grad().defined()) return "a parameter no rank used got a gradient";
   if (variant == "plain") {
     auto g = model->fc1->weight.grad();  // shares its bucket with fc1.bias: the storage is larger than the gradient
     if (g.storage().nbytes() <= g.nbytes()) return "with gradient_as_bucket_view, .grad is not a view into a bucket";
   }
-  if (variant == "plain" && (!ddp.stats().rebuilt || ddp.stats().bucket_bytes.size() < 2)) return "buckets were not rebuilt";
+  if (variant == "plain" && (!ddp.stats().rebuilt || ddp.stats().bucket_bytes.size() < 2))
+    return "buckets were not rebuilt";
   return "";
 }
 
@@ -159,7 +162,8 @@ struct BranchNet : torch::nn::Module {
   BranchNet() {
     fc1 = register_module("fc1", torch::nn::Linear(kIn, kHidden));
     fc2 = register_module("fc2", torch::nn::Linear(kHidden, kOut));
-    for (int j = 0; j < kBranches; ++j) branch.push_back(register_module("branch" + std::to_string(j), torch::nn::Linear(kHidden, kOut)));
+    for (int j = 0; j < kBranches; ++j)
+      branch.push_back(register_module("branch" + std::to_string(j), torch::nn::Linear(kHidden, kOut)));
   }
   at::Tensor forward(const at::Tensor& x, uint32_t mask) {
     auto h = torch::tanh(fc1(x));
@@ -214,7 +218,8 @@ std::vector<Window> branch_only_under_no_sync(int world) {
 }
 
 struct Snapshot {
-  std::vector<at::Tensor> params, grads;  // after each window's optimizer step (grads: before it); grads may be undefined
+  std::vector<at::Tensor> params,
+      grads;  // after each window's optimizer step (grads: before it); grads may be undefined
 };
 
 std::vector<at::Tensor> clones(const std::vector<at::Tensor>& ts) {
@@ -299,7 +304,8 @@ std::vector<Snapshot> train_ddp(const std::vector<Window>& windows, const std::s
   for (const Window& w : windows) {
     if (!w.active[rank]) break;
     std::optional<dist_autograd::ContextGuard> ctx;
-    if (hybrid) ctx.emplace(); else opt.zero_grad();
+    if (hybrid) ctx.emplace();
+    else opt.zero_grad();
     for (size_t k = 0; k < w.masks.size(); ++k) {
       auto [x, y] = data(step++, world);
       std::optional<ddp::DistributedDataParallelBase::NoSync> no_sync;
@@ -350,7 +356,8 @@ std::string accumulation(const std::string& spec) {
   for (size_t w = 0; w < view.size(); ++w) {
     const bool after_join = uneven && w + 1 == view.size();
     const Snapshot& expected = after_join ? ref.back() : ref[w];
-    const std::string where = absl::StrCat(spec, " on rank ", rank, after_join ? " after join" : "", ", window ", w, ": ");
+    const std::string where =
+        absl::StrCat(spec, " on rank ", rank, after_join ? " after join" : "", ", window ", w, ": ");
     std::string err = compare(view[w].params, copy[w].params, 0, names);
     if (err.empty() && !after_join) err = compare(view[w].grads, copy[w].grads, 0, names);
     if (!err.empty()) return where + "the gradient modes differ: " + err;
@@ -358,8 +365,11 @@ std::string accumulation(const std::string& spec) {
     if (err.empty() && !after_join) err = compare(view[w].grads, expected.grads, 1e-5, names);
     if (!err.empty()) return where + "DDP differs from one process with the whole batch: " + err;
   }
-  const size_t expected_snapshots = uneven ? std::count_if(windows.begin(), windows.end(), [&](const Window& w) { return w.active[rank] != 0; }) + 1 : windows.size();
-  if (view.size() != expected_snapshots) return absl::StrCat(spec, ": ", view.size(), " snapshots, expected ", expected_snapshots);
+  const size_t expected_snapshots =
+      uneven ? std::count_if(windows.begin(), windows.end(), [&](const Window& w) { return w.active[rank] != 0; }) + 1
+             : windows.size();
+  if (view.size() != expected_snapshots)
+    return absl::StrCat(spec, ": ", view.size(), " snapshots, expected ", expected_snapshots);
   return "";
 }
 
@@ -442,7 +452,8 @@ std::string hybrid_embedding(const std::string& spec) {
     }
     if (step < mine) {
       const double d = max_diff(*dense, *ref_dense);
-      if (!(d <= 1e-5)) return absl::StrCat(spec, ": dense parameters differ from one process by ", d, " at step ", step);
+      if (!(d <= 1e-5))
+        return absl::StrCat(spec, ": dense parameters differ from one process by ", d, " at step ", step);
       at::Tensor table = rpc::rpc_sync<at::Tensor>(2, "ddp_test.embedding_weight", spec);
       const double e = (table - ref_emb->weight).abs().max().item<double>();
       if (!(e <= 1e-5)) return absl::StrCat(spec, ": the embedding differs from one process by ", e, " at step ", step);
@@ -464,7 +475,8 @@ std::string hybrid_killed(const std::string& who) {
   auto step = [&](int64_t k) {
     auto [ids, y] = bags(k, 2);
     dist_autograd::ContextGuard ctx;
-    at::Tensor out = ddp.forward(embedding.forward(ids.narrow(0, rank * kBatch, kBatch).reshape({-1}), bag_offsets(kBatch)));
+    at::Tensor out =
+        ddp.forward(embedding.forward(ids.narrow(0, rank * kBatch, kBatch).reshape({-1}), bag_offsets(kBatch)));
     dist_autograd::backward(ctx.id(), {torch::mse_loss(out, rows(y, rank))});
     ddp::reduce_context_gradients(ddp, ctx.id());
   };
@@ -605,7 +617,8 @@ std::string run(const std::string& name) {
     auto mean = model->bn->running_mean.clone();
     auto all = at::empty({world * kOut});
     comm::wait(pg->allgather(all, mean));
-    if (!all.view({world, kOut}).eq(all.view({world, kOut})[0]).all().item<bool>()) return "buffers differ after pre_forward";
+    if (!all.view({world, kOut}).eq(all.view({world, kOut})[0]).all().item<bool>())
+      return "buffers differ after pre_forward";
     if (mean.abs().sum().item<double>() == 0) return "running statistics never updated";
     return "";
   }
@@ -637,8 +650,9 @@ std::string run(const std::string& name) {
 void register_scenarios() {
   register_scenario_runner(run);
   rpc::register_function("ddp_remote_tanh", [](at::Tensor x) { return torch::tanh(x); });
-  nn::register_module("ddp_test.embedding_bag", [] { return make_embedding(); },
-                      [](torch::nn::EmbeddingBag& m, at::Tensor ids, at::Tensor offsets) { return m->forward(ids, offsets); });
+  nn::register_module(
+      "ddp_test.embedding_bag", [] { return make_embedding(); },
+      [](torch::nn::EmbeddingBag& m, at::Tensor ids, at::Tensor offsets) { return m->forward(ids, offsets); });
   // The parameter server's tables, one per scenario, created on first request (their owner is this worker).
   static std::mutex mu;
   static std::map<std::string, nn::RemoteModule> tables;

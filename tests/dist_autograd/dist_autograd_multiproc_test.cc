@@ -116,7 +116,7 @@ TEST_F(MultiprocDistAutograd, RecurrentLoopOverRpcAndASharedParameterUsedTwice) 
   dist_autograd::ContextGuard ctx;
   at::Tensor h = x;
   for (int t = 0; t < 4; ++t) {
-    h = at::tanh(h.mm(u));                                                  // here
+    h = at::tanh(h.mm(u));                                                                // here
     h = rpc::rpc_sync<at::Tensor>(t % 2 == 0 ? "worker1" : "worker2", "layer", "rr", h);  // "rr" on both, twice each
   }
   dist_autograd::backward(ctx.id(), {h.pow(2).sum()});

@@ -41,9 +41,8 @@ void register_functions() {
     return rpc::rpc_sync<at::Tensor>(next, "layer", q, h) * 2;
   });
   // A parameter sent by the caller, used here with a local one.
-  rpc::register_function("mix", [](std::string p, at::Tensor x, at::Tensor w) {
-    return at::sigmoid(x.mm(w) + x.mm(param(p, 4, 4)));
-  });
+  rpc::register_function(
+      "mix", [](std::string p, at::Tensor x, at::Tensor w) { return at::sigmoid(x.mm(w) + x.mm(param(p, 4, 4))); });
   rpc::register_function("grad_of", [](int64_t ctx, std::string p) {
     at::Tensor g = dist_autograd::get_gradients(ctx)[param(p, 4, 4)];
     return std::make_tuple(g.defined(), g.defined() ? g : at::zeros({4, 4}, at::kDouble));

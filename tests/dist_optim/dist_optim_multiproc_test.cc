@@ -32,15 +32,22 @@ struct Case {
 std::vector<Case> cases() {
   using namespace torch::optim;
   return {
-      {"sgd", {{"lr", 0.1}, {"momentum", 0.9}, {"weight_decay", 0.01}},
+      {"sgd",
+       {{"lr", 0.1}, {"momentum", 0.9}, {"weight_decay", 0.01}},
        [](auto p) { return std::make_unique<SGD>(p, SGDOptions(0.1).momentum(0.9).weight_decay(0.01)); }},
-      {"adam", {{"lr", 0.01}, {"beta1", 0.8}},
-       [](auto p) { return std::make_unique<Adam>(p, AdamOptions(0.01).betas({0.8, 0.999})); }},
-      {"adamw", {{"lr", 0.01}, {"weight_decay", 0.05}},
+      {"adam",
+       {{"lr", 0.01}, {"beta1", 0.8}},
+       [](auto p) {
+         return std::make_unique<Adam>(p, AdamOptions(0.01).betas({0.8, 0.999}));
+       }},
+      {"adamw",
+       {{"lr", 0.01}, {"weight_decay", 0.05}},
        [](auto p) { return std::make_unique<AdamW>(p, AdamWOptions(0.01).weight_decay(0.05)); }},
-      {"adagrad", {{"lr", 0.1}, {"lr_decay", 0.01}},
+      {"adagrad",
+       {{"lr", 0.1}, {"lr_decay", 0.01}},
        [](auto p) { return std::make_unique<Adagrad>(p, AdagradOptions(0.1).lr_decay(0.01)); }},
-      {"rmsprop", {{"lr", 0.01}, {"momentum", 0.5}, {"centered", 1}},
+      {"rmsprop",
+       {{"lr", 0.01}, {"momentum", 0.5}, {"centered", 1}},
        [](auto p) { return std::make_unique<RMSprop>(p, RMSpropOptions(0.01).momentum(0.5).centered(true)); }},
   };
 }

@@ -14,7 +14,8 @@ namespace {
 void register_functions() {
   rpc::register_function("layer", [](std::string p, at::Tensor x) { return at::tanh(x.mm(param(p, 4, 4))); });
   rpc::register_function("linear", [](std::string p, at::Tensor x) { return x.mm(param(p, 4, 4)); });
-  rpc::register_function("param_ref", [](std::string p) { return rref::make_local(c10::IValue(param(p, 4, 4))).to_ivalue(); });
+  rpc::register_function("param_ref",
+                         [](std::string p) { return rref::make_local(c10::IValue(param(p, 4, 4))).to_ivalue(); });
   rpc::register_function("param_value", [](std::string p) { return param(p, 4, 4).detach().clone(); });
 }
 

@@ -4,8 +4,8 @@
 #include <torch/torch.h>
 
 #include "nn/remote_module.h"
-#include "tests/nn/modules.h"
 #include "tests/common/test_env.h"
+#include "tests/nn/modules.h"
 
 namespace tandem::test {
 
@@ -20,9 +20,8 @@ namespace {
 
 void register_modules() {
   nn::register_module("mlp", make_mlp);
-  nn::register_module("scaled_mlp", make_mlp, [](torch::nn::Sequential& m, at::Tensor x, double scale) {
-    return m->forward(x) * scale;
-  });
+  nn::register_module("scaled_mlp", make_mlp,
+                      [](torch::nn::Sequential& m, at::Tensor x, double scale) { return m->forward(x) * scale; });
   nn::register_module("broken", [](int64_t in) -> torch::nn::Linear {
     if (in < 0) throw std::invalid_argument("negative width");
     return torch::nn::Linear(in, in);

@@ -6,8 +6,8 @@
 #include "dist_autograd/dist_autograd.h"
 #include "dist_optim/dist_optim.h"
 #include "nn/remote_module.h"
-#include "tests/nn/modules.h"
 #include "tests/common/rpc_fixture.h"
+#include "tests/nn/modules.h"
 
 namespace tandem::test {
 namespace {

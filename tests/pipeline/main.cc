@@ -1,7 +1,7 @@
 // pipeline_tests: GoogleTest main, the modules and test functions every worker registers, and the worker side of the
 // multi-process tests (`pipeline_tests --worker serve`).
-#include "tests/pipeline/stages.h"
 #include "tests/common/test_env.h"
+#include "tests/pipeline/stages.h"
 
 int main(int argc, char** argv) {
   tandem::test::register_pipeline_stages();

@@ -13,8 +13,8 @@
 #include "nn/remote_module.h"
 #include "pipeline/pipeline.h"
 #include "rpc/errors.h"
-#include "tests/pipeline/stages.h"
 #include "tests/common/rpc_fixture.h"
+#include "tests/pipeline/stages.h"
 
 namespace tandem::test {
 namespace {
@@ -61,10 +61,9 @@ std::string follow_one_process(Schedule schedule, int stages, int workers, int m
   std::ostringstream where;
   where << pipeline::schedule_name(schedule) << ", " << stages << " stages on " << workers << " workers, m " << m
         << (checkpoint ? ", checkpointing" : "") << ": ";
-  auto pipe = Pipeline::from_sequential("pipe_mlp", {kLayers, kWidth, kSeed}, stage_workers(workers),
-                                        {.n_stages = stages},
-                                        {.schedule = schedule, .n_microbatches = m, .loss = "mse", .gradients = to,
-                                         .checkpoint = checkpoint});
+  auto pipe = Pipeline::from_sequential(
+      "pipe_mlp", {kLayers, kWidth, kSeed}, stage_workers(workers), {.n_stages = stages},
+      {.schedule = schedule, .n_microbatches = m, .loss = "mse", .gradients = to, .checkpoint = checkpoint});
   auto ref = make_pipe_mlp(kLayers, kWidth, kSeed);
   torch::optim::SGD ref_opt(ref->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
   dist_optim::DistributedOptimizer opt("sgd", pipe.parameter_rrefs(), {{"lr", 0.1}, {"momentum", 0.9}});
@@ -81,11 +80,13 @@ std::string follow_one_process(Schedule schedule, int stages, int workers, int m
       return where.str() + "loss " + std::to_string(loss) + " differs from " + std::to_string(ref_loss.item<double>());
     }
     for (int s = 0; s < stages; ++s) {
-      auto grads = to == pipeline::GradientsTo::kContext
-                       ? rpc::rpc_sync<std::vector<at::Tensor>>(pipe.stage_worker(s), "pipe_grads", pipe.id(), s, ctx.id())
-                       : rpc::rpc_sync<std::vector<at::Tensor>>(pipe.stage_worker(s), "pipe_dot_grads", pipe.id(), s);
+      auto grads =
+          to == pipeline::GradientsTo::kContext
+              ? rpc::rpc_sync<std::vector<at::Tensor>>(pipe.stage_worker(s), "pipe_grads", pipe.id(), s, ctx.id())
+              : rpc::rpc_sync<std::vector<at::Tensor>>(pipe.stage_worker(s), "pipe_dot_grads", pipe.id(), s);
       const double d = relative_diff(grads, layers_of(ref, pipe.stage_layers(s), true));
-      if (!(d <= 1e-10)) return where.str() + "stage " + std::to_string(s) + "'s gradients differ by " + std::to_string(d);
+      if (!(d <= 1e-10))
+        return where.str() + "stage " + std::to_string(s) + "'s gradients differ by " + std::to_string(d);
     }
     if (to == pipeline::GradientsTo::kDotGrad) return "";  // .grad accumulates: one step checks it
     opt.step(ctx.id());
@@ -94,7 +95,8 @@ std::string follow_one_process(Schedule schedule, int stages, int workers, int m
   for (int s = 0; s < stages; ++s) {
     auto params = rpc::rpc_sync<std::vector<at::Tensor>>(pipe.stage_worker(s), "pipe_params", pipe.id(), s);
     const double d = relative_diff(params, layers_of(ref, pipe.stage_layers(s), false));
-    if (!(d <= 1e-10)) return where.str() + "stage " + std::to_string(s) + "'s parameters differ by " + std::to_string(d);
+    if (!(d <= 1e-10))
+      return where.str() + "stage " + std::to_string(s) + "'s parameters differ by " + std::to_string(d);
   }
   return "";
 }
@@ -116,7 +118,8 @@ TEST_P(MultiprocPipelineEquivalence, LossGradientsAndStepsEqualTheUnsplitModel) 
 }
 
 INSTANTIATE_TEST_SUITE_P(MultiprocPipeline, MultiprocPipelineEquivalence,
-                         ::testing::Combine(::testing::Values("gpipe", "1f1b", "interleaved"), ::testing::Values(2, 3, 4)),
+                         ::testing::Combine(::testing::Values("gpipe", "1f1b", "interleaved"),
+                                            ::testing::Values(2, 3, 4)),
                          [](const auto& info) {
                            return std::get<0>(info.param) + "_" + std::to_string(std::get<1>(info.param)) + "_stages";
                          });
@@ -153,8 +156,9 @@ TEST_F(MultiprocPipeline, ATorchScriptStageGivesTheGradientsOfItsLocalCopy) {
   EXPECT_NEAR(pipe.step(x, y), ref_loss.item<double>(), 1e-10 * ref_loss.item<double>());
   std::vector<at::Tensor> script_grads;
   for (const auto& p : ref_script.parameters()) script_grads.push_back(p.grad());
-  EXPECT_LE(relative_diff(rpc::rpc_sync<std::vector<at::Tensor>>(1, "pipe_grads", pipe.id(), 0, ctx.id()), script_grads),
-            1e-10);
+  EXPECT_LE(
+      relative_diff(rpc::rpc_sync<std::vector<at::Tensor>>(1, "pipe_grads", pipe.id(), 0, ctx.id()), script_grads),
+      1e-10);
   EXPECT_LE(relative_diff(rpc::rpc_sync<std::vector<at::Tensor>>(2, "pipe_grads", pipe.id(), 1, ctx.id()),
                           layers_of(ref, {0, 2}, true)),
             1e-10);
@@ -185,7 +189,8 @@ TEST_F(MultiprocPipeline, TimelineIsWrittenAsChromeTraceAndSvg) {
   pipeline::PipelineOptions options;
   options.n_microbatches = 4;
   options.record_timeline = true;
-  auto pipe = Pipeline::from_sequential("pipe_mlp", {kLayers, kWidth, kSeed}, stage_workers(2), {.n_stages = 2}, options);
+  auto pipe =
+      Pipeline::from_sequential("pipe_mlp", {kLayers, kWidth, kSeed}, stage_workers(2), {.n_stages = 2}, options);
   auto [x, y] = batch(8, 0);
   dist_autograd::ContextGuard ctx;
   pipe.step(x, y);
@@ -218,32 +223,51 @@ TEST_F(MultiprocPipeline, BadInputIsAClearErrorBeforeAnyWork) {
   };
   {
     dist_autograd::ContextGuard ctx;
-    expect_error([&] { pipe.step(at::zeros({0, kWidth}, at::kDouble), at::zeros({0, kWidth}, at::kDouble)); },
-                 "the batch is empty");
-    expect_error([&] { pipe.step(at::zeros({3, kWidth}, at::kDouble), at::zeros({3, kWidth}, at::kDouble)); },
-                 "a batch of 3 rows cannot be split into 4");
-    expect_error([&] { pipe.step(at::zeros({8, kWidth}, at::kDouble), at::zeros({7, kWidth}, at::kDouble)); },
-                 "differs from the input's");
+    expect_error(
+        [&] {
+          pipe.step(at::zeros({0, kWidth}, at::kDouble), at::zeros({0, kWidth}, at::kDouble));
+        },
+        "the batch is empty");
+    expect_error(
+        [&] {
+          pipe.step(at::zeros({3, kWidth}, at::kDouble), at::zeros({3, kWidth}, at::kDouble));
+        },
+        "a batch of 3 rows cannot be split into 4");
+    expect_error(
+        [&] {
+          pipe.step(at::zeros({8, kWidth}, at::kDouble), at::zeros({7, kWidth}, at::kDouble));
+        },
+        "differs from the input's");
   }
-  expect_error([&] { pipe.step(at::zeros({8, kWidth}, at::kDouble), at::zeros({8, kWidth}, at::kDouble)); },
-               "dist_autograd::ContextGuard");
-  expect_error([] { Pipeline::create({{"nobody", "pipe_linear", {int64_t{4}, int64_t{4}}}}); },
-               "stage 0 is placed on worker 'nobody', which is not in this job");
+  expect_error(
+      [&] {
+        pipe.step(at::zeros({8, kWidth}, at::kDouble), at::zeros({8, kWidth}, at::kDouble));
+      },
+      "dist_autograd::ContextGuard");
+  expect_error(
+      [] {
+        Pipeline::create({{"nobody", "pipe_linear", {int64_t{4}, int64_t{4}}}});
+      },
+      "stage 0 is placed on worker 'nobody', which is not in this job");
   expect_error([] { Pipeline::create({{1, "no_such_factory", {}}}); }, "no module factory named 'no_such_factory'");
   // Stages that do not fit: stage 1 expects 5 features, stage 0 gives 4. Found on the first step, naming stage 1.
-  auto misfit = Pipeline::create({{1, "pipe_linear", {int64_t{4}, int64_t{4}}}, {2, "pipe_linear", {int64_t{5}, int64_t{4}}}},
-                                 {.n_microbatches = 2});
+  auto misfit =
+      Pipeline::create({{1, "pipe_linear", {int64_t{4}, int64_t{4}}}, {2, "pipe_linear", {int64_t{5}, int64_t{4}}}},
+                       {.n_microbatches = 2});
   dist_autograd::ContextGuard ctx;
-  expect_error([&] { misfit.step(at::zeros({4, 4}, at::kDouble), at::zeros({4, 4}, at::kDouble)); },
-               "stage 1 on worker 'worker2', micro-batch 0, forward");
+  expect_error(
+      [&] {
+        misfit.step(at::zeros({4, 4}, at::kDouble), at::zeros({4, 4}, at::kDouble));
+      },
+      "stage 1 on worker 'worker2', micro-batch 0, forward");
 }
 
 // A stage that throws: step fails naming the stage, the worker and the micro-batch; the next step works.
 TEST_F(MultiprocPipeline, AStageThatThrowsFailsTheStepNamingItAndTheNextStepWorks) {
   start({.world_size = 4});
-  auto pipe = Pipeline::create({{1, "pipe_faulty", {int64_t{0}}}, {2, "pipe_faulty", {int64_t{1}}},
-                                {3, "pipe_faulty", {int64_t{0}}}},
-                               {.n_microbatches = 4, .timeout = std::chrono::milliseconds(20000)});
+  auto pipe = Pipeline::create(
+      {{1, "pipe_faulty", {int64_t{0}}}, {2, "pipe_faulty", {int64_t{1}}}, {3, "pipe_faulty", {int64_t{0}}}},
+      {.n_microbatches = 4, .timeout = std::chrono::milliseconds(20000)});
   at::Tensor x = at::ones({8, 4}, at::kDouble), y = at::zeros({8, 4}, at::kDouble);
   x[5][0] = 999;  // micro-batch 2 (rows 4 and 5)
   const auto t0 = Clock::now();
@@ -265,9 +289,9 @@ TEST_F(MultiprocPipeline, AStageThatThrowsFailsTheStepNamingItAndTheNextStepWork
 TEST_F(MultiprocPipeline, AKilledStageWorkerFailsTheStepWithinTheTimeout) {
   start({.world_size = 4});
   expect_clean_children_ = false;
-  auto pipe = Pipeline::create({{1, "pipe_faulty", {int64_t{0}}}, {2, "pipe_faulty", {int64_t{0}}},
-                                {3, "pipe_faulty", {int64_t{2}}}},
-                               {.n_microbatches = 4, .timeout = std::chrono::milliseconds(8000)});
+  auto pipe = Pipeline::create(
+      {{1, "pipe_faulty", {int64_t{0}}}, {2, "pipe_faulty", {int64_t{0}}}, {3, "pipe_faulty", {int64_t{2}}}},
+      {.n_microbatches = 4, .timeout = std::chrono::milliseconds(8000)});
   at::Tensor x = at::ones({8, 4}, at::kDouble), y = at::zeros({8, 4}, at::kDouble);
   x[2][0] = 999;  // micro-batch 1 kills worker3 (stage 2)
   const auto t0 = Clock::now();

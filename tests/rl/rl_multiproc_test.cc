@@ -63,7 +63,8 @@ TEST_F(MultiprocRl, WithSkipFailedTheRoundCarriesOnWithoutAKilledObserver) {
   rl::set_agent(std::make_shared<rl::Agent>(2, 1));
   auto obs = observers(2, 1);
   rpc::rpc_sync("worker2", "rl_test.die_in", int64_t{300});
-  rl::Round r = rl::run_round(obs, {.batched = true, .steps = 20000, .timeout = milliseconds(60000), .skip_failed = true});
+  rl::Round r =
+      rl::run_round(obs, {.batched = true, .steps = 20000, .timeout = milliseconds(60000), .skip_failed = true});
   ASSERT_EQ(r.failed.size(), 1u);
   EXPECT_THAT(r.failed[0], ::testing::HasSubstr("observer 1 (worker 'worker2')"));
   ASSERT_EQ(r.observers, std::vector<int>{0});

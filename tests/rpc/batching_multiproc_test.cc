@@ -12,7 +12,9 @@ namespace {
 
 using Reply = std::tuple<int64_t, int64_t>;  // the batch's sum, its size
 
-std::vector<int64_t> stats(const std::string& on) { return rpc::rpc_sync<std::vector<int64_t>>(on, "batch_stats", std::string("batched_sum")); }
+std::vector<int64_t> stats(const std::string& on) {
+  return rpc::rpc_sync<std::vector<int64_t>>(on, "batch_stats", std::string("batched_sum"));
+}
 
 TEST_F(MultiprocRpc, BatchedFunctionAnswersAFullBatchFromOneCall) {
   start({.world_size = 2});
@@ -41,7 +43,8 @@ TEST_F(MultiprocRpc, BatchedFunctionThatThrowsFailsEveryRequestOfItsBatch) {
   for (auto& f : calls) {
     absl::Status s = f.status();
     EXPECT_FALSE(s.ok());
-    EXPECT_THAT(std::string(s.message()), ::testing::HasSubstr("batched function 'batched_sum' threw: negative request"));
+    EXPECT_THAT(std::string(s.message()),
+                ::testing::HasSubstr("batched function 'batched_sum' threw: negative request"));
     EXPECT_THAT(std::string(s.message()), ::testing::HasSubstr("worker1"));
   }
   EXPECT_EQ(rpc::rpc_sync<Reply>("worker1", "batched_sum", int64_t{4}), (Reply{4, 1}));  // and keeps serving

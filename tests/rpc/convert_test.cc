@@ -15,7 +15,9 @@ TEST(UnitConvert, NestedContainersRoundTrip) {
   EXPECT_EQ(to_ivalue(m).type()->annotation_str(), "Dict[str, List[Tuple[int, float]]]");
   std::optional<std::string> none;
   EXPECT_FALSE(from_ivalue<std::optional<std::string>>(to_ivalue(none)).has_value());
-  EXPECT_EQ(from_ivalue<std::vector<std::vector<int64_t>>>(to_ivalue(std::vector<std::vector<int64_t>>{{1}, {2, 3}}))[1][1], 3);
+  EXPECT_EQ(
+      from_ivalue<std::vector<std::vector<int64_t>>>(to_ivalue(std::vector<std::vector<int64_t>>{{1}, {2, 3}}))[1][1],
+      3);
 }
 
 TEST(UnitConvert, GenericListsConvertToTypedVectors) {

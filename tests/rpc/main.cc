@@ -4,9 +4,9 @@
 
 #include <unistd.h>
 
+#include <atomic>
 #include <cstdlib>
 #include <iostream>
-#include <atomic>
 #include <mutex>
 #include <thread>
 
@@ -122,9 +122,8 @@ void register_test_functions() {
     return rpc::get_worker_info().id;
   });
   rpc::register_function("throw_error", [](std::string msg) -> int64_t { throw std::runtime_error(msg); });
-  rpc::register_function("nested_add", [](std::string to, at::Tensor x) {
-    return rpc::rpc_sync<at::Tensor>(to, "add", x, x);
-  });
+  rpc::register_function("nested_add",
+                         [](std::string to, at::Tensor x) { return rpc::rpc_sync<at::Tensor>(to, "add", x, x); });
   rpc::register_function("gather_sum", gather_sum);
   // Batched: each caller gets (the batch's sum, the batch's size); a negative request makes the function throw.
   rpc::register_batched_function<int64_t, std::tuple<int64_t, int64_t>>(

@@ -76,8 +76,9 @@ TEST_F(MultiprocRpc, ErrorsNameWorkerFunctionAndCause) {
     FAIL();
   } catch (const RpcError& e) {
     EXPECT_EQ(e.code(), absl::StatusCode::kUnknown);
-    EXPECT_STREQ(e.what(),
-                 "UNKNOWN: rpc to worker 'worker1' (rank 1) calling 'throw_error': remote exception: the model diverged");
+    EXPECT_STREQ(
+        e.what(),
+        "UNKNOWN: rpc to worker 'worker1' (rank 1) calling 'throw_error': remote exception: the model diverged");
   }
   try {
     rpc::rpc_sync("worker1", "no_such_function", 1);
@@ -132,7 +133,8 @@ TEST_F(MultiprocRpc, KilledPeerFailsPendingCallsAndShutdownNamesIt) {
     rpc::shutdown(true);
     FAIL() << "graceful shutdown succeeded without rank 1";
   } catch (const RpcError& e) {
-    EXPECT_NE(std::string(e.what()).find("rank 1 did not leave after the barrier within"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("rank 1 did not leave after the barrier within"), std::string::npos)
+        << e.what();
   }
   EXPECT_FALSE(rpc::is_initialized());
   EXPECT_EQ(exit_code(job_->child(2).wait(milliseconds(20000))), 0) << job_->outputs();
@@ -153,9 +155,9 @@ TEST_F(MultiprocRpc, UnauthenticatedCallersAreRejected) {
 TEST_F(MultiprocRpc, WorkerWithWrongSecretCannotJoin) {
   rpc::RpcOptions options = options_from_env();
   options.init_timeout = milliseconds(3000);
-  options = launch({.world_size = 2,
-                     .extra_env = {{"TANDEM_SECRET", "not-the-job-secret"}, {"TANDEM_TEST_INIT_MS", "3000"}}},
-                    options);
+  options =
+      launch({.world_size = 2, .extra_env = {{"TANDEM_SECRET", "not-the-job-secret"}, {"TANDEM_TEST_INIT_MS", "3000"}}},
+             options);
   expect_clean_children_ = false;
   try {
     rpc::init_rpc("worker0", 0, 2, options);
@@ -270,7 +272,8 @@ TEST_F(MultiprocRpc, DuplicateNamesAreRejected) {
     rpc::init_rpc("worker0", 0, 2, options);
     FAIL();
   } catch (const RpcError& e) {
-    EXPECT_NE(std::string(e.what()).find("worker name 'worker0' is used by another rank"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("worker name 'worker0' is used by another rank"), std::string::npos)
+        << e.what();
   }
   EXPECT_EQ(exit_code(job_->child(1).wait(milliseconds(20000))), 3);
 }

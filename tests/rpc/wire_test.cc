@@ -47,8 +47,8 @@ TEST(UnitWire, EveryDtypeRoundTripsBitExact) {
 
 TEST(UnitWire, ViewsSendOnlyTheirBytes) {
   at::Tensor base = at::arange(1000, at::kFloat).reshape({10, 100});
-  at::Tensor strided = base.t().slice(0, 0, 50, 3);   // non-contiguous
-  at::Tensor narrow = base.narrow(0, 4, 2);           // contiguous, with a storage offset
+  at::Tensor strided = base.t().slice(0, 0, 50, 3);  // non-contiguous
+  at::Tensor narrow = base.narrow(0, 4, 2);          // contiguous, with a storage offset
   Encoder encoder;
   pb::Request request;
   ASSERT_TRUE(encoder.encode({strided, narrow}, request.mutable_args()).ok());
@@ -104,7 +104,8 @@ TEST(UnitWire, UnsupportedValuesAreRefusedBySender) {
   pb::Request request;
   at::Tensor q = at::quantize_per_tensor(at::ones({2}), 0.1, 0, at::kQInt8);
   EXPECT_EQ(encoder.encode({q}, request.mutable_args()).code(), absl::StatusCode::kUnimplemented);
-  EXPECT_EQ(encoder.encode({at::ones({2}).to_sparse()}, request.mutable_args()).code(), absl::StatusCode::kUnimplemented);
+  EXPECT_EQ(encoder.encode({at::ones({2}).to_sparse()}, request.mutable_args()).code(),
+            absl::StatusCode::kUnimplemented);
 }
 
 TEST(UnitWire, MalformedFramesAreRejected) {
@@ -136,8 +137,9 @@ pb::TensorMeta float_meta(std::vector<int64_t> sizes, uint64_t nbytes, uint64_t 
 TEST(UnitWire, LyingTensorMetadataIsRejected) {
   const std::string payload(64, 'x');
   EXPECT_TRUE(decode_tensor_frame(float_meta({16}, 64), payload).ok());
-  EXPECT_EQ(decode_tensor_frame(float_meta({32}, 128), payload).code(), absl::StatusCode::kInvalidArgument);  // too long
-  EXPECT_EQ(decode_tensor_frame(float_meta({16}, 60), payload).code(), absl::StatusCode::kInvalidArgument);   // mismatch
+  EXPECT_EQ(decode_tensor_frame(float_meta({32}, 128), payload).code(),
+            absl::StatusCode::kInvalidArgument);                                                             // too long
+  EXPECT_EQ(decode_tensor_frame(float_meta({16}, 60), payload).code(), absl::StatusCode::kInvalidArgument);  // mismatch
   EXPECT_EQ(decode_tensor_frame(float_meta({16}, 64, 8), payload).code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(decode_tensor_frame(float_meta({-1}, 4), payload).code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(decode_tensor_frame(float_meta({1LL << 62, 1LL << 62}, 0), payload).code(),

@@ -87,7 +87,9 @@ TEST_F(MultiprocRRef, ChainsOfWorkers) {
   start({.world_size = 4});
   rref::RRef r = rref::remote("worker3", "make_tensor", int64_t{4});  // sum 6
   // A (rank 0) -> B -> C -> owner, and A -> B -> C ending on users.
-  EXPECT_EQ(rpc::rpc_sync<double>("worker1", "forward_rref", std::vector<std::string>{"worker2", "worker3"}, r.to_ivalue()), 6);
+  EXPECT_EQ(
+      rpc::rpc_sync<double>("worker1", "forward_rref", std::vector<std::string>{"worker2", "worker3"}, r.to_ivalue()),
+      6);
   EXPECT_EQ(rpc::rpc_sync<double>("worker1", "forward_rref", std::vector<std::string>{"worker2", "worker1", "worker2"},
                                   r.to_ivalue()),
             6);
@@ -107,7 +109,8 @@ TEST_F(MultiprocRRef, RemoteObjects) {
     counter.rpc_sync("no_such_method");
     FAIL();
   } catch (const RpcError& e) {
-    EXPECT_NE(std::string(e.what()).find("class 'Counter' has no method 'no_such_method'"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("class 'Counter' has no method 'no_such_method'"), std::string::npos)
+        << e.what();
   }
   EXPECT_THROW(counter.to_here(), RpcError);  // an object is not a value that can be sent
   EXPECT_THROW(rref::remote_object("worker1", "NoSuchClass").to_here(), RpcError);
@@ -185,7 +188,7 @@ TEST_F(MultiprocRRef, KilledOwnerFailsWithinTheDeadline) {
   }
   EXPECT_THROW(counter.rpc_sync("get", milliseconds(20000)), RpcError);
   EXPECT_LT(Clock::now() - t0, milliseconds(15000));
-  r = rref::RRef();        // deleting references to a dead owner is not an error for the user
+  r = rref::RRef();  // deleting references to a dead owner is not an error for the user
   counter = rref::RRef();
   EXPECT_EQ(rpc::rpc_sync<std::string>("worker2", "whoami"), "worker2");
   rpc::shutdown(false);
