@@ -19,6 +19,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "dist_autograd/detail/trace.h"
+#include "proto/tandem_rpc.pb.h"
 #include "rpc/errors.h"
 #include "rpc/extension.h"
 #include "rpc/registry.h"
@@ -64,6 +66,9 @@ struct Context {
   std::unordered_map<int64_t, std::shared_ptr<SendRpcBackward>> sends;
   Gradients::Map grads;
   std::set<int> workers;  // workers this context sent to or received from: release goes there
+  // Gradient messages received, by message id, with the work each started: a duplicate (a retried or duplicated
+  // message) joins that work instead of adding its gradients a second time.
+  std::unordered_map<int64_t, rpc::Future> grad_messages;
 };
 
 class Container {
@@ -121,63 +126,65 @@ std::string worker_name() {
   return rpc::is_initialized() ? rpc::get_worker_info().name : std::string("(rpc not initialized)");
 }
 
-// Records a send function for the tensors of a message that require grad. Returns "<send id> <index>..." or "".
-std::string record_send(Context& ctx, const std::vector<at::Tensor>& tensors) {
-  std::vector<size_t> indices;
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    if (tensors[i].defined() && tensors[i].requires_grad()) indices.push_back(i);
-  }
-  if (indices.empty()) return "";
-  auto send = std::make_shared<SendRpcBackward>();
+// The attachment of a message in context `context_id` (proto/tandem_rpc.proto: AutogradTrace). When some of its tensors
+// require grad, records a send function for them (their gradients come back to it) and names it.
+std::string attach(Context& ctx, const std::vector<at::Tensor>& tensors) {
+  tandem::wire::AutogradTrace trace;
+  trace.set_context_id(ctx.id);
   std::vector<at::Tensor> recorded;
-  recorded.reserve(indices.size());
-  for (size_t i : indices) recorded.push_back(tensors[i]);
-  send->set_next_edges(torch::autograd::collect_next_edges(recorded));
-  for (const auto& t : recorded) send->add_input_metadata(t);
-  const int64_t send_id = Container::get().next_id();
-  {
-    std::lock_guard<std::mutex> lock(ctx.mu);
-    ctx.sends.emplace(send_id, std::move(send));
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    if (!tensors[i].defined() || !tensors[i].requires_grad()) continue;
+    trace.add_tensor_indices(static_cast<uint32_t>(i));
+    recorded.push_back(tensors[i]);
   }
-  return absl::StrCat(send_id, " ", absl::StrJoin(indices, " "));
+  if (!recorded.empty()) {
+    auto send = std::make_shared<SendRpcBackward>();
+    send->set_next_edges(torch::autograd::collect_next_edges(recorded));
+    for (const auto& t : recorded) send->add_input_metadata(t);
+    trace.set_has_send(true);
+    trace.set_send_id(Container::get().next_id());
+    std::lock_guard<std::mutex> lock(ctx.mu);
+    ctx.sends.emplace(trace.send_id(), std::move(send));
+  }
+  return trace.SerializeAsString();
 }
 
-struct Attached {
-  int64_t context_id = -1;
-  int64_t send_id = -1;  // -1: no tensor of the message requires grad
-  std::vector<size_t> indices;
-};
+}  // namespace
 
-absl::StatusOr<Attached> parse_attached(const std::string& s, size_t num_tensors) {
-  Attached a;
-  std::vector<absl::string_view> parts = absl::StrSplit(s, ' ', absl::SkipEmpty());
-  auto bad = [&s] {
-    return absl::InvalidArgumentError(absl::StrCat("malformed distributed autograd record '", s.substr(0, 64), "'"));
+absl::StatusOr<tandem::wire::AutogradTrace> parse_trace(const std::string& bytes, size_t num_tensors) {
+  tandem::wire::AutogradTrace a;
+  auto bad = [](absl::string_view why) {
+    return absl::InvalidArgumentError(absl::StrCat("malformed distributed autograd record: ", why));
   };
-  if (parts.empty() || !absl::SimpleAtoi(parts[0], &a.context_id)) return bad();
-  if (parts.size() == 1) return a;
-  if (!absl::SimpleAtoi(parts[1], &a.send_id) || parts.size() > 2 + num_tensors) return bad();
-  std::unordered_set<size_t> seen;
-  for (size_t i = 2; i < parts.size(); ++i) {
-    size_t index = 0;
-    if (!absl::SimpleAtoi(parts[i], &index) || index >= num_tensors || !seen.insert(index).second) return bad();
-    a.indices.push_back(index);
+  if (!a.ParseFromString(bytes)) return bad("it does not parse");
+  if (a.context_id() < 0) return bad("a negative context id");
+  if (!a.has_send()) {
+    if (a.tensor_indices_size() > 0 || a.send_id() != 0) return bad("tensor indices without a send");
+    return a;
   }
-  if (a.indices.empty()) return bad();
+  if (a.send_id() < 0) return bad("a negative send id");
+  if (a.tensor_indices_size() == 0) return bad("a send without tensors");
+  std::unordered_set<uint32_t> seen;
+  for (uint32_t index : a.tensor_indices()) {
+    if (index >= num_tensors) return bad(absl::StrCat("tensor index ", index, " of ", num_tensors, " tensors"));
+    if (!seen.insert(index).second) return bad(absl::StrCat("tensor index ", index, " twice"));
+  }
   return a;
 }
 
+namespace {
+
 // Makes the tensors of a received message outputs of a recv function that sends their gradients to `from`'s send.
-absl::Status record_recv(const Attached& a, int from, const std::vector<at::Tensor>& tensors) {
-  if (a.send_id < 0) return absl::OkStatus();
-  for (size_t i : a.indices) {
+absl::Status record_recv(const tandem::wire::AutogradTrace& a, int from, const std::vector<at::Tensor>& tensors) {
+  if (!a.has_send()) return absl::OkStatus();
+  for (uint32_t i : a.tensor_indices()) {
     const at::Tensor& t = tensors[i];
     if (!t.defined() || !(at::isFloatingType(t.scalar_type()) || at::isComplexType(t.scalar_type()))) {
       return absl::InvalidArgumentError(absl::StrCat("distributed autograd: tensor ", i, " cannot require grad"));
     }
   }
-  auto recv = std::make_shared<RecvRpcBackward>(a.context_id, from, a.send_id);
-  for (size_t i : a.indices) torch::autograd::set_history(const_cast<at::Tensor&>(tensors[i]), recv);
+  auto recv = std::make_shared<RecvRpcBackward>(a.context_id(), from, a.send_id());
+  for (uint32_t i : a.tensor_indices()) torch::autograd::set_history(const_cast<at::Tensor&>(tensors[i]), recv);
   return absl::OkStatus();
 }
 
@@ -194,21 +201,20 @@ class Tracer final : public rpc::CallTracer {
       std::lock_guard<std::mutex> lock(ctx->mu);
       ctx->workers.insert(to);
     }
-    const std::string send = record_send(*ctx, tensors);
-    return send.empty() ? absl::StrCat(ctx->id) : absl::StrCat(ctx->id, " ", send);
+    return attach(*ctx, tensors);
   }
 
   absl::StatusOr<std::shared_ptr<void>> request_in(int from, const std::string& attached,
                                                    const std::vector<at::Tensor>& tensors) override {
-    auto a = parse_attached(attached, tensors.size());
+    auto a = parse_trace(attached, tensors.size());
     if (!a.ok()) return a.status();
-    if (a->send_id >= 0) {
-      auto ctx = Container::get().get_or_create(a->context_id);
+    if (a->has_send()) {
+      auto ctx = Container::get().get_or_create(a->context_id());
       std::lock_guard<std::mutex> lock(ctx->mu);
       ctx->workers.insert(from);
     }
     if (auto s = record_recv(*a, from, tensors); !s.ok()) return s;
-    return std::shared_ptr<void>(std::make_shared<CallState>(CallState{a->context_id}));
+    return std::shared_ptr<void>(std::make_shared<CallState>(CallState{a->context_id()}));
   }
 
   std::shared_ptr<void> enter(const std::shared_ptr<void>& state) override {
@@ -235,13 +241,13 @@ class Tracer final : public rpc::CallTracer {
       std::lock_guard<std::mutex> lock(ctx->mu);
       ctx->workers.insert(to);
     }
-    return absl::StrCat(ctx->id, " ", record_send(*ctx, tensors));
+    return attach(*ctx, tensors);
   }
 
   absl::Status reply_in(int from, const std::string& attached, const std::vector<at::Tensor>& tensors) override {
-    auto a = parse_attached(attached, tensors.size());
+    auto a = parse_trace(attached, tensors.size());
     if (!a.ok()) return a.status();
-    if (auto ctx = Container::get().find(a->context_id)) {
+    if (auto ctx = Container::get().find(a->context_id())) {
       std::lock_guard<std::mutex> lock(ctx->mu);
       ctx->workers.insert(from);
     }
@@ -331,9 +337,9 @@ rpc::Future run_local(const std::shared_ptr<Context>& ctx, const torch::autograd
       grads.push_back(g);
     }
     if (grads.empty()) continue;  // nothing flowed into this message: its sender's part gets no gradient
-    messages.push_back(
-        {recv->from_rank,
-         {c10::IValue(recv->context_id), c10::IValue(recv->send_id), rpc::to_ivalue(indices), rpc::to_ivalue(grads)}});
+    messages.push_back({recv->from_rank,
+                        {c10::IValue(recv->context_id), c10::IValue(recv->send_id), rpc::to_ivalue(indices),
+                         rpc::to_ivalue(grads), c10::IValue(Container::get().next_id())}});
   }
   bool budget = false;
   if (!may_block && !messages.empty()) {
@@ -351,8 +357,10 @@ rpc::Future run_local(const std::shared_ptr<Context>& ctx, const torch::autograd
   return sent.size() == 1 ? sent[0] : rpc::when_all(sent);
 }
 
-// Worker side of a gradient message: continue the pass from send function `send_id`.
-rpc::Future on_grad(int64_t context_id, int64_t send_id, std::vector<int64_t> indices, std::vector<at::Tensor> grads) {
+// Worker side of a gradient message: continue the pass from send function `send_id`. `message_id` is unique per
+// message: a copy of one already received (the transport duplicated it) completes with the original's work.
+rpc::Future on_grad(int64_t context_id, int64_t send_id, std::vector<int64_t> indices, std::vector<at::Tensor> grads,
+                    int64_t message_id) {
   auto ctx = Container::get().find(context_id);
   if (!ctx) {
     throw std::invalid_argument(
@@ -375,7 +383,22 @@ rpc::Future on_grad(int64_t context_id, int64_t send_id, std::vector<int64_t> in
     }
     roots.emplace_back(send, static_cast<uint32_t>(i));
   }
-  return run_local(ctx, roots, grads, std::chrono::milliseconds(0), /*may_block=*/false);
+  rpc::Future work;
+  {
+    std::lock_guard<std::mutex> lock(ctx->mu);
+    auto [it, fresh] = ctx->grad_messages.try_emplace(message_id);
+    if (!fresh) return it->second;
+    it->second = work;
+  }
+  rpc::Future done = run_local(ctx, roots, grads, std::chrono::milliseconds(0), /*may_block=*/false);
+  done.add_callback([work](const rpc::Future& f) {
+    if (absl::Status st = f.status(); !st.ok()) {
+      work.set_error(st);
+    } else {
+      work.set_value(f.value());
+    }
+  });
+  return work;
 }
 
 // Release messages, batched per destination: while one is in flight to a worker, later releases for it queue and go

@@ -32,6 +32,7 @@
 
 #include "rpc/convert.h"
 #include "rpc/errors.h"
+#include "rpc/fault_injection.h"
 #include "rpc/future.h"
 #include "rpc/registry.h"
 
@@ -80,6 +81,9 @@ struct RpcOptions {
   // On the direct channel, a thread blocked in rpc_sync polls for its reply this long before it sleeps: a quick reply
   // then costs no thread wake-up (tens of microseconds on a VM). It spends at most this much CPU per call. 0: never.
   std::chrono::microseconds sync_spin{50};
+
+  // For tests: faults injected into the messages this worker sends (rpc/fault_injection.h). Empty: none.
+  std::vector<FaultRule> faults;
 };
 
 // Joins the job as worker `name` with `rank` of `world_size`, after every worker has joined (or init_timeout, then

@@ -53,8 +53,10 @@ class StoreService final : public pb::Store::CallbackService {
       if (it != data_.end() && !absl::SimpleAtoi(it->second, &value)) {
         status =
             grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, absl::StrCat("key '", req->key(), "' is not a counter"));
+      } else if (__builtin_add_overflow(value, req->delta(), &value)) {
+        status =
+            grpc::Status(grpc::StatusCode::OUT_OF_RANGE, absl::StrCat("counter '", req->key(), "' would overflow"));
       } else {
-        value += req->delta();
         data_[req->key()] = absl::StrCat(value);
         resp->set_value(value);
         ready = take_ready_locked();
@@ -255,7 +257,7 @@ class StoreClient final : public Store {
   std::unique_ptr<grpc::ClientContext> context(std::chrono::milliseconds timeout) {
     auto ctx = std::make_unique<grpc::ClientContext>();
     ctx->set_deadline(std::chrono::system_clock::now() + timeout);
-    ctx->AddMetadata(auth::kAuthMetadataKey, token_);
+    auth::add_credentials(ctx.get(), token_);
     ctx->set_wait_for_ready(wait_for_ready_);
     return ctx;
   }

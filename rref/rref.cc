@@ -12,7 +12,9 @@
 #include <unordered_map>
 
 #include "absl/strings/str_cat.h"
+#include "proto/tandem_rpc.pb.h"
 #include "rpc/extension.h"
+#include "rref/detail/descriptor.h"
 
 namespace tandem::rref {
 namespace detail {
@@ -53,17 +55,11 @@ void forward(const rpc::Future& from, const rpc::Future& to) {
   });
 }
 
-constexpr uint32_t kSelf = 1;       // sent by the owner to itself: decodes to an owner-side handle
-constexpr uint32_t kFromOwner = 2;  // the owner registered the fork before sending: arrives confirmed
-constexpr uint32_t kToOwner = 3;    // a user sent it to the owner: the owner releases the sender's pending child
-constexpr uint32_t kUserFork = 4;   // user to user: the receiver asks the owner to register the fork
-
-struct Wire {
-  int64_t rref_id;
-  int64_t fork_id;
-  int32_t owner;
-  uint32_t kind;
-};
+using Descriptor = tandem::wire::RRefDescriptor;
+constexpr auto kSelf = Descriptor::SELF;             // sent by the owner to itself: decodes to an owner-side handle
+constexpr auto kFromOwner = Descriptor::FROM_OWNER;  // the owner registered the fork before sending: arrives confirmed
+constexpr auto kToOwner = Descriptor::TO_OWNER;    // a user sent it to the owner: the owner releases the sender's child
+constexpr auto kUserFork = Descriptor::USER_FORK;  // user to user: the receiver asks the owner to register the fork
 
 struct OwnerEntry {
   rpc::Future value;
@@ -282,11 +278,20 @@ class Context {
       }
     }
     static void send(const std::map<std::pair<int, const char*>, std::vector<int64_t>>& batches) {
-      for (const auto& [key, values] : batches) {
-        rpc::call(key.first, key.second, {c10::IValue(values)}).add_callback([](const rpc::Future& r) {
-          if (!r.status().ok()) ++Context::get().failed_notes;  // the destination is gone
-        });
-      }
+      for (const auto& [key, values] : batches) send_one(key.first, key.second, values, kAttempts);
+    }
+    // Notes are idempotent (a fork already deleted, a child already released: nothing happens), so a batch that was
+    // lost on the way (no reply by its deadline) or whose connection broke is sent again, kAttempts times in all.
+    static constexpr int kAttempts = 3;
+    static void send_one(int to, const char* function, std::vector<int64_t> values, int attempts) {
+      rpc::Future sent = rpc::call(to, function, {c10::IValue(values)});
+      sent.add_callback([to, function, values = std::move(values), attempts](const rpc::Future& r) {
+        const absl::Status s = r.status();
+        if (s.ok()) return;
+        const bool lost = s.code() == absl::StatusCode::kDeadlineExceeded || s.code() == absl::StatusCode::kUnavailable;
+        if (lost && attempts > 1) return send_one(to, function, values, attempts - 1);
+        ++Context::get().failed_notes;  // the destination is gone
+      });
     }
     std::mutex mu_;
     std::condition_variable cv_;
@@ -415,47 +420,48 @@ absl::StatusOr<std::string> encode(const c10::IValue& v, int to) {
   auto& ctx = Context::get();
   if (impl->generation_ != ctx.generation())
     return absl::FailedPreconditionError("this RRef belongs to a finished job");
-  Wire w{impl->rref_id_, 0, impl->owner_, 0};
+  Descriptor w;
+  w.set_rref_id(impl->rref_id_);
+  w.set_owner(impl->owner_);
+  w.set_fork_id(ctx.new_id());
   if (impl->owner_side_) {
     if (to == impl->owner_) {
       // Back to the owner itself (a call to self): the value must outlive this handle until the message is decoded.
-      w.kind = kSelf;
-      w.fork_id = ctx.new_id();
-      ctx.hold_pending_child(w.fork_id, c10::intrusive_ptr<RRefImpl>::reclaim_copy(impl));
+      w.set_kind(kSelf);
+      ctx.hold_pending_child(w.fork_id(), c10::intrusive_ptr<RRefImpl>::reclaim_copy(impl));
     } else {
-      w.kind = kFromOwner;
-      w.fork_id = ctx.new_id();
-      if (auto s = ctx.add_fork(impl->rref_id_, w.fork_id, to); !s.ok()) return s;
+      w.set_kind(kFromOwner);
+      if (auto s = ctx.add_fork(impl->rref_id_, w.fork_id(), to); !s.ok()) return s;
     }
   } else {
-    w.kind = to == impl->owner_ ? kToOwner : kUserFork;
-    w.fork_id = ctx.new_id();
-    ctx.hold_pending_child(w.fork_id, c10::intrusive_ptr<RRefImpl>::reclaim_copy(impl));
+    w.set_kind(to == impl->owner_ ? kToOwner : kUserFork);
+    ctx.hold_pending_child(w.fork_id(), c10::intrusive_ptr<RRefImpl>::reclaim_copy(impl));
   }
-  return std::string(reinterpret_cast<const char*>(&w), sizeof(w));
+  return w.SerializeAsString();
 }
 
 absl::StatusOr<c10::IValue> decode(const std::string& data, int from, std::vector<rpc::Future>* wait) {
-  Wire w;
-  if (data.size() != sizeof(w)) return absl::InvalidArgumentError("malformed RRef");
-  std::memcpy(&w, data.data(), sizeof(w));
+  auto parsed = detail::parse_descriptor(data);
+  if (!parsed.ok()) return parsed.status();
+  const Descriptor& w = *parsed;
   auto& ctx = Context::get();
-  if (w.owner == ctx.rank()) {
-    auto handle = ctx.owner_handle(w.rref_id);
+  if (w.owner() == ctx.rank()) {
+    if (w.kind() == kUserFork) return absl::InvalidArgumentError("malformed RRef: a user fork sent to its owner");
+    auto handle = ctx.owner_handle(w.rref_id());
     if (!handle.ok()) return handle.status();
-    if (w.kind == kToOwner) send_accept(from, w.fork_id);
-    if (w.kind == kSelf && from == ctx.rank()) ctx.release_pending_child(w.fork_id);
+    if (w.kind() == kToOwner) send_accept(from, w.fork_id());
+    if (w.kind() == kSelf && from == ctx.rank()) ctx.release_pending_child(w.fork_id());
     return c10::IValue(c10::intrusive_ptr<c10::RRefInterface>(*handle));
   }
-  if (w.kind == kFromOwner) {
+  if (w.kind() == kFromOwner) {
     return c10::IValue(c10::intrusive_ptr<c10::RRefInterface>(
-        c10::make_intrusive<RRefImpl>(w.owner, w.rref_id, w.fork_id, false, true, ctx.generation())));
+        c10::make_intrusive<RRefImpl>(w.owner(), w.rref_id(), w.fork_id(), false, true, ctx.generation())));
   }
-  if (w.kind != kUserFork) return absl::InvalidArgumentError("malformed RRef kind");
-  auto user = c10::make_intrusive<RRefImpl>(w.owner, w.rref_id, w.fork_id, false, false, ctx.generation());
+  if (w.kind() != kUserFork) return absl::InvalidArgumentError("malformed RRef: its kind does not fit its owner");
+  auto user = c10::make_intrusive<RRefImpl>(w.owner(), w.rref_id(), w.fork_id(), false, false, ctx.generation());
   ctx.hold_pending_user(user);  // G1: it cannot be deleted before the owner knows it
-  const int64_t fork = w.fork_id;
-  rpc::Future registered = rpc::call(w.owner, "__tandem.rref.fork", {c10::IValue(w.rref_id), c10::IValue(fork)});
+  const int64_t fork = w.fork_id();
+  rpc::Future registered = rpc::call(w.owner(), "__tandem.rref.fork", {c10::IValue(w.rref_id()), c10::IValue(fork)});
   rpc::Future confirmed = user->confirmed_;
   registered.add_callback([confirmed, fork, from](const rpc::Future& r) {
     if (absl::Status s = r.status(); !s.ok()) {
@@ -801,5 +807,21 @@ RRef make_local(c10::IValue value) {
 Stats stats() { return detail::Context::get().stats(); }
 
 void configure(RRefOptions options) { detail::Context::get().options = options; }
+
+namespace detail {
+
+absl::StatusOr<tandem::wire::RRefDescriptor> parse_descriptor(const std::string& data) {
+  tandem::wire::RRefDescriptor w;
+  if (!w.ParseFromString(data)) return absl::InvalidArgumentError("malformed RRef: the descriptor does not parse");
+  if (w.kind() < tandem::wire::RRefDescriptor::SELF || w.kind() > tandem::wire::RRefDescriptor::USER_FORK) {
+    return absl::InvalidArgumentError(absl::StrCat("malformed RRef: unknown kind ", static_cast<int>(w.kind())));
+  }
+  if (w.owner() < 0 || w.rref_id() < 0 || w.fork_id() < 0) {
+    return absl::InvalidArgumentError("malformed RRef: a negative owner or id");
+  }
+  return w;
+}
+
+}  // namespace detail
 
 }  // namespace tandem::rref

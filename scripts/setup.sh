@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # Installs what Tandem needs on a Debian 12 machine (run as root). Safe to re-run: installs only what is missing.
+#   bash scripts/setup.sh [extra packages...]     (.ci/fuzz and .ci/tsan add clang's)
 set -euo pipefail
 pkgs=(
   cmake g++ make pkg-config
@@ -12,6 +13,7 @@ pkgs=(
   libopenblas0-pthread                           # LibTorch otherwise falls back to reference BLAS (~20x slower)
   dataset-fashion-mnist zlib1g-dev               # the examples read its gzipped IDX files
 )
+pkgs+=("$@")
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -7,6 +7,9 @@
 
 #include <stdexcept>
 
+#include "absl/strings/str_cat.h"
+#include "rpc/detail/version.h"
+
 namespace tandem::rpc::auth {
 namespace {
 
@@ -33,6 +36,11 @@ std::string derive_token(const std::string& secret) {
   return hex(mac, len);
 }
 
+void add_credentials(grpc::ClientContext* ctx, const std::string& token) {
+  ctx->AddMetadata(kAuthMetadataKey, token);
+  ctx->AddMetadata(kWireVersionMetadataKey, std::to_string(kWireVersion));
+}
+
 absl::Status check(const grpc::CallbackServerContext* ctx, const std::string& token) {
   const auto& md = ctx->client_metadata();
   auto it = md.find(kAuthMetadataKey);
@@ -40,6 +48,13 @@ absl::Status check(const grpc::CallbackServerContext* ctx, const std::string& to
   const auto& got = it->second;
   if (got.size() != token.size() || CRYPTO_memcmp(got.data(), token.data(), token.size()) != 0) {
     return absl::UnauthenticatedError("wrong job token: the caller does not share this job's secret");
+  }
+  auto version = md.find(kWireVersionMetadataKey);
+  const std::string theirs = version == md.end() ? "" : std::string(version->second.data(), version->second.size());
+  if (theirs != std::to_string(kWireVersion)) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the caller speaks Tandem wire version ", theirs.empty() ? "1 (a build from before wire versioning)" : theirs,
+        ", this worker version ", kWireVersion, ": every worker of a job must run the same Tandem release"));
   }
   return absl::OkStatus();
 }

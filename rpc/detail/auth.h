@@ -6,6 +6,7 @@
 // TLS (RpcOptions::tls) on networks you do not trust.
 #pragma once
 
+#include <grpcpp/client_context.h>
 #include <grpcpp/server_context.h>
 
 #include <string>
@@ -15,9 +16,13 @@
 namespace tandem::rpc::auth {
 
 constexpr char kAuthMetadataKey[] = "x-tandem-auth";
+constexpr char kWireVersionMetadataKey[] = "x-tandem-wire-version";  // rpc/detail/version.h
 
 std::string derive_token(const std::string& secret);
-// OK when the call's metadata carries `token`; UNAUTHENTICATED otherwise.
+// Adds the job token and this build's wire version to an outgoing call.
+void add_credentials(grpc::ClientContext* ctx, const std::string& token);
+// OK when the call's metadata carries `token` and this build's wire version; UNAUTHENTICATED for a missing or wrong
+// token, FAILED_PRECONDITION (naming both versions) for another wire version.
 absl::Status check(const grpc::CallbackServerContext* ctx, const std::string& token);
 // 32 random bytes, hex: a secret for a single-node job.
 std::string random_secret();

@@ -15,8 +15,10 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "proto/tandem_rpc.pb.h"
 #include "rpc/detail/auth.h"
 #include "rpc/detail/buffer_pool.h"
+#include "rpc/detail/version.h"
 
 namespace tandem::rpc::direct {
 namespace {
@@ -24,10 +26,9 @@ namespace {
 constexpr uint32_t kMagic = 0x4d444e54;  // "TNDM"
 constexpr uint64_t kWakeTag = 1;
 constexpr uint64_t kListenTag = 2;
-constexpr size_t kHelloBytes = 64 + 4 + 4 + 8;
+constexpr size_t kMaxHelloBytes = 512;     // a DirectHello is ~100 bytes; a stranger may not send more
+constexpr size_t kMaxWelcomeBytes = 1024;  // a DirectWelcome with its refusal's message
 constexpr uint64_t kProbeValue = 0x7461'6e64'656d'2121ULL;
-// Once a message has started to arrive, the rest must follow within this time.
-constexpr auto kMessageTimeout = absl::Seconds(30);
 constexpr int kSocketBuffer = 4 << 20;
 
 const volatile uint64_t kProbe = kProbeValue;  // the server reads it from our memory to test cross-memory access
@@ -99,7 +100,64 @@ struct PooledSlice {
   size_t capacity;
 };
 
+grpc::ByteBuffer serialize(const google::protobuf::MessageLite& m) {
+  grpc::Slice slice(m.SerializeAsString());
+  return grpc::ByteBuffer(&slice, 1);
+}
+
+bool parse_body(const grpc::ByteBuffer& body, google::protobuf::MessageLite* m) {
+  grpc::Slice one;
+  if (!body.Valid()) return m->ParseFromString("");
+  if (!body.DumpToSingleSlice(&one).ok()) return false;
+  return m->ParseFromArray(one.begin(), static_cast<int>(one.size()));
+}
+
 }  // namespace
+
+// ---------------------------------------------------------------------------------------------------------------------
+// Handshake
+
+grpc::ByteBuffer encode_hello(const std::string& token, int rank, pid_t pid, uint64_t probe_address) {
+  tandem::wire::DirectHello hello;
+  hello.set_wire_version(kWireVersion);
+  hello.set_token(token);
+  hello.set_rank(rank);
+  hello.set_pid(pid);
+  hello.set_probe_address(probe_address);
+  return serialize(hello);
+}
+
+absl::StatusOr<tandem::wire::DirectHello> parse_hello(const grpc::ByteBuffer& body, const std::string& token) {
+  tandem::wire::DirectHello hello;
+  if (body.Length() > kMaxHelloBytes || !parse_body(body, &hello)) {
+    return absl::InvalidArgumentError("direct channel: malformed hello");
+  }
+  if (hello.token().size() != token.size() || token.empty() ||
+      CRYPTO_memcmp(hello.token().data(), token.data(), token.size()) != 0) {
+    return absl::UnauthenticatedError("direct channel: wrong job token");
+  }
+  if (hello.wire_version() != kWireVersion) {
+    return absl::FailedPreconditionError(absl::StrCat("direct channel: the client speaks Tandem wire version ",
+                                                      hello.wire_version(), ", this worker version ", kWireVersion));
+  }
+  if (hello.rank() < 0 || hello.pid() <= 0) return absl::InvalidArgumentError("direct channel: malformed hello");
+  return hello;
+}
+
+absl::StatusOr<tandem::wire::DirectWelcome> parse_welcome(const grpc::ByteBuffer& body) {
+  tandem::wire::DirectWelcome welcome;
+  if (!parse_body(body, &welcome)) return absl::UnavailableError("handshake: malformed welcome");
+  if (welcome.has_refused()) {
+    auto code = static_cast<absl::StatusCode>(welcome.refused().code());
+    if (code == absl::StatusCode::kOk) code = absl::StatusCode::kUnknown;
+    return absl::Status(code, absl::StrCat("the peer refused this worker: ", welcome.refused().message()));
+  }
+  if (welcome.wire_version() != kWireVersion) {
+    return absl::FailedPreconditionError(absl::StrCat("direct channel: the server speaks Tandem wire version ",
+                                                      welcome.wire_version(), ", this worker version ", kWireVersion));
+  }
+  return welcome;
+}
 
 // ---------------------------------------------------------------------------------------------------------------------
 // Conn
@@ -146,6 +204,35 @@ absl::Status Conn::write(Kind kind, uint64_t call_id, const grpc::ByteBuffer& bo
     }
   }
   return absl::OkStatus();
+}
+
+void Conn::write_half_and_shut(Kind kind, uint64_t call_id, const grpc::ByteBuffer& body) {
+  std::vector<grpc::Slice> slices;
+  if (body.Valid()) (void)body.Dump(&slices);
+  std::string bytes;
+  for (const auto& sl : slices) bytes.append(reinterpret_cast<const char*>(sl.begin()), sl.size());
+  Header h{kMagic, static_cast<uint32_t>(kind), call_id, bytes.size()};
+  std::string out(reinterpret_cast<const char*>(&h), sizeof(h));
+  out.append(bytes, 0, bytes.size() / 2);
+  {
+    std::lock_guard<std::mutex> lock(write_mu_);
+    size_t done = 0;
+    const absl::Time deadline = absl::Now() + absl::Seconds(1);  // best effort: the connection is cut either way
+    while (done < out.size()) {
+      const ssize_t n = ::send(fd_, out.data() + done, out.size() - done, MSG_NOSIGNAL);
+      if (n > 0) {
+        done += static_cast<size_t>(n);
+      } else if (n < 0 && errno == EINTR) {
+        continue;
+      } else if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK) && wait_fd(fd_, POLLOUT, deadline).ok()) {
+        continue;
+      } else {
+        break;
+      }
+    }
+  }
+  broken = true;
+  shut();
 }
 
 absl::Status Conn::check_header(uint64_t max_body) const {
@@ -206,17 +293,18 @@ absl::StatusOr<Message> Conn::read(uint64_t max_body, absl::Time deadline, std::
   if (auto s = read_exact(fd_, header_, sizeof(header_), deadline, spin_until); !s.ok()) return s;
   header_got_ = sizeof(header_);
   if (auto s = check_header(max_body); !s.ok()) return s;
-  return read_body(std::max(deadline, absl::Now() + kMessageTimeout));
+  return read_body(deadline);  // the caller's deadline bounds the whole message
 }
 
 // ---------------------------------------------------------------------------------------------------------------------
-// Transport
+// Channel
 
-absl::StatusOr<std::unique_ptr<Transport>> Transport::start(std::string token, int threads, uint64_t max_message_bytes,
-                                                            Callbacks callbacks) {
-  std::unique_ptr<Transport> t(new Transport);
+absl::StatusOr<std::unique_ptr<Channel>> Channel::start(std::string token, int threads, uint64_t max_message_bytes,
+                                                        absl::Duration message_timeout, Callbacks callbacks) {
+  std::unique_ptr<Channel> t(new Channel);
   t->token_ = std::move(token);
   t->max_message_bytes_ = max_message_bytes;
+  t->message_timeout_ = message_timeout;
   t->callbacks_ = std::move(callbacks);
   t->address_ = absl::StrCat("tandem-", getpid(), "-", auth::random_secret().substr(0, 16));
 
@@ -244,20 +332,20 @@ absl::StatusOr<std::unique_ptr<Transport>> Transport::start(std::string token, i
   return t;
 }
 
-Transport::~Transport() {
+Channel::~Channel() {
   stop(std::chrono::milliseconds(1000));
   if (epoll_fd_ >= 0) ::close(epoll_fd_);
   if (wake_fd_ >= 0) ::close(wake_fd_);
 }
 
-void Transport::arm(const std::shared_ptr<Conn>& conn, bool add) {
+void Channel::arm(const std::shared_ptr<Conn>& conn, bool add) {
   epoll_event ev{};
   ev.events = EPOLLIN | EPOLLRDHUP | EPOLLONESHOT;
   ev.data.ptr = conn.get();
   epoll_ctl(epoll_fd_, add ? EPOLL_CTL_ADD : EPOLL_CTL_MOD, conn->fd(), &ev);
 }
 
-void Transport::drop(const std::shared_ptr<Conn>& conn, const absl::Status& why) {
+void Channel::drop(const std::shared_ptr<Conn>& conn, const absl::Status& why) {
   epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, conn->fd(), nullptr);
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -268,7 +356,7 @@ void Transport::drop(const std::shared_ptr<Conn>& conn, const absl::Status& why)
   if (!conn->inbound && callbacks_.on_lost) callbacks_.on_lost(conn, why);
 }
 
-void Transport::loop() {
+void Channel::loop() {
   for (;;) {
     epoll_event ev{};
     const int n = epoll_wait(epoll_fd_, &ev, 1, -1);
@@ -289,7 +377,7 @@ void Transport::loop() {
   }
 }
 
-void Transport::accept_one() {
+void Channel::accept_one() {
   const int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
   epoll_event listen_ev{};
   listen_ev.events = EPOLLIN | EPOLLONESHOT;
@@ -307,48 +395,41 @@ void Transport::accept_one() {
   arm(conn, /*add=*/true);
 }
 
-void Transport::handle_ready(const std::shared_ptr<Conn>& conn) {
+void Channel::handle_ready(const std::shared_ptr<Conn>& conn) {
   const bool authenticated = !conn->inbound || conn->peer_rank >= 0;
   // The header is read without waiting: a client that sends half of one holds no thread. The body of an
-  // authenticated peer's message follows within kMessageTimeout; a stranger's hello gets one second.
-  auto header = conn->poll_header(authenticated ? max_message_bytes_ : kHelloBytes);
+  // authenticated peer's message follows within message_timeout_; a stranger's hello gets one second.
+  auto header = conn->poll_header(authenticated ? max_message_bytes_ : kMaxHelloBytes);
   if (!header.ok()) return drop(conn, header.status());
   if (!*header) return arm(conn, /*add=*/false);
-  auto msg = conn->read_body(absl::Now() + (authenticated ? kMessageTimeout : absl::Seconds(1)));
+  auto msg = conn->read_body(absl::Now() + (authenticated ? message_timeout_ : absl::Seconds(1)));
   if (!msg.ok()) return drop(conn, msg.status());
   if (!authenticated) {
     // The first message of an inbound connection must be a valid hello; anything else closes it.
-    grpc::Slice body;
-    if (msg->kind != Kind::kHello || !msg->body.Valid() || !msg->body.DumpToSingleSlice(&body).ok() ||
-        body.size() != kHelloBytes || token_.size() != 64 || CRYPTO_memcmp(body.begin(), token_.data(), 64) != 0) {
-      // Said explicitly, so the client can tell a rejection from a peer that died mid-handshake.
-      const uint32_t rejected = kRejected;
-      std::string reply(reinterpret_cast<const char*>(&rejected), sizeof(rejected));
-      grpc::Slice rs(reply);
-      (void)conn->write(Kind::kWelcome, 0, grpc::ByteBuffer(&rs, 1), absl::Now() + absl::Seconds(1));
-      return drop(conn, absl::UnauthenticatedError("bad hello"));
+    auto hello = msg->kind == Kind::kHello ? parse_hello(msg->body, token_)
+                                           : absl::InvalidArgumentError("the first message is not a hello");
+    tandem::wire::DirectWelcome welcome;
+    welcome.set_wire_version(kWireVersion);
+    if (!hello.ok()) {
+      // Said explicitly, so the client can tell a refusal from a peer that died mid-handshake.
+      welcome.mutable_refused()->set_code(static_cast<int>(hello.status().code()));
+      welcome.mutable_refused()->set_message(std::string(hello.status().message()));
+      (void)conn->write(Kind::kWelcome, 0, serialize(welcome), absl::Now() + absl::Seconds(1));
+      return drop(conn, hello.status());
     }
-    int32_t rank = 0, pid = 0;
-    uint64_t probe = 0;
-    std::memcpy(&rank, body.begin() + 64, 4);
-    std::memcpy(&pid, body.begin() + 68, 4);
-    std::memcpy(&probe, body.begin() + 72, 8);
     ucred cred{};
     socklen_t len = sizeof(cred);
-    uint32_t flags = 0;
-    if (getsockopt(conn->fd(), SOL_SOCKET, SO_PEERCRED, &cred, &len) == 0 && cred.pid == pid) {
+    if (getsockopt(conn->fd(), SOL_SOCKET, SO_PEERCRED, &cred, &len) == 0 && cred.pid == hello->pid()) {
       uint64_t seen = 0;
       iovec local{&seen, sizeof(seen)};
-      iovec far{reinterpret_cast<void*>(probe), sizeof(seen)};
+      iovec far{reinterpret_cast<void*>(hello->probe_address()), sizeof(seen)};
       if (process_vm_readv(cred.pid, &local, 1, &far, 1, 0) == sizeof(seen) && seen == kProbeValue) {
         conn->cma_pid = cred.pid;  // the kernel's word for who is at the other end, not the peer's
-        flags |= kCmaOk;
+        welcome.set_cma_ok(true);
       }
     }
-    conn->peer_rank = std::max(0, rank);
-    std::string welcome(reinterpret_cast<const char*>(&flags), sizeof(flags));
-    grpc::Slice ws(welcome);
-    if (!conn->write(Kind::kWelcome, 0, grpc::ByteBuffer(&ws, 1), absl::Now() + kMessageTimeout).ok()) {
+    conn->peer_rank = std::max(0, hello->rank());
+    if (!conn->write(Kind::kWelcome, 0, serialize(welcome), absl::Now() + message_timeout_).ok()) {
       return drop(conn, absl::UnavailableError("welcome failed"));
     }
     return arm(conn, /*add=*/false);
@@ -367,8 +448,8 @@ void Transport::handle_ready(const std::shared_ptr<Conn>& conn) {
   drop(conn, absl::InvalidArgumentError("direct channel: unexpected message kind"));
 }
 
-absl::StatusOr<std::shared_ptr<Conn>> Transport::connect(const std::string& address, int my_rank, bool for_responses,
-                                                         absl::Time deadline) {
+absl::StatusOr<std::shared_ptr<Conn>> Channel::connect(const std::string& address, int my_rank, bool for_responses,
+                                                       absl::Time deadline) {
   if (stopping_) return absl::CancelledError("direct channel stopped");
   const int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
   if (fd < 0) return errno_status("socket");
@@ -380,25 +461,14 @@ absl::StatusOr<std::shared_ptr<Conn>> Transport::connect(const std::string& addr
     if (errno != EAGAIN && errno != EINPROGRESS) return errno_status("connect");
     if (auto s = wait_fd(fd, POLLOUT, deadline); !s.ok()) return s;
   }
-  std::string hello = token_;
-  const int32_t rank = my_rank, pid = getpid();
-  const uint64_t probe = reinterpret_cast<uintptr_t>(&kProbe);
-  hello.append(reinterpret_cast<const char*>(&rank), 4);
-  hello.append(reinterpret_cast<const char*>(&pid), 4);
-  hello.append(reinterpret_cast<const char*>(&probe), 8);
-  grpc::Slice hs(hello);
-  if (auto s = conn->write(Kind::kHello, 0, grpc::ByteBuffer(&hs, 1), deadline); !s.ok()) return s;
-  auto welcome = conn->read(64, deadline);
-  if (!welcome.ok()) return absl::UnavailableError(absl::StrCat("handshake: ", welcome.status().message()));
-  grpc::Slice w;
-  uint32_t flags = 0;
-  if (welcome->kind != Kind::kWelcome || !welcome->body.Valid() || !welcome->body.DumpToSingleSlice(&w).ok() ||
-      w.size() < 4) {
-    return absl::UnavailableError("handshake: malformed welcome");
-  }
-  std::memcpy(&flags, w.begin(), 4);
-  if (flags & kRejected) return absl::UnauthenticatedError("the peer rejected this worker's job token");
-  conn->cma_ok = flags & kCmaOk;
+  const grpc::ByteBuffer hello = encode_hello(token_, my_rank, getpid(), reinterpret_cast<uintptr_t>(&kProbe));
+  if (auto s = conn->write(Kind::kHello, 0, hello, deadline); !s.ok()) return s;
+  auto reply = conn->read(kMaxWelcomeBytes, deadline);
+  if (!reply.ok()) return absl::UnavailableError(absl::StrCat("handshake: ", reply.status().message()));
+  if (reply->kind != Kind::kWelcome) return absl::UnavailableError("handshake: the server did not answer the hello");
+  auto welcome = parse_welcome(reply->body);
+  if (!welcome.ok()) return welcome.status();
+  conn->cma_ok = welcome->cma_ok();
   if (for_responses) {
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -410,7 +480,7 @@ absl::StatusOr<std::shared_ptr<Conn>> Transport::connect(const std::string& addr
   return conn;
 }
 
-bool Transport::stop(std::chrono::milliseconds grace) {
+bool Channel::stop(std::chrono::milliseconds grace) {
   if (stopping_.exchange(true)) return threads_ ? threads_->stop(grace) : true;
   const uint64_t one = 1;
   if (wake_fd_ >= 0) (void)!::write(wake_fd_, &one, sizeof(one));

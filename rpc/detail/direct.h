@@ -7,13 +7,13 @@
 // can be pulled straight from the caller's memory with process_vm_readv (one copy into a pooled buffer) instead of
 // being streamed through the socket.
 //
-// Messages: [Header (24 bytes)][body]. The body of a request or response is a frame of rpc/detail/wire.h.
-//   kHello    client -> server: token (64 hex chars), rank (i32), pid (i32), probe address (u64)
-//   kWelcome  server -> client: flags (u32): kCmaOk when a cross-memory read of the probe from the kernel-reported pid
-//             worked; kRejected when the token was wrong (then the server closes)
-//   kRequest / kResponse: a frame; call_id pairs them.
-// A server closes a connection whose hello is wrong (bad token or size) or whose header lies (bad magic, body over the
-// message limit). Every blocking read and write has a deadline.
+// Messages: [Header (24 bytes)][body] (proto/tandem_rpc.proto describes both).
+//   kHello    client -> server: a DirectHello (wire version, job token, rank, pid, the address of a probe value)
+//   kWelcome  server -> client: a DirectWelcome: cma_ok when a cross-memory read of the probe from the kernel-reported
+//             pid worked, or `refused` (wrong token, other wire version) and then the server closes
+//   kRequest / kResponse: a frame of rpc/detail/wire.h; call_id pairs them.
+// A server closes a connection whose hello is wrong or whose header lies (bad magic, body over the message limit).
+// Every blocking read and write has a deadline.
 //
 // Threads: `threads` workers wait in one epoll set (EPOLLONESHOT), so at most one of them reads a given connection at a
 // time; having read a whole message it re-arms the connection and runs the message's callback itself.
@@ -32,19 +32,26 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "proto/tandem_rpc.pb.h"
 #include "rpc/detail/thread_pool.h"
 
 namespace tandem::rpc::direct {
 
 enum class Kind : uint32_t { kHello = 1, kWelcome = 2, kRequest = 3, kResponse = 4 };
-constexpr uint32_t kCmaOk = 1;
-constexpr uint32_t kRejected = 2;
 
 struct Message {
   Kind kind;
   uint64_t call_id = 0;
   grpc::ByteBuffer body;
 };
+
+// The handshake's bodies, as functions of bytes (tests and fuzzing call them directly).
+grpc::ByteBuffer encode_hello(const std::string& token, int rank, pid_t pid, uint64_t probe_address);
+// The hello of a client holding `token` that speaks this build's wire version. INVALID_ARGUMENT when it does not parse
+// or is out of range, UNAUTHENTICATED for another token, FAILED_PRECONDITION for another wire version.
+absl::StatusOr<tandem::wire::DirectHello> parse_hello(const grpc::ByteBuffer& body, const std::string& token);
+// The server's answer; the refusal it carries (UNAUTHENTICATED, FAILED_PRECONDITION, ...) as an error.
+absl::StatusOr<tandem::wire::DirectWelcome> parse_welcome(const grpc::ByteBuffer& body);
 
 class Conn {
  public:
@@ -53,8 +60,8 @@ class Conn {
   int fd() const { return fd_; }
   // Writes one message (header + every slice of `body`), holding the write lock; fails at `deadline`.
   absl::Status write(Kind kind, uint64_t call_id, const grpc::ByteBuffer& body, absl::Time deadline);
-  // Reads one whole message; fails at `deadline`, on EOF, or when the header lies. For the first `spin` the caller
-  // polls instead of sleeping (a reply expected within microseconds then costs no wake-up).
+  // Reads one whole message; fails at `deadline` (which bounds the body too), on EOF, or when the header lies. For the
+  // first `spin` the caller polls instead of sleeping (a reply expected within microseconds then costs no wake-up).
   absl::StatusOr<Message> read(uint64_t max_body, absl::Time deadline,
                                std::chrono::microseconds spin = std::chrono::microseconds(0));
   // For connections driven by epoll: reads what has arrived of the next header without waiting. True once it is
@@ -64,6 +71,9 @@ class Conn {
   absl::StatusOr<Message> read_body(absl::Time deadline);
   // Wakes anyone blocked on the socket (they see an error); the fd stays open until the Conn dies.
   void shut();
+  // Writes the header of a message of `body` and the first half of its bytes, then shuts the connection: the peer
+  // sees a message cut mid-way (fault injection).
+  void write_half_and_shut(Kind kind, uint64_t call_id, const grpc::ByteBuffer& body);
 
   // Set at the handshake. For an inbound connection: the peer's rank, and its pid when cross-memory reads from it work.
   int peer_rank = -1;
@@ -83,7 +93,7 @@ class Conn {
 };
 
 // The epoll set and its worker threads, the listening socket, and the handshake.
-class Transport {
+class Channel {
  public:
   struct Callbacks {
     // Inline on a worker thread; the connection has been re-armed already.
@@ -93,9 +103,10 @@ class Transport {
     std::function<void(const std::shared_ptr<Conn>&, const absl::Status&)> on_lost;
   };
 
-  static absl::StatusOr<std::unique_ptr<Transport>> start(std::string token, int threads, uint64_t max_message_bytes,
-                                                          Callbacks callbacks);
-  ~Transport();
+  // `message_timeout`: once a message has started to arrive, the rest must follow within it.
+  static absl::StatusOr<std::unique_ptr<Channel>> start(std::string token, int threads, uint64_t max_message_bytes,
+                                                        absl::Duration message_timeout, Callbacks callbacks);
+  ~Channel();
 
   // This worker's abstract socket name (without the leading NUL).
   const std::string& address() const { return address_; }
@@ -110,7 +121,7 @@ class Transport {
   bool stop(std::chrono::milliseconds grace);
 
  private:
-  Transport() = default;
+  Channel() = default;
   void loop();
   void handle_ready(const std::shared_ptr<Conn>& conn);
   void accept_one();
@@ -120,6 +131,7 @@ class Transport {
   std::string token_;
   std::string address_;
   uint64_t max_message_bytes_ = 0;
+  absl::Duration message_timeout_;
   Callbacks callbacks_;
   int epoll_fd_ = -1;
   int listen_fd_ = -1;

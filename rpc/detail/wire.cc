@@ -242,7 +242,13 @@ namespace {
 // Reads `nbytes` at `remote` in process `pid` into a pooled tensor (one copy, by the kernel).
 absl::StatusOr<at::Tensor> read_remote(pid_t pid, uint64_t remote, uint64_t nbytes, std::vector<int64_t>& sizes,
                                        c10::ScalarType dtype) {
-  at::Tensor t = detail::pooled_empty(sizes, dtype);
+  at::Tensor t;
+  try {
+    t = detail::pooled_empty(sizes, dtype);
+  } catch (const std::exception&) {  // std::bad_alloc: a size no process here can hold
+    return absl::ResourceExhaustedError(
+        absl::StrCat("cannot allocate ", nbytes, " bytes for a tensor sent by reference"));
+  }
   auto* dst = static_cast<uint8_t*>(t.data_ptr());
   uint64_t done = 0;
   while (done < nbytes) {
@@ -260,7 +266,8 @@ absl::StatusOr<at::Tensor> read_remote(pid_t pid, uint64_t remote, uint64_t nbyt
 
 }  // namespace
 
-absl::StatusOr<at::Tensor> Frame::decode_tensor(const TensorMeta& meta, pid_t cma_pid) const {
+absl::StatusOr<at::Tensor> Frame::decode_tensor(const TensorMeta& meta, pid_t cma_pid,
+                                                uint64_t max_referenced_bytes) const {
   if (!supported_dtype(meta.dtype())) {
     return absl::InvalidArgumentError(absl::StrCat("malformed message: unsupported dtype ", meta.dtype()));
   }
@@ -285,6 +292,10 @@ absl::StatusOr<at::Tensor> Frame::decode_tensor(const TensorMeta& meta, pid_t cm
           "malformed message: a tensor sent by reference on a channel without cross-memory access");
     }
     if (nbytes == 0) return at::empty(sizes, at::TensorOptions().dtype(dtype));
+    if (max_referenced_bytes > 0 && nbytes > max_referenced_bytes) {
+      return absl::ResourceExhaustedError(absl::StrCat("a tensor of ", nbytes, " bytes sent by reference exceeds the ",
+                                                       "message limit of ", max_referenced_bytes));
+    }
     return read_remote(cma_pid, meta.remote_addr(), nbytes, sizes, dtype);
   }
   uint64_t end = 0;
@@ -335,7 +346,7 @@ absl::StatusOr<c10::IValue> Frame::decode_value(const Value& v, const Payload& p
       }
       if (tensors[v.tensor()].isNone()) {
         const auto& meta = payload.tensors(v.tensor());
-        auto t = decode_tensor(meta, cma_pid);
+        auto t = decode_tensor(meta, cma_pid, origin.max_referenced_bytes);
         if (!t.ok()) return t.status();
         if (meta.requires_grad() && !origin.tensors && at::isFloatingType(t->scalar_type())) {
           t->set_requires_grad(true);

@@ -72,6 +72,7 @@ class Frame {
     // When set, the message is traced (rpc/extension.h): receives the decoded tensors indexed as in Payload.tensors
     // (undefined for one no value refers to), and no tensor is made to require grad (the tracer decides).
     std::vector<at::Tensor>* tensors = nullptr;
+    uint64_t max_referenced_bytes = 0;  // bound on a tensor read by reference (the message limit); 0: none
   };
   // Decodes the values of `payload`, validating every tensor against the frame.
   absl::StatusOr<std::vector<c10::IValue>> decode(const tandem::wire::Payload& payload, const Origin& origin) const;
@@ -84,7 +85,8 @@ class Frame {
  private:
   absl::StatusOr<c10::IValue> decode_value(const tandem::wire::Value& v, const tandem::wire::Payload& payload,
                                            std::vector<c10::IValue>& tensors, int depth, const Origin& origin) const;
-  absl::StatusOr<at::Tensor> decode_tensor(const tandem::wire::TensorMeta& meta, pid_t cma_pid) const;
+  absl::StatusOr<at::Tensor> decode_tensor(const tandem::wire::TensorMeta& meta, pid_t cma_pid,
+                                           uint64_t max_referenced_bytes) const;
   void copy_out(uint64_t offset, uint64_t len, void* dst) const;
 
   std::vector<grpc::Slice> slices_;

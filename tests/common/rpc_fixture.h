@@ -59,7 +59,7 @@ class MultiprocRpc : public ::testing::Test {
     grpc::GenericStub stub(channel);
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + milliseconds(10000));
-    if (!token.empty()) ctx.AddMetadata(rpc::auth::kAuthMetadataKey, token);
+    if (!token.empty()) rpc::auth::add_credentials(&ctx, token);
     grpc::Status result;
     absl::Notification done;
     stub.UnaryCall(&ctx, "/tandem.wire.Worker/Call", grpc::StubOptions(), &request, response, [&](grpc::Status s) {

@@ -2,9 +2,11 @@
 
 #include <gtest/gtest.h>
 
+#include <unistd.h>
 #include <cstdlib>
 #include <iostream>
 #include <string>
+#include <thread>
 
 namespace tandem::test {
 namespace {
@@ -34,13 +36,28 @@ int run_worker_job(const std::function<void()>& body) {
   }
 }
 
+void die_in(std::chrono::milliseconds delay) {
+  std::thread([delay] {
+    std::this_thread::sleep_for(delay);
+    _exit(9);
+  }).detach();
+}
+
+void register_die_in() {
+  rpc::register_function("test.die_in", [](int64_t ms) { die_in(std::chrono::milliseconds(ms)); });
+}
+
 rpc::RpcOptions options_from_env() {
   rpc::RpcOptions o;
   o.shutdown_timeout = std::chrono::milliseconds(env_int("TANDEM_TEST_SHUTDOWN_MS", 60000));
   o.init_timeout = std::chrono::milliseconds(env_int("TANDEM_TEST_INIT_MS", 30000));
   o.num_worker_threads = env_int("TANDEM_TEST_THREADS", 16);
   if (int m = env_int("TANDEM_TEST_MAX_MSG", 0); m > 0) o.max_message_bytes = m;
+  if (int ms = env_int("TANDEM_TEST_RPC_MS", 0); ms > 0) o.rpc_timeout = std::chrono::milliseconds(ms);
   if (const char* dir = std::getenv("TANDEM_TEST_TLS_DIR"); dir && *dir) o.tls = tls_options(dir);
+  if (const char* faults = std::getenv("TANDEM_TEST_FAULTS"); faults && *faults) {
+    o.faults = rpc::parse_faults(faults).value();  // a test's own rules: a typo should fail loudly
+  }
   return o;
 }
 

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <functional>
 #include <string>
 
@@ -11,6 +12,11 @@ namespace tandem::test {
 
 // Completed waits of the test codec for c10::Device values (tests/rpc/main.cc), in this process.
 extern std::atomic<int> g_device_waits_done;
+
+// Ends this process with exit code 9 `delay` from now, whatever it is doing then: a worker that dies mid-work.
+void die_in(std::chrono::milliseconds delay);
+// Registers "test.die_in" (int64 ms): the worker it is called on dies `ms` milliseconds later (die_in).
+void register_die_in();
 
 // Registers the functions every test worker serves (echo, add, sleep_ms, throw_error, ...).
 void register_test_functions();
@@ -23,7 +29,8 @@ int run_worker_job(const std::function<void()>& body);
 int test_main(int argc, char** argv, const std::function<int(const std::string& scenario)>& worker);
 
 // RpcOptions from the environment the test set for its workers: TANDEM_TEST_SHUTDOWN_MS, TANDEM_TEST_THREADS,
-// TANDEM_TEST_MAX_MSG, TANDEM_TEST_INIT_MS, TANDEM_TEST_TLS_DIR.
+// TANDEM_TEST_MAX_MSG, TANDEM_TEST_INIT_MS, TANDEM_TEST_RPC_MS, TANDEM_TEST_TLS_DIR, TANDEM_TEST_FAULTS
+// (rpc::parse_faults).
 rpc::RpcOptions options_from_env();
 // TLS options for the certificates make_test_certificates wrote into `dir`.
 rpc::TlsOptions tls_options(const std::string& dir);

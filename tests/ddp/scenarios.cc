@@ -26,6 +26,7 @@
 #include "rpc/rpc.h"
 #include "rref/rref.h"
 #include "tests/common/scenario.h"
+#include "tests/common/test_env.h"
 
 namespace tandem::test {
 namespace {
@@ -484,7 +485,7 @@ std::string hybrid_killed(const std::string& who) {
   comm::wait(pg->barrier());
   const bool ps = who == "ps";
   if (!ps && rank == 1) _exit(9);
-  if (ps && rank == 0) (void)rpc::rpc_async(2, "ddp_test.die_in", int64_t{50});
+  if (ps && rank == 0) (void)rpc::rpc_async(2, "test.die_in", int64_t{50});
   if (ps) std::this_thread::sleep_for(std::chrono::milliseconds(300));
   const std::string dead = ps ? "worker2" : "rank 1";
   const auto t0 = std::chrono::steady_clock::now();
@@ -664,12 +665,7 @@ void register_scenarios() {
     }
     return it->second.module_rref().to_ivalue();
   });
-  rpc::register_function("ddp_test.die_in", [](int64_t ms) {
-    std::thread([ms] {
-      std::this_thread::sleep_for(std::chrono::milliseconds(ms));
-      _exit(9);
-    }).detach();
-  });
+  register_die_in();
   rpc::register_function("ddp_test.embedding_weight", [](std::string name) {
     std::lock_guard<std::mutex> lock(mu);
     return tables.at(name).local_module()->parameters().at(0).detach().clone();

@@ -11,12 +11,6 @@
 
 int main(int argc, char** argv) {
   tandem::examples::rl::register_rl();
-  // Kills this worker `ms` milliseconds from now (exit code 9): an observer that dies mid-round.
-  tandem::rpc::register_function("rl_test.die_in", [](int64_t ms) {
-    std::thread([ms] {
-      std::this_thread::sleep_for(std::chrono::milliseconds(ms));
-      _exit(9);
-    }).detach();
-  });
+  tandem::test::register_die_in();  // an observer that dies mid-round
   return tandem::test::test_main(argc, argv, [](const std::string&) { return tandem::test::run_worker_job([] {}); });
 }

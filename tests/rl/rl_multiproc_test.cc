@@ -43,7 +43,7 @@ TEST_F(MultiprocRl, AKilledObserverFailsTheRoundNamingIt) {
   expect_clean_children_ = false;
   rl::set_agent(std::make_shared<rl::Agent>(2, 1));
   auto obs = observers(2, 1);
-  rpc::rpc_sync("worker2", "rl_test.die_in", int64_t{300});
+  rpc::rpc_sync("worker2", "test.die_in", int64_t{300});
   const auto t0 = Clock::now();
   try {
     rl::run_round(obs, {.batched = true, .steps = 1000000, .timeout = milliseconds(20000)});
@@ -62,7 +62,7 @@ TEST_F(MultiprocRl, WithSkipFailedTheRoundCarriesOnWithoutAKilledObserver) {
   expect_clean_children_ = false;
   rl::set_agent(std::make_shared<rl::Agent>(2, 1));
   auto obs = observers(2, 1);
-  rpc::rpc_sync("worker2", "rl_test.die_in", int64_t{300});
+  rpc::rpc_sync("worker2", "test.die_in", int64_t{300});
   rl::Round r =
       rl::run_round(obs, {.batched = true, .steps = 20000, .timeout = milliseconds(60000), .skip_failed = true});
   ASSERT_EQ(r.failed.size(), 1u);

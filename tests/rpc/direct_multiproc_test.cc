@@ -30,8 +30,9 @@ class MultiprocDirect : public MultiprocRpc {
     auto store = rpc::connect_store(channel, rpc::auth::derive_token(job_->secret()), false);
     auto record = store->get("worker/" + std::to_string(rank), milliseconds(5000));
     EXPECT_TRUE(record.ok()) << record.status();
-    std::vector<std::string> parts = absl::StrSplit(record.value_or(""), '\n');
-    return parts.size() == 6 ? parts[4] : "";
+    tandem::wire::RendezvousRecord parsed;
+    if (!parsed.ParseFromString(record.value_or(""))) return "";
+    return parsed.worker().direct_address();
   }
 
   // A raw Unix-domain socket to `address`, for bytes no worker would send.
@@ -153,10 +154,10 @@ TEST_F(MultiprocDirect, HostileClientsAreTurnedAway) {
   const auto soon = [] { return absl::Now() + absl::Seconds(10); };
 
   // The wrong job token is rejected at the handshake; the right one is welcomed (with the bulk path: same host).
-  auto intruder = rpc::direct::Transport::start(rpc::auth::derive_token("guess"), 1, 1 << 20, {});
+  auto intruder = rpc::direct::Channel::start(rpc::auth::derive_token("guess"), 1, 1 << 20, absl::Seconds(10), {});
   ASSERT_TRUE(intruder.ok());
   EXPECT_EQ((*intruder)->connect(address, 5, false, soon()).status().code(), absl::StatusCode::kUnauthenticated);
-  auto member = rpc::direct::Transport::start(rpc::auth::derive_token(job_->secret()), 1, 1 << 20, {});
+  auto member = rpc::direct::Channel::start(rpc::auth::derive_token(job_->secret()), 1, 1 << 20, absl::Seconds(10), {});
   ASSERT_TRUE(member.ok());
   auto conn = (*member)->connect(address, 5, false, soon());
   ASSERT_TRUE(conn.ok()) << conn.status();

@@ -121,6 +121,11 @@ void register_test_functions() {
     std::this_thread::sleep_for(std::chrono::milliseconds(ms));
     return rpc::get_worker_info().id;
   });
+  // Counts its calls in this process: how many times a request ran (duplicated, reordered).
+  rpc::register_function("bump", [] {
+    static std::atomic<int64_t> calls{0};
+    return ++calls;
+  });
   rpc::register_function("throw_error", [](std::string msg) -> int64_t { throw std::runtime_error(msg); });
   rpc::register_function("nested_add",
                          [](std::string to, at::Tensor x) { return rpc::rpc_sync<at::Tensor>(to, "add", x, x); });
@@ -142,10 +147,7 @@ void register_test_functions() {
   // Sends a request to `to`'s batched_sum and dies before its answer comes.
   rpc::register_function("batched_call_and_die", [](int64_t to) {
     (void)rpc::rpc_async(static_cast<int>(to), "batched_sum", int64_t{100});
-    std::thread([] {
-      std::this_thread::sleep_for(std::chrono::milliseconds(50));
-      _exit(9);
-    }).detach();
+    die_in(std::chrono::milliseconds(50));
   });
   rpc::register_function("later", [](int64_t ms, int64_t value) {
     rpc::Future f;

@@ -237,3 +237,66 @@ TEST_F(MultiprocRRef, AnOwnerCallingItselfKeepsItsValues) {
 
 }  // namespace
 }  // namespace tandem::test
+
+namespace tandem::test {
+namespace {
+
+// Faults between the workers (rpc/fault_injection.h): each ends in the documented error or is recovered, and every
+// count returns to zero.
+class MultiprocRRefFaults : public MultiprocRRef {
+ protected:
+  // This worker (rank 0) applies `mine`, worker1 `theirs`; calls time out after `rpc_ms`.
+  void start_with(const std::string& mine, const std::string& theirs, int rpc_ms = 20000) {
+    rpc::RpcOptions options = options_from_env();
+    options.rpc_timeout = milliseconds(rpc_ms);
+    if (!mine.empty()) options.faults = rpc::parse_faults(mine).value();
+    JobSpec spec{.world_size = 2};
+    if (!theirs.empty()) spec.extra_env["TANDEM_TEST_FAULTS"] = theirs;
+    start(spec, options);
+  }
+};
+
+TEST_F(MultiprocRRefFaults, LostDeleteNoteIsSentAgainAndTheOwnerFreesTheValue) {
+  start_with("drop worker0->worker1 request fn=__tandem.rref.delete nth=1", "", /*rpc_ms=*/1000);
+  {
+    rref::RRef r = rref::remote("worker1", "make_tensor", int64_t{5});
+    EXPECT_TRUE(r.to_here<at::Tensor>().equal(at::arange(5, at::kFloat)));
+  }  // its delete note is lost once; the batcher sends it again after the note's deadline
+  EXPECT_EQ(wait_all_zero(2, milliseconds(20000)), "");
+  EXPECT_EQ(rref::stats().failed_notes, 0);
+}
+
+TEST_F(MultiprocRRefFaults, FetchWhoseReplyNeverComesFailsAtItsDeadlineNamingTheOwner) {
+  start_with("", "drop worker1->worker0 reply fn=__tandem.rref.fetch nth=1");
+  {
+    rref::RRef r = rref::remote("worker1", "make_tensor", int64_t{5});
+    try {
+      r.to_here(milliseconds(500));
+      ADD_FAILURE() << "no error";
+    } catch (const RpcError& e) {
+      EXPECT_EQ(e.code(), absl::StatusCode::kDeadlineExceeded) << e.what();
+      EXPECT_NE(std::string(e.what()).find("worker1"), std::string::npos) << e.what();
+    }
+    EXPECT_TRUE(r.to_here<at::Tensor>().equal(at::arange(5, at::kFloat)));  // the next fetch works
+  }
+  EXPECT_EQ(wait_all_zero(2, milliseconds(20000)), "");
+}
+
+TEST_F(MultiprocRRefFaults, FetchCutMidTensorIsUnavailableAndTheNextOneWorks) {
+  start_with("", "cut worker1->worker0 reply fn=__tandem.rref.fetch nth=1");
+  {
+    rref::RRef r = rref::remote("worker1", "make_tensor", int64_t{1} << 18);  // 1 MiB: the cut falls in its bytes
+    try {
+      (void)r.to_here_async().value();
+      ADD_FAILURE() << "no error";
+    } catch (const RpcError& e) {
+      EXPECT_EQ(e.code(), absl::StatusCode::kUnavailable) << e.what();
+      EXPECT_NE(std::string(e.what()).find("worker1"), std::string::npos) << e.what();
+    }
+    EXPECT_EQ(r.to_here<at::Tensor>().numel(), int64_t{1} << 18);
+  }
+  EXPECT_EQ(wait_all_zero(2, milliseconds(20000)), "");
+}
+
+}  // namespace
+}  // namespace tandem::test

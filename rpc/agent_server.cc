@@ -1,0 +1,164 @@
+// Incoming calls of the agent (rpc/detail/agent.h): decode the request, run the registered function, reply once.
+#include <c10/util/Exception.h>
+
+#include "absl/strings/str_cat.h"
+#include "proto/tandem_rpc.pb.h"
+#include "rpc/detail/agent.h"
+#include "rpc/detail/wire.h"
+#include "rpc/extension.h"
+
+namespace tandem::rpc {
+namespace detail {
+namespace {
+
+thread_local const CallContext* t_current_call = nullptr;
+
+// Messages of user exceptions: c10::Error's what() carries a C++ backtrace the caller has no use for.
+std::string exception_message(const std::exception& e) {
+  if (auto* c = dynamic_cast<const c10::Error*>(&e)) return c->what_without_backtrace();
+  return e.what();
+}
+
+}  // namespace
+
+void Agent::on_incoming(Incoming in) {
+  auto call = std::make_shared<InCall>();
+  call->in = std::move(in);
+  {
+    absl::MutexLock lock(&mu_);
+    if (stopped_) {
+      call->in.reply(nullptr, absl::UnavailableError(absl::StrCat("worker '", name_, "' has shut down")));
+      return;
+    }
+    in_calls_.emplace(call.get(), call);
+  }
+  if (call->in.on_io_thread && ready_.HasBeenNotified()) return handle(call);  // on this thread: no hand-off
+  // A gRPC thread must not block, and a call that arrived before init_rpc returned here waits on the pool (the direct
+  // channel's threads are needed for handshakes meanwhile).
+  if (!pool_->submit([this, call] { handle(call); })) {
+    finish_once(call, absl::UnavailableError(absl::StrCat("worker '", name_, "' is shutting down")));
+  }
+}
+
+void Agent::handle(std::shared_ptr<InCall> call) {
+  // Peers may call as soon as they know our address, before init_rpc returned here; functions run only after it did.
+  if (!ready_.WaitForNotificationWithTimeout(absl::FromChrono(options_.init_timeout))) {
+    return reply_error(call, absl::UnavailableError(absl::StrCat("worker '", name_, "' did not finish init_rpc")));
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    if (stopped_) return reply_error(call, absl::UnavailableError(absl::StrCat("worker '", name_, "' has shut down")));
+  }
+  tandem::wire::Request request;
+  auto frame = wire::Frame::parse(call->in.request, &request);
+  if (!frame.ok()) return reply_error(call, frame.status());
+  if (request.caller_rank() < 0 || request.caller_rank() >= world_size_) {
+    return reply_error(call, absl::InvalidArgumentError(absl::StrCat("malformed message: caller rank ",
+                                                                     request.caller_rank(), " is not in the job")));
+  }
+  call->caller = request.caller_rank();
+  std::vector<Future> wait;
+  CallTracer* tracer = request.trace().empty() ? nullptr : call_tracer();
+  std::vector<at::Tensor> wire_tensors;
+  // Decoding runs upper layers' codecs and tracer; whatever they throw is the caller's error, never this worker's end.
+  absl::StatusOr<std::vector<c10::IValue>> args = absl::UnknownError("not decoded");
+  try {
+    args =
+        frame->decode(request.args(), {call->in.cma_pid, request.caller_rank(), &wait, tracer ? &wire_tensors : nullptr,
+                                       static_cast<uint64_t>(options_.max_message_bytes)});
+    if (args.ok() && tracer) {
+      auto state = tracer->request_in(request.caller_rank(), request.trace(), wire_tensors);
+      if (!state.ok()) return reply_error(call, state.status());
+      call->trace_state = std::move(*state);
+      call->traced = true;
+    }
+  } catch (const std::exception& e) {
+    args = absl::InternalError(absl::StrCat("decoding the request failed: ", exception_message(e)));
+  }
+  if (!args.ok()) return reply_error(call, args.status());
+  if (wait.empty()) return run(call, request.function(), std::move(*args), request.caller_name());
+  // Some argument needs protocol work first (e.g. a remote reference its owner must confirm): run after it, on the
+  // pool.
+  auto shared_args = std::make_shared<std::vector<c10::IValue>>(std::move(*args));
+  when_all(wait).add_callback(
+      [this, call, shared_args, function = request.function(), caller = request.caller_name()](const Future& ready) {
+        if (absl::Status s = ready.status(); !s.ok()) return reply_error(call, s);
+        if (!pool_->submit([this, call, shared_args, function, caller] {
+              run(call, function, std::move(*shared_args), caller);
+            })) {
+          reply_error(call, absl::UnavailableError(absl::StrCat("worker '", name_, "' is shutting down")));
+        }
+      });
+}
+
+void Agent::run(const std::shared_ptr<InCall>& call, const std::string& function, std::vector<c10::IValue> args,
+                const std::string& caller_name) {
+  Handler handler = find_function(function);
+  if (!handler) {
+    return reply_error(call, absl::NotFoundError(absl::StrCat("no function named '", function,
+                                                              "' is registered on worker '", name_, "'")));
+  }
+  CallContext context{caller_name, call->caller, function};
+  t_current_call = &context;
+  std::shared_ptr<void> trace_scope;
+  if (call->traced) {
+    if (CallTracer* tracer = call_tracer()) trace_scope = tracer->enter(call->trace_state);
+  }
+  Future result;
+  try {
+    result = handler(std::move(args));
+  } catch (const std::invalid_argument& e) {
+    result = Future::failed(absl::InvalidArgumentError(exception_message(e)));
+  } catch (const RpcError& e) {
+    result = Future::failed(e.status());
+  } catch (const std::exception& e) {
+    result = Future::failed(absl::UnknownError(exception_message(e)));
+  } catch (...) {
+    result = Future::failed(absl::UnknownError("unknown exception"));
+  }
+  trace_scope.reset();
+  t_current_call = nullptr;
+  result.add_callback([this, call](const Future& f) { reply(call, f); });
+}
+
+void Agent::reply(const std::shared_ptr<InCall>& call, const Future& result) {
+  absl::Status status = result.status();  // completed: does not wait
+  if (!status.ok()) return reply_error(call, status);
+  tandem::wire::Response response;
+  wire::Encoder encoder(0, call->caller);
+  if (auto s = encoder.encode({result.value()}, response.mutable_result()); !s.ok()) {
+    return reply_error(call, absl::Status(s.code(), absl::StrCat("cannot send the result: ", s.message())));
+  }
+  if (call->traced) {
+    if (CallTracer* tracer = call_tracer()) {
+      response.set_trace(tracer->reply_out(call->trace_state, call->caller, encoder.sent()));
+    }
+  }
+  grpc::ByteBuffer frame = encoder.frame(response);
+  finish_once(call, absl::OkStatus(), &frame);
+}
+
+void Agent::reply_error(const std::shared_ptr<InCall>& call, const absl::Status& error) {
+  tandem::wire::Response response;
+  response.mutable_error()->set_code(static_cast<int>(error.code()));
+  response.mutable_error()->set_message(std::string(error.message()));
+  grpc::ByteBuffer frame = wire::Encoder().frame(response);
+  finish_once(call, absl::OkStatus(), &frame);
+}
+
+void Agent::finish_once(const std::shared_ptr<InCall>& call, const absl::Status& status, grpc::ByteBuffer* reply) {
+  {
+    std::lock_guard<std::mutex> lock(call->mu);
+    if (call->finished) return;
+    call->finished = true;
+    call->in.reply(reply, status);
+  }
+  absl::MutexLock lock(&mu_);
+  in_calls_.erase(call.get());
+}
+
+}  // namespace detail
+
+const CallContext* current_call() { return detail::t_current_call; }
+
+}  // namespace tandem::rpc

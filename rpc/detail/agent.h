@@ -1,0 +1,160 @@
+// The RPC runtime behind rpc/rpc.h: one Agent per process while RPC is initialized.
+//
+// The agent encodes calls into frames (rpc/detail/wire.h), hands them to a Transport (rpc/transport.h) chosen per peer
+// at rendezvous, and decodes replies; it receives requests from every transport, runs the registered function and
+// answers each exactly once. It does not know how a frame travels. Files:
+//   rpc/rendezvous.cc     start-up: options, transports, the store, the rendezvous record, routes per peer
+//   rpc/agent_server.cc   incoming calls: decode, run the function, reply
+//   rpc/agent_client.cc   outgoing calls: encode, send on the peer's route, decode the reply
+//   rpc/agent.cc          graceful and immediate shutdown
+//   rpc/rpc.cc            the public functions of rpc/rpc.h and the process-wide agent
+//
+// Threads:
+//   - Transports' threads deliver incoming requests (on_incoming) and complete outgoing calls (DoneFn). gRPC's never
+//   run
+//     a registered function: those go to pool_. The direct channel's worker threads run them on the spot.
+//   - pool_ runs registered functions. A function returning a pending Future releases its thread; the reply is sent by
+//     whichever thread completes that Future.
+//
+// Every incoming call is an InCall answered exactly once (finish_once), with the reply or, at shutdown, with CANCELLED.
+// Every outgoing call is counted in outstanding_ until its transport completes it, by its deadline at the latest.
+#pragma once
+
+#include <ATen/core/ivalue.h>
+
+#include <atomic>
+#include <chrono>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "proto/tandem_rpc.pb.h"
+#include "rpc/detail/direct_transport.h"
+#include "rpc/detail/fault_transport.h"
+#include "rpc/detail/grpc_transport.h"
+#include "rpc/detail/thread_pool.h"
+#include "rpc/rpc.h"
+#include "rpc/store.h"
+#include "rpc/transport.h"
+
+namespace tandem::rpc::detail {
+
+// The record rank `rank` published at rendezvous (the store's worker/<rank>), checked: this build's wire version
+// (FAILED_PRECONDITION naming both otherwise), the rank, a valid name and address, the same world size.
+absl::StatusOr<tandem::wire::WorkerRecord> parse_record(const std::string& bytes, int rank, int world_size);
+
+class Agent {
+ public:
+  static absl::StatusOr<std::unique_ptr<Agent>> start(const std::string& name, int rank, int world_size,
+                                                      const RpcOptions& options);
+  ~Agent();
+
+  Future call(const To& to, const std::string& function, std::vector<c10::IValue> args,
+              std::chrono::milliseconds timeout);
+  Future call_and_wait(const To& to, const std::string& function, std::vector<c10::IValue> args,
+                       std::chrono::milliseconds timeout);
+  absl::Status shutdown(bool graceful);
+
+  const WorkerInfo& self() const { return peers_[rank_].info; }
+  Store& store() { return *store_; }
+  const WorkerInfo& info(int rank) const { return peers_[rank].info; }
+  std::vector<WorkerInfo> workers() const;
+  absl::StatusOr<int> resolve(const To& to) const;
+  const char* route(int peer) const { return peers_[peer].transport->kind(); }
+  TransportStats stats() const { return {grpc_calls_.load(), direct_calls_.load(), by_reference_.load()}; }
+
+  // True when everything outstanding was released (safe to delete).
+  bool stopped_cleanly() const { return stopped_cleanly_; }
+  // Called once init_rpc has published this agent: calls that arrived during rendezvous run from now on.
+  void set_ready() {
+    if (!ready_.HasBeenNotified()) ready_.Notify();
+  }
+
+ private:
+  // An incoming call, whichever transport brought it.
+  struct InCall {
+    Incoming in;
+    int caller = -1;                    // the caller's rank, once the request is parsed (for value codecs of the reply)
+    bool traced = false;                // the request carried a call tracer's attachment
+    std::shared_ptr<void> trace_state;  // what the tracer keeps for this call
+    std::mutex mu;                      // makes "send the reply" one step against a concurrent stop()
+    bool finished = false;              // guarded by mu
+  };
+  struct Peer {
+    WorkerInfo info;
+    Transport* transport = nullptr;  // the route: direct for a reachable same-host peer, else gRPC
+  };
+
+  Agent(std::string name, int rank, int world_size, RpcOptions options)
+      : name_(std::move(name)), rank_(rank), world_size_(world_size), options_(std::move(options)) {}
+
+  // rendezvous.cc
+  absl::Status start_transports(const std::string& listen, int* port);
+  absl::Status rendezvous(const std::string& master, const std::string& advertised);
+
+  // agent_server.cc
+  void on_incoming(Incoming in);
+  void handle(std::shared_ptr<InCall> call);
+  void run(const std::shared_ptr<InCall>& call, const std::string& function, std::vector<c10::IValue> args,
+           const std::string& caller_name);
+  void reply(const std::shared_ptr<InCall>& call, const Future& result);
+  void reply_error(const std::shared_ptr<InCall>& call, const absl::Status& error);
+  // Answers the call unless it already was, first moving `reply` (if any) into it.
+  void finish_once(const std::shared_ptr<InCall>& call, const absl::Status& status, grpc::ByteBuffer* reply = nullptr);
+
+  // agent_client.cc
+  absl::StatusOr<grpc::ByteBuffer> encode_request(int peer, const std::string& function,
+                                                  const std::vector<c10::IValue>& args, bool by_reference,
+                                                  std::vector<at::Tensor>* referenced);
+  // The value of a reply frame from `peer`; `wait` receives the futures value codecs need completed before it is used.
+  absl::StatusOr<c10::IValue> parse_reply(const grpc::ByteBuffer& frame, int peer, const std::string& prefix,
+                                          std::vector<Future>* wait) const;
+  // Completes `target` with `value` once `wait` has completed (at once when empty), or with the first error.
+  static void deliver(const Future& target, absl::StatusOr<c10::IValue> value, std::vector<Future> wait);
+  // A transport's error as the caller sees it: naming the worker and the function, the cause in words.
+  absl::Status call_error(const absl::Status& s, int peer, const std::string& function,
+                          std::chrono::milliseconds timeout);
+  std::string describe(int peer, const std::string& function) const;
+  void count_call(int peer);
+  void call_done();
+
+  // agent.cc
+  absl::Status drain_outgoing(absl::Time deadline);
+  // Stops serving and fails whatever is outstanding; bounded by `grace`.
+  void stop(std::chrono::milliseconds grace);
+
+  const std::string name_;
+  const int rank_;
+  const int world_size_;
+  const RpcOptions options_;
+  std::string token_;
+
+  std::unique_ptr<grpc::Service> store_service_;  // rank 0 only; outlives the gRPC transport
+  std::unique_ptr<Store> store_;
+  std::unique_ptr<ThreadPool> pool_;
+  std::unique_ptr<FaultInjector> faults_;  // when RpcOptions::faults has rules
+  std::unique_ptr<GrpcTransport> grpc_;
+  std::unique_ptr<DirectTransport> direct_;          // null when same-host calls go over gRPC
+  std::vector<std::unique_ptr<Transport>> wrapped_;  // the fault-injecting views of grpc_ and direct_
+  Transport* grpc_route_ = nullptr;
+  Transport* direct_route_ = nullptr;
+
+  std::vector<Peer> peers_;
+  std::map<std::string, int> rank_of_;
+
+  absl::Mutex mu_;
+  int64_t outstanding_ ABSL_GUARDED_BY(mu_) = 0;  // outgoing calls not completed yet
+  std::map<InCall*, std::shared_ptr<InCall>> in_calls_ ABSL_GUARDED_BY(mu_);
+  bool stopped_ ABSL_GUARDED_BY(mu_) = false;
+  std::atomic<int64_t> grpc_calls_{0}, direct_calls_{0}, by_reference_{0};
+  bool stopped_cleanly_ = false;
+  absl::Notification ready_;
+};
+
+}  // namespace tandem::rpc::detail

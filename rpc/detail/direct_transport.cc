@@ -1,0 +1,256 @@
+#include "rpc/detail/direct_transport.h"
+
+#include "absl/strings/str_cat.h"
+#include "proto/tandem_rpc.pb.h"
+#include "rpc/detail/wire.h"
+
+namespace tandem::rpc::detail {
+
+absl::StatusOr<std::unique_ptr<DirectTransport>> DirectTransport::start(std::string token, int my_rank, int threads,
+                                                                        uint64_t max_message_bytes,
+                                                                        std::chrono::milliseconds message_timeout,
+                                                                        IncomingFn on_request) {
+  std::unique_ptr<DirectTransport> t(new DirectTransport(my_rank, max_message_bytes));
+  t->message_timeout_ = absl::FromChrono(message_timeout);
+  t->on_request_ = std::move(on_request);
+  DirectTransport* raw = t.get();
+  auto channel = direct::Channel::start(
+      std::move(token), threads, max_message_bytes, absl::FromChrono(message_timeout),
+      {[raw](const std::shared_ptr<direct::Conn>& c, direct::Message m) { raw->on_request(c, std::move(m)); },
+       [raw](const std::shared_ptr<direct::Conn>&, direct::Message m) { raw->on_response(std::move(m)); },
+       [raw](const std::shared_ptr<direct::Conn>& c, const absl::Status& why) { raw->on_lost(c.get(), why); }});
+  if (!channel.ok()) return channel.status();
+  t->channel_ = std::move(*channel);
+  t->timer_ = std::thread([raw] { raw->run_timer(); });
+  return t;
+}
+
+DirectTransport::~DirectTransport() { stop(std::chrono::milliseconds(1000)); }
+
+DirectTransport::Peer* DirectTransport::peer(int rank) const {
+  auto* self = const_cast<DirectTransport*>(this);
+  absl::MutexLock lock(&self->peers_mu_);
+  auto it = self->peers_.find(rank);
+  return it == self->peers_.end() ? nullptr : it->second.get();
+}
+
+absl::Status DirectTransport::add_peer(const PeerAddress& address, absl::Time deadline) {
+  if (!address.same_host || address.direct_address.empty()) {
+    return absl::UnavailableError("not on this host, or no direct channel");
+  }
+  auto p = std::make_unique<Peer>();
+  p->address = address.direct_address;
+  // Connecting now tells whether the socket is reachable (a same-host peer in another network namespace is not).
+  auto conn = async_conn(*p, deadline);
+  if (!conn.ok()) return conn.status();
+  p->cma_ok = (*conn)->cma_ok;
+  absl::MutexLock lock(&peers_mu_);
+  peers_[address.rank] = std::move(p);
+  return absl::OkStatus();
+}
+
+bool DirectTransport::by_reference(int rank) const {
+  Peer* p = peer(rank);
+  return p && p->cma_ok;
+}
+
+absl::StatusOr<std::shared_ptr<direct::Conn>> DirectTransport::async_conn(Peer& p, absl::Time deadline) {
+  std::lock_guard<std::mutex> lock(p.mu);
+  if (p.async_conn && !p.async_conn->broken) return p.async_conn;
+  auto conn = channel_->connect(p.address, my_rank_, /*for_responses=*/true, deadline);
+  if (!conn.ok()) return conn.status();
+  p.async_conn = *conn;
+  return p.async_conn;
+}
+
+void DirectTransport::call(int rank, const std::string& function, grpc::ByteBuffer request, absl::Time deadline,
+                           DoneFn done) {
+  Peer* p = peer(rank);
+  if (!p) return done(absl::UnavailableError("no direct channel to this worker"));
+  auto conn = async_conn(*p, deadline);
+  if (!conn.ok()) return done(conn.status());
+  uint64_t id = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    if (stopped_) return done(absl::CancelledError("RPC was shut down on this worker"));
+    id = next_id_++;
+    pending_.emplace(id, Pending{std::move(done), conn->get()});
+    deadlines_.emplace(deadline, id);  // run_timer waits on mu_ for the earliest of these
+  }
+  if (auto s = (*conn)->write(direct::Kind::kRequest, id, request, deadline); !s.ok()) {
+    if ((*conn)->broken) (*conn)->shut();  // a half-written message: the channel is done; its calls fail
+    complete(id, s);
+  }
+}
+
+absl::StatusOr<grpc::ByteBuffer> DirectTransport::call_sync(int rank, const std::string& function,
+                                                            grpc::ByteBuffer request, absl::Time deadline,
+                                                            std::chrono::microseconds spin) {
+  Peer* p = peer(rank);
+  if (!p) return absl::UnavailableError("no direct channel to this worker");
+  std::shared_ptr<direct::Conn> conn;
+  {
+    std::lock_guard<std::mutex> lock(p->mu);
+    if (!p->idle_sync.empty()) {
+      conn = std::move(p->idle_sync.back());
+      p->idle_sync.pop_back();
+    }
+  }
+  if (!conn) {
+    auto fresh = channel_->connect(p->address, my_rank_, /*for_responses=*/false, deadline);
+    if (!fresh.ok()) return fresh.status();
+    conn = *fresh;
+  }
+  uint64_t id = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    if (stopped_) return absl::CancelledError("RPC was shut down on this worker");
+    id = next_id_++;
+    sync_calls_.insert(conn);
+  }
+  absl::StatusOr<direct::Message> msg = absl::UnknownError("not sent");
+  if (auto sent = conn->write(direct::Kind::kRequest, id, request, deadline); !sent.ok()) {
+    msg = sent;
+  } else {
+    msg = conn->read(max_bytes_, deadline, spin);
+  }
+  bool stopped = false;
+  {
+    absl::MutexLock lock(&mu_);
+    sync_calls_.erase(conn);
+    stopped = stopped_;
+  }
+  if (!msg.ok() || msg->kind != direct::Kind::kResponse || msg->call_id != id) {
+    // The connection's state is unknown (a reply may still come): it is not reused.
+    if (stopped) return absl::CancelledError("RPC was shut down on this worker");
+    return msg.ok() ? absl::InternalError("direct channel: unexpected message") : msg.status();
+  }
+  {
+    std::lock_guard<std::mutex> lock(p->mu);
+    p->idle_sync.push_back(conn);
+  }
+  return std::move(msg->body);
+}
+
+void DirectTransport::on_request(const std::shared_ptr<direct::Conn>& conn, direct::Message msg) {
+  Incoming in;
+  in.request = std::move(msg.body);
+  in.cma_pid = conn->cma_pid;
+  in.on_io_thread = true;
+  const uint64_t call_id = msg.call_id;
+  const uint64_t max_bytes = max_bytes_;
+  const absl::Duration write_timeout = message_timeout_;
+  in.reply = [conn, call_id, max_bytes, write_timeout](grpc::ByteBuffer* reply, const absl::Status& status) {
+    grpc::ByteBuffer body;
+    if (status.ok() && reply && reply->Length() <= max_bytes) {
+      body = *reply;
+    } else {
+      tandem::wire::Response response;
+      const absl::Status error =
+          !status.ok() ? status
+                       : absl::ResourceExhaustedError(absl::StrCat("the reply of ", reply ? reply->Length() : 0,
+                                                                   " bytes exceeds the message limit of ", max_bytes));
+      response.mutable_error()->set_code(static_cast<int>(error.code()));
+      response.mutable_error()->set_message(std::string(error.message()));
+      body = wire::Encoder().frame(response);
+    }
+    // A caller that stopped reading holds this thread for message_timeout at most; the connection is then dropped.
+    if (!conn->write(direct::Kind::kResponse, call_id, body, absl::Now() + write_timeout).ok()) conn->shut();
+  };
+  in.cut = [conn, call_id](const grpc::ByteBuffer* partial) {
+    if (partial) return conn->write_half_and_shut(direct::Kind::kResponse, call_id, *partial);
+    conn->broken = true;
+    conn->shut();
+  };
+  on_request_(std::move(in));
+}
+
+void DirectTransport::on_response(direct::Message msg) { complete(msg.call_id, std::move(msg.body)); }
+
+void DirectTransport::complete(uint64_t id, absl::StatusOr<grpc::ByteBuffer> reply) {
+  DoneFn done;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = pending_.find(id);
+    if (it == pending_.end()) return;  // timed out or cancelled already: a late reply is dropped
+    done = std::move(it->second.done);
+    pending_.erase(it);
+  }
+  done(std::move(reply));
+}
+
+void DirectTransport::on_lost(const direct::Conn* conn, const absl::Status& why) {
+  std::vector<uint64_t> lost;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [id, p] : pending_) {
+      if (p.conn == conn) lost.push_back(id);
+    }
+  }
+  const absl::Status cause = why.code() == absl::StatusCode::kCancelled ? why : absl::UnavailableError(why.message());
+  for (uint64_t id : lost) complete(id, cause);
+}
+
+void DirectTransport::run_timer() {
+  absl::MutexLock lock(&mu_);
+  for (;;) {
+    if (stopped_ && pending_.empty()) return;
+    const absl::Time next = deadlines_.empty() ? absl::InfiniteFuture() : deadlines_.begin()->first;
+    // Wakes at the earliest deadline, or when a call with an earlier one arrives, or at stop.
+    auto wake = [this, next]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return stopped_ || (!deadlines_.empty() && deadlines_.begin()->first < next);
+    };
+    mu_.AwaitWithDeadline(absl::Condition(&wake), next);
+    std::vector<uint64_t> expired;
+    const bool stopping = stopped_;
+    const absl::Time now = absl::Now();
+    while (!deadlines_.empty() && deadlines_.begin()->first <= now) {
+      expired.push_back(deadlines_.begin()->second);
+      deadlines_.erase(deadlines_.begin());
+    }
+    if (stopping) {
+      for (const auto& [id, p] : pending_) expired.push_back(id);
+    }
+    if (expired.empty()) continue;
+    mu_.Unlock();
+    for (uint64_t id : expired) {
+      complete(id, stopping ? absl::CancelledError("RPC was shut down on this worker")
+                            : absl::DeadlineExceededError("no reply by the deadline"));
+    }
+    mu_.Lock();
+  }
+}
+
+void DirectTransport::cut(int rank, const grpc::ByteBuffer* partial) {
+  Peer* p = peer(rank);
+  if (!p) return;
+  std::shared_ptr<direct::Conn> async;
+  std::vector<std::shared_ptr<direct::Conn>> idle;
+  {
+    std::lock_guard<std::mutex> lock(p->mu);
+    async = std::move(p->async_conn);
+    idle.swap(p->idle_sync);
+  }
+  for (auto& c : idle) c->shut();
+  if (!async) return;
+  if (partial) {
+    async->write_half_and_shut(direct::Kind::kRequest, 0, *partial);
+  } else {
+    async->broken = true;
+    async->shut();  // the epoll thread sees it closed and fails the calls on it (on_lost)
+  }
+}
+
+bool DirectTransport::stop(std::chrono::milliseconds grace) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (stopped_) return !timer_.joinable();
+    stopped_ = true;
+    for (auto& conn : sync_calls_) conn->shut();  // their callers see the channel closed
+  }
+  const bool done = channel_->stop(grace);  // fails async calls with CANCELLED (on_lost)
+  if (timer_.joinable()) timer_.join();     // fails what is left of them
+  return done;
+}
+
+}  // namespace tandem::rpc::detail

@@ -1,0 +1,86 @@
+// The direct channel (rpc/detail/direct.h) as a Transport: calls to same-host peers over a Unix-domain socket.
+//
+// Async calls share one connection per peer whose replies the channel's epoll threads read (paired by call id);
+// rpc_sync calls each take an idle connection of their own and read the reply on the calling thread. A timer thread
+// fails async calls at their deadline. Incoming requests run on the channel's thread that read them.
+#pragma once
+
+#include <chrono>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+#include "rpc/detail/direct.h"
+#include "rpc/transport.h"
+
+namespace tandem::rpc::detail {
+
+class DirectTransport final : public Transport {
+ public:
+  // Listens on a fresh abstract socket; `threads` epoll threads read it and run incoming requests (`on_request`).
+  // `message_timeout`: once a message has started to arrive, the rest must follow within it.
+  static absl::StatusOr<std::unique_ptr<DirectTransport>> start(std::string token, int my_rank, int threads,
+                                                                uint64_t max_message_bytes,
+                                                                std::chrono::milliseconds message_timeout,
+                                                                IncomingFn on_request);
+  ~DirectTransport() override;
+
+  const std::string& address() const { return channel_->address(); }
+
+  const char* kind() const override { return "direct"; }
+  absl::Status add_peer(const PeerAddress& peer, absl::Time deadline) override;
+  bool by_reference(int peer) const override;
+  void call(int peer, const std::string& function, grpc::ByteBuffer request, absl::Time deadline, DoneFn done) override;
+  absl::StatusOr<grpc::ByteBuffer> call_sync(int peer, const std::string& function, grpc::ByteBuffer request,
+                                             absl::Time deadline, std::chrono::microseconds spin) override;
+  void cut(int peer, const grpc::ByteBuffer* partial) override;
+  bool stop(std::chrono::milliseconds grace) override;
+
+ private:
+  struct Peer {
+    std::string address;
+    bool cma_ok = false;
+    std::mutex mu;
+    std::shared_ptr<direct::Conn> async_conn;              // guarded by mu
+    std::vector<std::shared_ptr<direct::Conn>> idle_sync;  // guarded by mu: connections of finished rpc_sync calls
+  };
+  struct Pending {
+    DoneFn done;
+    const direct::Conn* conn = nullptr;
+  };
+
+  DirectTransport(int my_rank, uint64_t max_message_bytes) : my_rank_(my_rank), max_bytes_(max_message_bytes) {}
+  Peer* peer(int rank) const;
+  absl::StatusOr<std::shared_ptr<direct::Conn>> async_conn(Peer& p, absl::Time deadline);
+  void on_request(const std::shared_ptr<direct::Conn>& conn, direct::Message msg);
+  void on_response(direct::Message msg);
+  void on_lost(const direct::Conn* conn, const absl::Status& why);
+  // Completes the call `id` (when it is still pending) with `reply`.
+  void complete(uint64_t id, absl::StatusOr<grpc::ByteBuffer> reply);
+  void run_timer();
+
+  const int my_rank_;
+  const uint64_t max_bytes_;
+  absl::Duration message_timeout_;
+  IncomingFn on_request_;
+  std::unique_ptr<direct::Channel> channel_;
+  std::thread timer_;
+
+  absl::Mutex peers_mu_;
+  std::map<int, std::unique_ptr<Peer>> peers_ ABSL_GUARDED_BY(peers_mu_);
+
+  absl::Mutex mu_;
+  uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
+  std::map<uint64_t, Pending> pending_ ABSL_GUARDED_BY(mu_);
+  std::multimap<absl::Time, uint64_t> deadlines_ ABSL_GUARDED_BY(mu_);
+  std::set<std::shared_ptr<direct::Conn>> sync_calls_ ABSL_GUARDED_BY(mu_);  // connections of rpc_sync calls running
+  bool stopped_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+}  // namespace tandem::rpc::detail

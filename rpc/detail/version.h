@@ -1,0 +1,12 @@
+// The version of Tandem's wire schema (proto/tandem_rpc.proto): two builds with different versions never exchange a
+// message they could misread; each place where they first meet refuses the other with FAILED_PRECONDITION naming both.
+#pragma once
+
+#include <cstdint>
+
+namespace tandem::rpc {
+
+// 1: the schema before versioning (hand-made rendezvous, hello, RRef and autograd encodings). 2: all of them in proto/.
+constexpr uint32_t kWireVersion = 2;
+
+}  // namespace tandem::rpc

@@ -1,0 +1,143 @@
+// The public functions of rpc/rpc.h, over the process-wide agent (rpc/detail/agent.h).
+#include <grpcpp/impl/codegen/service_type.h>
+
+#include <cstdlib>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "rpc/detail/agent.h"
+#include "rpc/detail/direct_transport.h"  // complete types for deleting the agent
+#include "rpc/detail/fault_transport.h"
+#include "rpc/detail/grpc_transport.h"
+#include "rpc/extension.h"
+#include "rpc/rpc.h"
+
+namespace tandem::rpc {
+namespace {
+
+using detail::Agent;
+
+absl::Mutex g_mu;
+std::shared_ptr<Agent> g_agent ABSL_GUARDED_BY(g_mu);
+
+std::shared_ptr<Agent> current_agent() {
+  absl::MutexLock lock(&g_mu);
+  return g_agent;
+}
+
+std::shared_ptr<Agent> require_agent() {
+  auto agent = current_agent();
+  if (!agent) throw RpcError(absl::FailedPreconditionError("RPC is not initialized: call init_rpc first"));
+  return agent;
+}
+
+// A stopped agent whose threads did not finish is leaked on purpose: deleting it under them would be worse.
+void dispose(std::shared_ptr<Agent>& agent) {
+  if (!agent) return;
+  if (!agent->stopped_cleanly()) {
+    new std::shared_ptr<Agent>(std::move(agent));
+    return;
+  }
+  agent.reset();
+}
+
+void at_exit_shutdown() {
+  std::shared_ptr<Agent> agent;
+  {
+    absl::MutexLock lock(&g_mu);
+    agent = std::move(g_agent);
+  }
+  if (agent) {
+    (void)agent->shutdown(/*graceful=*/false);
+    dispose(agent);
+    for (const auto& hook : detail::stop_hooks()) hook();
+  }
+}
+
+WorkerInfo worker_info(const To& to) {
+  auto agent = require_agent();
+  auto r = agent->resolve(to);
+  throw_if_error(r.status());
+  return agent->info(*r);
+}
+
+}  // namespace
+
+void init_rpc(const std::string& name, int rank, int world_size, RpcOptions options) {
+  absl::MutexLock lock(&g_mu);
+  if (g_agent) throw RpcError(absl::FailedPreconditionError("init_rpc: RPC is already initialized"));
+  auto agent = Agent::start(name, rank, world_size, options);
+  throw_if_error(agent.status());
+  g_agent = std::shared_ptr<Agent>(std::move(*agent));
+  g_agent->set_ready();
+  static bool registered = (std::atexit(at_exit_shutdown), true);
+  (void)registered;
+}
+
+void init_rpc(RpcOptions options) {
+  auto need_int = [](const char* var) {
+    int v = 0;
+    const char* s = std::getenv(var);
+    if (!s || !absl::SimpleAtoi(s, &v)) {
+      throw RpcError(
+          absl::InvalidArgumentError(absl::StrCat("init_rpc: environment variable ", var, " is not set to a number")));
+    }
+    return v;
+  };
+  const int rank = need_int("RANK");
+  const int world_size = need_int("WORLD_SIZE");
+  init_rpc(absl::StrCat("worker", rank), rank, world_size, std::move(options));
+}
+
+void shutdown(bool graceful) {
+  // The agent stays published while it drains and waits at the barrier: it keeps serving peers' calls until then, and
+  // their functions may use this API.
+  std::shared_ptr<Agent> agent = current_agent();
+  if (!agent) return;
+  absl::Status s = agent->shutdown(graceful);
+  {
+    absl::MutexLock lock(&g_mu);
+    if (g_agent == agent) g_agent.reset();
+  }
+  dispose(agent);
+  for (const auto& hook : detail::stop_hooks()) hook();
+  throw_if_error(s);
+}
+
+bool is_initialized() { return current_agent() != nullptr; }
+
+WorkerInfo get_worker_info() { return require_agent()->self(); }
+
+Store& job_store() { return require_agent()->store(); }
+
+WorkerInfo get_worker_info(const std::string& name) { return worker_info(To(name)); }
+
+WorkerInfo get_worker_info(int id) { return worker_info(To(id)); }
+
+std::vector<WorkerInfo> get_all_worker_infos() { return require_agent()->workers(); }
+
+Future call(const To& to, const std::string& function, std::vector<c10::IValue> args,
+            std::chrono::milliseconds timeout) {
+  auto agent = current_agent();
+  if (!agent) return Future::failed(absl::FailedPreconditionError("RPC is not initialized: call init_rpc first"));
+  return agent->call(to, function, std::move(args), timeout);
+}
+
+Future call_and_wait(const To& to, const std::string& function, std::vector<c10::IValue> args,
+                     std::chrono::milliseconds timeout) {
+  auto agent = current_agent();
+  if (!agent) return Future::failed(absl::FailedPreconditionError("RPC is not initialized: call init_rpc first"));
+  return agent->call_and_wait(to, function, std::move(args), timeout);
+}
+
+TransportStats transport_stats() { return require_agent()->stats(); }
+
+std::string transport_to(const To& to) {
+  auto agent = require_agent();
+  auto r = agent->resolve(to);
+  throw_if_error(r.status());
+  return agent->route(*r);
+}
+
+}  // namespace tandem::rpc
