@@ -49,6 +49,10 @@ class Module;
 
 namespace tandem::ddp {
 
+namespace detail {
+class Reducer;
+}  // namespace detail
+
 // Reduces one bucket across the group: `bucket` holds this rank's gradients of the bucket, flat; the returned future
 // completes once `bucket` holds the gradients averaged over the group's size (the initial world size under join()).
 using CommHook = std::function<rpc::Future(comm::ProcessGroup& group, at::Tensor bucket)>;
@@ -134,10 +138,8 @@ class DistributedDataParallelBase {
   comm::ProcessGroup& group() const;
   DdpStats stats() const;
 
-  struct Impl;
-
  private:
-  std::shared_ptr<Impl> impl_;  // shared with the gradient hooks, which hold it weakly
+  std::shared_ptr<detail::Reducer> impl_;  // shared with the gradient hooks, which hold it weakly
 };
 
 // The module-typed wrapper: forward(args...) is the module's forward between pre_forward and post_forward. Its output
