@@ -21,18 +21,19 @@
 
 #include <algorithm>
 #include <atomic>
-#include <condition_variable>
 #include <csignal>
 #include <cstdlib>
 #include <deque>
 #include <iterator>
 #include <list>
-#include <mutex>
 #include <set>
 #include <thread>
 
+#include "absl/base/attributes.h"
+#include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/synchronization/mutex.h"
 #include "rpc/errors.h"
 #include "rpc/extension.h"
 #include "rpc/rpc.h"
@@ -129,6 +130,23 @@ ReduceFn reduce_fn(ReduceOp op) {
   return nullptr;
 }
 
+// The dtypes collectives reduce and copy (dispatch() below).
+bool supported(c10::ScalarType dtype) {
+  switch (dtype) {
+    case at::kFloat:
+    case at::kDouble:
+    case at::kHalf:
+    case at::kBFloat16:
+    case at::kChar:
+    case at::kByte:
+    case at::kInt:
+    case at::kLong:
+      return true;
+    default:
+      return false;
+  }
+}
+
 // Calls f.template operator()<T>() with T the C++ type of `dtype`.
 template <typename F>
 void dispatch(c10::ScalarType dtype, F&& f) {
@@ -149,28 +167,71 @@ void dispatch(c10::ScalarType dtype, F&& f) {
       return f(int32_t{});
     case at::kLong:
       return f(int64_t{});
-    default:
-      throw std::invalid_argument(absl::StrCat("collectives do not support dtype ", c10::toString(dtype)));
+    default:  // refused by check_tensor before the operation was queued
+      throw_error(absl::UnimplementedError(absl::StrCat("collectives do not support dtype ", c10::toString(dtype))));
   }
 }
 
-void check_tensor(const at::Tensor& t, const char* what) {
+// Checked when an operation is called, before it is queued: a bad argument fails that call (tandem::Error) and never
+// the group. Point-to-point operations move bytes, so any dtype will do (`any_dtype`).
+void check_tensor(const at::Tensor& t, const char* what, bool any_dtype = false) {
   if (!t.defined() || !t.device().is_cpu() || !t.is_contiguous()) {
-    throw std::invalid_argument(absl::StrCat(what, " must be a defined, contiguous CPU tensor"));
+    throw_error(absl::InvalidArgumentError(absl::StrCat(what, " must be a defined, contiguous CPU tensor")));
+  }
+  if (!any_dtype && !supported(t.scalar_type())) {
+    throw_error(absl::UnimplementedError(absl::StrCat(what, " has dtype ", c10::toString(t.scalar_type()),
+                                                      ", which collectives do not support (float, double, half, "
+                                                      "bfloat16, int8, uint8, int32, int64)")));
   }
 }
 
-std::mutex g_names_mu;
-std::set<std::string> g_names;  // group names used by this worker in this job: each names one group
+ABSL_CONST_INIT absl::Mutex g_names_mu(absl::kConstInit);
+// Group names used by this worker in this job: each names one group.
+std::set<std::string> g_names ABSL_GUARDED_BY(g_names_mu);
 
 constexpr const char* kPing = "__tandem.comm.ping";
-// How long a failed group waits for its members to answer a ping, to name the ones that are gone.
+// How long a failed group waits for its members to answer a ping, to name the ones that are gone. Fixed: it tests
+// whether a worker's RPC server is alive, which takes a round trip whatever the group's operations cost.
 constexpr std::chrono::milliseconds kPingTimeout{1000};
+
+using Clock = std::chrono::steady_clock;
+
+// Gloo's errors name a socket, not a rank: after a failure, the members (job ranks, by group rank; `self` excluded)
+// that do not answer a ping within kPingTimeout ("; rank 1 (worker 'worker2') does not answer: ..."), or "". Never
+// throws: it runs in failure paths, also while RPC shuts down.
+std::string unanswering_members(const std::vector<int>& job_ranks, int self) {
+  if (!rpc::is_initialized()) return "";
+  std::vector<std::pair<int, rpc::Future>> pings;
+  for (int r = 0; r < static_cast<int>(job_ranks.size()); ++r) {
+    if (r != self) pings.emplace_back(r, rpc::call(job_ranks[r], kPing, {}, kPingTimeout));
+  }
+  std::string out;
+  for (auto& [r, f] : pings) {
+    absl::Status s = f.status();
+    if (s.ok()) continue;
+    const auto info = rpc::find_worker_info(job_ranks[r]);
+    absl::StrAppend(&out, "; rank ", r, " (worker '", info ? info->name : "?", "') does not answer: ", s.message());
+  }
+  return out;
+}
+
+// The error of an operation (or the set-up) that Gloo failed after `elapsed`, decided by facts, not by Gloo's words:
+// every member alive and the timeout spent is DEADLINE_EXCEEDED (a rank did not take part in time); otherwise
+// UNAVAILABLE, naming the members that do not answer.
+absl::Status gloo_failure(const std::string& prefix, const std::string& cause, Clock::duration elapsed,
+                          milliseconds timeout, const std::vector<int>& job_ranks, int self) {
+  const std::string gone = unanswering_members(job_ranks, self);
+  if (gone.empty() && elapsed >= timeout) {
+    return absl::DeadlineExceededError(
+        absl::StrCat(prefix, "a rank did not take part within ", timeout.count(), " ms: ", cause));
+  }
+  return absl::UnavailableError(prefix + cause + gone);
+}
 
 const bool g_installed = [] {
   rpc::register_function(kPing, [] {});
   rpc::add_stop_hook([] {  // a new job (init_rpc again) starts with a new store: names are free again
-    std::lock_guard<std::mutex> lock(g_names_mu);
+    absl::MutexLock lock(&g_names_mu);
     g_names.clear();
   });
   return true;
@@ -190,12 +251,17 @@ class GlooGroup final : public ProcessGroup {
   }
   ~GlooGroup() override {
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      absl::MutexLock lock(&mu_);
       stopping_ = true;
     }
-    cv_.notify_all();
-    thread_.join();                           // an operation in progress ends within its timeout
-    for (auto& w : waiters_) w.first.join();  // likewise
+    thread_.join();  // an operation in progress ends within its timeout
+    std::list<std::pair<std::thread, std::shared_ptr<std::atomic<bool>>>> waiters;
+    {
+      absl::MutexLock lock(&mu_);
+      waiters.swap(waiters_);
+    }
+    // Joined without the lock: a waiter that fails takes it (mark_broken). Each ends within the timeout.
+    for (auto& w : waiters) w.first.join();
   }
 
   int rank() const override { return rank_; }
@@ -318,7 +384,8 @@ class GlooGroup final : public ProcessGroup {
     check_tensor(output, "all_to_all: the output");
     check_tensor(input, "all_to_all: the input");
     if (output.scalar_type() != input.scalar_type() || output.numel() != input.numel() || input.numel() % size_ != 0) {
-      throw std::invalid_argument("all_to_all: input and output must have the same dtype and size() equal chunks");
+      throw_error(
+          absl::InvalidArgumentError("all_to_all: input and output must have the same dtype and size() equal chunks"));
     }
     return submit("all_to_all", input, 0, [this, output, input](uint32_t tag) {
       dispatch(input.scalar_type(), [&](auto zero) {
@@ -356,35 +423,37 @@ class GlooGroup final : public ProcessGroup {
   // Point-to-point operations start at once (Gloo progresses them on its own thread) and each gets a thread that
   // waits for it within the timeout; the threads are joined as they finish and when the group goes.
   rpc::Future p2p(const char* what, const at::Tensor& t, int peer, uint32_t tag) {
-    check_tensor(t, what);
+    check_tensor(t, what, /*any_dtype=*/true);
     check_root(peer, what);
-    if (peer == rank_) throw std::invalid_argument(absl::StrCat(what, ": the peer is this rank"));
+    if (peer == rank_) throw_error(absl::InvalidArgumentError(absl::StrCat(what, ": the peer is this rank")));
     const bool sending = what[0] == 's';
     const std::string prefix = absl::StrCat("process group '", name_, "' (rank ", rank_, " of ", size_, "), ", what,
                                             (sending ? " to rank " : " from rank "), peer, " (tag ", tag, "): ");
     if (absl::Status b = broken(); !b.ok()) return rpc::Future::failed(failed_earlier(prefix, b));
     std::shared_ptr<gloo::transport::UnboundBuffer> buffer = ctx_->createUnboundBuffer(t.data_ptr(), t.nbytes());
     const uint64_t slot = gloo::Slot::build(kP2pSlotPrefix, tag);
+    const Clock::time_point start = Clock::now();
     try {
       sending ? buffer->send(peer, slot) : buffer->recv(peer, slot);
-    } catch (const std::exception& e) {
-      mark_broken(failure(prefix, e.what()));
+    } catch (...) {
+      mark_broken(failure(prefix, start));
       return rpc::Future::failed(broken());
     }
-    rpc::Future done;
+    // Done within the timeout, or failed (after naming the members gone, within kPingTimeout).
+    rpc::Future done(absl::Now() + absl::FromChrono(options_.timeout + kPingTimeout));
     auto finished = std::make_shared<std::atomic<bool>>(false);
-    std::thread waiter([this, buffer, t, done, sending, prefix, finished] {
+    std::thread waiter([this, buffer, t, done, sending, prefix, finished, start] {
       try {
         const bool ok = sending ? buffer->waitSend(options_.timeout) : buffer->waitRecv(options_.timeout);
         ok ? done.set_value(c10::IValue()) : done.set_error(absl::AbortedError(prefix + "aborted"));
-      } catch (const std::exception& e) {
-        absl::Status error = failure(prefix, e.what());
+      } catch (...) {
+        absl::Status error = failure(prefix, start);
         mark_broken(error);
         done.set_error(error);
       }
       *finished = true;
     });
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     for (auto it = waiters_.begin(); it != waiters_.end();) {
       if (*it->second) {
         it->first.join();
@@ -398,11 +467,11 @@ class GlooGroup final : public ProcessGroup {
   }
 
   absl::Status broken() {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     return broken_;
   }
   void mark_broken(const absl::Status& error) {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     if (broken_.ok()) broken_ = error;
   }
   static absl::Status failed_earlier(const std::string& prefix, const absl::Status& cause) {
@@ -410,40 +479,21 @@ class GlooGroup final : public ProcessGroup {
                                          "); create a new one");
   }
 
-  absl::Status failure(const std::string& prefix, const std::string& cause) const {
-    const bool timed_out = cause.find("imed out") != std::string::npos || cause.find("imeout") != std::string::npos;
-    const std::string gone = unanswering_members();
-    return timed_out ? absl::DeadlineExceededError(prefix + "a rank did not take part within " +
-                                                   std::to_string(options_.timeout.count()) + " ms: " + cause + gone)
-                     : absl::UnavailableError(prefix + cause + gone);
-  }
-
-  // Gloo's errors name a socket, not a rank: after a failure, the members that do not answer a ping within
-  // kPingTimeout ("; rank 1 (worker 'worker2') does not answer: ..."), or "".
-  std::string unanswering_members() const {
-    if (!rpc::is_initialized()) return "";
-    std::vector<std::pair<int, rpc::Future>> pings;
-    for (int r = 0; r < size_; ++r) {
-      if (r == rank_) continue;
-      try {
-        pings.emplace_back(r, rpc::call(job_ranks_[r], kPing, {}, kPingTimeout));
-      } catch (const std::exception&) {
-        continue;
-      }
+  // The error of the operation started at `start` whose exception is being handled (call inside catch (...) only).
+  // Gloo's (and LibTorch's) exceptions are classified by facts (gloo_failure); a tandem::Error or an out-of-memory
+  // keeps its code.
+  absl::Status failure(const std::string& prefix, Clock::time_point start) const {
+    const absl::Status thrown = status_from_current_exception();
+    if (thrown.code() != absl::StatusCode::kUnknown) {
+      return absl::Status(thrown.code(), prefix + std::string(thrown.message()));
     }
-    std::string out;
-    for (auto& [r, f] : pings) {
-      absl::Status s = f.status();
-      if (s.ok()) continue;
-      absl::StrAppend(&out, "; rank ", r, " (worker '", rpc::get_worker_info(job_ranks_[r]).name,
-                      "') does not answer: ", s.message());
-    }
-    return out;
+    return gloo_failure(prefix, std::string(thrown.message()), Clock::now() - start, options_.timeout, job_ranks_,
+                        rank_);
   }
 
   static void check_op(const at::Tensor& t, ReduceOp op, const char* what) {
     if (op == ReduceOp::kAvg && !at::isFloatingType(t.scalar_type())) {
-      throw std::invalid_argument(absl::StrCat(what, ": kAvg needs a floating-point tensor"));
+      throw_error(absl::InvalidArgumentError(absl::StrCat(what, ": kAvg needs a floating-point tensor")));
     }
   }
 
@@ -457,13 +507,16 @@ class GlooGroup final : public ProcessGroup {
   }
 
   void check_root(int root, const char* what) const {
-    if (root < 0 || root >= size_) throw std::invalid_argument(absl::StrCat(what, ": no rank ", root, " in the group"));
+    if (root < 0 || root >= size_) {
+      throw_error(absl::InvalidArgumentError(absl::StrCat(what, ": no rank ", root, " in the group")));
+    }
   }
   // `whole` holds size() chunks the size and dtype of `chunk`.
   void check_chunks(const at::Tensor& whole, const at::Tensor& chunk, const char* what) const {
     check_tensor(whole, what);
     if (whole.scalar_type() != chunk.scalar_type() || whole.numel() != chunk.numel() * size_) {
-      throw std::invalid_argument(absl::StrCat(what, ": the whole tensor must hold size() chunks of the same dtype"));
+      throw_error(absl::InvalidArgumentError(
+          absl::StrCat(what, ": the whole tensor must hold size() chunks of the same dtype")));
     }
   }
 
@@ -501,8 +554,8 @@ class GlooGroup final : public ProcessGroup {
   }
 
   // Debug mode: all ranks exchange the fingerprint of the operation they are about to run; the first rank whose
-  // fingerprint differs from rank 0's is reported, on every rank.
-  void check_same(const Op& op, uint32_t tag) {
+  // fingerprint differs from rank 0's is reported, on every rank (FAILED_PRECONDITION). Gloo's own failures throw.
+  absl::Status check_same(const Op& op, uint32_t tag) {
     std::vector<int64_t> all(kFingerprint * size_);
     gloo::AllgatherOptions o(ctx_);
     o.setInput(const_cast<int64_t*>(op.fingerprint.data()), kFingerprint);
@@ -511,24 +564,23 @@ class GlooGroup final : public ProcessGroup {
     gloo::allgather(o);
     for (int r = 1; r < size_; ++r) {
       if (!std::equal(all.begin(), all.begin() + kFingerprint, all.begin() + r * kFingerprint)) {
-        throw MismatchError(absl::StrCat("collective mismatch: rank ", r, " called ", describe(&all[r * kFingerprint]),
-                                         " where rank 0 called ", describe(all.data())));
+        return absl::FailedPreconditionError(absl::StrCat("collective mismatch: rank ", r, " called ",
+                                                          describe(&all[r * kFingerprint]), " where rank 0 called ",
+                                                          describe(all.data())));
       }
     }
+    return absl::OkStatus();
   }
-  struct MismatchError : std::runtime_error {
-    using std::runtime_error::runtime_error;
-  };
 
   rpc::Future submit(std::string what, const at::Tensor& characteristic, int64_t param,
                      std::function<void(uint32_t)> run) {
-    rpc::Future done;
-    Op op{what, fingerprint(what, characteristic, param), std::move(run), done};
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      queue_.push_back(std::move(op));
-    }
-    cv_.notify_all();
+    absl::MutexLock lock(&mu_);
+    // Its deadline: the operations ahead of it and itself each complete or fail within the group's timeout (twice in
+    // debug mode: the fingerprint exchange has its own), and a failure names the members gone within kPingTimeout.
+    const int64_t ahead_and_this = ++pending_;
+    const milliseconds per_op = options_.debug ? 2 * options_.timeout : options_.timeout;
+    rpc::Future done(absl::Now() + absl::FromChrono(ahead_and_this * per_op + kPingTimeout));
+    queue_.push_back(Op{what, fingerprint(what, characteristic, param), std::move(run), done});
     return done;
   }
 
@@ -537,29 +589,41 @@ class GlooGroup final : public ProcessGroup {
     for (;;) {
       Op op;
       {
-        std::unique_lock<std::mutex> lock(mu_);
-        cv_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
+        absl::MutexLock lock(&mu_);
+        mu_.Await(absl::Condition(this, &GlooGroup::work_or_stop));  // idle until an operation comes or ~GlooGroup
         if (queue_.empty()) return;
         op = std::move(queue_.front());
         queue_.pop_front();
       }
-      const std::string prefix =
-          absl::StrCat("process group '", name_, "' (rank ", rank_, " of ", size_, "), ", op.what, ": ");
-      if (absl::Status b = broken(); !b.ok()) {
-        op.done.set_error(failed_earlier(prefix, b));
-        continue;
+      run_op(op, tag);
+      absl::MutexLock lock(&mu_);
+      --pending_;
+    }
+  }
+  bool work_or_stop() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopping_ || !queue_.empty(); }
+
+  // Runs one operation on the group's thread and completes its future.
+  void run_op(Op& op, uint32_t& tag) {
+    const std::string prefix =
+        absl::StrCat("process group '", name_, "' (rank ", rank_, " of ", size_, "), ", op.what, ": ");
+    if (absl::Status b = broken(); !b.ok()) {
+      op.done.set_error(failed_earlier(prefix, b));
+      return;
+    }
+    const Clock::time_point start = Clock::now();
+    try {
+      if (options_.debug) {
+        if (absl::Status same = check_same(op, ++tag); !same.ok()) {
+          mark_broken(absl::Status(same.code(), prefix + std::string(same.message())));
+          op.done.set_error(broken());
+          return;
+        }
       }
-      try {
-        if (options_.debug) check_same(op, ++tag);
-        op.run(++tag);
-        op.done.set_value(c10::IValue());
-      } catch (const MismatchError& e) {
-        mark_broken(absl::FailedPreconditionError(prefix + e.what()));
-        op.done.set_error(broken());
-      } catch (const std::exception& e) {
-        mark_broken(failure(prefix, e.what()));
-        op.done.set_error(broken());
-      }
+      op.run(++tag);
+      op.done.set_value(c10::IValue());
+    } catch (...) {
+      mark_broken(failure(prefix, start));
+      op.done.set_error(broken());
     }
   }
 
@@ -568,12 +632,13 @@ class GlooGroup final : public ProcessGroup {
   const ProcessGroupOptions options_;
   std::shared_ptr<gloo::rendezvous::Context> ctx_;
   const std::vector<int> job_ranks_;  // the group's ranks in the job, by group rank
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<Op> queue_;
-  std::list<std::pair<std::thread, std::shared_ptr<std::atomic<bool>>>> waiters_;  // p2p, guarded by mu_
-  bool stopping_ = false;
-  absl::Status broken_;  // the first failure; guarded by mu_
+  absl::Mutex mu_;
+  std::deque<Op> queue_ ABSL_GUARDED_BY(mu_);
+  int64_t pending_ ABSL_GUARDED_BY(mu_) = 0;  // operations submitted and not completed yet (queued or running)
+  // Threads waiting for p2p transfers, each with whether it finished (joined by the next transfer or ~GlooGroup).
+  std::list<std::pair<std::thread, std::shared_ptr<std::atomic<bool>>>> waiters_ ABSL_GUARDED_BY(mu_);
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Status broken_ ABSL_GUARDED_BY(mu_);  // the first failure
   std::thread thread_;
 };
 
@@ -611,13 +676,16 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(const std::string& name, std:
                                                          "(CUDA tensors); use Backend::kGloo for CPU tensors")));
   }
   {
-    std::lock_guard<std::mutex> lock(g_names_mu);
+    absl::MutexLock lock(&g_names_mu);
     if (!g_names.insert(name).second) {
       throw RpcError(absl::AlreadyExistsError(absl::StrCat("process group '", name, "' was already created here")));
     }
   }
   const int rank = static_cast<int>(me - ranks.begin());
   const int size = static_cast<int>(ranks.size());
+  if (options.timeout.count() <= 0) options.timeout = rpc::default_timeout();
+  const std::string prefix = absl::StrCat("process group '", name, "' set-up on worker '", self.name, "': ");
+  const Clock::time_point start = Clock::now();
   try {
     gloo::transport::tcp::attr attr;
     attr.hostname = host_of(self.address);
@@ -632,12 +700,14 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(const std::string& name, std:
     StoreAdapter store(rpc::job_store(), absl::StrCat("comm/", name, "/"), options.timeout);
     ctx->connectFullMesh(store, device);
     return std::make_shared<GlooGroup>(name, rank, size, std::move(ctx), options, ranks);
-  } catch (const RpcError& e) {
-    throw RpcError(absl::Status(e.status().code(), absl::StrCat("process group '", name, "' set-up on worker '",
-                                                                self.name, "': ", e.status().message())));
-  } catch (const std::exception& e) {
-    throw RpcError(absl::UnavailableError(
-        absl::StrCat("process group '", name, "' set-up on worker '", self.name, "': ", e.what())));
+  } catch (...) {
+    // The store's errors (tandem::Error) keep their code; Gloo's connection failures are classified by facts.
+    const absl::Status thrown = status_from_current_exception();
+    if (thrown.code() != absl::StatusCode::kUnknown) {
+      throw_error(absl::Status(thrown.code(), prefix + std::string(thrown.message())));
+    }
+    throw_error(
+        gloo_failure(prefix, std::string(thrown.message()), Clock::now() - start, options.timeout, ranks, rank));
   }
 }
 

@@ -3,7 +3,7 @@
 //   rpc::init_rpc(...);                                          // the group meets through the job's store
 //   auto pg = comm::ProcessGroup::create("default");             // every rank calls it, with the same name
 //   pg->allreduce(grad, comm::ReduceOp::kAvg).get...;            // asynchronous: a future per operation
-//   comm::wait(pg->allreduce(grad));                             // or synchronous (throws RpcError on failure)
+//   comm::wait(pg->allreduce(grad));                             // or synchronous (throws tandem::Error on failure)
 //
 // Operations run in the order they are issued, on the group's own thread; a future completes (None, or the error)
 // when the operation is done. Tensors are reduced in place and must be contiguous CPU tensors of the same shape and
@@ -11,10 +11,15 @@
 // bfloat16 are summed in float and rounded once per step, as on the wire).
 // send/recv are point-to-point and do not queue behind collectives: they start at once and complete independently.
 //
-// Failures: every operation has the group's timeout; a rank that dies or never arrives makes the others fail with
-// DEADLINE_EXCEEDED or UNAVAILABLE naming the group and the operation — never a hang. After a failure the group is
-// unusable (its connections are in an unknown state): create a new one. create() sets SIGPIPE to be ignored (unless
-// the program installed a handler): Gloo's writes to a dead peer would otherwise kill the process.
+// Errors (docs/errors.md): a bad argument is refused by the call itself, before anything is queued, with tandem::Error:
+// INVALID_ARGUMENT (a tensor that is not a defined, contiguous CPU tensor, wrong sizes, a rank outside the group, kAvg
+// on an integer tensor), UNIMPLEMENTED (a dtype collectives do not support); the group is unaffected. Every operation
+// has the group's timeout; a rank that dies or never arrives makes the others' futures fail, naming the group and the
+// operation — never a hang: DEADLINE_EXCEEDED when every member still answers but one did not take part within the
+// timeout, UNAVAILABLE naming the members that do not answer otherwise. After such a failure the group is unusable
+// (its connections are in an unknown state; later operations fail with FAILED_PRECONDITION): create a new one.
+// create() sets SIGPIPE to be ignored (unless the program installed a handler): Gloo's writes to a dead peer would
+// otherwise kill the process.
 //
 // NCCL (CUDA tensors) is not written: neither CUDA nor NCCL exists on these machines (docs/collectives.md). This
 // interface takes any at::Tensor and returns futures, so an NCCL group can implement it behind TANDEM_WITH_NCCL;
@@ -37,7 +42,8 @@ enum class ReduceOp { kSum, kAvg, kMin, kMax, kProduct };
 enum class Backend { kGloo, kNccl };
 
 struct ProcessGroupOptions {
-  std::chrono::milliseconds timeout{std::chrono::seconds(60)};  // per operation, and for set-up
+  // Per operation, and for set-up. Non-positive (the default): RpcOptions::rpc_timeout, resolved by create().
+  std::chrono::milliseconds timeout{0};
   // Debug mode: before each operation the ranks compare what they are about to call (operation, root or reduce op,
   // dtype and shape) and every rank fails with FAILED_PRECONDITION naming the first rank that differs from rank 0
   // (PyTorch users otherwise get a hang, then a watchdog kill). Costs one small allgather per operation. The
@@ -49,7 +55,7 @@ struct ProcessGroupOptions {
 class ProcessGroup {
  public:
   // Collective over `ranks` (job ranks, every one when empty): each of them calls it with the same `name`; returns
-  // when all are connected. A worker not in `ranks` must not call it. Throws RpcError.
+  // when all are connected. A worker not in `ranks` must not call it. Throws tandem::Error.
   static std::shared_ptr<ProcessGroup> create(const std::string& name, std::vector<int> ranks = {},
                                               ProcessGroupOptions options = {});
   virtual ~ProcessGroup() = default;
@@ -85,7 +91,7 @@ class ProcessGroup {
   virtual rpc::Future recv(at::Tensor tensor, int src, uint32_t tag = 0) = 0;
 };
 
-// Waits for an operation (bounded by its future's deadline); throws RpcError when it failed.
+// Waits for an operation (bounded by its future's deadline); throws tandem::Error when it failed.
 void wait(const rpc::Future& work);
 
 }  // namespace tandem::comm

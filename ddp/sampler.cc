@@ -3,16 +3,17 @@
 #include <ATen/ATen.h>
 #include <torch/serialize/archive.h>
 
-#include <stdexcept>
 #include <string>
+
+#include "rpc/errors.h"
 
 namespace tandem::ddp {
 
 DistributedSampler::DistributedSampler(size_t dataset_size, int num_replicas, int rank, SamplerOptions options)
     : dataset_size_(dataset_size), num_replicas_(num_replicas), rank_(rank), options_(options) {
   if (num_replicas <= 0 || rank < 0 || rank >= num_replicas) {
-    throw std::invalid_argument("DistributedSampler: rank " + std::to_string(rank) + " is not in [0, " +
-                                std::to_string(num_replicas) + ")");
+    throw_error(absl::InvalidArgumentError("DistributedSampler: rank " + std::to_string(rank) + " is not in [0, " +
+                                           std::to_string(num_replicas) + ")"));
   }
   reset();
 }

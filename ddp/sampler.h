@@ -28,6 +28,7 @@ struct SamplerOptions {
 
 class DistributedSampler : public torch::data::samplers::Sampler<std::vector<size_t>> {
  public:
+  // Throws tandem::Error (INVALID_ARGUMENT) unless 0 <= rank < num_replicas.
   DistributedSampler(size_t dataset_size, int num_replicas, int rank, SamplerOptions options = {});
   DistributedSampler(size_t dataset_size, const comm::ProcessGroup& group, SamplerOptions options = {});
 

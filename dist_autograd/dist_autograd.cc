@@ -9,18 +9,21 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include <atomic>
-#include <map>
 #include <memory>
-#include <mutex>
 #include <set>
 #include <unordered_set>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "absl/synchronization/mutex.h"
+#include "dist_autograd/detail/gradients.h"
 #include "dist_autograd/detail/trace.h"
 #include "proto/tandem_rpc.pb.h"
+#include "rpc/detail/ids.h"
+#include "rpc/detail/note_batcher.h"
 #include "rpc/errors.h"
 #include "rpc/extension.h"
 #include "rpc/registry.h"
@@ -51,7 +54,8 @@ struct SendRpcBackward : Node {
 struct RecvRpcBackward : Node {
   RecvRpcBackward(int64_t context, int from, int64_t send) : context_id(context), from_rank(from), send_id(send) {}
   variable_list apply(variable_list&&) override {
-    throw std::logic_error("RecvRpcBackward is applied by distributed autograd only (use dist_autograd::backward)");
+    throw_error(absl::FailedPreconditionError(
+        "RecvRpcBackward is applied by distributed autograd only (use dist_autograd::backward)"));
   }
   std::string name() const override { return "tandem::RecvRpcBackward"; }
   const int64_t context_id;
@@ -61,14 +65,24 @@ struct RecvRpcBackward : Node {
 
 struct Context {
   explicit Context(int64_t i) : id(i) {}
+  void add_worker(int worker) ABSL_LOCKS_EXCLUDED(mu) {
+    absl::MutexLock lock(&mu);
+    workers.insert(worker);
+  }
+  // Adds `g` to `leaf`'s gradient in this context.
+  void accumulate(const at::Tensor& leaf, const at::Tensor& g) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    auto [it, fresh] = grads.try_emplace(leaf.unsafeGetTensorImpl(), leaf, g);
+    if (!fresh) it->second.second = it->second.second + g;
+  }
+
   const int64_t id;
-  std::mutex mu;
-  std::unordered_map<int64_t, std::shared_ptr<SendRpcBackward>> sends;
-  Gradients::Map grads;
-  std::set<int> workers;  // workers this context sent to or received from: release goes there
+  absl::Mutex mu;
+  std::unordered_map<int64_t, std::shared_ptr<SendRpcBackward>> sends ABSL_GUARDED_BY(mu);
+  Gradients::Map grads ABSL_GUARDED_BY(mu);
+  std::set<int> workers ABSL_GUARDED_BY(mu);  // workers this context sent to or received from: release goes there
   // Gradient messages received, by message id, with the work each started: a duplicate (a retried or duplicated
   // message) joins that work instead of adding its gradients a second time.
-  std::unordered_map<int64_t, rpc::Future> grad_messages;
+  std::unordered_map<int64_t, rpc::Future> grad_messages ABSL_GUARDED_BY(mu);
 };
 
 class Container {
@@ -77,24 +91,19 @@ class Container {
     static auto* c = new Container;  // never destroyed: RPC threads may use it until exit
     return *c;
   }
-  int64_t next_id() {
-    int64_t rank = 0;
-    if (rpc::is_initialized()) rank = rpc::get_worker_info().id;
-    return (rank << 48) | (counter_.fetch_add(1) & ((int64_t{1} << 48) - 1));
-  }
   std::shared_ptr<Context> find(int64_t id) {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     auto it = contexts_.find(id);
     return it == contexts_.end() ? nullptr : it->second;
   }
   std::shared_ptr<Context> get_or_create(int64_t id) {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     auto& c = contexts_[id];
     if (!c) c = std::make_shared<Context>(id);
     return c;
   }
   std::shared_ptr<Context> take(int64_t id) {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     auto it = contexts_.find(id);
     if (it == contexts_.end()) return nullptr;
     auto c = std::move(it->second);
@@ -104,23 +113,20 @@ class Container {
   void clear() {
     std::unordered_map<int64_t, std::shared_ptr<Context>> gone;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      absl::MutexLock lock(&mu_);
       gone.swap(contexts_);
     }
   }
   int64_t size() {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     return static_cast<int64_t>(contexts_.size());
   }
   std::atomic<int64_t> failed_releases{0};
 
  private:
-  std::mutex mu_;
-  std::unordered_map<int64_t, std::shared_ptr<Context>> contexts_;
-  std::atomic<int64_t> counter_{1};
+  absl::Mutex mu_;
+  std::unordered_map<int64_t, std::shared_ptr<Context>> contexts_ ABSL_GUARDED_BY(mu_);
 };
-
-int self_rank() { return rpc::is_initialized() ? rpc::get_worker_info().id : 0; }
 
 std::string worker_name() {
   return rpc::is_initialized() ? rpc::get_worker_info().name : std::string("(rpc not initialized)");
@@ -142,8 +148,8 @@ std::string attach(Context& ctx, const std::vector<at::Tensor>& tensors) {
     send->set_next_edges(torch::autograd::collect_next_edges(recorded));
     for (const auto& t : recorded) send->add_input_metadata(t);
     trace.set_has_send(true);
-    trace.set_send_id(Container::get().next_id());
-    std::lock_guard<std::mutex> lock(ctx.mu);
+    trace.set_send_id(rpc::detail::next_global_id());
+    absl::MutexLock lock(&ctx.mu);
     ctx.sends.emplace(trace.send_id(), std::move(send));
   }
   return trace.SerializeAsString();
@@ -197,10 +203,7 @@ class Tracer final : public rpc::CallTracer {
   std::string request_out(int to, const std::string& function, const std::vector<at::Tensor>& tensors) override {
     if (t_context < 0 || function.rfind(kPrefix, 0) == 0) return "";
     auto ctx = Container::get().get_or_create(t_context);
-    {
-      std::lock_guard<std::mutex> lock(ctx->mu);
-      ctx->workers.insert(to);
-    }
+    ctx->add_worker(to);
     return attach(*ctx, tensors);
   }
 
@@ -208,11 +211,7 @@ class Tracer final : public rpc::CallTracer {
                                                    const std::vector<at::Tensor>& tensors) override {
     auto a = parse_trace(attached, tensors.size());
     if (!a.ok()) return a.status();
-    if (a->has_send()) {
-      auto ctx = Container::get().get_or_create(a->context_id());
-      std::lock_guard<std::mutex> lock(ctx->mu);
-      ctx->workers.insert(from);
-    }
+    if (a->has_send()) Container::get().get_or_create(a->context_id())->add_worker(from);
     if (auto s = record_recv(*a, from, tensors); !s.ok()) return s;
     return std::shared_ptr<void>(std::make_shared<CallState>(CallState{a->context_id()}));
   }
@@ -237,20 +236,14 @@ class Tracer final : public rpc::CallTracer {
     for (const auto& t : tensors) any |= t.defined() && t.requires_grad();
     if (!any) return "";
     auto ctx = Container::get().get_or_create(static_cast<CallState*>(state.get())->context_id);
-    {
-      std::lock_guard<std::mutex> lock(ctx->mu);
-      ctx->workers.insert(to);
-    }
+    ctx->add_worker(to);
     return attach(*ctx, tensors);
   }
 
   absl::Status reply_in(int from, const std::string& attached, const std::vector<at::Tensor>& tensors) override {
     auto a = parse_trace(attached, tensors.size());
     if (!a.ok()) return a.status();
-    if (auto ctx = Container::get().find(a->context_id())) {
-      std::lock_guard<std::mutex> lock(ctx->mu);
-      ctx->workers.insert(from);
-    }
+    if (auto ctx = Container::get().find(a->context_id())) ctx->add_worker(from);
     return record_recv(*a, from, tensors);
   }
 };
@@ -304,22 +297,20 @@ rpc::Future run_local(const std::shared_ptr<Context>& ctx, const torch::autograd
     captured = torch::autograd::Engine::get_default_engine().execute(roots, inputs, /*keep_graph=*/true,
                                                                      /*create_graph=*/false,
                                                                      /*accumulate_grad=*/false, outputs);
-  } catch (const std::exception& e) {
-    std::string what = e.what();
-    if (auto cut = what.find("\nException raised from"); cut != std::string::npos) what.resize(cut);
-    return rpc::Future::failed(absl::InternalError(
-        absl::StrCat("distributed backward failed on worker '", worker_name(), "' (context ", ctx->id, "): ", what)));
+  } catch (...) {
+    // What a backward function threw: a user's exception is UNKNOWN, a tandem::Error (e.g. DDP's) keeps its code.
+    const absl::Status thrown = status_from_current_exception();
+    return rpc::Future::failed(
+        absl::Status(thrown.code(), absl::StrCat("distributed backward failed on worker '", worker_name(),
+                                                 "' (context ", ctx->id, "): ", thrown.message())));
   }
 
   size_t k = 0;
   {
-    std::lock_guard<std::mutex> lock(ctx->mu);
+    absl::MutexLock lock(&ctx->mu);
     for (const auto& leaf : leaves) {
       const at::Tensor& g = captured[k++];
-      if (!g.defined()) continue;
-      const at::Tensor& var = static_cast<torch::autograd::AccumulateGrad*>(leaf.get())->variable;
-      auto [it, fresh] = ctx->grads.try_emplace(var.unsafeGetTensorImpl(), var, g);
-      if (!fresh) it->second.second = it->second.second + g;
+      if (g.defined()) ctx->accumulate(static_cast<torch::autograd::AccumulateGrad*>(leaf.get())->variable, g);
     }
   }
   struct Message {
@@ -339,7 +330,7 @@ rpc::Future run_local(const std::shared_ptr<Context>& ctx, const torch::autograd
     if (grads.empty()) continue;  // nothing flowed into this message: its sender's part gets no gradient
     messages.push_back({recv->from_rank,
                         {c10::IValue(recv->context_id), c10::IValue(recv->send_id), rpc::to_ivalue(indices),
-                         rpc::to_ivalue(grads), c10::IValue(Container::get().next_id())}});
+                         rpc::to_ivalue(grads), c10::IValue(rpc::detail::next_global_id())}});
   }
   bool budget = false;
   if (!may_block && !messages.empty()) {
@@ -363,119 +354,67 @@ rpc::Future on_grad(int64_t context_id, int64_t send_id, std::vector<int64_t> in
                     int64_t message_id) {
   auto ctx = Container::get().find(context_id);
   if (!ctx) {
-    throw std::invalid_argument(
-        absl::StrCat("distributed autograd context ", context_id, " does not exist on this worker (released?)"));
+    throw_error(absl::NotFoundError(absl::StrCat("distributed autograd context ", context_id,
+                                                 " does not exist on worker '", worker_name(), "' (released?)")));
   }
   std::shared_ptr<SendRpcBackward> send;
   {
-    std::lock_guard<std::mutex> lock(ctx->mu);
+    absl::MutexLock lock(&ctx->mu);
     auto it = ctx->sends.find(send_id);
     if (it != ctx->sends.end()) send = it->second;
   }
   if (!send) {
-    throw std::invalid_argument(absl::StrCat("no send function ", send_id, " in context ", context_id));
+    throw_error(absl::NotFoundError(absl::StrCat("no send function ", send_id, " in distributed autograd context ",
+                                                 context_id, " on worker '", worker_name(), "'")));
   }
-  if (indices.size() != grads.size()) throw std::invalid_argument("gradient message: indices and gradients differ");
+  if (indices.size() != grads.size()) {
+    throw_error(absl::InvalidArgumentError("malformed gradient message: indices and gradients differ"));
+  }
   torch::autograd::edge_list roots;
   for (int64_t i : indices) {
     if (i < 0 || i >= static_cast<int64_t>(send->num_inputs())) {
-      throw std::invalid_argument(absl::StrCat("gradient message: input ", i, " out of range"));
+      throw_error(absl::InvalidArgumentError(absl::StrCat("malformed gradient message: input ", i, " out of range")));
     }
     roots.emplace_back(send, static_cast<uint32_t>(i));
   }
   rpc::Future work;
   {
-    std::lock_guard<std::mutex> lock(ctx->mu);
+    absl::MutexLock lock(&ctx->mu);
     auto [it, fresh] = ctx->grad_messages.try_emplace(message_id);
     if (!fresh) return it->second;
     it->second = work;
   }
   rpc::Future done = run_local(ctx, roots, grads, std::chrono::milliseconds(0), /*may_block=*/false);
-  done.add_callback([work](const rpc::Future& f) {
-    if (absl::Status st = f.status(); !st.ok()) {
-      work.set_error(st);
-    } else {
-      work.set_value(f.value());
-    }
-  });
+  rpc::forward(done, work);
   return work;
 }
 
 // Release messages, batched per destination: while one is in flight to a worker, later releases for it queue and go
 // together when it completes (a training loop releases a context per step; this keeps that to a message per round
-// trip, not per step).
-class Releaser {
- public:
-  static Releaser& get() {
-    static auto* r = new Releaser;
-    return *r;
-  }
-  rpc::Future release(int worker, int64_t context_id) {
-    rpc::Future done;
-    std::vector<int64_t> ids;
-    std::vector<rpc::Future> waiters;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      Pending& p = pending_[worker];
-      p.ids.push_back(context_id);
-      p.waiters.push_back(done);
-      if (p.in_flight) return done;
-      p.in_flight = true;
-      ids.swap(p.ids);
-      waiters.swap(p.waiters);
-    }
-    send(worker, std::move(ids), std::move(waiters));
-    return done;
-  }
-
- private:
-  struct Pending {
-    bool in_flight = false;
-    std::vector<int64_t> ids;
-    std::vector<rpc::Future> waiters;
-  };
-  void send(int worker, std::vector<int64_t> ids, std::vector<rpc::Future> waiters) {
-    rpc::Future f;
-    try {
-      f = rpc::rpc_async(worker, kReleaseFunction, ids);
-    } catch (const std::exception& e) {
-      f = rpc::Future::failed(absl::UnavailableError(e.what()));
-    }
-    f.add_callback([this, worker, waiters = std::move(waiters)](const rpc::Future& done) {
-      const absl::Status s = done.status();
-      if (!s.ok()) Container::get().failed_releases.fetch_add(static_cast<int64_t>(waiters.size()));
-      for (const auto& w : waiters) s.ok() ? w.set_value(c10::IValue()) : w.set_error(s);
-      std::vector<int64_t> next;
-      std::vector<rpc::Future> next_waiters;
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        Pending& p = pending_[worker];
-        if (p.ids.empty()) {
-          p.in_flight = false;
-          return;
-        }
-        next.swap(p.ids);
-        next_waiters.swap(p.waiters);
-      }
-      send(worker, std::move(next), std::move(next_waiters));
-    });
-  }
-  std::mutex mu_;
-  std::map<int, Pending> pending_;
-};
+// trip, not per step). Each release completes when the message carrying it does; failed ones count in
+// failed_releases.
+rpc::detail::NoteBatcher& releases() {
+  static auto* batcher = [] {
+    rpc::detail::NoteBatcher::Options o;
+    o.policy = rpc::detail::NoteBatcher::Policy::kOneInFlight;
+    o.on_failure = [](int64_t notes) { Container::get().failed_releases.fetch_add(notes); };
+    return new rpc::detail::NoteBatcher(std::move(o));
+  }();  // never destroyed: release messages may complete until exit
+  return *batcher;
+}
 
 rpc::Future release_on(int64_t context_id, int except) {
   auto ctx = Container::get().take(context_id);
   if (!ctx) return rpc::Future::ready(c10::IValue());
   std::set<int> workers;
   {
-    std::lock_guard<std::mutex> lock(ctx->mu);
+    absl::MutexLock lock(&ctx->mu);
     workers = ctx->workers;
   }
-  const int self = self_rank();
+  const int self = rpc::detail::self_rank_or(0);
   std::vector<rpc::Future> released;
   for (int w : workers) {
-    if (w != self && w != except) released.push_back(Releaser::get().release(w, context_id));
+    if (w != self && w != except) released.push_back(releases().add_tracked(w, kReleaseFunction, {context_id}));
   }
   return rpc::when_all(released);
 }
@@ -498,16 +437,18 @@ const bool g_installed = install();
 
 }  // namespace
 
-ContextGuard::ContextGuard() : id_(Container::get().next_id()), previous_(t_context) {
+ContextGuard::ContextGuard() : id_(rpc::detail::next_global_id()), previous_(t_context) {
   Container::get().get_or_create(id_);
   t_context = id_;
 }
 
 ContextGuard::~ContextGuard() {
   t_context = previous_;
+  // A destructor must not throw (a release allocates and sends messages); a release that cannot be made counts as
+  // failed.
   try {
     release_context(id_);
-  } catch (const std::exception&) {
+  } catch (...) {
     Container::get().failed_releases.fetch_add(1);
   }
 }
@@ -534,7 +475,7 @@ void backward(int64_t context_id, const std::vector<at::Tensor>& roots, bool /*r
   }
   rpc::Future done = run_local(ctx, edges, grads, timeout, /*may_block=*/true);
   // Each hop has its RPC deadline; this bounds the whole pass as well.
-  const auto wait = timeout.count() > 0 ? timeout : std::chrono::milliseconds(std::chrono::minutes(5));
+  const auto wait = timeout.count() > 0 ? timeout : rpc::default_timeout();
   if (!done.wait_for(wait)) {
     throw RpcError(absl::DeadlineExceededError(
         absl::StrCat("distributed backward of context ", context_id, " did not finish within ", wait.count(), " ms")));
@@ -558,23 +499,29 @@ std::shared_ptr<Context> find_or_throw(int64_t context_id) {
 }
 }  // namespace
 
+std::optional<Gradients> detail::find_gradients(int64_t context_id) {
+  auto ctx = Container::get().find(context_id);
+  if (!ctx) return std::nullopt;
+  absl::MutexLock lock(&ctx->mu);
+  return Gradients(ctx->grads);
+}
+
 Gradients get_gradients(int64_t context_id) {
   auto ctx = find_or_throw(context_id);
-  std::lock_guard<std::mutex> lock(ctx->mu);
+  absl::MutexLock lock(&ctx->mu);
   return Gradients(ctx->grads);
 }
 
 void set_gradient(int64_t context_id, const at::Tensor& leaf, at::Tensor grad) {
   auto ctx = find_or_throw(context_id);
-  std::lock_guard<std::mutex> lock(ctx->mu);
+  absl::MutexLock lock(&ctx->mu);
   ctx->grads.insert_or_assign(leaf.unsafeGetTensorImpl(), std::make_pair(leaf, std::move(grad)));
 }
 
 void add_gradient(int64_t context_id, const at::Tensor& leaf, const at::Tensor& grad) {
   auto ctx = Container::get().get_or_create(context_id);
-  std::lock_guard<std::mutex> lock(ctx->mu);
-  auto [it, inserted] = ctx->grads.try_emplace(leaf.unsafeGetTensorImpl(), leaf, grad);
-  if (!inserted) it->second.second = it->second.second + grad;
+  absl::MutexLock lock(&ctx->mu);
+  ctx->accumulate(leaf, grad);
 }
 
 rpc::Future release_context(int64_t context_id) { return release_on(context_id, -1); }

@@ -20,8 +20,9 @@
 // finished, with the first error anywhere. Rules: gradients accumulate per context (get_gradients), never into
 // `.grad`; the graph stays alive until the context is released (several sends may reach one part of it).
 //
-// Errors: tandem::RpcError naming the worker and the cause. A worker that dies mid-backward fails the backward (no
-// hang: every step has the RPC deadline).
+// Errors: tandem::Error naming the worker and the cause. A context or send function a worker does not know is
+// NOT_FOUND; what a backward function throws is UNKNOWN (a tandem::Error keeps its code). A worker that dies
+// mid-backward fails the backward (no hang: every step has the RPC deadline).
 //
 // Thread-safety: contexts may be used from several threads; concurrent backward passes in one context accumulate.
 #pragma once
@@ -58,7 +59,8 @@ int64_t current_context();
 
 // Backward pass from `roots` (each must require grad; its gradient is ones) in context `context_id`, across every
 // worker the context's forward touched. `retain_graph` is accepted for PyTorch parity: the graph is kept until the
-// context is released in any case. A non-positive timeout means the RPC default. Throws RpcError.
+// context is released in any case. A non-positive timeout means RpcOptions::rpc_timeout, for the whole pass as for each
+// hop. Throws tandem::Error.
 void backward(int64_t context_id, const std::vector<at::Tensor>& roots, bool retain_graph = false,
               std::chrono::milliseconds timeout = std::chrono::milliseconds(0));
 
@@ -77,11 +79,11 @@ class Gradients {
  private:
   Map map_;
 };
-// Throws RpcError (NOT_FOUND) for a context this worker does not know.
+// Throws tandem::Error (NOT_FOUND) for a context this worker does not know.
 Gradients get_gradients(int64_t context_id);
 
 // Replaces the gradient the context holds for `leaf` on this worker (DistributedDataParallel writes averaged gradients
-// back this way). Throws RpcError (NOT_FOUND) for a context this worker does not know.
+// back this way). Throws tandem::Error (NOT_FOUND) for a context this worker does not know.
 void set_gradient(int64_t context_id, const at::Tensor& leaf, at::Tensor grad);
 
 // Adds `grad` to the gradient the context holds for `leaf` on this worker, creating the context here if this worker

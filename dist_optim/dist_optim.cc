@@ -10,13 +10,17 @@
 
 #include <atomic>
 #include <memory>
-#include <mutex>
+#include <optional>
 #include <set>
 #include <unordered_map>
 
+#include "absl/base/attributes.h"
+#include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/synchronization/mutex.h"
+#include "dist_autograd/detail/gradients.h"
 #include "dist_autograd/dist_autograd.h"
 #include "rpc/errors.h"
 #include "rpc/extension.h"
@@ -48,8 +52,8 @@ class HyperReader {
     if (h_.empty()) return;
     std::vector<std::string> names;
     for (const auto& [k, v] : h_) names.push_back(k);
-    throw std::invalid_argument(
-        absl::StrCat("optimizer '", kind_, "' has no hyper-parameter ", absl::StrJoin(names, ", ")));
+    throw_error(absl::InvalidArgumentError(
+        absl::StrCat("optimizer '", kind_, "' has no hyper-parameter ", absl::StrJoin(names, ", "))));
   }
 
  private:
@@ -88,26 +92,12 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(const std::string& kind,
     o.momentum(h.get("momentum", 0)).centered(h.flag("centered"));
     opt = std::make_unique<torch::optim::RMSprop>(std::move(params), o);
   } else {
-    throw std::invalid_argument(
-        absl::StrCat("unknown optimizer '", kind, "' (known: sgd, adam, adamw, adagrad, rmsprop)"));
+    throw_error(absl::InvalidArgumentError(
+        absl::StrCat("unknown optimizer '", kind, "' (known: sgd, adam, adamw, adagrad, rmsprop)")));
   }
   h.check_all_used();
   return opt;
 }
-
-// One owner's part of a DistributedOptimizer.
-struct LocalOptimizer {
-  std::vector<at::Tensor> params;   // the parameters themselves (gradients are keyed by them)
-  std::vector<at::Tensor> handles;  // what the optimizer updates: same memory, own .grad
-  std::unique_ptr<torch::optim::Optimizer> optimizer;
-  bool hogwild = false;
-  std::mutex mu;  // one step at a time on this optimizer (its state and handles' .grad)
-};
-
-std::mutex g_owner_lock;  // steps of non-hogwild optimizers on this worker
-std::mutex g_registry_mu;
-std::unordered_map<int64_t, std::shared_ptr<LocalOptimizer>> g_optimizers;
-std::atomic<int64_t> g_next_id{1};
 
 // A handle on `p`'s memory with its own autograd metadata. Locked mode: detach() shares the version counter, so an
 // update is seen as the in-place change it is. Hogwild: a separate tensor over the same bytes, invisible to it.
@@ -117,27 +107,46 @@ at::Tensor handle_of(const at::Tensor& p, bool hogwild) {
       p.data_ptr(), p.sizes(), p.strides(), [keep = p](void*) {}, p.options());
 }
 
+// One owner's part of a DistributedOptimizer.
+struct LocalOptimizer {
+  LocalOptimizer(const std::string& kind, std::vector<at::Tensor> parameters, bool hogwild_steps, const Hyper& hyper)
+      : params(std::move(parameters)), hogwild(hogwild_steps) {
+    for (const auto& p : params) handles.push_back(handle_of(p, hogwild));
+    optimizer = make_optimizer(kind, handles, hyper);
+  }
+
+  const std::vector<at::Tensor> params;  // the parameters themselves (gradients are keyed by them)
+  const bool hogwild;
+  absl::Mutex mu;                                       // one step at a time on this optimizer
+  std::vector<at::Tensor> handles ABSL_GUARDED_BY(mu);  // what the optimizer updates: same memory, own .grad
+  std::unique_ptr<torch::optim::Optimizer> optimizer ABSL_GUARDED_BY(mu);
+};
+
+// Guards no data: steps of non-hogwild optimizers on this worker take it, so each update is applied whole.
+ABSL_CONST_INIT absl::Mutex g_owner_lock(absl::kConstInit);
+ABSL_CONST_INIT absl::Mutex g_registry_mu(absl::kConstInit);
+std::unordered_map<int64_t, std::shared_ptr<LocalOptimizer>> g_optimizers ABSL_GUARDED_BY(g_registry_mu);
+std::atomic<int64_t> g_next_id{1};
+
 // create(kind, names, values, hogwild, rref...) -> optimizer id
 rpc::Future on_create(std::vector<c10::IValue>&& args) {
-  if (args.size() < 4) throw std::invalid_argument("malformed optimizer creation");
+  if (args.size() < 4) throw_error(absl::InvalidArgumentError("malformed optimizer creation"));
   const std::string kind = rpc::from_ivalue<std::string>(args[0]);
   auto names = rpc::from_ivalue<std::vector<std::string>>(args[1]);
   auto values = rpc::from_ivalue<std::vector<double>>(args[2]);
   const bool hogwild = rpc::from_ivalue<bool>(args[3]);
-  if (names.size() != values.size()) throw std::invalid_argument("malformed optimizer hyper-parameters");
+  if (names.size() != values.size()) throw_error(absl::InvalidArgumentError("malformed optimizer hyper-parameters"));
   Hyper hyper;
   for (size_t i = 0; i < names.size(); ++i) hyper[names[i]] = values[i];
-  auto local = std::make_shared<LocalOptimizer>();
-  local->hogwild = hogwild;
+  std::vector<at::Tensor> params;
   for (size_t i = 4; i < args.size(); ++i) {
     c10::IValue v = rref::RRef::from_ivalue(args[i]).local_value();
-    if (!v.isTensor()) throw std::invalid_argument(absl::StrCat("parameter ", i - 4, " is not a tensor"));
-    local->params.push_back(v.toTensor());
-    local->handles.push_back(handle_of(v.toTensor(), hogwild));
+    if (!v.isTensor()) throw_error(absl::InvalidArgumentError(absl::StrCat("parameter ", i - 4, " is not a tensor")));
+    params.push_back(v.toTensor());
   }
-  local->optimizer = make_optimizer(kind, local->handles, hyper);
+  auto local = std::make_shared<LocalOptimizer>(kind, std::move(params), hogwild, hyper);
   const int64_t id = g_next_id.fetch_add(1);
-  std::lock_guard<std::mutex> lock(g_registry_mu);
+  absl::MutexLock lock(&g_registry_mu);
   g_optimizers.emplace(id, std::move(local));
   return rpc::Future::ready(c10::IValue(id));
 }
@@ -145,21 +154,20 @@ rpc::Future on_create(std::vector<c10::IValue>&& args) {
 void on_step(int64_t id, int64_t context_id) {
   std::shared_ptr<LocalOptimizer> local;
   {
-    std::lock_guard<std::mutex> lock(g_registry_mu);
+    absl::MutexLock lock(&g_registry_mu);
     auto it = g_optimizers.find(id);
     if (it != g_optimizers.end()) local = it->second;
   }
-  if (!local) throw std::invalid_argument(absl::StrCat("no optimizer ", id, " on this worker (released?)"));
-  // No context here means no gradient reached this owner in it: nothing to apply.
-  dist_autograd::Gradients grads;
-  try {
-    grads = dist_autograd::get_gradients(context_id);
-  } catch (const RpcError& e) {
-    if (e.status().code() != absl::StatusCode::kNotFound) throw;
+  if (!local) {
+    throw_error(absl::NotFoundError(
+        absl::StrCat("no optimizer ", id, " on worker '", rpc::get_worker_info().name, "' (released?)")));
   }
-  std::unique_lock<std::mutex> owner;
-  if (!local->hogwild) owner = std::unique_lock<std::mutex>(g_owner_lock);
-  std::lock_guard<std::mutex> lock(local->mu);
+  // No context here means no gradient reached this owner in it: nothing to apply.
+  const dist_autograd::Gradients grads =
+      dist_autograd::detail::find_gradients(context_id).value_or(dist_autograd::Gradients());
+  std::optional<absl::MutexLock> owner;
+  if (!local->hogwild) owner.emplace(&g_owner_lock);
+  absl::MutexLock lock(&local->mu);
   bool any = false;
   for (size_t i = 0; i < local->params.size(); ++i) {
     at::Tensor g = grads[local->params[i]];
@@ -174,11 +182,11 @@ bool install() {
   throw_if_error(rpc::register_handler(kCreate, on_create));
   rpc::register_function(kStep, on_step);
   rpc::register_function(kRelease, [](int64_t id) {
-    std::lock_guard<std::mutex> lock(g_registry_mu);
+    absl::MutexLock lock(&g_registry_mu);
     g_optimizers.erase(id);
   });
   rpc::add_stop_hook([] {
-    std::lock_guard<std::mutex> lock(g_registry_mu);
+    absl::MutexLock lock(&g_registry_mu);
     g_optimizers.clear();
   });
   return true;
@@ -210,16 +218,18 @@ DistributedOptimizer::DistributedOptimizer(const std::string& kind, const std::v
   std::vector<std::pair<int, rpc::Future>> created;
   for (auto& [owner, args] : by_owner) created.emplace_back(owner, rpc::call(owner, kCreate, args, options.timeout));
   std::string errors;
+  absl::StatusCode code = absl::StatusCode::kOk;  // the first owner's: every owner's error is named, one code is kept
   for (auto& [owner, f] : created) {
     if (absl::Status s = f.status(); !s.ok()) {
       errors += std::string(errors.empty() ? "" : "; ") + std::string(s.message());
+      if (code == absl::StatusCode::kOk) code = s.code();
     } else {
       remote_.emplace_back(owner, f.get<int64_t>());
     }
   }
   if (!errors.empty()) {
     release();  // the optimizers that were created
-    throw RpcError(absl::InvalidArgumentError("DistributedOptimizer: " + errors));
+    throw_error(absl::Status(code, "DistributedOptimizer: " + errors));
   }
 }
 
@@ -227,13 +237,8 @@ DistributedOptimizer::~DistributedOptimizer() { release(); }
 
 void DistributedOptimizer::release() {
   if (!rpc::is_initialized()) return;
-  for (const auto& [owner, id] : remote_) {
-    try {
-      rpc::rpc_async(owner, kRelease, id);
-    } catch (const std::exception&) {
-      // RPC is shutting down: the owner drops its optimizers when it stops.
-    }
-  }
+  // Not waited for: if RPC is shutting down meanwhile, the owners drop their optimizers when they stop.
+  for (const auto& [owner, id] : remote_) (void)rpc::rpc_async(owner, kRelease, id);
   remote_.clear();
 }
 
@@ -266,9 +271,10 @@ void DistributedOptimizer::step(int64_t context_id) {
   for (int64_t id : mine) {
     try {
       on_step(id, context_id);
-    } catch (const std::exception& e) {
-      local =
-          absl::InternalError(absl::StrCat("optimizer step on worker '", rpc::get_worker_info().name, "': ", e.what()));
+    } catch (...) {  // as the same step on another owner would report it
+      const absl::Status thrown = status_from_current_exception();
+      local = absl::Status(thrown.code(), absl::StrCat("optimizer step on worker '", rpc::get_worker_info().name,
+                                                       "': ", thrown.message()));
     }
   }
   if (!others.empty()) {

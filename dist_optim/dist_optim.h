@@ -23,7 +23,7 @@
 // as in PyTorch). With `hogwild`, steps from different optimizers run without the owner lock and the updates are
 // invisible to version counters (lock-free Hogwild!: a concurrent backward may see a newer parameter).
 //
-// Errors: tandem::RpcError naming the owner. A parameter no gradient reached in the context is left unchanged.
+// Errors: tandem::Error naming the owner. A parameter no gradient reached in the context is left unchanged.
 #pragma once
 
 #include <chrono>
@@ -45,7 +45,8 @@ struct DistributedOptimizerOptions {
 
 class DistributedOptimizer {
  public:
-  // Throws RpcError when an owner cannot create its optimizer (unknown kind or hyper-parameter, not a tensor).
+  // Throws tandem::Error naming every owner that cannot create its optimizer, with the first one's code
+  // (INVALID_ARGUMENT for an unknown kind or hyper-parameter, or a parameter that is not a tensor).
   DistributedOptimizer(const std::string& kind, const std::vector<rref::RRef>& parameters,
                        const std::map<std::string, double>& hyper = {}, DistributedOptimizerOptions options = {});
   // Releases the remote optimizers (asynchronously, best effort: a dead owner has nothing to release).
@@ -53,7 +54,8 @@ class DistributedOptimizer {
   DistributedOptimizer(const DistributedOptimizer&) = delete;
   DistributedOptimizer& operator=(const DistributedOptimizer&) = delete;
 
-  // Applies context `context_id`'s gradients on every owner, concurrently; returns when all have. Throws RpcError.
+  // Applies context `context_id`'s gradients on every owner, concurrently; returns when all have. Throws
+  // tandem::Error (NOT_FOUND when an owner no longer has its optimizer; UNKNOWN when a step threw).
   void step(int64_t context_id);
   rpc::Future step_async(int64_t context_id);
 

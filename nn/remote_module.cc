@@ -2,22 +2,29 @@
 #include "nn/remote_module.h"
 
 #include <map>
-#include <mutex>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "rpc/errors.h"
 
 namespace tandem::nn {
 namespace {
 
-std::mutex g_mu;
-std::map<std::string, detail::Factory>& factories() {
-  static auto* f = new std::map<std::string, detail::Factory>;
+struct Factories {
+  absl::Mutex mu;
+  std::map<std::string, detail::Factory> by_name ABSL_GUARDED_BY(mu);
+};
+Factories& factories() {
+  static auto* f = new Factories;  // never destroyed: RPC threads may build modules until exit
   return *f;
 }
 
 bool install() {
   rref::detail::register_class_impl(RemoteModule::kClass, [](std::vector<c10::IValue>&& args) -> std::shared_ptr<void> {
-    if (args.empty() || !args[0].isString()) throw std::invalid_argument("RemoteModule: missing factory name");
+    if (args.empty() || !args[0].isString()) {
+      throw_error(absl::InvalidArgumentError("malformed RemoteModule creation: no factory name"));
+    }
     return std::make_shared<detail::Instance>(
         detail::make_instance(args[0].toStringRef(), std::vector<c10::IValue>(args.begin() + 1, args.end())));
   });
@@ -40,8 +47,9 @@ const bool g_installed = install();
 
 void detail::register_factory(const std::string& name, Factory factory) {
   (void)g_installed;
-  std::lock_guard<std::mutex> lock(g_mu);
-  if (!factories().emplace(name, std::move(factory)).second) {
+  Factories& f = factories();
+  absl::MutexLock lock(&f.mu);
+  if (!f.by_name.emplace(name, std::move(factory)).second) {
     throw RpcError(absl::AlreadyExistsError(absl::StrCat("a module factory named '", name, "' is already registered")));
   }
 }
@@ -50,11 +58,13 @@ detail::Instance detail::make_instance(const std::string& name, std::vector<c10:
   (void)g_installed;
   detail::Factory factory;
   {
-    std::lock_guard<std::mutex> lock(g_mu);
-    auto it = factories().find(name);
-    if (it == factories().end()) {
-      throw std::invalid_argument(absl::StrCat("no module factory named '", name, "' is registered on worker '",
-                                               rpc::is_initialized() ? rpc::get_worker_info().name : "(local)", "'"));
+    Factories& f = factories();
+    absl::MutexLock lock(&f.mu);
+    auto it = f.by_name.find(name);
+    if (it == f.by_name.end()) {
+      throw_error(
+          absl::NotFoundError(absl::StrCat("no module factory named '", name, "' is registered on worker '",
+                                           rpc::is_initialized() ? rpc::get_worker_info().name : "(local)", "'")));
     }
     factory = it->second;
   }
@@ -72,6 +82,9 @@ std::shared_ptr<torch::nn::Module> RemoteModule::local_module() const {
 
 std::vector<rref::RRef> RemoteModule::remote_parameters() const {
   c10::IValue refs = module_.rpc_sync("parameters");
+  if (!refs.isTuple()) {
+    throw_error(absl::InvalidArgumentError("malformed reply: the RemoteModule's parameters are not a tuple"));
+  }
   std::vector<rref::RRef> out;
   for (const auto& r : refs.toTupleRef().elements()) out.push_back(rref::RRef::from_ivalue(r));
   return out;

@@ -16,7 +16,8 @@
 //
 // The module is an RRef'd object (rref/rref.h): it lives while any RemoteModule handle to it exists. forward calls
 // run concurrently on the owner (modules with state changed by forward need their own care).
-// Errors: tandem::RpcError naming the owner (unknown factory, bad arguments, an exception in forward).
+// Errors: tandem::Error naming the owner: an unknown factory is NOT_FOUND, bad arguments INVALID_ARGUMENT, an exception
+// in the factory or in forward UNKNOWN.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -42,7 +43,7 @@ struct Instance {
 using Factory = std::function<Instance(std::vector<c10::IValue>&& args)>;
 void register_factory(const std::string& name, Factory factory);
 // Builds a module here with the factory registered under `name` (for layers that place modules themselves, e.g. the
-// pipeline). Throws std::invalid_argument for an unknown name, or what the factory throws.
+// pipeline). Throws tandem::Error (NOT_FOUND) for an unknown name, or what the factory throws.
 Instance make_instance(const std::string& name, std::vector<c10::IValue>&& args);
 
 template <typename M>
@@ -118,7 +119,7 @@ class RemoteModule {
   // RRefs to the module's parameters, owned by the module's worker (for dist_optim::DistributedOptimizer).
   std::vector<rref::RRef> remote_parameters() const;
   const rref::RRef& module_rref() const { return module_; }
-  // The module itself; only on its worker, once built (throws RpcError elsewhere).
+  // The module itself; only on its worker, once built (throws tandem::Error elsewhere).
   std::shared_ptr<torch::nn::Module> local_module() const;
   std::string owner_name() const { return module_.owner_name(); }
 

@@ -7,20 +7,23 @@
 #include <torch/nn/modules/container/sequential.h>
 
 #include <algorithm>
-#include <atomic>
-#include <condition_variable>
 #include <map>
-#include <mutex>
 #include <numeric>
+#include <optional>
 #include <set>
 #include <thread>
 #include <tuple>
 
+#include "absl/base/attributes.h"
+#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "dist_autograd/dist_autograd.h"
 #include "nn/remote_module.h"
+#include "rpc/detail/ids.h"
 #include "rpc/errors.h"
 #include "rpc/extension.h"
 #include "rpc/registry.h"
@@ -63,21 +66,25 @@ std::string self_name() { return rpc::is_initialized() ? rpc::get_worker_info().
 // ---- losses ----
 
 using LossFn = std::function<at::Tensor(const at::Tensor&, const at::Tensor&)>;
-std::mutex g_loss_mu;
-std::map<std::string, LossFn>& losses() {
-  static auto* m = new std::map<std::string, LossFn>{
+struct Losses {
+  absl::Mutex mu;
+  std::map<std::string, LossFn> by_name ABSL_GUARDED_BY(mu) = {
       {"mse", [](const at::Tensor& o, const at::Tensor& t) { return at::mse_loss(o, t); }},
       {"cross_entropy", [](const at::Tensor& o, const at::Tensor& t) { return at::cross_entropy_loss(o, t); }},
       {"nll", [](const at::Tensor& o, const at::Tensor& t) { return at::nll_loss(o, t); }},
   };
-  return *m;
+};
+Losses& losses() {
+  static auto* l = new Losses;
+  return *l;
 }
 LossFn find_loss(const std::string& name) {
-  std::lock_guard<std::mutex> lock(g_loss_mu);
-  auto it = losses().find(name);
-  if (it == losses().end()) {
-    throw std::invalid_argument(absl::StrCat("no loss named '", name, "' on worker '", self_name(),
-                                             "' (built in: mse, cross_entropy, nll; or pipeline::register_loss)"));
+  Losses& l = losses();
+  absl::MutexLock lock(&l.mu);
+  auto it = l.by_name.find(name);
+  if (it == l.by_name.end()) {
+    throw_error(absl::NotFoundError(absl::StrCat("no loss named '", name, "' on worker '", self_name(),
+                                                 "' (built in: mse, cross_entropy, nll; or pipeline::register_loss)")));
   }
   return it->second;
 }
@@ -90,15 +97,19 @@ struct Stage {
   std::vector<at::Tensor> params;
 };
 
-std::mutex g_stages_mu;
-std::map<std::pair<int64_t, int>, std::shared_ptr<Stage>>& stages() {
-  static auto* m = new std::map<std::pair<int64_t, int>, std::shared_ptr<Stage>>;
-  return *m;
+struct Stages {
+  absl::Mutex mu;
+  std::map<std::pair<int64_t, int>, std::shared_ptr<Stage>> by_id ABSL_GUARDED_BY(mu);  // (pipeline, stage)
+};
+Stages& stages() {
+  static auto* s = new Stages;  // never destroyed: RPC threads may use it until exit
+  return *s;
 }
 std::shared_ptr<Stage> find_stage(int64_t pipe, int stage) {
-  std::lock_guard<std::mutex> lock(g_stages_mu);
-  auto it = stages().find({pipe, stage});
-  return it == stages().end() ? nullptr : it->second;
+  Stages& s = stages();
+  absl::MutexLock lock(&s.mu);
+  auto it = s.by_id.find({pipe, stage});
+  return it == s.by_id.end() ? nullptr : it->second;
 }
 
 // A TorchScript module as a stage: its parameters and forward. Holds the module, which is not a torch::nn::Module.
@@ -125,10 +136,12 @@ std::shared_ptr<Stage> build_stage(const std::string& factory, std::vector<c10::
                                    int64_t end) {
   // One build at a time in a process: factories seed LibTorch's global generator (torch::manual_seed) to build the
   // same weights everywhere, and two stages of one worker built at once would draw from it interleaved.
-  static std::mutex build_mu;
-  std::unique_lock<std::mutex> build_lock(build_mu);
-  nn::detail::Instance instance = nn::detail::make_instance(factory, std::move(args));
-  build_lock.unlock();
+  ABSL_CONST_INIT static absl::Mutex build_mu(absl::kConstInit);  // guards no data: it orders the builds
+  nn::detail::Instance instance;
+  {
+    absl::MutexLock build_lock(&build_mu);
+    instance = nn::detail::make_instance(factory, std::move(args));
+  }
   auto stage = std::make_shared<Stage>();
   if (begin < 0) {
     stage->module = instance.module;
@@ -136,10 +149,12 @@ std::shared_ptr<Stage> build_stage(const std::string& factory, std::vector<c10::
     stage->forward = [forward](const at::Tensor& x) { return forward({c10::IValue(x)}).value().toTensor(); };
   } else {
     auto full = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(instance.module);
-    if (!full) throw std::invalid_argument("factory '" + factory + "' does not return a torch::nn::Sequential");
+    if (!full) {
+      throw_error(absl::InvalidArgumentError("factory '" + factory + "' does not return a torch::nn::Sequential"));
+    }
     if (end <= begin || end > static_cast<int64_t>(full->size())) {
-      throw std::invalid_argument(absl::StrCat("layers [", begin, ", ", end, ") are not within the ", full->size(),
-                                               " layers of factory '", factory, "'"));
+      throw_error(absl::InvalidArgumentError(absl::StrCat("layers [", begin, ", ", end, ") are not within the ",
+                                                          full->size(), " layers of factory '", factory, "'")));
     }
     torch::nn::Sequential part;
     for (int64_t i = begin; i < end; ++i) part->push_back(std::to_string(i), *(full->begin() + i));
@@ -163,15 +178,15 @@ class Mailbox {
     return *m;
   }
   void put(const Key& key, at::Tensor t) {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     if (aborted_.count(step_of(key))) return;
     box_[key] = std::move(t);
-    cv_.notify_all();
+    cv_.SignalAll();
   }
   // The tensor for `key`, or an error: the step was abandoned (its reason), RPC stopped, or nothing came by
   // `deadline`.
   absl::StatusOr<at::Tensor> take(const Key& key, Clock::time_point deadline, const std::string& what) {
-    std::unique_lock<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     const int64_t epoch = epoch_;
     for (;;) {
       if (epoch_ != epoch) {
@@ -187,45 +202,46 @@ class Mailbox {
         box_.erase(it);
         return t;
       }
-      if (cv_.wait_until(lock, deadline) == std::cv_status::timeout && Clock::now() >= deadline) {
+      if (cv_.WaitWithTimeout(&mu_, absl::FromChrono(deadline - Clock::now())) && Clock::now() >= deadline) {
         return absl::DeadlineExceededError("nothing arrived in time: waited for " + what +
                                            " until the step's deadline");
       }
     }
   }
   void abort(int64_t pipe, int64_t step, absl::Status reason) {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     aborted_.emplace(std::make_pair(pipe, step), std::move(reason));
     order_.push_back({pipe, step});
     if (order_.size() > 1000) aborted_.erase(order_.front()), order_.erase(order_.begin());
     for (auto it = box_.begin(); it != box_.end();) {
       it = step_of(it->first) == std::make_pair(pipe, step) ? box_.erase(it) : std::next(it);
     }
-    cv_.notify_all();
+    cv_.SignalAll();
   }
   // Every wait in progress ends with `reason` (RPC is stopping); later steps are not affected.
   void abort_all(const absl::Status& reason) {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     stopped_ = reason;
     ++epoch_;
     box_.clear();
-    cv_.notify_all();
+    cv_.SignalAll();
   }
   void forget(int64_t pipe) {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     for (auto it = box_.begin(); it != box_.end();)
       it = std::get<0>(it->first) == pipe ? box_.erase(it) : std::next(it);
   }
 
  private:
   static std::pair<int64_t, int64_t> step_of(const Key& k) { return {std::get<0>(k), std::get<1>(k)}; }
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::map<Key, at::Tensor> box_;
-  std::map<std::pair<int64_t, int64_t>, absl::Status> aborted_;
-  std::vector<std::pair<int64_t, int64_t>> order_;  // abandoned steps, oldest first (a bounded memory of them)
-  int64_t epoch_ = 0;                               // abort_all() calls so far
-  absl::Status stopped_;                            // the last one's reason
+  absl::Mutex mu_;
+  absl::CondVar cv_;  // signalled when a tensor arrives or waits must end
+  std::map<Key, at::Tensor> box_ ABSL_GUARDED_BY(mu_);
+  std::map<std::pair<int64_t, int64_t>, absl::Status> aborted_ ABSL_GUARDED_BY(mu_);
+  // Abandoned steps, oldest first (a bounded memory of them).
+  std::vector<std::pair<int64_t, int64_t>> order_ ABSL_GUARDED_BY(mu_);
+  int64_t epoch_ ABSL_GUARDED_BY(mu_) = 0;     // abort_all() calls so far
+  absl::Status stopped_ ABSL_GUARDED_BY(mu_);  // the last one's reason
 };
 
 // ---- a worker's run of its plan ----
@@ -269,10 +285,9 @@ class Run {
       compute_start_ = 0;
       try {
         a.backward ? backward(run, a, n) : forward(run, a, n, loss, batch);
-      } catch (const RpcError& e) {
-        throw_error(e.status().code(), a, e.status().message());
-      } catch (const std::exception& e) {
-        throw_error(absl::StatusCode::kUnknown, a, e.what());
+      } catch (...) {
+        const absl::Status thrown = status_from_current_exception();
+        throw_error(thrown.code(), a, thrown.message());
       }
       // Busy time and the timeline count computing only, not the wait for the action's input.
       const int64_t end = now_us(), start = compute_start_;
@@ -378,7 +393,7 @@ class Run {
 
   void backward(StageRun& run, const Action& a, int n) {
     auto it = run.live.find(a.microbatch);
-    if (it == run.live.end()) throw std::logic_error("backward before forward");
+    if (it == run.live.end()) tandem::throw_error(absl::InternalError("backward before forward"));
     StageRun::Live live = std::move(it->second);
     run.live.erase(it);  // the micro-batch's activations go when this backward is done
     at::Tensor root = live.output, grad_out;
@@ -446,7 +461,7 @@ rpc::Future on_run(int64_t pipe, int64_t step, std::vector<int64_t> actions, std
                    std::string loss, std::vector<int64_t> flags) {
   Plan plan;
   plan.pipe = pipe, plan.step = step;
-  if (actions.size() % 3 != 0 || flags.size() != 4) throw std::invalid_argument("malformed pipeline plan");
+  if (actions.size() % 3 != 0 || flags.size() != 4) throw_error(absl::InvalidArgumentError("malformed pipeline plan"));
   for (size_t i = 0; i < actions.size(); i += 3) {
     plan.actions.push_back(Action{static_cast<int>(actions[i]), static_cast<int>(actions[i + 1]), actions[i + 2] != 0});
   }
@@ -454,7 +469,7 @@ rpc::Future on_run(int64_t pipe, int64_t step, std::vector<int64_t> actions, std
   for (const Action& a : plan.actions) {
     if (a.stage < 0 || a.stage >= static_cast<int>(stage_rank.size()) || a.microbatch < 0 ||
         a.microbatch >= static_cast<int>(sizes.size())) {
-      throw std::invalid_argument("malformed pipeline plan: an action outside the stages or micro-batches");
+      throw_error(absl::InvalidArgumentError("malformed pipeline plan: an action outside the stages or micro-batches"));
     }
   }
   plan.sizes = std::move(sizes);
@@ -464,18 +479,17 @@ rpc::Future on_run(int64_t pipe, int64_t step, std::vector<int64_t> actions, std
   plan.checkpoint = flags[0] != 0, plan.to_grad = flags[1] != 0, plan.record = flags[2] != 0;
   plan.timeout = std::chrono::milliseconds(std::max<int64_t>(1, flags[3]));
   plan.context = dist_autograd::current_context();
-  if (!plan.to_grad && plan.context < 0)
-    throw std::invalid_argument("the plan came without a distributed autograd context");
+  if (!plan.to_grad && plan.context < 0) {
+    throw_error(absl::FailedPreconditionError("the plan came without a distributed autograd context"));
+  }
   rpc::Future result(absl::Now() + absl::FromChrono(plan.timeout + kReplyMargin));
   std::thread([plan = std::move(plan), result]() mutable {
     const int64_t pipe = plan.pipe, step = plan.step;
     try {
       Run run(std::move(plan));
       result.set_value(run.execute());
-    } catch (const RpcError& e) {
-      result.set_error(e.status());
-    } catch (const std::exception& e) {
-      result.set_error(absl::UnknownError(e.what()));
+    } catch (...) {
+      result.set_error(status_from_current_exception());
     }
     if (!result.completed()) result.set_error(absl::InternalError("pipeline run ended without a result"));
     // Whatever else of this step is still on its way here is of no use now.
@@ -486,7 +500,10 @@ rpc::Future on_run(int64_t pipe, int64_t step, std::vector<int64_t> actions, std
 
 bool install() {
   throw_if_error(rpc::register_handler(kCreate, [](std::vector<c10::IValue>&& a) -> rpc::Future {
-    if (a.size() != 7) throw std::invalid_argument("malformed pipeline stage creation");
+    if (a.size() != 7 || !a[0].isInt() || !a[1].isInt() || !a[2].isString() || !a[3].isList() || !a[4].isInt() ||
+        !a[5].isInt() || !a[6].isString()) {
+      throw_error(absl::InvalidArgumentError("malformed pipeline stage creation"));
+    }
     const int64_t pipe = a[0].toInt();
     const int index = static_cast<int>(a[1].toInt());
     std::vector<c10::IValue> args;
@@ -497,8 +514,9 @@ bool install() {
     std::vector<c10::IValue> refs;
     for (const auto& p : stage->params) refs.push_back(rref::make_local(c10::IValue(p)).to_ivalue());
     {
-      std::lock_guard<std::mutex> lock(g_stages_mu);
-      stages()[{pipe, index}] = std::move(stage);
+      Stages& s = stages();
+      absl::MutexLock lock(&s.mu);
+      s.by_id[{pipe, index}] = std::move(stage);
     }
     return rpc::Future::ready(c10::ivalue::Tuple::create(std::move(refs)));
   }));
@@ -508,14 +526,18 @@ bool install() {
       kForward,
       [](int64_t pipe, int64_t index, std::vector<int64_t> ranks, at::Tensor x, int64_t timeout_ms) -> rpc::Future {
         auto stage = find_stage(pipe, static_cast<int>(index));
-        if (!stage) throw std::invalid_argument(absl::StrCat("pipeline ", pipe, " has no stage ", index, " here"));
+        if (!stage) {
+          throw_error(absl::NotFoundError(
+              absl::StrCat("pipeline ", pipe, " has no stage ", index, " on worker '", self_name(), "' (released?)")));
+        }
         at::Tensor y;
         try {
           at::NoGradGuard no_grad;
           y = stage->forward(x);
-        } catch (const std::exception& e) {
-          throw std::runtime_error(
-              absl::StrCat("stage ", index, " on worker '", self_name(), "', forward: ", e.what()));
+        } catch (...) {
+          const absl::Status thrown = status_from_current_exception();
+          throw_error(absl::Status(thrown.code(), absl::StrCat("stage ", index, " on worker '", self_name(),
+                                                               "', forward: ", thrown.message())));
         }
         if (index + 1 >= static_cast<int64_t>(ranks.size())) return rpc::Future::ready(c10::IValue(y));
         return rpc::rpc_async(static_cast<int>(ranks[index + 1]), kForward, pipe, index + 1, ranks, y, timeout_ms,
@@ -529,31 +551,32 @@ bool install() {
   });
   rpc::register_function(kRelease, [](int64_t pipe) {
     {
-      std::lock_guard<std::mutex> lock(g_stages_mu);
-      for (auto it = stages().begin(); it != stages().end();)
-        it = it->first.first == pipe ? stages().erase(it) : std::next(it);
+      Stages& s = stages();
+      absl::MutexLock lock(&s.mu);
+      for (auto it = s.by_id.begin(); it != s.by_id.end();)
+        it = it->first.first == pipe ? s.by_id.erase(it) : std::next(it);
     }
     Mailbox::get().forget(pipe);
   });
   rpc::add_stop_hook([] {
     Mailbox::get().abort_all(absl::CancelledError("RPC is shutting down"));
-    std::lock_guard<std::mutex> lock(g_stages_mu);
-    stages().clear();
+    Stages& s = stages();
+    absl::MutexLock lock(&s.mu);
+    s.by_id.clear();
   });
   return true;
 }
 
 const bool g_installed = install();
 
-std::atomic<int64_t> g_next_pipeline{1};
-
 }  // namespace
 
 // ---- public functions ----
 
 void register_loss(const std::string& name, std::function<at::Tensor(const at::Tensor&, const at::Tensor&)> loss) {
-  std::lock_guard<std::mutex> lock(g_loss_mu);
-  if (!losses().emplace(name, std::move(loss)).second) {
+  Losses& l = losses();
+  absl::MutexLock lock(&l.mu);
+  if (!l.by_name.emplace(name, std::move(loss)).second) {
     throw RpcError(absl::AlreadyExistsError("a pipeline loss named '" + name + "' is already registered"));
   }
 }
@@ -566,7 +589,8 @@ std::shared_ptr<torch::nn::Module> local_stage(int64_t pipeline_id, int stage) {
 std::vector<std::pair<int64_t, int64_t>> balanced_cut(const std::vector<double>& weights, int n_stages) {
   const int L = static_cast<int>(weights.size());
   if (n_stages < 1 || L < n_stages) {
-    throw std::invalid_argument(absl::StrCat("cannot cut ", L, " layers into ", n_stages, " non-empty stages"));
+    throw_error(
+        absl::InvalidArgumentError(absl::StrCat("cannot cut ", L, " layers into ", n_stages, " non-empty stages")));
   }
   std::vector<double> prefix(L + 1, 0);
   for (int i = 0; i < L; ++i) prefix[i + 1] = prefix[i] + weights[i];
@@ -592,27 +616,35 @@ std::vector<std::pair<int64_t, int64_t>> balanced_cut(const std::vector<double>&
 }
 
 struct Pipeline::State {
+  explicit State(PipelineOptions o) : options(std::move(o)) {}
+
+  // Set by create() before the state is shared; read-only afterwards.
   int64_t id = 0;
-  PipelineOptions options;
   std::vector<StageSpec> specs;
   std::vector<int> stage_rank;    // per stage
   std::vector<int> workers;       // distinct ranks, in order of first stage
   std::vector<int> stage_worker;  // per stage: index into workers
   std::vector<rref::RRef> params;
-  std::map<int, std::vector<std::vector<Action>>> plans;  // by number of micro-batches
-  std::mutex step_mu;
-  int64_t next_step = 0;
-  StepStats stats;
-  std::vector<TimelineEvent> timeline;
+
+  absl::Mutex step_mu;                                                             // one step at a time
+  std::map<int, std::vector<std::vector<Action>>> plans ABSL_GUARDED_BY(step_mu);  // by number of micro-batches
+  int64_t next_step ABSL_GUARDED_BY(step_mu) = 0;
+
+  // What other threads read or change while a step runs (options(), last_stats(), set_record_timeline()): held only
+  // briefly, so they need not wait for the step. Taken after step_mu when both are held.
+  mutable absl::Mutex mu;
+  PipelineOptions options ABSL_GUARDED_BY(mu);  // record_timeline changes; the rest is fixed
+  StepStats stats ABSL_GUARDED_BY(mu);
+  std::vector<TimelineEvent> timeline ABSL_GUARDED_BY(mu);
+
+  PipelineOptions current_options() const {
+    absl::MutexLock lock(&mu);
+    return options;
+  }
 
   ~State() {
     if (!rpc::is_initialized()) return;
-    for (int w : workers) {
-      try {
-        (void)rpc::rpc_async(w, kRelease, id, std::chrono::milliseconds(5000));  // best effort, not waited for
-      } catch (const std::exception&) {
-      }
-    }
+    for (int w : workers) (void)rpc::rpc_async(w, kRelease, id);  // best effort, not waited for
   }
 
   std::string describe_worker(int rank) const {
@@ -624,8 +656,8 @@ struct Pipeline::State {
                         absl::StrJoin(hosted, ", "), ")");
   }
 
-  void validate(const at::Tensor& input, const at::Tensor& target) const {
-    const int m = options.n_microbatches;
+  static void validate(const PipelineOptions& opts, const at::Tensor& input, const at::Tensor& target) {
+    const int m = opts.n_microbatches;
     if (m < 1) fail(absl::StatusCode::kInvalidArgument, absl::StrCat("n_microbatches must be at least 1 (is ", m, ")"));
     check_not_empty(input);
     if (!target.defined() || target.dim() == 0 || target.size(0) != input.size(0)) {
@@ -638,7 +670,7 @@ struct Pipeline::State {
            absl::StrCat("a batch of ", input.size(0), " rows cannot be split into ", m,
                         " non-empty micro-batches: use a larger batch or fewer micro-batches"));
     }
-    if (options.gradients == GradientsTo::kContext && dist_autograd::current_context() < 0) {
+    if (opts.gradients == GradientsTo::kContext && dist_autograd::current_context() < 0) {
       fail(absl::StatusCode::kFailedPrecondition,
            "step() leaves gradients in the current distributed autograd context, and there is none: run it inside a "
            "dist_autograd::ContextGuard (or set gradients = GradientsTo::kDotGrad)");
@@ -646,18 +678,19 @@ struct Pipeline::State {
   }
 
   double step(const at::Tensor& input, const at::Tensor& target) {
-    std::lock_guard<std::mutex> lock(step_mu);
-    validate(input, target);
-    const int m = options.n_microbatches, n = static_cast<int>(stage_rank.size());
+    absl::MutexLock step_lock(&step_mu);
+    const PipelineOptions opts = current_options();  // this step's: set_record_timeline() applies to the next
+    validate(opts, input, target);
+    const int m = opts.n_microbatches, n = static_cast<int>(stage_rank.size());
     const std::vector<at::Tensor> xs = at::tensor_split(input, m), ys = at::tensor_split(target, m);
     std::vector<int64_t> sizes;
     for (const auto& x : xs) sizes.push_back(x.size(0));
     auto& plan = plans[m];
-    if (plan.empty()) plan = make_plans(options.schedule, stage_worker, static_cast<int>(workers.size()), m);
+    if (plan.empty()) plan = make_plans(opts.schedule, stage_worker, static_cast<int>(workers.size()), m);
     const int64_t step_id = next_step++;
     std::vector<int64_t> ranks(stage_rank.begin(), stage_rank.end());
-    const std::vector<int64_t> flags{options.checkpoint, options.gradients == GradientsTo::kDotGrad,
-                                     options.record_timeline, options.timeout.count()};
+    const std::vector<int64_t> flags{opts.checkpoint, opts.gradients == GradientsTo::kDotGrad, opts.record_timeline,
+                                     opts.timeout.count()};
     const auto t0 = Clock::now();
     std::vector<rpc::Future> replies;
     for (size_t w = 0; w < workers.size(); ++w) {
@@ -666,63 +699,69 @@ struct Pipeline::State {
       const bool first = stage_worker.front() == static_cast<int>(w), last = stage_worker.back() == static_cast<int>(w);
       replies.push_back(rpc::rpc_async(workers[w], kRun, id, step_id, actions, ranks, sizes,
                                        first ? xs : std::vector<at::Tensor>{}, last ? ys : std::vector<at::Tensor>{},
-                                       options.loss, flags, options.timeout + kReplyMargin));
+                                       opts.loss, flags, opts.timeout + kReplyMargin));
     }
-    wait_all(replies, step_id);
-    stats = StepStats{};
-    stats.step_ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
-    stats.busy_ms.assign(n, 0);
-    stats.peak_activations.assign(n, 0);
-    stats.microbatch_sizes = sizes;
-    timeline.clear();
+    wait_all(opts, replies, step_id);
+    StepStats step_stats;
+    step_stats.step_ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+    step_stats.busy_ms.assign(n, 0);
+    step_stats.peak_activations.assign(n, 0);
+    step_stats.microbatch_sizes = sizes;
+    std::vector<TimelineEvent> events;
     for (size_t w = 0; w < workers.size(); ++w) {
       auto reply = replies[w].value().toTuple();
-      stats.loss += reply->elements()[0].toDouble();
+      step_stats.loss += reply->elements()[0].toDouble();
       auto st = rpc::from_ivalue<std::vector<int64_t>>(reply->elements()[1]);
       for (size_t i = 0; i + 2 < st.size(); i += 3) {
-        stats.peak_activations.at(st[i]) = st[i + 1];
-        stats.busy_ms.at(st[i]) = static_cast<double>(st[i + 2]) / 1000.0;
+        step_stats.peak_activations.at(st[i]) = st[i + 1];
+        step_stats.busy_ms.at(st[i]) = static_cast<double>(st[i + 2]) / 1000.0;
       }
       auto ev = rpc::from_ivalue<std::vector<int64_t>>(reply->elements()[2]);
       for (size_t i = 0; i + 4 < ev.size(); i += 5) {
-        timeline.push_back(TimelineEvent{static_cast<int>(ev[i]), workers[w], static_cast<int>(ev[i + 1]),
-                                         ev[i + 2] != 0, ev[i + 3], ev[i + 4]});
+        events.push_back(TimelineEvent{static_cast<int>(ev[i]), workers[w], static_cast<int>(ev[i + 1]), ev[i + 2] != 0,
+                                       ev[i + 3], ev[i + 4]});
       }
     }
-    std::sort(timeline.begin(), timeline.end(), [](const auto& a, const auto& b) { return a.start_us < b.start_us; });
-    return stats.loss;
+    std::sort(events.begin(), events.end(), [](const auto& a, const auto& b) { return a.start_us < b.start_us; });
+    const double loss = step_stats.loss;
+    absl::MutexLock lock(&mu);
+    stats = std::move(step_stats);
+    timeline = std::move(events);
+    return loss;
   }
 
   // Waits for every worker's reply. On the first error, tells every worker to abandon the step, gathers the others'
   // errors for a moment, and throws one RpcError naming them (the first failure's code).
-  void wait_all(const std::vector<rpc::Future>& replies, int64_t step_id) {
+  void wait_all(const PipelineOptions& opts, const std::vector<rpc::Future>& replies, int64_t step_id) {
     struct Waiter {
-      std::mutex mu;
-      std::condition_variable cv;
-      size_t done = 0;
-      bool failed = false;
+      explicit Waiter(size_t n) : expected(n) {}
+      bool all_done() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { return done == expected; }
+      bool settled() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { return failed || done == expected; }
+      const size_t expected;
+      absl::Mutex mu;
+      size_t done ABSL_GUARDED_BY(mu) = 0;
+      bool failed ABSL_GUARDED_BY(mu) = false;
     };
-    auto waiter = std::make_shared<Waiter>();
+    auto waiter = std::make_shared<Waiter>(replies.size());
     for (const auto& f : replies) {
       f.add_callback([waiter](const rpc::Future& done) {
-        std::lock_guard<std::mutex> lock(waiter->mu);
+        absl::MutexLock lock(&waiter->mu);
         ++waiter->done;
         waiter->failed |= !done.status().ok();
-        waiter->cv.notify_all();
       });
     }
-    const auto deadline = Clock::now() + options.timeout + kReplyMargin;
     {
-      std::unique_lock<std::mutex> lock(waiter->mu);
-      waiter->cv.wait_until(lock, deadline, [&] { return waiter->failed || waiter->done == replies.size(); });
-      if (!waiter->failed && waiter->done == replies.size()) return;
+      absl::MutexLock lock(&waiter->mu);
+      waiter->mu.AwaitWithTimeout(absl::Condition(waiter.get(), &Waiter::settled),
+                                  absl::FromChrono(opts.timeout + kReplyMargin));
+      if (!waiter->failed && waiter->all_done()) return;
     }
     for (int w : workers) {
       (void)rpc::rpc_async(w, kAbort, id, step_id, std::string("another stage failed"), kErrorGrace);
     }
     {
-      std::unique_lock<std::mutex> lock(waiter->mu);
-      waiter->cv.wait_for(lock, kErrorGrace, [&] { return waiter->done == replies.size(); });
+      absl::MutexLock lock(&waiter->mu);
+      waiter->mu.AwaitWithTimeout(absl::Condition(waiter.get(), &Waiter::all_done), absl::FromChrono(kErrorGrace));
     }
     // The causes first; then the workers that abandoned the step on our request, which say what they were waiting
     // for (the micro-batch a dead or failed stage held up).
@@ -746,7 +785,7 @@ struct Pipeline::State {
     }
     if (errors.empty()) errors.push_back("a worker failed and no other error was reported");
     errors.insert(errors.end(), abandoned.begin(), abandoned.end());
-    fail(code, absl::StrCat("step ", step_id, " of pipeline ", id, " failed (", options.timeout.count(),
+    fail(code, absl::StrCat("step ", step_id, " of pipeline ", id, " failed (", opts.timeout.count(),
                             " ms timeout): ", absl::StrJoin(errors, "; ")));
   }
 };
@@ -754,25 +793,22 @@ struct Pipeline::State {
 Pipeline Pipeline::create(std::vector<StageSpec> stages, PipelineOptions options) {
   (void)g_installed;
   if (stages.empty()) fail(absl::StatusCode::kInvalidArgument, "a pipeline needs at least one stage");
-  auto st = std::make_shared<State>();
-  const int64_t self = rpc::get_worker_info().id;
-  st->id = (self << 40) | g_next_pipeline.fetch_add(1);
-  st->options = options;
+  if (options.timeout.count() <= 0) options.timeout = rpc::default_timeout();
+  auto st = std::make_shared<State>(options);
+  st->id = rpc::detail::next_global_id(rpc::get_worker_info().id);
   std::vector<rpc::Future> built;
   for (size_t s = 0; s < stages.size(); ++s) {
     const StageSpec& spec = stages[s];
-    rpc::WorkerInfo info;
-    try {
-      info = spec.worker.name().empty() ? rpc::get_worker_info(spec.worker.rank())
-                                        : rpc::get_worker_info(spec.worker.name());
-    } catch (const std::exception&) {
+    const std::optional<rpc::WorkerInfo> found = rpc::find_worker_info(spec.worker);
+    if (!found) {
       std::vector<std::string> names;
       for (const auto& w : rpc::get_all_worker_infos()) names.push_back(w.name);
-      fail(absl::StatusCode::kInvalidArgument,
+      fail(absl::StatusCode::kNotFound,
            absl::StrCat("stage ", s, " is placed on worker '",
                         spec.worker.name().empty() ? std::to_string(spec.worker.rank()) : spec.worker.name(),
                         "', which is not in this job (workers: ", absl::StrJoin(names, ", "), ")"));
     }
+    const rpc::WorkerInfo& info = *found;
     st->stage_rank.push_back(info.id);
     auto it = std::find(st->workers.begin(), st->workers.end(), info.id);
     st->stage_worker.push_back(static_cast<int>(it - st->workers.begin()));
@@ -827,12 +863,7 @@ Pipeline Pipeline::from_sequential(const std::string& factory, std::vector<c10::
       }
     }
   }
-  std::vector<std::pair<int64_t, int64_t>> cut;
-  try {
-    cut = balanced_cut(weights, partition.n_stages);
-  } catch (const std::invalid_argument& e) {
-    fail(absl::StatusCode::kInvalidArgument, e.what());
-  }
+  const std::vector<std::pair<int64_t, int64_t>> cut = balanced_cut(weights, partition.n_stages);
   std::vector<StageSpec> stages;
   for (int k = 0; k < partition.n_stages; ++k) {
     stages.push_back(StageSpec{workers[k % workers.size()], factory, args, cut[k].first, cut[k].second});
@@ -845,12 +876,13 @@ double Pipeline::step(const at::Tensor& input, const at::Tensor& target) { retur
 at::Tensor Pipeline::forward(const at::Tensor& input) {
   check_not_empty(input);
   const auto& st = *state_;
-  const int64_t m = std::min<int64_t>(std::max(1, st.options.n_microbatches), input.size(0));
+  const PipelineOptions options = st.current_options();
+  const int64_t m = std::min<int64_t>(std::max(1, options.n_microbatches), input.size(0));
   const std::vector<int64_t> ranks(st.stage_rank.begin(), st.stage_rank.end());
   std::vector<rpc::Future> outs;
   for (const at::Tensor& x : at::tensor_split(input, m)) {
     outs.push_back(rpc::rpc_async(st.stage_rank[0], kForward, st.id, int64_t{0}, ranks, x,
-                                  static_cast<int64_t>(st.options.timeout.count()), st.options.timeout));
+                                  static_cast<int64_t>(options.timeout.count()), options.timeout));
   }
   std::vector<at::Tensor> ys;
   for (const auto& f : outs) {
@@ -862,19 +894,36 @@ at::Tensor Pipeline::forward(const at::Tensor& input) {
 }
 
 void Pipeline::set_record_timeline(bool on) {
-  std::lock_guard<std::mutex> lock(state_->step_mu);
+  absl::MutexLock lock(&state_->mu);
   state_->options.record_timeline = on;
 }
 int Pipeline::num_stages() const { return static_cast<int>(state_->stage_rank.size()); }
-std::string Pipeline::stage_worker(int stage) const { return rpc::get_worker_info(state_->stage_rank.at(stage)).name; }
+namespace {
+void check_stage(int stage, int num_stages) {
+  if (stage < 0 || stage >= num_stages) {
+    fail(absl::StatusCode::kInvalidArgument, absl::StrCat("no stage ", stage, " (the pipeline has ", num_stages, ")"));
+  }
+}
+}  // namespace
+std::string Pipeline::stage_worker(int stage) const {
+  check_stage(stage, num_stages());
+  return rpc::get_worker_info(state_->stage_rank[stage]).name;
+}
 std::pair<int64_t, int64_t> Pipeline::stage_layers(int stage) const {
-  const StageSpec& s = state_->specs.at(stage);
+  check_stage(stage, num_stages());
+  const StageSpec& s = state_->specs[stage];
   return {s.layer_begin, s.layer_end};
 }
 std::vector<rref::RRef> Pipeline::parameter_rrefs() const { return state_->params; }
 int64_t Pipeline::id() const { return state_->id; }
-const PipelineOptions& Pipeline::options() const { return state_->options; }
-const StepStats& Pipeline::last_stats() const { return state_->stats; }
-const std::vector<TimelineEvent>& Pipeline::last_timeline() const { return state_->timeline; }
+PipelineOptions Pipeline::options() const { return state_->current_options(); }
+StepStats Pipeline::last_stats() const {
+  absl::MutexLock lock(&state_->mu);
+  return state_->stats;
+}
+std::vector<TimelineEvent> Pipeline::last_timeline() const {
+  absl::MutexLock lock(&state_->mu);
+  return state_->timeline;
+}
 
 }  // namespace tandem::pipeline

@@ -26,8 +26,9 @@
 // equal), so the loss and the gradients are the whole batch's. When every worker has finished, the gradients are added
 // to the caller's distributed autograd context on each stage's worker (or to the parameters' .grad, by option).
 //
-// Errors (tandem::RpcError): bad input before any work starts (INVALID_ARGUMENT: an empty batch, fewer rows than
-// micro-batches, input and target of different batch sizes); a stage placed on a worker not in the job (at creation);
+// Errors (tandem::Error): bad input before any work starts (INVALID_ARGUMENT: an empty batch, fewer rows than
+// micro-batches, input and target of different batch sizes); at creation, a stage placed on a worker not in the job or
+// an unknown factory (NOT_FOUND);
 // a stage whose forward or backward throws (for instance an input of the wrong shape or dtype from the previous stage,
 // found on the first step), a dead stage worker, a lost message or the step's deadline: step() fails naming the
 // stage, its worker and the micro-batch, the other workers abandon the step at once, and the next step works.
@@ -78,7 +79,9 @@ struct PipelineOptions {
   // worker (for DistributedOptimizer). kDotGrad: they are added to the stage parameters' .grad (zero them yourself).
   GradientsTo gradients = GradientsTo::kContext;
   bool checkpoint = false;  // recompute each stage's forward in its backward (activation memory: inputs only)
-  std::chrono::milliseconds timeout{std::chrono::seconds(60)};  // the whole step, and every wait inside it
+  // The whole step, and every wait inside it; also each stage's creation and each forward(). Non-positive (the
+  // default): RpcOptions::rpc_timeout, resolved when the pipeline is created (options() then shows it).
+  std::chrono::milliseconds timeout{0};
   bool record_timeline = false;  // every action's start and end, for write_chrome_trace / write_svg
 };
 
@@ -111,7 +114,7 @@ void register_loss(const std::string& name,
                    std::function<at::Tensor(const at::Tensor& output, const at::Tensor& target)> loss);
 
 // Layer ranges [begin, end) of a contiguous cut of `weights` into n_stages parts minimising the largest part's sum.
-// Throws std::invalid_argument when there are fewer layers than stages.
+// Throws tandem::Error (INVALID_ARGUMENT) when there are fewer layers than stages.
 std::vector<std::pair<int64_t, int64_t>> balanced_cut(const std::vector<double>& weights, int n_stages);
 
 class Pipeline {
@@ -132,7 +135,7 @@ class Pipeline {
   // the stages concurrently, each from stage to stage (stage i's worker calls stage i+1's). Throws RpcError naming the
   // stage and worker that failed.
   at::Tensor forward(const at::Tensor& input);
-  // Turns PipelineOptions::record_timeline on or off for the following steps.
+  // Turns PipelineOptions::record_timeline on or off for the following steps (a step running now keeps its setting).
   void set_record_timeline(bool on);
 
   int num_stages() const;
@@ -141,11 +144,11 @@ class Pipeline {
   // RRefs to every stage's parameters, stage by stage, owned by the stages' workers (for DistributedOptimizer).
   std::vector<rref::RRef> parameter_rrefs() const;
   int64_t id() const;
-  const PipelineOptions& options() const;
-
-  const StepStats& last_stats() const;
-  // The last step's actions (needs record_timeline).
-  const std::vector<TimelineEvent>& last_timeline() const;
+  // Copies, consistent while another thread runs a step or changes the options.
+  PipelineOptions options() const;
+  StepStats last_stats() const;  // of the last step that succeeded
+  // The last successful step's actions (needs record_timeline).
+  std::vector<TimelineEvent> last_timeline() const;
   // The last step's timeline as a Chrome trace (open in Perfetto or chrome://tracing) and as a self-contained SVG
   // picture of the schedule: one row per stage, forwards and backwards by micro-batch, gaps are the bubbles.
   void write_chrome_trace(const std::string& path) const;

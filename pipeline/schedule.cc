@@ -3,10 +3,11 @@
 
 #include <algorithm>
 #include <limits>
-#include <stdexcept>
 #include <tuple>
 
+#include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "rpc/errors.h"
 
 namespace tandem::pipeline {
 
@@ -14,7 +15,7 @@ Schedule schedule_from_name(const std::string& name) {
   if (name == "gpipe") return Schedule::kGPipe;
   if (name == "1f1b") return Schedule::k1F1B;
   if (name == "interleaved") return Schedule::kInterleaved1F1B;
-  throw std::invalid_argument("unknown pipeline schedule '" + name + "' (known: gpipe, 1f1b, interleaved)");
+  throw_error(absl::InvalidArgumentError("unknown pipeline schedule '" + name + "' (known: gpipe, 1f1b, interleaved)"));
 }
 
 std::string schedule_name(Schedule schedule) {
@@ -33,15 +34,18 @@ namespace {
 
 constexpr double kNever = std::numeric_limits<double>::infinity();
 
-void check_placement(const std::vector<int>& stage_worker, int n_workers, int m) {
-  if (stage_worker.empty()) throw std::invalid_argument("a pipeline needs at least one stage");
-  if (m < 1) throw std::invalid_argument(absl::StrCat("a pipeline step needs at least one micro-batch (got ", m, ")"));
+absl::Status check_placement(const std::vector<int>& stage_worker, int n_workers, int m) {
+  if (stage_worker.empty()) return absl::InvalidArgumentError("a pipeline needs at least one stage");
+  if (m < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("a pipeline step needs at least one micro-batch (got ", m, ")"));
+  }
   for (size_t s = 0; s < stage_worker.size(); ++s) {
     if (stage_worker[s] < 0 || stage_worker[s] >= n_workers) {
-      throw std::invalid_argument(
+      return absl::InvalidArgumentError(
           absl::StrCat("stage ", s, " is placed on worker index ", stage_worker[s], " outside 0..", n_workers - 1));
     }
   }
+  return absl::OkStatus();
 }
 
 // Completion times of every forward and backward; kNever until done.
@@ -85,11 +89,62 @@ std::vector<std::vector<Action>> megatron_plans(const std::vector<std::vector<in
   return plans;
 }
 
+// simulate() without exceptions: INVALID_ARGUMENT when the costs, the placement or the plans are wrong (an action
+// missing, planned twice or on the wrong worker, or an order that deadlocks).
+absl::StatusOr<double> run_simulation(const std::vector<std::vector<Action>>& plans,
+                                      const std::vector<int>& stage_worker, int m, const std::vector<double>& t_f,
+                                      const std::vector<double>& t_b) {
+  const int p = static_cast<int>(stage_worker.size());
+  if (t_f.size() != stage_worker.size() || t_b.size() != stage_worker.size()) {
+    return absl::InvalidArgumentError("simulate: one forward and one backward cost per stage");
+  }
+  if (absl::Status s = check_placement(stage_worker, static_cast<int>(plans.size()), m); !s.ok()) return s;
+  std::vector<std::vector<int>> seen(p, std::vector<int>(2 * m, 0));
+  for (size_t w = 0; w < plans.size(); ++w) {
+    for (const Action& a : plans[w]) {
+      if (a.stage < 0 || a.stage >= p || a.microbatch < 0 || a.microbatch >= m || stage_worker[a.stage] != int(w)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("plan of worker ", w, " holds an action of another worker or none"));
+      }
+      if (seen[a.stage][2 * a.microbatch + a.backward]++) {
+        return absl::InvalidArgumentError("an action is planned twice");
+      }
+    }
+  }
+  for (const auto& s : seen) {
+    for (int c : s) {
+      if (c != 1) return absl::InvalidArgumentError("an action is missing from the plans");
+    }
+  }
+  Times times(p, m);
+  std::vector<size_t> next(plans.size(), 0);
+  std::vector<double> free_at(plans.size(), 0);
+  double makespan = 0;
+  for (bool progress = true; progress;) {
+    progress = false;
+    for (size_t w = 0; w < plans.size(); ++w) {
+      while (next[w] < plans[w].size()) {
+        const Action& a = plans[w][next[w]];
+        const double ready = times.ready_at(a, p);
+        if (ready == kNever) break;
+        const double end = std::max(ready, free_at[w]) + (a.backward ? t_b[a.stage] : t_f[a.stage]);
+        times.done(a) = free_at[w] = end;
+        makespan = std::max(makespan, end);
+        ++next[w], progress = true;
+      }
+    }
+  }
+  for (size_t w = 0; w < plans.size(); ++w) {
+    if (next[w] != plans[w].size()) return absl::InvalidArgumentError(absl::StrCat("the plans deadlock on worker ", w));
+  }
+  return makespan;
+}
+
 }  // namespace
 
 std::vector<std::vector<Action>> make_plans(Schedule schedule, const std::vector<int>& stage_worker, int n_workers,
                                             int m) {
-  check_placement(stage_worker, n_workers, m);
+  throw_if_error(check_placement(stage_worker, n_workers, m));
   const int p = static_cast<int>(stage_worker.size());
   const double t_f = 1, t_b = 2;
   std::vector<std::vector<int>> hosted(n_workers);
@@ -103,12 +158,10 @@ std::vector<std::vector<Action>> make_plans(Schedule schedule, const std::vector
   const int P = n_workers;
   if (schedule == Schedule::kInterleaved1F1B) {
     auto plans = megatron_plans(hosted, m);
-    if (!plans.empty()) {
-      try {
-        simulate(plans, stage_worker, m, t_f, t_b);  // throws if this order could deadlock (not seen; a safety net)
-        return plans;
-      } catch (const std::logic_error&) {
-      }
+    // Checked by simulation: should this order ever deadlock (not seen; a safety net), the simulated order is used.
+    if (!plans.empty() &&
+        run_simulation(plans, stage_worker, m, std::vector<double>(p, t_f), std::vector<double>(p, t_b)).ok()) {
+      return plans;
     }
   }
 
@@ -188,7 +241,7 @@ std::vector<std::vector<Action>> make_plans(Schedule schedule, const std::vector
       if (f > t) next = std::min(next, f);
     }
     if (next == kNever) {
-      if (remaining > 0 && !started) throw std::logic_error("pipeline schedule simulation made no progress");
+      if (remaining > 0 && !started) throw_error(absl::InternalError("pipeline schedule simulation made no progress"));
       continue;
     }
     t = next;
@@ -204,47 +257,9 @@ double simulate(const std::vector<std::vector<Action>>& plans, const std::vector
 
 double simulate(const std::vector<std::vector<Action>>& plans, const std::vector<int>& stage_worker, int m,
                 const std::vector<double>& t_f, const std::vector<double>& t_b) {
-  const int p = static_cast<int>(stage_worker.size());
-  if (t_f.size() != stage_worker.size() || t_b.size() != stage_worker.size()) {
-    throw std::invalid_argument("simulate: one forward and one backward cost per stage");
-  }
-  check_placement(stage_worker, static_cast<int>(plans.size()), m);
-  std::vector<std::vector<int>> seen(p, std::vector<int>(2 * m, 0));
-  for (size_t w = 0; w < plans.size(); ++w) {
-    for (const Action& a : plans[w]) {
-      if (a.stage < 0 || a.stage >= p || a.microbatch < 0 || a.microbatch >= m || stage_worker[a.stage] != int(w)) {
-        throw std::logic_error(absl::StrCat("plan of worker ", w, " holds an action of another worker or none"));
-      }
-      if (seen[a.stage][2 * a.microbatch + a.backward]++) throw std::logic_error("an action is planned twice");
-    }
-  }
-  for (const auto& s : seen) {
-    for (int c : s) {
-      if (c != 1) throw std::logic_error("an action is missing from the plans");
-    }
-  }
-  Times times(p, m);
-  std::vector<size_t> next(plans.size(), 0);
-  std::vector<double> free_at(plans.size(), 0);
-  double makespan = 0;
-  for (bool progress = true; progress;) {
-    progress = false;
-    for (size_t w = 0; w < plans.size(); ++w) {
-      while (next[w] < plans[w].size()) {
-        const Action& a = plans[w][next[w]];
-        const double ready = times.ready_at(a, p);
-        if (ready == kNever) break;
-        const double end = std::max(ready, free_at[w]) + (a.backward ? t_b[a.stage] : t_f[a.stage]);
-        times.done(a) = free_at[w] = end;
-        makespan = std::max(makespan, end);
-        ++next[w], progress = true;
-      }
-    }
-  }
-  for (size_t w = 0; w < plans.size(); ++w) {
-    if (next[w] != plans[w].size()) throw std::logic_error(absl::StrCat("the plans deadlock on worker ", w));
-  }
-  return makespan;
+  absl::StatusOr<double> makespan = run_simulation(plans, stage_worker, m, t_f, t_b);
+  throw_if_error(makespan.status());
+  return *makespan;
 }
 
 }  // namespace tandem::pipeline

@@ -26,7 +26,7 @@ namespace tandem::pipeline {
 
 enum class Schedule { kGPipe, k1F1B, kInterleaved1F1B };
 
-// "gpipe", "1f1b", "interleaved" (and back). Throws std::invalid_argument for another name.
+// "gpipe", "1f1b", "interleaved" (and back). Throws tandem::Error (INVALID_ARGUMENT) for another name.
 Schedule schedule_from_name(const std::string& name);
 std::string schedule_name(Schedule schedule);
 
@@ -40,13 +40,13 @@ struct Action {
 };
 
 // The plan of every worker: plans[w] lists, in order, the actions of the stages placed on worker w
-// (stage_worker[s] = w, workers numbered 0..n_workers-1). Throws std::invalid_argument for m < 1, no stages, or a
-// placement that names a worker outside 0..n_workers-1.
+// (stage_worker[s] = w, workers numbered 0..n_workers-1). Throws tandem::Error (INVALID_ARGUMENT) for m < 1, no
+// stages, or a placement that names a worker outside 0..n_workers-1.
 std::vector<std::vector<Action>> make_plans(Schedule schedule, const std::vector<int>& stage_worker, int n_workers,
                                             int n_microbatches);
 
 // The makespan of `plans` when every forward takes t_f and every backward t_b and messages are free; also checks that
-// the plans cover every action once and respect the dependencies (else std::logic_error).
+// the plans cover every action once and respect the dependencies (else tandem::Error, INVALID_ARGUMENT).
 double simulate(const std::vector<std::vector<Action>>& plans, const std::vector<int>& stage_worker, int n_microbatches,
                 double t_f, double t_b);
 // The same with a cost per stage (t_f[s], t_b[s]).

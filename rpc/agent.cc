@@ -10,6 +10,7 @@
 
 namespace tandem::rpc::detail {
 
+// Normally stopped by shutdown() already (a no-op then); otherwise the same grace as a graceful shutdown's stop.
 Agent::~Agent() { stop(std::chrono::milliseconds(2000)); }
 
 absl::Status Agent::drain_outgoing(absl::Time deadline) {

@@ -3,6 +3,7 @@
 #include "proto/tandem_rpc.pb.h"
 #include "rpc/detail/agent.h"
 #include "rpc/detail/wire.h"
+#include "rpc/errors.h"
 #include "rpc/extension.h"
 
 namespace tandem::rpc::detail {
@@ -23,13 +24,12 @@ std::vector<WorkerInfo> Agent::workers() const {
 absl::StatusOr<int> Agent::resolve(const To& to) const {
   if (to.rank() >= 0) {
     if (to.rank() >= world_size_) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("no worker of rank ", to.rank(), " (world size ", world_size_, ")"));
+      return absl::NotFoundError(absl::StrCat("no worker of rank ", to.rank(), " (world size ", world_size_, ")"));
     }
     return to.rank();
   }
   auto it = rank_of_.find(to.name());
-  if (it == rank_of_.end()) return absl::InvalidArgumentError(absl::StrCat("no worker named '", to.name(), "'"));
+  if (it == rank_of_.end()) return absl::NotFoundError(absl::StrCat("no worker named '", to.name(), "'"));
   return it->second;
 }
 
@@ -83,13 +83,8 @@ void Agent::deliver(const Future& target, absl::StatusOr<c10::IValue> value, std
   } else if (wait.empty()) {
     target.set_value(std::move(*value));
   } else {
-    when_all(wait).add_callback([target, v = std::move(*value)](const Future& ready) {
-      if (absl::Status s = ready.status(); !s.ok()) {
-        target.set_error(s);
-      } else {
-        target.set_value(v);
-      }
-    });
+    when_all(wait).add_callback(
+        [target, v = std::move(*value)](const Future& ready) { target.set_status(ready.status(), v); });
   }
 }
 
@@ -113,10 +108,11 @@ absl::StatusOr<c10::IValue> Agent::parse_reply(const grpc::ByteBuffer& frame_byt
     if (tracer) {
       if (auto s = tracer->reply_in(peer, response.trace(), wire_tensors); !s.ok()) return error_with(s, prefix);
     }
-  } catch (const std::exception& e) {
-    return absl::InternalError(absl::StrCat(prefix, "decoding the reply failed: ", e.what()));
+  } catch (...) {
+    return absl::InternalError(
+        absl::StrCat(prefix, "decoding the reply failed: ", status_from_current_exception().message()));
   }
-  if (values->size() != 1) return absl::InternalError(prefix + "bad reply: expected one result");
+  if (values->size() != 1) return absl::InvalidArgumentError(prefix + "bad reply: expected one result");
   return std::move((*values)[0]);
 }
 
@@ -148,8 +144,7 @@ Future Agent::call(const To& to, const std::string& function, std::vector<c10::I
   {
     absl::MutexLock lock(&mu_);
     if (stopped_) {
-      return Future::failed(
-          absl::UnavailableError(describe(*peer, function) + "RPC has been shut down on this worker"));
+      return Future::failed(absl::CancelledError(describe(*peer, function) + "RPC has been shut down on this worker"));
     }
     ++outstanding_;
   }
@@ -181,8 +176,7 @@ Future Agent::call_and_wait(const To& to, const std::string& function, std::vect
   {
     absl::MutexLock lock(&mu_);
     if (stopped_) {
-      return Future::failed(
-          absl::UnavailableError(describe(*peer, function) + "RPC has been shut down on this worker"));
+      return Future::failed(absl::CancelledError(describe(*peer, function) + "RPC has been shut down on this worker"));
     }
     ++outstanding_;
   }

@@ -1,10 +1,9 @@
 // Incoming calls of the agent (rpc/detail/agent.h): decode the request, run the registered function, reply once.
-#include <c10/util/Exception.h>
-
 #include "absl/strings/str_cat.h"
 #include "proto/tandem_rpc.pb.h"
 #include "rpc/detail/agent.h"
 #include "rpc/detail/wire.h"
+#include "rpc/errors.h"
 #include "rpc/extension.h"
 
 namespace tandem::rpc {
@@ -12,12 +11,6 @@ namespace detail {
 namespace {
 
 thread_local const CallContext* t_current_call = nullptr;
-
-// Messages of user exceptions: c10::Error's what() carries a C++ backtrace the caller has no use for.
-std::string exception_message(const std::exception& e) {
-  if (auto* c = dynamic_cast<const c10::Error*>(&e)) return c->what_without_backtrace();
-  return e.what();
-}
 
 }  // namespace
 
@@ -72,8 +65,9 @@ void Agent::handle(std::shared_ptr<InCall> call) {
       call->trace_state = std::move(*state);
       call->traced = true;
     }
-  } catch (const std::exception& e) {
-    args = absl::InternalError(absl::StrCat("decoding the request failed: ", exception_message(e)));
+  } catch (...) {
+    args =
+        absl::InternalError(absl::StrCat("decoding the request failed: ", status_from_current_exception().message()));
   }
   if (!args.ok()) return reply_error(call, args.status());
   if (wait.empty()) return run(call, request.function(), std::move(*args), request.caller_name());
@@ -107,14 +101,10 @@ void Agent::run(const std::shared_ptr<InCall>& call, const std::string& function
   Future result;
   try {
     result = handler(std::move(args));
-  } catch (const std::invalid_argument& e) {
-    result = Future::failed(absl::InvalidArgumentError(exception_message(e)));
-  } catch (const RpcError& e) {
-    result = Future::failed(e.status());
-  } catch (const std::exception& e) {
-    result = Future::failed(absl::UnknownError(exception_message(e)));
   } catch (...) {
-    result = Future::failed(absl::UnknownError("unknown exception"));
+    // Tandem's own failures (arguments that do not convert, a nested call's error) are tandem::Error and keep their
+    // code; anything else the function threw is UNKNOWN.
+    result = Future::failed(status_from_current_exception());
   }
   trace_scope.reset();
   t_current_call = nullptr;

@@ -96,14 +96,13 @@ class Batcher : public std::enable_shared_from_this<Batcher> {
     std::vector<c10::IValue> results;
     try {
       results = handler_(requests);
-      if (results.size() != batch.size()) {
-        error = absl::InternalError(absl::StrCat("batched function '", name_, "' returned ", results.size(),
-                                                 " results for ", batch.size(), " requests"));
+      if (results.size() != batch.size()) {  // the user's function is wrong, not Tandem: as if it had thrown
+        error = absl::UnknownError(absl::StrCat("batched function '", name_, "' returned ", results.size(),
+                                                " results for ", batch.size(), " requests"));
       }
-    } catch (const RpcError& e) {
-      error = absl::Status(e.status().code(), absl::StrCat("batched function '", name_, "': ", e.status().message()));
-    } catch (const std::exception& e) {
-      error = absl::UnknownError(absl::StrCat("batched function '", name_, "' threw: ", e.what()));
+    } catch (...) {
+      const absl::Status thrown = status_from_current_exception();
+      error = absl::Status(thrown.code(), absl::StrCat("batched function '", name_, "' threw: ", thrown.message()));
     }
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -111,11 +110,7 @@ class Batcher : public std::enable_shared_from_this<Batcher> {
       stats_.requests += static_cast<int64_t>(batch.size());
     }
     for (size_t i = 0; i < batch.size(); ++i) {
-      if (error.ok()) {
-        batch[i].reply.set_value(std::move(results[i]));
-      } else {
-        batch[i].reply.set_error(error);
-      }
+      batch[i].reply.set_status(error, error.ok() ? std::move(results[i]) : c10::IValue());
     }
   }
 

@@ -1,13 +1,14 @@
 #include "rpc/convert.h"
 
-#include <stdexcept>
+#include "absl/status/status.h"
+#include "rpc/errors.h"
 
 namespace tandem::rpc::detail {
 
 void conversion_error(const char* expected, const c10::IValue& got) {
   std::string what = std::string("expected ") + expected + ", got " + got.tagKind();
   if (got.isInt()) what += " " + std::to_string(got.toInt());
-  throw std::invalid_argument(what);
+  throw_error(absl::InvalidArgumentError(what));
 }
 
 }  // namespace tandem::rpc::detail

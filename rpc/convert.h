@@ -5,8 +5,8 @@
 // std::tuple<T...>, c10::optional<T> / std::optional<T>, and nesting of these.
 //
 // from_ivalue<T> accepts any list whose elements convert to T (typed or generic), so a value sent as List[Any] still
-// converts to std::vector<int64_t>. A mismatch throws c10::Error with a message naming both types; the RPC layer turns
-// it into an error reply.
+// converts to std::vector<int64_t>. A mismatch throws tandem::Error (INVALID_ARGUMENT) with a message naming both
+// types; the RPC layer turns it into an INVALID_ARGUMENT error reply.
 #pragma once
 
 #include <ATen/core/ivalue.h>

@@ -1,5 +1,6 @@
 #include "rpc/extension.h"
 
+#include <algorithm>
 #include <atomic>
 #include <deque>
 #include <mutex>
@@ -55,7 +56,10 @@ void add_stop_hook(std::function<void()> hook) {
 
 Future when_all(const std::vector<Future>& futures) {
   if (futures.empty()) return Future::ready(c10::IValue());
-  Future all;
+  // Completes when the last input does: by the latest of their deadlines (none when one of them has none).
+  absl::Time latest = absl::InfinitePast();
+  for (const auto& f : futures) latest = std::max(latest, f.deadline());
+  Future all(latest);
   auto left = std::make_shared<std::atomic<size_t>>(futures.size());
   for (const auto& f : futures) {
     f.add_callback([all, left](const Future& done) {

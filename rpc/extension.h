@@ -66,7 +66,8 @@ void add_shutdown_hook(std::function<absl::Status(absl::Time deadline)> hook);
 // Runs after this worker stopped serving (graceful or not), in registration order. Must not block for long.
 void add_stop_hook(std::function<void()> hook);
 
-// A future completed when all of `futures` are: with None, or with the first error among them.
+// A future completed when all of `futures` are: with None, or with the first error among them. Its deadline is the
+// latest of theirs.
 Future when_all(const std::vector<Future>& futures);
 
 namespace detail {

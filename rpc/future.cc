@@ -46,8 +46,10 @@ bool Future::wait_for(std::chrono::milliseconds timeout) const {
 
 absl::Status Future::status() const {
   absl::Time until = state_->deadline;
-  // A call's future completes by its deadline; the margin covers the completion callback itself.
-  until = until == absl::InfiniteFuture() ? absl::Now() + absl::FromChrono(kDefaultWait) : until + absl::Seconds(2);
+  // A call's future completes by its deadline; the margin covers the completion callback itself (the deadline timer's
+  // latency and what runs before the future is set), which no option describes.
+  constexpr absl::Duration kCompletionMargin = absl::Seconds(2);
+  until = until == absl::InfiniteFuture() ? absl::Now() + absl::FromChrono(kDefaultWait) : until + kCompletionMargin;
   absl::MutexLock lock(&state_->mu);
   const bool* done = &state_->done;
   if (!state_->mu.AwaitWithDeadline(absl::Condition(done), until)) {
@@ -67,6 +69,10 @@ bool Future::set_value(c10::IValue value) const { return complete(std::move(valu
 bool Future::set_error(absl::Status error) const {
   if (error.ok()) error = absl::InternalError("future failed with an OK status");
   return complete(c10::IValue(), std::move(error));
+}
+
+bool Future::set_status(const absl::Status& status, c10::IValue value) const {
+  return status.ok() ? set_value(std::move(value)) : set_error(status);
 }
 
 bool Future::complete(c10::IValue value, absl::Status error) const {
@@ -99,13 +105,18 @@ Future Future::then(std::function<c10::IValue(const Future&)> fn) const {
   add_callback([next, fn = std::move(fn)](const Future& self) mutable {
     try {
       next.set_value(fn(self));
-    } catch (const RpcError& e) {
-      next.set_error(e.status());
-    } catch (const std::exception& e) {
-      next.set_error(absl::UnknownError(e.what()));
+    } catch (...) {
+      next.set_error(status_from_current_exception());
     }
   });
   return next;
+}
+
+void forward(const Future& from, const Future& to) {
+  from.add_callback([to](const Future& done) {
+    const absl::Status s = done.status();
+    to.set_status(s, s.ok() ? done.value() : c10::IValue());
+  });
 }
 
 }  // namespace tandem::rpc

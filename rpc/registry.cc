@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "rpc/errors.h"
 
 namespace tandem::rpc {
 namespace {
@@ -55,11 +56,14 @@ std::vector<std::string> registered_functions() {
 namespace detail {
 
 void arity_error(size_t expected, size_t got) {
-  throw std::invalid_argument(absl::StrCat("expects ", expected, " argument", expected == 1 ? "" : "s", ", got ", got));
+  throw_error(absl::InvalidArgumentError(
+      absl::StrCat("expects ", expected, " argument", expected == 1 ? "" : "s", ", got ", got)));
 }
 
 void argument_error(size_t index, const std::exception& e) {
-  throw std::invalid_argument(absl::StrCat("argument ", index + 1, ": ", e.what()));
+  // The cause's message without its code: whatever failed to convert, the argument is what the caller got wrong.
+  throw_error(
+      absl::InvalidArgumentError(absl::StrCat("argument ", index + 1, ": ", status_from_exception(e).message())));
 }
 
 }  // namespace detail

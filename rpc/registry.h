@@ -62,6 +62,8 @@ struct FnTraits<R (C::*)(A...) const> : FnTraits<R (*)(A...)> {};
 template <typename C, typename R, typename... A>
 struct FnTraits<R (C::*)(A...)> : FnTraits<R (*)(A...)> {};
 
+// Throw tandem::Error (INVALID_ARGUMENT): the caller sent the wrong number of arguments, or argument `index` did not
+// convert (`e` says why).
 [[noreturn]] void arity_error(size_t expected, size_t got);
 [[noreturn]] void argument_error(size_t index, const std::exception& e);
 

@@ -161,7 +161,7 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::start(const std::string& name, int
   }
   const std::string master = net::join_host_port(master_addr, rank == 0 ? port : master_port);
   if (auto s = agent->rendezvous(master, net::join_host_port(host, port)); !s.ok()) {
-    agent->stop(std::chrono::milliseconds(1000));
+    agent->stop(std::chrono::milliseconds(1000));  // nothing ran yet: only the transports' threads unwind
     return error_with(s, absl::StrCat("init_rpc of worker '", name, "' (rank ", rank, "): "));
   }
   return agent;

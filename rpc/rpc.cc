@@ -10,6 +10,7 @@
 #include "rpc/detail/direct_transport.h"  // complete types for deleting the agent
 #include "rpc/detail/fault_transport.h"
 #include "rpc/detail/grpc_transport.h"
+#include "rpc/detail/ids.h"
 #include "rpc/extension.h"
 #include "rpc/rpc.h"
 
@@ -47,6 +48,7 @@ void at_exit_shutdown() {
   {
     absl::MutexLock lock(&g_mu);
     agent = std::move(g_agent);
+    detail::set_self_rank(-1);
   }
   if (agent) {
     (void)agent->shutdown(/*graceful=*/false);
@@ -70,6 +72,7 @@ void init_rpc(const std::string& name, int rank, int world_size, RpcOptions opti
   auto agent = Agent::start(name, rank, world_size, options);
   throw_if_error(agent.status());
   g_agent = std::shared_ptr<Agent>(std::move(*agent));
+  detail::set_self_rank(rank);  // before set_ready: the first calls served may use it
   g_agent->set_ready();
   static bool registered = (std::atexit(at_exit_shutdown), true);
   (void)registered;
@@ -98,7 +101,10 @@ void shutdown(bool graceful) {
   absl::Status s = agent->shutdown(graceful);
   {
     absl::MutexLock lock(&g_mu);
-    if (g_agent == agent) g_agent.reset();
+    if (g_agent == agent) {
+      g_agent.reset();
+      detail::set_self_rank(-1);
+    }
   }
   dispose(agent);
   for (const auto& hook : detail::stop_hooks()) hook();
@@ -106,6 +112,19 @@ void shutdown(bool graceful) {
 }
 
 bool is_initialized() { return current_agent() != nullptr; }
+
+std::chrono::milliseconds default_timeout() {
+  auto agent = current_agent();
+  return agent ? agent->rpc_timeout() : RpcOptions().rpc_timeout;
+}
+
+std::optional<WorkerInfo> find_worker_info(const To& to) {
+  auto agent = current_agent();
+  if (!agent) return std::nullopt;
+  auto r = agent->resolve(to);
+  if (!r.ok()) return std::nullopt;
+  return agent->info(*r);
+}
 
 WorkerInfo get_worker_info() { return require_agent()->self(); }
 

@@ -9,13 +9,19 @@
 // Arguments are converted with rpc/convert.h. A trailing std::chrono::duration argument is the call's timeout (it is
 // not sent); without it the call uses RpcOptions::rpc_timeout.
 //
-// Errors. rpc_sync and every synchronous function here throw tandem::RpcError; a Future carries the same error. The
-// message names the worker, the function and the cause:
-//   UNAVAILABLE / DEADLINE_EXCEEDED   the peer died, is unreachable, or did not reply within the call's timeout
-//   NOT_FOUND                         no function of that name is registered on the callee
-//   INVALID_ARGUMENT                  the arguments did not convert, or a message was malformed
-//   UNKNOWN                           the function threw; the message is the remote exception's
-//   UNAUTHENTICATED                   the peer does not share this job's secret
+// Errors. rpc_sync and every synchronous function here throw tandem::Error (rpc/errors.h; RpcError is the same type);
+// a Future carries the same absl::Status. call, call_and_wait and rpc_async never throw: every failure of a call, also
+// of encoding its arguments, is in the returned future. The message names the worker, the function and the cause
+// (docs/errors.md has every condition and its code):
+//   UNAVAILABLE          the peer died or is unreachable
+//   DEADLINE_EXCEEDED    no reply within the call's timeout
+//   CANCELLED            RPC was shut down (or is shutting down) on this worker
+//   NOT_FOUND            no function of that name is registered on the callee; no worker of that name or rank
+//   INVALID_ARGUMENT     the arguments or the result did not convert, or a message was malformed
+//   UNKNOWN              the function threw (any exception but tandem::Error); the message is the exception's
+//   UNAUTHENTICATED      the peer does not share this job's secret
+//   RESOURCE_EXHAUSTED   a message over RpcOptions::max_message_bytes
+// A tandem::Error the function throws (e.g. from a nested call) keeps its code and message.
 // Every call completes (value or error) by its deadline; nothing in this API waits without one.
 //
 // Thread-safety: after init_rpc returns, every function may be called from any thread, including from inside registered
@@ -60,7 +66,8 @@ struct RpcOptions {
   std::string secret;
   std::optional<TlsOptions> tls;
 
-  std::chrono::milliseconds rpc_timeout{std::chrono::seconds(60)};       // default per call
+  // The default per call, and of every other timeout left unset (default_timeout(); docs/errors.md lists them).
+  std::chrono::milliseconds rpc_timeout{std::chrono::seconds(60)};
   std::chrono::milliseconds init_timeout{std::chrono::seconds(120)};     // rendezvous
   std::chrono::milliseconds shutdown_timeout{std::chrono::seconds(30)};  // graceful shutdown barrier and drain
 
@@ -98,6 +105,9 @@ void init_rpc(RpcOptions options = {});
 // again.
 void shutdown(bool graceful = true);
 bool is_initialized();
+// The initialized worker's RpcOptions::rpc_timeout: the default of every timeout the user did not set (calls, RRefs,
+// distributed autograd, collectives, pipelines). 60 s (RpcOptions' default) when RPC is not initialized.
+std::chrono::milliseconds default_timeout();
 
 WorkerInfo get_worker_info();  // this worker
 WorkerInfo get_worker_info(const std::string& name);
@@ -118,6 +128,10 @@ class To {
   std::string name_;
   int rank_ = -1;
 };
+
+// The worker `to` names; nullopt when there is none, or RPC is not initialized (it may be shutting down meanwhile).
+// Never throws: for error paths that only want a name, and for checks that are not failures.
+std::optional<WorkerInfo> find_worker_info(const To& to);
 
 // The type-erased call behind rpc_async. A non-positive timeout means the default.
 Future call(const To& to, const std::string& function, std::vector<c10::IValue> args,

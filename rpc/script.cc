@@ -1,8 +1,7 @@
 #include "rpc/script.h"
 
-#include <stdexcept>
-
 #include "absl/strings/str_cat.h"
+#include "rpc/errors.h"
 #include "rpc/registry.h"
 
 namespace tandem::rpc {
@@ -13,7 +12,7 @@ void check_arguments(const c10::FunctionSchema& schema, std::vector<c10::IValue>
   try {
     schema.checkAndNormalizeInputs(args, {});
   } catch (const c10::Error& e) {
-    throw std::invalid_argument(e.what_without_backtrace());
+    throw_error(absl::InvalidArgumentError(e.what_without_backtrace()));
   }
 }
 

@@ -36,6 +36,8 @@ class Store {
 
 // A store reached over gRPC, authenticating with the job token. With `wait_for_ready` an operation waits (within its
 // deadline) for the store's server to come up, as rendezvous needs; without it an unreachable store fails at once.
+// `op_timeout` bounds set, add, check and remove; the agent passes init_timeout or rpc_timeout, the default is for
+// tools and tests that have no RpcOptions.
 std::unique_ptr<Store> connect_store(std::shared_ptr<grpc::Channel> channel, std::string token, bool wait_for_ready,
                                      std::chrono::milliseconds op_timeout = std::chrono::seconds(30));
 

@@ -2,17 +2,21 @@
 // value codec for RRefs, so rpc itself knows nothing of references.
 #include "rref/rref.h"
 
+#include <algorithm>
 #include <atomic>
-#include <condition_variable>
 #include <cstring>
 #include <map>
-#include <mutex>
 #include <set>
 #include <thread>
 #include <unordered_map>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "proto/tandem_rpc.pb.h"
+#include "rpc/detail/ids.h"
+#include "rpc/detail/note_batcher.h"
+#include "rpc/errors.h"
 #include "rpc/extension.h"
 #include "rref/detail/descriptor.h"
 
@@ -23,7 +27,9 @@ using std::chrono::milliseconds;
 
 class RRefImpl : public c10::RRefInterface {
  public:
-  RRefImpl(int owner, int64_t rref_id, int64_t fork_id, bool owner_side, bool confirmed, uint64_t generation);
+  // `confirm_by`: when an unconfirmed reference's confirmation (its creation or fork call) completes at the latest.
+  RRefImpl(int owner, int64_t rref_id, int64_t fork_id, bool owner_side, bool confirmed, uint64_t generation,
+           absl::Time confirm_by = absl::InfiniteFuture());
   ~RRefImpl() override;
 
   c10::worker_id_t owner() const override { return static_cast<c10::worker_id_t>(owner_); }
@@ -38,22 +44,11 @@ class RRefImpl : public c10::RRefInterface {
   const bool owner_side_;
   const uint64_t generation_;
   // Completes when the owner knows this user reference (at once for owner-side handles and forks from the owner);
-  // fails when its creation failed.
+  // fails when its creation failed. Its deadline is the confirming call's.
   rpc::Future confirmed_;
 };
 
 namespace {
-
-// Forwards `from`'s outcome into `to`.
-void forward(const rpc::Future& from, const rpc::Future& to) {
-  from.add_callback([to](const rpc::Future& f) {
-    if (absl::Status s = f.status(); !s.ok()) {
-      to.set_error(s);
-    } else {
-      to.set_value(f.value());
-    }
-  });
-}
 
 using Descriptor = tandem::wire::RRefDescriptor;
 constexpr auto kSelf = Descriptor::SELF;             // sent by the owner to itself: decodes to an owner-side handle
@@ -68,8 +63,19 @@ struct OwnerEntry {
 };
 
 // Pending children are released by the child's accept; one whose message was never delivered would keep its parent
-// forever, so they expire after this long.
-constexpr auto kPendingChildTtl = std::chrono::minutes(10);
+// forever, so they expire. The message carrying the child may legitimately take as long as a call (rpc_timeout, or a
+// longer timeout given to that call), so the expiry is twice the RPC timeout, and at least 10 minutes for calls given
+// longer timeouts than the default: expiring too early frees a parent that is still needed, too late only keeps memory.
+std::chrono::milliseconds pending_child_ttl() {
+  return std::max<std::chrono::milliseconds>(std::chrono::minutes(10), 2 * rpc::default_timeout());
+}
+
+// The longest wait for an unknown reference a peer may ask of an owner (on_fetch). Real waits are the caller's call
+// timeout, which may be hours; this bound only keeps a malformed request from overflowing the deadline arithmetic.
+constexpr std::chrono::milliseconds kMaxFetchWait{std::chrono::hours(24)};
+
+constexpr const char* kDelete = "__tandem.rref.delete";
+constexpr const char* kAccept = "__tandem.rref.accept";
 
 class Context {
  public:
@@ -79,25 +85,27 @@ class Context {
   }
 
   uint64_t generation() const { return generation_.load(); }
-  int64_t new_id() {
-    if (rank_ < 0) rank_ = rpc::get_worker_info().id;
-    return (static_cast<int64_t>(rank_) << 48) | next_id_.fetch_add(1);
+  int64_t new_id() const { return rpc::detail::next_global_id(rank()); }
+  // This worker's rank; throws RpcError (FAILED_PRECONDITION) when RPC is not initialized.
+  int rank() const {
+    const int r = rpc::detail::self_rank_or(-1);
+    return r >= 0 ? r : rpc::get_worker_info().id;
   }
-  int rank() {
-    if (rank_ < 0) rank_ = rpc::get_worker_info().id;
-    return rank_;
+  void configure(const RRefOptions& options) {
+    absl::MutexLock lock(&mu_);
+    options_ = options;
   }
 
   // Owner side. Messages about one RRef come from several workers over several connections, so they arrive in any
   // order: a fork may be registered before the creation it descends from. Whichever comes first makes the entry;
   // the value future is made once and the creation completes it.
   rpc::Future create_entry(int64_t rref_id, int64_t fork_id, int holder) {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     auto& e = owners_[rref_id];
     if (fork_id != 0) e.forks[fork_id] = holder;
     start_probe_locked();
     if (auto w = awaiting_.find(rref_id); w != awaiting_.end()) {  // fetches that overtook the creation
-      for (auto& [deadline, waiter] : w->second) forward(e.value, waiter);
+      for (auto& [deadline, waiter] : w->second) rpc::forward(e.value, waiter);
       awaiting_.erase(w);
     }
     return e.value;
@@ -105,7 +113,7 @@ class Context {
   // The value of `rref_id`; when the owner has not heard of it yet (a fetch may overtake the creation it follows), a
   // future that its creation completes, or that fails with NOT_FOUND after `wait`. No entry is made for it.
   rpc::Future value_or_wait(int64_t rref_id, milliseconds wait) {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     if (auto it = owners_.find(rref_id); it != owners_.end()) return it->second.value;
     rpc::Future waiter;
     awaiting_[rref_id].emplace_back(std::chrono::steady_clock::now() + wait, waiter);
@@ -113,7 +121,7 @@ class Context {
     return waiter;
   }
   absl::StatusOr<rpc::Future> value_of(int64_t rref_id) {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     auto it = owners_.find(rref_id);
     if (it == owners_.end()) return missing(rref_id);
     return it->second.value;
@@ -125,7 +133,7 @@ class Context {
     return absl::OkStatus();
   }
   void remove_fork(int64_t rref_id, int64_t fork_id) {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     auto it = owners_.find(rref_id);
     if (it == owners_.end()) return;  // deletes are idempotent
     it->second.forks.erase(fork_id);
@@ -134,12 +142,12 @@ class Context {
   // A handle on the owner. The entry may not exist yet when the reference overtook its own creation (see
   // create_entry); the creation will fill the value.
   absl::StatusOr<c10::intrusive_ptr<RRefImpl>> owner_handle(int64_t rref_id) {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     ++owners_[rref_id].local_handles;
     return c10::make_intrusive<RRefImpl>(rank(), rref_id, 0, true, true, generation());
   }
   void release_handle(int64_t rref_id, uint64_t generation) {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     if (generation != generation_) return;
     auto it = owners_.find(rref_id);
     if (it == owners_.end()) return;
@@ -149,25 +157,25 @@ class Context {
 
   // User side.
   void hold_pending_user(const c10::intrusive_ptr<RRefImpl>& user) {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     pending_users_[user->fork_id_] = user;
   }
   void release_pending_user(int64_t fork_id) {
     c10::intrusive_ptr<RRefImpl> keep;  // destroyed outside the lock (its destructor may send a delete)
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     auto it = pending_users_.find(fork_id);
     if (it == pending_users_.end()) return;
     keep = std::move(it->second);
     pending_users_.erase(it);
   }
   void hold_pending_child(int64_t child, c10::intrusive_ptr<RRefImpl> parent) {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     pending_children_[child] = {std::move(parent), std::chrono::steady_clock::now()};
     start_probe_locked();
   }
   void release_pending_child(int64_t child) {
     c10::intrusive_ptr<RRefImpl> keep;
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     auto it = pending_children_.find(child);
     if (it == pending_children_.end()) return;
     keep = std::move(it->second.first);
@@ -175,7 +183,7 @@ class Context {
   }
 
   Stats stats() {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     Stats s;
     s.owned_values = static_cast<int64_t>(owners_.size());
     for (const auto& [id, e] : owners_) s.known_forks += static_cast<int64_t>(e.forks.size());
@@ -189,18 +197,17 @@ class Context {
   // Graceful shutdown: confirmations and accepts in flight settle before the workers leave.
   absl::Status drain(absl::Time deadline) {
     batcher.flush();
-    std::unique_lock<std::mutex> lock(mu_);
-    while (!pending_users_.empty() || !pending_children_.empty()) {
-      lock.unlock();
+    absl::MutexLock lock(&mu_);
+    while (!settled()) {
+      mu_.Unlock();
       batcher.flush();  // accepts owed to other workers
-      lock.lock();
+      mu_.Lock();
       if (absl::Now() >= deadline) {
         return absl::DeadlineExceededError(absl::StrCat("rref: ", pending_users_.size(), " confirmations and ",
                                                         pending_children_.size(), " child acceptances still pending"));
       }
-      lock.unlock();
-      std::this_thread::sleep_for(milliseconds(2));
-      lock.lock();
+      // A poll (the batcher is flushed each round), which ends early when the last pending entry goes.
+      mu_.AwaitWithTimeout(absl::Condition(this, &Context::settled), absl::Milliseconds(2));
     }
     return absl::OkStatus();
   }
@@ -211,131 +218,78 @@ class Context {
     std::unordered_map<int64_t, c10::intrusive_ptr<RRefImpl>> users;
     std::unordered_map<int64_t, std::pair<c10::intrusive_ptr<RRefImpl>, std::chrono::steady_clock::time_point>>
         children;
+    std::thread probe;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      absl::MutexLock lock(&mu_);
       ++generation_;
-      rank_ = -1;
-      stop_probe_ = true;
+      stop_probe_ = true;  // ends the probe's wait, and no probe starts until it is joined
       owners.swap(owners_);
       users.swap(pending_users_);
       children.swap(pending_children_);
       awaiting_.clear();
+      probe = std::move(probe_);
     }
     batcher.stop();
-    probe_cv_.notify_all();
-    if (probe_.joinable()) probe_.join();
-    std::lock_guard<std::mutex> lock(mu_);
+    if (probe.joinable()) probe.join();
+    absl::MutexLock lock(&mu_);
     stop_probe_ = false;
   }
 
-  // accept and delete notes: one-way, so they are sent in batches per destination (flushed within kFlushDelay or at
-  // kBatchSize), which divides the protocol's message count for short-lived references.
-  class Batcher {
-   public:
-    static constexpr auto kFlushDelay = milliseconds(1);
-    static constexpr size_t kBatchSize = 256;
-    void add(int to, const char* function, int64_t a, int64_t b) {
-      std::unique_lock<std::mutex> lock(mu_);
-      auto& batch = batches_[{to, function}];
-      batch.push_back(a);
-      batch.push_back(b);
-      if (!thread_.joinable() && !stopping_) thread_ = std::thread([this] { loop(); });
-      if (batch.size() >= 2 * kBatchSize) cv_.notify_one();
-    }
-    // Sends what is queued now (for shutdown's drain).
-    void flush() {
-      std::map<std::pair<int, const char*>, std::vector<int64_t>> batches;
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        batches.swap(batches_);
-      }
-      send(batches);
-    }
-    void stop() {
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        stopping_ = true;
-        batches_.clear();  // the job is over: nobody needs them
-      }
-      cv_.notify_all();
-      if (thread_.joinable()) thread_.join();
-      std::lock_guard<std::mutex> lock(mu_);
-      stopping_ = false;
-      thread_ = std::thread();
-    }
-
-   private:
-    void loop() {
-      std::unique_lock<std::mutex> lock(mu_);
-      while (!stopping_) {
-        cv_.wait_for(lock, kFlushDelay);
-        if (batches_.empty()) continue;
-        std::map<std::pair<int, const char*>, std::vector<int64_t>> batches;
-        batches.swap(batches_);
-        lock.unlock();
-        send(batches);
-        lock.lock();
-      }
-    }
-    static void send(const std::map<std::pair<int, const char*>, std::vector<int64_t>>& batches) {
-      for (const auto& [key, values] : batches) send_one(key.first, key.second, values, kAttempts);
-    }
-    // Notes are idempotent (a fork already deleted, a child already released: nothing happens), so a batch that was
-    // lost on the way (no reply by its deadline) or whose connection broke is sent again, kAttempts times in all.
-    static constexpr int kAttempts = 3;
-    static void send_one(int to, const char* function, std::vector<int64_t> values, int attempts) {
-      rpc::Future sent = rpc::call(to, function, {c10::IValue(values)});
-      sent.add_callback([to, function, values = std::move(values), attempts](const rpc::Future& r) {
-        const absl::Status s = r.status();
-        if (s.ok()) return;
-        const bool lost = s.code() == absl::StatusCode::kDeadlineExceeded || s.code() == absl::StatusCode::kUnavailable;
-        if (lost && attempts > 1) return send_one(to, function, values, attempts - 1);
-        ++Context::get().failed_notes;  // the destination is gone
-      });
-    }
-    std::mutex mu_;
-    std::condition_variable cv_;
-    std::map<std::pair<int, const char*>, std::vector<int64_t>> batches_;
-    std::thread thread_;
-    bool stopping_ = false;
-  };
-
-  RRefOptions options;
-  Batcher batcher;
+  // accept and delete notes: one-way, so they are sent in batches per destination (flushed within 1 ms or at 256
+  // pairs), which divides the protocol's message count for short-lived references. Notes are idempotent (a fork
+  // already deleted, a child already released: nothing happens), so a lost batch is sent again, 3 times in all; a
+  // batch that still fails counts in failed_notes (its destination is gone).
+  rpc::detail::NoteBatcher batcher{batcher_options()};
   std::atomic<int64_t> failed_notes{0};
   std::atomic<int64_t> user_refs{0};
 
  private:
+  static rpc::detail::NoteBatcher::Options batcher_options() {
+    rpc::detail::NoteBatcher::Options o;
+    o.policy = rpc::detail::NoteBatcher::Policy::kEveryDelay;
+    o.flush_delay = absl::Milliseconds(1);
+    o.max_values = 2 * 256;  // (a, b) pairs
+    o.attempts = 3;
+    o.on_failure = [](int64_t) { ++Context::get().failed_notes; };
+    return o;
+  }
+
   static absl::Status missing(int64_t rref_id) {
     return absl::NotFoundError(absl::StrCat("RRef ", rref_id, " does not exist on its owner (already freed?)"));
   }
 
-  void maybe_free_locked(std::unordered_map<int64_t, OwnerEntry>::iterator it) {
+  bool settled() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return pending_users_.empty() && pending_children_.empty();
+  }
+
+  void maybe_free_locked(std::unordered_map<int64_t, OwnerEntry>::iterator it) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (it->second.forks.empty() && it->second.local_handles == 0) owners_.erase(it);
   }
 
   // Liveness of the workers holding this owner's references, and expiry of stale pending children.
-  void start_probe_locked() {
+  void start_probe_locked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (probe_.joinable() || stop_probe_) return;
     probe_ = std::thread([this] { probe_loop(); });
   }
 
   void probe_loop() {
-    std::unique_lock<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     while (!stop_probe_) {
-      probe_cv_.wait_for(lock, options.probe_interval, [this] { return stop_probe_; });
+      const milliseconds interval = options_.probe_interval;
+      mu_.AwaitWithTimeout(absl::Condition(&stop_probe_), absl::FromChrono(interval));
       if (stop_probe_) return;
       std::set<int> holders;
-      const int me = rank_;
+      const int me = rpc::detail::self_rank_or(-1);
       for (const auto& [id, e] : owners_) {
         for (const auto& [fork, holder] : e.forks) {
           if (holder != me) holders.insert(holder);
         }
       }
       const auto now = std::chrono::steady_clock::now();
+      const auto ttl = pending_child_ttl();
       std::vector<c10::intrusive_ptr<RRefImpl>> expired;
       for (auto it = pending_children_.begin(); it != pending_children_.end();) {
-        if (now - it->second.second > kPendingChildTtl) {
+        if (now - it->second.second > ttl) {
           expired.push_back(std::move(it->second.first));
           it = pending_children_.erase(it);
         } else {
@@ -355,20 +309,20 @@ class Context {
         }
         it = waiters.empty() ? awaiting_.erase(it) : std::next(it);
       }
-      lock.unlock();
+      mu_.Unlock();
       expired.clear();
       for (auto& [id, f] : timed_out) f.set_error(missing(id));
       std::vector<int> dead;
       for (int h : holders) {
-        rpc::Future ping = rpc::call(h, "__tandem.rref.ping", {}, options.probe_interval);
+        rpc::Future ping = rpc::call(h, "__tandem.rref.ping", {}, interval);
         if (ping.status().code() == absl::StatusCode::kUnavailable) dead.push_back(h);
       }
-      lock.lock();
+      mu_.Lock();
       for (int h : dead) drop_holder_locked(h);
     }
   }
 
-  void drop_holder_locked(int holder) {
+  void drop_holder_locked(int holder) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     for (auto it = owners_.begin(); it != owners_.end();) {
       auto& forks = it->second.forks;
       for (auto f = forks.begin(); f != forks.end();) f = f->second == holder ? forks.erase(f) : std::next(f);
@@ -380,37 +334,37 @@ class Context {
     }
   }
 
-  std::mutex mu_;
-  std::unordered_map<int64_t, OwnerEntry> owners_;
-  std::unordered_map<int64_t, c10::intrusive_ptr<RRefImpl>> pending_users_;
+  absl::Mutex mu_;
+  std::unordered_map<int64_t, OwnerEntry> owners_ ABSL_GUARDED_BY(mu_);
+  std::unordered_map<int64_t, c10::intrusive_ptr<RRefImpl>> pending_users_ ABSL_GUARDED_BY(mu_);
   std::unordered_map<int64_t, std::pair<c10::intrusive_ptr<RRefImpl>, std::chrono::steady_clock::time_point>>
-      pending_children_;
-  std::unordered_map<int64_t, std::vector<std::pair<std::chrono::steady_clock::time_point, rpc::Future>>> awaiting_;
+      pending_children_ ABSL_GUARDED_BY(mu_);
+  std::unordered_map<int64_t, std::vector<std::pair<std::chrono::steady_clock::time_point, rpc::Future>>> awaiting_
+      ABSL_GUARDED_BY(mu_);
   std::atomic<uint64_t> generation_{1};
-  std::atomic<int64_t> next_id_{1};
-  std::atomic<int> rank_{-1};
-  std::thread probe_;
-  std::condition_variable probe_cv_;
-  bool stop_probe_ = false;
+  RRefOptions options_ ABSL_GUARDED_BY(mu_);  // configure() may run while the probe reads it
+  std::thread probe_ ABSL_GUARDED_BY(mu_);
+  bool stop_probe_ ABSL_GUARDED_BY(mu_) = false;  // the probe's wait ends when it is set
 };
 
-std::mutex g_classes_mu;
-std::map<std::string, Constructor>& classes() {
-  static auto* m = new std::map<std::string, Constructor>;
-  return *m;
-}
-std::map<std::pair<std::string, std::string>, Method>& methods() {
-  static auto* m = new std::map<std::pair<std::string, std::string>, Method>;
-  return *m;
+// Registered classes and their methods (remote objects).
+struct Classes {
+  absl::Mutex mu;
+  std::map<std::string, Constructor> constructors ABSL_GUARDED_BY(mu);
+  std::map<std::pair<std::string, std::string>, Method> methods ABSL_GUARDED_BY(mu);
+};
+Classes& classes() {
+  static auto* c = new Classes;  // never destroyed: RPC threads may use it until exit
+  return *c;
 }
 
 int64_t arg_int(const std::vector<c10::IValue>& args, size_t i) {
-  if (i >= args.size() || !args[i].isInt()) throw std::invalid_argument("malformed rref protocol message");
+  if (i >= args.size() || !args[i].isInt()) throw_error(absl::InvalidArgumentError("malformed rref protocol message"));
   return args[i].toInt();
 }
 
 // Best effort: if the sender is gone, so is the parent it kept.
-void send_accept(int to, int64_t child) { Context::get().batcher.add(to, "__tandem.rref.accept", child, 0); }
+void send_accept(int to, int64_t child) { Context::get().batcher.add(to, kAccept, {child, 0}); }
 
 // ---- the codec
 
@@ -464,12 +418,9 @@ absl::StatusOr<c10::IValue> decode(const std::string& data, int from, std::vecto
   rpc::Future registered = rpc::call(w.owner(), "__tandem.rref.fork", {c10::IValue(w.rref_id()), c10::IValue(fork)});
   rpc::Future confirmed = user->confirmed_;
   registered.add_callback([confirmed, fork, from](const rpc::Future& r) {
-    if (absl::Status s = r.status(); !s.ok()) {
-      confirmed.set_error(s);
-    } else {
-      confirmed.set_value(c10::IValue());
-      send_accept(from, fork);  // G2: now the parent may go
-    }
+    const absl::Status s = r.status();
+    confirmed.set_status(s);
+    if (s.ok()) send_accept(from, fork);  // G2: now the parent may go
     Context::get().release_pending_user(fork);
   });
   wait->push_back(confirmed);  // user code sees the reference only once its owner knows it
@@ -481,8 +432,9 @@ absl::StatusOr<c10::IValue> decode(const std::string& data, int from, std::vecto
 rpc::Future on_create(std::vector<c10::IValue>&& args) {
   // args: rref id, fork id, function, arguments (a list)
   const int64_t rref_id = arg_int(args, 0), fork_id = arg_int(args, 1);
-  if (args.size() != 4 || !args[2].isString() || !args[3].isList())
-    throw std::invalid_argument("malformed rref create");
+  if (args.size() != 4 || !args[2].isString() || !args[3].isList()) {
+    throw_error(absl::InvalidArgumentError("malformed rref create"));
+  }
   const std::string function = args[2].toStringRef();
   std::vector<c10::IValue> fargs(args[3].toListRef().begin(), args[3].toListRef().end());
   const auto* call = rpc::current_call();
@@ -493,9 +445,9 @@ rpc::Future on_create(std::vector<c10::IValue>&& args) {
                                                      rpc::get_worker_info().name, "'")));
   } else {
     try {
-      forward(handler(std::move(fargs)), value);
-    } catch (const std::exception& e) {
-      value.set_error(absl::UnknownError(e.what()));
+      rpc::forward(handler(std::move(fargs)), value);
+    } catch (...) {
+      value.set_error(status_from_current_exception());
     }
   }
   return rpc::Future::ready(c10::IValue());  // the creator's confirmation; the value follows in its own time
@@ -503,7 +455,7 @@ rpc::Future on_create(std::vector<c10::IValue>&& args) {
 
 rpc::Future on_fetch(std::vector<c10::IValue>&& args) {  // rref, how long to wait for an unknown one (ms)
   return Context::get().value_or_wait(arg_int(args, 0),
-                                      milliseconds(std::clamp<int64_t>(arg_int(args, 1), 0, 3600000)));
+                                      milliseconds(std::clamp<int64_t>(arg_int(args, 1), 0, kMaxFetchWait.count())));
 }
 
 rpc::Future on_fork(std::vector<c10::IValue>&& args) {
@@ -514,13 +466,14 @@ rpc::Future on_fork(std::vector<c10::IValue>&& args) {
 
 // Batched notes: a flat list of (a, b) pairs.
 std::vector<int64_t> note_pairs(const std::vector<c10::IValue>& args) {
-  if (args.size() != 1 || !args[0].isList()) throw std::invalid_argument("malformed rref note batch");
+  const absl::Status malformed = absl::InvalidArgumentError("malformed rref note batch");
+  if (args.size() != 1 || !args[0].isList()) throw_error(malformed);
   std::vector<int64_t> v;
   for (const auto& x : args[0].toListRef()) {
-    if (!x.isInt()) throw std::invalid_argument("malformed rref note batch");
+    if (!x.isInt()) throw_error(malformed);
     v.push_back(x.toInt());
   }
-  if (v.size() % 2 != 0) throw std::invalid_argument("malformed rref note batch");
+  if (v.size() % 2 != 0) throw_error(malformed);
   return v;
 }
 
@@ -537,15 +490,16 @@ rpc::Future on_accept(std::vector<c10::IValue>&& args) {  // (child, 0) pairs, o
 }
 
 rpc::Future on_construct(std::vector<c10::IValue>&& args) {
-  if (args.empty() || !args[0].isString()) throw std::invalid_argument("malformed rref construct");
+  if (args.empty() || !args[0].isString()) throw_error(absl::InvalidArgumentError("malformed rref construct"));
   const std::string name = args[0].toStringRef();
   Constructor ctor;
   {
-    std::lock_guard<std::mutex> lock(g_classes_mu);
-    auto it = classes().find(name);
-    if (it == classes().end()) {
-      throw std::invalid_argument(
-          absl::StrCat("no class named '", name, "' is registered on worker '", rpc::get_worker_info().name, "'"));
+    Classes& c = classes();
+    absl::MutexLock lock(&c.mu);
+    auto it = c.constructors.find(name);
+    if (it == c.constructors.end()) {
+      throw_error(absl::NotFoundError(
+          absl::StrCat("no class named '", name, "' is registered on worker '", rpc::get_worker_info().name, "'")));
     }
     ctor = it->second;
   }
@@ -556,7 +510,7 @@ rpc::Future on_construct(std::vector<c10::IValue>&& args) {
 }
 
 rpc::Future on_call(std::vector<c10::IValue>&& args) {
-  if (args.size() < 2 || !args[1].isString()) throw std::invalid_argument("malformed rref method call");
+  if (args.size() < 2 || !args[1].isString()) throw_error(absl::InvalidArgumentError("malformed rref method call"));
   auto value = Context::get().value_of(arg_int(args, 0));
   if (!value.ok()) return rpc::Future::failed(value.status());
   const std::string method = args[1].toStringRef();
@@ -568,23 +522,21 @@ rpc::Future on_call(std::vector<c10::IValue>&& args) {
     try {
       const c10::IValue& holder = v.value();
       auto* object = holder.isCapsule() ? dynamic_cast<Object*>(holder.toCapsule().get()) : nullptr;
-      if (!object) throw std::invalid_argument("the RRef does not refer to a remote object");
+      if (!object) throw_error(absl::InvalidArgumentError("the RRef does not refer to a remote object"));
       Method m;
       {
-        std::lock_guard<std::mutex> lock(g_classes_mu);
-        auto it = methods().find({object->class_name, method});
-        if (it == methods().end()) {
-          throw std::invalid_argument(absl::StrCat("class '", object->class_name, "' has no method '", method, "'"));
+        Classes& c = classes();
+        absl::MutexLock lock(&c.mu);
+        auto it = c.methods.find({object->class_name, method});
+        if (it == c.methods.end()) {
+          throw_error(
+              absl::NotFoundError(absl::StrCat("class '", object->class_name, "' has no method '", method, "'")));
         }
         m = it->second;
       }
-      forward(m(object->instance.get(), std::move(*rest)), result);
-    } catch (const RpcError& e) {
-      result.set_error(e.status());
-    } catch (const std::invalid_argument& e) {
-      result.set_error(absl::InvalidArgumentError(e.what()));
-    } catch (const std::exception& e) {
-      result.set_error(absl::UnknownError(e.what()));
+      rpc::forward(m(object->instance.get(), std::move(*rest)), result);
+    } catch (...) {
+      result.set_error(status_from_current_exception());
     }
   });
   value->add_callback([run = std::move(run)](const rpc::Future&) { run(); });
@@ -596,8 +548,8 @@ bool install() {
   throw_if_error(rpc::register_handler("__tandem.rref.create", on_create));
   throw_if_error(rpc::register_handler("__tandem.rref.fetch", on_fetch));
   throw_if_error(rpc::register_handler("__tandem.rref.fork", on_fork));
-  throw_if_error(rpc::register_handler("__tandem.rref.delete", on_delete));
-  throw_if_error(rpc::register_handler("__tandem.rref.accept", on_accept));
+  throw_if_error(rpc::register_handler(kDelete, on_delete));
+  throw_if_error(rpc::register_handler(kAccept, on_accept));
   throw_if_error(rpc::register_handler("__tandem.rref.construct", on_construct));
   throw_if_error(rpc::register_handler(RRef::kCallMethod, on_call));
   throw_if_error(rpc::register_handler("__tandem.rref.ping",
@@ -611,8 +563,14 @@ const bool g_installed = install();
 
 }  // namespace
 
-RRefImpl::RRefImpl(int owner, int64_t rref_id, int64_t fork_id, bool owner_side, bool confirmed, uint64_t generation)
-    : owner_(owner), rref_id_(rref_id), fork_id_(fork_id), owner_side_(owner_side), generation_(generation) {
+RRefImpl::RRefImpl(int owner, int64_t rref_id, int64_t fork_id, bool owner_side, bool confirmed, uint64_t generation,
+                   absl::Time confirm_by)
+    : owner_(owner),
+      rref_id_(rref_id),
+      fork_id_(fork_id),
+      owner_side_(owner_side),
+      generation_(generation),
+      confirmed_(confirm_by) {
   if (confirmed) confirmed_.set_value(c10::IValue());
   if (!owner_side_) ++Context::get().user_refs;
 }
@@ -627,28 +585,27 @@ RRefImpl::~RRefImpl() {
   if (generation_ != ctx.generation()) return;  // its job is over
   // G1: the owner learns of every deletion. A user whose creation failed may still be known to the owner (the reply
   // was lost, not the request): deletes are idempotent, so it is sent anyway.
-  ctx.batcher.add(owner_, "__tandem.rref.delete", rref_id_, fork_id_);
+  ctx.batcher.add(owner_, kDelete, {rref_id_, fork_id_});
 }
 
 // A worker's name, or "rank N" once RPC is down (errors are still worth a name).
 std::string name_of(int rank) {
-  try {
-    return rpc::get_worker_info(rank).name;
-  } catch (const std::exception&) {
-    return "rank " + std::to_string(rank);
-  }
+  const auto info = rpc::find_worker_info(rank);
+  return info ? info->name : "rank " + std::to_string(rank);
 }
 
 std::string RRefImpl::ownerName() const { return name_of(owner_); }
 
 void register_class_impl(const std::string& name, Constructor constructor) {
-  std::lock_guard<std::mutex> lock(g_classes_mu);
-  classes()[name] = std::move(constructor);
+  Classes& c = classes();
+  absl::MutexLock lock(&c.mu);
+  c.constructors[name] = std::move(constructor);
 }
 
 void register_method_impl(const std::string& class_name, const std::string& method, Method m) {
-  std::lock_guard<std::mutex> lock(g_classes_mu);
-  methods()[{class_name, method}] = std::move(m);
+  Classes& c = classes();
+  absl::MutexLock lock(&c.mu);
+  c.methods[{class_name, method}] = std::move(m);
 }
 
 }  // namespace detail
@@ -686,11 +643,15 @@ absl::Status to_here_error(int owner, const absl::Status& s) {
                                              "): ", s.message()));
 }
 
+// A timeout as given (non-positive: RpcOptions::rpc_timeout).
+std::chrono::milliseconds or_default(std::chrono::milliseconds timeout) {
+  return timeout.count() > 0 ? timeout : rpc::default_timeout();
+}
+
 // The fetch: sent at once, even before the owner confirmed the reference; the owner waits for a creation it has not
 // seen yet (bounded by the same timeout).
 std::vector<c10::IValue> fetch_args(int64_t rref_id, std::chrono::milliseconds timeout) {
-  const int64_t wait_ms = timeout.count() > 0 ? timeout.count() : 60000;
-  return {c10::IValue(rref_id), c10::IValue(wait_ms)};
+  return {c10::IValue(rref_id), c10::IValue(static_cast<int64_t>(or_default(timeout).count()))};
 }
 }  // namespace
 
@@ -698,17 +659,18 @@ rpc::Future RRef::to_here_async(std::chrono::milliseconds timeout) const {
   const auto& impl = checked(impl_);
   if (impl.owner_side_) {
     auto value = detail::Context::get().value_of(impl.rref_id_);
-    return value.ok() ? *value : rpc::Future::failed(value.status());
+    if (!value.ok()) return rpc::Future::failed(value.status());
+    // The value may still be being made: the wait on it is bounded by the timeout, as a fetch's would be.
+    rpc::Future result(absl::Now() + absl::FromChrono(or_default(timeout)));
+    rpc::forward(*value, result);
+    return result;
   }
-  rpc::Future result;
-  rpc::call(impl.owner_, "__tandem.rref.fetch", fetch_args(impl.rref_id_, timeout), timeout)
-      .add_callback([result, owner = impl.owner_](const rpc::Future& fetched) {
-        if (absl::Status s = fetched.status(); !s.ok()) {
-          result.set_error(to_here_error(owner, s));
-        } else {
-          result.set_value(fetched.value());
-        }
-      });
+  rpc::Future fetch = rpc::call(impl.owner_, "__tandem.rref.fetch", fetch_args(impl.rref_id_, timeout), timeout);
+  rpc::Future result(fetch.deadline());
+  fetch.add_callback([result, owner = impl.owner_](const rpc::Future& fetched) {
+    const absl::Status s = fetched.status();
+    result.set_status(s.ok() ? s : to_here_error(owner, s), s.ok() ? fetched.value() : c10::IValue());
+  });
   return result;
 }
 
@@ -716,9 +678,10 @@ c10::IValue RRef::to_here(std::chrono::milliseconds timeout) const {
   const auto& impl = checked(impl_);
   if (impl.owner_side_) {
     rpc::Future value = to_here_async(timeout);
-    if (timeout.count() > 0 && !value.wait_for(timeout)) {
-      throw RpcError(to_here_error(impl.owner_, absl::DeadlineExceededError(absl::StrCat(
-                                                    "the value was not ready within ", timeout.count(), " ms"))));
+    const std::chrono::milliseconds wait = or_default(timeout);
+    if (!value.wait_for(wait)) {
+      throw_error(to_here_error(impl.owner_, absl::DeadlineExceededError(absl::StrCat("the value was not ready within ",
+                                                                                      wait.count(), " ms"))));
     }
     return value.value();
   }
@@ -734,10 +697,12 @@ rpc::Future RRef::call_method(const std::string& method, std::vector<c10::IValue
   const auto& impl = checked(impl_);
   args.insert(args.begin(), {c10::IValue(impl.rref_id_), c10::IValue(method)});
   // The owner knows the object once it has confirmed this reference; a call sent earlier could overtake the creation.
-  rpc::Future result;
+  // The result is due by the confirmation's deadline (now, if confirmed) plus the call's timeout.
+  const absl::Time confirmed_by = impl.confirmed_.completed() ? absl::Now() : impl.confirmed_.deadline();
+  rpc::Future result(confirmed_by + absl::FromChrono(or_default(timeout)));
   impl.confirmed_.add_callback([result, owner = impl.owner_, args = std::move(args), timeout](const rpc::Future& c) {
     if (absl::Status s = c.status(); !s.ok()) return (void)result.set_error(s);
-    detail::forward(rpc::call(owner, kCallMethod, args, timeout), result);
+    rpc::forward(rpc::call(owner, kCallMethod, args, timeout), result);
   });
   return result;
 }
@@ -745,7 +710,8 @@ rpc::Future RRef::call_method(const std::string& method, std::vector<c10::IValue
 RRef RRef::remote_method(const std::string& method, std::vector<c10::IValue> args,
                          std::chrono::milliseconds timeout) const {
   const auto& impl = checked(impl_);
-  // As in call_method: the creation on the owner must not overtake this reference's own (bounded wait; usually done).
+  // As in call_method: the creation on the owner must not overtake this reference's own (bounded by the confirming
+  // call's deadline; usually done).
   throw_if_error(impl.confirmed_.status());
   args.insert(args.begin(), {c10::IValue(impl.rref_id_), c10::IValue(method)});
   return remote_call(impl.owner_, kCallMethod, std::move(args), timeout);
@@ -758,14 +724,16 @@ c10::IValue RRef::local_value() const {
     throw RpcError(absl::FailedPreconditionError("local_value() on a user RRef: only its owner holds the value"));
   }
   // A user handle on the owner may run ahead of the creation message it sent itself: wait for the entry as fetches do.
+  const std::chrono::milliseconds wait = rpc::default_timeout();
   absl::StatusOr<rpc::Future> value =
-      impl.owner_side_
-          ? detail::Context::get().value_of(impl.rref_id_)
-          : absl::StatusOr<rpc::Future>(detail::Context::get().value_or_wait(impl.rref_id_, std::chrono::minutes(5)));
+      impl.owner_side_ ? detail::Context::get().value_of(impl.rref_id_)
+                       : absl::StatusOr<rpc::Future>(detail::Context::get().value_or_wait(impl.rref_id_, wait));
   throw_if_error(value.status());
-  // As in PyTorch, the owner waits for a value still being made (bounded: the value's function has the RPC deadline).
-  if (!value->wait_for(std::chrono::minutes(5))) {
-    throw RpcError(absl::DeadlineExceededError("the RRef's value was not ready within 5 minutes"));
+  // As in PyTorch, the owner waits for a value still being made (bounded by the RPC timeout, which the value's function
+  // has too).
+  if (!value->wait_for(wait)) {
+    throw_error(absl::DeadlineExceededError(
+        absl::StrCat("the RRef's value was not ready within ", wait.count(), " ms (RpcOptions::rpc_timeout)")));
   }
   return value->value();
 }
@@ -776,7 +744,10 @@ RRef remote_call(const rpc::To& to, const std::string& function, std::vector<c10
   const int owner = to.rank() >= 0 ? rpc::get_worker_info(to.rank()).id : rpc::get_worker_info(to.name()).id;
   const int64_t rref_id = ctx.new_id();
   const int64_t fork_id = ctx.new_id();
-  auto user = c10::make_intrusive<detail::RRefImpl>(owner, rref_id, fork_id, false, false, ctx.generation());
+  // Confirmed by the creation call below, which completes by its deadline.
+  const absl::Time confirm_by = absl::Now() + absl::FromChrono(or_default(timeout));
+  auto user =
+      c10::make_intrusive<detail::RRefImpl>(owner, rref_id, fork_id, false, false, ctx.generation(), confirm_by);
   ctx.hold_pending_user(user);  // until the owner confirms: it cannot be deleted before (G1)
   c10::impl::GenericList list(c10::AnyType::get());
   for (auto& a : args) list.push_back(std::move(a));
@@ -785,11 +756,7 @@ RRef remote_call(const rpc::To& to, const std::string& function, std::vector<c10
                 {c10::IValue(rref_id), c10::IValue(fork_id), c10::IValue(function), c10::IValue(list)}, timeout);
   rpc::Future confirmed = user->confirmed_;
   created.add_callback([confirmed, fork_id](const rpc::Future& r) {
-    if (absl::Status s = r.status(); !s.ok()) {
-      confirmed.set_error(s);
-    } else {
-      confirmed.set_value(c10::IValue());
-    }
+    confirmed.set_status(r.status());
     detail::Context::get().release_pending_user(fork_id);
   });
   return RRef(c10::intrusive_ptr<c10::RRefInterface>(user));
@@ -806,7 +773,7 @@ RRef make_local(c10::IValue value) {
 
 Stats stats() { return detail::Context::get().stats(); }
 
-void configure(RRefOptions options) { detail::Context::get().options = options; }
+void configure(RRefOptions options) { detail::Context::get().configure(options); }
 
 namespace detail {
 

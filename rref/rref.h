@@ -15,9 +15,11 @@
 //   rref::RRef ps = rref::remote_object("ps", "ParameterServer", int64_t{784});
 //   at::Tensor w = ps.rpc_sync<at::Tensor>("get_weights");
 //
-// Errors: as in rpc (tandem::RpcError, or an error in the Future), naming the owner and the operation. If the owner
+// Errors: as in rpc (tandem::Error, or an error in the Future), naming the owner and the operation: an unknown class or
+// method is NOT_FOUND, what a constructor or method throws is UNKNOWN (a tandem::Error keeps its code). If the owner
 // dies, to_here and calls through its RRefs fail with UNAVAILABLE; if a user dies, its owner drops that user's
-// references after detecting the death (RRefOptions::probe_interval).
+// references after detecting the death (RRefOptions::probe_interval). Every wait is bounded by the call's timeout, or
+// RpcOptions::rpc_timeout when none is given.
 //
 // Thread-safety: RRef handles may be copied, passed and destroyed from any thread.
 #pragma once
@@ -62,7 +64,8 @@ class RRef {
   T to_here(std::chrono::milliseconds timeout = std::chrono::milliseconds(0)) const {
     return rpc::from_ivalue<T>(to_here(timeout));
   }
-  // The value itself; only on the owner (throws RpcError elsewhere). Waits while the value is being made.
+  // The value itself; only on the owner (throws tandem::Error, FAILED_PRECONDITION, elsewhere). Waits while the value
+  // is being made, up to RpcOptions::rpc_timeout (then DEADLINE_EXCEEDED).
   c10::IValue local_value() const;
 
   // Calls `method` of the remote object this RRef refers to, on its owner (like rref.rpc_sync().method(...)). The call

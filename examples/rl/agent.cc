@@ -7,6 +7,7 @@
 #include <atomic>
 #include <optional>
 
+#include "absl/base/attributes.h"
 #include "absl/strings/str_cat.h"
 #include "examples/rl/cartpole.h"
 #include "rpc/batching.h"
@@ -28,8 +29,8 @@ torch::nn::Sequential make_policy(uint64_t seed) {
   return torch::nn::Sequential(torch::nn::Linear(4, 128), torch::nn::ReLU(), torch::nn::Linear(128, 2));
 }
 
-std::mutex g_agent_mu;
-std::shared_ptr<Agent> g_agent;
+ABSL_CONST_INIT absl::Mutex g_agent_mu(absl::kConstInit);
+std::shared_ptr<Agent> g_agent ABSL_GUARDED_BY(g_agent_mu);
 std::atomic<int64_t> g_active{0};  // observers still playing this round (batched mode: the full batch)
 
 // An observer finished its round (or failed): the next batches need one request fewer.
@@ -39,7 +40,7 @@ void one_observer_fewer() {
 }
 
 std::shared_ptr<Agent> agent() {
-  std::lock_guard<std::mutex> lock(g_agent_mu);
+  absl::MutexLock lock(&g_agent_mu);
   if (!g_agent) throw std::runtime_error("no agent on worker '" + rpc::get_worker_info().name + "'");
   return g_agent;
 }
@@ -83,8 +84,8 @@ class Observer {
 }  // namespace
 
 Agent::Agent(int observers, uint64_t seed, double lr, double gamma)
-    : policy(make_policy(seed)),
-      optimizer_(policy->parameters(), torch::optim::AdamOptions(lr)),
+    : policy_(make_policy(seed)),
+      optimizer_(policy_->parameters(), torch::optim::AdamOptions(lr)),
       gamma_(gamma),
       steps_(observers) {}
 
@@ -96,8 +97,8 @@ std::vector<int64_t> Agent::select(const std::vector<Request>& requests) {
   }
   at::Tensor states = at::tensor(flat, at::kDouble).to(at::kFloat).view({static_cast<int64_t>(requests.size()), 4});
   at::NoGradGuard no_grad;
-  std::lock_guard<std::mutex> lock(mu_);
-  at::Tensor p0 = at::softmax(policy->forward(states), 1).select(1, 0).contiguous();
+  absl::MutexLock lock(&mu_);
+  at::Tensor p0 = at::softmax(policy_->forward(states), 1).select(1, 0).contiguous();
   const float* p = p0.data_ptr<float>();
   const float* st = states.data_ptr<float>();
   std::vector<int64_t> actions;
@@ -113,7 +114,7 @@ std::vector<int64_t> Agent::select(const std::vector<Request>& requests) {
 }
 
 double Agent::finish_round(const std::vector<int>& observers, const std::vector<Trajectory>& trajectories) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   std::vector<double> returns;
   std::vector<float> states;
   std::vector<int64_t> actions;
@@ -141,7 +142,7 @@ double Agent::finish_round(const std::vector<int>& observers, const std::vector<
   const auto n = static_cast<int64_t>(actions.size());
   at::Tensor R = at::tensor(returns, at::kDouble).to(at::kFloat);
   R = (R - R.mean()) / (n > 1 ? R.std() + 1e-8 : at::ones({}));
-  at::Tensor logp = at::log_softmax(policy->forward(at::tensor(states).view({n, 4})), 1)
+  at::Tensor logp = at::log_softmax(policy_->forward(at::tensor(states).view({n, 4})), 1)
                         .gather(1, at::tensor(actions, at::kLong).view({n, 1}))
                         .view({n});
   at::Tensor loss = -(logp * R).sum();
@@ -160,7 +161,7 @@ void register_rl() {
 }
 
 void set_agent(std::shared_ptr<Agent> a) {
-  std::lock_guard<std::mutex> lock(g_agent_mu);
+  absl::MutexLock lock(&g_agent_mu);
   g_agent = std::move(a);
 }
 

@@ -10,10 +10,11 @@
 
 #include <chrono>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
 #include "rref/rref.h"
 
 namespace tandem::examples::rl {
@@ -45,17 +46,16 @@ class Agent {
   // Returns the loss.
   double finish_round(const std::vector<int>& observers, const std::vector<Trajectory>& trajectories);
 
-  torch::nn::Sequential policy;
-
  private:
-  std::mutex mu_;
-  torch::optim::Adam optimizer_;
-  double gamma_;
   struct Steps {
     std::vector<float> states;  // 4 per step
     std::vector<int64_t> actions;
   };
-  std::vector<Steps> steps_;  // per observer, this round
+  absl::Mutex mu_;  // select() runs on RPC threads, finish_round() on the round's
+  torch::nn::Sequential policy_ ABSL_GUARDED_BY(mu_);
+  torch::optim::Adam optimizer_ ABSL_GUARDED_BY(mu_);
+  const double gamma_;
+  std::vector<Steps> steps_ ABSL_GUARDED_BY(mu_);  // per observer, this round
 };
 
 // The agent side of a job: set on the agent's worker before observers call it. The functions and the Observer class

@@ -61,6 +61,8 @@ class Agent {
                        std::chrono::milliseconds timeout);
   absl::Status shutdown(bool graceful);
 
+  // RpcOptions::rpc_timeout: the default of every timeout left unset (rpc::default_timeout()).
+  std::chrono::milliseconds rpc_timeout() const { return options_.rpc_timeout; }
   const WorkerInfo& self() const { return peers_[rank_].info; }
   Store& store() { return *store_; }
   const WorkerInfo& info(int rank) const { return peers_[rank].info; }

@@ -5,10 +5,9 @@
 #include <openssl/hmac.h>
 #include <openssl/rand.h>
 
-#include <stdexcept>
-
 #include "absl/strings/str_cat.h"
 #include "rpc/detail/version.h"
+#include "rpc/errors.h"
 
 namespace tandem::rpc::auth {
 namespace {
@@ -31,7 +30,7 @@ std::string derive_token(const std::string& secret) {
   unsigned int len = 0;
   if (!HMAC(EVP_sha256(), secret.data(), static_cast<int>(secret.size()),
             reinterpret_cast<const unsigned char*>(kLabel), sizeof(kLabel) - 1, mac, &len)) {
-    throw std::runtime_error("HMAC-SHA256 failed");
+    throw_error(absl::InternalError("HMAC-SHA256 failed"));  // OpenSSL itself is broken: nothing the caller can fix
   }
   return hex(mac, len);
 }
@@ -61,7 +60,7 @@ absl::Status check(const grpc::CallbackServerContext* ctx, const std::string& to
 
 std::string random_secret() {
   unsigned char bytes[32];
-  if (RAND_bytes(bytes, sizeof(bytes)) != 1) throw std::runtime_error("no randomness for a job secret");
+  if (RAND_bytes(bytes, sizeof(bytes)) != 1) throw_error(absl::InternalError("no randomness for a job secret"));
   return hex(bytes, sizeof(bytes));
 }
 

@@ -333,6 +333,7 @@ absl::StatusOr<std::unique_ptr<Channel>> Channel::start(std::string token, int t
 }
 
 Channel::~Channel() {
+  // Normally already stopped (with the shutdown's grace); here only running callbacks unwind, so a fixed second.
   stop(std::chrono::milliseconds(1000));
   if (epoll_fd_ >= 0) ::close(epoll_fd_);
   if (wake_fd_ >= 0) ::close(wake_fd_);
@@ -414,6 +415,7 @@ void Channel::handle_ready(const std::shared_ptr<Conn>& conn) {
       // Said explicitly, so the client can tell a refusal from a peer that died mid-handshake.
       welcome.mutable_refused()->set_code(static_cast<int>(hello.status().code()));
       welcome.mutable_refused()->set_message(std::string(hello.status().message()));
+      // A stranger gets a second, as for its hello: it must not hold an epoll thread.
       (void)conn->write(Kind::kWelcome, 0, serialize(welcome), absl::Now() + absl::Seconds(1));
       return drop(conn, hello.status());
     }

@@ -25,6 +25,7 @@ absl::StatusOr<std::unique_ptr<DirectTransport>> DirectTransport::start(std::str
   return t;
 }
 
+// Normally already stopped (with the shutdown's grace); here only running callbacks unwind, so a fixed second.
 DirectTransport::~DirectTransport() { stop(std::chrono::milliseconds(1000)); }
 
 DirectTransport::Peer* DirectTransport::peer(int rank) const {

@@ -41,6 +41,7 @@ absl::StatusOr<std::unique_ptr<GrpcTransport>> GrpcTransport::start(Options opti
   return t;
 }
 
+// Normally already stopped (with the shutdown's grace); here only running callbacks unwind, so a fixed second.
 GrpcTransport::~GrpcTransport() { stop(std::chrono::milliseconds(1000)); }
 
 grpc::ServerUnaryReactor* GrpcTransport::accept(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* request,

@@ -30,7 +30,8 @@ class ThreadPool {
   }
 
   // Runs what is queued, then joins. Returns false, leaving the threads running detached-in-spirit (not joined), when
-  // they do not finish by `timeout` — a registered function that never returns must not hang shutdown.
+  // they do not finish by `timeout` — a registered function that never returns must not hang shutdown. A negative
+  // timeout (the default, for pools whose tasks always return) waits for them; the agent always passes its grace.
   bool stop(std::chrono::milliseconds timeout = std::chrono::milliseconds(-1)) {
     {
       std::unique_lock<std::mutex> lock(mu_);

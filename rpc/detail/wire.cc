@@ -54,7 +54,7 @@ c10::TypePtr parse_type(const std::string& annotation) {
   auto it = cache->find(annotation);
   if (it != cache->end()) return it->second;
   c10::TypePtr type;
-  try {
+  try {  // LibTorch's parser reports an unknown annotation only by throwing
     type = c10::parseType(annotation);
   } catch (const std::exception&) {
     type = nullptr;  // unknown annotation: fall back to Any below

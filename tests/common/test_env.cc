@@ -36,6 +36,15 @@ int run_worker_job(const std::function<void()>& body) {
   }
 }
 
+absl::StatusCode thrown_code(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.code();
+  }
+  return absl::StatusCode::kOk;
+}
+
 void die_in(std::chrono::milliseconds delay) {
   std::thread([delay] {
     std::this_thread::sleep_for(delay);

@@ -13,6 +13,9 @@ namespace tandem::test {
 // Completed waits of the test codec for c10::Device values (tests/rpc/main.cc), in this process.
 extern std::atomic<int> g_device_waits_done;
 
+// The code of the tandem::Error `f` throws (kOk when it throws none).
+absl::StatusCode thrown_code(const std::function<void()>& f);
+
 // Ends this process with exit code 9 `delay` from now, whatever it is doing then: a worker that dies mid-work.
 void die_in(std::chrono::milliseconds delay);
 // Registers "test.die_in" (int64 ms): the worker it is called on dies `ms` milliseconds later (die_in).

@@ -6,6 +6,8 @@
 #include <algorithm>
 #include <set>
 
+#include "rpc/errors.h"
+
 namespace tandem::test {
 namespace {
 
@@ -58,7 +60,12 @@ TEST(UnitDistributedSampler, ShuffleIsTheSameOnEveryRankAndNewEachEpoch) {
 }
 
 TEST(UnitDistributedSampler, RejectsARankOutsideTheReplicas) {
-  EXPECT_THROW(DistributedSampler(10, 2, 2), std::invalid_argument);
+  try {
+    DistributedSampler(10, 2, 2);
+    FAIL() << "rank 2 of 2 replicas accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), absl::StatusCode::kInvalidArgument) << e.what();
+  }
 }
 
 }  // namespace

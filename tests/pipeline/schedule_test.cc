@@ -1,11 +1,17 @@
 // Schedules, cuts and timeline pictures, in one process.
 #include <gtest/gtest.h>
 
+#include <functional>
+
 #include "pipeline/pipeline.h"
 #include "pipeline/schedule.h"
+#include "rpc/errors.h"
+#include "tests/common/test_env.h"
 
 namespace tandem::pipeline {
 namespace {
+
+using test::thrown_code;
 
 std::vector<int> one_stage_per_worker(int p) {
   std::vector<int> w(p);
@@ -83,10 +89,11 @@ TEST(UnitPipelineSchedule, InterleavedBeatsOneFOneBOnTheSameWorkers) {
 }
 
 TEST(UnitPipelineSchedule, BadArgumentsAreRefused) {
-  EXPECT_THROW(make_plans(Schedule::k1F1B, {0, 1}, 2, 0), std::invalid_argument);
-  EXPECT_THROW(make_plans(Schedule::k1F1B, {}, 1, 2), std::invalid_argument);
-  EXPECT_THROW(make_plans(Schedule::k1F1B, {0, 2}, 2, 2), std::invalid_argument);
-  EXPECT_THROW(schedule_from_name("zigzag"), std::invalid_argument);
+  const auto kInvalid = absl::StatusCode::kInvalidArgument;
+  EXPECT_EQ(thrown_code([] { make_plans(Schedule::k1F1B, {0, 1}, 2, 0); }), kInvalid);
+  EXPECT_EQ(thrown_code([] { make_plans(Schedule::k1F1B, {}, 1, 2); }), kInvalid);
+  EXPECT_EQ(thrown_code([] { make_plans(Schedule::k1F1B, {0, 2}, 2, 2); }), kInvalid);
+  EXPECT_EQ(thrown_code([] { schedule_from_name("zigzag"); }), kInvalid);
   EXPECT_EQ(schedule_from_name(schedule_name(Schedule::kInterleaved1F1B)), Schedule::kInterleaved1F1B);
 }
 
@@ -96,7 +103,7 @@ TEST(UnitPipelineSchedule, BalancedCutMinimisesTheLargestStage) {
   cut = balanced_cut({5, 1, 1, 1, 1, 1}, 3);
   EXPECT_EQ(cut.front(), (std::pair<int64_t, int64_t>{0, 1}));
   EXPECT_EQ(cut.back().second, 6);
-  EXPECT_THROW(balanced_cut({1, 2}, 3), std::invalid_argument);
+  EXPECT_EQ(thrown_code([] { balanced_cut({1, 2}, 3); }), absl::StatusCode::kInvalidArgument);
 }
 
 TEST(UnitPipelineSchedule, TimelinePicturesHoldEveryAction) {

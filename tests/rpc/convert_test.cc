@@ -3,10 +3,16 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <functional>
+
+#include "rpc/errors.h"
 #include "rpc/registry.h"
+#include "tests/common/test_env.h"
 
 namespace tandem::rpc {
 namespace {
+
+using test::thrown_code;
 
 TEST(UnitConvert, NestedContainersRoundTrip) {
   std::map<std::string, std::vector<std::tuple<int, double>>> m = {{"a", {{1, 0.5}, {2, 1.5}}}, {"b", {}}};
@@ -31,12 +37,13 @@ TEST(UnitConvert, MismatchesNameBothTypes) {
   try {
     from_ivalue<at::Tensor>(c10::IValue(int64_t{3}));
     FAIL() << "no error";
-  } catch (const std::invalid_argument& e) {
-    EXPECT_STREQ(e.what(), "expected Tensor, got Int 3");
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(e.status().message(), "expected Tensor, got Int 3");
   }
-  EXPECT_THROW(from_ivalue<int8_t>(c10::IValue(int64_t{300})), std::invalid_argument);
-  EXPECT_THROW(from_ivalue<uint32_t>(c10::IValue(int64_t{-1})), std::invalid_argument);
-  EXPECT_THROW(from_ivalue<std::string>(c10::IValue(1.0)), std::invalid_argument);
+  EXPECT_EQ(thrown_code([] { from_ivalue<int8_t>(c10::IValue(int64_t{300})); }), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(thrown_code([] { from_ivalue<uint32_t>(c10::IValue(int64_t{-1})); }), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(thrown_code([] { from_ivalue<std::string>(c10::IValue(1.0)); }), absl::StatusCode::kInvalidArgument);
 }
 
 TEST(UnitRegistry, TypedFunctionsCheckArityAndTypes) {
@@ -47,14 +54,16 @@ TEST(UnitRegistry, TypedFunctionsCheckArityAndTypes) {
   try {
     h({c10::IValue(int64_t{3})});
     FAIL() << "no arity error";
-  } catch (const std::invalid_argument& e) {
-    EXPECT_STREQ(e.what(), "expects 2 arguments, got 1");
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(e.status().message(), "expects 2 arguments, got 1");
   }
   try {
     h({c10::IValue("x"), c10::IValue(0.5)});
     FAIL() << "no type error";
-  } catch (const std::invalid_argument& e) {
-    EXPECT_STREQ(e.what(), "argument 1: expected int, got String");
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(e.status().message(), "argument 1: expected int, got String");
   }
   EXPECT_THROW(register_function("unit_mul", [] {}), RpcError);
   EXPECT_TRUE(unregister_function("unit_mul"));

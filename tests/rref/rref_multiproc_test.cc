@@ -50,7 +50,12 @@ TEST_F(MultiprocRRef, RemoteReturnsAtOnceAndToHereFetches) {
   rref::TypedRRef<at::Tensor> typed = rref::remote_as<at::Tensor>(1, "make_tensor", int64_t{3});
   EXPECT_TRUE(typed.to_here().equal(at::arange(3, at::kFloat)));
   rref::TypedRRef<std::string> wrong = rref::remote_as<std::string>(1, "make_tensor", int64_t{3});
-  EXPECT_THROW(wrong.to_here(), std::invalid_argument);  // the value is not a string
+  try {
+    wrong.to_here();  // the value is not a string
+    FAIL() << "a tensor converted to a string";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), absl::StatusCode::kInvalidArgument) << e.what();
+  }
 }
 
 TEST_F(MultiprocRRef, EveryForkPath) {

@@ -1,0 +1,141 @@
+#include "rpc/detail/note_batcher.h"
+
+#include <iterator>
+
+#include "rpc/convert.h"
+#include "rpc/rpc.h"
+
+namespace tandem::rpc::detail {
+namespace {
+
+// The call never reached the function, or its reply never came back: the batch may be sent again.
+bool lost(const absl::Status& s) {
+  return s.code() == absl::StatusCode::kDeadlineExceeded || s.code() == absl::StatusCode::kUnavailable;
+}
+
+}  // namespace
+
+NoteBatcher::NoteBatcher(Options options) : options_(std::move(options)) {}
+
+NoteBatcher::~NoteBatcher() { stop(); }
+
+void NoteBatcher::add(int to, const std::string& function, std::initializer_list<int64_t> values) {
+  queue(to, function, values, nullptr);
+}
+
+Future NoteBatcher::add_tracked(int to, const std::string& function, std::initializer_list<int64_t> values) {
+  Future done(absl::Now() + wait_bound());
+  queue(to, function, values, &done);
+  return done;
+}
+
+absl::Duration NoteBatcher::wait_bound() const {
+  const absl::Duration batch = options_.attempts * absl::FromChrono(rpc::default_timeout());
+  return options_.policy == Policy::kOneInFlight ? 2 * batch : options_.flush_delay + batch;
+}
+
+void NoteBatcher::queue(int to, const std::string& function, std::initializer_list<int64_t> values,
+                        const Future* waiter) {
+  Key key(to, function);
+  Batch batch;
+  {
+    absl::MutexLock lock(&mu_);
+    Pending& p = pending_[key];
+    p.values.insert(p.values.end(), values);
+    ++p.notes;
+    if (waiter) p.waiters.push_back(*waiter);
+    if (options_.policy == Policy::kEveryDelay) {
+      if (!thread_.joinable() && !stopping_) thread_ = std::thread([this] { loop(); });
+      if (options_.max_values > 0 && p.values.size() >= options_.max_values) cv_.Signal();
+      return;
+    }
+    if (p.in_flight) return;  // goes when the batch ahead completes
+    p.in_flight = true;
+    batch = take(key, p);
+  }
+  send(std::move(batch), options_.attempts);
+}
+
+NoteBatcher::Batch NoteBatcher::take(const Key& key, Pending& pending) {
+  return Batch{key, std::exchange(pending.values, {}), std::exchange(pending.waiters, {}),
+               std::exchange(pending.notes, 0)};
+}
+
+std::vector<NoteBatcher::Batch> NoteBatcher::take_all_locked() {
+  std::vector<Batch> batches;
+  for (auto& [key, p] : pending_) batches.push_back(take(key, p));
+  pending_.clear();
+  return batches;
+}
+
+void NoteBatcher::send(Batch batch, int attempts) {
+  Future sent = rpc::call(batch.key.first, batch.key.second, {rpc::to_ivalue(batch.values)});
+  sent.add_callback([this, batch = std::move(batch), attempts](const Future& reply) mutable {
+    const absl::Status s = reply.status();
+    if (!s.ok() && lost(s) && attempts > 1) return send(std::move(batch), attempts - 1);
+    if (!s.ok() && options_.on_failure) options_.on_failure(batch.notes);
+    for (const Future& w : batch.waiters) w.set_status(s);
+    if (options_.policy == Policy::kOneInFlight) send_next(batch.key);
+  });
+}
+
+void NoteBatcher::send_next(const Key& key) {
+  Batch next;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = pending_.find(key);
+    if (it == pending_.end()) return;
+    Pending& p = it->second;
+    if (p.values.empty()) {
+      pending_.erase(it);  // nothing in flight for this pair any more
+      return;
+    }
+    next = take(key, p);
+  }
+  send(std::move(next), options_.attempts);
+}
+
+void NoteBatcher::flush() {
+  std::vector<Batch> batches;
+  {
+    absl::MutexLock lock(&mu_);
+    if (options_.policy != Policy::kEveryDelay) return;
+    batches = take_all_locked();
+  }
+  for (auto& b : batches) send(std::move(b), options_.attempts);
+}
+
+void NoteBatcher::stop() {
+  std::thread thread;
+  std::vector<Future> dropped;
+  {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+    for (auto it = pending_.begin(); it != pending_.end();) {
+      Batch gone = take(it->first, it->second);
+      dropped.insert(dropped.end(), gone.waiters.begin(), gone.waiters.end());
+      // A pair with a batch in flight keeps its entry: the batch's completion ends it (send_next).
+      it = it->second.in_flight ? std::next(it) : pending_.erase(it);
+    }
+    thread = std::move(thread_);
+  }
+  cv_.SignalAll();
+  if (thread.joinable()) thread.join();
+  for (const Future& w : dropped) w.set_error(absl::CancelledError("RPC stopped before the note was sent"));
+  absl::MutexLock lock(&mu_);
+  stopping_ = false;
+}
+
+void NoteBatcher::loop() {
+  absl::MutexLock lock(&mu_);
+  while (!stopping_) {
+    cv_.WaitWithTimeout(&mu_, options_.flush_delay);
+    if (pending_.empty()) continue;
+    std::vector<Batch> batches = take_all_locked();
+    mu_.Unlock();
+    for (auto& b : batches) send(std::move(b), options_.attempts);
+    mu_.Lock();
+  }
+}
+
+}  // namespace tandem::rpc::detail

@@ -1,0 +1,103 @@
+// NoteBatcher: small one-way notes to other workers, sent in batches per destination.
+//
+// A note is a few int64 values for a registered function on another worker (an RRef's delete, a distributed autograd
+// context's release). The notes for one (worker, function) pair travel together, as one call whose only argument is
+// the flat list of their values, so a protocol that sends many short notes costs a message per batch, not per note.
+// The receiving function must accept such a list.
+//
+// When a batch goes is the Policy (the users need different ones, see the enum). A batch lost on the way
+// (DEADLINE_EXCEEDED) or whose connection broke (UNAVAILABLE) is sent again, Options::attempts times in all; a batch
+// that failed for good is reported to Options::on_failure.
+//
+// Lifetime: calls in flight refer to the batcher, so it must outlive them; its users are process-lifetime singletons.
+// Thread-safety: all methods may be called from any thread. on_failure and the completion of add_tracked's futures run
+// on the thread that completes the batch's call.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <initializer_list>
+#include <map>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "rpc/future.h"
+
+namespace tandem::rpc::detail {
+
+class NoteBatcher {
+ public:
+  enum class Policy {
+    // A pair's notes go at once when none of its batches is in flight, else together when that batch completes
+    // (after its attempts): one message per round trip, however fast notes come.
+    kOneInFlight,
+    // A thread of the batcher's own sends every queued note each Options::flush_delay, or at once when a pair holds
+    // Options::max_values values. Batches of one pair may overlap.
+    kEveryDelay,
+  };
+
+  struct Options {
+    Policy policy = Policy::kOneInFlight;
+    absl::Duration flush_delay = absl::Milliseconds(1);  // kEveryDelay only
+    size_t max_values = 0;                               // kEveryDelay only; 0: no limit
+    // Calls per batch. More than 1 only for functions that may safely receive the same notes twice.
+    int attempts = 1;
+    // Called once for each batch that failed for good, with the number of notes it carried. Optional.
+    std::function<void(int64_t notes)> on_failure;
+  };
+
+  explicit NoteBatcher(Options options);
+  // Drops what is queued and ends the thread (see stop()).
+  ~NoteBatcher();
+  NoteBatcher(const NoteBatcher&) = delete;
+  NoteBatcher& operator=(const NoteBatcher&) = delete;
+
+  // Queues a note: `values` are appended to the next batch of `function` on worker `to`.
+  void add(int to, const std::string& function, std::initializer_list<int64_t> values);
+  // The same, and a future that completes with the outcome of the batch carrying the note. Its deadline covers the
+  // batch ahead of it (kOneInFlight) or the flush delay (kEveryDelay), and every attempt's RPC timeout.
+  Future add_tracked(int to, const std::string& function, std::initializer_list<int64_t> values);
+  // Sends what is queued now (a graceful shutdown's drain). Under kOneInFlight notes only ever wait behind a batch in
+  // flight, which sends them when it completes: nothing to do.
+  void flush();
+  // RPC stopped: drops the queued notes (their futures fail with CANCELLED) and ends the thread. Batches in flight
+  // complete as their calls do. The batcher may be used again afterwards.
+  void stop();
+
+ private:
+  using Key = std::pair<int, std::string>;  // destination, function
+  struct Pending {
+    bool in_flight = false;  // kOneInFlight only
+    std::vector<int64_t> values;
+    std::vector<Future> waiters;
+    int64_t notes = 0;
+  };
+  struct Batch {
+    Key key;
+    std::vector<int64_t> values;
+    std::vector<Future> waiters;
+    int64_t notes = 0;
+  };
+
+  void queue(int to, const std::string& function, std::initializer_list<int64_t> values, const Future* waiter);
+  static Batch take(const Key& key, Pending& pending);
+  std::vector<Batch> take_all_locked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void send(Batch batch, int attempts);
+  void send_next(const Key& key);
+  void loop();
+  absl::Duration wait_bound() const;
+
+  const Options options_;
+  absl::Mutex mu_;
+  absl::CondVar cv_;  // kEveryDelay: wakes the thread early (a full batch, stop())
+  std::map<Key, Pending> pending_ ABSL_GUARDED_BY(mu_);
+  std::thread thread_ ABSL_GUARDED_BY(mu_);  // kEveryDelay: started by the first note
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+}  // namespace tandem::rpc::detail
