@@ -309,5 +309,27 @@ TEST_F(MultiprocPipeline, AKilledStageWorkerFailsTheStepWithinTheTimeout) {
   EXPECT_EQ(codes.back(), 9);
 }
 
+// An activation lost between two stage workers (rpc/fault_injection.h): the step fails within its timeout naming the
+// micro-batch, every worker abandons it, and the next step works.
+TEST_F(MultiprocPipeline, ALostActivationFailsTheStepWithinTheTimeoutAndTheNextStepWorks) {
+  start({.world_size = 4,
+         .extra_env = {{"TANDEM_TEST_FAULTS", "drop worker1->worker2 request fn=__tandem.pipeline.act nth=2"}}});
+  auto pipe = Pipeline::create(
+      {{1, "pipe_faulty", {int64_t{0}}}, {2, "pipe_faulty", {int64_t{0}}}, {3, "pipe_faulty", {int64_t{0}}}},
+      {.n_microbatches = 4, .timeout = std::chrono::milliseconds(3000)});
+  at::Tensor x = at::ones({8, 4}, at::kDouble), y = at::zeros({8, 4}, at::kDouble);
+  const auto t0 = Clock::now();
+  try {
+    dist_autograd::ContextGuard ctx;
+    pipe.step(x, y);
+    ADD_FAILURE() << "a lost activation did not fail the step";
+  } catch (const RpcError& e) {
+    EXPECT_THAT(e.what(), ::testing::HasSubstr("micro-batch")) << e.what();
+  }
+  EXPECT_LT(Clock::now() - t0, milliseconds(3000 + 5000));
+  dist_autograd::ContextGuard ctx;
+  EXPECT_NEAR(pipe.step(x, y), 1.0, 1e-12);
+}
+
 }  // namespace
 }  // namespace tandem::test
