@@ -45,6 +45,16 @@ absl::StatusCode thrown_code(const std::function<void()>& f) {
   return absl::StatusCode::kOk;
 }
 
+void expect_error(const std::function<void()>& f, absl::StatusCode code, const std::vector<std::string>& words) {
+  try {
+    f();
+    ADD_FAILURE() << "no error, expected " << absl::StatusCodeToString(code);
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), code) << e.what();
+    for (const auto& w : words) EXPECT_NE(std::string(e.what()).find(w), std::string::npos) << e.what();
+  }
+}
+
 void die_in(std::chrono::milliseconds delay) {
   std::thread([delay] {
     std::this_thread::sleep_for(delay);

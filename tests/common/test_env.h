@@ -5,6 +5,7 @@
 #include <chrono>
 #include <functional>
 #include <string>
+#include <vector>
 
 #include "rpc/rpc.h"
 
@@ -15,6 +16,10 @@ extern std::atomic<int> g_device_waits_done;
 
 // The code of the tandem::Error `f` throws (kOk when it throws none).
 absl::StatusCode thrown_code(const std::function<void()>& f);
+
+// Expects `f` to throw a tandem::Error with `code` whose message contains every one of `words` (a test failure
+// otherwise, naming what was thrown).
+void expect_error(const std::function<void()>& f, absl::StatusCode code, const std::vector<std::string>& words);
 
 // Ends this process with exit code 9 `delay` from now, whatever it is doing then: a worker that dies mid-work.
 void die_in(std::chrono::milliseconds delay);

@@ -304,15 +304,6 @@ class MultiprocDistAutogradFaults : public MultiprocDistAutograd {
     dist_autograd::backward(ctx, {h1.mm(w2).pow(2).sum()}, false, timeout);
     return {dist_autograd::get_gradients(ctx)[w0], remote_grad(1, ctx, "f1")};
   }
-  static void expect_error(const std::function<void()>& f, absl::StatusCode code, const std::string& word) {
-    try {
-      f();
-      ADD_FAILURE() << "no error";
-    } catch (const RpcError& e) {
-      EXPECT_EQ(e.code(), code) << e.what();
-      EXPECT_NE(std::string(e.what()).find(word), std::string::npos) << e.what();
-    }
-  }
 };
 
 TEST_F(MultiprocDistAutogradFaults, DuplicatedGradientMessagesAreCountedOnce) {
@@ -334,7 +325,7 @@ TEST_F(MultiprocDistAutogradFaults, GradientMessageCutMidTensorFailsTheBackwardA
   start_with("cut worker0->worker1 request fn=__tandem.dist_autograd.grad nth=1", "");
   {
     dist_autograd::ContextGuard ctx;
-    expect_error([&] { chain_grads(ctx.id()); }, absl::StatusCode::kUnavailable, "worker1");
+    expect_error([&] { chain_grads(ctx.id()); }, absl::StatusCode::kUnavailable, {"worker1"});
   }
   {
     dist_autograd::ContextGuard ctx;
@@ -350,7 +341,7 @@ TEST_F(MultiprocDistAutogradFaults, GradientReplyThatNeverComesFailsAtTheBackwar
   start_with("", "drop worker1->worker0 reply fn=__tandem.dist_autograd.grad nth=1");
   {
     dist_autograd::ContextGuard ctx;
-    expect_error([&] { chain_grads(ctx.id(), milliseconds(1000)); }, absl::StatusCode::kDeadlineExceeded, "worker1");
+    expect_error([&] { chain_grads(ctx.id(), milliseconds(1000)); }, absl::StatusCode::kDeadlineExceeded, {"worker1"});
   }
   {
     dist_autograd::ContextGuard ctx;

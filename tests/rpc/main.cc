@@ -121,11 +121,10 @@ void register_test_functions() {
     std::this_thread::sleep_for(std::chrono::milliseconds(ms));
     return rpc::get_worker_info().id;
   });
-  // Counts its calls in this process: how many times a request ran (duplicated, reordered).
-  rpc::register_function("bump", [] {
-    static std::atomic<int64_t> calls{0};
-    return ++calls;
-  });
+  // Counts its calls in this process: how many times a request ran (duplicated, reordered); "bumps" reads the count.
+  static std::atomic<int64_t> bumps{0};
+  rpc::register_function("bump", [] { return ++bumps; });
+  rpc::register_function("bumps", [] { return bumps.load(); });
   rpc::register_function("throw_error", [](std::string msg) -> int64_t { throw std::runtime_error(msg); });
   rpc::register_function("nested_add",
                          [](std::string to, at::Tensor x) { return rpc::rpc_sync<at::Tensor>(to, "add", x, x); });
