@@ -23,11 +23,20 @@ inline double median(std::vector<double> v) { return percentile(std::move(v), 0.
 
 // One result line: {"bench":..,"impl":"tandem","metric":..,"value":..,"unit":..,<extra>}; `extra` is ready JSON
 // members without braces ("\"iters\":1000"), or empty.
+inline void emit_as(const std::string& impl, const std::string& bench, const std::string& metric, double value,
+                    const std::string& unit, const std::string& extra = "") {
+  std::printf("{\"bench\":\"%s\",\"impl\":\"%s\",\"metric\":\"%s\",\"value\":%.6g,\"unit\":\"%s\"%s%s}\n",
+              bench.c_str(), impl.c_str(), metric.c_str(), value, unit.c_str(), extra.empty() ? "" : ",", extra.c_str());
+  std::fflush(stdout);
+}
 inline void emit(const std::string& bench, const std::string& metric, double value, const std::string& unit,
                  const std::string& extra = "") {
-  std::printf("{\"bench\":\"%s\",\"impl\":\"tandem\",\"metric\":\"%s\",\"value\":%.6g,\"unit\":\"%s\"%s%s}\n",
-              bench.c_str(), metric.c_str(), value, unit.c_str(), extra.empty() ? "" : ",", extra.c_str());
-  std::fflush(stdout);
+  emit_as("tandem", bench, metric, value, unit, extra);
+}
+// The same with "impl":"floor": the limit a figure is compared with, measured in the same run.
+inline void emit_floor(const std::string& bench, const std::string& metric, double value, const std::string& unit,
+                       const std::string& extra = "") {
+  emit_as("floor", bench, metric, value, unit, extra);
 }
 
 }  // namespace tandem::bench

@@ -7,7 +7,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from peer_common import emit, main as peer_main, median_time
+from peer_common import emit, main as peer_main, master_addr, median_time
 
 
 def time_op(iters, op):
@@ -18,7 +18,7 @@ def time_op(iters, op):
 def run(rank, port, args):
     torch.set_num_threads(1)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=f"tcp://{master_addr()}:{port}", rank=rank, world_size=2)
     n = dist.get_world_size()
     factor = 2.0 * (n - 1) / n
     tiny, mib, big = torch.ones(1), torch.ones(1 << 18), torch.ones(16 << 20)

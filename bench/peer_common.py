@@ -28,12 +28,18 @@ def median_time(iters, warmup, fn, scale=1e6):
     return statistics.median(t)
 
 
+def master_addr():
+    """Where rank 0 serves the job's store: TANDEM_BENCH_MASTER_ADDR (bench/run.sh hosts: host 0's address), else
+    127.0.0.1."""
+    return os.environ.get("TANDEM_BENCH_MASTER_ADDR", "127.0.0.1")
+
+
 def init(rank, world, port, mode):
     """Joins a torch.distributed.rpc job as w<rank>; mode "default" or "tcp" (TensorPipe's TCP transport forced).
     Returns the impl name used in the JSON lines."""
     torch.set_num_threads(1)
     opts = rpc.TensorPipeRpcBackendOptions(num_worker_threads=16, rpc_timeout=120,
-                                           init_method=f"tcp://127.0.0.1:{port}")
+                                           init_method=f"tcp://{master_addr()}:{port}")
     if mode == "tcp":
         opts._transports = ["uv"]
         opts._channels = ["basic"]

@@ -2,20 +2,102 @@
 //   small_rtt_p50_us       rpc_sync of a registered add on a 1-element tensor, p50 round trip
 //   bulk_64MiB_GBps        one 64 MiB float tensor sent, a tiny reply (its element count); median over repeats
 //   async_128_calls_per_s  tiny calls, 128 in flight at any time
-// Flags: --small N (round trips), --bulk N (transfers), --async N (calls), --bulk-mib M. Each process runs with one
-// intra-op thread, as the PyTorch peer does.
+// Rank 0 also measures the floors of the first two in the same run ("impl":"floor"; emit_floors below).
+// Flags: --small N (round trips), --bulk N (transfers), --async N (calls), --bulk-mib M; a count of 0 skips its
+// figure. Each process runs with one intra-op thread, as the PyTorch peer does.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <cstdlib>
+#include <cstring>
 #include <deque>
 #include <string>
+#include <vector>
 
 #include "bench/common.h"
 #include "rpc/rpc.h"
 
 namespace rpc = tandem::rpc;
 namespace bench = tandem::bench;
+
+namespace {
+
+bool full_io(int fd, void* p, size_t n, bool writing) {
+  auto* c = static_cast<char*>(p);
+  while (n > 0) {
+    const ssize_t k = writing ? write(fd, c, n) : read(fd, c, n);
+    if (k <= 0) return false;
+    c += k;
+    n -= static_cast<size_t>(k);
+  }
+  return true;
+}
+
+// The floors of the direct channel's figures, measured between this process and a child forked before any thread
+// starts (the child only reads, writes and exits), on the same kinds of kernel paths the channel uses:
+//   small_rtt_p50_us  a blocking ping-pong of 128 bytes each way over a Unix stream socket (no spinning)
+//   bulk_<M>MiB_GBps  one process_vm_readv of the child's M MiB into a buffer already faulted in
+// Emitted as "impl":"floor". Returns false when the machine refuses either (e.g. no cross-memory reads allowed).
+bool emit_floors(int small, int bulk, int mib) {
+  int sv[2];
+  if (socketpair(AF_UNIX, SOCK_STREAM, 0, sv) != 0) return false;
+  const size_t bytes = size_t{static_cast<unsigned>(mib)} << 20;
+  std::vector<char> source(bytes, 1);  // the child's copy is what the parent reads
+  const pid_t child = fork();
+  if (child == 0) {
+    close(sv[0]);
+    char msg[128];
+    void* where = source.data();
+    full_io(sv[1], &where, sizeof where, true);
+    while (full_io(sv[1], msg, sizeof msg, false) && msg[0] != 'q') full_io(sv[1], msg, sizeof msg, true);
+    _exit(0);
+  }
+  close(sv[1]);
+  void* remote = nullptr;
+  bool ok = child > 0 && full_io(sv[0], &remote, sizeof remote, false);
+  const std::string cond = "\"processes\":2";
+  if (ok && small > 0) {
+    char msg[128];
+    std::memset(msg, 'p', sizeof msg);
+    std::vector<double> rtt;
+    for (int i = 0; i < small + 500 && ok; ++i) {
+      const double t0 = bench::now_us();
+      ok = full_io(sv[0], msg, sizeof msg, true) && full_io(sv[0], msg, sizeof msg, false);
+      if (i >= 500) rtt.push_back(bench::now_us() - t0);
+    }
+    if (ok) {
+      bench::emit_floor("rpc", "small_rtt_p50_us", bench::median(rtt), "us",
+                        cond + ",\"what\":\"blocking ping-pong of 128 B over a Unix stream socket\",\"iters\":" +
+                            std::to_string(small));
+    }
+  }
+  if (ok && bulk > 0) {
+    std::vector<char> dst(bytes, 0);  // faulted in
+    std::vector<double> gbps;
+    for (int i = 0; i < bulk + 2 && ok; ++i) {
+      iovec local{dst.data(), bytes}, from{remote, bytes};
+      const double t0 = bench::now_us();
+      ok = process_vm_readv(child, &local, 1, &from, 1, 0) == static_cast<ssize_t>(bytes);
+      if (i >= 2) gbps.push_back(bytes / (bench::now_us() - t0) / 1e3);
+    }
+    if (ok) {
+      bench::emit_floor("rpc", "bulk_" + std::to_string(mib) + "MiB_GBps", bench::median(gbps), "GB/s",
+                        cond + ",\"what\":\"process_vm_readv into a faulted-in buffer\",\"iters\":" +
+                            std::to_string(bulk));
+    }
+  }
+  char quit[128] = {'q'};
+  full_io(sv[0], quit, sizeof quit, true);
+  close(sv[0]);
+  if (child > 0) waitpid(child, nullptr, 0);
+  return ok;
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   int small = 5000, bulk = 20, calls = 50000, mib = 64;
@@ -27,6 +109,13 @@ int main(int argc, char** argv) {
     else if (f == "--async") calls = v;
     else if (f == "--bulk-mib") mib = v;
   }
+  // The floors first, on rank 0, before init_rpc starts any thread (the child is forked).
+  // TANDEM_BENCH_FLOORS=0 skips them (bench/run.sh hosts, whose floor is a TCP ping-pong between the hosts).
+  const char* floors = std::getenv("TANDEM_BENCH_FLOORS");
+  const char* r = std::getenv("RANK");
+  if ((!floors || std::string(floors) != "0") && r && std::string(r) == "0" && !emit_floors(small, bulk, mib)) {
+    std::fprintf(stderr, "rpc_bench: the floors could not be measured (socketpair, fork or process_vm_readv failed)\n");
+  }
   at::set_num_threads(1);
   rpc::register_function("add", [](at::Tensor a, at::Tensor b) { return a + b; });
   rpc::register_function("numel", [](at::Tensor a) { return a.numel(); });
@@ -34,46 +123,52 @@ int main(int argc, char** argv) {
   if (rpc::get_worker_info().id == 0) {
     const std::string cond = "\"processes\":2,\"intra_op_threads\":1";
     const at::Tensor one = at::ones({1});
-    // Small round trips.
+    // Small round trips (the warm-up also opens the connection for the other figures).
     for (int i = 0; i < 500; ++i) rpc::rpc_sync<at::Tensor>(1, "add", one, one);
-    std::vector<double> rtt;
-    rtt.reserve(small);
-    for (int i = 0; i < small; ++i) {
-      const double t0 = bench::now_us();
-      rpc::rpc_sync<at::Tensor>(1, "add", one, one);
-      rtt.push_back(bench::now_us() - t0);
+    if (small > 0) {
+      std::vector<double> rtt;
+      rtt.reserve(small);
+      for (int i = 0; i < small; ++i) {
+        const double t0 = bench::now_us();
+        rpc::rpc_sync<at::Tensor>(1, "add", one, one);
+        rtt.push_back(bench::now_us() - t0);
+      }
+      bench::emit(
+          "rpc", "small_rtt_p50_us", bench::median(rtt), "us",
+          cond + ",\"iters\":" + std::to_string(small) + ",\"p99_us\":" + std::to_string(bench::percentile(rtt, 0.99)));
     }
-    bench::emit(
-        "rpc", "small_rtt_p50_us", bench::median(rtt), "us",
-        cond + ",\"iters\":" + std::to_string(small) + ",\"p99_us\":" + std::to_string(bench::percentile(rtt, 0.99)));
 
     // Bulk: one tensor of `mib` MiB per call.
-    const at::Tensor big = at::rand({int64_t{mib} << 18});
-    std::vector<double> gbps;
-    for (int i = 0; i < bulk + 2; ++i) {
-      const double t0 = bench::now_us();
-      const int64_t n = rpc::rpc_sync<int64_t>(1, "numel", big);
-      const double dt = bench::now_us() - t0;
-      if (n != big.numel()) return 1;
-      if (i >= 2) gbps.push_back(big.nbytes() / dt / 1e3);
+    if (bulk > 0) {
+      const at::Tensor big = at::rand({int64_t{mib} << 18});
+      std::vector<double> gbps;
+      for (int i = 0; i < bulk + 2; ++i) {
+        const double t0 = bench::now_us();
+        const int64_t n = rpc::rpc_sync<int64_t>(1, "numel", big);
+        const double dt = bench::now_us() - t0;
+        if (n != big.numel()) return 1;
+        if (i >= 2) gbps.push_back(big.nbytes() / dt / 1e3);
+      }
+      bench::emit("rpc", "bulk_" + std::to_string(mib) + "MiB_GBps", bench::median(gbps), "GB/s",
+                  cond + ",\"iters\":" + std::to_string(bulk));
     }
-    bench::emit("rpc", "bulk_" + std::to_string(mib) + "MiB_GBps", bench::median(gbps), "GB/s",
-                cond + ",\"iters\":" + std::to_string(bulk));
 
     // Throughput with a window of 128 calls in flight.
-    std::deque<rpc::Future> window;
-    const double t0 = bench::now_us();
-    for (int i = 0; i < calls; ++i) {
-      if (window.size() == 128) {
-        window.front().value();
-        window.pop_front();
+    if (calls > 0) {
+      std::deque<rpc::Future> window;
+      const double t0 = bench::now_us();
+      for (int i = 0; i < calls; ++i) {
+        if (window.size() == 128) {
+          window.front().value();
+          window.pop_front();
+        }
+        window.push_back(rpc::rpc_async(1, "add", one, one));
       }
-      window.push_back(rpc::rpc_async(1, "add", one, one));
+      for (auto& f : window) f.value();
+      const double dt = bench::now_us() - t0;
+      bench::emit("rpc", "async_128_calls_per_s", calls / dt * 1e6, "calls/s",
+                  cond + ",\"calls\":" + std::to_string(calls));
     }
-    for (auto& f : window) f.value();
-    const double dt = bench::now_us() - t0;
-    bench::emit("rpc", "async_128_calls_per_s", calls / dt * 1e6, "calls/s",
-                cond + ",\"calls\":" + std::to_string(calls));
   }
   rpc::shutdown();
   return 0;

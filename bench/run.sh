@@ -6,7 +6,9 @@
 # interleaved (this VM's speed drifts between runs); `bench/summarize.py` gives medians and ratios of the lines.
 # Benchmarks: rpc, rref, autograd, ps (peer: torch.distributed.rpc, default and TCP); collectives, ddp (peer: the Gloo
 # process group, in its only configuration); pipeline, rl, hybrid (peers: PyTorch's RPC pipeline, RL and DDP+RPC tutorials'
-# designs, TensorPipe defaults; hybrid also with TCP forced).
+# designs, TensorPipe defaults; hybrid also with TCP forced); elastic (peer: torchrun, the same DDP job restarted after a
+# worker's SIGKILL; bench/elastic_driver.py); hosts (rpc and collectives between two test hosts, then small round trips
+# with 1 ms added each way, against raw TCP: see hosts_bench below; exits 77 when this machine cannot make test hosts).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 name="${1:?usage: bench/run.sh NAME [flags]}"
@@ -19,6 +21,12 @@ if ! "$PY" -c "import torch.distributed.rpc" 2>/dev/null; then
 fi
 cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DTANDEM_BUILD_BENCH=ON >/dev/null
 export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1  # one intra-op thread per process, BLAS included
+# Both sides keep the memory they free (docs/deploy.md, "Memory"): with glibc's defaults every large tensor PyTorch
+# receives or allocates is faulted in afresh, at ~10 us a page on these VMs, which cut its 64 MiB RPC transfer from
+# 5.2 to 0.17 GB/s in one run here. BENCH_GLIBC_DEFAULTS=1 measures with the defaults instead.
+if [ "${BENCH_GLIBC_DEFAULTS:-0}" != 1 ]; then
+  export MALLOC_ARENA_MAX=1 MALLOC_MMAP_THRESHOLD_=1073741824 MALLOC_TRIM_THRESHOLD_=1073741824
+fi
 # bench TARGET NPROC PEER_SCRIPT [flags]: Tandem's program on NPROC workers (rank 0's JSON lines), then the peer in
 # PyTorch's default configuration and (unless PEER_MODES says otherwise) with TCP forced.
 bench() {
@@ -30,6 +38,172 @@ bench() {
     for mode in ${PEER_MODES:-default tcp}; do "$PY" "bench/$peer" "$mode" "$@"; done
   done
 }
+
+# `bench/run.sh hosts` (issue 19). Two test hosts (scripts/hosts.sh: network namespaces on a bridge, so every byte
+# between the ranks crosses a TCP/IP path); rank 0 in host 0, rank 1 in host 1, each process started on its own host.
+# Lines carry "bench":"hosts" and metric names prefixed hosts_ (hosts_delay_ under the delay); impl is
+#   raw_tcp          tcp_pingpong: blocking 1-byte round trips, the floor under a small call on this path
+#   tandem           rpc_bench and collectives_bench on Tandem's default transport (between hosts: the direct channel's
+#                    TCP route), one tandem-run per host (--nnodes 2 --node-rank R)
+#   tandem_grpc      rpc_bench with TANDEM_TRANSPORT=grpc (collectives use Gloo's connections whatever the transport)
+#   torch, torch_tcp peer_rpc.py in its default configuration and with TCP forced; peer_collectives.py (Gloo). In the
+#                    default configuration each peer process also gets its own pid namespace, as on two machines: else
+#                    TensorPipe's CMA channel (same kernel, same pid namespace) would move tensors between the "hosts" by
+#                    memory copy, off the link. With TCP forced (no CMA) it runs as it is.
+# Then DELAY_US (default 1000) is added each way: in each host a delay_relay behind an nftables redirect of the TCP
+# connections it opens to the other host. Measured: raw_tcp, tandem, tandem_grpc and torch_tcp small round trips
+# (rpc flags plus --bulk 0 --async 0), and hosts_delay_rtt_ratio = tandem's p50 / raw_tcp's p50.
+# Flags go to rpc_bench and peer_rpc.py (--small also sets tcp_pingpong's --iters); COLL_ITERS (default 20) is the
+# collectives' --iters; STEP_TIMEOUT (default 900) bounds each step in seconds.
+hosts_bench() {
+  local why
+  if ! why="$(bash scripts/hosts.sh check 2>&1)"; then
+    echo "bench: hosts: skipped: $why" >&2
+    exit 77
+  fi
+  cmake --build build -j"$(nproc)" --target rpc_bench collectives_bench tandem-run delay_relay tcp_pingpong >&2
+  step_timeout="${STEP_TIMEOUT:-900}" delay_us="${DELAY_US:-1000}" hn="bh$$" relays=()
+  tmp="$(mktemp -d)"
+  trap 'delay_off; bash scripts/hosts.sh down "$hn"; rm -rf "$tmp"' EXIT
+  trap 'exit 130' INT TERM
+  bash scripts/hosts.sh up "$hn" 2
+  h0="$(bash scripts/hosts.sh addr "$hn" 0)" h1="$(bash scripts/hosts.sh addr "$hn" 1)"
+  # Tandem: a job on several nodes needs one secret on each. PyTorch: the store on host 0, TensorPipe and Gloo on eth0.
+  TANDEM_SECRET="$(od -An -tx1 -N16 /dev/urandom | tr -d ' \n')"
+  export TANDEM_SECRET TANDEM_BENCH_MASTER_ADDR="$h0" TP_SOCKET_IFNAME=eth0 GLOO_SOCKET_IFNAME=eth0
+  local small=5000 coll=(--iters "${COLL_ITERS:-20}") a prev=""
+  for a in "$@"; do
+    [ "$prev" != --small ] || small="$a"
+    prev="$a"
+  done
+  for ((round = 1; round <= ${ROUNDS:-1}; round++)); do
+    note "round $round: raw TCP, Tandem (default and gRPC) and PyTorch (default and TCP) rpc, collectives"
+    raw_tcp hosts_ --iters "$small" --size 1
+    tandem_pair hosts_ tandem rpc_bench "$@"
+    TANDEM_TRANSPORT=grpc tandem_pair hosts_ tandem_grpc rpc_bench "$@"
+    for mode in default tcp; do peer_pair hosts_ peer_rpc.py "$mode" "$@"; done
+    tandem_pair hosts_ tandem collectives_bench "${coll[@]}"
+    peer_pair hosts_ peer_collectives.py default "${coll[@]}"
+
+    note "round $round: small round trips with ${delay_us} us added each way"
+    delay_on
+    {
+      raw_tcp hosts_delay_ --iters "$small" --size 1
+      tandem_pair hosts_delay_ tandem rpc_bench "$@" --bulk 0 --async 0
+      TANDEM_TRANSPORT=grpc tandem_pair hosts_delay_ tandem_grpc rpc_bench "$@" --bulk 0 --async 0
+      peer_pair hosts_delay_ peer_rpc.py tcp "$@" --bulk 0 --async 0
+    } | tee "$tmp/delay.jsonl"
+    delay_off
+    "$PY" - "$tmp/delay.jsonl" "$delay_us" <<'EOF'
+import json, sys
+v = {}
+for line in open(sys.argv[1]):
+    d = json.loads(line)
+    v[d["impl"], d["metric"]] = d["value"]
+tandem, raw = v["tandem", "hosts_delay_small_rtt_p50_us"], v["raw_tcp", "hosts_delay_raw_tcp_rtt_p50_us"]
+print(json.dumps({"bench": "hosts", "impl": "tandem", "metric": "hosts_delay_rtt_ratio", "value": round(tandem / raw, 3),
+                  "unit": "x", "tandem_small_rtt_p50_us": tandem, "raw_tcp_rtt_p50_us": raw,
+                  "delay_us_each_way": int(sys.argv[2])}), flush=True)
+EOF
+  done
+}
+note() { echo "bench: hosts: $*" >&2; }
+# in_host H CMD...: CMD in test host H, stopped after STEP_TIMEOUT (then killed 10 s later: unshare ignores SIGTERM).
+in_host() {
+  local h="$1"
+  shift
+  timeout -k 10 "$step_timeout" bash scripts/hosts.sh exec "$hn" "$h" "$@"
+}
+# A port nobody listens on in host 0, for a job's store.
+free_port() { in_host 0 "$PY" -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])'; }
+# relabel PREFIX [IMPL]: JSON lines with "bench":"hosts", PREFIX before each metric name (in place of a leading
+# hosts_) and, when IMPL is given, "impl":"tandem" renamed IMPL.
+relabel() {
+  local script='s/"bench": *"[A-Za-z_]*"/"bench":"hosts"/; s/"metric": *"\(hosts_\)\{0,1\}/"metric":"'"$1"'/'
+  [ -z "${2:-}" ] || script+='; s/"impl": *"tandem"/"impl":"'"$2"'"/'
+  sed -u -e "$script"
+}
+# serve H CMD...: starts CMD, a server whose first line on stdout is "port P", in test host H in the background;
+# sets served_pid (for halt) and served_port.
+serve() {
+  local h="$1" out i
+  shift
+  out="$(mktemp -p "$tmp")"
+  timeout -k 10 "$((4 * step_timeout))" bash scripts/hosts.sh exec "$hn" "$h" "$@" >"$out" &
+  served_pid=$!
+  for ((i = 0; i < 100; i++)); do
+    served_port="$(sed -n 's/^port \([0-9]*\)$/\1/p' "$out")"
+    [ -z "$served_port" ] || return 0
+    sleep 0.1
+  done
+  note "'$*' in host $h reported no port within 10 s"
+  return 1
+}
+halt() {
+  kill "$1" 2>/dev/null || true
+  wait "$1" 2>/dev/null || true
+}
+# raw_tcp PREFIX [client flags]: tcp_pingpong's client in host 0, its server in host 1.
+raw_tcp() {
+  local prefix="$1" server
+  shift
+  serve 1 build/tcp_pingpong server
+  server="$served_pid"
+  in_host 0 build/tcp_pingpong client --host "$h1" --port "$served_port" "$@" | relabel "$prefix"
+  halt "$server"
+}
+# tandem_pair PREFIX IMPL TARGET [flags]: build/TARGET as rank 0 in host 0 and rank 1 in host 1; rank 0's JSON lines.
+tandem_pair() {
+  local prefix="$1" impl="$2" target="$3" port other
+  shift 3
+  port="$(free_port)"
+  local launch=(build/tandem-run --nnodes 2 --nproc-per-node 1 --master-addr "$h0" --master-port "$port")
+  in_host 1 "${launch[@]}" --node-rank 1 "build/$target" "$@" >&2 &
+  other=$!
+  # The programs' own floors are of one host (rpc_bench: Unix socket, cross-memory reads): not measured here, where
+  # raw_tcp is the floor.
+  in_host 0 env TANDEM_BENCH_FLOORS=0 "${launch[@]}" --node-rank 0 "build/$target" "$@" |
+    sed -n 's/^\[rank0\]: {/{/p' | relabel "$prefix" "$impl"
+  wait "$other"
+}
+# peer_pair PREFIX SCRIPT MODE [flags]: the PyTorch peer's rank 0 in host 0 and rank 1 in host 1; rank 0's lines.
+peer_pair() {
+  local prefix="$1" script="$2" mode="$3" port other
+  shift 3
+  port="$(free_port)"
+  # The default configuration gets a pid namespace of its own (no CMA between the "hosts"); TCP forced uses no CMA
+  # anyway, and runs as it would on its own machine.
+  local run=("$PY" "bench/$script" "$mode" "$@" --port "$port" --rank)
+  [ "$mode" != default ] || run=(unshare --pid --fork --kill-child "${run[@]}")
+  in_host 1 "${run[@]}" 1 >&2 &
+  other=$!
+  in_host 0 "${run[@]}" 0 | relabel "$prefix"
+  wait "$other"
+}
+# delay_on: DELAY_US added each way to every TCP connection between the hosts. In each host, a delay_relay, and an
+# nftables rule sending the connections it opens to the other host through it (except the relay's own, marked 0x77).
+delay_on() {
+  local h
+  for h in 0 1; do
+    serve "$h" build/delay_relay --delay-us "$delay_us"
+    relays+=("$served_pid")
+    in_host "$h" nft -f - <<EOF
+table ip tandem_delay {
+  chain out {
+    type nat hook output priority -100; policy accept;
+    meta mark != 0x77 ip daddr $(bash scripts/hosts.sh addr "$hn" $((1 - h))) ip protocol tcp redirect to :$served_port
+  }
+}
+EOF
+  done
+}
+delay_off() {
+  local h pid
+  [ -n "${hn:-}" ] || return 0
+  for h in 0 1; do in_host "$h" nft delete table ip tandem_delay 2>/dev/null || true; done
+  for pid in "${relays[@]}"; do halt "$pid"; done
+  relays=()
+}
 case "$name" in
   rpc) bench rpc_bench 2 peer_rpc.py "$@" ;;
   rref) bench rref_bench 3 peer_rref.py "$@" ;;
@@ -40,5 +214,14 @@ case "$name" in
   pipeline) PEER_MODES=default bench pipeline_bench 5 peer_pipeline.py "$@" ;;
   rl) PEER_MODES=default bench rl_bench 11 peer_rl.py "$@" ;;
   hybrid) bench hybrid_bench 4 peer_hybrid.py "$@" ;;
-  *) echo "bench: unknown benchmark '$name' (known: rpc, rref, autograd, ps, collectives, ddp, pipeline, rl, hybrid)" >&2; exit 2 ;;
+  elastic)
+    # Not under tandem-run: the driver starts each launcher itself, kills a worker and times the restart.
+    cmake --build build -j"$(nproc)" --target elastic_bench tandem-run >&2
+    for ((round = 1; round <= ${ROUNDS:-1}; round++)); do
+      "$PY" bench/elastic_driver.py tandem --tandem-run build/tandem-run --worker build/elastic_bench "$@"
+      "$PY" bench/elastic_driver.py torch --peer bench/peer_elastic.py "$@"
+    done
+    ;;
+  hosts) hosts_bench "$@" ;;
+  *) echo "bench: unknown benchmark '$name' (known: rpc, rref, autograd, ps, collectives, ddp, pipeline, rl, hybrid, elastic, hosts)" >&2; exit 2 ;;
 esac

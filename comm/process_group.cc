@@ -34,6 +34,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
+#include "comm/detail/shm.h"
 #include "rpc/errors.h"
 #include "rpc/extension.h"
 #include "rpc/rpc.h"
@@ -240,13 +241,14 @@ const bool g_installed = [] {
 class GlooGroup final : public ProcessGroup {
  public:
   GlooGroup(std::string name, int rank, int size, std::shared_ptr<gloo::rendezvous::Context> ctx,
-            ProcessGroupOptions options, std::vector<int> job_ranks)
+            ProcessGroupOptions options, std::vector<int> job_ranks, std::unique_ptr<detail::ShmGroup> shm)
       : name_(std::move(name)),
         rank_(rank),
         size_(size),
         options_(options),
         ctx_(std::move(ctx)),
-        job_ranks_(std::move(job_ranks)) {
+        job_ranks_(std::move(job_ranks)),
+        shm_(std::move(shm)) {
     thread_ = std::thread([this] { loop(); });
   }
   ~GlooGroup() override {
@@ -267,11 +269,14 @@ class GlooGroup final : public ProcessGroup {
   int rank() const override { return rank_; }
   int size() const override { return size_; }
   const std::string& name() const override { return name_; }
+  const char* transport() const override { return shm_ ? "shared_memory" : "gloo"; }
 
   rpc::Future allreduce(at::Tensor t, ReduceOp op) override {
     check_tensor(t, "allreduce: the tensor");
     check_op(t, op, "allreduce");
-    return submit("allreduce", t, static_cast<int>(op), [this, t, op](uint32_t tag) { run_allreduce(t, op, tag); });
+    return submit("allreduce", t, static_cast<int>(op), [this, t, op](uint32_t tag) {
+      shm_ ? shm_->allreduce(t, op, deadline_) : run_allreduce(t, op, tag);
+    });
   }
 
   rpc::Future reduce_scatter(at::Tensor output, at::Tensor input, ReduceOp op) override {
@@ -279,6 +284,7 @@ class GlooGroup final : public ProcessGroup {
     check_chunks(input, output, "reduce_scatter");
     check_op(input, op, "reduce_scatter");
     return submit("reduce_scatter", input, static_cast<int>(op), [this, output, input, op](uint32_t tag) {
+      if (shm_) return shm_->reduce_scatter(output, input, op, deadline_);
       at::Tensor whole = input.clone();
       run_allreduce(whole, op, tag);
       output.copy_(whole.view({size_, -1})[rank_].view_as(output));
@@ -292,6 +298,7 @@ class GlooGroup final : public ProcessGroup {
     check_tensor(t, "broadcast: the tensor");
     check_root(root, "broadcast");
     return submit("broadcast", t, root, [this, t, root](uint32_t tag) {
+      if (shm_) return shm_->broadcast(t, root, deadline_);
       dispatch(t.scalar_type(), [&](auto zero) {
         using T = decltype(zero);
         gloo::BroadcastOptions o(ctx_);
@@ -307,6 +314,7 @@ class GlooGroup final : public ProcessGroup {
     check_tensor(input, "allgather: the input");
     check_chunks(output, input, "allgather");
     return submit("allgather", input, 0, [this, output, input](uint32_t tag) {
+      if (shm_) return shm_->allgather(output, input, deadline_);
       dispatch(input.scalar_type(), [&](auto zero) {
         using T = decltype(zero);
         gloo::AllgatherOptions o(ctx_);
@@ -401,6 +409,7 @@ class GlooGroup final : public ProcessGroup {
 
   rpc::Future barrier() override {
     return submit("barrier", at::Tensor(), 0, [this](uint32_t tag) {
+      if (shm_) return shm_->barrier(deadline_);
       gloo::BarrierOptions o(ctx_);
       tagged(o, tag);
       gloo::barrier(o);
@@ -619,6 +628,7 @@ class GlooGroup final : public ProcessGroup {
           return;
         }
       }
+      deadline_ = Clock::now() + options_.timeout;
       op.run(++tag);
       op.done.set_value(c10::IValue());
     } catch (...) {
@@ -632,6 +642,8 @@ class GlooGroup final : public ProcessGroup {
   const ProcessGroupOptions options_;
   std::shared_ptr<gloo::rendezvous::Context> ctx_;
   const std::vector<int> job_ranks_;  // the group's ranks in the job, by group rank
+  const std::unique_ptr<detail::ShmGroup> shm_;  // set when the common collectives run over shared memory
+  Clock::time_point deadline_;                   // of the operation running (group thread only)
   absl::Mutex mu_;
   std::deque<Op> queue_ ABSL_GUARDED_BY(mu_);
   int64_t pending_ ABSL_GUARDED_BY(mu_) = 0;  // operations submitted and not completed yet (queued or running)
@@ -641,6 +653,59 @@ class GlooGroup final : public ProcessGroup {
   absl::Status broken_ ABSL_GUARDED_BY(mu_);  // the first failure
   std::thread thread_;
 };
+
+// The shared-memory path of a new group (ProcessGroupOptions::shared_memory), or null for Gloo alone. Collective: every
+// rank publishes its place, and when all are equal rank 0 creates a segment the others map; all agree (a Gloo
+// allreduce) before anyone uses it, and rank 0 then removes its name. Throws tandem::Error when kAlways cannot be met.
+std::unique_ptr<detail::ShmGroup> shared_memory(const std::shared_ptr<gloo::rendezvous::Context>& ctx,
+                                                const std::string& name, int rank, const std::vector<int>& ranks,
+                                                const ProcessGroupOptions& options) {
+  SharedMemory mode = options.shared_memory;
+  if (const char* e = std::getenv("TANDEM_SHARED_MEMORY"); e && mode == SharedMemory::kAuto) {
+    if (std::string(e) == "0") mode = SharedMemory::kNever;
+    if (std::string(e) == "1") mode = SharedMemory::kAlways;
+  }
+  const int size = static_cast<int>(ranks.size());
+  if (mode == SharedMemory::kNever || size < 2) return nullptr;
+  rpc::Store& store = rpc::job_store();
+  const std::string prefix = absl::StrCat("comm/", name, "/shm/");
+  throw_if_error(store.set(absl::StrCat(prefix, "place/", rank), detail::host_place()));
+  std::string first_place, differs;
+  for (int r = 0; r < size && differs.empty(); ++r) {
+    auto place = store.get(absl::StrCat(prefix, "place/", r), options.timeout);
+    throw_if_error(place.status());
+    if (r == 0) first_place = *place;
+    if (*place != first_place) differs = absl::StrCat("rank ", r, " is on another host or network namespace than rank 0");
+  }
+  if (!differs.empty()) {
+    if (mode == SharedMemory::kAlways) {
+      throw_error(absl::FailedPreconditionError("shared memory was required, but " + differs));
+    }
+    return nullptr;
+  }
+  std::vector<std::string> labels;
+  for (int r = 0; r < size; ++r) {
+    const auto info = rpc::find_worker_info(ranks[r]);
+    labels.push_back(absl::StrCat("rank ", r, " (worker '", info ? info->name : "?", "')"));
+  }
+  auto shm = detail::ShmGroup::attach(store, prefix + "segment", rank, std::move(labels), options.timeout);
+  // Every rank must have mapped the segment before rank 0 removes its name, and all must use it or none.
+  int32_t ok = shm.ok() ? 1 : 0;
+  gloo::AllreduceOptions o(ctx);
+  o.setOutput(&ok, 1);
+  o.setReduceFunction(reduce_fn<int32_t>(ReduceOp::kMin));
+  o.setTag(0x7fffffff);
+  o.setTimeout(options.timeout);
+  gloo::allreduce(o);
+  if (shm.ok()) (*shm)->unlink();
+  if (ok == 1) return std::move(*shm);
+  if (mode == SharedMemory::kAlways) {
+    throw_error(absl::UnavailableError(absl::StrCat(
+        "shared memory was required, but ",
+        shm.ok() ? "another rank could not map the segment" : std::string(shm.status().message()))));
+  }
+  return nullptr;
+}
 
 std::string host_of(const std::string& address) {
   const auto colon = address.rfind(':');
@@ -699,7 +764,8 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(const std::string& name, std:
     ctx->setTimeout(options.timeout);
     StoreAdapter store(rpc::job_store(), absl::StrCat("comm/", name, "/"), options.timeout);
     ctx->connectFullMesh(store, device);
-    return std::make_shared<GlooGroup>(name, rank, size, std::move(ctx), options, ranks);
+    std::unique_ptr<detail::ShmGroup> shm = shared_memory(ctx, name, rank, ranks, options);
+    return std::make_shared<GlooGroup>(name, rank, size, std::move(ctx), options, ranks, std::move(shm));
   } catch (...) {
     // The store's errors (tandem::Error) keep their code; Gloo's connection failures are classified by facts.
     const absl::Status thrown = status_from_current_exception();

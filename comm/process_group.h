@@ -1,4 +1,5 @@
-// Collectives: a process group over the workers of a job (all of them, or a subset), on Gloo for CPU tensors.
+// Collectives: a process group over the workers of a job (all of them, or a subset), on Gloo for CPU tensors, and
+// over shared memory for the common collectives when every rank is on one host (SharedMemory below).
 //
 //   rpc::init_rpc(...);                                          // the group meets through the job's store
 //   auto pg = comm::ProcessGroup::create("default");             // every rank calls it, with the same name
@@ -41,6 +42,15 @@ enum class ReduceOp { kSum, kAvg, kMin, kMax, kProduct };
 
 enum class Backend { kGloo, kNccl };
 
+// Whether a group on CPU tensors runs allreduce, broadcast, allgather, reduce_scatter and barrier over shared memory
+// (comm/detail/shm.h) instead of Gloo's TCP algorithms. The other operations always use Gloo.
+enum class SharedMemory {
+  kAuto,    // when every rank is on one host and network namespace (boot ids and namespaces compared at create())
+            // and they can map one segment; Gloo otherwise. TANDEM_SHARED_MEMORY=0 or 1 turns it into kNever or kAlways.
+  kAlways,  // create() fails (FAILED_PRECONDITION or UNAVAILABLE, with the reason) when the ranks cannot share one
+  kNever,
+};
+
 struct ProcessGroupOptions {
   // Per operation, and for set-up. Non-positive (the default): RpcOptions::rpc_timeout, resolved by create().
   std::chrono::milliseconds timeout{0};
@@ -50,6 +60,7 @@ struct ProcessGroupOptions {
   // environment variable TANDEM_DEBUG_COLLECTIVES=1 turns it on for every group.
   bool debug = false;
   Backend backend = Backend::kGloo;
+  SharedMemory shared_memory = SharedMemory::kAuto;
 };
 
 class ProcessGroup {
@@ -63,6 +74,8 @@ class ProcessGroup {
   virtual int rank() const = 0;  // within the group
   virtual int size() const = 0;
   virtual const std::string& name() const = 0;
+  // How the shared-memory operations above travel: "shared_memory" or "gloo" (decided by create(), for good).
+  virtual const char* transport() const = 0;
 
   virtual rpc::Future allreduce(at::Tensor tensor, ReduceOp op = ReduceOp::kSum) = 0;
   // `tensor` holds the root's data on return, on every rank (`root` is a group rank).

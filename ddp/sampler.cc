@@ -28,10 +28,12 @@ void DistributedSampler::set_epoch(uint64_t epoch) {
 
 void DistributedSampler::reset(c10::optional<size_t> new_size) {
   if (new_size) dataset_size_ = *new_size;
+  build(0);
+}
+
+void DistributedSampler::build(size_t start) {
   const size_t n = dataset_size_, w = static_cast<size_t>(num_replicas_);
-  // PyTorch: with drop_last and an uneven split, ceil((n - w) / w) = floor(n / w); otherwise ceil(n / w).
-  num_samples_ = options_.drop_last && n % w != 0 ? n / w : (n + w - 1) / w;
-  const size_t total = num_samples_ * w;
+  start_ = std::min(start, n);
   std::vector<size_t> all(n);
   if (options_.shuffle) {
     auto gen = at::detail::createCPUGenerator(options_.seed + epoch_);
@@ -41,7 +43,12 @@ void DistributedSampler::reset(c10::optional<size_t> new_size) {
   } else {
     for (size_t i = 0; i < n; ++i) all[i] = i;
   }
-  for (size_t i = 0; all.size() < total && n > 0; ++i) all.push_back(all[i % n]);  // pad with the start
+  all.erase(all.begin(), all.begin() + static_cast<std::ptrdiff_t>(start_));
+  const size_t m = all.size();
+  // PyTorch: with drop_last and an uneven split, ceil((m - w) / w) = floor(m / w); otherwise ceil(m / w).
+  num_samples_ = options_.drop_last && m % w != 0 ? m / w : (m + w - 1) / w;
+  const size_t total = num_samples_ * w;
+  for (size_t i = 0; all.size() < total && m > 0; ++i) all.push_back(all[i % m]);  // pad with the start
   all.resize(total);
   indices_.clear();
   for (size_t i = static_cast<size_t>(rank_); i < total; i += w) indices_.push_back(all[i]);
@@ -60,14 +67,27 @@ c10::optional<std::vector<size_t>> DistributedSampler::next(size_t batch_size) {
 void DistributedSampler::save(torch::serialize::OutputArchive& archive) const {
   archive.write("epoch", at::tensor(static_cast<int64_t>(epoch_)), /*is_buffer=*/true);
   archive.write("position", at::tensor(static_cast<int64_t>(position_)), /*is_buffer=*/true);
+  archive.write("replicas", at::tensor(static_cast<int64_t>(num_replicas_)), /*is_buffer=*/true);
+  archive.write("start", at::tensor(static_cast<int64_t>(start_)), /*is_buffer=*/true);
 }
 
 void DistributedSampler::load(torch::serialize::InputArchive& archive) {
   at::Tensor epoch, position;
   archive.read("epoch", epoch, /*is_buffer=*/true);
   archive.read("position", position, /*is_buffer=*/true);
-  set_epoch(static_cast<uint64_t>(epoch.item<int64_t>()));
-  position_ = std::min(indices_.size(), static_cast<size_t>(position.item<int64_t>()));
+  at::Tensor replicas = at::tensor(static_cast<int64_t>(num_replicas_)), start = at::tensor(int64_t{0});
+  (void)archive.try_read("replicas", replicas, /*is_buffer=*/true);  // absent in checkpoints of earlier builds
+  (void)archive.try_read("start", start, /*is_buffer=*/true);
+  epoch_ = static_cast<uint64_t>(epoch.item<int64_t>());
+  const auto saved_start = static_cast<size_t>(std::max<int64_t>(0, start.item<int64_t>()));
+  const auto saved_position = static_cast<size_t>(std::max<int64_t>(0, position.item<int64_t>()));
+  const auto saved_replicas = static_cast<size_t>(std::max<int64_t>(1, replicas.item<int64_t>()));
+  if (saved_replicas == static_cast<size_t>(num_replicas_)) {
+    build(saved_start);
+    position_ = std::min(indices_.size(), saved_position);
+  } else {
+    build(saved_start + saved_position * saved_replicas);  // what every rank of the saved job had consumed
+  }
 }
 
 }  // namespace tandem::ddp

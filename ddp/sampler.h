@@ -38,14 +38,21 @@ class DistributedSampler : public torch::data::samplers::Sampler<std::vector<siz
 
   void reset(c10::optional<size_t> new_size = c10::nullopt) override;
   c10::optional<std::vector<size_t>> next(size_t batch_size) override;
+  // Saves the epoch, the position and the world size. Loaded by a job of the same world size, the sampler carries on
+  // exactly where it was; by another one (an elastic job re-formed), each rank takes its share of what the saved job
+  // had not consumed of the epoch yet (the rest of the permutation, padded and split as above).
   void save(torch::serialize::OutputArchive& archive) const override;
   void load(torch::serialize::InputArchive& archive) override;
 
  private:
   size_t dataset_size_;
   int num_replicas_, rank_;
+  // This epoch's indices, from the `start`-th of its permutation on (0 but after a resume at another world size).
+  void build(size_t start);
+
   SamplerOptions options_;
   uint64_t epoch_ = 0;
+  size_t start_ = 0;  // where this epoch's share began in the permutation: a resume by another world size moves it
   size_t num_samples_ = 0, position_ = 0;
   std::vector<size_t> indices_;
 };

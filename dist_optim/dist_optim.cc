@@ -7,11 +7,14 @@
 #include <torch/optim/adamw.h>
 #include <torch/optim/rmsprop.h>
 #include <torch/optim/sgd.h>
+#include <torch/serialize/archive.h>
 
 #include <atomic>
+#include <cstring>
 #include <memory>
 #include <optional>
 #include <set>
+#include <sstream>
 #include <unordered_map>
 
 #include "absl/base/attributes.h"
@@ -33,6 +36,8 @@ namespace {
 constexpr const char* kCreate = "__tandem.dist_optim.create";
 constexpr const char* kStep = "__tandem.dist_optim.step";
 constexpr const char* kRelease = "__tandem.dist_optim.release";
+constexpr const char* kSaveState = "__tandem.dist_optim.save_state";
+constexpr const char* kLoadState = "__tandem.dist_optim.load_state";
 
 using Hyper = std::map<std::string, double>;
 
@@ -178,8 +183,49 @@ void on_step(int64_t id, int64_t context_id) {
   for (auto& h : local->handles) h.mutable_grad() = at::Tensor();
 }
 
+std::shared_ptr<LocalOptimizer> find_local(int64_t id) {
+  absl::MutexLock lock(&g_registry_mu);
+  auto it = g_optimizers.find(id);
+  if (it != g_optimizers.end()) return it->second;
+  throw_error(absl::NotFoundError(
+      absl::StrCat("no optimizer ", id, " on worker '", rpc::get_worker_info().name, "' (released?)")));
+}
+
+// The optimizer's state as LibTorch saves it, in a byte tensor (tensors travel without a protobuf copy).
+at::Tensor on_save_state(int64_t id) {
+  std::shared_ptr<LocalOptimizer> local = find_local(id);
+  std::ostringstream bytes;
+  {
+    absl::MutexLock lock(&local->mu);
+    torch::serialize::OutputArchive archive;
+    local->optimizer->save(archive);
+    archive.save_to(bytes);
+  }
+  const std::string s = bytes.str();
+  at::Tensor out = at::empty({static_cast<int64_t>(s.size())}, at::kByte);
+  std::memcpy(out.data_ptr(), s.data(), s.size());
+  return out;
+}
+
+void on_load_state(int64_t id, at::Tensor bytes) {
+  std::shared_ptr<LocalOptimizer> local = find_local(id);
+  bytes = bytes.contiguous();
+  if (bytes.scalar_type() != at::kByte) throw_error(absl::InvalidArgumentError("optimizer state: not bytes"));
+  absl::MutexLock lock(&local->mu);
+  try {
+    torch::serialize::InputArchive archive;
+    archive.load_from(static_cast<const char*>(bytes.data_ptr()), static_cast<size_t>(bytes.numel()));
+    local->optimizer->load(archive);
+  } catch (const c10::Error& e) {
+    throw_error(absl::FailedPreconditionError(
+        absl::StrCat("the saved optimizer state does not fit this optimizer: ", e.what_without_backtrace())));
+  }
+}
+
 bool install() {
   throw_if_error(rpc::register_handler(kCreate, on_create));
+  rpc::register_function(kSaveState, on_save_state);
+  rpc::register_function(kLoadState, on_load_state);
   rpc::register_function(kStep, on_step);
   rpc::register_function(kRelease, [](int64_t id) {
     absl::MutexLock lock(&g_registry_mu);
@@ -283,6 +329,42 @@ void DistributedOptimizer::step(int64_t context_id) {
   }
   for (const auto& f : steps) throw_if_error(f.status());
   throw_if_error(local);
+}
+
+void DistributedOptimizer::save(torch::serialize::OutputArchive& archive) const {
+  std::vector<rpc::Future> states;
+  std::vector<int64_t> owners;
+  for (const auto& [owner, id] : remote_) {
+    owners.push_back(owner);
+    states.push_back(rpc::rpc_async(owner, kSaveState, id, options_.timeout));
+  }
+  archive.write("owners", at::tensor(owners, at::kLong), /*is_buffer=*/true);
+  for (size_t i = 0; i < states.size(); ++i) {
+    throw_if_error(states[i].status());
+    archive.write("state_" + std::to_string(i), states[i].get<at::Tensor>(), /*is_buffer=*/true);
+  }
+}
+
+void DistributedOptimizer::load(torch::serialize::InputArchive& archive) {
+  at::Tensor owners;
+  archive.read("owners", owners, /*is_buffer=*/true);
+  std::vector<int64_t> mine;
+  for (const auto& [owner, id] : remote_) mine.push_back(owner);
+  if (owners.numel() != static_cast<int64_t>(mine.size()) ||
+      !owners.equal(at::tensor(mine, at::kLong))) {
+    throw_error(absl::FailedPreconditionError(absl::StrCat(
+        "DistributedOptimizer: the saved state is of owners ",
+        absl::StrJoin(std::vector<int64_t>(owners.data_ptr<int64_t>(), owners.data_ptr<int64_t>() + owners.numel()),
+                      ","),
+        "; this optimizer's are ", absl::StrJoin(mine, ","))));
+  }
+  std::vector<rpc::Future> loads;
+  for (size_t i = 0; i < remote_.size(); ++i) {
+    at::Tensor state;
+    archive.read("state_" + std::to_string(i), state, /*is_buffer=*/true);
+    loads.push_back(rpc::rpc_async(remote_[i].first, kLoadState, remote_[i].second, state, options_.timeout));
+  }
+  for (const auto& f : loads) throw_if_error(f.status());
 }
 
 }  // namespace tandem::dist_optim

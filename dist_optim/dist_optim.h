@@ -36,6 +36,11 @@
 #include "rpc/future.h"
 #include "rref/rref.h"
 
+namespace torch::serialize {
+class InputArchive;
+class OutputArchive;
+}  // namespace torch::serialize
+
 namespace tandem::dist_optim {
 
 struct DistributedOptimizerOptions {
@@ -58,6 +63,13 @@ class DistributedOptimizer {
   // tandem::Error (NOT_FOUND when an owner no longer has its optimizer; UNKNOWN when a step threw).
   void step(int64_t context_id);
   rpc::Future step_async(int64_t context_id);
+
+  // Checkpoints (checkpoint::State::add with these two): save() fetches every owner's optimizer state (LibTorch's own
+  // serialization, sent back as a byte tensor) into `archive`; load() sends each owner its part. The optimizer must
+  // have the same kind, owners and parameters as the one saved: FAILED_PRECONDITION otherwise. Not concurrent with
+  // step(). Throws tandem::Error naming the owner that failed.
+  void save(torch::serialize::OutputArchive& archive) const;
+  void load(torch::serialize::InputArchive& archive);
 
  private:
   void release();

@@ -1,9 +1,12 @@
-// libFuzzer target: every control message's decoder — the rendezvous record, the direct channel's hello and welcome,
-// an RRef descriptor, a distributed autograd attachment, and the store's requests. The first byte picks the decoder.
+// libFuzzer target: every control message's decoder — the rendezvous record, the direct channel's hello and welcome
+// (and over TCP its challenge and proved hello),
+// an RRef descriptor, a distributed autograd attachment, the store's requests, and the launchers' rendezvous records.
+// The first byte picks the decoder.
 #include <cstdint>
 #include <string>
 
 #include "dist_autograd/detail/trace.h"
+#include "elastic/detail/records.h"
 #include "proto/tandem_rpc.pb.h"
 #include "rpc/detail/agent.h"
 #include "rpc/detail/direct.h"
@@ -15,7 +18,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   grpc::Slice slice(bytes);
   const grpc::ByteBuffer buffer(&slice, 1);
   const std::string token(64, 'a');
-  switch (data[0] % 8) {
+  switch (data[0] % 13) {
     case 0:
       (void)tandem::rpc::detail::parse_record(bytes, 1, 4);
       break;
@@ -41,6 +44,21 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       (void)m.ParseFromString(bytes);
       break;
     }
+    case 8:
+      (void)tandem::elastic::detail::parse_node(bytes, "node");
+      break;
+    case 9:
+      (void)tandem::elastic::detail::parse_round(bytes, "closed");
+      break;
+    case 10:
+      (void)tandem::elastic::detail::parse_end(bytes, "ended");
+      break;
+    case 11:
+      (void)tandem::rpc::direct::parse_challenge(buffer);
+      break;
+    case 12:
+      (void)tandem::rpc::direct::parse_tcp_hello(buffer, token, std::string(64, 'c'));
+      break;
     default: {
       tandem::wire::StoreWaitRequest m;
       (void)m.ParseFromString(bytes);

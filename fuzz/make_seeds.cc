@@ -1,5 +1,5 @@
 // Writes the seed corpus of every fuzz target into fuzz/corpus/<target>/seed-*: well-formed inputs the fuzzer mutates.
-//   build/fuzz/fuzz_make_seeds fuzz/corpus
+//   build/fuzz_make_seeds fuzz/corpus
 // The seeds are committed; run this again when a format changes (and bump kWireVersion, rpc/detail/version.h).
 #include <ATen/ATen.h>
 
@@ -114,6 +114,23 @@ int main(int argc, char** argv) {
     add.set_key("name/worker1");
     add.set_delta(1);
     write(root / "fuzz_control", "store-add", std::string(1, 6) + add.SerializeAsString());
+    tandem::wire::ElasticNode node;
+    node.set_wire_version(tandem::rpc::kWireVersion);
+    node.set_host("10.0.0.2");
+    node.set_nproc(8);
+    node.set_master_port(29500);
+    node.set_pid(4242);
+    write(root / "fuzz_control", "elastic-node", std::string(1, 8) + node.SerializeAsString());
+    tandem::wire::ElasticRound round;
+    round.set_wire_version(tandem::rpc::kWireVersion);
+    round.set_nodes(2);
+    round.set_restarts(1);
+    write(root / "fuzz_control", "elastic-round", std::string(1, 9) + round.SerializeAsString());
+    tandem::wire::ElasticEnd end;
+    end.set_wire_version(tandem::rpc::kWireVersion);
+    end.set_reason("rank 1 on node 1 (10.0.0.3) (pid 77) failed with exit code 1");
+    end.set_failure(true);
+    write(root / "fuzz_control", "elastic-end", std::string(1, 10) + end.SerializeAsString());
     // fuzz_direct: a stream of framed messages
     write(root / "fuzz_direct", "hello-request",
           direct_message(1, 0, hello) + direct_message(3, 7, request_frame({at::ones({3})})));

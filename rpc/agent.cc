@@ -11,7 +11,10 @@
 namespace tandem::rpc::detail {
 
 // Normally stopped by shutdown() already (a no-op then); otherwise the same grace as a graceful shutdown's stop.
-Agent::~Agent() { stop(std::chrono::milliseconds(2000)); }
+Agent::~Agent() {
+  stop(std::chrono::milliseconds(2000));
+  lifeline_->cut();  // waits for completions running inside the lifeline
+}
 
 absl::Status Agent::drain_outgoing(absl::Time deadline) {
   absl::MutexLock lock(&mu_);

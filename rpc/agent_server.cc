@@ -17,13 +17,15 @@ thread_local const CallContext* t_current_call = nullptr;
 void Agent::on_incoming(Incoming in) {
   auto call = std::make_shared<InCall>();
   call->in = std::move(in);
+  bool stopped = false;
   {
     absl::MutexLock lock(&mu_);
-    if (stopped_) {
-      call->in.reply(nullptr, absl::UnavailableError(absl::StrCat("worker '", name_, "' has shut down")));
-      return;
-    }
-    in_calls_.emplace(call.get(), call);
+    stopped = stopped_;
+    if (!stopped) in_calls_.emplace(call.get(), call);
+  }
+  if (stopped) {  // replied without mu_, as every reply is: a transport may complete work inline
+    call->in.reply(nullptr, absl::UnavailableError(absl::StrCat("worker '", name_, "' has shut down")));
+    return;
   }
   if (call->in.on_io_thread && ready_.HasBeenNotified()) return handle(call);  // on this thread: no hand-off
   // A gRPC thread must not block, and a call that arrived before init_rpc returned here waits on the pool (the direct
@@ -38,10 +40,13 @@ void Agent::handle(std::shared_ptr<InCall> call) {
   if (!ready_.WaitForNotificationWithTimeout(absl::FromChrono(options_.init_timeout))) {
     return reply_error(call, absl::UnavailableError(absl::StrCat("worker '", name_, "' did not finish init_rpc")));
   }
+  bool stopped = false;
   {
     absl::MutexLock lock(&mu_);
-    if (stopped_) return reply_error(call, absl::UnavailableError(absl::StrCat("worker '", name_, "' has shut down")));
+    stopped = stopped_;
   }
+  // Replied without mu_: finishing the call takes it (it aborted a worker shutting down, in abseil's deadlock check).
+  if (stopped) return reply_error(call, absl::UnavailableError(absl::StrCat("worker '", name_, "' has shut down")));
   tandem::wire::Request request;
   auto frame = wire::Frame::parse(call->in.request, &request);
   if (!frame.ok()) return reply_error(call, frame.status());
@@ -74,15 +79,19 @@ void Agent::handle(std::shared_ptr<InCall> call) {
   // Some argument needs protocol work first (e.g. a remote reference its owner must confirm): run after it, on the
   // pool.
   auto shared_args = std::make_shared<std::vector<c10::IValue>>(std::move(*args));
-  when_all(wait).add_callback(
-      [this, call, shared_args, function = request.function(), caller = request.caller_name()](const Future& ready) {
-        if (absl::Status s = ready.status(); !s.ok()) return reply_error(call, s);
-        if (!pool_->submit([this, call, shared_args, function, caller] {
-              run(call, function, std::move(*shared_args), caller);
-            })) {
-          reply_error(call, absl::UnavailableError(absl::StrCat("worker '", name_, "' is shutting down")));
-        }
-      });
+  when_all(wait).add_callback([life = lifeline_, call, shared_args, function = request.function(),
+                               caller = request.caller_name()](const Future& ready) {
+    Agent* self = life->enter();
+    if (!self) return;  // gone (see Lifeline)
+    if (absl::Status s = ready.status(); !s.ok()) {
+      self->reply_error(call, s);
+    } else if (!self->pool_->submit([self, call, shared_args, function, caller] {
+                 self->run(call, function, std::move(*shared_args), caller);
+               })) {
+      self->reply_error(call, absl::UnavailableError(absl::StrCat("worker '", self->name_, "' is shutting down")));
+    }
+    life->leave();
+  });
 }
 
 void Agent::run(const std::shared_ptr<InCall>& call, const std::string& function, std::vector<c10::IValue> args,
@@ -108,7 +117,12 @@ void Agent::run(const std::shared_ptr<InCall>& call, const std::string& function
   }
   trace_scope.reset();
   t_current_call = nullptr;
-  result.add_callback([this, call](const Future& f) { reply(call, f); });
+  result.add_callback([life = lifeline_, call](const Future& f) {
+    Agent* self = life->enter();
+    if (!self) return;  // gone: its shutdown answered the call CANCELLED
+    self->reply(call, f);
+    life->leave();
+  });
 }
 
 void Agent::reply(const std::shared_ptr<InCall>& call, const Future& result) {
@@ -138,7 +152,7 @@ void Agent::reply_error(const std::shared_ptr<InCall>& call, const absl::Status&
 
 void Agent::finish_once(const std::shared_ptr<InCall>& call, const absl::Status& status, grpc::ByteBuffer* reply) {
   {
-    std::lock_guard<std::mutex> lock(call->mu);
+    absl::MutexLock call_lock(&call->mu);
     if (call->finished) return;
     call->finished = true;
     call->in.reply(reply, status);

@@ -1,13 +1,14 @@
 // Batched functions: a queue of requests per function, flushed by count or by the oldest request's age.
 #include "rpc/batching.h"
 
-#include <condition_variable>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <thread>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "rpc/errors.h"
 
 namespace tandem::rpc {
@@ -29,12 +30,9 @@ class Batcher : public std::enable_shared_from_this<Batcher> {
     Future reply;
     std::vector<Pending> batch;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      absl::MutexLock lock(&mu_);  // unlocking wakes the flushing thread, which starts timing the oldest request
       pending_.push_back(Pending{std::move(args), reply, Clock::now()});
-      if (pending_.size() < options_.max_batch) {
-        cv_.notify_all();  // the flushing thread starts timing the oldest request
-        return reply;
-      }
+      if (pending_.size() < options_.max_batch) return reply;
       batch.swap(pending_);
       ++stats_.full_batches;
     }
@@ -45,7 +43,7 @@ class Batcher : public std::enable_shared_from_this<Batcher> {
   void set_max_batch(size_t n) {
     std::vector<Pending> batch;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      absl::MutexLock lock(&mu_);
       options_.max_batch = n;
       if (pending_.empty() || pending_.size() < n) return;
       batch.swap(pending_);
@@ -55,7 +53,7 @@ class Batcher : public std::enable_shared_from_this<Batcher> {
   }
 
   BatchStats stats() {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     return stats_;
   }
 
@@ -67,28 +65,29 @@ class Batcher : public std::enable_shared_from_this<Batcher> {
   };
 
   void flush_loop() {
-    std::unique_lock<std::mutex> lock(mu_);
+    auto some = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !pending_.empty(); };
+    absl::MutexLock lock(&mu_);
     for (;;) {
-      if (pending_.empty()) {
-        cv_.wait(lock);
-        continue;
-      }
-      const auto due = pending_.front().arrived + options_.max_delay;
-      if (Clock::now() < due) {
-        cv_.wait_until(lock, due);
+      mu_.Await(absl::Condition(&some));
+      // The oldest request's age; a full batch sent meanwhile leaves pending_ empty (wait again) or newer.
+      const auto oldest = pending_.front().arrived;
+      auto gone = [this, oldest]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return pending_.empty() || pending_.front().arrived != oldest;
+      };
+      if (mu_.AwaitWithTimeout(absl::Condition(&gone), absl::FromChrono(oldest + options_.max_delay - Clock::now()))) {
         continue;
       }
       std::vector<Pending> batch;
       batch.swap(pending_);
-      lock.unlock();
+      mu_.Unlock();
       run(std::move(batch));
-      lock.lock();
+      mu_.Lock();
     }
   }
 
   // Runs one batch; batches of this function never overlap.
   void run(std::vector<Pending> batch) {
-    std::lock_guard<std::mutex> running(run_mu_);
+    absl::MutexLock running(&run_mu_);
     std::vector<std::vector<c10::IValue>> requests;
     requests.reserve(batch.size());
     for (auto& p : batch) requests.push_back(std::move(p.args));
@@ -105,7 +104,7 @@ class Batcher : public std::enable_shared_from_this<Batcher> {
       error = absl::Status(thrown.code(), absl::StrCat("batched function '", name_, "' threw: ", thrown.message()));
     }
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      absl::MutexLock lock(&mu_);
       ++stats_.batches;
       stats_.requests += static_cast<int64_t>(batch.size());
     }
@@ -115,17 +114,16 @@ class Batcher : public std::enable_shared_from_this<Batcher> {
   }
 
   const std::string name_;
-  BatchOptions options_;  // max_delay is fixed; max_batch changes under mu_
-  BatchHandler handler_;
-  std::mutex mu_;  // guards pending_, stats_ and options_.max_batch
-  std::condition_variable cv_;
-  std::vector<Pending> pending_;
-  BatchStats stats_;
-  std::mutex run_mu_;  // one batch at a time
+  absl::Mutex mu_;
+  BatchOptions options_ ABSL_GUARDED_BY(mu_);  // max_delay never changes; max_batch does
+  const BatchHandler handler_;
+  std::vector<Pending> pending_ ABSL_GUARDED_BY(mu_);
+  BatchStats stats_ ABSL_GUARDED_BY(mu_);
+  absl::Mutex run_mu_;  // one batch at a time
 };
 
-std::mutex g_mu;
-std::map<std::string, std::shared_ptr<Batcher>>& batchers() {
+absl::Mutex g_mu(absl::kConstInit);
+std::map<std::string, std::shared_ptr<Batcher>>& batchers() ABSL_EXCLUSIVE_LOCKS_REQUIRED(g_mu) {
   static auto* m = new std::map<std::string, std::shared_ptr<Batcher>>;
   return *m;
 }
@@ -139,7 +137,7 @@ absl::Status register_batched_handler(const std::string& name, BatchOptions opti
       register_handler(name, [batcher](std::vector<c10::IValue>&& args) { return batcher->enqueue(std::move(args)); });
   if (!s.ok()) return s;
   {
-    std::lock_guard<std::mutex> lock(g_mu);
+    absl::MutexLock lock(&g_mu);
     batchers()[name] = batcher;
   }
   batcher->start();
@@ -150,7 +148,7 @@ absl::Status set_max_batch(const std::string& name, size_t max_batch) {
   if (max_batch == 0) return absl::InvalidArgumentError("a batched function needs max_batch of at least 1");
   std::shared_ptr<Batcher> batcher;
   {
-    std::lock_guard<std::mutex> lock(g_mu);
+    absl::MutexLock lock(&g_mu);
     auto it = batchers().find(name);
     if (it == batchers().end()) return absl::NotFoundError("no batched function '" + name + "' is registered here");
     batcher = it->second;
@@ -160,7 +158,7 @@ absl::Status set_max_batch(const std::string& name, size_t max_batch) {
 }
 
 BatchStats batch_stats(const std::string& name) {
-  std::lock_guard<std::mutex> lock(g_mu);
+  absl::MutexLock lock(&g_mu);
   auto it = batchers().find(name);
   return it == batchers().end() ? BatchStats{} : it->second->stats();
 }

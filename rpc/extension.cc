@@ -3,16 +3,18 @@
 #include <algorithm>
 #include <atomic>
 #include <deque>
-#include <mutex>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
 
 namespace tandem::rpc {
 namespace {
 
 struct Extensions {
-  std::mutex mu;
-  std::deque<ValueCodec> codecs;  // push_back keeps references to earlier codecs valid
-  std::vector<std::function<absl::Status(absl::Time)>> shutdown_hooks;
-  std::vector<std::function<void()>> stop_hooks;
+  absl::Mutex mu;
+  std::deque<ValueCodec> codecs ABSL_GUARDED_BY(mu);  // push_back keeps references to earlier codecs valid
+  std::vector<std::function<absl::Status(absl::Time)>> shutdown_hooks ABSL_GUARDED_BY(mu);
+  std::vector<std::function<void()>> stop_hooks ABSL_GUARDED_BY(mu);
 };
 
 std::atomic<CallTracer*> g_tracer{nullptr};
@@ -26,7 +28,7 @@ Extensions& extensions() {
 
 void register_value_codec(ValueCodec codec) {
   auto& e = extensions();
-  std::lock_guard<std::mutex> lock(e.mu);
+  absl::MutexLock lock(&e.mu);
   e.codecs.push_back(std::move(codec));
 }
 
@@ -44,13 +46,13 @@ std::function<void()> bind_call_scope(std::function<void()> fn) {
 
 void add_shutdown_hook(std::function<absl::Status(absl::Time)> hook) {
   auto& e = extensions();
-  std::lock_guard<std::mutex> lock(e.mu);
+  absl::MutexLock lock(&e.mu);
   e.shutdown_hooks.push_back(std::move(hook));
 }
 
 void add_stop_hook(std::function<void()> hook) {
   auto& e = extensions();
-  std::lock_guard<std::mutex> lock(e.mu);
+  absl::MutexLock lock(&e.mu);
   e.stop_hooks.push_back(std::move(hook));
 }
 
@@ -77,7 +79,7 @@ namespace detail {
 
 const ValueCodec* find_codec(const c10::IValue& value) {
   auto& e = extensions();
-  std::lock_guard<std::mutex> lock(e.mu);
+  absl::MutexLock lock(&e.mu);
   for (const auto& c : e.codecs) {
     if (c.matches(value)) return &c;  // codecs are never removed: the pointer stays valid
   }
@@ -86,7 +88,7 @@ const ValueCodec* find_codec(const c10::IValue& value) {
 
 const ValueCodec* find_codec(const std::string& kind) {
   auto& e = extensions();
-  std::lock_guard<std::mutex> lock(e.mu);
+  absl::MutexLock lock(&e.mu);
   for (const auto& c : e.codecs) {
     if (c.kind == kind) return &c;
   }
@@ -95,7 +97,7 @@ const ValueCodec* find_codec(const std::string& kind) {
 
 std::vector<std::function<absl::Status(absl::Time)>> shutdown_hooks() {
   auto& e = extensions();
-  std::lock_guard<std::mutex> lock(e.mu);
+  absl::MutexLock lock(&e.mu);
   return e.shutdown_hooks;
 }
 
@@ -103,7 +105,7 @@ CallTracer* call_tracer() { return g_tracer.load(std::memory_order_acquire); }
 
 std::vector<std::function<void()>> stop_hooks() {
   auto& e = extensions();
-  std::lock_guard<std::mutex> lock(e.mu);
+  absl::MutexLock lock(&e.mu);
   return e.stop_hooks;
 }
 

@@ -47,6 +47,38 @@ absl::StatusOr<std::string> resolve_secret(const RpcOptions& options, int world_
       "no job secret: set RpcOptions::secret, TANDEM_SECRET or TANDEM_SECRET_FILE (tandem-run sets it for you)");
 }
 
+// TLS from the environment when the program set none: TANDEM_TLS_CERT, TANDEM_TLS_KEY and TANDEM_TLS_CA together (and
+// TANDEM_TLS_SERVER_NAME, optional), so a launcher or a cluster's manifest turns TLS on for any Tandem program.
+absl::StatusOr<std::optional<TlsOptions>> resolve_tls(const RpcOptions& options) {
+  if (options.tls) return options.tls;
+  const char* names[] = {"TANDEM_TLS_CERT", "TANDEM_TLS_KEY", "TANDEM_TLS_CA"};
+  std::string values[3], missing;
+  int set = 0;
+  for (int i = 0; i < 3; ++i) {
+    values[i] = getenv_or(names[i]);
+    if (values[i].empty()) {
+      absl::StrAppend(&missing, missing.empty() ? "" : ", ", names[i]);
+    } else {
+      ++set;
+      if (!std::ifstream(values[i])) {
+        return absl::FailedPreconditionError(absl::StrCat("cannot read ", names[i], "='", values[i], "'"));
+      }
+    }
+  }
+  if (set == 0) return std::optional<TlsOptions>();
+  if (set < 3) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("TLS from the environment needs TANDEM_TLS_CERT, TANDEM_TLS_KEY and TANDEM_TLS_CA; missing: ",
+                     missing));
+  }
+  TlsOptions t;
+  t.cert_chain_path = values[0];
+  t.private_key_path = values[1];
+  t.root_certs_path = values[2];
+  t.target_name_override = getenv_or("TANDEM_TLS_SERVER_NAME");
+  return std::optional<TlsOptions>(t);
+}
+
 absl::StatusOr<std::string> resolve_transport(const RpcOptions& options) {
   std::string t = options.transport.empty() ? getenv_or("TANDEM_TRANSPORT", "auto") : options.transport;
   if (t != "auto" && t != "grpc") {
@@ -103,7 +135,8 @@ absl::StatusOr<tandem::wire::WorkerRecord> parse_record(const std::string& bytes
   }
   const tandem::wire::WorkerRecord& w = rec.worker();
   if (!rec.has_worker() || w.rank() != rank || !std::regex_match(w.name(), name_pattern()) ||
-      w.grpc_address().empty() || w.pid() <= 0 || w.direct_address().size() > 100) {
+      w.grpc_address().empty() || w.pid() <= 0 || w.direct_address().size() > 100 ||
+      w.tcp_address().size() > 300 || (!w.tcp_address().empty() && !direct::is_tcp_address(w.tcp_address()))) {
     return absl::InvalidArgumentError(absl::StrCat("rank ", rank, " published a malformed rendezvous record"));
   }
   if (w.world_size() != world_size) {
@@ -121,7 +154,11 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::start(const std::string& name, int
   if (world_size < 1 || rank < 0 || rank >= world_size) {
     return absl::InvalidArgumentError(absl::StrCat("invalid rank ", rank, " for world size ", world_size));
   }
-  std::unique_ptr<Agent> agent(new Agent(name, rank, world_size, options));
+  auto tls = resolve_tls(options);
+  if (!tls.ok()) return error_with(tls.status(), absl::StrCat("worker '", name, "': "));
+  RpcOptions resolved = options;
+  resolved.tls = *tls;
+  std::unique_ptr<Agent> agent(new Agent(name, rank, world_size, resolved));
   auto secret = resolve_secret(options, world_size);
   if (!secret.ok()) return secret.status();
   agent->token_ = auth::derive_token(*secret);
@@ -153,7 +190,9 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::start(const std::string& name, int
   const std::string bind_host = rank == 0 ? (net::is_loopback(master_addr) ? master_addr : "0.0.0.0") : host;
   const std::string listen = net::join_host_port(bind_host, rank == 0 ? master_port : 0);
   int port = 0;
-  if (auto s = agent->start_transports(listen, &port); !s.ok()) {
+  // The direct channel's TCP listener serves peers on other hosts; a job on loopback has none.
+  const std::string tcp_host = net::is_loopback(host) ? "" : host;
+  if (auto s = agent->start_transports(listen, tcp_host, &port); !s.ok()) {
     return error_with(
         s, absl::StrCat(
                "worker '", name, "': ",
@@ -167,7 +206,7 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::start(const std::string& name, int
   return agent;
 }
 
-absl::Status Agent::start_transports(const std::string& listen, int* port) {
+absl::Status Agent::start_transports(const std::string& listen, const std::string& tcp_host, int* port) {
   auto transport = resolve_transport(options_);
   if (!transport.ok()) return transport.status();
   const bool allow_direct = *transport == "auto" && !options_.tls;
@@ -191,7 +230,7 @@ absl::Status Agent::start_transports(const std::string& listen, int* port) {
   *port = grpc_->port();
   if (allow_direct) {
     auto direct = DirectTransport::start(token_, rank_, threads, static_cast<uint64_t>(options_.max_message_bytes),
-                                         options_.rpc_timeout, handler);
+                                         options_.rpc_timeout, handler, tcp_host);
     if (direct.ok()) direct_ = std::move(*direct);  // else gRPC carries everything
   }
   grpc_route_ = grpc_.get();
@@ -236,6 +275,7 @@ absl::Status Agent::rendezvous(const std::string& master, const std::string& adv
   me.set_grpc_address(advertised);
   me.set_boot_id(boot_id());
   if (direct_) me.set_direct_address(direct_->address());
+  if (direct_) me.set_tcp_address(direct_->tcp_address());
   me.set_pid(getpid());
   if (auto s = init_store->set(my_key, worker_record(me)); !s.ok()) return s;
 
@@ -258,6 +298,7 @@ absl::Status Agent::rendezvous(const std::string& master, const std::string& adv
     a.name = rec->name();
     a.grpc_address = rec->grpc_address();
     a.direct_address = rec->direct_address();
+    a.tcp_address = rec->tcp_address();
     a.same_host = !rec->boot_id().empty() && rec->boot_id() == me.boot_id();
     addresses.push_back(std::move(a));
   }
@@ -268,8 +309,8 @@ absl::Status Agent::rendezvous(const std::string& master, const std::string& adv
     names.push_back(a.name);
   }
   if (faults_) faults_->set_peers(names);
-  // The route is chosen per peer here: the direct channel when it reaches the peer (a same-host peer in a different
-  // network namespace it does not), gRPC otherwise. Connecting shares the rendezvous deadline.
+  // The route is chosen per peer here: the direct channel when it reaches the peer (over its Unix socket on this host,
+  // else over TCP), gRPC otherwise. Connecting shares the rendezvous deadline.
   for (const auto& a : addresses) {
     if (auto s = grpc_route_->add_peer(a, deadline); !s.ok()) return s;
     peers_[a.rank].transport = grpc_route_;

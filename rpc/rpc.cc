@@ -1,4 +1,7 @@
 // The public functions of rpc/rpc.h, over the process-wide agent (rpc/detail/agent.h).
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/lsan_interface.h>
+#endif
 #include <grpcpp/impl/codegen/service_type.h>
 
 #include <cstdlib>
@@ -11,11 +14,18 @@
 #include "rpc/detail/fault_transport.h"
 #include "rpc/detail/grpc_transport.h"
 #include "rpc/detail/ids.h"
+#include "rpc/detail/standby.h"
 #include "rpc/extension.h"
 #include "rpc/rpc.h"
 
+#include "cluster/environment.h"
+
 namespace tandem::rpc {
 namespace {
+
+// A warm standby started by tandem-run waits here, before main, for the environment of the worker it becomes
+// (rpc/detail/standby.h). First among the program's own initializers; LibTorch and the other libraries have loaded.
+__attribute__((constructor(101))) void standby_hook() { detail::wait_for_activation(); }
 
 using detail::Agent;
 
@@ -37,7 +47,12 @@ std::shared_ptr<Agent> require_agent() {
 void dispose(std::shared_ptr<Agent>& agent) {
   if (!agent) return;
   if (!agent->stopped_cleanly()) {
-    new std::shared_ptr<Agent>(std::move(agent));
+    auto* kept = new std::shared_ptr<Agent>(std::move(agent));
+#if defined(__SANITIZE_ADDRESS__)
+    __lsan_ignore_object(kept);  // on purpose, so not a leak report (and a failed exit) under LeakSanitizer
+#else
+    (void)kept;
+#endif
     return;
   }
   agent.reset();
@@ -79,18 +94,11 @@ void init_rpc(const std::string& name, int rank, int world_size, RpcOptions opti
 }
 
 void init_rpc(RpcOptions options) {
-  auto need_int = [](const char* var) {
-    int v = 0;
-    const char* s = std::getenv(var);
-    if (!s || !absl::SimpleAtoi(s, &v)) {
-      throw RpcError(
-          absl::InvalidArgumentError(absl::StrCat("init_rpc: environment variable ", var, " is not set to a number")));
-    }
-    return v;
-  };
-  const int rank = need_int("RANK");
-  const int world_size = need_int("WORLD_SIZE");
-  init_rpc(absl::StrCat("worker", rank), rank, world_size, std::move(options));
+  auto place = cluster::worker_place();
+  if (!place.ok()) throw RpcError(absl::InvalidArgumentError(absl::StrCat("init_rpc: ", place.status().message())));
+  if (options.master_addr.empty()) options.master_addr = place->master_addr;
+  if (options.master_port < 0) options.master_port = place->master_port;
+  init_rpc(absl::StrCat("worker", place->rank), place->rank, place->world_size, std::move(options));
 }
 
 void shutdown(bool graceful) {

@@ -41,6 +41,7 @@
 #include "rpc/fault_injection.h"
 #include "rpc/future.h"
 #include "rpc/registry.h"
+#include "rpc/tls.h"
 
 namespace tandem::rpc {
 
@@ -50,13 +51,6 @@ struct WorkerInfo {
   std::string address;  // host:port of its server
 };
 
-struct TlsOptions {
-  std::string cert_chain_path;       // this worker's certificate (PEM)
-  std::string private_key_path;      // its key (PEM)
-  std::string root_certs_path;       // CA that signed the job's certificates (PEM); peers are verified against it
-  std::string target_name_override;  // name to verify in peers' certificates instead of the dialled host (optional)
-};
-
 struct RpcOptions {
   // Rendezvous: rank 0 serves the job's store at master_addr:master_port. Empty / -1: MASTER_ADDR / MASTER_PORT.
   std::string master_addr;
@@ -64,6 +58,9 @@ struct RpcOptions {
   // The job secret shared by all workers. Empty: TANDEM_SECRET, else the file named by TANDEM_SECRET_FILE. A job of one
   // worker without a secret gets a random one.
   std::string secret;
+  // TLS for every connection of the job (all workers must agree). Unset: from TANDEM_TLS_CERT, TANDEM_TLS_KEY and
+  // TANDEM_TLS_CA (all three, else init_rpc fails naming the missing ones) and TANDEM_TLS_SERVER_NAME (optional: the
+  // target_name_override); none of them set: no TLS.
   std::optional<TlsOptions> tls;
 
   // The default per call, and of every other timeout left unset (default_timeout(); docs/errors.md lists them).
@@ -79,8 +76,10 @@ struct RpcOptions {
   std::string listen_host;
 
   // How calls travel. "auto": to a peer on the same host (same kernel boot, reachable socket) over the direct channel
-  // (docs/rpc.md), with large request tensors read straight from the caller's memory; to other peers over gRPC.
-  // "grpc": every peer over gRPC. Empty: TANDEM_TRANSPORT, else "auto". With TLS, every peer uses gRPC.
+  // (docs/rpc.md), with large request tensors read straight from the caller's memory; to a peer on another host over
+  // the direct channel's TCP listener (raw frames, authenticated by a challenge, no HTTP/2), else over gRPC (the job's
+  // store and control always use gRPC). "grpc": every peer over gRPC. Empty: TANDEM_TRANSPORT, else "auto". With TLS,
+  // every peer uses gRPC (the direct channel is not encrypted).
   std::string transport;
   // On the direct channel, request tensors of at least this many bytes are read from the caller's memory by the callee
   // (one copy, by the kernel) instead of travelling through the socket. 0 turns the bulk path off.
@@ -96,7 +95,10 @@ struct RpcOptions {
 // Joins the job as worker `name` with `rank` of `world_size`, after every worker has joined (or init_timeout, then
 // throws naming the missing ranks). Names must be unique. Throws RpcError when already initialized.
 void init_rpc(const std::string& name, int rank, int world_size, RpcOptions options = {});
-// Reads the torchrun environment: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; the name is "worker<RANK>".
+// Reads the launcher's environment (cluster/environment.h, worker_place): torchrun's RANK, WORLD_SIZE, MASTER_ADDR,
+// MASTER_PORT (tandem-run sets them), else SLURM's when srun started this process (SLURM_PROCID, SLURM_NTASKS, the
+// first host of SLURM_JOB_NODELIST, a port from SLURM_JOB_ID); options' master_addr/master_port, when set, win. The
+// name is "worker<rank>". Throws RpcError (InvalidArgument) naming a missing or malformed variable.
 void init_rpc(RpcOptions options = {});
 
 // graceful=true: waits for this worker's outstanding calls, then for every worker to arrive (a barrier with
@@ -141,7 +143,8 @@ Future call(const To& to, const std::string& function, std::vector<c10::IValue> 
 Future call_and_wait(const To& to, const std::string& function, std::vector<c10::IValue> args,
                      std::chrono::milliseconds timeout = std::chrono::milliseconds(0));
 
-// Which transport calls to `to` use: "direct" or "grpc" (see RpcOptions::transport).
+// Which transport calls to `to` use: "direct" (Unix socket, same host), "tcp" (the direct channel to another host) or
+// "grpc" (see RpcOptions::transport).
 std::string transport_to(const To& to);
 
 // The job's rendezvous store (rpc/store.h), for layers that set up more connections (collectives). Valid between

@@ -1,6 +1,9 @@
 #include "rpc/store.h"
 
 #include <grpcpp/grpcpp.h>
+#include <netdb.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <list>
 #include <map>
@@ -283,6 +286,68 @@ std::unique_ptr<Store> connect_store(std::shared_ptr<grpc::Channel> channel, std
 
 std::unique_ptr<grpc::Service> make_store_service(std::string token) {
   return std::make_unique<StoreService>(std::move(token));
+}
+
+namespace {
+
+class StandaloneStoreServer final : public StoreServer {
+ public:
+  int port() const override { return port_; }
+  ~StandaloneStoreServer() override {
+    if (server_) server_->Shutdown(std::chrono::system_clock::now());  // waiting calls end now, cancelled
+  }
+
+  std::unique_ptr<grpc::Service> service_;
+  std::unique_ptr<grpc::Server> server_;
+  int port_ = 0;
+};
+
+// Rendezvous values are small: a megabyte bounds what a peer can make the server hold per message.
+constexpr int64_t kStandaloneMaxMessageBytes = int64_t{1} << 20;
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<StoreServer>> serve_store(const std::string& address, const std::string& secret) {
+  // Tried with a plain socket first, so that a port in use is a quiet answer rather than gRPC's error log.
+  if (auto colon = address.rfind(':'); colon != std::string::npos) {
+    addrinfo hints{};
+    hints.ai_socktype = SOCK_STREAM;
+    hints.ai_flags = AI_NUMERICSERV;
+    std::string host = address.substr(0, colon);
+    if (host.size() > 1 && host.front() == '[') host = host.substr(1, host.size() - 2);
+    addrinfo* found = nullptr;
+    if (getaddrinfo(host.c_str(), address.substr(colon + 1).c_str(), &hints, &found) == 0) {
+      bool bound = false;
+      for (addrinfo* a = found; a && !bound; a = a->ai_next) {
+        const int fd = socket(a->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+        if (fd < 0) continue;
+        const int one = 1;
+        setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));  // as gRPC binds
+        bound = bind(fd, a->ai_addr, a->ai_addrlen) == 0;
+        close(fd);
+      }
+      freeaddrinfo(found);
+      if (!bound) return absl::UnavailableError(absl::StrCat("cannot serve a store on ", address, ": the port is in use"));
+    }
+  }
+  auto s = std::make_unique<StandaloneStoreServer>();
+  s->service_ = make_store_service(auth::derive_token(secret));
+  grpc::ServerBuilder builder;
+  net::configure_server(builder, kStandaloneMaxMessageBytes);
+  builder.AddListeningPort(address, grpc::InsecureServerCredentials(), &s->port_);
+  builder.RegisterService(s->service_.get());
+  s->server_ = builder.BuildAndStart();
+  if (!s->server_ || s->port_ == 0) {
+    return absl::UnavailableError(absl::StrCat("cannot serve a store on ", address, ": the port is in use or the ",
+                                               "address is not this machine's"));
+  }
+  return std::unique_ptr<StoreServer>(std::move(s));
+}
+
+std::unique_ptr<Store> connect_store(const std::string& address, const std::string& secret,
+                                     std::chrono::milliseconds op_timeout) {
+  return connect_store(net::make_channel(address, nullptr, kStandaloneMaxMessageBytes), auth::derive_token(secret),
+                       /*wait_for_ready=*/true, op_timeout);
 }
 
 absl::Status wait_for_ranks(Store& store, const std::string& prefix, const std::vector<int>& ranks,

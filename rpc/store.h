@@ -44,6 +44,23 @@ std::unique_ptr<Store> connect_store(std::shared_ptr<grpc::Channel> channel, std
 // The service rank 0 adds to its gRPC server. Calls without `token` are rejected with UNAUTHENTICATED.
 std::unique_ptr<grpc::Service> make_store_service(std::string token);
 
+// A store served on its own, outside any agent: the launchers' elastic rendezvous (elastic/). It listens on
+// `address` ("host:port"; port 0 picks one) until destroyed, and accepts calls carrying the token derived from
+// `secret`. The port is never shared (no SO_REUSEPORT): a port in use fails with UNAVAILABLE, which is how one of
+// several launchers started with the same endpoint becomes its host.
+class StoreServer {
+ public:
+  virtual ~StoreServer() = default;
+  virtual int port() const = 0;
+};
+absl::StatusOr<std::unique_ptr<StoreServer>> serve_store(const std::string& address, const std::string& secret);
+
+// A client of a store served by serve_store() with the same `secret`. Each operation waits for the server to be
+// reachable within its own deadline (`op_timeout` for set, add, check and remove), then fails with UNAVAILABLE or
+// DEADLINE_EXCEEDED naming the operation and the key.
+std::unique_ptr<Store> connect_store(const std::string& address, const std::string& secret,
+                                     std::chrono::milliseconds op_timeout);
+
 // Waits until the key `prefix + r` exists for every rank r in `ranks`. On timeout the error names the missing ranks:
 // "ranks 1, 3 did not <what> within 3000 ms".
 absl::Status wait_for_ranks(Store& store, const std::string& prefix, const std::vector<int>& ranks,

@@ -4,7 +4,8 @@
 // encodes and decodes frames, keeps its calls and answers each incoming one exactly once; a Transport only carries
 // them. Kinds (docs/architecture.md):
 //   grpc    every peer, and the job's store on rank 0 (rpc/detail/grpc_transport.h)
-//   direct  same-host peers over a Unix-domain socket, tensors read from the caller's memory (rpc/detail/direct.h)
+//   direct  same-host peers over a Unix-domain socket, tensors read from the caller's memory; peers on other hosts
+//           over TCP, authenticated by a challenge (rpc/detail/direct.h)
 //   faults  wraps another transport and drops, delays, duplicates, reorders, corrupts or cuts chosen messages
 //           (rpc/fault_injection.h; tests only)
 //
@@ -55,6 +56,7 @@ struct PeerAddress {
   std::string name;
   std::string grpc_address;    // host:port
   std::string direct_address;  // the direct channel's socket, empty when the peer has none
+  std::string tcp_address;     // the direct channel's TCP listener ("tcp:host:port"), empty when the peer has none
   bool same_host = false;      // same kernel boot: memory can be shared
 };
 
@@ -62,6 +64,9 @@ class Transport {
  public:
   virtual ~Transport() = default;
   virtual const char* kind() const = 0;
+  // The channel calls to `peer` take within this transport ("tcp" for the direct channel's TCP route); kind() when it
+  // has one channel.
+  virtual const char* kind_for(int peer) const { return kind(); }
 
   // Prepares to carry calls to `peer` (connects where it has to). An error means this transport cannot reach it;
   // the agent then routes the peer through another one.

@@ -133,11 +133,12 @@ class Context {
     return absl::OkStatus();
   }
   void remove_fork(int64_t rref_id, int64_t fork_id) {
+    std::vector<rpc::Future> freed;  // destroyed after the lock is released (see maybe_free_locked)
     absl::MutexLock lock(&mu_);
     auto it = owners_.find(rref_id);
     if (it == owners_.end()) return;  // deletes are idempotent
     it->second.forks.erase(fork_id);
-    maybe_free_locked(it);
+    maybe_free_locked(it, &freed);
   }
   // A handle on the owner. The entry may not exist yet when the reference overtook its own creation (see
   // create_entry); the creation will fill the value.
@@ -147,12 +148,13 @@ class Context {
     return c10::make_intrusive<RRefImpl>(rank(), rref_id, 0, true, true, generation());
   }
   void release_handle(int64_t rref_id, uint64_t generation) {
+    std::vector<rpc::Future> freed;
     absl::MutexLock lock(&mu_);
     if (generation != generation_) return;
     auto it = owners_.find(rref_id);
     if (it == owners_.end()) return;
     --it->second.local_handles;
-    maybe_free_locked(it);
+    maybe_free_locked(it, &freed);
   }
 
   // User side.
@@ -262,8 +264,13 @@ class Context {
     return pending_users_.empty() && pending_children_.empty();
   }
 
-  void maybe_free_locked(std::unordered_map<int64_t, OwnerEntry>::iterator it) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    if (it->second.forks.empty() && it->second.local_handles == 0) owners_.erase(it);
+  // Frees the entry when nothing refers to it any more. Its value moves to `freed`, which the caller destroys after
+  // releasing mu_: a value may hold RRefs owned here (an RRef of an RRef), whose destructors take mu_.
+  void maybe_free_locked(std::unordered_map<int64_t, OwnerEntry>::iterator it, std::vector<rpc::Future>* freed)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (!it->second.forks.empty() || it->second.local_handles != 0) return;
+    freed->push_back(std::move(it->second.value));
+    owners_.erase(it);
   }
 
   // Liveness of the workers holding this owner's references, and expiry of stale pending children.
@@ -318,15 +325,22 @@ class Context {
         if (ping.status().code() == absl::StatusCode::kUnavailable) dead.push_back(h);
       }
       mu_.Lock();
-      for (int h : dead) drop_holder_locked(h);
+      std::vector<rpc::Future> freed;
+      for (int h : dead) drop_holder_locked(h, &freed);
+      if (!freed.empty()) {  // values are destroyed without mu_ (see maybe_free_locked)
+        mu_.Unlock();
+        freed.clear();
+        mu_.Lock();
+      }
     }
   }
 
-  void drop_holder_locked(int holder) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+  void drop_holder_locked(int holder, std::vector<rpc::Future>* freed) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     for (auto it = owners_.begin(); it != owners_.end();) {
       auto& forks = it->second.forks;
       for (auto f = forks.begin(); f != forks.end();) f = f->second == holder ? forks.erase(f) : std::next(f);
       if (forks.empty() && it->second.local_handles == 0) {
+        freed->push_back(std::move(it->second.value));
         it = owners_.erase(it);
       } else {
         ++it;

@@ -9,14 +9,17 @@ pkgs=(
   libprotobuf-dev protobuf-compiler libabsl-dev  # protobuf 3.21, abseil
   libgtest-dev libgmock-dev libbenchmark-dev
   libssl-dev openssl ca-certificates             # TLS tests make their own certificates
-  iproute2 util-linux                            # tests put workers in network and pid namespaces they create
+  iproute2 util-linux nftables                   # tests put workers in network and pid namespaces they create,
+                                                 # and black-hole hosts with nftables rules
   libopenblas0-pthread                           # LibTorch otherwise falls back to reference BLAS (~20x slower)
   dataset-fashion-mnist zlib1g-dev               # the examples read its gzipped IDX files
+  etcd-server                                    # the elastic rendezvous's etcd backend (tests start their own)
+  slurm-wlm munge                                # tests/cluster runs jobs under a real one-node SLURM it starts
 )
 pkgs+=("$@")
 missing=()
 for p in "${pkgs[@]}"; do
-  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+  [ "$(dpkg-query -W -f='${Status}' "$p" 2>/dev/null)" = "install ok installed" ] || missing+=("$p")
 done
 if ((${#missing[@]})); then
   echo "setup: installing ${missing[*]}" >&2

@@ -1,7 +1,9 @@
 // tandem-run: starts the worker processes of a Tandem job on this node, torchrun-style.
 //
 //   tandem-run --nproc-per-node N [--nnodes M --node-rank R --master-addr A --master-port P] [--secret-file F]
-//              [--grace-seconds S] [--] program args...
+//              [--grace-seconds S] [--max-restarts K] [--rdzv-id ID] [--] program args...
+//   tandem-run --nproc-per-node N --nnodes MIN:MAX --rdzv-backend c10d|etcd --rdzv-endpoint HOST:PORT --rdzv-id ID
+//              [--max-restarts K] [--monitor-interval S] [--rdzv-conf k=v,...] [--local-addr A] [--] program args...
 //
 // Each worker gets RANK, LOCAL_RANK, GROUP_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT (torchrun's
 // variables) and TANDEM_SECRET, the job secret: generated when the job is on one node (unless TANDEM_SECRET is set),
@@ -10,6 +12,28 @@
 //
 // When a worker fails (non-zero exit or a signal), the others get SIGTERM, then SIGKILL after the grace period, and
 // tandem-run exits non-zero with one summary line naming who failed and why. Workers die with tandem-run (PDEATHSIG).
+//
+// Restarts (torchrun's --max-restarts, one node): after a failure, once every worker has stopped, all of them are
+// started again with TORCHELASTIC_RESTART_COUNT one higher and a fresh master port (so a restart never meets "address
+// already in use"); the program resumes from its own checkpoint (checkpoint/checkpoint.h). When the restarts are
+// used up, tandem-run exits non-zero with one line listing every failure. Workers also get torchrun's
+// TORCHELASTIC_MAX_RESTARTS, TORCHELASTIC_RUN_ID (--rdzv-id), ROLE_NAME, ROLE_RANK, ROLE_WORLD_SIZE and
+// GROUP_WORLD_SIZE.
+//
+// Elastic jobs (--rdzv-backend c10d): the launchers of the nodes meet at --rdzv-endpoint in rounds
+// (elastic/rendezvous.h); the one on the endpoint's machine serves the rendezvous store there (the first to bind the
+// port). A round closes at MAX nodes, or MIN and --rdzv-conf last_call_timeout later (default 30 s); it assigns node
+// ranks in order of arrival, world size and node 0's fresh master port. Any worker failure, a node that misses its
+// heartbeats (keep_alive_interval x keep_alive_max_attempt, default 5 s x 3), a node waiting to join a job with room,
+// or a launcher stopped by a signal ends the round: every node stops its workers and joins the next one. Failures
+// (not membership changes) count against --max-restarts, over the whole job. The job succeeds when every node's
+// workers exited 0. --rdzv-conf also takes join_timeout (default 600 s). --rdzv-backend etcd keeps the rendezvous in
+// an etcd cluster at --rdzv-endpoint instead (no launcher is a single point of failure).
+//
+// Warm standbys (--standby 1, the default, when restarts are possible): for a Tandem program (its executable carries
+// rpc/detail/standby.h's marker), a second into each round the launcher starts one spare process per local worker,
+// which loads (LibTorch's third of a second) and waits before main; a restart hands each new worker's variables to a
+// spare instead of starting the program again. Other programs are always started afresh.
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netinet/in.h>
@@ -20,23 +44,45 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <iostream>
+#include <map>
+#include <optional>
 #include <string>
+#include <thread>
 #include <vector>
+
+#include <grpc/support/log.h>
+
+#include "absl/strings/str_split.h"
+#include "cluster/environment.h"
+#include "elastic/rendezvous.h"
+#include "rpc/detail/net.h"
+#include "rpc/store.h"
 
 namespace {
 
 struct Options {
   int nproc = 1, nnodes = 1, node_rank = 0;
+  int min_nodes = 1, max_nodes = 1;  // --nnodes MIN:MAX
+  std::string rdzv_backend = "static";
+  std::string rdzv_endpoint;
+  std::string rdzv_conf;
+  std::string local_addr;
+  double monitor_interval = 0.1;  // seconds
+  bool standby = true;            // warm standbys for restarts (Tandem programs only)
   std::string master_addr = "127.0.0.1";
   int master_port = -1;
   std::string secret_file;
   int grace_seconds = 5;
+  int max_restarts = 0;
+  std::string run_id = "none";  // torchrun's default --rdzv-id
   std::vector<std::string> command;
 };
 
@@ -59,7 +105,12 @@ volatile sig_atomic_t g_signal = 0;
 [[noreturn]] void usage(const std::string& error) {
   std::cerr << "tandem-run: " << error << "\n"
             << "usage: tandem-run --nproc-per-node N [--nnodes M --node-rank R --master-addr A --master-port P]\n"
-            << "                  [--secret-file F] [--grace-seconds S] [--] program args...\n";
+            << "                  [--secret-file F] [--grace-seconds S] [--max-restarts K] [--rdzv-id ID]\n"
+            << "                  [--] program args...\n"
+            << "       tandem-run --nproc-per-node N --nnodes MIN:MAX --rdzv-backend c10d|etcd --rdzv-endpoint HOST:PORT\n"
+            << "                  --rdzv-id ID [--max-restarts K] [--monitor-interval S] [--rdzv-conf k=v,...]\n"
+            << "                  [--local-addr A] [--secret-file F] [--grace-seconds S] [--standby 0|1]\n"
+            << "                  [--] program args...\n";
   std::exit(2);
 }
 
@@ -73,8 +124,51 @@ int parse_int(const std::string& flag, const std::string& v) {
   usage("bad value for " + flag + ": '" + v + "'");
 }
 
+// Every flag tandem-run takes (torchrun's spelling, with '-').
+const char* const kFlags[] = {"--nproc-per-node", "--nnodes",        "--rdzv-backend",  "--rdzv-endpoint",
+                              "--rdzv-conf",      "--local-addr",    "--standby",       "--monitor-interval",
+                              "--node-rank",      "--master-addr",   "--master-port",   "--secret-file",
+                              "--grace-seconds",  "--max-restarts",  "--rdzv-id"};
+
+// Fills the flags the command line left out from the environment: torchrun's PET_<FLAG> variables first (Kubeflow
+// sets them), then the cluster's own (SLURM when srun started us, a PyTorchJob's in a Kubernetes pod:
+// cluster/environment.h). Says on stderr what it took, so a job's log shows where its shape came from.
+void defaults_from_environment(std::map<std::string, std::string>* flags) {
+  std::string taken;
+  for (const char* flag : kFlags) {
+    if (flags->count(flag)) continue;
+    if (auto v = tandem::cluster::pet_default(flag)) {
+      (*flags)[flag] = *v;
+      taken += std::string(" ") + flag + " " + *v;
+    }
+  }
+  if (!taken.empty()) std::cerr << "tandem-run: from PET_* variables:" << taken << "\n";
+  auto node = tandem::cluster::node_place();
+  if (!node.ok()) usage(std::string(node.status().message()));
+  taken.clear();
+  auto take = [&](const char* flag, const std::optional<std::string>& v) {
+    if (!v || flags->count(flag)) return;
+    (*flags)[flag] = *v;
+    taken += std::string(" ") + flag + " " + *v;
+  };
+  take("--nnodes", node->nnodes);
+  take("--node-rank", node->node_rank ? std::optional<std::string>(std::to_string(*node->node_rank)) : std::nullopt);
+  take("--master-addr", node->master_addr);
+  take("--master-port",
+       node->master_port ? std::optional<std::string>(std::to_string(*node->master_port)) : std::nullopt);
+  if (!taken.empty()) std::cerr << "tandem-run: from " << node->source << "'s variables:" << taken << "\n";
+}
+
+// --nproc-per-node's value: a number, or torchrun's "auto"/"cpu" (one per CPU here: no GPUs in this build).
+int parse_nproc(const std::string& value) {
+  if (value == "auto" || value == "cpu") return std::max(1u, std::thread::hardware_concurrency());
+  if (value == "gpu") usage("--nproc-per-node gpu: this build has no GPU support");
+  return parse_int("--nproc-per-node", value);
+}
+
 Options parse(int argc, char** argv) {
   Options o;
+  std::map<std::string, std::string> flags;
   int i = 1;
   for (; i < argc; ++i) {
     std::string a = argv[i];
@@ -92,36 +186,72 @@ Options parse(int argc, char** argv) {
       value = argv[++i];
     }
     for (auto& c : a) c = c == '_' ? '-' : c;  // torchrun spells them with underscores
-    if (a == "--nproc-per-node") o.nproc = parse_int(a, value);
-    else if (a == "--nnodes") o.nnodes = parse_int(a, value);
+    if (std::find_if(std::begin(kFlags), std::end(kFlags), [&](const char* f) { return a == f; }) == std::end(kFlags)) {
+      usage("unknown option " + a);
+    }
+    flags[a] = value;
+  }
+  for (; i < argc; ++i) o.command.push_back(argv[i]);
+  defaults_from_environment(&flags);
+  for (const auto& [a, value] : flags) {
+    if (a == "--nproc-per-node") o.nproc = parse_nproc(value);
+    else if (a == "--nnodes") {
+      if (auto colon = value.find(':'); colon != std::string::npos) {
+        o.min_nodes = parse_int(a, value.substr(0, colon));
+        o.max_nodes = parse_int(a, value.substr(colon + 1));
+        o.nnodes = o.max_nodes;
+      } else {
+        o.nnodes = o.min_nodes = o.max_nodes = parse_int(a, value);
+      }
+    }
+    else if (a == "--rdzv-backend") o.rdzv_backend = value;
+    else if (a == "--rdzv-endpoint") o.rdzv_endpoint = value;
+    else if (a == "--rdzv-conf") o.rdzv_conf = value;
+    else if (a == "--local-addr") o.local_addr = value;
+    else if (a == "--standby") o.standby = parse_int(a, value) != 0;
+    else if (a == "--monitor-interval") {
+      try {
+        o.monitor_interval = std::stod(value);
+      } catch (...) {
+        usage("bad value for --monitor-interval: '" + value + "'");
+      }
+    }
     else if (a == "--node-rank") o.node_rank = parse_int(a, value);
     else if (a == "--master-addr") o.master_addr = value;
     else if (a == "--master-port") o.master_port = parse_int(a, value);
     else if (a == "--secret-file") o.secret_file = value;
     else if (a == "--grace-seconds") o.grace_seconds = parse_int(a, value);
-    else usage("unknown option " + a);
+    else if (a == "--max-restarts") o.max_restarts = parse_int(a, value);
+    else if (a == "--rdzv-id") o.run_id = value;
   }
-  for (; i < argc; ++i) o.command.push_back(argv[i]);
   if (o.command.empty()) usage("no program to run");
   if (o.nproc < 1 || o.nnodes < 1 || o.node_rank < 0 || o.node_rank >= o.nnodes) usage("bad node/process counts");
   if (o.master_port > 65535) usage("bad master port");
+  if (o.max_restarts < 0) usage("bad value for --max-restarts");
+  if (o.rdzv_backend != "static" && o.rdzv_backend != "c10d" && o.rdzv_backend != "etcd") {
+    usage("unknown --rdzv-backend '" + o.rdzv_backend + "' (static, c10d or etcd)");
+  }
+  if (o.rdzv_backend == "static") {
+    if (o.min_nodes != o.max_nodes) usage("--nnodes MIN:MAX needs an elastic rendezvous: --rdzv-backend c10d");
+    if (o.max_restarts > 0 && o.nnodes > 1) {
+      usage("restarting a job on several nodes needs the launchers' rendezvous: --rdzv-backend c10d --rdzv-endpoint");
+    }
+  } else {
+    if (o.rdzv_endpoint.empty()) usage("--rdzv-backend " + o.rdzv_backend + " needs --rdzv-endpoint HOST:PORT");
+    if (o.min_nodes < 1 || o.max_nodes < o.min_nodes) usage("bad --nnodes MIN:MAX");
+    if (o.monitor_interval <= 0) usage("bad value for --monitor-interval");
+  }
   return o;
 }
 
-int free_port(const std::string& host) {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = 0;
-  if (inet_pton(AF_INET, host.c_str(), &addr.sin_addr) != 1) addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof(addr);
-  if (fd < 0 || bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
-      getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
-    std::perror("tandem-run: cannot find a free port");
+// The master port of a round (rpc/detail/net.h: below the ephemeral range, free on every local address).
+int free_port() {
+  auto port = tandem::rpc::net::pick_listen_port();
+  if (!port.ok()) {
+    std::fprintf(stderr, "tandem-run: cannot find a free port: %s\n", port.status().ToString().c_str());
     std::exit(1);
   }
-  close(fd);
-  return ntohs(addr.sin_port);
+  return *port;
 }
 
 std::string random_secret() {
@@ -155,7 +285,33 @@ std::string job_secret(const Options& o) {
   return random_secret();
 }
 
-void spawn(Worker& w, const Options& o, int world, const std::string& secret) {
+// Where this node's workers stand in the job, for one round.
+struct Placement {
+  int node_rank = 0, nnodes = 1;
+  int rank_offset = 0, world = 1;  // the global rank of the first worker; all workers of the job
+  std::string master_addr;
+  int master_port = 0;
+  int restart = 0;  // TORCHELASTIC_RESTART_COUNT
+};
+
+// The variables of one worker of one round (torchrun's names).
+std::vector<std::pair<std::string, std::string>> round_env(int rank, int local, const Options& o, const Placement& p) {
+  return {{"RANK", std::to_string(rank)},
+          {"LOCAL_RANK", std::to_string(local)},
+          {"GROUP_RANK", std::to_string(p.node_rank)},
+          {"WORLD_SIZE", std::to_string(p.world)},
+          {"LOCAL_WORLD_SIZE", std::to_string(o.nproc)},
+          {"MASTER_ADDR", p.master_addr},
+          {"MASTER_PORT", std::to_string(p.master_port)},
+          {"GROUP_WORLD_SIZE", std::to_string(p.nnodes)},
+          {"ROLE_RANK", std::to_string(rank)},
+          {"ROLE_WORLD_SIZE", std::to_string(p.world)},
+          {"TORCHELASTIC_RESTART_COUNT", std::to_string(p.restart)}};
+}
+
+// Forks a process of the program with its output on two new pipes; `env` runs in the child before exec (after
+// PDEATHSIG: it never outlives the launcher). Returns the pid and the read ends.
+pid_t fork_program(const Options& o, int out[2], const std::function<void()>& env) {
   int pipes[2][2];
   if (pipe2(pipes[0], O_CLOEXEC) != 0 || pipe2(pipes[1], O_CLOEXEC) != 0) {
     std::perror("tandem-run: pipe");
@@ -172,15 +328,7 @@ void spawn(Worker& w, const Options& o, int world, const std::string& secret) {
     if (getppid() != parent) _exit(1);
     dup2(pipes[0][1], STDOUT_FILENO);
     dup2(pipes[1][1], STDERR_FILENO);
-    const int local = w.rank - o.node_rank * o.nproc;
-    setenv("RANK", std::to_string(w.rank).c_str(), 1);
-    setenv("LOCAL_RANK", std::to_string(local).c_str(), 1);
-    setenv("GROUP_RANK", std::to_string(o.node_rank).c_str(), 1);
-    setenv("WORLD_SIZE", std::to_string(world).c_str(), 1);
-    setenv("LOCAL_WORLD_SIZE", std::to_string(o.nproc).c_str(), 1);
-    setenv("MASTER_ADDR", o.master_addr.c_str(), 1);
-    setenv("MASTER_PORT", std::to_string(o.master_port).c_str(), 1);
-    setenv("TANDEM_SECRET", secret.c_str(), 1);
+    env();
     std::vector<char*> argv;
     for (const auto& a : o.command) argv.push_back(const_cast<char*>(a.c_str()));
     argv.push_back(nullptr);
@@ -190,10 +338,128 @@ void spawn(Worker& w, const Options& o, int world, const std::string& secret) {
   }
   close(pipes[0][1]);
   close(pipes[1][1]);
-  w.pid = pid;
+  out[0] = pipes[0][0];
+  out[1] = pipes[1][0];
+  return pid;
+}
+
+void set_job_env(const Options& o, const std::string& secret) {
+  setenv("TANDEM_SECRET", secret.c_str(), 1);
+  setenv("ROLE_NAME", "default", 1);
+  setenv("TORCHELASTIC_MAX_RESTARTS", std::to_string(o.max_restarts).c_str(), 1);
+  setenv("TORCHELASTIC_RUN_ID", o.run_id.c_str(), 1);
+}
+
+void spawn(Worker& w, int local, const Options& o, const Placement& p, const std::string& secret) {
+  int out[2];
+  w.pid = fork_program(o, out, [&] {
+    set_job_env(o, secret);
+    for (const auto& [k, v] : round_env(w.rank, local, o, p)) setenv(k.c_str(), v.c_str(), 1);
+  });
   w.running = true;
-  w.streams[0] = {pipes[0][0], "", stdout};
-  w.streams[1] = {pipes[1][0], "", stderr};
+  w.streams[0] = {out[0], "", stdout};
+  w.streams[1] = {out[1], "", stderr};
+}
+
+// A warm standby (rpc/detail/standby.h): the program started ahead of a restart, loaded, waiting before main for the
+// variables of the worker it becomes. Only for programs whose executable carries the standby marker.
+struct Standby {
+  pid_t pid = -1;
+  int sock = -1;  // the launcher's end: the activation block goes here
+  int out[2] = {-1, -1};
+};
+
+// Its placeholders are as wide as any value a restart gives them, so the values land in the process's initial
+// environment (/proc/<pid>/environ) too.
+Standby spawn_standby(const Options& o, const std::string& secret) {
+  Standby sb;
+  int pair[2];
+  if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, pair) != 0) {
+    std::perror("tandem-run: socketpair");
+    std::exit(1);
+  }
+  sb.pid = fork_program(o, sb.out, [&] {
+    fcntl(pair[1], F_SETFD, 0);  // the child's end survives exec
+    set_job_env(o, secret);
+    Placement none;
+    for (const auto& [k, v] : round_env(0, 0, o, none)) {
+      setenv(k.c_str(), std::string(k == "MASTER_ADDR" ? 255 : 20, '_').c_str(), 1);
+    }
+    setenv("TANDEM_STANDBY_FD", std::to_string(pair[1]).c_str(), 1);
+  });
+  close(pair[1]);
+  sb.sock = pair[0];
+  return sb;
+}
+
+// Makes `sb` worker `w`; false when the standby has died (the caller starts the worker afresh).
+bool activate(Standby& sb, Worker& w, int local, const Options& o, const Placement& p) {
+  int status = 0;
+  if (waitpid(sb.pid, &status, WNOHANG) == sb.pid) {
+    close(sb.sock);
+    close(sb.out[0]);
+    close(sb.out[1]);
+    return false;
+  }
+  std::string block;
+  for (const auto& [k, v] : round_env(w.rank, local, o, p)) {
+    block += k + "=" + v;
+    block += '\0';
+  }
+  block += '\0';
+  const bool sent = write(sb.sock, block.data(), block.size()) == static_cast<ssize_t>(block.size());
+  close(sb.sock);
+  if (!sent) {  // it died just now: reaped by the caller's fresh start failing over, or here
+    kill(sb.pid, SIGKILL);
+    waitpid(sb.pid, nullptr, 0);
+    close(sb.out[0]);
+    close(sb.out[1]);
+    return false;
+  }
+  w.pid = sb.pid;
+  w.running = true;
+  w.streams[0] = {sb.out[0], "", stdout};
+  w.streams[1] = {sb.out[1], "", stderr};
+  return true;
+}
+
+void discard(std::vector<Standby>& pool) {
+  for (auto& sb : pool) {
+    close(sb.sock);  // it exits by itself once it reads the end; SIGKILL in case it is still loading
+    kill(sb.pid, SIGKILL);
+    waitpid(sb.pid, nullptr, 0);
+    close(sb.out[0]);
+    close(sb.out[1]);
+  }
+  pool.clear();
+}
+
+// Whether the program (the command's first word, looked up on PATH) is a Tandem program that can wait as a standby.
+bool supports_standby(const std::string& program) {
+  std::string path = program;
+  if (program.find('/') == std::string::npos) {
+    const char* env = std::getenv("PATH");
+    path.clear();
+    for (const auto& dir : absl::StrSplit(env ? env : "", ':', absl::SkipEmpty())) {
+      const std::string candidate = std::string(dir) + "/" + program;
+      if (access(candidate.c_str(), X_OK) == 0) {
+        path = candidate;
+        break;
+      }
+    }
+  }
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return false;
+  static constexpr char kMarker[] = "tandem-standby-protocol-1";  // rpc/detail/standby.h
+  const size_t m = sizeof(kMarker) - 1;
+  std::string window;
+  char buf[1 << 16];
+  while (in.read(buf, sizeof(buf)) || in.gcount() > 0) {
+    window.append(buf, static_cast<size_t>(in.gcount()));
+    if (window.find(kMarker) != std::string::npos) return true;
+    window.erase(0, window.size() > m ? window.size() - m : 0);  // keep a marker cut between two reads
+  }
+  return false;
 }
 
 void emit(const Worker& w, Stream& s, const char* data, size_t n, bool eof) {
@@ -224,29 +490,52 @@ std::string describe_status(int status) {
 
 bool failed(int status) { return !(WIFEXITED(status) && WEXITSTATUS(status) == 0); }
 
-}  // namespace
+// One run of every worker of this node, until all have exited (or the launcher was interrupted, or the round ended).
+struct Round {
+  int failed = -1;  // the first worker that failed, or -1
+  int status = 0;   // its wait status
+  pid_t pid = -1;
+  int rank = -1;
+  std::string others;  // how the other workers ended
+  std::optional<std::string> ended;  // the rendezvous ended the round (another node's failure, membership)
+  std::string error;                 // the rendezvous failed (its store is gone)
+};
 
-int main(int argc, char** argv) {
-  Options o = parse(argc, argv);
-  if (o.master_port < 0) {
-    if (o.nnodes > 1) usage("a job on several nodes needs --master-port");
-    o.master_port = free_port(o.master_addr);
-  }
-  const int world = o.nnodes * o.nproc;
-  const std::string secret = job_secret(o);
+// `node`: how this node is named in messages ("node 1 (10.0.0.3)"), empty for a static job.
+std::string failure_text(const Round& r, const std::string& node) {
+  return "rank " + std::to_string(r.rank) + (node.empty() ? "" : " on " + node) + " (pid " + std::to_string(r.pid) +
+         ") failed with " + describe_status(r.status);
+}
 
-  struct sigaction sa {};
-  sa.sa_handler = [](int sig) { g_signal = sig; };
-  sigaction(SIGINT, &sa, nullptr);
-  sigaction(SIGTERM, &sa, nullptr);
-  signal(SIGPIPE, SIG_IGN);
+// Why a round ends when this node's launcher is stopped by `sig` (no failure: the node leaves on purpose).
+std::string leave_reason(const std::string& node, int sig) {
+  return node + " was stopped by signal " + std::to_string(sig);
+}
 
+// `rdzv`: the elastic rendezvous, or nullptr for a static job. `node`: as for failure_text.
+// `pool`: warm standbys (nullptr: none); the round's workers come from it when it has them, and it is filled again a
+// second into the round, for the next restart.
+Round run_round(const Options& o, const Placement& p, const std::string& secret, tandem::elastic::Rendezvous* rdzv,
+                const std::string& node, std::vector<Standby>* pool) {
   std::vector<Worker> workers(o.nproc);
+  int warm = 0;
   for (int i = 0; i < o.nproc; ++i) {
-    workers[i].rank = o.node_rank * o.nproc + i;
-    spawn(workers[i], o, world, secret);
+    workers[i].rank = p.rank_offset + i;
+    bool started = false;
+    while (pool && !pool->empty() && !started) {
+      Standby sb = pool->front();
+      pool->erase(pool->begin());
+      started = activate(sb, workers[i], i, o, p);
+    }
+    if (!started) spawn(workers[i], i, o, p, secret);
+    warm += started;
   }
+  if (warm > 0) {
+    std::fprintf(stderr, "tandem-run: %d of %d workers started from warm standbys\n", warm, o.nproc);
+  }
+  const auto refill_at = std::chrono::steady_clock::now() + std::chrono::seconds(1);
 
+  Round r;
   int first_failed = -1;  // index into workers
   int first_status = 0;
   bool stopping = false;
@@ -256,6 +545,9 @@ int main(int argc, char** argv) {
       if (w.running) kill(w.pid, sig);
     }
   };
+  const int poll_ms = std::clamp(static_cast<int>(o.monitor_interval * 1000), 1, 100);
+  std::optional<std::chrono::steady_clock::time_point> drain_deadline;  // once every worker has exited
+  auto next_monitor = std::chrono::steady_clock::now();
 
   for (;;) {
     std::vector<pollfd> fds;
@@ -271,8 +563,24 @@ int main(int argc, char** argv) {
     bool any_running = false;
     for (auto& w : workers) any_running |= w.running;
     if (fds.empty() && !any_running) break;
+    if (!any_running && !drain_deadline) {
+      drain_deadline = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+    }
+    if (drain_deadline && std::chrono::steady_clock::now() > *drain_deadline) {
+      // Every worker has exited, but something they started still holds their output open: stop reading it.
+      for (auto& w : workers) {
+        for (auto& st : w.streams) {
+          if (st.fd >= 0) {
+            emit(w, st, "", 0, true);
+            close(st.fd);
+            st.fd = -1;
+          }
+        }
+      }
+      break;
+    }
 
-    poll(fds.data(), fds.size(), 100);
+    poll(fds.data(), fds.size(), poll_ms);
     for (size_t k = 0; k < fds.size(); ++k) {
       if (!(fds[k].revents & (POLLIN | POLLHUP | POLLERR))) continue;
       auto [i, s] = owners[k];
@@ -301,7 +609,37 @@ int main(int argc, char** argv) {
       }
     }
 
-    if (!stopping && (first_failed >= 0 || g_signal)) {
+    bool round_over = false;
+    if (rdzv && !stopping && g_signal) {
+      // This node leaves on purpose: the round ends as no failure before its workers stop, so the other nodes'
+      // workers, which fail when these go, are not counted against --max-restarts either.
+      (void)rdzv->end_round(leave_reason(node, g_signal), /*failure=*/false);
+    }
+    if (rdzv && !stopping) {
+      if (first_failed >= 0) {
+        // The other nodes stop theirs as soon as they see the round end, not after this node's grace period.
+        r.rank = workers[first_failed].rank;
+        r.pid = workers[first_failed].pid;
+        r.status = first_status;
+        if (auto s = rdzv->end_round(failure_text(r, node), /*failure=*/true); !s.ok()) r.error = s.ToString();
+      } else if (std::chrono::steady_clock::now() >= next_monitor && any_running) {
+        next_monitor = std::chrono::steady_clock::now() + std::chrono::microseconds(
+                                                              static_cast<int64_t>(o.monitor_interval * 1e6));
+        auto end = rdzv->monitor();
+        if (!end.ok()) {
+          r.error = end.status().ToString();
+          round_over = true;
+        } else if (end->has_value()) {
+          r.ended = (*end)->reason;
+          round_over = true;
+        }
+      }
+    }
+    if (pool && !stopping && static_cast<int>(pool->size()) < o.nproc &&
+        std::chrono::steady_clock::now() >= refill_at) {
+      while (static_cast<int>(pool->size()) < o.nproc) pool->push_back(spawn_standby(o, secret));
+    }
+    if (!stopping && (first_failed >= 0 || g_signal || round_over)) {
       stopping = true;
       stop_others(g_signal ? g_signal : SIGTERM);
       kill_deadline = std::chrono::steady_clock::now() + std::chrono::seconds(o.grace_seconds);
@@ -312,20 +650,250 @@ int main(int argc, char** argv) {
     }
   }
 
-  if (first_failed < 0 && !g_signal) return 0;
-  if (first_failed < 0) {
-    std::fprintf(stderr, "tandem-run: interrupted by signal %d; stopped all ranks\n", static_cast<int>(g_signal));
-    return 128 + g_signal;
-  }
-  std::string stopped;
+  if (first_failed < 0) return r;
+  r.failed = first_failed;
+  r.status = first_status;
+  r.pid = workers[first_failed].pid;
+  r.rank = workers[first_failed].rank;
   for (int i = 0; i < o.nproc; ++i) {
     if (i == first_failed) continue;
-    if (!stopped.empty()) stopped += ", ";
-    stopped += std::to_string(workers[i].rank) + " (" + describe_status(workers[i].status) + ")";
+    if (!r.others.empty()) r.others += ", ";
+    r.others += std::to_string(workers[i].rank) + " (" + describe_status(workers[i].status) + ")";
   }
-  std::fprintf(stderr, "tandem-run: rank %d (pid %d) failed with %s%s%s\n", workers[first_failed].rank,
-               static_cast<int>(workers[first_failed].pid), describe_status(first_status).c_str(),
-               stopped.empty() ? "" : "; other ranks: ", stopped.c_str());
-  if (WIFEXITED(first_status)) return WEXITSTATUS(first_status);
-  return 128 + WTERMSIG(first_status);
+  return r;
+}
+
+int exit_code(int status) { return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status); }
+
+void install_signal_handlers() {
+  struct sigaction sa {};
+  sa.sa_handler = [](int sig) { g_signal = sig; };
+  sigaction(SIGINT, &sa, nullptr);
+  sigaction(SIGTERM, &sa, nullptr);
+  signal(SIGPIPE, SIG_IGN);
+}
+
+// A job with a fixed set of nodes (--node-rank, --master-addr/port): restarts only on one node.
+int run_static(Options& o, std::vector<Standby>* pool) {
+  const bool port_given = o.master_port >= 0;
+  if (!port_given) {
+    if (o.nnodes > 1) usage("a job on several nodes needs --master-port");
+    o.master_port = free_port();
+  }
+  const std::string secret = job_secret(o);
+  Placement p;
+  p.node_rank = o.node_rank;
+  p.nnodes = o.nnodes;
+  p.rank_offset = o.node_rank * o.nproc;
+  p.world = o.nnodes * o.nproc;
+  p.master_addr = o.master_addr;
+
+  std::string failures;  // every round's failure, for the last line
+  for (int restart = 0;; ++restart) {
+    p.master_port = o.master_port;
+    p.restart = restart;
+    const Round r = run_round(o, p, secret, nullptr, "", pool);
+    if (r.failed < 0) {
+      if (!g_signal) return 0;
+      std::fprintf(stderr, "tandem-run: interrupted by signal %d; stopped all ranks\n", static_cast<int>(g_signal));
+      return 128 + g_signal;
+    }
+    const std::string what = failure_text(r, "");
+    if (restart < o.max_restarts && !g_signal) {  // an interrupted launcher does not restart
+      std::fprintf(stderr, "tandem-run: %s; restarting every worker (restart %d of %d)\n", what.c_str(), restart + 1,
+                   o.max_restarts);
+      failures += (failures.empty() ? "" : "; ") + what;
+      if (!port_given) o.master_port = free_port();  // never the last round's port
+      continue;
+    }
+    if (o.max_restarts == 0) {
+      std::fprintf(stderr, "tandem-run: %s%s%s\n", what.c_str(), r.others.empty() ? "" : "; other ranks: ",
+                   r.others.c_str());
+    } else {
+      failures += (failures.empty() ? "" : "; ") + what;
+      std::fprintf(stderr, "tandem-run: gave up after %d restarts: %s\n", o.max_restarts, failures.c_str());
+    }
+    return exit_code(r.status);
+  }
+}
+
+double conf_seconds(const std::map<std::string, std::string>& conf, const std::string& key, double fallback) {
+  auto it = conf.find(key);
+  if (it == conf.end()) return fallback;
+  try {
+    size_t used = 0;
+    const double v = std::stod(it->second, &used);
+    if (used == it->second.size() && v > 0) return v;
+  } catch (...) {
+  }
+  usage("bad value in --rdzv-conf: " + key + "=" + it->second);
+}
+
+// An elastic job: rounds of the launchers' rendezvous at --rdzv-endpoint (elastic/rendezvous.h).
+int run_elastic(Options& o, std::vector<Standby>* pool) {
+  namespace elastic = tandem::elastic;
+  std::map<std::string, std::string> conf;
+  for (const auto& item : absl::StrSplit(o.rdzv_conf, ',', absl::SkipEmpty())) {
+    std::pair<std::string, std::string> kv = absl::StrSplit(item, absl::MaxSplits('=', 1));
+    if (kv.second.empty()) usage("bad --rdzv-conf entry '" + std::string(item) + "' (key=value)");
+    conf[kv.first] = kv.second;
+  }
+  for (const auto& [k, v] : conf) {
+    if (k != "join_timeout" && k != "last_call_timeout" && k != "keep_alive_interval" &&
+        k != "keep_alive_max_attempt") {
+      usage("unknown --rdzv-conf key '" + k +
+            "' (join_timeout, last_call_timeout, keep_alive_interval, keep_alive_max_attempt)");
+    }
+  }
+  std::string endpoint_host = o.rdzv_endpoint;
+  int endpoint_port = o.rdzv_backend == "etcd" ? 2379 : 29400;  // etcd's client port; torchrun's c10d default
+  if (auto colon = o.rdzv_endpoint.rfind(':'); colon != std::string::npos && o.rdzv_endpoint.back() != ']') {
+    endpoint_host = o.rdzv_endpoint.substr(0, colon);
+    endpoint_port = parse_int("--rdzv-endpoint", o.rdzv_endpoint.substr(colon + 1));
+  }
+  if (o.max_nodes > 1 && !std::getenv("TANDEM_SECRET") && o.secret_file.empty()) {
+    usage("a job on several nodes needs the same secret on each: set TANDEM_SECRET or --secret-file");
+  }
+  const std::string secret = job_secret(o);
+
+  elastic::RendezvousOptions ro;
+  ro.run_id = o.run_id;
+  ro.min_nodes = o.min_nodes;
+  ro.max_nodes = o.max_nodes;
+  ro.nproc = o.nproc;
+  ro.max_restarts = o.max_restarts;
+  ro.join_timeout = absl::Seconds(conf_seconds(conf, "join_timeout", 600));
+  ro.last_call_timeout = absl::Seconds(conf_seconds(conf, "last_call_timeout", 30));
+  ro.keep_alive_interval = absl::Seconds(conf_seconds(conf, "keep_alive_interval", 5));
+  ro.keep_alive_max_attempt = static_cast<int>(conf_seconds(conf, "keep_alive_max_attempt", 3));
+  const absl::Duration lost_after = ro.keep_alive_interval * ro.keep_alive_max_attempt;
+  if (!o.local_addr.empty()) {
+    ro.host = o.local_addr;
+  } else if (auto a = elastic::address_towards(endpoint_host); a.ok()) {
+    ro.host = *a;
+  } else {
+    std::fprintf(stderr, "tandem-run: %s\n", a.status().ToString().c_str());
+    return 1;
+  }
+
+  // The launcher on the endpoint's machine that binds its port first serves the store; the others use it.
+  const std::string endpoint = tandem::rpc::net::join_host_port(endpoint_host, endpoint_port);
+  std::unique_ptr<tandem::rpc::StoreServer> server;
+  if (o.rdzv_backend == "c10d" && elastic::is_this_machine(endpoint_host)) {
+    // Losing the race for the port is expected when several launchers start on the endpoint's machine: gRPC's log
+    // of the failed bind is dropped; anything else it logs is printed.
+    gpr_set_log_function([](gpr_log_func_args* args) {
+      if (std::strstr(args->message, "No address added") != nullptr) return;
+      std::fprintf(stderr, "tandem-run: grpc: %s (%s:%d)\n", args->message, args->file, args->line);
+    });
+    if (auto s = tandem::rpc::serve_store(endpoint, secret); s.ok()) server = std::move(*s);
+  }
+  auto store = o.rdzv_backend == "etcd"
+                   ? elastic::connect_etcd_store(endpoint, absl::ToChronoMilliseconds(lost_after))
+                   : tandem::rpc::connect_store(endpoint, secret, absl::ToChronoMilliseconds(lost_after));
+  elastic::Rendezvous rdzv(*store, ro);
+  std::fprintf(stderr, "tandem-run: rendezvous '%s' at %s (%s), %d to %d nodes\n", o.run_id.c_str(), endpoint.c_str(),
+               o.rdzv_backend == "etcd" ? "etcd"
+               : server                 ? "served by this launcher"
+                                        : "served by another launcher",
+               o.min_nodes, o.max_nodes);
+
+  // Ends this launcher: says it is done with the store; the one serving it waits for the others first.
+  auto finish = [&](int code) {
+    (void)rdzv.leave();
+    if (server) (void)rdzv.wait_all_left(lost_after);
+    return code;
+  };
+
+  for (;;) {
+    rdzv.options().master_port = free_port();  // a fresh port each round: never "address already in use"
+    auto round = rdzv.join();
+    if (!round.ok()) {
+      std::fprintf(stderr, "tandem-run: rendezvous failed: %s\n", round.status().ToString().c_str());
+      return 1;
+    }
+    Placement p;
+    p.node_rank = round->node_rank;
+    p.nnodes = round->nnodes;
+    p.rank_offset = round->rank_offset;
+    p.world = round->world_size;
+    p.master_addr = round->master_addr;
+    p.master_port = round->master_port;
+    p.restart = round->restarts;
+    std::fprintf(stderr, "tandem-run: round %lld: node %d of %d, ranks %d-%d of %d, restart %d\n",
+                 static_cast<long long>(round->round), p.node_rank, p.nnodes, p.rank_offset,
+                 p.rank_offset + o.nproc - 1, p.world, p.restart);
+    const std::string node = "node " + std::to_string(p.node_rank) + " (" + ro.host + ")";
+    Round r = run_round(o, p, secret, &rdzv, node, pool);
+
+    if (g_signal) {
+      // Ended already if the signal came while the workers ran (run_round); a later one ends it here.
+      (void)rdzv.end_round(leave_reason(node, g_signal), /*failure=*/false);
+      std::fprintf(stderr, "tandem-run: interrupted by signal %d; stopped all ranks\n", static_cast<int>(g_signal));
+      return finish(128 + g_signal);
+    }
+    if (!r.error.empty()) {
+      std::fprintf(stderr, "tandem-run: lost the rendezvous store at %s (%s): %s\n", endpoint.c_str(),
+                   o.rdzv_backend == "etcd" ? "etcd"
+                   : server                 ? "this launcher's"
+                                            : "the launcher serving it may be gone",
+                   r.error.c_str());
+      return 1;
+    }
+    if (r.failed < 0 && !r.ended) {
+      // Every worker here exited 0: the job is done when every node's did; until then this node keeps beating.
+      if (auto s = rdzv.report_success(); !s.ok()) {
+        std::fprintf(stderr, "tandem-run: rendezvous: %s\n", s.ToString().c_str());
+        return 1;
+      }
+      for (;;) {
+        auto all = rdzv.all_succeeded();
+        if (all.ok() && *all) return finish(0);
+        auto end = rdzv.monitor();
+        if (!all.ok() || !end.ok()) {
+          std::fprintf(stderr, "tandem-run: rendezvous: %s\n",
+                       (!all.ok() ? all.status() : end.status()).ToString().c_str());
+          return 1;
+        }
+        if (end->has_value()) {
+          r.ended = (*end)->reason;
+          break;
+        }
+        if (g_signal) return finish(128 + g_signal);
+        std::this_thread::sleep_for(std::chrono::microseconds(static_cast<int64_t>(o.monitor_interval * 1e6)));
+      }
+    }
+    auto failures = rdzv.failures();
+    if (!failures.ok()) {
+      std::fprintf(stderr, "tandem-run: rendezvous: %s\n", failures.status().ToString().c_str());
+      return 1;
+    }
+    const std::string why = r.failed >= 0 ? failure_text(r, node) : *r.ended;
+    if (static_cast<int>(failures->size()) > o.max_restarts) {
+      std::string all;
+      for (const auto& f : *failures) all += (all.empty() ? "" : "; ") + f;
+      if (o.max_restarts == 0) {
+        std::fprintf(stderr, "tandem-run: %s\n", all.c_str());
+      } else {
+        std::fprintf(stderr, "tandem-run: gave up after %d restarts: %s\n", o.max_restarts, all.c_str());
+      }
+      return finish(r.failed >= 0 ? exit_code(r.status) : 1);
+    }
+    std::fprintf(stderr, "tandem-run: round %lld ended: %s; joining the next (%zu of %d restarts used)\n",
+                 static_cast<long long>(round->round), why.c_str(), failures->size(), o.max_restarts);
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options o = parse(argc, argv);
+  install_signal_handlers();
+  // Warm standbys only when a restart can use them, and only for Tandem programs (which wait for their variables).
+  const bool restarts = o.max_restarts > 0 || o.min_nodes != o.max_nodes;
+  std::vector<Standby> standbys;
+  std::vector<Standby>* pool = o.standby && restarts && supports_standby(o.command[0]) ? &standbys : nullptr;
+  const int code = o.rdzv_backend == "static" ? run_static(o, pool) : run_elastic(o, pool);
+  discard(standbys);
+  return code;
 }

@@ -1,7 +1,9 @@
-// The examples' Fashion-MNIST model, and their accuracy check.
+// The examples' Fashion-MNIST model, their accuracy check, and the hash of parameters they print.
 #pragma once
 
 #include <torch/nn/modules/container/sequential.h>
+
+#include <cstdint>
 
 namespace tandem::examples {
 
@@ -10,5 +12,8 @@ torch::nn::Sequential fashion_mnist_cnn();
 
 // 0, or 1 after telling stderr that `accuracy` is below `min_accuracy`: an example's exit code for --min-accuracy.
 int accuracy_exit_code(double accuracy, double min_accuracy);
+
+// FNV-1a over the bytes of every parameter: equal for two runs exactly when their parameters are equal to the bit.
+uint64_t parameters_hash(torch::nn::Module& model);
 
 }  // namespace tandem::examples

@@ -2,6 +2,12 @@
 // its own shard (DistributedSampler); gradients are averaged across the ranks during backward.
 //
 //   build/tandem-run --nproc-per-node 2 build/ddp_train [--epochs 4] [--lr 0.002] [--batch 64] [--zero 1]
+//                    [--checkpoint-dir D [--checkpoint-every 50]]
+//
+// With --checkpoint-dir the job saves a checkpoint (checkpoint/checkpoint.h: model, optimizer, sampler position,
+// counters) every --checkpoint-every steps and, when started again (by hand, or by `tandem-run --max-restarts K`
+// after a worker failed), resumes from the newest one every rank has: the run ends as an uninterrupted one would, to
+// the bit. Rank 0 prints a hash of the final parameters, so two runs can be compared.
 //
 // Model: 2 conv + pooling + FC (the parameter-server example's CNN). Adam; with --zero 1 its state is sharded across
 // the ranks (ZeroRedundancyOptimizer). Rank 0 prints progress, and after every epoch the loss, the images per second
@@ -14,10 +20,12 @@
 #include <memory>
 #include <string>
 
+#include "checkpoint/checkpoint.h"
 #include "comm/process_group.h"
 #include "ddp/ddp.h"
 #include "ddp/sampler.h"
 #include "ddp/zero.h"
+#include "examples/data/allocator.h"
 #include "examples/data/cnn.h"
 #include "examples/data/fashion_mnist.h"
 #include "rpc/rpc.h"
@@ -33,6 +41,8 @@ struct Args {
   bool zero = false;
   int64_t limit = 0;        // train on at most this many images in all (0: all 60,000); for smoke tests
   double min_accuracy = 0;  // exit 1 if the final test accuracy is lower
+  std::string checkpoint_dir;
+  int64_t checkpoint_every = 50;  // steps
 };
 
 Args parse(int argc, char** argv) {
@@ -45,11 +55,14 @@ Args parse(int argc, char** argv) {
     else if (k == "--zero") a.zero = v == "1";
     else if (k == "--limit") a.limit = std::stoll(v);
     else if (k == "--min-accuracy") a.min_accuracy = std::stod(v);
+    else if (k == "--checkpoint-dir") a.checkpoint_dir = v;
+    else if (k == "--checkpoint-every") a.checkpoint_every = std::max<int64_t>(1, std::stoll(v));
     else throw std::invalid_argument("unknown option " + k);
   }
   return a;
 }
 
+// FNV-1a over the parameters' bytes: equal hashes, equal parameters (to the bit, in practice).
 // Test accuracy over all ranks: rank r scores every size()-th test image from r; the counts are summed.
 double evaluate(torch::nn::Sequential& model, const examples::Dataset& test, comm::ProcessGroup& pg) {
   torch::NoGradGuard no_grad;
@@ -93,12 +106,45 @@ int train(const Args& args) {
                 args.batch, static_cast<long long>(n), args.epochs, args.lr, args.zero ? " (ZeRO-sharded)" : "");
     std::fflush(stdout);
   }
+  // Where the run is: saved with the model, the optimizer and the sampler's position, so a restart carries on from
+  // the middle of an epoch.
+  int64_t epoch = 1, global_step = 0, step = 0;  // step: within the epoch
+  at::Tensor loss_sum = at::zeros({}, at::kDouble);
+  std::unique_ptr<checkpoint::Checkpointer> ckpt;
+  checkpoint::State state;
+  bool mid_epoch = false;
+  if (!args.checkpoint_dir.empty()) {
+    ckpt = std::make_unique<checkpoint::Checkpointer>(args.checkpoint_dir, pg->rank());
+    state.add("model", *model);
+    if (zero) {
+      state.add("optimizer", *zero);
+    } else {
+      state.add("optimizer", *adam);
+    }
+    state.add("sampler", sampler).add("epoch", epoch).add("global_step", global_step).add("step", step);
+    state.add("loss_sum", loss_sum);
+    // DDP state is the same on every rank: all read rank 0's files, so a job re-formed with another world size resumes
+    // too (the sampler re-derives each rank's share). ZeRO's shards are per rank: the same world size only.
+    const auto layout = zero ? checkpoint::Layout::kPerRank : checkpoint::Layout::kReplicated;
+    if (auto resumed = ckpt->restore(state, pg.get(), layout)) {
+      mid_epoch = true;
+      const char* restart = std::getenv("TORCHELASTIC_RESTART_COUNT");
+      if (lead) {
+        std::printf("ddp: resumed from step %lld (epoch %lld, restart %s)\n", static_cast<long long>(*resumed),
+                    static_cast<long long>(epoch), restart ? restart : "0");
+        std::fflush(stdout);
+      }
+    }
+  }
   double accuracy = 0;
-  for (int epoch = 1; epoch <= args.epochs; ++epoch) {
-    sampler.set_epoch(epoch);
+  for (; epoch <= args.epochs; ++epoch) {
+    if (!mid_epoch) {
+      sampler.set_epoch(static_cast<uint64_t>(epoch));
+      step = 0;
+      loss_sum.zero_();
+    }
+    mid_epoch = false;
     const auto t0 = std::chrono::steady_clock::now();
-    double loss_sum = 0;
-    int64_t step = 0;
     while (auto batch = sampler.next(args.batch)) {
       at::Tensor idx = at::tensor(std::vector<int64_t>(batch->begin(), batch->end()), at::kLong);
       at::Tensor x = data.images.index_select(0, idx), y = data.labels.index_select(0, idx);
@@ -108,21 +154,28 @@ int train(const Args& args) {
       if (zero) zero->step();
       else adam->step();
       loss_sum += loss.item<double>();
+      ++global_step;
       if (lead && ++step % 100 == 0) {
-        std::printf("  epoch %d  step %lld/%lld  loss %.4f\n", epoch, static_cast<long long>(step),
-                    static_cast<long long>(steps), loss_sum / step);
+        std::printf("  epoch %lld  step %lld/%lld  loss %.4f\n", static_cast<long long>(epoch),
+                    static_cast<long long>(step), static_cast<long long>(steps), loss_sum.item<double>() / step);
         std::fflush(stdout);
       }
+      if (ckpt && global_step % args.checkpoint_every == 0) ckpt->save(global_step, state);
     }
     const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    at::Tensor mean_loss = at::tensor({loss_sum / std::max<int64_t>(1, steps)}, at::kDouble);
+    at::Tensor mean_loss = at::tensor({loss_sum.item<double>() / std::max<int64_t>(1, steps)}, at::kDouble);
     comm::wait(pg->allreduce(mean_loss, comm::ReduceOp::kAvg));
     accuracy = evaluate(model, test, *pg);
     if (lead) {
-      std::printf("epoch %d/%d  %.0f images/s (all ranks)  loss %.4f  test accuracy %.4f\n", epoch, args.epochs,
-                  sampler.size() * pg->size() / secs, mean_loss.item<double>(), accuracy);
+      std::printf("epoch %lld/%d  %.0f images/s (all ranks)  loss %.4f  test accuracy %.4f\n",
+                  static_cast<long long>(epoch), args.epochs, sampler.size() * pg->size() / secs,
+                  mean_loss.item<double>(), accuracy);
       std::fflush(stdout);
     }
+  }
+  if (lead) {
+    std::printf("final parameters: %016llx\n", static_cast<unsigned long long>(examples::parameters_hash(*model)));
+    std::fflush(stdout);
   }
   return lead ? examples::accuracy_exit_code(accuracy, args.min_accuracy) : 0;
 }
@@ -130,6 +183,7 @@ int train(const Args& args) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  tandem::examples::keep_freed_memory();  // before any thread: see examples/data/allocator.h
   try {
     const Args args = parse(argc, argv);
     at::set_num_threads(1);  // one intra-op thread per rank: the ranks share the machine's cores

@@ -18,6 +18,7 @@
 
 #include "comm/process_group.h"
 #include "ddp/sampler.h"
+#include "examples/data/allocator.h"
 #include "examples/data/cnn.h"
 #include "examples/data/fashion_mnist.h"
 #include "examples/hybrid/hybrid.h"
@@ -109,6 +110,7 @@ Args parse(int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  tandem::examples::keep_freed_memory();  // before any thread: see examples/data/allocator.h
   try {
     const Args args = parse(argc, argv);
     at::set_num_threads(1);

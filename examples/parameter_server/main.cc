@@ -1,7 +1,14 @@
 // Parameter-server training on Fashion-MNIST: rank 0 is the server ("ps"), ranks 1..N are trainers.
 //
 //   build/tandem-run --nproc-per-node 3 build/parameter_server [--epochs 4] [--lr 0.002] [--mode sync|async] [--batch
-//   64]
+//   64] [--checkpoint-dir D [--checkpoint-every 50]]
+//
+// With --checkpoint-dir the job saves every --checkpoint-every steps and, started again (by hand, or by
+// `tandem-run --max-restarts K` after a failure), resumes: in synchronous mode the server saves the model, its
+// optimizer and the rounds taken, and the trainers carry on from its round, so the run ends with the same parameters
+// as an uninterrupted one (trainer 1 prints their hash); in asynchronous mode each trainer saves its optimizer's
+// state (held on the server) and the server saves the model once all have, at the same step (Hogwild steps are not
+// reproducible, so only the place is).
 //
 // The model (2 conv + pooling + FC) lives on the server as an nn::RemoteModule; each trainer reads its shard of the
 // training set, runs forward through the RemoteModule, and backward with distributed autograd (server.h has the two
@@ -14,8 +21,11 @@
 #include <cstring>
 #include <string>
 
+#include "checkpoint/checkpoint.h"
+#include "cluster/environment.h"
 #include "dist_autograd/dist_autograd.h"
 #include "dist_optim/dist_optim.h"
+#include "examples/data/allocator.h"
 #include "examples/data/cnn.h"
 #include "examples/data/fashion_mnist.h"
 #include "examples/parameter_server/server.h"
@@ -32,6 +42,8 @@ struct Args {
   std::string mode = "sync";
   int64_t limit = 0;        // train on at most this many images per trainer (0: the whole shard); for smoke tests
   double min_accuracy = 0;  // exit 1 if the final test accuracy is lower
+  std::string checkpoint_dir;
+  int64_t checkpoint_every = 50;  // rounds
 };
 
 Args parse(int argc, char** argv) {
@@ -44,6 +56,8 @@ Args parse(int argc, char** argv) {
     else if (k == "--limit") a.limit = std::stoll(v);
     else if (k == "--lr") a.lr = std::stod(v);
     else if (k == "--min-accuracy") a.min_accuracy = std::stod(v);
+    else if (k == "--checkpoint-dir") a.checkpoint_dir = v;
+    else if (k == "--checkpoint-every") a.checkpoint_every = std::max<int64_t>(1, std::stoll(v));
     else throw std::invalid_argument("unknown option " + k);
   }
   if (a.mode != "sync" && a.mode != "async") throw std::invalid_argument("--mode is sync or async");
@@ -64,13 +78,34 @@ int train(const Args& args, int rank, int trainers) {
                                                              std::map<std::string, double>{{"lr", args.lr}},
                                                              dist_optim::DistributedOptimizerOptions{.hogwild = true});
   }
+  // After a restart: the rounds the server's checkpoint holds, so every trainer carries on from the same step.
+  const int64_t resumed = args.checkpoint_dir.empty() ? 0 : examples::rounds_done();
+  // Asynchronous mode: each trainer's optimizer state lives on the server, behind its DistributedOptimizer; the
+  // trainer saves it (and the server its model) at common steps, and loads it back from the step the server resumed.
+  std::unique_ptr<checkpoint::Checkpointer> ckpt;
+  checkpoint::State state;
+  if (opt && !args.checkpoint_dir.empty()) {
+    ckpt = std::make_unique<checkpoint::Checkpointer>(args.checkpoint_dir + "/trainers", rank);
+    state.add(
+        "optimizer", [&opt](torch::serialize::OutputArchive& a) { opt->save(a); },
+        [&opt](torch::serialize::InputArchive& a) { opt->load(a); });
+    if (resumed > 0) ckpt->load(resumed, state);
+  }
+  int64_t global_step = resumed;
+  if (resumed > 0 && rank == 1) {
+    const char* restart = std::getenv("TORCHELASTIC_RESTART_COUNT");
+    std::printf("trainers resume at round %lld (epoch %lld, restart %s)\n", static_cast<long long>(resumed),
+                static_cast<long long>(resumed / steps_per_epoch + 1), restart ? restart : "0");
+    std::fflush(stdout);
+  }
   double accuracy = 0;
-  for (int epoch = 1; epoch <= args.epochs; ++epoch) {
+  for (int epoch = static_cast<int>(resumed / steps_per_epoch) + 1; epoch <= args.epochs; ++epoch) {
+    const int64_t first_step = epoch == resumed / steps_per_epoch + 1 ? resumed % steps_per_epoch : 0;
     auto gen = at::make_generator<at::CPUGeneratorImpl>(1000 * epoch + rank);
     at::Tensor order = shard.index_select(0, at::randperm(shard.size(0), gen));
     double loss_sum = 0;
     const auto t0 = std::chrono::steady_clock::now();
-    for (int64_t step = 0; step < steps_per_epoch; ++step) {
+    for (int64_t step = first_step; step < steps_per_epoch; ++step) {
       at::Tensor idx = order.slice(0, step * args.batch, (step + 1) * args.batch);
       at::Tensor x = data.images.index_select(0, idx), y = data.labels.index_select(0, idx);
       dist_autograd::ContextGuard ctx;
@@ -82,15 +117,25 @@ int train(const Args& args, int rank, int trainers) {
         examples::submit(ctx.id());
       }
       loss_sum += loss.item<double>();
+      ++global_step;
+      if (ckpt && global_step % args.checkpoint_every == 0) {
+        ckpt->save(global_step, state);               // this trainer's optimizer state, fetched from the server
+        examples::checkpoint_barrier(global_step);  // the server saves its model once every trainer has saved
+      }
     }
     const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (rank == 1) {
       accuracy = examples::evaluate();
       std::printf("epoch %d/%d  %.0f steps/s (all %d trainers)  loss %.4f  test accuracy %.4f\n", epoch, args.epochs,
-                  trainers * steps_per_epoch / secs, trainers, loss_sum / std::max<int64_t>(1, steps_per_epoch),
+                  trainers * (steps_per_epoch - first_step) / secs, trainers,
+                  loss_sum / std::max<int64_t>(1, steps_per_epoch - first_step),
                   accuracy);
       std::fflush(stdout);
     }
+  }
+  if (rank == 1) {
+    std::printf("final parameters: %016llx\n", static_cast<unsigned long long>(examples::model_hash()));
+    std::fflush(stdout);
   }
   return rank == 1 ? examples::accuracy_exit_code(accuracy, args.min_accuracy) : 0;
 }
@@ -98,21 +143,32 @@ int train(const Args& args, int rank, int trainers) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  tandem::examples::keep_freed_memory();  // before any thread: see examples/data/allocator.h
   try {
     const Args args = parse(argc, argv);
     examples::register_parameter_server();
-    const char* rank_env = std::getenv("RANK");
-    const int rank = rank_env ? std::atoi(rank_env) : 0;
-    const char* world_env = std::getenv("WORLD_SIZE");
-    const int world = world_env ? std::atoi(world_env) : 1;
+    // Rank and world from tandem-run's variables, or srun's (cluster/environment.h).
+    auto place = cluster::worker_place();
+    if (!place.ok()) throw std::invalid_argument(std::string(place.status().message()));
+    const int rank = place->rank;
+    const int world = place->world_size;
     if (world < 2)
       throw std::invalid_argument("run with tandem-run --nproc-per-node N (N >= 2: a server and trainers)");
-    rpc::init_rpc(rank == 0 ? "ps" : "trainer" + std::to_string(rank), rank, world);
+    rpc::RpcOptions rpc_options;
+    rpc_options.master_addr = place->master_addr;
+    rpc_options.master_port = place->master_port;
+    // The other trainers reach the shutdown barrier while trainer 1 still scores the test set on the server (10,000
+    // images through the RemoteModule): a few seconds alone, more than the default 30 s on a loaded machine (it failed
+    // so under ctest -j2). A worker that dies meanwhile still ends the job at once (tandem-run stops every rank).
+    rpc_options.shutdown_timeout = std::chrono::minutes(5);
+    rpc::init_rpc(rank == 0 ? "ps" : "trainer" + std::to_string(rank), rank, world, rpc_options);
     int code = 0;
     if (rank == 0) {
       examples::ServerOptions options;
       options.trainers = world - 1;
       options.lr = args.lr;
+      options.checkpoint_dir = args.checkpoint_dir;
+      options.checkpoint_every = args.checkpoint_every;
       std::printf("parameter server: %d trainers, %s mode, batch %d, %d epochs, Fashion-MNIST\n", world - 1,
                   args.mode.c_str(), args.batch, args.epochs);
       std::fflush(stdout);

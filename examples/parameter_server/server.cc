@@ -3,8 +3,10 @@
 #include <torch/torch.h>
 
 #include <atomic>
-#include <mutex>
 
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+#include "checkpoint/checkpoint.h"
 #include "dist_autograd/dist_autograd.h"
 #include "examples/data/cnn.h"
 #include "examples/data/fashion_mnist.h"
@@ -29,9 +31,13 @@ struct Server {
   rpc::Future finished;
   std::atomic<int> done{0};
 
-  std::mutex mu;
-  std::vector<at::Tensor> sum;       // gradients submitted in this round
-  std::vector<rpc::Future> waiting;  // the trainers that submitted them
+  absl::Mutex mu;
+  std::vector<at::Tensor> sum ABSL_GUARDED_BY(mu);       // gradients submitted in this round
+  std::vector<rpc::Future> waiting ABSL_GUARDED_BY(mu);  // the trainers that submitted them
+  int64_t rounds ABSL_GUARDED_BY(mu) = 0;                // optimizer steps taken (async: the last checkpoint's step)
+  std::vector<rpc::Future> at_barrier ABSL_GUARDED_BY(mu);  // async checkpoints: trainers waiting for the others
+  std::unique_ptr<checkpoint::Checkpointer> ckpt;        // with checkpoint_dir; saves under mu
+  checkpoint::State state;                               // the model, the optimizer, rounds
 };
 
 Server& server() {
@@ -45,7 +51,7 @@ rpc::Future on_submit(int64_t context_id) {
   rpc::Future done;
   std::vector<rpc::Future> release;
   {
-    std::lock_guard<std::mutex> lock(s.mu);
+    absl::MutexLock lock(&s.mu);
     for (size_t i = 0; i < s.params.size(); ++i) {
       at::Tensor g = grads[s.params[i]];
       if (!g.defined()) continue;
@@ -61,6 +67,8 @@ rpc::Future on_submit(int64_t context_id) {
         s.params[i].mutable_grad() = at::Tensor();
         s.sum[i] = at::Tensor();
       }
+      ++s.rounds;
+      if (s.ckpt && s.rounds % s.options.checkpoint_every == 0) s.ckpt->save(s.rounds, s.state);
       release.swap(s.waiting);
     }
   }
@@ -91,6 +99,32 @@ void register_parameter_server() {
   rpc::register_function("ps.submit", on_submit);
   rpc::register_function("ps.evaluate", on_evaluate);
   rpc::register_function("ps.model", [] { return server().ready; });
+  rpc::register_function("ps.checkpoint", [](int64_t step) {
+    Server& s = server();
+    rpc::Future arrived;
+    std::vector<rpc::Future> release;
+    {
+      absl::MutexLock lock(&s.mu);
+      s.at_barrier.push_back(arrived);
+      if (static_cast<int>(s.at_barrier.size()) == s.options.trainers) {
+        s.rounds = step;
+        if (s.ckpt) s.ckpt->save(step, s.state);
+        release.swap(s.at_barrier);
+      }
+    }
+    for (auto& f : release) f.set_value(c10::IValue());
+    return arrived;
+  });
+  rpc::register_function("ps.rounds", [] {
+    Server& s = server();
+    absl::MutexLock lock(&s.mu);
+    return s.rounds;
+  });
+  rpc::register_function("ps.hash", [] {
+    Server& s = server();
+    absl::MutexLock lock(&s.mu);
+    return static_cast<int64_t>(parameters_hash(*s.model.local_module()));
+  });
   rpc::register_function("ps.done", [] {
     Server& s = server();
     if (s.done.fetch_add(1) + 1 == s.options.trainers) s.finished.set_value(c10::IValue());
@@ -110,6 +144,15 @@ void start_parameter_server(const ServerOptions& options) {
   } else {
     s.optimizer = std::make_unique<torch::optim::SGD>(s.params, torch::optim::SGDOptions(options.lr).momentum(0.9));
   }
+  if (!options.checkpoint_dir.empty()) {
+    absl::MutexLock lock(&s.mu);
+    s.ckpt = std::make_unique<checkpoint::Checkpointer>(options.checkpoint_dir, /*rank=*/0);
+    s.state.add("model", *s.model.local_module()).add("optimizer", *s.optimizer).add("rounds", s.rounds);
+    if (auto resumed = s.ckpt->restore(s.state)) {
+      std::printf("parameter server: resumed from round %lld\n", static_cast<long long>(*resumed));
+      std::fflush(stdout);
+    }
+  }
   s.ready.set_value(s.model.module_rref().to_ivalue());
 }
 
@@ -122,6 +165,12 @@ bool wait_for_trainers(std::chrono::milliseconds timeout) { return server().fini
 void done() { rpc::rpc_sync("ps", "ps.done"); }
 
 void submit(int64_t context_id) { rpc::rpc_sync("ps", "ps.submit", context_id); }
+
+int64_t rounds_done() { return rpc::rpc_sync<int64_t>("ps", "ps.rounds"); }
+
+void checkpoint_barrier(int64_t step) { rpc::rpc_sync("ps", "ps.checkpoint", step); }
+
+uint64_t model_hash() { return static_cast<uint64_t>(rpc::rpc_sync<int64_t>("ps", "ps.hash")); }
 
 double evaluate() { return rpc::rpc_sync<double>("ps", "ps.evaluate"); }
 

@@ -25,6 +25,12 @@ struct ServerOptions {
   double lr = 1e-3;
   int trainers = 2;
   bool evaluate = true;  // load the test set for evaluate()
+  // Synchronous mode: the server saves the model, its optimizer and the number of rounds (optimizer steps) every
+  // `checkpoint_every` rounds, and resumes from the newest on start (checkpoint/checkpoint.h). The trainers' place
+  // follows from the rounds (rounds_done()), so only the server saves. Asynchronous mode: the server saves its model
+  // at each checkpoint_barrier(), after every trainer saved its own optimizer state.
+  std::string checkpoint_dir;
+  int64_t checkpoint_every = 50;
 };
 
 // Registers the model factories and the server's functions (every rank, before init_rpc).
@@ -37,6 +43,10 @@ bool wait_for_trainers(std::chrono::milliseconds timeout);
 // Trainer side.
 nn::RemoteModule server_model();  // the model on "ps"
 void submit(int64_t context_id);  // synchronous mode: waits for the averaged step
+int64_t rounds_done();            // steps the server's checkpoint holds (sync: rounds; > 0 after a resume)
+// Asynchronous mode with checkpoints: waits until every trainer reached `step`; the server then saves its model.
+void checkpoint_barrier(int64_t step);
+uint64_t model_hash();            // parameters_hash (examples/data/cnn.h) of the server's model
 double evaluate();                // test accuracy of the current model, computed on the server
 void done();                      // this trainer has finished
 

@@ -16,6 +16,7 @@
 
 #include "dist_autograd/dist_autograd.h"
 #include "dist_optim/dist_optim.h"
+#include "examples/data/allocator.h"
 #include "examples/data/cnn.h"
 #include "examples/data/fashion_mnist.h"
 #include "nn/remote_module.h"
@@ -136,6 +137,7 @@ int drive(const Args& args) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  tandem::examples::keep_freed_memory();  // before any thread: see examples/data/allocator.h
   try {
     const Args args = parse(argc, argv);
     at::set_num_threads(1);  // one intra-op thread per process: the stages share the machine's cores

@@ -26,8 +26,8 @@
 #include <chrono>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -68,7 +68,7 @@ class Agent {
   const WorkerInfo& info(int rank) const { return peers_[rank].info; }
   std::vector<WorkerInfo> workers() const;
   absl::StatusOr<int> resolve(const To& to) const;
-  const char* route(int peer) const { return peers_[peer].transport->kind(); }
+  const char* route(int peer) const { return peers_[peer].transport->kind_for(peer); }
   TransportStats stats() const { return {grpc_calls_.load(), direct_calls_.load(), by_reference_.load()}; }
 
   // True when everything outstanding was released (safe to delete).
@@ -85,19 +85,49 @@ class Agent {
     int caller = -1;                    // the caller's rank, once the request is parsed (for value codecs of the reply)
     bool traced = false;                // the request carried a call tracer's attachment
     std::shared_ptr<void> trace_state;  // what the tracer keeps for this call
-    std::mutex mu;                      // makes "send the reply" one step against a concurrent stop()
-    bool finished = false;              // guarded by mu
+    absl::Mutex mu;                     // makes "send the reply" one step against a concurrent stop()
+    bool finished ABSL_GUARDED_BY(mu) = false;
+  };
+  // The way back to the agent for completions that may come after it is gone: a registered function's future may be
+  // completed by the user's own thread at any time, even after shutdown destroyed the agent (its call was answered
+  // CANCELLED by then). Such callbacks hold the lifeline, not the agent, and reach the agent only between enter() and
+  // leave(); the destructor cuts it and waits for the callbacks inside. Atomics, not a lock: these callbacks run under
+  // whatever locks the code completing the future holds, and a lock here would join every lock order in the program.
+  class Lifeline {
+   public:
+    explicit Lifeline(Agent* agent) : agent_(agent) {}
+    // The agent, or nullptr once cut; a non-null result must be given back with leave().
+    Agent* enter() {
+      inside_.fetch_add(1);  // sequentially consistent with cut(): either cut() sees us inside, or we see it cut
+      if (!alive_.load()) {
+        leave();
+        return nullptr;
+      }
+      return agent_;
+    }
+    void leave() { inside_.fetch_sub(1); }
+    // After this, enter() returns nullptr; waits for the callbacks inside (replies: bounded by their sends' deadlines).
+    void cut() {
+      alive_.store(false);
+      while (inside_.load() != 0) std::this_thread::sleep_for(std::chrono::microseconds(100));
+    }
+
+   private:
+    Agent* const agent_;
+    std::atomic<bool> alive_{true};
+    std::atomic<int> inside_{0};
   };
   struct Peer {
     WorkerInfo info;
-    Transport* transport = nullptr;  // the route: direct for a reachable same-host peer, else gRPC
+    Transport* transport = nullptr;  // the route: direct (Unix socket on this host, TCP beyond) when it connects, else gRPC
   };
 
   Agent(std::string name, int rank, int world_size, RpcOptions options)
       : name_(std::move(name)), rank_(rank), world_size_(world_size), options_(std::move(options)) {}
 
   // rendezvous.cc
-  absl::Status start_transports(const std::string& listen, int* port);
+  // `tcp_host`: where the direct channel also listens on TCP for peers on other hosts (empty: it does not).
+  absl::Status start_transports(const std::string& listen, const std::string& tcp_host, int* port);
   absl::Status rendezvous(const std::string& master, const std::string& advertised);
 
   // agent_server.cc
@@ -140,6 +170,7 @@ class Agent {
   std::unique_ptr<grpc::Service> store_service_;  // rank 0 only; outlives the gRPC transport
   std::unique_ptr<Store> store_;
   std::unique_ptr<ThreadPool> pool_;
+  const std::shared_ptr<Lifeline> lifeline_ = std::make_shared<Lifeline>(this);
   std::unique_ptr<FaultInjector> faults_;  // when RpcOptions::faults has rules
   std::unique_ptr<GrpcTransport> grpc_;
   std::unique_ptr<DirectTransport> direct_;          // null when same-host calls go over gRPC

@@ -24,15 +24,25 @@ std::string hex(const unsigned char* data, size_t n) {
 
 }  // namespace
 
-std::string derive_token(const std::string& secret) {
-  static const char kLabel[] = "tandem-auth-v1";
+std::string hmac_hex(const std::string& key, const std::string& data) {
   unsigned char mac[EVP_MAX_MD_SIZE];
   unsigned int len = 0;
-  if (!HMAC(EVP_sha256(), secret.data(), static_cast<int>(secret.size()),
-            reinterpret_cast<const unsigned char*>(kLabel), sizeof(kLabel) - 1, mac, &len)) {
+  if (!HMAC(EVP_sha256(), key.data(), static_cast<int>(key.size()), reinterpret_cast<const unsigned char*>(data.data()),
+            data.size(), mac, &len)) {
     throw_error(absl::InternalError("HMAC-SHA256 failed"));  // OpenSSL itself is broken: nothing the caller can fix
   }
   return hex(mac, len);
+}
+
+std::string derive_token(const std::string& secret) { return hmac_hex(secret, "tandem-auth-v1"); }
+
+std::string tcp_proof(const std::string& token, const std::string& role, const std::string& challenge,
+                      const std::string& client_nonce, int rank) {
+  return hmac_hex(token, absl::StrCat("tandem-tcp-v1|", role, "|", challenge, "|", client_nonce, "|", rank));
+}
+
+bool equal(const std::string& a, const std::string& b) {
+  return a.size() == b.size() && !a.empty() && CRYPTO_memcmp(a.data(), b.data(), a.size()) == 0;
 }
 
 void add_credentials(grpc::ClientContext* ctx, const std::string& token) {

@@ -19,6 +19,14 @@ constexpr char kAuthMetadataKey[] = "x-tandem-auth";
 constexpr char kWireVersionMetadataKey[] = "x-tandem-wire-version";  // rpc/detail/version.h
 
 std::string derive_token(const std::string& secret);
+// HMAC-SHA256(key, data), hex.
+std::string hmac_hex(const std::string& key, const std::string& data);
+// The direct channel's TCP handshake (proto/tandem_rpc.proto, DirectChallenge): what a side of `role` ("client" or
+// "server") shows to prove it holds `token` without sending it; bound to both nonces and the client's rank.
+std::string tcp_proof(const std::string& token, const std::string& role, const std::string& challenge,
+                      const std::string& client_nonce, int rank);
+// Constant-time equality of two non-empty strings.
+bool equal(const std::string& a, const std::string& b);
 // Adds the job token and this build's wire version to an outgoing call.
 void add_credentials(grpc::ClientContext* ctx, const std::string& token);
 // OK when the call's metadata carries `token` and this build's wire version; UNAUTHENTICATED for a missing or wrong

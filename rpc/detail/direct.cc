@@ -1,6 +1,9 @@
 #include "rpc/detail/direct.h"
 
 #include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <openssl/crypto.h>
 #include <poll.h>
 #include <sys/epoll.h>
@@ -18,6 +21,8 @@
 #include "proto/tandem_rpc.pb.h"
 #include "rpc/detail/auth.h"
 #include "rpc/detail/buffer_pool.h"
+#include "rpc/detail/net.h"
+#include "rpc/detail/tsan.h"
 #include "rpc/detail/version.h"
 
 namespace tandem::rpc::direct {
@@ -26,8 +31,11 @@ namespace {
 constexpr uint32_t kMagic = 0x4d444e54;  // "TNDM"
 constexpr uint64_t kWakeTag = 1;
 constexpr uint64_t kListenTag = 2;
-constexpr size_t kMaxHelloBytes = 512;     // a DirectHello is ~100 bytes; a stranger may not send more
-constexpr size_t kMaxWelcomeBytes = 1024;  // a DirectWelcome with its refusal's message
+constexpr uint64_t kTcpListenTag = 3;
+constexpr size_t kMaxHelloBytes = 512;      // a DirectHello is ~100 bytes (~170 over TCP); a stranger may not send more
+constexpr size_t kMaxWelcomeBytes = 1024;   // a DirectWelcome with its refusal's message
+constexpr size_t kMaxChallengeBytes = 256;  // a DirectChallenge is ~70 bytes
+constexpr char kTcpPrefix[] = "tcp:";
 constexpr uint64_t kProbeValue = 0x7461'6e64'656d'2121ULL;
 constexpr int kSocketBuffer = 4 << 20;
 
@@ -40,6 +48,9 @@ struct Header {
   uint64_t length;
 };
 static_assert(sizeof(Header) == 24, "header layout");
+// The header and the tensors of frames travel in host byte order; over TCP both hosts must agree, and every host Tandem
+// targets (x86-64, AArch64) is little-endian.
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "the direct channel's wire is little-endian");
 
 absl::Status errno_status(const char* what) {
   return absl::UnavailableError(absl::StrCat(what, ": ", std::strerror(errno)));
@@ -84,6 +95,94 @@ absl::Status read_exact(int fd, void* dst, size_t len, absl::Time deadline,
 void set_socket_options(int fd) {
   setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &kSocketBuffer, sizeof(kSocketBuffer));
   setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &kSocketBuffer, sizeof(kSocketBuffer));
+}
+
+void set_tcp_options(int fd) {
+  const int one = 1;
+  setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));  // a small call leaves at once
+  // No SO_SNDBUF/SO_RCVBUF: fixed sizes would switch off the kernel's autotuning (and be capped by rmem_max), which a
+  // link with a long round trip needs for bandwidth.
+}
+
+// "host:port" or "[v6]:port" into its parts; false when it is neither.
+bool split_host_port(const std::string& address, std::string* host, std::string* port) {
+  const size_t colon = address.rfind(':');
+  if (colon == std::string::npos || colon == 0 || colon + 1 == address.size()) return false;
+  *host = address.substr(0, colon);
+  *port = address.substr(colon + 1);
+  if (host->size() >= 2 && host->front() == '[' && host->back() == ']') *host = host->substr(1, host->size() - 2);
+  return !host->empty();
+}
+
+// Listens on `host` at an ephemeral port; `address` becomes "tcp:host:port".
+absl::StatusOr<int> listen_tcp(const std::string& host, std::string* address) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
+  addrinfo* res = nullptr;
+  if (const int e = getaddrinfo(host.c_str(), "0", &hints, &res); e != 0 || !res) {
+    return absl::InvalidArgumentError(absl::StrCat("direct channel: cannot resolve '", host, "': ", gai_strerror(e)));
+  }
+  const int fd = socket(res->ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  const bool ok = fd >= 0 && bind(fd, res->ai_addr, res->ai_addrlen) == 0 && listen(fd, 256) == 0;
+  freeaddrinfo(res);
+  sockaddr_storage bound{};
+  socklen_t len = sizeof(bound);
+  if (!ok || getsockname(fd, reinterpret_cast<sockaddr*>(&bound), &len) != 0) {
+    auto s = errno_status(absl::StrCat("direct channel: cannot listen on TCP at ", host).c_str());
+    if (fd >= 0) ::close(fd);
+    return s;
+  }
+  const int port = ntohs(bound.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port
+                                                     : reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
+  *address = absl::StrCat(kTcpPrefix, net::join_host_port(host, port));
+  return fd;
+}
+
+// A connected TCP socket to "host:port", or why not by `deadline`.
+absl::StatusOr<int> connect_tcp(const std::string& host_port, absl::Time deadline) {
+  std::string host, port;
+  if (!split_host_port(host_port, &host, &port)) {
+    return absl::InvalidArgumentError(absl::StrCat("direct channel: bad TCP address '", host_port, "'"));
+  }
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_NUMERICSERV;
+  addrinfo* res = nullptr;
+  if (const int e = getaddrinfo(host.c_str(), port.c_str(), &hints, &res); e != 0 || !res) {
+    return absl::UnavailableError(absl::StrCat("direct channel: cannot resolve '", host, "': ", gai_strerror(e)));
+  }
+  const int fd = socket(res->ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  if (fd < 0) {
+    freeaddrinfo(res);
+    return errno_status("socket");
+  }
+  set_tcp_options(fd);
+  const int rc = ::connect(fd, res->ai_addr, res->ai_addrlen);
+  const int connect_errno = errno;
+  freeaddrinfo(res);
+  absl::Status s;
+  if (rc != 0 && connect_errno != EINPROGRESS) {
+    errno = connect_errno;
+    s = errno_status("connect");
+  } else if (rc != 0) {
+    // Writable or failed: the socket's pending error, if any, says why (refused, unreachable).
+    s = wait_fd(fd, POLLOUT, deadline);
+    int err = 0;
+    socklen_t len = sizeof(err);
+    if (s.code() != absl::StatusCode::kDeadlineExceeded && getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len) == 0 &&
+        err != 0) {
+      errno = err;
+      s = errno_status("connect");
+    }
+  }
+  if (!s.ok()) {
+    ::close(fd);
+    return absl::Status(s.code(), absl::StrCat("cannot connect to ", host_port, ": ", s.message()));
+  }
+  return fd;
 }
 
 sockaddr_un abstract_address(const std::string& name, socklen_t* len) {
@@ -159,6 +258,58 @@ absl::StatusOr<tandem::wire::DirectWelcome> parse_welcome(const grpc::ByteBuffer
   return welcome;
 }
 
+bool is_tcp_address(const std::string& address) { return address.rfind(kTcpPrefix, 0) == 0; }
+
+grpc::ByteBuffer encode_challenge(const std::string& nonce) {
+  tandem::wire::DirectChallenge challenge;
+  challenge.set_wire_version(kWireVersion);
+  challenge.set_nonce(nonce);
+  return serialize(challenge);
+}
+
+absl::StatusOr<std::string> parse_challenge(const grpc::ByteBuffer& body) {
+  tandem::wire::DirectChallenge challenge;
+  if (body.Length() > kMaxChallengeBytes || !parse_body(body, &challenge) || challenge.nonce().size() < 16) {
+    return absl::InvalidArgumentError("direct channel: malformed challenge");
+  }
+  if (challenge.wire_version() != kWireVersion) {
+    return absl::FailedPreconditionError(absl::StrCat("direct channel: the server speaks Tandem wire version ",
+                                                      challenge.wire_version(), ", this worker version ", kWireVersion));
+  }
+  return challenge.nonce();
+}
+
+grpc::ByteBuffer encode_tcp_hello(const std::string& token, int rank, const std::string& challenge,
+                                  const std::string& client_nonce) {
+  tandem::wire::DirectHello hello;
+  hello.set_wire_version(kWireVersion);
+  hello.set_rank(rank);
+  hello.set_pid(getpid());
+  hello.set_client_nonce(client_nonce);
+  hello.set_proof(auth::tcp_proof(token, "client", challenge, client_nonce, rank));
+  return serialize(hello);
+}
+
+absl::StatusOr<tandem::wire::DirectHello> parse_tcp_hello(const grpc::ByteBuffer& body, const std::string& token,
+                                                          const std::string& challenge) {
+  tandem::wire::DirectHello hello;
+  if (body.Length() > kMaxHelloBytes || !parse_body(body, &hello)) {
+    return absl::InvalidArgumentError("direct channel: malformed hello");
+  }
+  if (hello.rank() < 0 || hello.client_nonce().size() < 16 || hello.client_nonce().size() > 128) {
+    return absl::InvalidArgumentError("direct channel: malformed hello");
+  }
+  if (token.empty() || challenge.empty() ||
+      !auth::equal(hello.proof(), auth::tcp_proof(token, "client", challenge, hello.client_nonce(), hello.rank()))) {
+    return absl::UnauthenticatedError("direct channel: the client does not prove the job token");
+  }
+  if (hello.wire_version() != kWireVersion) {
+    return absl::FailedPreconditionError(absl::StrCat("direct channel: the client speaks Tandem wire version ",
+                                                      hello.wire_version(), ", this worker version ", kWireVersion));
+  }
+  return hello;
+}
+
 // ---------------------------------------------------------------------------------------------------------------------
 // Conn
 
@@ -177,7 +328,7 @@ absl::Status Conn::write(Kind kind, uint64_t call_id, const grpc::ByteBuffer& bo
     h.length += s.size();
     if (s.size() > 0) iov.push_back({const_cast<uint8_t*>(s.begin()), s.size()});
   }
-  std::lock_guard<std::mutex> lock(write_mu_);
+  absl::MutexLock lock(&write_mu_);
   size_t first = 0;
   while (first < iov.size()) {
     msghdr mh{};
@@ -215,7 +366,7 @@ void Conn::write_half_and_shut(Kind kind, uint64_t call_id, const grpc::ByteBuff
   std::string out(reinterpret_cast<const char*>(&h), sizeof(h));
   out.append(bytes, 0, bytes.size() / 2);
   {
-    std::lock_guard<std::mutex> lock(write_mu_);
+    absl::MutexLock lock(&write_mu_);
     size_t done = 0;
     const absl::Time deadline = absl::Now() + absl::Seconds(1);  // best effort: the connection is cut either way
     while (done < out.size()) {
@@ -238,7 +389,7 @@ void Conn::write_half_and_shut(Kind kind, uint64_t call_id, const grpc::ByteBuff
 absl::Status Conn::check_header(uint64_t max_body) const {
   Header h;
   std::memcpy(&h, header_, sizeof(h));
-  if (h.magic != kMagic || h.kind < 1 || h.kind > 4) {
+  if (h.magic != kMagic || h.kind < 1 || h.kind > 5) {
     return absl::InvalidArgumentError("direct channel: malformed message header");
   }
   if (h.length > max_body) {
@@ -300,7 +451,8 @@ absl::StatusOr<Message> Conn::read(uint64_t max_body, absl::Time deadline, std::
 // Channel
 
 absl::StatusOr<std::unique_ptr<Channel>> Channel::start(std::string token, int threads, uint64_t max_message_bytes,
-                                                        absl::Duration message_timeout, Callbacks callbacks) {
+                                                        absl::Duration message_timeout, Callbacks callbacks,
+                                                        const std::string& tcp_host) {
   std::unique_ptr<Channel> t(new Channel);
   t->token_ = std::move(token);
   t->max_message_bytes_ = max_message_bytes;
@@ -315,6 +467,11 @@ absl::StatusOr<std::unique_ptr<Channel>> Channel::start(std::string token, int t
   if (bind(t->listen_fd_, reinterpret_cast<sockaddr*>(&addr), len) != 0 || listen(t->listen_fd_, 256) != 0) {
     return errno_status("direct channel: cannot listen");
   }
+  if (!tcp_host.empty()) {
+    auto tcp = listen_tcp(tcp_host, &t->tcp_address_);
+    if (!tcp.ok()) return tcp.status();
+    t->tcp_listen_fd_ = *tcp;
+  }
   t->epoll_fd_ = epoll_create1(EPOLL_CLOEXEC);
   t->wake_fd_ = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
   if (t->epoll_fd_ < 0 || t->wake_fd_ < 0) return errno_status("epoll");
@@ -326,6 +483,10 @@ absl::StatusOr<std::unique_ptr<Channel>> Channel::start(std::string token, int t
   listen_ev.events = EPOLLIN | EPOLLONESHOT;
   listen_ev.data.u64 = kListenTag;
   epoll_ctl(t->epoll_fd_, EPOLL_CTL_ADD, t->listen_fd_, &listen_ev);
+  if (t->tcp_listen_fd_ >= 0) {
+    listen_ev.data.u64 = kTcpListenTag;
+    epoll_ctl(t->epoll_fd_, EPOLL_CTL_ADD, t->tcp_listen_fd_, &listen_ev);
+  }
 
   t->threads_ = std::make_unique<detail::ThreadPool>(std::max(1, threads));
   for (int i = 0; i < std::max(1, threads); ++i) t->threads_->submit([raw = t.get()] { raw->loop(); });
@@ -335,6 +496,8 @@ absl::StatusOr<std::unique_ptr<Channel>> Channel::start(std::string token, int t
 Channel::~Channel() {
   // Normally already stopped (with the shutdown's grace); here only running callbacks unwind, so a fixed second.
   stop(std::chrono::milliseconds(1000));
+  if (listen_fd_ >= 0) ::close(listen_fd_);
+  if (tcp_listen_fd_ >= 0) ::close(tcp_listen_fd_);
   if (epoll_fd_ >= 0) ::close(epoll_fd_);
   if (wake_fd_ >= 0) ::close(wake_fd_);
 }
@@ -343,13 +506,14 @@ void Channel::arm(const std::shared_ptr<Conn>& conn, bool add) {
   epoll_event ev{};
   ev.events = EPOLLIN | EPOLLRDHUP | EPOLLONESHOT;
   ev.data.ptr = conn.get();
+  TANDEM_HAPPENS_BEFORE(conn.get());  // the next loop thread to get it sees what this one did (EPOLLONESHOT)
   epoll_ctl(epoll_fd_, add ? EPOLL_CTL_ADD : EPOLL_CTL_MOD, conn->fd(), &ev);
 }
 
 void Channel::drop(const std::shared_ptr<Conn>& conn, const absl::Status& why) {
   epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, conn->fd(), nullptr);
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     conns_.erase(conn.get());
   }
   conn->broken = true;
@@ -363,33 +527,44 @@ void Channel::loop() {
     const int n = epoll_wait(epoll_fd_, &ev, 1, -1);
     if (n < 0 && errno == EINTR) continue;
     if (n <= 0 || stopping_ || ev.data.u64 == kWakeTag) return;
-    if (ev.data.u64 == kListenTag) {
-      accept_one();
+    if (ev.data.u64 == kListenTag || ev.data.u64 == kTcpListenTag) {
+      accept_one(ev.data.u64 == kListenTag ? listen_fd_ : tcp_listen_fd_, ev.data.u64);
       continue;
     }
     std::shared_ptr<Conn> conn;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      absl::MutexLock lock(&mu_);
       auto it = conns_.find(static_cast<Conn*>(ev.data.ptr));
       if (it == conns_.end()) continue;
       conn = it->second;
     }
+    TANDEM_HAPPENS_AFTER(conn.get());
     handle_ready(conn);
   }
 }
 
-void Channel::accept_one() {
-  const int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
+void Channel::accept_one(int listen_fd, uint64_t tag) {
+  const int fd = accept4(listen_fd, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
   epoll_event listen_ev{};
   listen_ev.events = EPOLLIN | EPOLLONESHOT;
-  listen_ev.data.u64 = kListenTag;
-  epoll_ctl(epoll_fd_, EPOLL_CTL_MOD, listen_fd_, &listen_ev);
+  listen_ev.data.u64 = tag;
+  epoll_ctl(epoll_fd_, EPOLL_CTL_MOD, listen_fd, &listen_ev);
   if (fd < 0) return;
-  set_socket_options(fd);
   auto conn = std::make_shared<Conn>(fd);
   conn->inbound = true;
+  if (tag == kTcpListenTag) {
+    set_tcp_options(fd);
+    // The server speaks first over TCP: a fresh nonce the client's proof must cover. A new socket's send buffer is
+    // empty, so this write does not wait; a client that never reads it only loses its own connection.
+    conn->challenge = auth::random_secret();
+    if (!conn->write(Kind::kChallenge, 0, encode_challenge(conn->challenge), absl::Now() + absl::Seconds(1)).ok()) {
+      return;
+    }
+  } else {
+    set_socket_options(fd);
+  }
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     if (stopping_) return;
     conns_[conn.get()] = conn;
   }
@@ -407,8 +582,10 @@ void Channel::handle_ready(const std::shared_ptr<Conn>& conn) {
   if (!msg.ok()) return drop(conn, msg.status());
   if (!authenticated) {
     // The first message of an inbound connection must be a valid hello; anything else closes it.
-    auto hello = msg->kind == Kind::kHello ? parse_hello(msg->body, token_)
-                                           : absl::InvalidArgumentError("the first message is not a hello");
+    const bool tcp = !conn->challenge.empty();
+    auto hello = msg->kind != Kind::kHello ? absl::InvalidArgumentError("the first message is not a hello")
+                 : tcp                     ? parse_tcp_hello(msg->body, token_, conn->challenge)
+                                           : parse_hello(msg->body, token_);
     tandem::wire::DirectWelcome welcome;
     welcome.set_wire_version(kWireVersion);
     if (!hello.ok()) {
@@ -421,7 +598,9 @@ void Channel::handle_ready(const std::shared_ptr<Conn>& conn) {
     }
     ucred cred{};
     socklen_t len = sizeof(cred);
-    if (getsockopt(conn->fd(), SOL_SOCKET, SO_PEERCRED, &cred, &len) == 0 && cred.pid == hello->pid()) {
+    if (tcp) {
+      welcome.set_proof(auth::tcp_proof(token_, "server", conn->challenge, hello->client_nonce(), hello->rank()));
+    } else if (getsockopt(conn->fd(), SOL_SOCKET, SO_PEERCRED, &cred, &len) == 0 && cred.pid == hello->pid()) {
       uint64_t seen = 0;
       iovec local{&seen, sizeof(seen)};
       iovec far{reinterpret_cast<void*>(hello->probe_address()), sizeof(seen)};
@@ -453,27 +632,50 @@ void Channel::handle_ready(const std::shared_ptr<Conn>& conn) {
 absl::StatusOr<std::shared_ptr<Conn>> Channel::connect(const std::string& address, int my_rank, bool for_responses,
                                                        absl::Time deadline) {
   if (stopping_) return absl::CancelledError("direct channel stopped");
-  const int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
-  if (fd < 0) return errno_status("socket");
-  auto conn = std::make_shared<Conn>(fd);
-  set_socket_options(fd);
-  socklen_t len = 0;
-  sockaddr_un addr = abstract_address(address, &len);
-  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), len) != 0) {
-    if (errno != EAGAIN && errno != EINPROGRESS) return errno_status("connect");
-    if (auto s = wait_fd(fd, POLLOUT, deadline); !s.ok()) return s;
+  const bool tcp = is_tcp_address(address);
+  std::shared_ptr<Conn> conn;
+  if (tcp) {
+    auto connected = connect_tcp(address.substr(sizeof(kTcpPrefix) - 1), deadline);
+    if (!connected.ok()) return connected.status();
+    conn = std::make_shared<Conn>(*connected);
+  } else {
+    const int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (fd < 0) return errno_status("socket");
+    conn = std::make_shared<Conn>(fd);
+    set_socket_options(fd);
+    socklen_t len = 0;
+    sockaddr_un addr = abstract_address(address, &len);
+    if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), len) != 0) {
+      if (errno != EAGAIN && errno != EINPROGRESS) return errno_status("connect");
+      if (auto s = wait_fd(fd, POLLOUT, deadline); !s.ok()) return s;
+    }
   }
-  const grpc::ByteBuffer hello = encode_hello(token_, my_rank, getpid(), reinterpret_cast<uintptr_t>(&kProbe));
+  std::string challenge, client_nonce;
+  if (tcp) {
+    auto first = conn->read(kMaxChallengeBytes, deadline);
+    if (!first.ok()) return absl::UnavailableError(absl::StrCat("handshake with ", address, ": ", first.status().message()));
+    if (first->kind != Kind::kChallenge) return absl::UnavailableError("handshake: the server sent no challenge");
+    auto nonce = parse_challenge(first->body);
+    if (!nonce.ok()) return nonce.status();
+    challenge = *nonce;
+    client_nonce = auth::random_secret();
+  }
+  const grpc::ByteBuffer hello = tcp ? encode_tcp_hello(token_, my_rank, challenge, client_nonce)
+                                     : encode_hello(token_, my_rank, getpid(), reinterpret_cast<uintptr_t>(&kProbe));
   if (auto s = conn->write(Kind::kHello, 0, hello, deadline); !s.ok()) return s;
   auto reply = conn->read(kMaxWelcomeBytes, deadline);
   if (!reply.ok()) return absl::UnavailableError(absl::StrCat("handshake: ", reply.status().message()));
   if (reply->kind != Kind::kWelcome) return absl::UnavailableError("handshake: the server did not answer the hello");
   auto welcome = parse_welcome(reply->body);
   if (!welcome.ok()) return welcome.status();
-  conn->cma_ok = welcome->cma_ok();
+  if (tcp && !auth::equal(welcome->proof(), auth::tcp_proof(token_, "server", challenge, client_nonce, my_rank))) {
+    return absl::UnauthenticatedError(
+        absl::StrCat("direct channel: the server at ", address, " does not prove the job token"));
+  }
+  conn->cma_ok = welcome->cma_ok() && !tcp;
   if (for_responses) {
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      absl::MutexLock lock(&mu_);
       if (stopping_) return absl::CancelledError("direct channel stopped");
       conns_[conn.get()] = conn;
     }
@@ -486,11 +688,13 @@ bool Channel::stop(std::chrono::milliseconds grace) {
   if (stopping_.exchange(true)) return threads_ ? threads_->stop(grace) : true;
   const uint64_t one = 1;
   if (wake_fd_ >= 0) (void)!::write(wake_fd_, &one, sizeof(one));
-  if (listen_fd_ >= 0) ::close(listen_fd_);
-  listen_fd_ = -1;
+  // No new connections; the descriptor itself stays open until the destructor, after the loop threads: closed here,
+  // its number could be reused under a thread still in accept_one() (ThreadSanitizer saw that race).
+  if (listen_fd_ >= 0) ::shutdown(listen_fd_, SHUT_RDWR);
+  if (tcp_listen_fd_ >= 0) ::shutdown(tcp_listen_fd_, SHUT_RDWR);
   std::map<Conn*, std::shared_ptr<Conn>> conns;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     conns.swap(conns_);
   }
   for (auto& [raw, conn] : conns) {

@@ -7,10 +7,18 @@
 // can be pulled straight from the caller's memory with process_vm_readv (one copy into a pooled buffer) instead of
 // being streamed through the socket.
 //
+// Beyond one host the same channel runs over TCP (Channel::start's `tcp_host`; the agent publishes the listener's address
+// and connects to peers of other hosts with it): gRPC's HTTP/2 framing and its threads are skipped there too, and a
+// large tensor goes to the socket straight from its memory (sendmsg of the frame's slices) and is read into one pooled
+// buffer. No cross-memory reads over TCP: the peer's pid means nothing on another host.
+//
 // Messages: [Header (24 bytes)][body] (proto/tandem_rpc.proto describes both).
-//   kHello    client -> server: a DirectHello (wire version, job token, rank, pid, the address of a probe value)
+//   kChallenge server -> client, TCP only, on accept: a DirectChallenge (a fresh nonce)
+//   kHello    client -> server: a DirectHello. Unix socket: wire version, job token, rank, pid, the address of a probe
+//             value. TCP: wire version, rank, its own nonce and a proof of the token bound to both nonces
 //   kWelcome  server -> client: a DirectWelcome: cma_ok when a cross-memory read of the probe from the kernel-reported
-//             pid worked, or `refused` (wrong token, other wire version) and then the server closes
+//             pid worked; over TCP the server's proof; or `refused` (wrong token, other wire version) and then the
+//             server closes
 //   kRequest / kResponse: a frame of rpc/detail/wire.h; call_id pairs them.
 // A server closes a connection whose hello is wrong or whose header lies (bad magic, body over the message limit).
 // Every blocking read and write has a deadline.
@@ -27,17 +35,18 @@
 #include <functional>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "proto/tandem_rpc.pb.h"
 #include "rpc/detail/thread_pool.h"
 
 namespace tandem::rpc::direct {
 
-enum class Kind : uint32_t { kHello = 1, kWelcome = 2, kRequest = 3, kResponse = 4 };
+enum class Kind : uint32_t { kHello = 1, kWelcome = 2, kRequest = 3, kResponse = 4, kChallenge = 5 };
 
 struct Message {
   Kind kind;
@@ -52,6 +61,20 @@ grpc::ByteBuffer encode_hello(const std::string& token, int rank, pid_t pid, uin
 absl::StatusOr<tandem::wire::DirectHello> parse_hello(const grpc::ByteBuffer& body, const std::string& token);
 // The server's answer; the refusal it carries (UNAUTHENTICATED, FAILED_PRECONDITION, ...) as an error.
 absl::StatusOr<tandem::wire::DirectWelcome> parse_welcome(const grpc::ByteBuffer& body);
+// Whether `address` is a TCP listener's ("tcp:host:port", Channel::tcp_address) rather than an abstract socket name.
+bool is_tcp_address(const std::string& address);
+// The TCP handshake. The server's challenge: a fresh nonce.
+grpc::ByteBuffer encode_challenge(const std::string& nonce);
+// The challenge's nonce; INVALID_ARGUMENT when it does not parse or has no nonce, FAILED_PRECONDITION for another
+// wire version.
+absl::StatusOr<std::string> parse_challenge(const grpc::ByteBuffer& body);
+// A client's TCP hello answering `challenge` (no token in it: a proof of it).
+grpc::ByteBuffer encode_tcp_hello(const std::string& token, int rank, const std::string& challenge,
+                                  const std::string& client_nonce);
+// The TCP hello of a client holding `token`, answering `challenge`: as parse_hello, with the proof checked instead of
+// the token (UNAUTHENTICATED when it is wrong or missing).
+absl::StatusOr<tandem::wire::DirectHello> parse_tcp_hello(const grpc::ByteBuffer& body, const std::string& token,
+                                                          const std::string& challenge);
 
 class Conn {
  public:
@@ -80,13 +103,14 @@ class Conn {
   pid_t cma_pid = 0;
   bool cma_ok = false;  // outbound: the server can read our memory
   bool inbound = false;
+  std::string challenge;  // inbound over TCP: the nonce this server sent (empty: a Unix-socket connection)
   std::atomic<bool> broken{false};
 
  private:
   absl::Status check_header(uint64_t max_body) const;
 
   const int fd_;
-  std::mutex write_mu_;
+  absl::Mutex write_mu_;  // one message at a time on the socket
   // The header being received (poll_header); touched by one thread at a time (EPOLLONESHOT).
   uint8_t header_[24] = {};
   size_t header_got_ = 0;
@@ -103,16 +127,23 @@ class Channel {
     std::function<void(const std::shared_ptr<Conn>&, const absl::Status&)> on_lost;
   };
 
-  // `message_timeout`: once a message has started to arrive, the rest must follow within it.
+  // `message_timeout`: once a message has started to arrive, the rest must follow within it. With a `tcp_host`, the
+  // channel also listens on TCP at that address (an ephemeral port) for peers on other hosts.
   static absl::StatusOr<std::unique_ptr<Channel>> start(std::string token, int threads, uint64_t max_message_bytes,
-                                                        absl::Duration message_timeout, Callbacks callbacks);
+                                                        absl::Duration message_timeout, Callbacks callbacks,
+                                                        const std::string& tcp_host = "");
   ~Channel();
 
   // This worker's abstract socket name (without the leading NUL).
   const std::string& address() const { return address_; }
+  // "tcp:host:port" of the TCP listener (connect() takes it as it is), or empty.
+  const std::string& tcp_address() const { return tcp_address_; }
 
-  // Connects to `address` and authenticates as `my_rank`. With `for_responses` the connection joins the epoll set
-  // and its responses go to on_response; otherwise the caller reads it itself (Conn::read).
+  // Connects to `address` (an abstract socket name, or "tcp:host:port") and authenticates as `my_rank`. With
+  // `for_responses` the connection joins the epoll set and its responses go to on_response; otherwise the caller reads
+  // it itself (Conn::read). Errors: UNAVAILABLE (unreachable, or the handshake broke), DEADLINE_EXCEEDED,
+  // UNAUTHENTICATED (the peer refused our token, or over TCP could not prove it holds the job's), FAILED_PRECONDITION
+  // (another wire version).
   absl::StatusOr<std::shared_ptr<Conn>> connect(const std::string& address, int my_rank, bool for_responses,
                                                 absl::Time deadline);
 
@@ -124,21 +155,23 @@ class Channel {
   Channel() = default;
   void loop();
   void handle_ready(const std::shared_ptr<Conn>& conn);
-  void accept_one();
+  void accept_one(int listen_fd, uint64_t tag);
   void arm(const std::shared_ptr<Conn>& conn, bool add);
   void drop(const std::shared_ptr<Conn>& conn, const absl::Status& why);
 
   std::string token_;
   std::string address_;
+  std::string tcp_address_;
   uint64_t max_message_bytes_ = 0;
   absl::Duration message_timeout_;
   Callbacks callbacks_;
   int epoll_fd_ = -1;
   int listen_fd_ = -1;
+  int tcp_listen_fd_ = -1;
   int wake_fd_ = -1;  // eventfd: stop() wakes every worker
   std::unique_ptr<detail::ThreadPool> threads_;
-  std::mutex mu_;
-  std::map<Conn*, std::shared_ptr<Conn>> conns_;  // guarded by mu_; epoll data points at the key
+  absl::Mutex mu_;
+  std::map<Conn*, std::shared_ptr<Conn>> conns_ ABSL_GUARDED_BY(mu_);  // epoll data points at the key
   std::atomic<bool> stopping_{false};
 };
 

@@ -9,7 +9,8 @@ namespace tandem::rpc::detail {
 absl::StatusOr<std::unique_ptr<DirectTransport>> DirectTransport::start(std::string token, int my_rank, int threads,
                                                                         uint64_t max_message_bytes,
                                                                         std::chrono::milliseconds message_timeout,
-                                                                        IncomingFn on_request) {
+                                                                        IncomingFn on_request,
+                                                                        const std::string& tcp_host) {
   std::unique_ptr<DirectTransport> t(new DirectTransport(my_rank, max_message_bytes));
   t->message_timeout_ = absl::FromChrono(message_timeout);
   t->on_request_ = std::move(on_request);
@@ -18,7 +19,8 @@ absl::StatusOr<std::unique_ptr<DirectTransport>> DirectTransport::start(std::str
       std::move(token), threads, max_message_bytes, absl::FromChrono(message_timeout),
       {[raw](const std::shared_ptr<direct::Conn>& c, direct::Message m) { raw->on_request(c, std::move(m)); },
        [raw](const std::shared_ptr<direct::Conn>&, direct::Message m) { raw->on_response(std::move(m)); },
-       [raw](const std::shared_ptr<direct::Conn>& c, const absl::Status& why) { raw->on_lost(c.get(), why); }});
+       [raw](const std::shared_ptr<direct::Conn>& c, const absl::Status& why) { raw->on_lost(c.get(), why); }},
+      tcp_host);
   if (!channel.ok()) return channel.status();
   t->channel_ = std::move(*channel);
   t->timer_ = std::thread([raw] { raw->run_timer(); });
@@ -36,18 +38,36 @@ DirectTransport::Peer* DirectTransport::peer(int rank) const {
 }
 
 absl::Status DirectTransport::add_peer(const PeerAddress& address, absl::Time deadline) {
-  if (!address.same_host || address.direct_address.empty()) {
-    return absl::UnavailableError("not on this host, or no direct channel");
+  // The Unix socket for a peer of this host, else TCP when both sides listen on it. Connecting now tells whether the
+  // route works (a same-host peer in another network namespace cannot reach the Unix socket).
+  std::vector<std::string> routes;
+  if (address.same_host && !address.direct_address.empty()) routes.push_back(address.direct_address);
+  if (!address.tcp_address.empty() && !channel_->tcp_address().empty()) routes.push_back(address.tcp_address);
+  absl::Status why = absl::UnavailableError("no direct channel to this worker (another host, and no TCP listener)");
+  for (const auto& route : routes) {
+    auto p = std::make_unique<Peer>();
+    p->address = route;
+    auto conn = async_conn(*p, deadline);
+    if (!conn.ok()) {
+      // A peer that refuses our token or speaks another version is not a route problem: say so at init.
+      if (conn.status().code() == absl::StatusCode::kUnauthenticated ||
+          conn.status().code() == absl::StatusCode::kFailedPrecondition) {
+        return conn.status();
+      }
+      why = conn.status();
+      continue;
+    }
+    p->cma_ok = (*conn)->cma_ok;
+    absl::MutexLock lock(&peers_mu_);
+    peers_[address.rank] = std::move(p);
+    return absl::OkStatus();
   }
-  auto p = std::make_unique<Peer>();
-  p->address = address.direct_address;
-  // Connecting now tells whether the socket is reachable (a same-host peer in another network namespace is not).
-  auto conn = async_conn(*p, deadline);
-  if (!conn.ok()) return conn.status();
-  p->cma_ok = (*conn)->cma_ok;
-  absl::MutexLock lock(&peers_mu_);
-  peers_[address.rank] = std::move(p);
-  return absl::OkStatus();
+  return why;
+}
+
+const char* DirectTransport::kind_for(int rank) const {
+  Peer* p = peer(rank);
+  return p && direct::is_tcp_address(p->address) ? "tcp" : "direct";
 }
 
 bool DirectTransport::by_reference(int rank) const {
@@ -56,7 +76,7 @@ bool DirectTransport::by_reference(int rank) const {
 }
 
 absl::StatusOr<std::shared_ptr<direct::Conn>> DirectTransport::async_conn(Peer& p, absl::Time deadline) {
-  std::lock_guard<std::mutex> lock(p.mu);
+  absl::MutexLock lock(&p.mu);
   if (p.async_conn && !p.async_conn->broken) return p.async_conn;
   auto conn = channel_->connect(p.address, my_rank_, /*for_responses=*/true, deadline);
   if (!conn.ok()) return conn.status();
@@ -91,7 +111,7 @@ absl::StatusOr<grpc::ByteBuffer> DirectTransport::call_sync(int rank, const std:
   if (!p) return absl::UnavailableError("no direct channel to this worker");
   std::shared_ptr<direct::Conn> conn;
   {
-    std::lock_guard<std::mutex> lock(p->mu);
+    absl::MutexLock lock(&p->mu);
     if (!p->idle_sync.empty()) {
       conn = std::move(p->idle_sync.back());
       p->idle_sync.pop_back();
@@ -127,7 +147,7 @@ absl::StatusOr<grpc::ByteBuffer> DirectTransport::call_sync(int rank, const std:
     return msg.ok() ? absl::InternalError("direct channel: unexpected message") : msg.status();
   }
   {
-    std::lock_guard<std::mutex> lock(p->mu);
+    absl::MutexLock lock(&p->mu);
     p->idle_sync.push_back(conn);
   }
   return std::move(msg->body);
@@ -228,7 +248,7 @@ void DirectTransport::cut(int rank, const grpc::ByteBuffer* partial) {
   std::shared_ptr<direct::Conn> async;
   std::vector<std::shared_ptr<direct::Conn>> idle;
   {
-    std::lock_guard<std::mutex> lock(p->mu);
+    absl::MutexLock lock(&p->mu);
     async = std::move(p->async_conn);
     idle.swap(p->idle_sync);
   }

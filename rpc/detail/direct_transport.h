@@ -1,4 +1,5 @@
-// The direct channel (rpc/detail/direct.h) as a Transport: calls to same-host peers over a Unix-domain socket.
+// The direct channel (rpc/detail/direct.h) as a Transport: calls to same-host peers over a Unix-domain socket, and to
+// peers on other hosts over TCP when both listen on it.
 //
 // Async calls share one connection per peer whose replies the channel's epoll threads read (paired by call id);
 // rpc_sync calls each take an idle connection of their own and read the reply on the calling thread. A timer thread
@@ -8,7 +9,6 @@
 #include <chrono>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <set>
 #include <string>
 #include <thread>
@@ -23,18 +23,22 @@ namespace tandem::rpc::detail {
 
 class DirectTransport final : public Transport {
  public:
-  // Listens on a fresh abstract socket; `threads` epoll threads read it and run incoming requests (`on_request`).
-  // `message_timeout`: once a message has started to arrive, the rest must follow within it.
+  // Listens on a fresh abstract socket, and with a `tcp_host` also on TCP there (for peers on other hosts); `threads`
+  // epoll threads read them and run incoming requests (`on_request`). `message_timeout`: once a message has started
+  // to arrive, the rest must follow within it.
   static absl::StatusOr<std::unique_ptr<DirectTransport>> start(std::string token, int my_rank, int threads,
                                                                 uint64_t max_message_bytes,
                                                                 std::chrono::milliseconds message_timeout,
-                                                                IncomingFn on_request);
+                                                                IncomingFn on_request,
+                                                                const std::string& tcp_host = "");
   ~DirectTransport() override;
 
   const std::string& address() const { return channel_->address(); }
+  const std::string& tcp_address() const { return channel_->tcp_address(); }
 
   const char* kind() const override { return "direct"; }
   absl::Status add_peer(const PeerAddress& peer, absl::Time deadline) override;
+  const char* kind_for(int peer) const override;
   bool by_reference(int peer) const override;
   void call(int peer, const std::string& function, grpc::ByteBuffer request, absl::Time deadline, DoneFn done) override;
   absl::StatusOr<grpc::ByteBuffer> call_sync(int peer, const std::string& function, grpc::ByteBuffer request,
@@ -46,9 +50,9 @@ class DirectTransport final : public Transport {
   struct Peer {
     std::string address;
     bool cma_ok = false;
-    std::mutex mu;
-    std::shared_ptr<direct::Conn> async_conn;              // guarded by mu
-    std::vector<std::shared_ptr<direct::Conn>> idle_sync;  // guarded by mu: connections of finished rpc_sync calls
+    absl::Mutex mu;  // held while the async connection is made: callers to one peer wait for the one connect
+    std::shared_ptr<direct::Conn> async_conn ABSL_GUARDED_BY(mu);
+    std::vector<std::shared_ptr<direct::Conn>> idle_sync ABSL_GUARDED_BY(mu);  // connections of finished rpc_sync calls
   };
   struct Pending {
     DoneFn done;

@@ -192,6 +192,7 @@ class FaultTransport final : public Transport {
  public:
   FaultTransport(FaultInjector* faults, Transport* inner) : faults_(faults), inner_(inner) {}
   const char* kind() const override { return inner_->kind(); }
+  const char* kind_for(int peer) const override { return inner_->kind_for(peer); }
   absl::Status add_peer(const PeerAddress& peer, absl::Time deadline) override {
     return inner_->add_peer(peer, deadline);
   }

@@ -4,15 +4,21 @@
 #include <grpcpp/create_channel.h>
 #include <grpcpp/support/channel_arguments.h>
 #include <netdb.h>
+#include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cerrno>
 #include <climits>
+#include <cstring>
 #include <fstream>
+#include <mutex>
+#include <random>
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
-#include "rpc/rpc.h"
+#include "rpc/tls.h"
 
 namespace tandem::rpc::net {
 namespace {
@@ -130,6 +136,32 @@ absl::StatusOr<std::string> local_address_towards(const std::string& host) {
   freeaddrinfo(res);
   if (out.empty()) return absl::UnavailableError(absl::StrCat("no route to master address '", host, "'"));
   return out;
+}
+
+absl::StatusOr<int> pick_listen_port() {
+  int ephemeral_low = 32768;  // the kernel's default when the file cannot be read
+  std::ifstream range("/proc/sys/net/ipv4/ip_local_port_range");
+  range >> ephemeral_low;
+  const int low = 10000, high = std::max(low + 1000, ephemeral_low - 1);
+  static std::mt19937 rng(std::random_device{}());
+  static std::mutex mu;  // guards rng
+  for (int attempt = 0; attempt < 1000; ++attempt) {
+    int port;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      port = std::uniform_int_distribution<int>(low, high)(rng);
+    }
+    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    if (fd < 0) return absl::UnavailableError(absl::StrCat("cannot pick a port: socket: ", std::strerror(errno)));
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_port = htons(static_cast<uint16_t>(port));
+    addr.sin_addr.s_addr = htonl(INADDR_ANY);
+    const bool free = ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
+    ::close(fd);
+    if (free) return port;
+  }
+  return absl::UnavailableError(absl::StrCat("no free port in ", low, "..", high, " after 1000 tries"));
 }
 
 }  // namespace tandem::rpc::net

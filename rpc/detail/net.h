@@ -35,4 +35,10 @@ bool is_loopback(const std::string& host);
 // "host:port", bracketing IPv6 literals.
 std::string join_host_port(const std::string& host, int port);
 
+// A TCP port for a listener that other processes are told about before it listens (a job's master port). Chosen at
+// random below the kernel's ephemeral range (ip_local_port_range), so no socket another process binds to port 0 or
+// connects from can take it in between; and checked by binding the wildcard address, so no socket on any local
+// address (a listener, a connection in TIME_WAIT) holds it. UNAVAILABLE when no port is found after 1,000 tries.
+absl::StatusOr<int> pick_listen_port();
+
 }  // namespace tandem::rpc::net

@@ -2,12 +2,14 @@
 #pragma once
 
 #include <chrono>
-#include <condition_variable>
 #include <deque>
 #include <functional>
-#include <mutex>
 #include <thread>
 #include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 
 namespace tandem::rpc::detail {
 
@@ -20,12 +22,9 @@ class ThreadPool {
 
   // Returns false once stopped (the task is not run).
   bool submit(std::function<void()> task) {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (stopping_) return false;
-      queue_.push_back(std::move(task));
-    }
-    cv_.notify_one();
+    absl::MutexLock lock(&mu_);
+    if (stopping_) return false;
+    queue_.push_back(std::move(task));
     return true;
   }
 
@@ -34,10 +33,10 @@ class ThreadPool {
   // timeout (the default, for pools whose tasks always return) waits for them; the agent always passes its grace.
   bool stop(std::chrono::milliseconds timeout = std::chrono::milliseconds(-1)) {
     {
-      std::unique_lock<std::mutex> lock(mu_);
+      absl::MutexLock lock(&mu_);
       stopping_ = true;
-      cv_.notify_all();
-      if (timeout.count() >= 0 && !idle_cv_.wait_for(lock, timeout, [this] { return queue_.empty() && busy_ == 0; })) {
+      auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return queue_.empty() && busy_ == 0; };
+      if (timeout.count() >= 0 && !mu_.AwaitWithTimeout(absl::Condition(&idle), absl::FromChrono(timeout))) {
         return false;
       }
     }
@@ -49,27 +48,27 @@ class ThreadPool {
 
  private:
   void run() {
-    std::unique_lock<std::mutex> lock(mu_);
+    auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopping_ || !queue_.empty(); };
+    absl::MutexLock lock(&mu_);
     for (;;) {
-      cv_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
+      mu_.Await(absl::Condition(&ready));
       if (queue_.empty()) return;  // stopping and drained
       auto task = std::move(queue_.front());
       queue_.pop_front();
       ++busy_;
-      lock.unlock();
+      mu_.Unlock();
       task();
-      lock.lock();
+      task = nullptr;  // the task's captures die outside the lock too
+      mu_.Lock();
       --busy_;
-      if (queue_.empty() && busy_ == 0) idle_cv_.notify_all();
     }
   }
 
-  std::mutex mu_;
-  std::condition_variable cv_, idle_cv_;
-  std::deque<std::function<void()>> queue_;
-  int busy_ = 0;
-  bool stopping_ = false;
-  std::vector<std::thread> threads_;
+  absl::Mutex mu_;
+  std::deque<std::function<void()>> queue_ ABSL_GUARDED_BY(mu_);
+  int busy_ ABSL_GUARDED_BY(mu_) = 0;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  std::vector<std::thread> threads_;  // set in the constructor, then only joined
 };
 
 }  // namespace tandem::rpc::detail

@@ -8,12 +8,12 @@
 #include <torch/csrc/jit/mobile/type_parser.h>
 
 #include <cerrno>
-
 #include <cstring>
 #include <map>
-#include <mutex>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "rpc/detail/buffer_pool.h"
 #include "rpc/extension.h"
 
@@ -48,9 +48,9 @@ bool supported_dtype(int dtype) {
 // Parsing TorchScript type annotations is not free; messages repeat the same few, so cache them.
 c10::TypePtr parse_type(const std::string& annotation) {
   if (annotation.empty() || annotation.size() > 1024) return c10::AnyType::get();
-  static std::mutex mu;
-  static auto* cache = new std::map<std::string, c10::TypePtr>;
-  std::lock_guard<std::mutex> lock(mu);
+  static absl::Mutex mu(absl::kConstInit);
+  static auto* cache ABSL_PT_GUARDED_BY(mu) = new std::map<std::string, c10::TypePtr>;
+  absl::MutexLock lock(&mu);
   auto it = cache->find(annotation);
   if (it != cache->end()) return it->second;
   c10::TypePtr type;

@@ -35,5 +35,38 @@ TEST_F(MultiprocComm, DebugModeReportsTheFirstMismatchingRankOnEveryRank) {
 
 TEST_F(MultiprocComm, ADeadRankIsAnErrorOnTheOthersWithinTheTimeout) { expect_last_rank_killed(3, "dead_rank"); }
 
+TEST_F(MultiprocComm, ADeadRankIsAnErrorOnTheOthersOverGloo) { expect_last_rank_killed(3, "dead_rank_gloo"); }
+
+// The shared-memory path (comm/detail/shm.h): chosen by default here, every rank on one host.
+TEST_F(MultiprocComm, EveryCollectiveAndDtypeOverGlooOnThreeRanks) {
+  start({.world_size = 3});
+  EXPECT_EQ(everywhere(3, "basic_gloo"), "");
+}
+
+TEST_F(MultiprocComm, EveryCollectiveAndDtypeOverSharedMemoryOnTwoRanks) {
+  start({.world_size = 2});
+  EXPECT_EQ(everywhere(2, "basic_shm"), "");
+}
+
+TEST_F(MultiprocComm, SharedMemoryEqualsGlooOnTwoRanks) {
+  start({.world_size = 2});
+  EXPECT_EQ(everywhere(2, "shm_equals_gloo"), "");
+}
+
+TEST_F(MultiprocComm, SharedMemoryEqualsGlooOnThreeRanks) {
+  start({.world_size = 3});
+  EXPECT_EQ(everywhere(3, "shm_equals_gloo"), "");
+}
+
+TEST_F(MultiprocComm, SharedMemoryRemovesAStaleSegmentAndLeavesNone) {
+  start({.world_size = 2});
+  EXPECT_EQ(everywhere(2, "stale_segment"), "");
+}
+
+TEST_F(MultiprocComm, SharedMemoryLateRankIsDeadlineExceededNamingIt) {
+  start({.world_size = 3});
+  EXPECT_EQ(everywhere(3, "shm_late_rank"), "");
+}
+
 }  // namespace
 }  // namespace tandem::test

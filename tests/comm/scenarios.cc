@@ -3,7 +3,14 @@
 #include "tests/common/scenario.h"
 
 #include <ATen/ATen.h>
+#include <dirent.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
+
+#include <cstdio>
+
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "comm/process_group.h"
@@ -11,6 +18,7 @@
 #include "rpc/registry.h"
 #include "rpc/rpc.h"
 #include "rpc/store.h"
+#include "tests/common/multiproc.h"
 
 namespace tandem::test {
 namespace {
@@ -119,10 +127,123 @@ std::string basic(const std::shared_ptr<comm::ProcessGroup>& pg) {
   return err;
 }
 
+// Segments in /dev/shm named for this process (comm/detail/shm.cc: tandem-pg-<pid ns>-<pid>-<nonce>).
+std::vector<std::string> my_segments() {
+  std::vector<std::string> out;
+  struct stat st {};
+  stat("/proc/self/ns/pid", &st);
+  const std::string mine = absl::StrCat("tandem-pg-", st.st_ino, "-", getpid(), "-");
+  if (DIR* dir = opendir("/dev/shm")) {
+    while (dirent* e = readdir(dir)) {
+      if (std::string(e->d_name).rfind(mine, 0) == 0) out.push_back(e->d_name);
+    }
+    closedir(dir);
+  }
+  return out;
+}
+
+// The shared-memory path against Gloo on the same ranks: every collective it serves, every op and dtype, sizes from
+// one element to several rounds of the segment's 4 MiB halves, on data each rank draws from the same seed. Values are
+// small integers, so that every sum and product is exact in every dtype and the two paths must agree to the bit.
+std::string shm_equals_gloo(int world) {
+  auto shm = comm::ProcessGroup::create("shm", {}, {.shared_memory = comm::SharedMemory::kAlways});
+  auto gloo = comm::ProcessGroup::create("gloo", {}, {.shared_memory = comm::SharedMemory::kNever});
+  std::string err = check(std::string(shm->transport()) == "shared_memory", "shm group's transport") +
+                    check(std::string(gloo->transport()) == "gloo", "gloo group's transport") +
+                    check(my_segments().empty(), "a segment is left in /dev/shm after create()");
+  const int r = shm->rank(), n = shm->size();
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(1234 + r);
+  auto data = [&](int64_t count, at::ScalarType dtype) {
+    return at::randint(1, 4, {count}, gen, at::TensorOptions().dtype(at::kLong)).to(dtype);
+  };
+  auto same = [&](const char* what, const at::Tensor& a, const at::Tensor& b, const std::string& how) {
+    err += check(a.equal(b), absl::StrCat(what, " ", how));
+  };
+  using comm::ReduceOp;
+  for (auto dtype : {at::kFloat, at::kDouble, at::kHalf, at::kBFloat16, at::kChar, at::kByte, at::kInt, at::kLong}) {
+    // Several rounds of 4 MiB: 2 for float, 3 for int64 (kept to two dtypes and ops: the test also runs under TSan).
+    std::vector<int64_t> sizes = {1, 1001, 70001};
+    if (dtype == at::kFloat || dtype == at::kLong) sizes.push_back(1100001);
+    for (int64_t count : sizes) {
+      const std::string how = absl::StrCat(c10::toString(dtype), "[", count, "]");
+      for (auto op : {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMin, ReduceOp::kMax, ReduceOp::kProduct}) {
+        if (op == ReduceOp::kAvg && !at::isFloatingType(dtype)) continue;
+        if (op == ReduceOp::kProduct && count > 1001) continue;
+        if (count > 70001 && op != ReduceOp::kSum && op != ReduceOp::kMax) continue;
+        at::Tensor a = data(count, dtype), b = a.clone();
+        comm::wait(shm->allreduce(a, op));
+        comm::wait(gloo->allreduce(b, op));
+        same("allreduce", a, b, absl::StrCat(how, " op ", static_cast<int>(op)));
+      }
+      at::Tensor a = data(count, dtype), b = a.clone();
+      comm::wait(shm->broadcast(a, n - 1));
+      comm::wait(gloo->broadcast(b, n - 1));
+      same("broadcast", a, b, how);
+      at::Tensor in = data(count, dtype), oa = at::empty({count * n}, in.options()), ob = oa.clone();
+      comm::wait(shm->allgather(oa, in));
+      comm::wait(gloo->allgather(ob, in));
+      same("allgather", oa, ob, how);
+      at::Tensor whole = data(count * n, dtype), ra = at::empty({count}, whole.options()), rb = ra.clone();
+      comm::wait(shm->reduce_scatter(ra, whole, ReduceOp::kSum));
+      comm::wait(gloo->reduce_scatter(rb, whole, ReduceOp::kSum));
+      same("reduce_scatter", ra, rb, how);
+    }
+  }
+  comm::wait(shm->barrier());
+  (void)world;
+  return err;
+}
+
 std::string run(const std::string& name) {
   const int rank = rpc::get_worker_info().id;
   const int world = static_cast<int>(rpc::get_all_worker_infos().size());
   if (name == "basic") return basic(comm::ProcessGroup::create("basic"));
+  if (name == "basic_gloo") {
+    auto pg = comm::ProcessGroup::create("basic_gloo", {}, {.shared_memory = comm::SharedMemory::kNever});
+    return check(std::string(pg->transport()) == "gloo", "transport") + basic(pg);
+  }
+  if (name == "basic_shm") {
+    auto pg = comm::ProcessGroup::create("basic_shm", {}, {.shared_memory = comm::SharedMemory::kAlways});
+    return check(std::string(pg->transport()) == "shared_memory", "transport") + basic(pg);
+  }
+  if (name == "shm_equals_gloo") return shm_equals_gloo(world);
+  if (name == "stale_segment") {
+    // A segment whose creator died before removing its name (made here with the pid of a child that has exited) is
+    // removed by the next group's creation; the group's own is gone once create() returns.
+    std::string err;
+    std::string stale;
+    if (rank == 0) {
+      const pid_t child = fork();
+      if (child == 0) _exit(0);
+      waitpid(child, nullptr, 0);
+      struct stat st {};
+      stat("/proc/self/ns/pid", &st);
+      stale = absl::StrCat("/dev/shm/tandem-pg-", st.st_ino, "-", child, "-dead");
+      FILE* f = std::fopen(stale.c_str(), "w");
+      if (!f) return "could not make " + stale;
+      std::fclose(f);
+    }
+    auto pg = comm::ProcessGroup::create("sweep", {}, {.shared_memory = comm::SharedMemory::kAlways});
+    comm::wait(pg->barrier());
+    if (rank == 0) err += check(access(stale.c_str(), F_OK) != 0, "the stale segment " + stale + " is still there");
+    err += check(my_segments().empty(), "a segment is left in /dev/shm");
+    return err;
+  }
+  if (name == "shm_late_rank") {
+    // Rank 1 is alive but joins the allreduce after the others' deadline: they fail with DEADLINE_EXCEEDED naming it.
+    auto pg = comm::ProcessGroup::create("late", {}, {.timeout = std::chrono::milliseconds(1500)});
+    if (std::string(pg->transport()) != "shared_memory") return "not on shared memory";
+    if (rank == 1) std::this_thread::sleep_for(std::chrono::milliseconds(2500));
+    auto t = at::ones({10});
+    const absl::Status s = pg->allreduce(t).status();
+    if (rank == 1) return s.ok() ? "the late rank's allreduce succeeded" : "";
+    const std::string m(s.message());
+    if (s.code() != absl::StatusCode::kDeadlineExceeded || m.find("rank 1 (worker '") == std::string::npos ||
+        m.find("process group 'late'") == std::string::npos || m.find("allreduce") == std::string::npos) {
+      return "late rank: " + s.ToString();
+    }
+    return "";
+  }
   if (name == "subgroup") {
     // Ranks 0 and 2 of 3 form a group of their own; rank 1 is not in it.
     if (rank == 1) return "";
@@ -130,9 +251,14 @@ std::string run(const std::string& name) {
     if (pg->size() != 2 || pg->rank() != (rank == 0 ? 0 : 1)) return "subgroup ranks wrong";
     return basic(pg);
   }
-  if (name == "dead_rank") {
-    // The last rank dies before the allreduce: the others get an error within the group's timeout.
-    auto pg = comm::ProcessGroup::create("dead", {}, {.timeout = std::chrono::milliseconds(3000)});
+  if (name == "dead_rank" || name == "dead_rank_gloo") {
+    // The last rank dies before the allreduce: the others get an error within the group's timeout. On shared memory
+    // (the default here) they see the process end: UNAVAILABLE naming it, without waiting for the deadline.
+    const bool gloo = name == "dead_rank_gloo";
+    auto pg = comm::ProcessGroup::create(
+        "dead", {},
+        {.timeout = std::chrono::milliseconds(gloo ? 3000 : 60000),
+         .shared_memory = gloo ? comm::SharedMemory::kNever : comm::SharedMemory::kAlways});
     comm::wait(pg->barrier());
     if (rank == world - 1) _exit(9);
     auto t = at::ones({10});
@@ -144,6 +270,11 @@ std::string run(const std::string& name) {
       if (m.find("process group 'dead'") == std::string::npos || m.find("allreduce") == std::string::npos) {
         return "error does not name the group and operation: " + m;
       }
+      const std::string dead = absl::StrCat("rank ", world - 1, " (worker '");
+      if (!gloo && (e.status().code() != absl::StatusCode::kUnavailable || m.find(dead) == std::string::npos ||
+                    m.find("is gone") == std::string::npos)) {
+        return "on shared memory, the error does not name the dead rank: " + e.status().ToString();
+      }
     }
     try {
       comm::wait(pg->barrier());
@@ -151,6 +282,45 @@ std::string run(const std::string& name) {
     } catch (const RpcError&) {
     }
     return "";
+  }
+  if (name == "cut_link") {
+    // On test hosts (tests/hosts/run.sh): host 2's link is cut while every rank runs allreduces of 16 MiB. Every rank
+    // gets an error naming the group and the operation within the group's timeout; rank 0 heals the link afterwards.
+    auto pg = comm::ProcessGroup::create("cut", {}, {.timeout = std::chrono::milliseconds(3000)});
+    comm::wait(pg->barrier());
+    std::thread cutter;
+    if (rank == 0) {
+      cutter = std::thread([] {
+        std::this_thread::sleep_for(std::chrono::milliseconds(300));
+        host_fault("cut", 2);
+      });
+    }
+    std::string err;
+    auto t = at::ones({4 << 20});
+    const auto t0 = std::chrono::steady_clock::now();
+    std::chrono::steady_clock::time_point failed_at;
+    try {
+      for (;;) {
+        comm::wait(pg->allreduce(t));
+        if (std::chrono::steady_clock::now() - t0 > std::chrono::seconds(20)) {
+          err = "allreduces kept succeeding over a cut link; ";
+          break;
+        }
+      }
+    } catch (const RpcError& e) {
+      failed_at = std::chrono::steady_clock::now();
+      const std::string m = e.what();
+      if (m.find("process group 'cut'") == std::string::npos || m.find("allreduce") == std::string::npos) {
+        err += "error does not name the group and operation: " + m + "; ";
+      }
+      // The cut came at 300 ms; the error must follow within the group's timeout (plus a margin for the copy).
+      if (failed_at - t0 > std::chrono::milliseconds(300 + 3000 + 2000)) err += "the error came too late: " + m + "; ";
+    }
+    if (rank == 0) {
+      cutter.join();
+      host_fault("heal", 2);
+    }
+    return err;
   }
   if (name == "p2p_timeout") {
     // A recv whose send never comes fails within the timeout, naming the peer. Gloo closes the connection on a

@@ -1,5 +1,7 @@
 #include "tests/common/multiproc.h"
 
+#include "rpc/detail/net.h"
+
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netinet/in.h>
@@ -19,17 +21,9 @@
 namespace tandem::test {
 
 int free_port() {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof(addr);
-  if (fd < 0 || bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
-      getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
-    throw std::runtime_error("no free port");
-  }
-  close(fd);
-  return ntohs(addr.sin_port);
+  auto port = rpc::net::pick_listen_port();
+  if (!port.ok()) throw std::runtime_error(port.status().ToString());
+  return *port;
 }
 
 std::string self_exe() {
@@ -109,12 +103,50 @@ int exit_code(int status) {
   return -1;
 }
 
+const TestHosts& test_hosts() {
+  static const TestHosts hosts = [] {
+    TestHosts h;
+    const char* spec = std::getenv("TANDEM_TEST_HOSTS");
+    if (!spec || !*spec) return h;
+    const std::string s = spec;
+    const auto colon = s.find(':');
+    if (colon == std::string::npos) throw std::runtime_error("TANDEM_TEST_HOSTS is not NAME:COUNT: " + s);
+    h.name = s.substr(0, colon);
+    h.count = std::stoi(s.substr(colon + 1));
+    const auto need = [](const char* var) {
+      const char* v = std::getenv(var);
+      if (!v || !*v) throw std::runtime_error(std::string("TANDEM_TEST_HOSTS is set but ") + var + " is not");
+      return std::string(v);
+    };
+    h.launcher = need("TANDEM_TEST_LAUNCHER");
+    h.master_addr = need("TANDEM_TEST_MASTER_ADDR");
+    if (const char* v = std::getenv("TANDEM_TEST_HOSTS_SCRIPT")) h.script = v;
+    return h;
+  }();
+  return hosts;
+}
+
+void host_fault(const std::string& op, int host, const std::string& arg) {
+  const TestHosts& h = test_hosts();
+  if (h.count == 0 || h.script.empty()) throw std::runtime_error("host_fault: not on test hosts");
+  const std::string cmd = "bash '" + h.script + "' " + op + " " + h.name + " " + std::to_string(host) + " " + arg;
+  if (std::system(cmd.c_str()) != 0) throw std::runtime_error("host_fault failed: " + cmd);
+}
+
 Job::Job(const JobSpec& spec) : spec_(spec), port_(free_port()), secret_("test-secret-" + std::to_string(getpid())) {
+  const TestHosts& hosts = test_hosts();
   for (int r = 1; r < spec.world_size; ++r) {
     auto env = env_for(r);
     for (const auto& [k, v] : spec.extra_env) env[k] = v;
-    children_.push_back(
-        std::make_unique<Process>(std::vector<std::string>{self_exe(), "--worker", spec.scenario}, env));
+    std::vector<std::string> argv{self_exe(), "--worker", spec.scenario};
+    if (hosts.count > 0) {
+      argv.insert(argv.begin(), {"/usr/sbin/ip", "netns", "exec", hosts.name + "-h" + std::to_string(r % hosts.count),
+                                 hosts.launcher, "--nproc-per-node", "1", "--nnodes",
+                                 std::to_string(spec.world_size), "--node-rank", std::to_string(r), "--master-addr",
+                                 hosts.master_addr, "--master-port", std::to_string(port_), "--grace-seconds", "2",
+                                 "--"});
+    }
+    children_.push_back(std::make_unique<Process>(argv, env));
   }
 }
 
@@ -123,7 +155,7 @@ std::map<std::string, std::string> Job::env_for(int rank) const {
           {"LOCAL_RANK", std::to_string(rank)},
           {"WORLD_SIZE", std::to_string(spec_.world_size)},
           {"LOCAL_WORLD_SIZE", std::to_string(spec_.world_size)},
-          {"MASTER_ADDR", "127.0.0.1"},
+          {"MASTER_ADDR", job_master_addr()},
           {"MASTER_PORT", std::to_string(port_)},
           {"TANDEM_SECRET", secret_}};
 }

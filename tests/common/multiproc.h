@@ -13,8 +13,27 @@
 
 namespace tandem::test {
 
-// A free TCP port on 127.0.0.1 (bound, read, released).
+// A port for a job's master to listen on (rpc::net::pick_listen_port: below the ephemeral range, free on every local
+// address). Throws when none is found.
 int free_port();
+
+// Test hosts (scripts/hosts.sh, tests/hosts/): when the test process runs in host 0 of a set of network namespaces,
+// TANDEM_TEST_HOSTS is "NAME:COUNT", and a Job starts its child of rank r in host r % COUNT, through one tandem-run
+// per child (TANDEM_TEST_LAUNCHER; --nnodes WORLD --node-rank r --master-addr MASTER), so every call between ranks
+// crosses a TCP/IP link. TANDEM_TEST_MASTER_ADDR is host 0's address. Without them: everything on 127.0.0.1.
+struct TestHosts {
+  std::string name;
+  int count = 0;  // 0: not on test hosts
+  std::string launcher;
+  std::string master_addr = "127.0.0.1";
+  std::string script;  // scripts/hosts.sh (TANDEM_TEST_HOSTS_SCRIPT), for faults
+};
+const TestHosts& test_hosts();
+// Applies a fault to test host `host`: `scripts/hosts.sh OP NAME HOST [ARG]` with OP cut, heal, blackhole, kill or
+// rate (ARG: a tc rate such as 200mbit, or off). Throws std::runtime_error when not on test hosts or when it fails.
+void host_fault(const std::string& op, int host, const std::string& arg = "");
+// The address rank 0 serves the job's store on: 127.0.0.1, or host 0's address on test hosts.
+inline const std::string& job_master_addr() { return test_hosts().master_addr; }
 std::string self_exe();
 // A fresh private directory under TMPDIR, removed by the caller if at all.
 std::string make_temp_dir();

@@ -5,6 +5,7 @@
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <memory>
 #include <string>
 
@@ -28,12 +29,36 @@ class MultiprocRpc : public ::testing::Test {
   // Starts the children of `spec` and joins as rank 0 with `options` (defaults from the same environment they get).
   void start(JobSpec spec, rpc::RpcOptions options = options_from_env()) {
     rpc::init_rpc("worker0", 0, spec.world_size, launch(spec, std::move(options)));
+    if (test_hosts().count > 0) expect_across_hosts(spec.world_size);
+  }
+
+  // On test hosts, rank r serves at host (r % count)'s address and every peer is reached over the route the
+  // environment asks for: gRPC when TANDEM_TRANSPORT is "grpc" or TLS is on, else the direct channel's TCP route. With
+  // TLS from the environment (TANDEM_TLS_*), a plain-text client is refused.
+  void expect_across_hosts(int world) {
+    const char* transport = std::getenv("TANDEM_TRANSPORT");
+    const char* tls_cert = std::getenv("TANDEM_TLS_CERT");
+    const bool grpc = (transport && std::string(transport) == "grpc") || (tls_cert && *tls_cert);
+    const std::string prefix = job_master_addr().substr(0, job_master_addr().rfind('.') + 1);
+    for (int r = 0; r < world; ++r) {
+      const std::string want = prefix + std::to_string(r % test_hosts().count + 1) + ":";
+      EXPECT_EQ(rpc::get_worker_info(r).address.rfind(want, 0), 0u) << rpc::get_worker_info(r).address;
+      const bool same_host = r % test_hosts().count == 0;
+      if (r != 0) EXPECT_EQ(rpc::transport_to(r), grpc ? "grpc" : same_host ? "direct" : "tcp") << "rank " << r;
+    }
+    if (const char* tls = std::getenv("TANDEM_TLS_CERT"); tls && *tls && world > 1) {
+      pb::Request request;
+      request.set_function("whoami");
+      grpc::ByteBuffer response;
+      EXPECT_FALSE(raw_call(1, make_frame(request, ""), &response, rpc::auth::derive_token(job_->secret())).ok())
+          << "TANDEM_TLS_* is set but a plain-text call went through";
+    }
   }
 
   // Starts the children of `spec`; returns `options` pointed at the job (master, secret) for rank 0.
   rpc::RpcOptions launch(const JobSpec& spec, rpc::RpcOptions options) {
     job_ = std::make_unique<Job>(spec);
-    options.master_addr = "127.0.0.1";
+    options.master_addr = job_master_addr();
     options.master_port = job_->port();
     options.secret = job_->secret();
     return options;

@@ -5,6 +5,9 @@
 
 #include <algorithm>
 #include <set>
+#include <sstream>
+
+#include <torch/serialize.h>
 
 #include "rpc/errors.h"
 
@@ -66,6 +69,59 @@ TEST(UnitDistributedSampler, RejectsARankOutsideTheReplicas) {
   } catch (const Error& e) {
     EXPECT_EQ(e.code(), absl::StatusCode::kInvalidArgument) << e.what();
   }
+}
+
+// What a sampler saved, loaded into a fresh one of `replicas` ranks at `rank`.
+DistributedSampler reloaded(const DistributedSampler& saved, size_t n, int replicas, int rank) {
+  torch::serialize::OutputArchive out;
+  saved.save(out);
+  std::ostringstream bytes;
+  out.save_to(bytes);
+  torch::serialize::InputArchive in;
+  std::istringstream read(bytes.str());
+  in.load_from(read);
+  DistributedSampler s(n, replicas, rank, {.shuffle = true, .seed = 3});
+  s.load(in);
+  return s;
+}
+
+TEST(UnitDistributedSampler, ReloadedAtTheSameWorldSizeItCarriesOnExactly) {
+  DistributedSampler s(50, 2, 1, {.shuffle = true, .seed = 3});
+  s.set_epoch(4);
+  (void)s.next(7);
+  DistributedSampler copy = reloaded(s, 50, 2, 1);
+  EXPECT_EQ(all_batches(copy, 5), all_batches(s, 5));
+}
+
+TEST(UnitDistributedSampler, ReloadedByAnotherWorldSizeTheRanksShareWhatWasLeftOfTheEpoch) {
+  // Two ranks consume 4 batches of 3 each (24 of 60), then the job re-forms with three, then with two again.
+  std::multiset<size_t> seen;
+  std::vector<DistributedSampler> two;
+  for (int r = 0; r < 2; ++r) {
+    two.emplace_back(60, 2, r, ddp::SamplerOptions{.shuffle = true, .seed = 3});
+    two.back().set_epoch(2);
+    for (int b = 0; b < 4; ++b) {
+      auto got = two.back().next(3);
+      seen.insert(got->begin(), got->end());
+    }
+  }
+  std::vector<DistributedSampler> three;
+  for (int r = 0; r < 3; ++r) {
+    three.push_back(reloaded(two[0], 60, 3, r));  // rank 0's state: the same on every rank of a DDP job
+    EXPECT_EQ(three.back().size(), 12u);          // (60 - 24) / 3
+    auto got = three.back().next(5);              // 5 of each rank's 12
+    seen.insert(got->begin(), got->end());
+  }
+  for (int r = 0; r < 2; ++r) {
+    DistributedSampler again = reloaded(three[0], 60, 2, r);
+    auto rest = all_batches(again, 4);
+    EXPECT_EQ(rest.size(), 11u);  // 60 - 24 - 15 = 21 left: 11 per rank, with one index repeated as padding
+    seen.insert(rest.begin(), rest.end());
+  }
+  // Every index of the epoch once, and the one padding repeat of the last split.
+  std::set<size_t> distinct(seen.begin(), seen.end());
+  EXPECT_EQ(distinct.size(), 60u);
+  EXPECT_EQ(seen.size(), 61u);
 }
 
 }  // namespace

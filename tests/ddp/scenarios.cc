@@ -486,7 +486,13 @@ std::string hybrid_killed(const std::string& who) {
   const bool ps = who == "ps";
   if (!ps && rank == 1) _exit(9);
   if (ps && rank == 0) (void)rpc::rpc_async(2, "test.die_in", int64_t{50});
-  if (ps) std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  if (ps) {  // until the parameter server is gone (bounded): a fixed sleep was too short under ThreadSanitizer
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+    while (std::chrono::steady_clock::now() < until &&
+           rpc::call(2, "__tandem.rref.ping", {}, std::chrono::milliseconds(1000)).status().ok()) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  }
   const std::string dead = ps ? "worker2" : "rank 1";
   const auto t0 = std::chrono::steady_clock::now();
   try {

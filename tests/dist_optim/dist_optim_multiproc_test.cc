@@ -4,6 +4,7 @@
 #include <gmock/gmock.h>
 #include <torch/optim.h>
 
+#include <sstream>
 #include <thread>
 
 #include "dist_autograd/dist_autograd.h"
@@ -52,6 +53,22 @@ std::vector<Case> cases() {
   };
 }
 
+// One step of the model x -> tanh(x p1) -> tanh(. p2) -> squared sum, both through `opt` (p1 on worker1, p2 on
+// worker2) and through `local` over the local copies l1, l2.
+void step_both(dist_optim::DistributedOptimizer& opt, torch::optim::Optimizer& local, const at::Tensor& x,
+               const std::string& p1, const std::string& p2, const at::Tensor& l1, const at::Tensor& l2) {
+  {
+    dist_autograd::ContextGuard ctx;
+    at::Tensor h = rpc::rpc_sync<at::Tensor>("worker1", "layer", p1, x);
+    at::Tensor y = rpc::rpc_sync<at::Tensor>("worker2", "layer", p2, h);
+    dist_autograd::backward(ctx.id(), {y.pow(2).sum()});
+    opt.step(ctx.id());
+  }
+  local.zero_grad();
+  at::tanh(at::tanh(x.mm(l1)).mm(l2)).pow(2).sum().backward();
+  local.step();
+}
+
 using MultiprocDistOptim = MultiprocRpc;
 
 TEST_F(MultiprocDistOptim, EveryKindStepsLikeTheLocalOptimizer) {
@@ -66,21 +83,54 @@ TEST_F(MultiprocDistOptim, EveryKindStepsLikeTheLocalOptimizer) {
     at::Tensor l2 = param(p2, 4, 4).detach().clone().set_requires_grad(true);
     auto local = c.local({l1, l2});
     for (int step = 0; step < 3; ++step) {
-      {
-        dist_autograd::ContextGuard ctx;
-        at::Tensor h = rpc::rpc_sync<at::Tensor>("worker1", "layer", p1, x);
-        at::Tensor y = rpc::rpc_sync<at::Tensor>("worker2", "layer", p2, h);
-        dist_autograd::backward(ctx.id(), {y.pow(2).sum()});
-        opt.step(ctx.id());
-      }
-      local->zero_grad();
-      at::tanh(at::tanh(x.mm(l1)).mm(l2)).pow(2).sum().backward();
-      local->step();
+      step_both(opt, *local, x, p1, p2, l1, l2);
       at::Tensor r1 = rpc::rpc_sync<at::Tensor>("worker1", "param_value", p1);
       at::Tensor r2 = rpc::rpc_sync<at::Tensor>("worker2", "param_value", p2);
       EXPECT_TRUE(at::allclose(r1, l1, 1e-6, 1e-6)) << "step " << step << "\n" << r1 << "\n" << l1;
       EXPECT_TRUE(at::allclose(r2, l2, 1e-6, 1e-6)) << "step " << step << "\n" << r2 << "\n" << l2;
     }
+  }
+}
+
+// A checkpoint of the owners' state: an optimizer saved after 2 steps, and a new one over the same parameters that
+// loads it, takes the third step as the local optimizer does (without the state, Adam's third step differs).
+TEST_F(MultiprocDistOptim, SavedStateResumesOnTheOwners) {
+  start({.world_size = 3});
+  const at::Tensor x = input();
+  const Case c = cases()[1];  // adam
+  const std::string p1 = "p1_saved", p2 = "p2_saved";
+  at::Tensor l1 = param(p1, 4, 4).detach().clone().set_requires_grad(true);
+  at::Tensor l2 = param(p2, 4, 4).detach().clone().set_requires_grad(true);
+  auto local = c.local({l1, l2});
+  auto step = [&](dist_optim::DistributedOptimizer& opt) { step_both(opt, *local, x, p1, p2, l1, l2); };
+  torch::serialize::OutputArchive saved;
+  {
+    dist_optim::DistributedOptimizer opt(c.kind, {param_ref(1, p1), param_ref(2, p2)}, c.hyper);
+    step(opt);
+    step(opt);
+    opt.save(saved);
+  }  // released on the owners
+  std::ostringstream bytes;
+  saved.save_to(bytes);
+  torch::serialize::InputArchive in;
+  std::istringstream read(bytes.str());
+  in.load_from(read);
+  dist_optim::DistributedOptimizer resumed(c.kind, {param_ref(1, p1), param_ref(2, p2)}, c.hyper);
+  resumed.load(in);
+  step(resumed);
+  EXPECT_TRUE(at::allclose(rpc::rpc_sync<at::Tensor>("worker1", "param_value", p1), l1, 1e-6, 1e-6));
+  EXPECT_TRUE(at::allclose(rpc::rpc_sync<at::Tensor>("worker2", "param_value", p2), l2, 1e-6, 1e-6));
+
+  // Another set of owners is refused, naming both.
+  dist_optim::DistributedOptimizer other(c.kind, {param_ref(1, p1)}, c.hyper);
+  torch::serialize::InputArchive again;
+  std::istringstream reread(bytes.str());
+  again.load_from(reread);
+  try {
+    other.load(again);
+    ADD_FAILURE() << "a state of other owners was loaded";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), absl::StatusCode::kFailedPrecondition) << e.what();
   }
 }
 

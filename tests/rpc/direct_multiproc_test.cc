@@ -1,6 +1,8 @@
 // The direct channel and its bulk path, across real processes: which path a call takes, each path forced, the
 // fall-back when cross-memory reads are impossible, and clients that do not play by the rules.
 #include <ATen/ATen.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <unistd.h>
@@ -144,6 +146,68 @@ TEST_F(MultiprocDirect, BulkPathFallsBackWhenThePeerCannotReadOurMemory) {
   EXPECT_EQ(exit_code(child.wait(milliseconds(30000))), 0) << child.output();
 }
 
+// The direct channel's TCP route in one process over loopback (no namespaces needed): the challenge handshake both
+// ways, frames large and small both ways, the async connection's replies read by the epoll threads, and refusals.
+TEST(UnitDirectTcp, HandshakeAndFramesOverLoopback) {
+  const std::string token = rpc::auth::derive_token("unit-secret");
+  const auto soon = [] { return absl::Now() + absl::Seconds(10); };
+  rpc::direct::Channel::Callbacks echo;
+  echo.on_request = [](const std::shared_ptr<rpc::direct::Conn>& conn, rpc::direct::Message m) {
+    (void)conn->write(rpc::direct::Kind::kResponse, m.call_id, m.body, absl::Now() + absl::Seconds(10));
+  };
+  auto server = rpc::direct::Channel::start(token, 2, 64 << 20, absl::Seconds(10), echo, "127.0.0.1");
+  ASSERT_TRUE(server.ok()) << server.status();
+  const std::string address = (*server)->tcp_address();
+  ASSERT_EQ(address.rfind("tcp:127.0.0.1:", 0), 0u) << address;
+
+  absl::Mutex mu;
+  std::map<uint64_t, size_t> replies;
+  rpc::direct::Channel::Callbacks client_callbacks;
+  client_callbacks.on_response = [&](const std::shared_ptr<rpc::direct::Conn>&, rpc::direct::Message m) {
+    absl::MutexLock lock(&mu);
+    replies[m.call_id] = m.body.Length();
+  };
+  auto client = rpc::direct::Channel::start(token, 1, 64 << 20, absl::Seconds(10), client_callbacks);
+  ASSERT_TRUE(client.ok());
+  auto sync = (*client)->connect(address, 3, /*for_responses=*/false, soon());
+  ASSERT_TRUE(sync.ok()) << sync.status();
+  EXPECT_FALSE((*sync)->cma_ok);
+  for (const std::string& body : {std::string(12 << 20, 'x'), std::string("small")}) {
+    grpc::Slice slice(body);
+    ASSERT_TRUE((*sync)->write(rpc::direct::Kind::kRequest, 9, grpc::ByteBuffer(&slice, 1), soon()).ok());
+    auto reply = (*sync)->read(64 << 20, soon());
+    ASSERT_TRUE(reply.ok()) << reply.status();
+    EXPECT_EQ(reply->kind, rpc::direct::Kind::kResponse);
+    EXPECT_EQ(reply->call_id, 9u);
+    grpc::Slice flat;
+    ASSERT_TRUE(reply->body.DumpToSingleSlice(&flat).ok());
+    EXPECT_TRUE(std::string(reinterpret_cast<const char*>(flat.begin()), flat.size()) == body);
+  }
+  auto async = (*client)->connect(address, 3, /*for_responses=*/true, soon());
+  ASSERT_TRUE(async.ok()) << async.status();
+  for (uint64_t id = 1; id <= 32; ++id) {
+    grpc::Slice slice(std::string(id * 1000, 'y'));
+    ASSERT_TRUE((*async)->write(rpc::direct::Kind::kRequest, id, grpc::ByteBuffer(&slice, 1), soon()).ok());
+  }
+  const absl::Time until = soon();
+  absl::MutexLock lock(&mu);
+  mu.AwaitWithDeadline(absl::Condition(
+                           +[](std::map<uint64_t, size_t>* r) { return r->size() == 32; }, &replies),
+                       until);
+  ASSERT_EQ(replies.size(), 32u);
+  for (const auto& [id, bytes] : replies) EXPECT_EQ(bytes, id * 1000);
+
+  // Another secret: refused, and named as such; an address nobody listens on: UNAVAILABLE.
+  auto stranger = rpc::direct::Channel::start(rpc::auth::derive_token("guess"), 1, 1 << 20, absl::Seconds(10), {});
+  ASSERT_TRUE(stranger.ok());
+  EXPECT_EQ((*stranger)->connect(address, 3, false, soon()).status().code(), absl::StatusCode::kUnauthenticated);
+  (*stranger)->stop(milliseconds(1000));
+  server->reset();  // its listener closed
+  auto gone = (*client)->connect(address, 3, false, soon());
+  EXPECT_EQ(gone.status().code(), absl::StatusCode::kUnavailable) << gone.status();
+  (*client)->stop(milliseconds(1000));
+}
+
 TEST_F(MultiprocDirect, HostileClientsAreTurnedAway) {
   constexpr int kLimit = 1 << 20;
   rpc::RpcOptions options = options_from_env();
@@ -250,30 +314,114 @@ class TestNetns {
   bool ok_ = false;
 };
 
-TEST_F(MultiprocDirect, PeerInAnotherNetworkNamespaceFallsBackToGrpc) {
-  // Same kernel (same boot id), but the peer's Unix socket lives in another network namespace: the connection attempt
-  // at init_rpc fails, and that peer is served by gRPC over the veth link.
-  TestNetns netns;
-  if (!netns.ok()) GTEST_SKIP() << "cannot create a network namespace here";
-  job_ = std::make_unique<Job>(JobSpec{.world_size = 1});  // only for its port and secret
-  auto env = job_->env_for(1);
+// Rank 1 serving in `netns`, rank 0 (this process) outside, both with `transport`; returns rank 1's process.
+std::unique_ptr<Process> join_with_peer_in(const TestNetns& netns, const std::string& transport,
+                                           std::unique_ptr<Job>* job) {
+  *job = std::make_unique<Job>(JobSpec{.world_size = 1});  // only for its port and secret
+  auto env = (*job)->env_for(1);
   env["WORLD_SIZE"] = "2";
   env["MASTER_ADDR"] = TestNetns::kHostIp;
-  env["TANDEM_TRANSPORT"] = "auto";
-  Process child({"/usr/sbin/ip", "netns", "exec", netns.name(), self_exe(), "--worker", "serve"}, env);
+  env["TANDEM_TRANSPORT"] = transport;
+  auto child = std::make_unique<Process>(
+      std::vector<std::string>{"/usr/sbin/ip", "netns", "exec", netns.name(), self_exe(), "--worker", "serve"}, env);
   rpc::RpcOptions options = options_from_env();
-  options.transport = "auto";
+  options.transport = transport;
   options.master_addr = TestNetns::kHostIp;
-  options.master_port = job_->port();
-  options.secret = job_->secret();
+  options.master_port = (*job)->port();
+  options.secret = (*job)->secret();
   rpc::init_rpc("worker0", 0, 2, options);
-  EXPECT_EQ(rpc::transport_to(1), "grpc");
+  return child;
+}
+
+TEST_F(MultiprocDirect, PeerInAnotherNetworkNamespaceIsReachedOverTcp) {
+  // Same kernel (same boot id), but the peer's Unix socket lives in another network namespace: the connection attempt
+  // at init_rpc fails, and that peer is served by the direct channel's TCP route over the veth link (no cross-memory
+  // reads: tensors travel in the stream); with the TCP route off (TANDEM_TRANSPORT=grpc) the next test covers gRPC.
+  TestNetns netns;
+  if (!netns.ok()) GTEST_SKIP() << "cannot create a network namespace here";
+  auto child = join_with_peer_in(netns, "auto", &job_);
+  EXPECT_EQ(rpc::transport_to(1), "tcp");
   EXPECT_EQ(rpc::get_worker_info(1).address.rfind(TestNetns::kNsIp, 0), 0u) << rpc::get_worker_info(1).address;
+  const auto before = rpc::transport_stats();
   at::Tensor t = random_tensor(at::kFloat, {300000});
   EXPECT_TRUE(bit_equal(rpc::rpc_sync<at::Tensor>(1, "echo", t), t));
+  at::Tensor big = random_tensor(at::kFloat, {3 << 20});  // 12 MiB: over the bulk threshold, yet in the stream
+  EXPECT_TRUE(bit_equal(rpc::rpc_sync<at::Tensor>(1, "echo", big), big));
+  auto futures = std::vector<rpc::Future>();
+  for (int i = 0; i < 64; ++i) futures.push_back(rpc::rpc_async(1, "echo", t));
+  for (auto& f : futures) EXPECT_TRUE(bit_equal(f.value().toTensor(), t));
   EXPECT_EQ(rpc::rpc_sync<std::string>(1, "caller"), "worker0");
+  const auto after = rpc::transport_stats();
+  EXPECT_EQ(after.tensors_by_reference, before.tensors_by_reference);  // never a cross-memory read over TCP
+  EXPECT_GT(after.direct_calls, before.direct_calls);
   rpc::shutdown(true);
-  EXPECT_EQ(exit_code(child.wait(milliseconds(30000))), 0) << child.output();
+  EXPECT_EQ(exit_code(child->wait(milliseconds(30000))), 0) << child->output();
+}
+
+TEST_F(MultiprocDirect, PeerInAnotherNetworkNamespaceUsesGrpcWhenForced) {
+  TestNetns netns;
+  if (!netns.ok()) GTEST_SKIP() << "cannot create a network namespace here";
+  auto child = join_with_peer_in(netns, "grpc", &job_);
+  EXPECT_EQ(rpc::transport_to(1), "grpc");
+  at::Tensor t = random_tensor(at::kFloat, {300000});
+  EXPECT_TRUE(bit_equal(rpc::rpc_sync<at::Tensor>(1, "echo", t), t));
+  rpc::shutdown(true);
+  EXPECT_EQ(exit_code(child->wait(milliseconds(30000))), 0) << child->output();
+}
+
+TEST_F(MultiprocDirect, TcpRouteRefusesStrangers) {
+  // The TCP listener of a worker on another "host": a client without the job's secret is refused at the handshake,
+  // one with it is welcomed (without the bulk path), and bytes that are no handshake close the connection.
+  TestNetns netns;
+  if (!netns.ok()) GTEST_SKIP() << "cannot create a network namespace here";
+  auto child = join_with_peer_in(netns, "auto", &job_);
+  auto channel = rpc::net::make_channel(std::string(TestNetns::kHostIp) + ":" + std::to_string(job_->port()), nullptr, -1);
+  auto store = rpc::connect_store(channel, rpc::auth::derive_token(job_->secret()), false);
+  auto record = store->get("worker/1", milliseconds(5000));
+  ASSERT_TRUE(record.ok()) << record.status();
+  tandem::wire::RendezvousRecord parsed;
+  ASSERT_TRUE(parsed.ParseFromString(*record));
+  const std::string address = parsed.worker().tcp_address();
+  ASSERT_EQ(address.rfind(std::string("tcp:") + TestNetns::kNsIp + ":", 0), 0u) << address;
+  const auto soon = [] { return absl::Now() + absl::Seconds(10); };
+  auto intruder = rpc::direct::Channel::start(rpc::auth::derive_token("guess"), 1, 1 << 20, absl::Seconds(10), {});
+  ASSERT_TRUE(intruder.ok());
+  auto refused = (*intruder)->connect(address, 5, false, soon());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kUnauthenticated) << refused.status();
+  auto member = rpc::direct::Channel::start(rpc::auth::derive_token(job_->secret()), 1, 1 << 20, absl::Seconds(10), {});
+  ASSERT_TRUE(member.ok());
+  auto conn = (*member)->connect(address, 5, false, soon());
+  ASSERT_TRUE(conn.ok()) << conn.status();
+  EXPECT_FALSE((*conn)->cma_ok);
+  // A Unix-socket hello (the token in clear) is no answer to a challenge.
+  std::string host_port = address.substr(4);
+  const std::string host = host_port.substr(0, host_port.rfind(':'));
+  const int port = std::stoi(host_port.substr(host_port.rfind(':') + 1));
+  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in sin{};
+  sin.sin_family = AF_INET;
+  sin.sin_port = htons(static_cast<uint16_t>(port));
+  inet_pton(AF_INET, host.c_str(), &sin.sin_addr);
+  ASSERT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&sin), sizeof(sin)), 0);
+  timeval tv{10, 0};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  rpc::direct::Conn raw(fd);
+  auto challenge = raw.read(1024, soon());
+  ASSERT_TRUE(challenge.ok()) << challenge.status();
+  EXPECT_EQ(challenge->kind, rpc::direct::Kind::kChallenge);
+  ASSERT_TRUE(raw.write(rpc::direct::Kind::kHello, 0,
+                        rpc::direct::encode_hello(rpc::auth::derive_token(job_->secret()), 5, getpid(), 0), soon())
+                  .ok());
+  auto answer = raw.read(1024, soon());
+  ASSERT_TRUE(answer.ok()) << answer.status();
+  // Refused although the token is right: a hello without a nonce and a proof is malformed over TCP.
+  EXPECT_EQ(rpc::direct::parse_welcome(answer->body).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_FALSE(raw.read(1024, soon()).ok());  // and closed
+  (*intruder)->stop(milliseconds(1000));
+  (*member)->stop(milliseconds(1000));
+  EXPECT_EQ(rpc::rpc_sync<std::string>(1, "caller"), "worker0");  // it kept serving
+  rpc::shutdown(true);
+  EXPECT_EQ(exit_code(child->wait(milliseconds(30000))), 0) << child->output();
 }
 
 }  // namespace

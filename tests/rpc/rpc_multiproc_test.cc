@@ -318,5 +318,34 @@ TEST_F(MultiprocRpc, TlsJob) {
   EXPECT_FALSE(raw_call(1, make_frame(request, ""), &response, rpc::auth::derive_token(job_->secret())).ok());
 }
 
+TEST_F(MultiprocRpc, TlsFromTheEnvironment) {
+  // TANDEM_TLS_CERT/KEY/CA turn TLS on in a program that sets no RpcOptions::tls: here and in the child alike.
+  const std::string dir = make_temp_dir();
+  if (!make_test_certificates(dir)) GTEST_SKIP() << "openssl cannot make test certificates here";
+  const std::map<std::string, std::string> env = {
+      {"TANDEM_TLS_CERT", dir + "/node.crt"}, {"TANDEM_TLS_KEY", dir + "/node.key"}, {"TANDEM_TLS_CA", dir + "/ca.crt"}};
+  for (const auto& [k, v] : env) setenv(k.c_str(), v.c_str(), 1);
+  start({.world_size = 2, .extra_env = env});
+  for (const auto& [k, v] : env) unsetenv(k.c_str());
+  EXPECT_EQ(rpc::transport_to(1), "grpc");
+  EXPECT_EQ(rpc::rpc_sync<std::string>("worker1", "whoami"), "worker1");
+  pb::Request request;
+  request.set_function("whoami");
+  grpc::ByteBuffer response;
+  EXPECT_FALSE(raw_call(1, make_frame(request, ""), &response, rpc::auth::derive_token(job_->secret())).ok());
+}
+
+TEST(UnitRpcTlsEnvironment, IncompleteOrUnreadableIsAnErrorNamingTheVariable) {
+  setenv("TANDEM_TLS_CERT", "/etc/hostname", 1);
+  expect_error([] { rpc::init_rpc("alone", 0, 1); }, absl::StatusCode::kInvalidArgument,
+               {"worker 'alone'", "missing: TANDEM_TLS_KEY, TANDEM_TLS_CA"});
+  setenv("TANDEM_TLS_KEY", "/etc/hostname", 1);
+  setenv("TANDEM_TLS_CA", "/nonexistent/ca.crt", 1);
+  expect_error([] { rpc::init_rpc("alone", 0, 1); }, absl::StatusCode::kFailedPrecondition,
+               {"cannot read TANDEM_TLS_CA='/nonexistent/ca.crt'"});
+  for (const char* v : {"TANDEM_TLS_CERT", "TANDEM_TLS_KEY", "TANDEM_TLS_CA"}) unsetenv(v);
+  EXPECT_FALSE(rpc::is_initialized());
+}
+
 }  // namespace
 }  // namespace tandem::test

@@ -84,6 +84,48 @@ TEST(UnitWireSchema, DirectHandshakeChecksTokenAndVersion) {
   EXPECT_EQ(w.status().code(), absl::StatusCode::kUnauthenticated);
 }
 
+TEST(UnitWireSchema, TcpHandshakeProvesTheTokenWithoutSendingIt) {
+  const std::string token(64, 'a');
+  const std::string challenge = auth::random_secret(), nonce = auth::random_secret();
+  auto parsed_challenge = direct::parse_challenge(direct::encode_challenge(challenge));
+  ASSERT_TRUE(parsed_challenge.ok()) << parsed_challenge.status();
+  EXPECT_EQ(*parsed_challenge, challenge);
+  const grpc::ByteBuffer hello = direct::encode_tcp_hello(token, 3, challenge, nonce);
+  grpc::Slice flat;
+  ASSERT_TRUE(hello.DumpToSingleSlice(&flat).ok());
+  const std::string bytes(reinterpret_cast<const char*>(flat.begin()), flat.size());
+  EXPECT_EQ(bytes.find(token), std::string::npos) << "the token itself is on the wire";
+  auto ok = direct::parse_tcp_hello(hello, token, challenge);
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  EXPECT_EQ(ok->rank(), 3);
+  // Another secret, a replay against a new challenge, a changed rank, no proof: refused.
+  EXPECT_EQ(direct::parse_tcp_hello(direct::encode_tcp_hello(std::string(64, 'b'), 3, challenge, nonce), token, challenge)
+                .status()
+                .code(),
+            absl::StatusCode::kUnauthenticated);
+  EXPECT_EQ(direct::parse_tcp_hello(hello, token, auth::random_secret()).status().code(),
+            absl::StatusCode::kUnauthenticated);
+  tandem::wire::DirectHello forged;
+  ASSERT_TRUE(forged.ParseFromString(bytes));
+  forged.set_rank(0);
+  EXPECT_EQ(direct::parse_tcp_hello(buffer(forged.SerializeAsString()), token, challenge).status().code(),
+            absl::StatusCode::kUnauthenticated);
+  forged.set_rank(3);
+  forged.clear_proof();
+  EXPECT_EQ(direct::parse_tcp_hello(buffer(forged.SerializeAsString()), token, challenge).status().code(),
+            absl::StatusCode::kUnauthenticated);
+  // A Unix-socket hello (token, no proof) is no TCP hello; malformed bytes and another version are named.
+  EXPECT_FALSE(direct::parse_tcp_hello(direct::encode_hello(token, 1, 42, 0), token, challenge).ok());
+  EXPECT_EQ(direct::parse_tcp_hello(buffer("\xff\xff"), token, challenge).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(direct::parse_challenge(buffer("")).status().code(), absl::StatusCode::kInvalidArgument);
+  tandem::wire::DirectChallenge newer;
+  newer.set_wire_version(kWireVersion + 1);
+  newer.set_nonce(challenge);
+  EXPECT_EQ(direct::parse_challenge(buffer(newer.SerializeAsString())).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+}
+
 TEST(UnitWireSchema, StoreRefusesAnotherWireVersion) {
   const std::string token = auth::derive_token("s");
   auto service = make_store_service(token);

@@ -88,6 +88,21 @@ TEST_F(MultiprocRRef, EveryForkPath) {
   EXPECT_EQ(rref::remote("worker1", "sum_rref", r.to_ivalue()).to_here<SumResult>(), SumResult(10, true, true));
 }
 
+// An RRef whose value is another RRef of the same owner: freeing the outer value releases the inner handle, which
+// must not take the owner's lock again (it aborted the owner before).
+TEST_F(MultiprocRRef, AnRRefOfAnRRefIsFreedWithItsValue) {
+  start({.world_size = 2});
+  rref::RRef inner = rref::remote("worker1", "make_tensor", int64_t{3});       // sum 3
+  rref::RRef outer = rref::remote("worker1", "echo_rref", inner.to_ivalue());  // its value: a handle of `inner`
+  rref::RRef fetched = rref::RRef::from_ivalue(outer.to_here());
+  EXPECT_EQ(fetched.owner(), 1);
+  EXPECT_EQ(fetched.to_here<at::Tensor>().sum().item<double>(), 3);
+  outer = rref::RRef();  // worker1 frees the outer value, and with it its handle of `inner`
+  fetched = rref::RRef();
+  inner = rref::RRef();
+  EXPECT_EQ(wait_all_zero(2, milliseconds(20000)), "");
+}
+
 TEST_F(MultiprocRRef, ChainsOfWorkers) {
   start({.world_size = 4});
   rref::RRef r = rref::remote("worker3", "make_tensor", int64_t{4});  // sum 6

@@ -1,0 +1,212 @@
+// tcp_pingpong: the floor under a small RPC — blocking round trips of B bytes over one plain TCP connection, for
+// `bench/run.sh hosts`, which compares Tandem's small call with it over the same path.
+//
+//   tcp_pingpong server [--port P] [--bind ADDR]
+//   tcp_pingpong client --host H --port P [--iters N] [--size B] [--warmup W]
+//
+// The server prints "port P" first (the port bound; --port 0, the default, picks a free one) and serves each
+// connection in its own process until SIGTERM. The client sends B (8 bytes, big-endian) once, then per round trip B
+// bytes; the server reads all B, then returns B bytes. Blocking sockets, TCP_NODELAY on both ends. After W untimed
+// round trips (default 200) the client times N (default 5000) and prints one JSON line:
+//   {"bench":"hosts","impl":"raw_tcp","metric":"hosts_raw_tcp_rtt_p50_us","value":..,"unit":"us","iters":N,..}
+#include <arpa/inet.h>
+#include <endian.h>
+#include <errno.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace {
+
+[[noreturn]] void die(const std::string& what) {
+  std::fprintf(stderr, "tcp_pingpong: %s: %s\n", what.c_str(), std::strerror(errno));
+  std::exit(1);
+}
+
+// false: the peer closed the connection before the first byte; a close mid-message is an error.
+bool read_full(int fd, char* p, size_t n) {
+  for (size_t got = 0; got < n;) {
+    const ssize_t r = read(fd, p + got, n - got);
+    if (r < 0 && errno == EINTR) continue;
+    if (r < 0) die("read");
+    if (r == 0 && got == 0) return false;
+    if (r == 0) {
+      errno = ECONNRESET;
+      die("read (connection closed mid-message)");
+    }
+    got += r;
+  }
+  return true;
+}
+
+void write_full(int fd, const char* p, size_t n) {
+  for (size_t put = 0; put < n;) {
+    const ssize_t w = send(fd, p + put, n - put, MSG_NOSIGNAL);
+    if (w < 0 && errno == EINTR) continue;
+    if (w < 0) die("write");
+    put += w;
+  }
+}
+
+void no_delay(int fd) {
+  const int one = 1;
+  setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+}
+
+void serve_connection(int fd) {
+  no_delay(fd);
+  uint64_t size_be;
+  if (!read_full(fd, reinterpret_cast<char*>(&size_be), sizeof size_be)) return;
+  std::vector<char> message(be64toh(size_be));
+  while (read_full(fd, message.data(), message.size())) write_full(fd, message.data(), message.size());
+}
+
+int server(int port, const std::string& bind_addr) {
+  const int listener = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  const int one = 1;
+  setsockopt(listener, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  if (inet_pton(AF_INET, bind_addr.c_str(), &addr.sin_addr) != 1) {
+    errno = EINVAL;
+    die("bad --bind address '" + bind_addr + "'");
+  }
+  socklen_t len = sizeof addr;
+  if (bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 || listen(listener, 64) != 0 ||
+      getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+    die("listen on " + bind_addr + ":" + std::to_string(port));
+  }
+  std::printf("port %d\n", ntohs(addr.sin_port));
+  std::fflush(stdout);
+  signal(SIGCHLD, SIG_IGN);  // no zombies
+  for (;;) {
+    const int fd = accept4(listener, nullptr, nullptr, SOCK_CLOEXEC);
+    if (fd < 0) {
+      if (errno == EINTR || errno == ECONNABORTED) continue;
+      die("accept");
+    }
+    const pid_t pid = fork();
+    if (pid == 0) {
+      prctl(PR_SET_PDEATHSIG, SIGTERM);  // a connection's process ends with the server
+      close(listener);
+      serve_connection(fd);
+      _exit(0);
+    }
+    if (pid < 0) std::perror("tcp_pingpong: fork");
+    close(fd);
+  }
+}
+
+// Connects to host:port, retrying a refused connection for up to 10 s (a server just started).
+int connect_to(const std::string& host, int port) {
+  addrinfo hints{}, *res = nullptr;
+  hints.ai_family = AF_INET;
+  hints.ai_socktype = SOCK_STREAM;
+  if (const int e = getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &res); e != 0) {
+    std::fprintf(stderr, "tcp_pingpong: %s: %s\n", host.c_str(), gai_strerror(e));
+    std::exit(1);
+  }
+  const sockaddr_in to = *reinterpret_cast<sockaddr_in*>(res->ai_addr);
+  freeaddrinfo(res);
+  for (int attempt = 0;; ++attempt) {
+    const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (connect(fd, reinterpret_cast<const sockaddr*>(&to), sizeof to) == 0) return fd;
+    if (errno != ECONNREFUSED || attempt == 200) die("connect to " + host + ":" + std::to_string(port));
+    close(fd);
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+}
+
+double percentile(std::vector<double> v, double p) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v[std::min(v.size() - 1, static_cast<size_t>(p * (v.size() - 1) + 0.5))];
+}
+
+int client(const std::string& host, int port, long iters, long size, long warmup) {
+  const int fd = connect_to(host, port);
+  no_delay(fd);
+  const uint64_t size_be = htobe64(static_cast<uint64_t>(size));
+  write_full(fd, reinterpret_cast<const char*>(&size_be), sizeof size_be);
+  std::vector<char> message(size, 'x');
+  std::vector<double> rtt_us;
+  rtt_us.reserve(iters);
+  for (long i = 0; i < warmup + iters; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    write_full(fd, message.data(), message.size());
+    if (!read_full(fd, message.data(), message.size())) {
+      errno = ECONNRESET;
+      die("read (the server closed the connection)");
+    }
+    if (i >= warmup) {
+      rtt_us.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
+    }
+  }
+  close(fd);
+  std::printf(
+      "{\"bench\":\"hosts\",\"impl\":\"raw_tcp\",\"metric\":\"hosts_raw_tcp_rtt_p50_us\","
+      "\"value\":%.6g,\"unit\":\"us\",\"iters\":%ld,\"bytes\":%ld,\"p99_us\":%.6g,\"processes\":2}\n",
+      percentile(rtt_us, 0.5), iters, size, percentile(rtt_us, 0.99));
+  std::fflush(stdout);
+  return 0;
+}
+
+[[noreturn]] void usage(int code) {
+  std::fprintf(code ? stderr : stdout,
+               "usage: tcp_pingpong server [--port P] [--bind ADDR]\n"
+               "       tcp_pingpong client --host H --port P [--iters N] [--size B] [--warmup W]\n"
+               "  server: prints \"port P\" (--port 0, the default: a free port), answers each B-byte message with B\n"
+               "          bytes; --bind defaults to 0.0.0.0\n"
+               "  client: W untimed (default 200), then N timed round trips (default 5000) of B bytes (default 1);\n"
+               "          prints one JSON line with the median round trip (hosts_raw_tcp_rtt_p50_us) and p99\n");
+  std::exit(code);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2) usage(2);
+  const std::string role = argv[1];
+  if (role == "--help" || role == "-h") usage(0);
+  if (role != "server" && role != "client") usage(2);
+  std::string host, bind_addr = "0.0.0.0";
+  long port = role == "server" ? 0 : -1, iters = 5000, size = 1, warmup = 200;
+  for (int i = 2; i < argc; ++i) {
+    const std::string flag = argv[i];
+    if (flag == "--help" || flag == "-h") usage(0);
+    if (i + 1 >= argc) usage(2);
+    const char* value = argv[++i];
+    long* number = flag == "--port"     ? &port
+                   : flag == "--iters"  ? &iters
+                   : flag == "--size"   ? &size
+                   : flag == "--warmup" ? &warmup
+                                        : nullptr;
+    if (flag == "--host") host = value;
+    else if (flag == "--bind") bind_addr = value;
+    else if (!number) usage(2);
+    if (number) {
+      char* end = nullptr;
+      *number = std::strtol(value, &end, 10);
+      if (*end || *number < 0) usage(2);
+    }
+  }
+  if (port > 65535) usage(2);
+  if (role == "server") return server(static_cast<int>(port), bind_addr);
+  if (host.empty() || port <= 0 || port > 65535 || iters < 1 || size < 1) usage(2);
+  return client(host, static_cast<int>(port), iters, size, warmup);
+}

@@ -1,0 +1,463 @@
+#include "checkpoint/checkpoint.h"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#include <zlib.h>
+
+#include <torch/nn/module.h>
+#include <torch/optim/optimizer.h>
+#include <torch/serialize/archive.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <limits>
+#include <set>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "comm/process_group.h"
+#include "ddp/sampler.h"
+#include "ddp/zero.h"
+#include "rpc/errors.h"
+
+namespace tandem::checkpoint {
+
+// ---- items
+
+struct State::Item {
+  std::string name;
+  State::Save save;
+  State::Load load;
+};
+
+namespace {
+
+bool valid_name(const std::string& name) {
+  if (name.empty()) return false;
+  return std::all_of(name.begin(), name.end(),
+                     [](char c) { return std::isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '-'; });
+}
+
+std::string describe(const at::Tensor& t) {
+  std::string shape = "[";
+  for (int64_t i = 0; i < t.dim(); ++i) absl::StrAppend(&shape, i ? ", " : "", t.size(i));
+  return absl::StrCat(shape, "] ", std::string(c10::toString(t.scalar_type())));
+}
+
+// `saved` into `target` in place, when both have the same shape and dtype.
+void copy_checked(const std::string& what, const at::Tensor& saved, at::Tensor& target) {
+  if (saved.sizes() != target.sizes() || saved.scalar_type() != target.scalar_type()) {
+    throw_error(absl::InvalidArgumentError(
+        absl::StrCat("'", what, "' is ", describe(saved), " in the checkpoint but ", describe(target), " here")));
+  }
+  torch::NoGradGuard no_grad;
+  target.copy_(saved);
+}
+
+// A module's parameters and buffers by their qualified names ("fc1.weight"): two lists, as archive keys may not hold
+// dots.
+void save_module(torch::nn::Module& module, torch::serialize::OutputArchive& archive) {
+  c10::List<std::string> names;
+  c10::List<at::Tensor> tensors;
+  for (const auto& p : module.named_parameters(/*recurse=*/true)) {
+    names.push_back(p.key());
+    tensors.push_back(p.value().detach());
+  }
+  for (const auto& b : module.named_buffers(/*recurse=*/true)) {
+    names.push_back("buffer:" + b.key());
+    tensors.push_back(b.value().detach());
+  }
+  archive.write("names", c10::IValue(names));
+  archive.write("tensors", c10::IValue(tensors));
+}
+
+void load_module(const std::string& item, torch::nn::Module& module, torch::serialize::InputArchive& archive) {
+  c10::IValue names_value, tensors_value;
+  archive.read("names", names_value);
+  archive.read("tensors", tensors_value);
+  if (!names_value.isList() || !tensors_value.isTensorList()) {
+    throw_error(absl::InvalidArgumentError(absl::StrCat("'", item, "' is not a module's state in the checkpoint")));
+  }
+  std::map<std::string, at::Tensor> saved;
+  const auto names = names_value.toListRef();
+  const auto tensors = tensors_value.toTensorList();
+  if (names.size() != tensors.size()) throw_error(absl::InvalidArgumentError("malformed module state"));
+  for (size_t i = 0; i < names.size(); ++i) saved[names[i].toStringRef()] = tensors.get(i);
+  auto restore = [&](const std::string& key, at::Tensor target) {
+    auto it = saved.find(key);
+    if (it == saved.end()) {
+      throw_error(absl::InvalidArgumentError(absl::StrCat("'", item, ".", key, "' is not in the checkpoint")));
+    }
+    copy_checked(item + "." + key, it->second, target);
+    saved.erase(it);
+  };
+  for (auto& p : module.named_parameters(true)) restore(p.key(), p.value());
+  for (auto& b : module.named_buffers(true)) restore("buffer:" + b.key(), b.value());
+  if (!saved.empty()) {
+    throw_error(absl::InvalidArgumentError(
+        absl::StrCat("the checkpoint's '", item, "' has '", saved.begin()->first, "', which the module does not")));
+  }
+}
+
+// Runs a LibTorch load, whose checks throw c10::Error, as tandem::Error naming the item.
+void guarded(const std::string& item, const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    throw_error(absl::InvalidArgumentError(absl::StrCat("'", item, "' does not fit its checkpoint: ", e.what())));
+  }
+}
+
+}  // namespace
+
+State::State() = default;
+State::~State() = default;
+State::State(State&&) noexcept = default;
+State& State::operator=(State&&) noexcept = default;
+
+State& State::add(const std::string& name, Save save, Load load) {
+  if (!valid_name(name)) {
+    throw_error(absl::InvalidArgumentError(
+        absl::StrCat("checkpoint item name '", name, "': use letters, digits, '_' and '-'")));
+  }
+  for (const auto& item : items_) {
+    if (item->name == name) throw_error(absl::InvalidArgumentError(absl::StrCat("checkpoint item '", name, "' twice")));
+  }
+  items_.push_back(std::make_unique<Item>(Item{name, std::move(save), std::move(load)}));
+  return *this;
+}
+
+State& State::add(const std::string& name, torch::nn::Module& module) {
+  return add(
+      name, [&module](torch::serialize::OutputArchive& a) { save_module(module, a); },
+      [&module, name](torch::serialize::InputArchive& a) { load_module(name, module, a); });
+}
+
+State& State::add(const std::string& name, torch::optim::Optimizer& optimizer) {
+  return add(
+      name, [&optimizer](torch::serialize::OutputArchive& a) { optimizer.save(a); },
+      [&optimizer](torch::serialize::InputArchive& a) { optimizer.load(a); });
+}
+
+State& State::add(const std::string& name, ddp::ZeroRedundancyOptimizer& zero, Zero how) {
+  if (how == Zero::kConsolidated) {
+    return add(
+        name, [&zero](torch::serialize::OutputArchive& a) { zero.save_consolidated(a); },
+        [&zero](torch::serialize::InputArchive& a) { zero.load_consolidated(a); });
+  }
+  return add(
+      name, [&zero](torch::serialize::OutputArchive& a) { zero.save(a); },
+      [&zero](torch::serialize::InputArchive& a) { zero.load(a); });
+}
+
+State& State::add(const std::string& name, ddp::DistributedSampler& sampler) {
+  return add(
+      name, [&sampler](torch::serialize::OutputArchive& a) { sampler.save(a); },
+      [&sampler](torch::serialize::InputArchive& a) { sampler.load(a); });
+}
+
+State& State::add(const std::string& name, at::Tensor& tensor) {
+  return add(
+      name, [&tensor](torch::serialize::OutputArchive& a) { a.write("value", tensor.detach(), /*is_buffer=*/true); },
+      [&tensor, name](torch::serialize::InputArchive& a) {
+        at::Tensor saved;
+        a.read("value", saved, /*is_buffer=*/true);
+        if (tensor.defined()) {
+          copy_checked(name, saved, tensor);
+        } else {
+          tensor = saved;
+        }
+      });
+}
+
+State& State::add(const std::string& name, int64_t& counter) {
+  return add(
+      name, [&counter](torch::serialize::OutputArchive& a) { a.write("value", at::tensor(counter), true); },
+      [&counter, name](torch::serialize::InputArchive& a) {
+        at::Tensor saved;
+        a.read("value", saved, true);
+        if (saved.numel() != 1 || saved.scalar_type() != at::kLong) {
+          throw_error(absl::InvalidArgumentError(absl::StrCat("'", name, "' is not a counter in the checkpoint")));
+        }
+        counter = saved.item<int64_t>();
+      });
+}
+
+// ---- files
+//
+// A file: "TDMCKPT1" (8 bytes), the payload's length (8 bytes, little-endian), its CRC-32 (4 bytes), the payload (a
+// LibTorch archive, as OutputArchive::save_to writes it).
+
+namespace {
+
+constexpr char kMagic[8] = {'T', 'D', 'M', 'C', 'K', 'P', 'T', '1'};
+constexpr size_t kHeader = 8 + 8 + 4;
+
+absl::Status io_error(const std::string& what, const std::string& path) {
+  return absl::UnavailableError(absl::StrCat("checkpoint: ", what, " ", path, ": ", std::strerror(errno)));
+}
+
+uint32_t crc_of(const std::string& data) {
+  uLong crc = crc32(0L, Z_NULL, 0);
+  const char* p = data.data();
+  size_t left = data.size();
+  while (left > 0) {  // zlib takes uInt lengths
+    const uInt n = static_cast<uInt>(std::min<size_t>(left, std::numeric_limits<uInt>::max()));
+    crc = crc32(crc, reinterpret_cast<const Bytef*>(p), n);
+    p += n;
+    left -= n;
+  }
+  return static_cast<uint32_t>(crc);
+}
+
+void put_le(std::string* out, uint64_t v, int bytes) {
+  for (int i = 0; i < bytes; ++i) out->push_back(static_cast<char>((v >> (8 * i)) & 0xff));
+}
+uint64_t get_le(const char* p, int bytes) {
+  uint64_t v = 0;
+  for (int i = 0; i < bytes; ++i) v |= static_cast<uint64_t>(static_cast<unsigned char>(p[i])) << (8 * i);
+  return v;
+}
+
+void sync_dir(const std::string& dir) {
+  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY);
+  if (fd < 0) throw_error(io_error("cannot open directory", dir));
+  const int rc = ::fsync(fd);
+  ::close(fd);
+  if (rc != 0) throw_error(io_error("cannot flush directory", dir));
+}
+
+void make_dir(const std::string& dir) {
+  if (::mkdir(dir.c_str(), 0755) != 0 && errno != EEXIST) throw_error(io_error("cannot make directory", dir));
+}
+
+// Writes `header + payload` to `path` atomically (aside, flushed, renamed, directory flushed).
+void write_atomically(const std::string& dir, const std::string& path, const std::string& header,
+                      const std::string& payload, bool sync) {
+  const std::string tmp = absl::StrCat(path, ".tmp.", ::getpid());
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) throw_error(io_error("cannot create", tmp));
+  auto write_all = [&](const std::string& data) {
+    size_t done = 0;
+    while (done < data.size()) {
+      const ssize_t n = ::write(fd, data.data() + done, data.size() - done);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) return false;
+      done += static_cast<size_t>(n);
+    }
+    return true;
+  };
+  const bool written = write_all(header) && write_all(payload) && (!sync || ::fsync(fd) == 0);
+  const absl::Status failed = written ? absl::OkStatus() : io_error("cannot write", tmp);
+  ::close(fd);
+  if (!failed.ok()) {
+    ::unlink(tmp.c_str());
+    throw_error(failed);
+  }
+  if (::rename(tmp.c_str(), path.c_str()) != 0) {
+    const absl::Status s = io_error("cannot rename into", path);
+    ::unlink(tmp.c_str());
+    throw_error(s);
+  }
+  if (sync) sync_dir(dir);
+}
+
+// The payload of an intact file; DATA_LOSS naming what is wrong otherwise (NOT_FOUND-like absence is DATA_LOSS too:
+// for a restore, a missing part is as lost as a torn one).
+absl::StatusOr<std::string> read_payload(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return absl::DataLossError(absl::StrCat("checkpoint ", path, ": ", std::strerror(errno)));
+  std::string data;
+  char buf[1 << 16];
+  for (;;) {
+    const ssize_t n = ::read(fd, buf, sizeof(buf));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      const absl::Status s = io_error("cannot read", path);
+      ::close(fd);
+      return s;
+    }
+    if (n == 0) break;
+    data.append(buf, static_cast<size_t>(n));
+  }
+  ::close(fd);
+  if (data.size() < kHeader || std::memcmp(data.data(), kMagic, sizeof(kMagic)) != 0) {
+    return absl::DataLossError(absl::StrCat("checkpoint ", path, " is not a Tandem checkpoint, or is torn"));
+  }
+  const uint64_t length = get_le(data.data() + 8, 8);
+  const uint32_t crc = static_cast<uint32_t>(get_le(data.data() + 16, 4));
+  if (length != data.size() - kHeader) {
+    return absl::DataLossError(
+        absl::StrCat("checkpoint ", path, " is torn: ", data.size() - kHeader, " of ", length, " bytes"));
+  }
+  std::string payload = data.substr(kHeader);
+  if (crc_of(payload) != crc) return absl::DataLossError(absl::StrCat("checkpoint ", path, " is damaged (CRC)"));
+  return payload;
+}
+
+}  // namespace
+
+Checkpointer::Checkpointer(std::string dir, int rank, CheckpointOptions options)
+    : dir_(std::move(dir)), rank_(rank), options_(options) {
+  if (rank_ < 0) throw_error(absl::InvalidArgumentError("Checkpointer: a negative rank"));
+  if (options_.keep < 2) throw_error(absl::InvalidArgumentError("Checkpointer: keep must be at least 2"));
+  make_dir(dir_);
+}
+
+std::string Checkpointer::path(int64_t step) const { return path_of(step, rank_); }
+
+std::string Checkpointer::path_of(int64_t step, int rank) const {
+  return absl::StrFormat("%s/step-%012d/rank-%d.ckpt", dir_, step, rank);
+}
+
+void Checkpointer::save(int64_t step, const State& state) {
+  if (step < 0) throw_error(absl::InvalidArgumentError("Checkpointer::save: a negative step"));
+  torch::serialize::OutputArchive archive;
+  archive.write("step", at::tensor(step), /*is_buffer=*/true);
+  for (const auto& item : state.items_) {
+    torch::serialize::OutputArchive sub;
+    item->save(sub);
+    archive.write("item_" + item->name, sub);  // prefixed: no item can take the archive's own keys
+  }
+  std::string payload;
+  archive.save_to([&payload](const void* data, size_t n) {
+    payload.append(static_cast<const char*>(data), n);
+    return n;
+  });
+  std::string header(kMagic, sizeof(kMagic));
+  put_le(&header, payload.size(), 8);
+  put_le(&header, crc_of(payload), 4);
+  const std::string step_dir = absl::StrFormat("%s/step-%012d", dir_, step);
+  // Another rank may remove the step's directory between our mkdir and our create, when it is far enough ahead for
+  // this step to be old to it (its prune): the directory is made again.
+  for (int attempt = 1;; ++attempt) {
+    make_dir(step_dir);
+    if (options_.sync) sync_dir(dir_);
+    try {
+      write_atomically(step_dir, path(step), header, payload, options_.sync);
+      break;
+    } catch (const Error&) {
+      struct stat st;
+      if (attempt == 3 || ::stat(step_dir.c_str(), &st) == 0) throw;
+    }
+  }
+  prune();
+}
+
+std::vector<int64_t> Checkpointer::steps() const { return steps_of(rank_); }
+
+std::vector<int64_t> Checkpointer::steps_of(int rank) const {
+  std::vector<int64_t> out;
+  DIR* d = ::opendir(dir_.c_str());
+  if (!d) return out;
+  const std::string mine = absl::StrCat("rank-", rank, ".ckpt");
+  while (dirent* e = ::readdir(d)) {
+    const std::string name = e->d_name;
+    int64_t step = 0;
+    if (!absl::StartsWith(name, "step-") || !absl::SimpleAtoi(name.substr(5), &step)) continue;
+    struct stat st;
+    if (::stat(absl::StrCat(dir_, "/", name, "/", mine).c_str(), &st) == 0) out.push_back(step);
+  }
+  ::closedir(d);
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+void Checkpointer::prune() const {
+  const std::vector<int64_t> all = steps();
+  const std::set<int64_t> kept(all.end() - std::min<size_t>(all.size(), options_.keep), all.end());
+  DIR* d = ::opendir(dir_.c_str());
+  if (!d) return;
+  std::vector<std::string> step_dirs;
+  while (dirent* e = ::readdir(d)) {
+    if (absl::StartsWith(e->d_name, "step-")) step_dirs.push_back(e->d_name);
+  }
+  ::closedir(d);
+  const std::string mine = absl::StrCat("rank-", rank_, ".ckpt");
+  for (const std::string& name : step_dirs) {
+    const std::string step_dir = absl::StrCat(dir_, "/", name);
+    int64_t step = 0;
+    const bool is_step = absl::SimpleAtoi(name.substr(5), &step);
+    // This rank's leftovers of writes that were cut (a crash between create and rename): nobody else writes them.
+    if (DIR* sd = ::opendir(step_dir.c_str())) {
+      std::vector<std::string> stale;
+      while (dirent* e = ::readdir(sd)) {
+        if (absl::StartsWith(e->d_name, mine + ".tmp.")) stale.push_back(e->d_name);
+      }
+      ::closedir(sd);
+      for (const auto& f : stale) ::unlink(absl::StrCat(step_dir, "/", f).c_str());
+    }
+    // Only steps older than this rank's oldest kept one: a newer directory may be another rank's save in progress.
+    if (is_step && !kept.empty() && step < *kept.begin()) {
+      ::unlink(absl::StrCat(step_dir, "/", mine).c_str());
+      ::rmdir(step_dir.c_str());  // fails while other ranks' files are there; the last one removes it
+    }
+  }
+}
+
+void Checkpointer::load(int64_t step, State& state) {
+  auto payload = read_payload(path(step));
+  throw_if_error(payload.status());
+  load_payload(path(step), *payload, state);
+}
+
+void Checkpointer::load_payload(const std::string& file, const std::string& payload, State& state) {
+  torch::serialize::InputArchive archive;
+  guarded("the checkpoint", [&] { archive.load_from(payload.data(), payload.size()); });
+  for (const auto& item : state.items_) {
+    torch::serialize::InputArchive sub;
+    if (!archive.try_read("item_" + item->name, sub)) {
+      throw_error(absl::InvalidArgumentError(absl::StrCat("'", item->name, "' is not in checkpoint ", file)));
+    }
+    try {
+      guarded(item->name, [&] { item->load(sub); });
+    } catch (const Error& e) {
+      throw_error(absl::Status(e.code(), absl::StrCat(e.status().message(), " (", file, ")")));
+    }
+  }
+}
+
+std::optional<std::pair<int64_t, std::string>> Checkpointer::newest_intact_at_most(int64_t bound, int rank) const {
+  const std::vector<int64_t> all = steps_of(rank);
+  for (auto it = all.rbegin(); it != all.rend(); ++it) {
+    if (*it > bound) continue;
+    if (auto payload = read_payload(path_of(*it, rank)); payload.ok()) return std::make_pair(*it, std::move(*payload));
+  }
+  return std::nullopt;
+}
+
+std::optional<int64_t> Checkpointer::restore(State& state, comm::ProcessGroup* group, Layout layout) {
+  const int source = layout == Layout::kReplicated ? 0 : rank_;  // whose files this rank reads
+  // Each round, the ranks agree on the smallest of their newest intact steps; if one of them lacks that step intact
+  // (it kept other ones), they look again below it. Every round lowers the bound, so this ends.
+  auto min_over_group = [group](int64_t v) {
+    if (!group) return v;
+    at::Tensor t = at::tensor(v);
+    comm::wait(group->allreduce(t, comm::ReduceOp::kMin));
+    return t.item<int64_t>();
+  };
+  int64_t bound = std::numeric_limits<int64_t>::max();
+  for (;;) {
+    auto mine = newest_intact_at_most(bound, source);  // the file is read once, and loaded from memory if agreed on
+    const int64_t agreed = min_over_group(mine ? mine->first : -1);
+    if (agreed < 0) return std::nullopt;
+    absl::StatusOr<std::string> payload = mine && mine->first == agreed
+                                              ? absl::StatusOr<std::string>(std::move(mine->second))
+                                              : read_payload(path_of(agreed, source));
+    if (min_over_group(payload.ok() ? 1 : 0) == 1) {
+      load_payload(path_of(agreed, source), *payload, state);
+      return agreed;
+    }
+    bound = agreed - 1;
+  }
+}
+
+}  // namespace tandem::checkpoint

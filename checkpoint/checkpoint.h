@@ -1,0 +1,147 @@
+// Checkpoints: what a training script needs to resume after a restart, written so that a crash never leaves a
+// checkpoint that loads.
+//
+//   checkpoint::State state;
+//   int64_t step = 0, epoch = 0;
+//   state.add("model", *model).add("optimizer", optimizer).add("sampler", sampler).add("step", step).add("epoch",
+//   epoch); checkpoint::Checkpointer ckpt(dir, rank); if (auto resumed = ckpt.restore(state, group.get())) { ... carry
+//   on from step+1 ... }   // else a fresh start
+//   ... every N steps: ckpt.save(step, state);
+//
+// Layout: <dir>/step-<N>/rank-<r>.ckpt, one file per rank and step (the directory may be shared by all ranks or be
+// each node's own). A file is written aside (<name>.tmp.<pid>), flushed to disk, renamed over its name and its
+// directory flushed, so it exists whole or not at all; its header carries its length and a CRC-32 of its contents,
+// so a file damaged afterwards is recognised too. A torn or missing file makes restore() fall back to the newest step
+// that every rank has intact; after each save a rank removes its own files older than the newest `keep` steps.
+//
+// Items are saved by name. Modules save their parameters and buffers by their own names, and loading checks that every
+// one is present with the same shape and dtype; LibTorch optimizers and Tandem's sampler save their own state;
+// a ZeroRedundancyOptimizer saves this rank's shard (a sharded checkpoint: it resumes with the same world size) or,
+// consolidated, every rank's (it resumes with any world size);
+// counters and tensors are saved as they are; any other state (a RemoteModule, a parameter server's optimizer)
+// through a pair of functions of LibTorch archives.
+//
+// Thread-safety: a State or Checkpointer is used by one thread at a time; the objects a State refers to must not change
+// during save() or restore(). Errors: tandem::Error — INVALID_ARGUMENT (a bad item name; an item missing from the
+// checkpoint, or of another shape or dtype: the message names the item and the file), DATA_LOSS (load() of a file that
+// is torn or damaged), UNAVAILABLE (an I/O error, naming the path and the system's reason), FAILED_PRECONDITION (a
+// sharded optimizer state written by a job of another world size); restore() is collective over the group and fails
+// as its collectives do (docs/errors.md).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace at {
+class Tensor;
+}
+namespace torch::nn {
+class Module;
+}
+namespace torch::optim {
+class Optimizer;
+}
+namespace torch::serialize {
+class InputArchive;
+class OutputArchive;
+}  // namespace torch::serialize
+namespace tandem::comm {
+class ProcessGroup;
+}
+namespace tandem::ddp {
+class DistributedSampler;
+class ZeroRedundancyOptimizer;
+}  // namespace tandem::ddp
+
+namespace tandem::checkpoint {
+
+// What to save and restore, by name (letters, digits, '_' and '-'; unique). The objects are referred to, not
+// copied: they must outlive the State.
+class State {
+ public:
+  using Save = std::function<void(torch::serialize::OutputArchive&)>;
+  using Load = std::function<void(torch::serialize::InputArchive&)>;
+
+  State();
+  ~State();
+  State(State&&) noexcept;
+  State& operator=(State&&) noexcept;
+
+  State& add(const std::string& name, torch::nn::Module& module);           // parameters and buffers
+  State& add(const std::string& name, torch::optim::Optimizer& optimizer);  // LibTorch's own state of it
+  // A ZeroRedundancyOptimizer's state: this rank's shard (kSharded: resumes with the same world size), or every
+  // rank's gathered (kConsolidated: resumes with any world size, with Layout::kReplicated; save() is then collective).
+  enum class Zero { kSharded, kConsolidated };
+  State& add(const std::string& name, ddp::ZeroRedundancyOptimizer& zero, Zero how = Zero::kSharded);
+  State& add(const std::string& name, ddp::DistributedSampler& sampler);    // epoch and position
+  State& add(const std::string& name, at::Tensor& tensor);    // restored in place when defined (shape, dtype checked)
+  State& add(const std::string& name, int64_t& counter);      // a step, an epoch
+  State& add(const std::string& name, Save save, Load load);  // anything else
+
+  struct Item;
+
+ private:
+  friend class Checkpointer;
+  std::vector<std::unique_ptr<Item>> items_;
+};
+
+struct CheckpointOptions {
+  // Steps whose files a rank keeps (the newest ones); at least 2, so that the previous step survives a crash while
+  // the newest is written.
+  int keep = 2;
+  // Flush each file and directory to disk (fsync) before a save returns. Off only for tests of speed.
+  bool sync = true;
+};
+
+// Whose files restore() reads.
+enum class Layout {
+  // Each rank its own: for state that differs between ranks (a ZeroRedundancyOptimizer's shard). The job must have
+  // the world size of the one that saved.
+  kPerRank,
+  // Every rank reads rank 0's: for state every rank holds the same (DDP's model and optimizer, counters, the
+  // sampler, which re-derives this rank's share of what is left of the epoch). The job may have another world size
+  // than the one that saved, as after an elastic re-formation (tandem-run --nnodes MIN:MAX); the ranks must then
+  // share the directory (or each have a copy of rank 0's files).
+  kReplicated,
+};
+
+class Checkpointer {
+ public:
+  // `rank`: this process's rank in the job (it names its files). The directory is made when missing.
+  Checkpointer(std::string dir, int rank, CheckpointOptions options = {});
+
+  // Writes this rank's part of checkpoint `step` (>= 0) atomically, then removes this rank's files of steps older than
+  // the newest `keep`. Not collective: every rank saves its own part.
+  void save(int64_t step, const State& state);
+
+  // Restores `state` from the newest step that every rank of `group` has intact (this rank alone when `group` is
+  // null), and returns it; nullopt when there is none (a fresh start: `state` is untouched). Collective over `group`.
+  std::optional<int64_t> restore(State& state, comm::ProcessGroup* group = nullptr, Layout layout = Layout::kPerRank);
+
+  // Restores `state` from exactly `step` (DATA_LOSS when this rank's file of it is torn or missing).
+  void load(int64_t step, State& state);
+
+  // The steps for which this rank has a file, oldest first (intact or not: load() tells).
+  std::vector<int64_t> steps() const;
+  // The file of this rank for `step`.
+  std::string path(int64_t step) const;
+
+ private:
+  // The newest step <= bound whose file of `rank` is intact, with that file's payload.
+  std::optional<std::pair<int64_t, std::string>> newest_intact_at_most(int64_t bound, int rank) const;
+  std::vector<int64_t> steps_of(int rank) const;
+  std::string path_of(int64_t step, int rank) const;
+  void load_payload(const std::string& file, const std::string& payload, State& state);
+  void prune() const;
+
+  std::string dir_;
+  int rank_;
+  CheckpointOptions options_;
+};
+
+}  // namespace tandem::checkpoint

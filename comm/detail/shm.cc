@@ -1,0 +1,441 @@
+#include "comm/detail/shm.h"
+
+#include <ATen/ATen.h>
+#include <dirent.h>
+#include <fcntl.h>
+#include <linux/futex.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <climits>
+#include <cstring>
+#include <fstream>
+#include <random>
+#include <sstream>
+#include <thread>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "rpc/errors.h"
+#include "rpc/store.h"
+
+namespace tandem::comm::detail {
+namespace {
+
+using std::chrono::milliseconds;
+using Clock = ShmGroup::Clock;
+
+constexpr uint64_t kMagic = 0x74616e64656d7368;  // "tandemsh"
+constexpr size_t kSlotBytes = size_t{8} << 20;    // per rank: two halves of 4 MiB, one per round
+constexpr size_t kHalfBytes = kSlotBytes / 2;
+// An allreduce round this small is reduced whole by every rank, in rank order (one barrier); a larger one in shares,
+// each rank reducing its own (two barriers).
+constexpr size_t kSmallBytes = size_t{256} << 10;
+constexpr size_t kPage = 4096;
+constexpr int kMaxRanks = 64;  // the control lines fit in one page
+constexpr auto kSpin = std::chrono::microseconds(20);      // spinning before sleeping on the futex
+constexpr auto kLivenessCheck = std::chrono::milliseconds(50);  // how often a waiter looks for ended processes
+constexpr const char* kPrefix = "tandem-pg-";
+
+enum Reason : int32_t { kGone = 1, kLate = 2 };
+
+struct alignas(64) RankLine {
+  std::atomic<uint64_t> arrived;  // barriers this rank reached
+  int64_t pid;
+  uint64_t start_time;  // /proc/<pid>/stat field 22: tells a reused pid apart
+  uint64_t pid_ns;      // inode of /proc/self/ns/pid: pids are comparable only within one namespace
+};
+
+size_t data_offset() { return kPage + kPage; }
+size_t segment_bytes(int size) { return data_offset() + static_cast<size_t>(size) * kSlotBytes; }
+
+uint64_t inode_of(const char* path) {
+  struct stat st {};
+  return stat(path, &st) == 0 ? static_cast<uint64_t>(st.st_ino) : 0;
+}
+
+// State (field 3) and start time (field 22) of a process, from /proc/<pid>/stat; false when it does not exist.
+bool process_stat(int64_t pid, char* state, uint64_t* start_time) {
+  std::ifstream in(absl::StrCat("/proc/", pid, "/stat"));
+  std::string line;
+  if (!in || !std::getline(in, line)) return false;
+  const size_t close = line.rfind(')');
+  if (close == std::string::npos) return false;
+  std::vector<std::string> f = absl::StrSplit(line.substr(close + 2), ' ');
+  if (f.size() < 20 || f[0].empty()) return false;
+  *state = f[0][0];
+  return absl::SimpleAtoi(f[19], start_time);
+}
+
+void futex_wait(std::atomic<uint32_t>* word, uint32_t expected, Clock::duration for_at_most) {
+  const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(for_at_most).count();
+  if (ns <= 0) return;
+  timespec ts{static_cast<time_t>(ns / 1000000000), static_cast<long>(ns % 1000000000)};
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT, expected, &ts, nullptr, 0);
+}
+
+void futex_wake_all(std::atomic<uint32_t>* word) {
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
+}
+
+// Removes segments of this pid namespace whose creator is dead: a rank 0 that died between creating a segment and
+// unlinking it (a window of one store round trip) would otherwise leave it in /dev/shm until reboot.
+void remove_stale_segments(uint64_t pid_ns) {
+  DIR* dir = opendir("/dev/shm");
+  if (!dir) return;
+  const std::string mine = absl::StrCat(kPrefix, pid_ns, "-");
+  std::vector<std::string> stale;
+  while (dirent* e = readdir(dir)) {
+    const std::string n = e->d_name;
+    if (n.rfind(mine, 0) != 0) continue;
+    const std::string rest = n.substr(mine.size());
+    int64_t pid = 0;
+    if (!absl::SimpleAtoi(rest.substr(0, rest.find('-')), &pid) || pid <= 0) continue;
+    if (kill(static_cast<pid_t>(pid), 0) == -1 && errno == ESRCH) stale.push_back("/" + n);
+  }
+  closedir(dir);
+  for (const auto& n : stale) shm_unlink(n.c_str());
+}
+
+}  // namespace
+
+struct ShmGroup::Layout {
+  uint64_t magic;
+  uint64_t nonce;
+  int32_t size;
+  alignas(64) std::atomic<uint32_t> generation;  // bumped at every arrival and failure: the futex word waiters sleep on
+  alignas(64) std::atomic<uint32_t> sleepers;    // waiters asleep (or about to be) on `generation`
+  alignas(64) std::atomic<int32_t> culprit;      // 0, or 1 + the rank that failed the group
+  std::atomic<int32_t> reason;                   // Reason, once culprit is set
+
+  RankLine* line(int r) { return reinterpret_cast<RankLine*>(reinterpret_cast<char*>(this) + kPage) + r; }
+  char* slot(int r) { return reinterpret_cast<char*>(this) + data_offset() + static_cast<size_t>(r) * kSlotBytes; }
+};
+static_assert(sizeof(ShmGroup::Layout) <= kPage);
+static_assert(sizeof(RankLine) * kMaxRanks <= kPage);
+
+std::string host_place() {
+  std::ifstream in("/proc/sys/kernel/random/boot_id");
+  std::string boot;
+  std::getline(in, boot);
+  return absl::StrCat(boot, "/", inode_of("/proc/self/ns/net"));
+}
+
+absl::StatusOr<std::unique_ptr<ShmGroup>> ShmGroup::attach(rpc::Store& store, const std::string& key, int rank,
+                                                           std::vector<std::string> labels, milliseconds timeout) {
+  const int size = static_cast<int>(labels.size());
+  const size_t bytes = segment_bytes(size);
+  const uint64_t pid_ns = inode_of("/proc/self/ns/pid");
+  std::string name;
+  uint64_t nonce = 0;
+  void* base = MAP_FAILED;
+  auto sys_error = [](const std::string& what) {
+    return absl::UnavailableError(absl::StrCat(what, ": ", std::strerror(errno)));
+  };
+  if (rank == 0) {
+    // Every failure still publishes "-", so that the other ranks do not wait for a name until the timeout.
+    auto publish = [&](const std::string& value, absl::Status status) -> absl::Status {
+      absl::Status s = store.set(key, value);
+      return status.ok() ? s : status;
+    };
+    if (size > kMaxRanks) {
+      return publish("-", absl::FailedPreconditionError(absl::StrCat("shared memory serves at most ", kMaxRanks,
+                                                                     " ranks, not ", size)));
+    }
+    remove_stale_segments(pid_ns);
+    std::random_device rd;
+    nonce = (static_cast<uint64_t>(rd()) << 32) ^ rd();
+    name = absl::StrCat("/", kPrefix, pid_ns, "-", getpid(), "-", absl::Hex(nonce));
+    const int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+    if (fd < 0) return publish("-", sys_error("shm_open " + name));
+    // Reserved now: a full /dev/shm is an error here, not a SIGBUS at the first write.
+    if (int e = posix_fallocate(fd, 0, static_cast<off_t>(bytes)); e != 0) {
+      close(fd);
+      shm_unlink(name.c_str());
+      errno = e;
+      return publish("-", sys_error(absl::StrCat("reserving ", bytes, " bytes in /dev/shm")));
+    }
+    base = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
+    close(fd);
+    if (base == MAP_FAILED) {
+      shm_unlink(name.c_str());
+      return publish("-", sys_error("mmap " + name));
+    }
+    auto* layout = static_cast<Layout*>(base);
+    layout->magic = kMagic;
+    layout->nonce = nonce;
+    layout->size = size;
+    if (absl::Status s = store.set(key, absl::StrCat(name, " ", nonce)); !s.ok()) {
+      munmap(base, bytes);
+      shm_unlink(name.c_str());
+      return s;
+    }
+  } else {
+    auto value = store.get(key, timeout);
+    if (!value.ok()) return value.status();
+    std::vector<std::string> parts = absl::StrSplit(*value, ' ');
+    if (parts.size() != 2 || !absl::SimpleAtoi(parts[1], &nonce)) {
+      return absl::FailedPreconditionError("rank 0 could not create the shared-memory segment");
+    }
+    name = parts[0];
+    const int fd = shm_open(name.c_str(), O_RDWR, 0);
+    if (fd < 0) return sys_error("shm_open " + name);
+    struct stat st {};
+    if (fstat(fd, &st) != 0 || static_cast<size_t>(st.st_size) != bytes) {
+      close(fd);
+      return absl::FailedPreconditionError(absl::StrCat(name, " is not the group's segment (its size differs)"));
+    }
+    base = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
+    close(fd);
+    if (base == MAP_FAILED) return sys_error("mmap " + name);
+    const auto* layout = static_cast<const Layout*>(base);
+    if (layout->magic != kMagic || layout->nonce != nonce || layout->size != size) {
+      munmap(base, bytes);
+      return absl::FailedPreconditionError(absl::StrCat(name, " is not the group's segment"));
+    }
+    name.clear();  // only rank 0 unlinks
+  }
+  auto* line = static_cast<Layout*>(base)->line(rank);
+  char state = 0;
+  uint64_t start_time = 0;
+  process_stat(getpid(), &state, &start_time);
+  line->pid = getpid();
+  line->start_time = start_time;
+  line->pid_ns = pid_ns;
+  return std::unique_ptr<ShmGroup>(new ShmGroup(rank, std::move(labels), base, bytes, std::move(name), timeout));
+}
+
+ShmGroup::ShmGroup(int rank, std::vector<std::string> labels, void* base, size_t bytes, std::string name,
+                   milliseconds timeout)
+    : rank_(rank),
+      size_(static_cast<int>(labels.size())),
+      labels_(std::move(labels)),
+      base_(base),
+      bytes_(bytes),
+      name_(std::move(name)),
+      layout_(static_cast<Layout*>(base)),
+      timeout_(timeout) {}
+
+ShmGroup::~ShmGroup() {
+  unlink();
+  munmap(base_, bytes_);
+}
+
+void ShmGroup::unlink() {
+  if (!name_.empty()) shm_unlink(name_.c_str());
+  name_.clear();
+}
+
+at::Tensor ShmGroup::half(int r, size_t bytes, c10::ScalarType dtype) {
+  const int64_t n = static_cast<int64_t>(bytes / c10::elementSize(dtype));
+  return at::from_blob(layout_->slot(r) + (round_ % 2) * kHalfBytes, {n}, at::TensorOptions().dtype(dtype));
+}
+
+std::string ShmGroup::gone_ranks() const {
+  const uint64_t my_ns = layout_->line(rank_)->pid_ns;
+  std::string out;
+  for (int q = 0; q < size_; ++q) {
+    const RankLine* l = layout_->line(q);
+    if (q == rank_ || l->pid_ns != my_ns || l->pid <= 0) continue;
+    char state = 0;
+    uint64_t start = 0;
+    if (!process_stat(l->pid, &state, &start) || state == 'Z' || state == 'X' || start != l->start_time) {
+      absl::StrAppend(&out, out.empty() ? "" : ", ", labels_[q]);
+    }
+  }
+  return out;
+}
+
+void ShmGroup::fail(int culprit, int reason, const std::string& message) {
+  int32_t none = 0;
+  if (layout_->culprit.compare_exchange_strong(none, culprit + 1)) layout_->reason.store(reason);
+  layout_->generation.fetch_add(1);
+  futex_wake_all(&layout_->generation);
+  throw_error(reason == kLate ? absl::DeadlineExceededError(message) : absl::UnavailableError(message));
+}
+
+void ShmGroup::meet(Clock::time_point deadline) {
+  ++met_;
+  layout_->line(rank_)->arrived.store(met_);
+  layout_->generation.fetch_add(1);
+  if (layout_->sleepers.load() > 0) futex_wake_all(&layout_->generation);
+  // A failure first: once a rank gave up, the others' arrivals no longer mean their data is there.
+  auto all_arrived = [this] {
+    if (layout_->culprit.load() != 0) return false;
+    for (int q = 0; q < size_; ++q) {
+      if (layout_->line(q)->arrived.load(std::memory_order_acquire) < met_) return false;
+    }
+    return true;
+  };
+  const Clock::time_point spin_until = Clock::now() + kSpin;
+  while (Clock::now() < spin_until) {
+    if (all_arrived()) return;
+    if (layout_->culprit.load(std::memory_order_relaxed) != 0) break;
+#if defined(__x86_64__)
+    __builtin_ia32_pause();
+#endif
+  }
+  Clock::time_point next_check = Clock::now() + kLivenessCheck;
+  for (;;) {
+    const uint32_t generation = layout_->generation.load();
+    if (all_arrived()) return;
+    if (const int32_t c = layout_->culprit.load(); c != 0) {
+      const int reason = layout_->reason.load();
+      const std::string who = c - 1 >= 0 && c - 1 < size_ ? labels_[c - 1] : absl::StrCat("rank ", c - 1);
+      throw_error(reason == kLate ? absl::DeadlineExceededError(absl::StrCat(
+                                        who, " did not take part within ", timeout_.count(),
+                                        " ms (seen by another rank; shared memory)"))
+                                  : absl::UnavailableError(absl::StrCat(who, " is gone: its process ended")));
+    }
+    const Clock::time_point now = Clock::now();
+    if (now >= next_check) {
+      if (std::string gone = gone_ranks(); !gone.empty()) {
+        int first = 0;
+        for (int q = 0; q < size_; ++q) {
+          if (gone.rfind(labels_[q], 0) == 0) first = q;
+        }
+        fail(first, kGone, absl::StrCat(gone, " is gone: its process ended"));
+      }
+      next_check = now + kLivenessCheck;
+    }
+    if (now >= deadline) {
+      std::string late;
+      int first = -1;
+      for (int q = 0; q < size_; ++q) {
+        if (layout_->line(q)->arrived.load() >= met_) continue;
+        if (first < 0) first = q;
+        absl::StrAppend(&late, late.empty() ? "" : ", ", labels_[q]);
+      }
+      fail(first < 0 ? rank_ : first, kLate,
+           absl::StrCat("a rank did not take part within ", timeout_.count(), " ms: ", late,
+                        " did not arrive (shared memory)"));
+    }
+    layout_->sleepers.fetch_add(1);
+    futex_wait(&layout_->generation, generation, std::min(deadline, next_check) - now);
+    layout_->sleepers.fetch_sub(1);
+  }
+}
+
+namespace {
+
+// The user's tensor as a plain flat alias of its memory, as Gloo sees it: no autograd (parameters and gradients that
+// require grad are reduced in place) and no bump of its version counter.
+at::Tensor raw(const at::Tensor& t) {
+  return at::from_blob(t.data_ptr(), {t.numel()}, at::TensorOptions().dtype(t.scalar_type()));
+}
+
+void combine(at::Tensor& acc, const at::Tensor& x, ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum:
+    case ReduceOp::kAvg:
+      acc.add_(x);
+      return;
+    case ReduceOp::kProduct:
+      acc.mul_(x);
+      return;
+    case ReduceOp::kMin:
+      at::minimum_out(acc, acc, x);
+      return;
+    case ReduceOp::kMax:
+      at::maximum_out(acc, acc, x);
+      return;
+  }
+}
+
+// out = the reduction of part(0), ..., part(size - 1), in that order: the same result on every rank that computes it.
+template <typename Part>
+void reduce_in_rank_order(at::Tensor& out, int size, ReduceOp op, Part&& part) {
+  out.copy_(part(0));
+  for (int q = 1; q < size; ++q) combine(out, part(q), op);
+}
+
+}  // namespace
+
+template <typename F>
+void ShmGroup::each_round(int64_t n, int64_t per_round, F&& round) {
+  for (int64_t at = 0; at < n; at += per_round) {
+    ++round_;
+    round(at, std::min(per_round, n - at));
+  }
+}
+
+void ShmGroup::allreduce(const at::Tensor& t, ReduceOp op, Clock::time_point deadline) {
+  const auto dtype = t.scalar_type();
+  const size_t es = t.element_size();
+  at::Tensor flat = raw(t);
+  each_round(t.numel(), static_cast<int64_t>(kHalfBytes / es), [&](int64_t at, int64_t m) {
+    const size_t bytes = static_cast<size_t>(m) * es;
+    at::Tensor out = flat.slice(0, at, at + m);
+    half(rank_, bytes, dtype).copy_(out);
+    meet(deadline);
+    if (bytes <= kSmallBytes) {
+      reduce_in_rank_order(out, size_, op, [&](int q) { return half(q, bytes, dtype); });
+      return;
+    }
+    auto share = [&](int r) { return std::make_pair(m * r / size_, m * (r + 1) / size_); };
+    const auto [lo, hi] = share(rank_);
+    at::Tensor acc = half(rank_, bytes, dtype).slice(0, lo, hi);
+    for (int q = 0; q < size_; ++q) {
+      if (q != rank_) combine(acc, half(q, bytes, dtype).slice(0, lo, hi), op);
+    }
+    meet(deadline);
+    for (int q = 0; q < size_; ++q) {
+      const auto [a, b] = share(q);
+      out.slice(0, a, b).copy_(half(q, bytes, dtype).slice(0, a, b));
+    }
+  });
+  if (op == ReduceOp::kAvg) flat.div_(size_);
+}
+
+void ShmGroup::broadcast(const at::Tensor& t, int root, Clock::time_point deadline) {
+  const auto dtype = t.scalar_type();
+  const size_t es = t.element_size();
+  at::Tensor flat = raw(t);
+  each_round(t.numel(), static_cast<int64_t>(kHalfBytes / es), [&](int64_t at, int64_t m) {
+    at::Tensor part = flat.slice(0, at, at + m);
+    if (rank_ == root) half(root, m * es, dtype).copy_(part);
+    meet(deadline);
+    if (rank_ != root) part.copy_(half(root, m * es, dtype));
+  });
+}
+
+void ShmGroup::allgather(const at::Tensor& output, const at::Tensor& input, Clock::time_point deadline) {
+  const auto dtype = input.scalar_type();
+  const size_t es = input.element_size();
+  const int64_t n = input.numel();
+  at::Tensor in = raw(input), out = raw(output).view({size_, n});
+  each_round(n, static_cast<int64_t>(kHalfBytes / es), [&](int64_t at, int64_t m) {
+    half(rank_, m * es, dtype).copy_(in.slice(0, at, at + m));
+    meet(deadline);
+    for (int q = 0; q < size_; ++q) out[q].slice(0, at, at + m).copy_(half(q, m * es, dtype));
+  });
+}
+
+void ShmGroup::reduce_scatter(const at::Tensor& output, const at::Tensor& input, ReduceOp op,
+                              Clock::time_point deadline) {
+  const auto dtype = input.scalar_type();
+  const size_t es = input.element_size();
+  const int64_t n = output.numel();
+  at::Tensor in = raw(input).view({size_, n}), out = raw(output);
+  each_round(n, static_cast<int64_t>(kHalfBytes / (es * size_)), [&](int64_t at, int64_t m) {
+    const size_t bytes = static_cast<size_t>(m * size_) * es;
+    half(rank_, bytes, dtype).view({size_, m}).copy_(in.slice(1, at, at + m));  // chunk q's part at row q
+    meet(deadline);
+    at::Tensor part = out.slice(0, at, at + m);
+    reduce_in_rank_order(part, size_, op, [&](int q) { return half(q, bytes, dtype).view({size_, m})[rank_]; });
+  });
+  if (op == ReduceOp::kAvg) out.div_(size_);
+}
+
+void ShmGroup::barrier(Clock::time_point deadline) {
+  ++round_;
+  meet(deadline);
+}
+
+}  // namespace tandem::comm::detail

@@ -1,0 +1,296 @@
+#include "elastic/rendezvous.h"
+
+#include <netdb.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "proto/tandem_rpc.pb.h"
+#include "elastic/detail/records.h"
+#include "rpc/detail/net.h"
+#include "rpc/detail/version.h"
+#include "rpc/store.h"
+
+namespace tandem::elastic {
+namespace {
+
+namespace pb = tandem::wire;
+
+std::chrono::milliseconds to_ms(absl::Duration d) {
+  return std::max(std::chrono::milliseconds(1), absl::ToChronoMilliseconds(d));
+}
+
+std::string seconds(absl::Duration d) { return absl::StrCat(absl::ToDoubleSeconds(d), " s"); }
+
+}  // namespace
+
+Rendezvous::Rendezvous(rpc::Store& store, RendezvousOptions options) : store_(store), options_(std::move(options)) {}
+
+std::string Rendezvous::key(const std::string& suffix) const { return "rdzv/" + options_.run_id + "/" + suffix; }
+
+std::string Rendezvous::round_key(const std::string& suffix) const {
+  return key(absl::StrCat("r", round_, "/", suffix));
+}
+
+absl::StatusOr<std::optional<RoundEnd>> Rendezvous::ended() {
+  const std::string k = round_key("ended");
+  auto present = store_.check({k});
+  if (!present.ok()) return present.status();
+  if (!(*present)[0]) return std::optional<RoundEnd>();
+  auto bytes = store_.get(k, to_ms(options_.keep_alive_interval));
+  if (!bytes.ok()) return bytes.status();
+  auto end = detail::parse_end(*bytes, k);
+  if (!end.ok()) return end.status();
+  return std::optional<RoundEnd>(RoundEnd{end->reason(), end->failure()});
+}
+
+absl::Status Rendezvous::end_round(const std::string& reason, bool failure) {
+  auto vote = store_.add(round_key("end"), 1);
+  if (!vote.ok()) return vote.status();
+  if (*vote != 1) return absl::OkStatus();  // another node ended it first
+  if (failure) {
+    auto n = store_.add(key("failures"), 1);
+    if (!n.ok()) return n.status();
+    if (auto s = store_.set(key(absl::StrCat("failure/", *n)), reason); !s.ok()) return s;
+  }
+  pb::ElasticEnd end;
+  end.set_wire_version(rpc::kWireVersion);
+  end.set_reason(reason);
+  end.set_failure(failure);
+  if (auto s = store_.set(round_key("ended"), end.SerializeAsString()); !s.ok()) return s;
+  return store_.add(key("round"), 1).status();
+}
+
+absl::StatusOr<Round> Rendezvous::join() {
+  const absl::Time deadline = absl::Now() + options_.join_timeout;
+  auto current = store_.add(key("round"), 0);
+  if (!current.ok()) return current.status();
+  int64_t k = std::max(*current, round_ + 1);
+  for (;;) {
+    if (options_.max_restarts >= 0) {  // a job that has given up forms no more rounds
+      auto failures = store_.add(key("failures"), 0);
+      if (!failures.ok()) return failures.status();
+      if (*failures > options_.max_restarts) {
+        return absl::AbortedError(absl::StrCat("rendezvous '", options_.run_id, "': the job has used up its ",
+                                               options_.max_restarts, " restarts"));
+      }
+    }
+    round_ = k;
+    index_ = -1;
+    if (auto e = ended(); !e.ok()) {
+      return e.status();
+    } else if (e->has_value()) {
+      ++k;
+      continue;
+    }
+    auto arrived = store_.add(round_key("joined"), 1);
+    if (!arrived.ok()) return arrived.status();
+    const int index = static_cast<int>(*arrived - 1);
+    pb::ElasticNode me;
+    me.set_wire_version(rpc::kWireVersion);
+    me.set_host(options_.host);
+    me.set_nproc(options_.nproc);
+    me.set_master_port(options_.master_port);
+    me.set_pid(static_cast<int32_t>(getpid()));
+    if (auto s = store_.set(round_key(absl::StrCat("node/", index)), me.SerializeAsString()); !s.ok()) return s;
+
+    std::optional<absl::Time> min_since;  // when this node first saw min_nodes in the round
+    bool asked_to_end = false;
+    for (;;) {
+      auto present = store_.check({round_key("closed"), round_key("ended")});
+      if (!present.ok()) return present.status();
+      // Closed first: a member of a round that has already ended still takes part (its monitor() then sees the end
+      // at once), so every node goes through every round it is in and counts the same rounds.
+      if ((*present)[0]) {
+        auto bytes = store_.get(round_key("closed"), to_ms(options_.keep_alive_interval));
+        if (!bytes.ok()) return bytes.status();
+        auto closed = detail::parse_round(*bytes, round_key("closed"));
+        if (!closed.ok()) return closed.status();
+        if (index < closed->nodes()) {
+          auto round = finish_join(k, index, closed->nodes(), closed->restarts());
+          if (!round.ok() && round.status().code() != absl::StatusCode::kAborted) return round.status();
+          if (round.ok()) return round;
+          break;  // a member never said where it is: the round was ended; join the next one
+        }
+        if ((*present)[1]) break;  // too late for a round that is over: join the next one
+        // This node came too late for round k. If the job has room, it re-forms with this node (not a failure).
+        if (closed->nodes() < options_.max_nodes && !asked_to_end) {
+          asked_to_end = true;
+          const std::string why = absl::StrCat("node ", options_.host, " (launcher pid ", getpid(),
+                                               ") is waiting to join");
+          if (auto s = end_round(why, /*failure=*/false); !s.ok()) return s;
+        }
+      } else if ((*present)[1]) {
+        break;  // the round ended before it closed: join the next one
+      } else {
+        auto joined = store_.add(round_key("joined"), 0);
+        if (!joined.ok()) return joined.status();
+        const absl::Time now = absl::Now();
+        if (*joined >= options_.min_nodes && !min_since) min_since = now;
+        if (*joined >= options_.max_nodes || (min_since && now >= *min_since + options_.last_call_timeout)) {
+          auto vote = store_.add(round_key("close"), 1);
+          if (!vote.ok()) return vote.status();
+          if (*vote == 1) {  // this node closes the round: the first arrivals up to max_nodes are in
+            auto final_count = store_.add(round_key("joined"), 0);
+            auto failures = store_.add(key("failures"), 0);
+            if (!final_count.ok()) return final_count.status();
+            if (!failures.ok()) return failures.status();
+            pb::ElasticRound closed;
+            closed.set_wire_version(rpc::kWireVersion);
+            closed.set_nodes(static_cast<int32_t>(std::min<int64_t>(*final_count, options_.max_nodes)));
+            closed.set_restarts(static_cast<int32_t>(*failures));
+            if (auto s = store_.set(round_key("closed"), closed.SerializeAsString()); !s.ok()) return s;
+            continue;
+          }
+        }
+      }
+      if (absl::Now() > deadline) {
+        auto joined = store_.add(round_key("joined"), 0);
+        return absl::DeadlineExceededError(absl::StrCat(
+            "rendezvous '", options_.run_id, "': ",
+            asked_to_end || (*present)[0] ? "the job is full: this node waited for a place"
+                                          : absl::StrCat("only ", joined.ok() ? *joined : 0, " of the ",
+                                                         options_.min_nodes, " nodes needed joined"),
+            " within the join timeout (", seconds(options_.join_timeout), ")"));
+      }
+      std::this_thread::sleep_for(to_ms(options_.poll_interval));
+    }
+    ++k;
+  }
+}
+
+absl::StatusOr<Round> Rendezvous::finish_join(int64_t k, int index, int nodes, int restarts) {
+  const absl::Duration lost_after = options_.keep_alive_interval * options_.keep_alive_max_attempt;
+  std::vector<std::string> keys;
+  for (int i = 0; i < nodes; ++i) keys.push_back(round_key(absl::StrCat("node/", i)));
+  if (auto s = store_.wait(keys, to_ms(lost_after)); !s.ok()) {
+    if (s.code() != absl::StatusCode::kDeadlineExceeded) return s;
+    // A launcher counted itself in and died before it said where it is: re-form without it.
+    if (auto e = end_round(absl::StrCat("a node joined round ", k, " but never published its address"),
+                           /*failure=*/false);
+        !e.ok()) {
+      return e;
+    }
+    return absl::AbortedError("re-form");
+  }
+  Round r;
+  r.round = k;
+  r.node_rank = index;
+  r.nnodes = nodes;
+  r.restarts = restarts;
+  for (int i = 0; i < nodes; ++i) {
+    auto bytes = store_.get(keys[i], to_ms(options_.keep_alive_interval));
+    if (!bytes.ok()) return bytes.status();
+    auto node = detail::parse_node(*bytes, keys[i]);
+    if (!node.ok()) return node.status();
+    if (i < index) r.rank_offset += node->nproc();
+    r.world_size += node->nproc();
+    if (i == 0) {
+      r.master_addr = node->host();
+      r.master_port = node->master_port();
+    }
+  }
+  index_ = index;
+  nnodes_ = nodes;
+  seen_beats_.assign(nodes, -1);
+  seen_at_.assign(nodes, absl::Now());
+  next_beat_ = absl::InfinitePast();
+  return r;
+}
+
+absl::Status Rendezvous::heartbeat_check() {
+  const absl::Time now = absl::Now();
+  if (now < next_beat_) return absl::OkStatus();
+  next_beat_ = now + options_.keep_alive_interval;
+  if (auto s = store_.add(round_key(absl::StrCat("hb/", index_)), 1); !s.ok()) return s.status();
+  const absl::Duration lost_after = options_.keep_alive_interval * options_.keep_alive_max_attempt;
+  for (int j = 0; j < nnodes_; ++j) {
+    if (j == index_) continue;
+    auto beats = store_.add(round_key(absl::StrCat("hb/", j)), 0);
+    if (!beats.ok()) return beats.status();
+    if (*beats != seen_beats_[j]) {
+      seen_beats_[j] = *beats;
+      seen_at_[j] = now;
+    } else if (now - seen_at_[j] > lost_after) {
+      std::string who = absl::StrCat("node ", j);
+      if (auto bytes = store_.get(round_key(absl::StrCat("node/", j)), to_ms(options_.keep_alive_interval));
+          bytes.ok()) {
+        if (auto node = detail::parse_node(*bytes, "node"); node.ok()) {
+          absl::StrAppend(&who, " (", node->host(), ", launcher pid ", node->pid(), ")");
+        }
+      }
+      return end_round(absl::StrCat(who, " missed its heartbeats for ", seconds(now - seen_at_[j])),
+                       /*failure=*/true);
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::optional<RoundEnd>> Rendezvous::monitor() {
+  if (index_ < 0) return absl::FailedPreconditionError("rendezvous: monitor() before join()");
+  auto e = ended();
+  if (!e.ok() || e->has_value()) return e;
+  if (auto s = heartbeat_check(); !s.ok()) return s;
+  return ended();
+}
+
+absl::Status Rendezvous::report_success() { return store_.set(round_key(absl::StrCat("ok/", index_)), ""); }
+
+absl::StatusOr<bool> Rendezvous::all_succeeded() {
+  std::vector<std::string> keys;
+  for (int i = 0; i < nnodes_; ++i) keys.push_back(round_key(absl::StrCat("ok/", i)));
+  auto present = store_.check(keys);
+  if (!present.ok()) return present.status();
+  return std::all_of(present->begin(), present->end(), [](bool b) { return b; });
+}
+
+absl::Status Rendezvous::leave() { return store_.set(round_key(absl::StrCat("left/", index_)), ""); }
+
+absl::Status Rendezvous::wait_all_left(absl::Duration timeout) {
+  std::vector<std::string> keys;
+  for (int i = 0; i < nnodes_; ++i) keys.push_back(round_key(absl::StrCat("left/", i)));
+  return store_.wait(keys, to_ms(timeout));
+}
+
+absl::StatusOr<std::vector<std::string>> Rendezvous::failures() {
+  auto n = store_.add(key("failures"), 0);
+  if (!n.ok()) return n.status();
+  std::vector<std::string> out;
+  for (int64_t i = 1; i <= *n; ++i) {
+    auto reason = store_.get(key(absl::StrCat("failure/", i)), to_ms(options_.keep_alive_interval));
+    out.push_back(reason.ok() ? *reason : absl::StrCat("(failure ", i, ": ", reason.status().message(), ")"));
+  }
+  return out;
+}
+
+}  // namespace tandem::elastic
+
+namespace tandem::elastic {
+
+bool is_this_machine(const std::string& host) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_DGRAM;
+  addrinfo* found = nullptr;
+  if (getaddrinfo(host.c_str(), nullptr, &hints, &found) != 0) return false;
+  bool local = false;
+  for (addrinfo* a = found; a && !local; a = a->ai_next) {
+    const int fd = socket(a->ai_family, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) continue;
+    // Port 0 of the address: binding works exactly when the address is one of this machine's.
+    if (a->ai_family == AF_INET) reinterpret_cast<sockaddr_in*>(a->ai_addr)->sin_port = 0;
+    if (a->ai_family == AF_INET6) reinterpret_cast<sockaddr_in6*>(a->ai_addr)->sin6_port = 0;
+    local = bind(fd, a->ai_addr, a->ai_addrlen) == 0;
+    close(fd);
+  }
+  freeaddrinfo(found);
+  return local;
+}
+
+absl::StatusOr<std::string> address_towards(const std::string& host) { return rpc::net::local_address_towards(host); }
+
+}  // namespace tandem::elastic

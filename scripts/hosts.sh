@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# Test hosts on one machine: N network namespaces joined by a bridge, so that the workers of one job run on "hosts"
+# with their own addresses and every call between them crosses a real TCP/IP path (never the same-host direct
+# channel). Used by tests/hosts and `bench/run.sh hosts`. Run as root.
+#
+#   hosts.sh up NAME N          makes NAME-sw (the bridge br0) and NAME-h0 .. NAME-h<N-1>; host i has eth0 with
+#                               10.77.0.<i+1>/24 and lo. The root namespace is not touched.
+#   hosts.sh down NAME          kills every process in them and removes them all (idempotent)
+#   hosts.sh addr NAME I        prints host I's address
+#   hosts.sh exec NAME I CMD..  runs CMD in host I (ip netns exec: CMD replaces this process)
+#   hosts.sh cut NAME I         takes host I's link down (in-flight packets are lost; the peers see no reset)
+#   hosts.sh heal NAME I        brings it back up, and lifts a black hole
+#   hosts.sh blackhole NAME I   drops every packet host I sends or receives (nftables rules in its namespace)
+#   hosts.sh kill NAME I        SIGKILLs every process in host I (the kernel resets their connections)
+#   hosts.sh rate NAME I RATE   limits host I's outgoing rate (tc tbf, e.g. 1gbit); RATE "off" removes the limit
+#   hosts.sh check              exits 0 when this machine can make hosts, else prints why
+#
+# NAME must be short and unique per concurrent user (tests use their pid). Delay cannot be added here: this kernel has
+# no netem qdisc; bench/delay_relay adds it in user space.
+set -euo pipefail
+
+die() { echo "hosts.sh: $*" >&2; exit 1; }
+ns() { echo "$1-h$2"; }
+
+cmd="${1:-}"; shift || true
+case "$cmd" in
+  check)
+    [ "$(id -u)" = 0 ] || die "needs root (network namespaces)"
+    probe="tdmchk$$"
+    ip netns add "$probe" 2>/dev/null || die "cannot create a network namespace (ip netns add failed)"
+    ok=1
+    ip -n "$probe" link add br0 type bridge 2>/dev/null || ok=0
+    ip netns del "$probe"
+    [ "$ok" = 1 ] || die "cannot create a bridge inside a network namespace"
+    command -v nft >/dev/null || die "nft (Debian's nftables) is not installed"
+    ;;
+  up)
+    name="$1"; n="$2"
+    [ "$n" -ge 1 ] && [ "$n" -le 200 ] || die "host count must be 1..200"
+    trap 'bash "$0" down "$name"' ERR
+    ip netns add "$name-sw"
+    ip -n "$name-sw" link add br0 type bridge
+    ip -n "$name-sw" link set br0 up
+    for ((i = 0; i < n; i++)); do
+      h="$(ns "$name" "$i")"
+      ip netns add "$h"
+      ip -n "$name-sw" link add "p$i" type veth peer name eth0 netns "$h"
+      ip -n "$name-sw" link set "p$i" master br0 up
+      ip -n "$h" addr add "10.77.0.$((i + 1))/24" dev eth0
+      ip -n "$h" link set lo up
+      ip -n "$h" link set eth0 up
+    done
+    ;;
+  down)
+    name="$1"
+    for h in $(ip netns list | awk '{print $1}' | grep -E "^$name-(sw|h[0-9]+)$" || true); do
+      pids="$(ip netns pids "$h" 2>/dev/null || true)"
+      [ -z "$pids" ] || kill -9 $pids 2>/dev/null || true
+      ip netns del "$h" 2>/dev/null || true
+    done
+    ;;
+  addr) echo "10.77.0.$(($2 + 1))" ;;
+  exec) name="$1"; i="$2"; shift 2; exec ip netns exec "$(ns "$name" "$i")" "$@" ;;
+  cut) ip -n "$(ns "$1" "$2")" link set eth0 down ;;
+  heal)
+    h="$(ns "$1" "$2")"
+    ip netns exec "$h" nft delete table inet tandem_hosts 2>/dev/null || true
+    ip -n "$h" link set eth0 up
+    ;;
+  blackhole)
+    ip netns exec "$(ns "$1" "$2")" nft -f - <<'EOF'
+table inet tandem_hosts {
+  chain in { type filter hook input priority 0; policy accept; iifname "eth0" drop; }
+  chain out { type filter hook output priority 0; policy accept; oifname "eth0" drop; }
+}
+EOF
+    ;;
+  kill)
+    pids="$(ip netns pids "$(ns "$1" "$2")")"
+    [ -z "$pids" ] || kill -9 $pids 2>/dev/null || true
+    ;;
+  rate)
+    h="$(ns "$1" "$2")"
+    if [ "$3" = off ]; then
+      ip netns exec "$h" tc qdisc del dev eth0 root 2>/dev/null || true
+    else
+      ip netns exec "$h" tc qdisc replace dev eth0 root tbf rate "$3" burst 256kb latency 100ms
+    fi
+    ;;
+  *) die "usage: hosts.sh up|down|addr|exec|cut|heal|blackhole|kill|rate|check ... (see the header)" ;;
+esac

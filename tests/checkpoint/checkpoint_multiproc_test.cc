@@ -1,0 +1,35 @@
+// Checkpoints across real processes: every rank resumes from the same step, the newest that all of them have intact;
+// a ZeroRedundancyOptimizer's shards resume bit-exact.
+#include <filesystem>
+
+#include "tests/common/multiproc.h"
+#include "tests/common/scenario_fixture.h"
+
+namespace tandem::test {
+namespace {
+
+using MultiprocCheckpoint = MultiprocScenario;
+
+TEST_F(MultiprocCheckpoint, RanksAgreeOnTheNewestStepEveryRankHasIntact) {
+  start({.world_size = 3});
+  const std::string dir = make_temp_dir();
+  EXPECT_EQ(everywhere(3, "agree|" + dir + "|1"), "");
+  std::filesystem::remove_all(dir);
+}
+
+TEST_F(MultiprocCheckpoint, ZeroShardsResumeBitExact) {
+  start({.world_size = 2});
+  const std::string dir = make_temp_dir();
+  EXPECT_EQ(everywhere(2, "zero|" + dir), "");
+  std::filesystem::remove_all(dir);
+}
+
+TEST_F(MultiprocCheckpoint, ConsolidatedZeroResumesAtAnotherWorldSize) {
+  start({.world_size = 3});
+  const std::string dir = make_temp_dir();
+  EXPECT_EQ(everywhere(3, "zero-consolidated|" + dir), "");
+  std::filesystem::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace tandem::test

@@ -1,0 +1,166 @@
+#include "tests/checkpoint/scenarios.h"
+
+#include <torch/torch.h>
+#include <unistd.h>
+
+#include <cstdlib>
+
+#include "absl/strings/str_split.h"
+#include "checkpoint/checkpoint.h"
+#include "comm/process_group.h"
+#include "ddp/zero.h"
+#include "rpc/rpc.h"
+#include "tests/common/scenario.h"
+
+namespace tandem::test {
+namespace {
+
+// Every rank saves steps 1..3; one rank's newest file is then torn (cut in half): all ranks must resume from step 2,
+// that rank included, and only from it.
+std::string agree(const std::string& dir, const std::string& torn_rank) {
+  const int rank = rpc::get_worker_info().id;
+  auto group = comm::ProcessGroup::create("agree");
+  checkpoint::Checkpointer ckpt(dir, rank, {.keep = 3});
+  int64_t counter = 0;
+  checkpoint::State state;
+  state.add("counter", counter);
+  for (int64_t step = 1; step <= 3; ++step) {
+    counter = 100 * step + rank;
+    ckpt.save(step, state);
+  }
+  if (std::to_string(rank) == torn_rank) {
+    const std::string path = ckpt.path(3);
+    if (::truncate(path.c_str(), 40) != 0) return "cannot truncate " + path;
+  }
+  comm::wait(group->barrier());
+  counter = -1;
+  const std::optional<int64_t> step = ckpt.restore(state, group.get());
+  if (!step || *step != 2) return "resumed from " + (step ? std::to_string(*step) : "nothing") + ", not step 2";
+  if (counter != 200 + rank) return "counter " + std::to_string(counter) + " after the restore";
+  return "";
+}
+
+// The ZeRO scenarios' optimizer of each shard.
+std::unique_ptr<torch::optim::Optimizer> adam(std::vector<at::Tensor> shard) {
+  return std::make_unique<torch::optim::Adam>(shard, torch::optim::AdamOptions(0.01));
+}
+
+// ZeRO, sharded: train 2 steps, save, train 2 more; a fresh model and optimizer restored from the checkpoint and
+// trained the same 2 steps must end bit-identical on every rank.
+std::string zero(const std::string& dir) {
+  const int rank = rpc::get_worker_info().id;
+  auto group = comm::ProcessGroup::create("zero");
+  auto make = [&] {
+    torch::manual_seed(7);
+    return torch::nn::Sequential(torch::nn::Linear(6, 16), torch::nn::Tanh(), torch::nn::Linear(16, 3));
+  };
+  auto train = [&](torch::nn::Sequential& model, ddp::ZeroRedundancyOptimizer& opt, int64_t from, int64_t steps) {
+    for (int64_t s = from; s < from + steps; ++s) {
+      auto gen = at::detail::createCPUGenerator(500 + s);
+      const at::Tensor x = at::randn({8, 6}, gen), y = at::randn({8, 3}, gen);
+      opt.zero_grad();
+      torch::mse_loss(model->forward(x), y).backward();
+      opt.step();  // the same batch on every rank: no averaging needed
+    }
+  };
+  auto model = make();
+  ddp::ZeroRedundancyOptimizer opt(model->parameters(), group, adam);
+  train(model, opt, 0, 2);
+  checkpoint::Checkpointer ckpt(dir, rank);
+  checkpoint::State state;
+  state.add("model", *model).add("optimizer", opt);
+  ckpt.save(2, state);
+  train(model, opt, 2, 2);
+
+  auto resumed = make();
+  for (auto& p : resumed->parameters()) p.data().add_(1.0);  // not the saved values
+  ddp::ZeroRedundancyOptimizer resumed_opt(resumed->parameters(), group, adam);
+  checkpoint::State resumed_state;
+  resumed_state.add("model", *resumed).add("optimizer", resumed_opt);
+  const std::optional<int64_t> step = ckpt.restore(resumed_state, group.get());
+  if (!step || *step != 2) return "resumed from " + (step ? std::to_string(*step) : "nothing");
+  train(resumed, resumed_opt, 2, 2);
+  auto a = model->parameters(), b = resumed->parameters();
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (!a[i].equal(b[i])) return "parameter " + std::to_string(i) + " differs from the uninterrupted run";
+  }
+  return "";
+}
+
+// ZeRO, consolidated, across world sizes: ranks 0 and 1 train 2 steps as a job of 2, save a consolidated checkpoint
+// and take a third step; then all 3 ranks, a job of 3 with another partition, restore it and take the same third
+// step. The parameters must equal those of the job of 2, to the bit: every owner got its parameters' state.
+std::string zero_consolidated(const std::string& dir) {
+  const int rank = rpc::get_worker_info().id;
+  auto make = [&] {
+    torch::manual_seed(7);
+    return torch::nn::Sequential(torch::nn::Linear(6, 16), torch::nn::Tanh(), torch::nn::Linear(16, 8),
+                                 torch::nn::Tanh(), torch::nn::Linear(8, 3));
+  };
+  auto step = [&](torch::nn::Sequential& model, ddp::ZeroRedundancyOptimizer& opt, int64_t s) {
+    auto gen = at::detail::createCPUGenerator(900 + s);
+    const at::Tensor x = at::randn({8, 6}, gen), y = at::randn({8, 3}, gen);
+    opt.zero_grad();
+    torch::mse_loss(model->forward(x), y).backward();
+    opt.step();  // the same batch on every rank: no averaging needed
+  };
+  std::vector<at::Tensor> two_ranks_result;
+  if (rank < 2) {
+    auto pair = comm::ProcessGroup::create("zero-pair", {0, 1});
+    auto model = make();
+    ddp::ZeroRedundancyOptimizer opt(model->parameters(), pair, adam);
+    step(model, opt, 0);
+    step(model, opt, 1);
+    checkpoint::Checkpointer ckpt(dir, rank);
+    checkpoint::State state;
+    state.add("model", *model).add("optimizer", opt, checkpoint::State::Zero::kConsolidated);
+    ckpt.save(2, state);  // collective over the pair
+    step(model, opt, 2);
+    for (auto& p : model->parameters()) two_ranks_result.push_back(p.detach().clone());
+  }
+  auto all = comm::ProcessGroup::create("zero-all");
+  auto model = make();
+  for (auto& p : model->parameters()) p.data().add_(1.0);  // not the saved values
+  ddp::ZeroRedundancyOptimizer opt(model->parameters(), all, adam);
+  checkpoint::Checkpointer ckpt(dir, rank);
+  checkpoint::State state;
+  state.add("model", *model).add("optimizer", opt, checkpoint::State::Zero::kConsolidated);
+  const std::optional<int64_t> resumed = ckpt.restore(state, all.get(), checkpoint::Layout::kReplicated);
+  if (!resumed || *resumed != 2) return "resumed from " + (resumed ? std::to_string(*resumed) : "nothing");
+  step(model, opt, 2);
+  auto params = model->parameters();
+  for (size_t i = 0; i < two_ranks_result.size(); ++i) {
+    if (!params[i].equal(two_ranks_result[i])) {
+      return "parameter " + std::to_string(i) + " differs from the job of 2 after the same step";
+    }
+  }
+  return "";
+}
+
+std::string run(const std::string& scenario) {
+  std::vector<std::string> parts = absl::StrSplit(scenario, '|');
+  if (parts[0] == "agree" && parts.size() == 3) return agree(parts[1], parts[2]);
+  if (parts[0] == "zero" && parts.size() == 2) return zero(parts[1]);
+  if (parts[0] == "zero-consolidated" && parts.size() == 2) return zero_consolidated(parts[1]);
+  return "unknown scenario " + scenario;
+}
+
+}  // namespace
+
+void register_scenarios() { register_scenario_runner(run); }
+
+int write_forever() {
+  const char* dir = std::getenv("TANDEM_TEST_DIR");
+  if (!dir) return 2;
+  checkpoint::Checkpointer ckpt(dir, 0);
+  at::Tensor big = at::zeros({4 << 20});  // 16 MiB: a write takes long enough to be cut
+  int64_t step = 0;
+  checkpoint::State state;
+  state.add("big", big).add("step", step);
+  for (step = 1;; ++step) {
+    big.fill_(static_cast<double>(step));
+    ckpt.save(step, state);
+  }
+}
+
+}  // namespace tandem::test

@@ -1,0 +1,14 @@
+// Checkpoint scenarios: what the writer child of the crash test does, and what every rank of a multi-process
+// checkpoint test runs (tests/common/scenario.h).
+#pragma once
+
+#include <string>
+
+namespace tandem::test {
+
+void register_scenarios();
+// The child of UnitCheckpoint.KilledWhileWritingLeavesTheLastCompleteOne: saves steps 1, 2, ... of a large tensor
+// filled with the step number into $TANDEM_TEST_DIR until it is killed.
+int write_forever();
+
+}  // namespace tandem::test

@@ -1,0 +1,13 @@
+// Collectives across test hosts when a link is cut in the middle of an allreduce (tests/common/host_faults.h).
+#include "tests/common/host_faults.h"
+
+namespace tandem::test {
+namespace {
+
+TEST_F(HostFaults, LinkCutMidAllreduceFailsEveryRankWithinTheGroupsTimeout) {
+  start_on_hosts(milliseconds(30000));
+  EXPECT_EQ(everywhere(3, "cut_link"), "");
+}
+
+}  // namespace
+}  // namespace tandem::test

@@ -1,0 +1,31 @@
+// Fixtures of the fault tests that run only on test hosts (tests/hosts/run.sh): the test process in host 0, rank r in
+// host r, every call over a TCP/IP link that scripts/hosts.sh cuts, black-holes, kills and heals. Their suites are
+// named HostFaults*, which the normal runs (Unit*, Multiproc*) do not select; run alone, each test skips.
+#pragma once
+
+#include "tests/common/scenario_fixture.h"
+
+namespace tandem::test {
+
+class HostFaults : public MultiprocScenario {
+ protected:
+  void SetUp() override {
+    if (test_hosts().count < 3) GTEST_SKIP() << "runs on 3 test hosts only: bash tests/hosts/run.sh";
+  }
+  // A job of 3 ranks, one per host, whose calls default to `rpc_timeout` and whose graceful shutdown waits 10 s.
+  void start_on_hosts(std::chrono::milliseconds rpc_timeout) {
+    rpc::RpcOptions options = options_from_env();
+    options.rpc_timeout = rpc_timeout;
+    options.shutdown_timeout = std::chrono::milliseconds(10000);
+    start({.world_size = 3,
+           .extra_env = {{"TANDEM_TEST_RPC_MS", std::to_string(rpc_timeout.count())},
+                         {"TANDEM_TEST_SHUTDOWN_MS", "10000"}}},
+          options);
+  }
+  // Elapsed since `t0`.
+  static std::chrono::milliseconds since(Clock::time_point t0) {
+    return std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - t0);
+  }
+};
+
+}  // namespace tandem::test

@@ -1,0 +1,217 @@
+#!/usr/bin/env bash
+# Elastic jobs of several launchers on this machine (issue 14), each launcher a "node" of one process, meeting at a
+# c10d-style rendezvous endpoint on 127.0.0.1 (port chosen at run time):
+#   launchers.sh resume <tandem-run> <ddp_train>
+#     The DDP example on 2 nodes x 1 process: rank 1 is SIGKILLed mid-epoch; the job restarts
+#     (TORCHELASTIC_RESTART_COUNT=1), resumes from its last checkpoint, and ends with parameters bit-identical to an
+#     uninterrupted 2-node run.
+#   launchers.sh membership <tandem-run> <ddp_train>
+#     --nnodes 1:2: one node starts alone; a second joins (the job re-forms with world size 2 and resumes from its
+#     checkpoint); then the second node's launcher is SIGKILLed: the first carries on alone, resumes again and
+#     finishes. The survivor re-forms within the heartbeat timeout plus one check and the monitor interval.
+#   launchers.sh leave <tandem-run> <ddp_train>
+#     --nnodes 1:2 with both nodes running; the second launcher is stopped with SIGTERM (a node drained on purpose):
+#     it exits 143 after stopping its workers, and the first carries on alone without counting a restart.
+#   launchers.sh exhausted <tandem-run>
+#     A worker that always fails on 2 nodes: after --max-restarts 2 both launchers exit non-zero with one line naming
+#     the three failures.
+#   launchers.sh ports <tandem-run> <rpc_hello>
+#     100 restarts in a row on one endpoint, each round's workers binding a fresh master port: never "address already
+#     in use".
+# With RDZV_BACKEND=etcd the launchers meet on a real etcd (Debian's etcd-server) the script starts on 127.0.0.1,
+# instead of the store one launcher serves.
+set -euo pipefail
+mode=$1 run=$2
+dir=$(mktemp -d)
+pids=()
+etcd_pid=""
+trap 'for p in "${pids[@]}" $etcd_pid; do kill -9 "$p" 2>/dev/null || true; done; rm -rf "$dir"' EXIT
+fail() {
+  echo "launchers: $*" >&2
+  for f in "$dir"/*.log; do [ -f "$f" ] && { echo "--- $f"; tail -60 "$f"; }; done
+  exit 1
+}
+# A free port below the kernel's ephemeral range (ip_local_port_range): the ports every other test and launcher
+# picks with bind(0) come from that range, so none of them can take this one between now and its use.
+free_port() {
+  python3 -c '
+import random, socket
+low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+for _ in range(1000):
+    p = random.randrange(10000, low)
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", p))
+        except OSError:
+            continue
+    print(p)
+    break'
+}
+port=$(free_port)
+backend=${RDZV_BACKEND:-c10d}
+if [ "$backend" = etcd ]; then
+  peer=$(free_port)
+  etcd --name t --data-dir "$dir/etcd" --listen-client-urls "http://127.0.0.1:$port" \
+    --advertise-client-urls "http://127.0.0.1:$port" --listen-peer-urls "http://127.0.0.1:$peer" \
+    --initial-advertise-peer-urls "http://127.0.0.1:$peer" --initial-cluster "t=http://127.0.0.1:$peer" \
+    >"$dir/etcd.out" 2>&1 &
+  etcd_pid=$!
+  for _ in $(seq 200); do
+    python3 -c "import socket; socket.create_connection(('127.0.0.1', $port), 0.2)" 2>/dev/null && break
+    sleep 0.05
+  done
+fi
+export TANDEM_SECRET=$(head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \n')
+# Heartbeats every 0.5 s, a node lost after 4 missed (2 s); a round closes 1 s after it has MIN nodes.
+conf=keep_alive_interval=0.5,keep_alive_max_attempt=4,last_call_timeout=1,join_timeout=60
+
+# launch <log> <tandem-run flags...> -- <program...>: a launcher in the background; its pid is appended to pids.
+launch() {
+  local log=$1
+  shift
+  "$run" --nproc-per-node 1 --rdzv-backend "$backend" --rdzv-endpoint "127.0.0.1:$port" --rdzv-conf "$conf" \
+    --monitor-interval 0.1 "$@" >"$log" 2>&1 &
+  pids+=($!)
+}
+# The pid of the worker with RANK=<rank> under launcher <pid> (empty when none).
+worker_of() {
+  for p in $(pgrep -P "$1"); do
+    if grep -qx "RANK=$2" <<<"$(tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null)"; then echo "$p"; fi
+  done
+}
+wait_for() {  # wait_for <seconds> <test command...>
+  local limit=$1
+  shift
+  for _ in $(seq $((limit * 20))); do "$@" && return 0; sleep 0.05; done
+  return 1
+}
+
+case "$mode" in
+resume)
+  train=$3
+  args=(--epochs 2 --limit 1280 --batch 32 --checkpoint-every 4)  # 20 steps per epoch and rank
+  launch "$dir/plain0.log" --nnodes 2 --rdzv-id plain -- "$train" "${args[@]}" --checkpoint-dir "$dir/plain"
+  launch "$dir/plain1.log" --nnodes 2 --rdzv-id plain -- "$train" "${args[@]}" --checkpoint-dir "$dir/plain"
+  wait "${pids[0]}" || fail "the uninterrupted run failed (first launcher)"
+  wait "${pids[1]}" || fail "the uninterrupted run failed (second launcher)"
+  want=$(cat "$dir"/plain*.log | grep -o "final parameters: [0-9a-f]*") || fail "no hash from the uninterrupted run"
+
+  pids=()
+  launch "$dir/killed0.log" --nnodes 2 --max-restarts 1 --rdzv-id killed -- "$train" "${args[@]}" --checkpoint-dir "$dir/killed"
+  launch "$dir/killed1.log" --nnodes 2 --max-restarts 1 --rdzv-id killed -- "$train" "${args[@]}" --checkpoint-dir "$dir/killed"
+  # Once rank 1 has saved step 12 (epoch 1 of 2), SIGKILL it.
+  wait_for 60 test -e "$dir/killed/step-000000000012/rank-1.ckpt" || fail "rank 1 never saved step 12"
+  victim=""
+  for l in "${pids[@]}"; do [ -z "$victim" ] && victim=$(worker_of "$l" 1); done
+  [ -n "$victim" ] || fail "no rank 1 under the launchers"
+  kill -9 "$victim"
+  for i in 0 1; do wait "${pids[$i]}" || fail "launcher $i of the restarted job failed"; done
+  pids=()
+  grep -q "rank 1 on node [01] (127.0.0.1) (pid $victim) failed with killed by signal 9 (Killed)" "$dir"/killed*.log ||
+    fail "no launcher named the killed worker"
+  for i in 0 1; do
+    grep -q "round 1: node [01] of 2, ranks [01]-[01] of 2, restart 1" "$dir/killed$i.log" ||
+      fail "launcher $i did not restart into round 1 with restart count 1"
+  done
+  grep -q "ddp: resumed from step [0-9]* (epoch 1, restart 1)" "$dir"/killed*.log || fail "the job did not resume mid-epoch"
+  got=$(cat "$dir"/killed*.log | grep -o "final parameters: [0-9a-f]*") || fail "no hash from the restarted run"
+  [ "$got" = "$want" ] || fail "parameters differ: uninterrupted '$want', restarted '$got'"
+  grep -h "resumed from\|round 0 ended" "$dir"/killed*.log
+  ;;
+
+membership)
+  train=$3
+  args=(--epochs 2 --limit 12000 --batch 32 --checkpoint-every 8)
+  launch "$dir/a.log" --nnodes 1:2 --max-restarts 3 --rdzv-id grow -- "$train" "${args[@]}" --checkpoint-dir "$dir/ckpt"
+  a=${pids[0]}
+  wait_for 60 grep -q "round 0: node 0 of 1" "$dir/a.log" || fail "the first node did not start alone"
+  wait_for 60 test -e "$dir/ckpt/step-000000000016/rank-0.ckpt" || fail "the lone node never saved step 16"
+  launch "$dir/b.log" --nnodes 1:2 --max-restarts 3 --rdzv-id grow -- "$train" "${args[@]}" --checkpoint-dir "$dir/ckpt"
+  b=${pids[1]}
+  wait_for 60 grep -q "round 1: node [01] of 2, ranks [01]-[01] of 2, restart 0" "$dir/a.log" ||
+    fail "the job did not re-form with 2 nodes when the second joined"
+  grep -q "round 0 ended: node 127.0.0.1 (launcher pid $b) is waiting to join" "$dir/a.log" ||
+    fail "the first node did not say why round 0 ended"
+  # Both resume from the lone node's checkpoint, each with its share of what was left of the epoch; wait for a
+  # checkpoint of the 2-node job (rank 1 writes one), then kill the second node's launcher.
+  wait_for 60 bash -c "ls '$dir'/ckpt/step-*/rank-1.ckpt >/dev/null 2>&1" || fail "the 2-node job never saved a checkpoint"
+  killed_at=$(date +%s.%N)
+  kill -9 "$b"
+  wait_for 60 grep -q "round 1 ended" "$dir/a.log" || fail "the survivor never noticed"
+  noticed_at=$(date +%s.%N)
+  wait "$a" || fail "the survivor's job failed"
+  pids=()
+  grep -q "round 2: node 0 of 1, ranks 0-0 of 1, restart 1" "$dir/a.log" || fail "the survivor did not carry on alone"
+  # Rank 0 prints the resume: in round 1 it may be on either node, in round 2 it is the survivor.
+  [ "$(cat "$dir"/a.log "$dir"/b.log | grep -c "ddp: resumed from step")" -ge 2 ] || fail "the job did not resume twice"
+  grep -q "ddp: resumed from step [0-9]* (epoch [12], restart 1)" "$dir/a.log" || fail "the survivor did not resume"
+  grep -q "ddp: 2 ranks" "$dir"/a.log "$dir"/b.log || fail "the job never ran with 2 ranks"
+  grep -q "final parameters" "$dir/a.log" || fail "the job did not finish"
+  # Heartbeat timeout 2 s + one heartbeat interval between checks 0.5 s + monitor interval 0.1 s = 2.6 s: no process
+  # waits longer for a lost node. (When the lost node was node 0, the survivor's worker fails sooner.) 3 s of slack
+  # for this machine's scheduling; a hang would take the join timeout.
+  python3 -c "import sys; d = $noticed_at - $killed_at; print(f'lost node noticed after {d:.2f} s'); sys.exit(d > 5.6)" ||
+    fail "the survivor took too long to notice the lost node"
+  grep -h "round . ended\|round .:\|resumed from" "$dir/a.log" "$dir/b.log"
+  ;;
+
+leave)
+  train=$3
+  args=(--epochs 2 --limit 12000 --batch 32 --checkpoint-every 8)
+  launch "$dir/a.log" --nnodes 1:2 --max-restarts 0 --rdzv-id leave -- "$train" "${args[@]}" --checkpoint-dir "$dir/ckpt"
+  a=${pids[0]}
+  wait_for 60 grep -q "round 0: node 0 of 1" "$dir/a.log" || fail "the first node did not start"
+  launch "$dir/b.log" --nnodes 1:2 --max-restarts 0 --rdzv-id leave -- "$train" "${args[@]}" --checkpoint-dir "$dir/ckpt"
+  b=${pids[1]}
+  wait_for 60 grep -q "round 1: node [01] of 2" "$dir/b.log" || fail "the second node never joined"
+  wait_for 60 bash -c "ls '$dir'/ckpt/step-*/rank-1.ckpt >/dev/null 2>&1" || fail "the 2-node job never saved"
+  kill -TERM "$b"
+  c=0
+  wait "$b" || c=$?
+  [ "$c" = 143 ] || fail "the stopped launcher exited $c, not 143"
+  wait "$a" || fail "the remaining node's job failed (--max-restarts 0: a leave must not count as a failure)"
+  pids=()
+  grep -q "round 1 ended: node [01] (127.0.0.1) was stopped by signal 15" "$dir/a.log" ||
+    fail "the remaining node did not say why the round ended"
+  grep -q "round 2: node 0 of 1, ranks 0-0 of 1, restart 0" "$dir/a.log" || fail "the remaining node did not carry on alone"
+  grep -q "final parameters" "$dir/a.log" || fail "the job did not finish"
+  ;;
+
+exhausted)
+  worker='echo "restart $TORCHELASTIC_RESTART_COUNT of $TORCHELASTIC_MAX_RESTARTS"; [ "$RANK" = 1 ] && exit 3; sleep 60'
+  launch "$dir/n0.log" --nnodes 2 --max-restarts 2 --rdzv-id bad -- bash -c "$worker"
+  launch "$dir/n1.log" --nnodes 2 --max-restarts 2 --rdzv-id bad -- bash -c "$worker"
+  codes=()
+  for i in 0 1; do
+    c=0
+    wait "${pids[$i]}" || c=$?
+    codes+=("$c")
+  done
+  pids=()
+  [ "${codes[0]}" != 0 ] && [ "${codes[1]}" != 0 ] || fail "exit codes ${codes[*]}: both launchers must fail"
+  for r in 0 1 2; do grep -q "restart $r of 2" "$dir"/n*.log || fail "round $r did not run"; done
+  one='rank 1 on node [01] \(127\.0\.0\.1\) \(pid [0-9]+\) failed with exit code 3'
+  for i in 0 1; do
+    grep -Eq "gave up after 2 restarts: $one; $one; $one\$" "$dir/n$i.log" ||
+      fail "launcher $i has no summary line naming the three failures"
+  done
+  ;;
+
+ports)
+  hello=$3
+  worker="\"$hello\" >/dev/null && [ \"\$TORCHELASTIC_RESTART_COUNT\" -ge 100 ]"
+  launch "$dir/p0.log" --nnodes 2 --max-restarts 100 --rdzv-id ports -- bash -c "$worker"
+  launch "$dir/p1.log" --nnodes 2 --max-restarts 100 --rdzv-id ports -- bash -c "$worker"
+  for i in 0 1; do wait "${pids[$i]}" || fail "launcher $i failed"; done
+  pids=()
+  grep -q "round 100: node [01] of 2, ranks [01]-[01] of 2, restart 100" "$dir/p0.log" || fail "no 100th restart"
+  if grep -qi "address already in use" "$dir"/p*.log; then fail "a restart met 'address already in use'"; fi
+  echo "100 restarts, $(grep -c 'round [0-9]* ended' "$dir/p0.log") rounds ended on the first launcher"
+  ;;
+*)
+  fail "unknown mode $mode"
+  ;;
+esac
+if [ "$backend" = etcd ]; then
+  grep -q "rendezvous '.*' at 127.0.0.1:$port (etcd)" "$dir"/*.log || fail "the launchers did not meet on etcd"
+fi

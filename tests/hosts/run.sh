@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Tandem's suites across test hosts: 3 network namespaces on a bridge (scripts/hosts.sh), the test process in host 0
+# and worker rank r in host r, each started by its own tandem-run (--nnodes --node-rank --master-addr), so every call
+# crosses a TCP/IP link (tests/common/multiproc.h, TestHosts): by default over the direct channel's TCP route (the
+# transport "auto"), with "-grpc" over gRPC forced, with TLS over gRPC with TLS.
+#   bash tests/hosts/run.sh suites BUILD_DIR       a representative subset of each suite (listed below)
+#   bash tests/hosts/run.sh suites-grpc BUILD_DIR  the same over gRPC
+#   bash tests/hosts/run.sh suites-tls BUILD_DIR   the same with TLS between all workers
+#   bash tests/hosts/run.sh faults BUILD_DIR       the HostFaults tests: links cut mid-call, mid-fetch, mid-backward
+#                                                  and mid-allreduce, a black-holed host, a killed host, healed links
+#   bash tests/hosts/run.sh faults-grpc BUILD_DIR  the same over gRPC
+# Exits 77 (ctest's skip) with the reason when this machine cannot make network namespaces (not root).
+set -euo pipefail
+mode="$1"; build="$(cd "$2" && pwd)"
+here="$(cd "$(dirname "$0")" && pwd)"
+hosts="$here/../../scripts/hosts.sh"
+if ! why="$(bash "$hosts" check 2>&1)"; then echo "SKIPPED: $why"; exit 77; fi
+
+# The subset: each suite's main scenarios, minus tests that inspect a child's exit code or kill it (a child here is
+# its tandem-run) and the raw-frame tests (plain-text gRPC clients, which TLS would refuse).
+declare -A suites=(
+  [rpc_tests]="MultiprocRpc.SyncAsyncAndWorkerInfo:MultiprocRpc.EveryDtypeAndViewRoundTripsBitExact:MultiprocRpc.ContainersScalarsAndTorchScript:MultiprocRpc.ErrorsNameWorkerFunctionAndCause:MultiprocRpc.TimeoutFailsTheCallAtItsDeadline:MultiprocRpc.ThousandConcurrentAsyncCalls:MultiprocRpc.AsyncFunctionsDoNotHoldServerThreads:MultiprocRpc.GracefulShutdownWaitsForCallsInFlight:MultiprocRpc.ValueCodecsAndTheirWaits"
+  [rref_tests]="MultiprocRRef.RemoteReturnsAtOnceAndToHereFetches:MultiprocRRef.EveryForkPath:MultiprocRRef.AnRRefOfAnRRefIsFreedWithItsValue:MultiprocRRef.ChainsOfWorkers:MultiprocRRef.RemoteObjects:MultiprocRRef.ErrorsNameTheOwner:MultiprocRRef.ConcurrentForksAndDeletionsLeaveNothing"
+  [dist_autograd_tests]="MultiprocDistAutograd.MlpChainAcrossTwoWorkers:MultiprocDistAutograd.NestedCallsThreeHops:MultiprocDistAutograd.FanOutFanInAndAParameterUsedOnSeveralWorkers:MultiprocDistAutograd.ThroughRRefsRemoteAndToHere:MultiprocDistAutograd.ConcurrentContextsDoNotMix:MultiprocDistAutograd.AnErrorInARemoteBackwardReachesTheCaller:MultiprocDistAutograd.UnknownContextAndBadRootsAreErrors"
+  [comm_tests]="MultiprocComm.EveryCollectiveAndDtypeOnThreeRanks:MultiprocComm.SubgroupOfTwoOutOfThree"
+  [ddp_tests]="*MultiprocDdpEquivalence*:MultiprocDdp.BucketsFollowReverseOrderWithASmallFirstBucketAndAreRebuilt:MultiprocDdp.HybridWithDistributedAutogradOverlapsAndFollowsOneProcess:MultiprocDdp.BuffersAreRankZerosBeforeEachForward:MultiprocDdp.DifferentModelsAreRefusedNamingTheRank"
+)
+order=(rpc_tests rref_tests dist_autograd_tests comm_tests ddp_tests)
+case "$mode" in
+  suites | suites-grpc | suites-tls) ;;
+  faults | faults-grpc) for b in rpc_tests rref_tests dist_autograd_tests comm_tests; do suites[$b]="HostFaults.*"; done
+          order=(rpc_tests rref_tests dist_autograd_tests comm_tests) ;;
+  *) echo "usage: run.sh suites|suites-grpc|suites-tls|faults|faults-grpc BUILD_DIR" >&2; exit 2 ;;
+esac
+
+name="th$$"
+tmp="$(mktemp -d)"
+trap 'bash "$hosts" down "$name"; rm -rf "$tmp"' EXIT
+bash "$hosts" up "$name" 3
+export TANDEM_TEST_HOSTS="$name:3" TANDEM_TEST_LAUNCHER="$build/tandem-run" TANDEM_TEST_HOSTS_SCRIPT="$hosts"
+export TANDEM_TEST_MASTER_ADDR="$(bash "$hosts" addr "$name" 0)" TANDEM_TRANSPORT=auto
+case "$mode" in *-grpc) export TANDEM_TRANSPORT=grpc ;; esac
+if [ "$mode" = suites-tls ]; then
+  # One CA; one certificate valid for every host's address (each worker presents it and checks its peers against it).
+  (cd "$tmp" &&
+    openssl req -x509 -newkey rsa:2048 -nodes -days 2 -subj /CN=tandem-hosts-ca -keyout ca.key -out ca.crt &&
+    openssl req -newkey rsa:2048 -nodes -subj /CN=tandem-host -keyout node.key -out node.csr &&
+    printf 'subjectAltName=IP:10.77.0.1,IP:10.77.0.2,IP:10.77.0.3,IP:127.0.0.1\n' >ext.cnf &&
+    openssl x509 -req -in node.csr -CA ca.crt -CAkey ca.key -CAcreateserial -days 2 -extfile ext.cnf -out node.crt
+  ) >/dev/null 2>&1
+  # Through the environment every Tandem program reads (rpc/rpc.h, RpcOptions::tls): the test process and every worker.
+  export TANDEM_TLS_CERT="$tmp/node.crt" TANDEM_TLS_KEY="$tmp/node.key" TANDEM_TLS_CA="$tmp/ca.crt"
+fi
+
+failed=()
+for b in "${order[@]}"; do
+  echo "== $b on 3 hosts ($mode): ${suites[$b]}"
+  if ! timeout 600 bash "$hosts" exec "$name" 0 "$build/$b" --gtest_filter="${suites[$b]}" --gtest_brief=1; then
+    failed+=("$b")
+  fi
+done
+if ((${#failed[@]})); then echo "FAILED on test hosts ($mode): ${failed[*]}"; exit 1; fi
+echo "all passed on test hosts ($mode)"
