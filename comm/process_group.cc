@@ -33,12 +33,12 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "absl/synchronization/mutex.h"
 #include "comm/detail/shm.h"
 #include "rpc/errors.h"
 #include "rpc/extension.h"
 #include "rpc/rpc.h"
 #include "rpc/store.h"
+#include "sync/sync.h"
 
 namespace tandem::comm {
 namespace {
@@ -186,7 +186,7 @@ void check_tensor(const at::Tensor& t, const char* what, bool any_dtype = false)
   }
 }
 
-ABSL_CONST_INIT absl::Mutex g_names_mu(absl::kConstInit);
+ABSL_CONST_INIT Mutex g_names_mu(absl::kConstInit);
 // Group names used by this worker in this job: each names one group.
 std::set<std::string> g_names ABSL_GUARDED_BY(g_names_mu);
 
@@ -232,7 +232,7 @@ absl::Status gloo_failure(const std::string& prefix, const std::string& cause, C
 const bool g_installed = [] {
   rpc::register_function(kPing, [] {});
   rpc::add_stop_hook([] {  // a new job (init_rpc again) starts with a new store: names are free again
-    absl::MutexLock lock(&g_names_mu);
+    MutexLock lock(&g_names_mu);
     g_names.clear();
   });
   return true;
@@ -253,13 +253,13 @@ class GlooGroup final : public ProcessGroup {
   }
   ~GlooGroup() override {
     {
-      absl::MutexLock lock(&mu_);
+      MutexLock lock(&mu_);
       stopping_ = true;
     }
     thread_.join();  // an operation in progress ends within its timeout
     std::list<std::pair<std::thread, std::shared_ptr<std::atomic<bool>>>> waiters;
     {
-      absl::MutexLock lock(&mu_);
+      MutexLock lock(&mu_);
       waiters.swap(waiters_);
     }
     // Joined without the lock: a waiter that fails takes it (mark_broken). Each ends within the timeout.
@@ -462,7 +462,7 @@ class GlooGroup final : public ProcessGroup {
       }
       *finished = true;
     });
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     for (auto it = waiters_.begin(); it != waiters_.end();) {
       if (*it->second) {
         it->first.join();
@@ -476,11 +476,11 @@ class GlooGroup final : public ProcessGroup {
   }
 
   absl::Status broken() {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     return broken_;
   }
   void mark_broken(const absl::Status& error) {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     if (broken_.ok()) broken_ = error;
   }
   static absl::Status failed_earlier(const std::string& prefix, const absl::Status& cause) {
@@ -583,7 +583,7 @@ class GlooGroup final : public ProcessGroup {
 
   rpc::Future submit(std::string what, const at::Tensor& characteristic, int64_t param,
                      std::function<void(uint32_t)> run) {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     // Its deadline: the operations ahead of it and itself each complete or fail within the group's timeout (twice in
     // debug mode: the fingerprint exchange has its own), and a failure names the members gone within kPingTimeout.
     const int64_t ahead_and_this = ++pending_;
@@ -598,14 +598,14 @@ class GlooGroup final : public ProcessGroup {
     for (;;) {
       Op op;
       {
-        absl::MutexLock lock(&mu_);
-        mu_.Await(absl::Condition(this, &GlooGroup::work_or_stop));  // idle until an operation comes or ~GlooGroup
+        MutexLock lock(&mu_);
+        mu_.Await(Condition(this, &GlooGroup::work_or_stop));  // idle until an operation comes or ~GlooGroup
         if (queue_.empty()) return;
         op = std::move(queue_.front());
         queue_.pop_front();
       }
       run_op(op, tag);
-      absl::MutexLock lock(&mu_);
+      MutexLock lock(&mu_);
       --pending_;
     }
   }
@@ -641,10 +641,10 @@ class GlooGroup final : public ProcessGroup {
   const int rank_, size_;
   const ProcessGroupOptions options_;
   std::shared_ptr<gloo::rendezvous::Context> ctx_;
-  const std::vector<int> job_ranks_;  // the group's ranks in the job, by group rank
+  const std::vector<int> job_ranks_;             // the group's ranks in the job, by group rank
   const std::unique_ptr<detail::ShmGroup> shm_;  // set when the common collectives run over shared memory
   Clock::time_point deadline_;                   // of the operation running (group thread only)
-  absl::Mutex mu_;
+  Mutex mu_;
   std::deque<Op> queue_ ABSL_GUARDED_BY(mu_);
   int64_t pending_ ABSL_GUARDED_BY(mu_) = 0;  // operations submitted and not completed yet (queued or running)
   // Threads waiting for p2p transfers, each with whether it finished (joined by the next transfer or ~GlooGroup).
@@ -675,7 +675,8 @@ std::unique_ptr<detail::ShmGroup> shared_memory(const std::shared_ptr<gloo::rend
     auto place = store.get(absl::StrCat(prefix, "place/", r), options.timeout);
     throw_if_error(place.status());
     if (r == 0) first_place = *place;
-    if (*place != first_place) differs = absl::StrCat("rank ", r, " is on another host or network namespace than rank 0");
+    if (*place != first_place)
+      differs = absl::StrCat("rank ", r, " is on another host or network namespace than rank 0");
   }
   if (!differs.empty()) {
     if (mode == SharedMemory::kAlways) {
@@ -700,9 +701,9 @@ std::unique_ptr<detail::ShmGroup> shared_memory(const std::shared_ptr<gloo::rend
   if (shm.ok()) (*shm)->unlink();
   if (ok == 1) return std::move(*shm);
   if (mode == SharedMemory::kAlways) {
-    throw_error(absl::UnavailableError(absl::StrCat(
-        "shared memory was required, but ",
-        shm.ok() ? "another rank could not map the segment" : std::string(shm.status().message()))));
+    throw_error(absl::UnavailableError(
+        absl::StrCat("shared memory was required, but ",
+                     shm.ok() ? "another rank could not map the segment" : std::string(shm.status().message()))));
   }
   return nullptr;
 }
@@ -741,7 +742,7 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(const std::string& name, std:
                                                          "(CUDA tensors); use Backend::kGloo for CPU tensors")));
   }
   {
-    absl::MutexLock lock(&g_names_mu);
+    MutexLock lock(&g_names_mu);
     if (!g_names.insert(name).second) {
       throw RpcError(absl::AlreadyExistsError(absl::StrCat("process group '", name, "' was already created here")));
     }

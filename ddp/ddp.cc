@@ -6,9 +6,9 @@
 #include <torch/nn/module.h>
 
 #include "absl/base/thread_annotations.h"
-#include "absl/synchronization/mutex.h"
 #include "ddp/detail/reducer.h"
 #include "rpc/errors.h"
+#include "sync/sync.h"
 
 namespace tandem::ddp {
 
@@ -19,13 +19,13 @@ void fail(absl::StatusCode code, const std::string& message) {
 }
 
 namespace {
-absl::Mutex g_probe_mu;
+Mutex g_probe_mu;
 // Set by ddp_dist_autograd/: a distributed autograd context is current.
 std::function<bool()> g_external_probe ABSL_GUARDED_BY(g_probe_mu);
 }  // namespace
 
 bool external_backward_ahead() {
-  absl::MutexLock lock(&g_probe_mu);
+  MutexLock lock(&g_probe_mu);
   return g_external_probe && g_external_probe();
 }
 
@@ -94,7 +94,7 @@ void DistributedDataParallelBase::reduce_external(const GradientOf& grad_of, con
 }
 
 void set_external_backward_probe(std::function<bool()> probe) {
-  absl::MutexLock lock(&detail::g_probe_mu);
+  MutexLock lock(&detail::g_probe_mu);
   detail::g_external_probe = std::move(probe);
 }
 void DistributedDataParallelBase::pre_forward() { impl_->pre_forward(); }

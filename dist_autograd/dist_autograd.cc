@@ -18,7 +18,6 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
-#include "absl/synchronization/mutex.h"
 #include "dist_autograd/detail/gradients.h"
 #include "dist_autograd/detail/trace.h"
 #include "proto/tandem_rpc.pb.h"
@@ -28,6 +27,7 @@
 #include "rpc/extension.h"
 #include "rpc/registry.h"
 #include "rpc/rpc.h"
+#include "sync/sync.h"
 
 namespace tandem::dist_autograd {
 namespace {
@@ -66,7 +66,7 @@ struct RecvRpcBackward : Node {
 struct Context {
   explicit Context(int64_t i) : id(i) {}
   void add_worker(int worker) ABSL_LOCKS_EXCLUDED(mu) {
-    absl::MutexLock lock(&mu);
+    MutexLock lock(&mu);
     workers.insert(worker);
   }
   // Adds `g` to `leaf`'s gradient in this context.
@@ -76,7 +76,7 @@ struct Context {
   }
 
   const int64_t id;
-  absl::Mutex mu;
+  Mutex mu;
   std::unordered_map<int64_t, std::shared_ptr<SendRpcBackward>> sends ABSL_GUARDED_BY(mu);
   Gradients::Map grads ABSL_GUARDED_BY(mu);
   std::set<int> workers ABSL_GUARDED_BY(mu);  // workers this context sent to or received from: release goes there
@@ -92,18 +92,18 @@ class Container {
     return *c;
   }
   std::shared_ptr<Context> find(int64_t id) {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     auto it = contexts_.find(id);
     return it == contexts_.end() ? nullptr : it->second;
   }
   std::shared_ptr<Context> get_or_create(int64_t id) {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     auto& c = contexts_[id];
     if (!c) c = std::make_shared<Context>(id);
     return c;
   }
   std::shared_ptr<Context> take(int64_t id) {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     auto it = contexts_.find(id);
     if (it == contexts_.end()) return nullptr;
     auto c = std::move(it->second);
@@ -113,18 +113,18 @@ class Container {
   void clear() {
     std::unordered_map<int64_t, std::shared_ptr<Context>> gone;
     {
-      absl::MutexLock lock(&mu_);
+      MutexLock lock(&mu_);
       gone.swap(contexts_);
     }
   }
   int64_t size() {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     return static_cast<int64_t>(contexts_.size());
   }
   std::atomic<int64_t> failed_releases{0};
 
  private:
-  absl::Mutex mu_;
+  Mutex mu_;
   std::unordered_map<int64_t, std::shared_ptr<Context>> contexts_ ABSL_GUARDED_BY(mu_);
 };
 
@@ -149,7 +149,7 @@ std::string attach(Context& ctx, const std::vector<at::Tensor>& tensors) {
     for (const auto& t : recorded) send->add_input_metadata(t);
     trace.set_has_send(true);
     trace.set_send_id(rpc::detail::next_global_id());
-    absl::MutexLock lock(&ctx.mu);
+    MutexLock lock(&ctx.mu);
     ctx.sends.emplace(trace.send_id(), std::move(send));
   }
   return trace.SerializeAsString();
@@ -307,7 +307,7 @@ rpc::Future run_local(const std::shared_ptr<Context>& ctx, const torch::autograd
 
   size_t k = 0;
   {
-    absl::MutexLock lock(&ctx->mu);
+    MutexLock lock(&ctx->mu);
     for (const auto& leaf : leaves) {
       const at::Tensor& g = captured[k++];
       if (g.defined()) ctx->accumulate(static_cast<torch::autograd::AccumulateGrad*>(leaf.get())->variable, g);
@@ -359,7 +359,7 @@ rpc::Future on_grad(int64_t context_id, int64_t send_id, std::vector<int64_t> in
   }
   std::shared_ptr<SendRpcBackward> send;
   {
-    absl::MutexLock lock(&ctx->mu);
+    MutexLock lock(&ctx->mu);
     auto it = ctx->sends.find(send_id);
     if (it != ctx->sends.end()) send = it->second;
   }
@@ -379,7 +379,7 @@ rpc::Future on_grad(int64_t context_id, int64_t send_id, std::vector<int64_t> in
   }
   rpc::Future work;
   {
-    absl::MutexLock lock(&ctx->mu);
+    MutexLock lock(&ctx->mu);
     auto [it, fresh] = ctx->grad_messages.try_emplace(message_id);
     if (!fresh) return it->second;
     it->second = work;
@@ -408,7 +408,7 @@ rpc::Future release_on(int64_t context_id, int except) {
   if (!ctx) return rpc::Future::ready(c10::IValue());
   std::set<int> workers;
   {
-    absl::MutexLock lock(&ctx->mu);
+    MutexLock lock(&ctx->mu);
     workers = ctx->workers;
   }
   const int self = rpc::detail::self_rank_or(0);
@@ -502,25 +502,25 @@ std::shared_ptr<Context> find_or_throw(int64_t context_id) {
 std::optional<Gradients> detail::find_gradients(int64_t context_id) {
   auto ctx = Container::get().find(context_id);
   if (!ctx) return std::nullopt;
-  absl::MutexLock lock(&ctx->mu);
+  MutexLock lock(&ctx->mu);
   return Gradients(ctx->grads);
 }
 
 Gradients get_gradients(int64_t context_id) {
   auto ctx = find_or_throw(context_id);
-  absl::MutexLock lock(&ctx->mu);
+  MutexLock lock(&ctx->mu);
   return Gradients(ctx->grads);
 }
 
 void set_gradient(int64_t context_id, const at::Tensor& leaf, at::Tensor grad) {
   auto ctx = find_or_throw(context_id);
-  absl::MutexLock lock(&ctx->mu);
+  MutexLock lock(&ctx->mu);
   ctx->grads.insert_or_assign(leaf.unsafeGetTensorImpl(), std::make_pair(leaf, std::move(grad)));
 }
 
 void add_gradient(int64_t context_id, const at::Tensor& leaf, const at::Tensor& grad) {
   auto ctx = Container::get().get_or_create(context_id);
-  absl::MutexLock lock(&ctx->mu);
+  MutexLock lock(&ctx->mu);
   ctx->accumulate(leaf, grad);
 }
 

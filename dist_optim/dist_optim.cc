@@ -22,13 +22,13 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "absl/synchronization/mutex.h"
 #include "dist_autograd/detail/gradients.h"
 #include "dist_autograd/dist_autograd.h"
 #include "rpc/errors.h"
 #include "rpc/extension.h"
 #include "rpc/registry.h"
 #include "rpc/rpc.h"
+#include "sync/sync.h"
 
 namespace tandem::dist_optim {
 namespace {
@@ -122,14 +122,14 @@ struct LocalOptimizer {
 
   const std::vector<at::Tensor> params;  // the parameters themselves (gradients are keyed by them)
   const bool hogwild;
-  absl::Mutex mu;                                       // one step at a time on this optimizer
+  Mutex mu;                                             // one step at a time on this optimizer
   std::vector<at::Tensor> handles ABSL_GUARDED_BY(mu);  // what the optimizer updates: same memory, own .grad
   std::unique_ptr<torch::optim::Optimizer> optimizer ABSL_GUARDED_BY(mu);
 };
 
 // Guards no data: steps of non-hogwild optimizers on this worker take it, so each update is applied whole.
-ABSL_CONST_INIT absl::Mutex g_owner_lock(absl::kConstInit);
-ABSL_CONST_INIT absl::Mutex g_registry_mu(absl::kConstInit);
+ABSL_CONST_INIT Mutex g_owner_lock(absl::kConstInit);
+ABSL_CONST_INIT Mutex g_registry_mu(absl::kConstInit);
 std::unordered_map<int64_t, std::shared_ptr<LocalOptimizer>> g_optimizers ABSL_GUARDED_BY(g_registry_mu);
 std::atomic<int64_t> g_next_id{1};
 
@@ -151,7 +151,7 @@ rpc::Future on_create(std::vector<c10::IValue>&& args) {
   }
   auto local = std::make_shared<LocalOptimizer>(kind, std::move(params), hogwild, hyper);
   const int64_t id = g_next_id.fetch_add(1);
-  absl::MutexLock lock(&g_registry_mu);
+  MutexLock lock(&g_registry_mu);
   g_optimizers.emplace(id, std::move(local));
   return rpc::Future::ready(c10::IValue(id));
 }
@@ -159,7 +159,7 @@ rpc::Future on_create(std::vector<c10::IValue>&& args) {
 void on_step(int64_t id, int64_t context_id) {
   std::shared_ptr<LocalOptimizer> local;
   {
-    absl::MutexLock lock(&g_registry_mu);
+    MutexLock lock(&g_registry_mu);
     auto it = g_optimizers.find(id);
     if (it != g_optimizers.end()) local = it->second;
   }
@@ -170,9 +170,9 @@ void on_step(int64_t id, int64_t context_id) {
   // No context here means no gradient reached this owner in it: nothing to apply.
   const dist_autograd::Gradients grads =
       dist_autograd::detail::find_gradients(context_id).value_or(dist_autograd::Gradients());
-  std::optional<absl::MutexLock> owner;
+  std::optional<MutexLock> owner;
   if (!local->hogwild) owner.emplace(&g_owner_lock);
-  absl::MutexLock lock(&local->mu);
+  MutexLock lock(&local->mu);
   bool any = false;
   for (size_t i = 0; i < local->params.size(); ++i) {
     at::Tensor g = grads[local->params[i]];
@@ -184,7 +184,7 @@ void on_step(int64_t id, int64_t context_id) {
 }
 
 std::shared_ptr<LocalOptimizer> find_local(int64_t id) {
-  absl::MutexLock lock(&g_registry_mu);
+  MutexLock lock(&g_registry_mu);
   auto it = g_optimizers.find(id);
   if (it != g_optimizers.end()) return it->second;
   throw_error(absl::NotFoundError(
@@ -196,7 +196,7 @@ at::Tensor on_save_state(int64_t id) {
   std::shared_ptr<LocalOptimizer> local = find_local(id);
   std::ostringstream bytes;
   {
-    absl::MutexLock lock(&local->mu);
+    MutexLock lock(&local->mu);
     torch::serialize::OutputArchive archive;
     local->optimizer->save(archive);
     archive.save_to(bytes);
@@ -211,7 +211,7 @@ void on_load_state(int64_t id, at::Tensor bytes) {
   std::shared_ptr<LocalOptimizer> local = find_local(id);
   bytes = bytes.contiguous();
   if (bytes.scalar_type() != at::kByte) throw_error(absl::InvalidArgumentError("optimizer state: not bytes"));
-  absl::MutexLock lock(&local->mu);
+  MutexLock lock(&local->mu);
   try {
     torch::serialize::InputArchive archive;
     archive.load_from(static_cast<const char*>(bytes.data_ptr()), static_cast<size_t>(bytes.numel()));
@@ -228,11 +228,11 @@ bool install() {
   rpc::register_function(kLoadState, on_load_state);
   rpc::register_function(kStep, on_step);
   rpc::register_function(kRelease, [](int64_t id) {
-    absl::MutexLock lock(&g_registry_mu);
+    MutexLock lock(&g_registry_mu);
     g_optimizers.erase(id);
   });
   rpc::add_stop_hook([] {
-    absl::MutexLock lock(&g_registry_mu);
+    MutexLock lock(&g_registry_mu);
     g_optimizers.clear();
   });
   return true;
@@ -350,8 +350,7 @@ void DistributedOptimizer::load(torch::serialize::InputArchive& archive) {
   archive.read("owners", owners, /*is_buffer=*/true);
   std::vector<int64_t> mine;
   for (const auto& [owner, id] : remote_) mine.push_back(owner);
-  if (owners.numel() != static_cast<int64_t>(mine.size()) ||
-      !owners.equal(at::tensor(mine, at::kLong))) {
+  if (owners.numel() != static_cast<int64_t>(mine.size()) || !owners.equal(at::tensor(mine, at::kLong))) {
     throw_error(absl::FailedPreconditionError(absl::StrCat(
         "DistributedOptimizer: the saved state is of owners ",
         absl::StrJoin(std::vector<int64_t>(owners.data_ptr<int64_t>(), owners.data_ptr<int64_t>() + owners.numel()),

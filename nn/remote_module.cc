@@ -5,14 +5,14 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
-#include "absl/synchronization/mutex.h"
 #include "rpc/errors.h"
+#include "sync/sync.h"
 
 namespace tandem::nn {
 namespace {
 
 struct Factories {
-  absl::Mutex mu;
+  Mutex mu;
   std::map<std::string, detail::Factory> by_name ABSL_GUARDED_BY(mu);
 };
 Factories& factories() {
@@ -48,7 +48,7 @@ const bool g_installed = install();
 void detail::register_factory(const std::string& name, Factory factory) {
   (void)g_installed;
   Factories& f = factories();
-  absl::MutexLock lock(&f.mu);
+  MutexLock lock(&f.mu);
   if (!f.by_name.emplace(name, std::move(factory)).second) {
     throw RpcError(absl::AlreadyExistsError(absl::StrCat("a module factory named '", name, "' is already registered")));
   }
@@ -59,7 +59,7 @@ detail::Instance detail::make_instance(const std::string& name, std::vector<c10:
   detail::Factory factory;
   {
     Factories& f = factories();
-    absl::MutexLock lock(&f.mu);
+    MutexLock lock(&f.mu);
     auto it = f.by_name.find(name);
     if (it == f.by_name.end()) {
       throw_error(

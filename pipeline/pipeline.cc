@@ -19,7 +19,6 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "dist_autograd/dist_autograd.h"
 #include "nn/remote_module.h"
@@ -27,6 +26,7 @@
 #include "rpc/errors.h"
 #include "rpc/extension.h"
 #include "rpc/registry.h"
+#include "sync/sync.h"
 
 namespace tandem::pipeline {
 namespace {
@@ -67,7 +67,7 @@ std::string self_name() { return rpc::is_initialized() ? rpc::get_worker_info().
 
 using LossFn = std::function<at::Tensor(const at::Tensor&, const at::Tensor&)>;
 struct Losses {
-  absl::Mutex mu;
+  Mutex mu;
   std::map<std::string, LossFn> by_name ABSL_GUARDED_BY(mu) = {
       {"mse", [](const at::Tensor& o, const at::Tensor& t) { return at::mse_loss(o, t); }},
       {"cross_entropy", [](const at::Tensor& o, const at::Tensor& t) { return at::cross_entropy_loss(o, t); }},
@@ -80,7 +80,7 @@ Losses& losses() {
 }
 LossFn find_loss(const std::string& name) {
   Losses& l = losses();
-  absl::MutexLock lock(&l.mu);
+  MutexLock lock(&l.mu);
   auto it = l.by_name.find(name);
   if (it == l.by_name.end()) {
     throw_error(absl::NotFoundError(absl::StrCat("no loss named '", name, "' on worker '", self_name(),
@@ -98,7 +98,7 @@ struct Stage {
 };
 
 struct Stages {
-  absl::Mutex mu;
+  Mutex mu;
   std::map<std::pair<int64_t, int>, std::shared_ptr<Stage>> by_id ABSL_GUARDED_BY(mu);  // (pipeline, stage)
 };
 Stages& stages() {
@@ -107,7 +107,7 @@ Stages& stages() {
 }
 std::shared_ptr<Stage> find_stage(int64_t pipe, int stage) {
   Stages& s = stages();
-  absl::MutexLock lock(&s.mu);
+  MutexLock lock(&s.mu);
   auto it = s.by_id.find({pipe, stage});
   return it == s.by_id.end() ? nullptr : it->second;
 }
@@ -136,10 +136,10 @@ std::shared_ptr<Stage> build_stage(const std::string& factory, std::vector<c10::
                                    int64_t end) {
   // One build at a time in a process: factories seed LibTorch's global generator (torch::manual_seed) to build the
   // same weights everywhere, and two stages of one worker built at once would draw from it interleaved.
-  ABSL_CONST_INIT static absl::Mutex build_mu(absl::kConstInit);  // guards no data: it orders the builds
+  ABSL_CONST_INIT static Mutex build_mu(absl::kConstInit);  // guards no data: it orders the builds
   nn::detail::Instance instance;
   {
-    absl::MutexLock build_lock(&build_mu);
+    MutexLock build_lock(&build_mu);
     instance = nn::detail::make_instance(factory, std::move(args));
   }
   auto stage = std::make_shared<Stage>();
@@ -178,7 +178,7 @@ class Mailbox {
     return *m;
   }
   void put(const Key& key, at::Tensor t) {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     if (aborted_.count(step_of(key))) return;
     box_[key] = std::move(t);
     cv_.SignalAll();
@@ -186,7 +186,7 @@ class Mailbox {
   // The tensor for `key`, or an error: the step was abandoned (its reason), RPC stopped, or nothing came by
   // `deadline`.
   absl::StatusOr<at::Tensor> take(const Key& key, Clock::time_point deadline, const std::string& what) {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     const int64_t epoch = epoch_;
     for (;;) {
       if (epoch_ != epoch) {
@@ -209,7 +209,7 @@ class Mailbox {
     }
   }
   void abort(int64_t pipe, int64_t step, absl::Status reason) {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     aborted_.emplace(std::make_pair(pipe, step), std::move(reason));
     order_.push_back({pipe, step});
     if (order_.size() > 1000) aborted_.erase(order_.front()), order_.erase(order_.begin());
@@ -220,22 +220,22 @@ class Mailbox {
   }
   // Every wait in progress ends with `reason` (RPC is stopping); later steps are not affected.
   void abort_all(const absl::Status& reason) {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     stopped_ = reason;
     ++epoch_;
     box_.clear();
     cv_.SignalAll();
   }
   void forget(int64_t pipe) {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     for (auto it = box_.begin(); it != box_.end();)
       it = std::get<0>(it->first) == pipe ? box_.erase(it) : std::next(it);
   }
 
  private:
   static std::pair<int64_t, int64_t> step_of(const Key& k) { return {std::get<0>(k), std::get<1>(k)}; }
-  absl::Mutex mu_;
-  absl::CondVar cv_;  // signalled when a tensor arrives or waits must end
+  Mutex mu_;
+  CondVar cv_;  // signalled when a tensor arrives or waits must end
   std::map<Key, at::Tensor> box_ ABSL_GUARDED_BY(mu_);
   std::map<std::pair<int64_t, int64_t>, absl::Status> aborted_ ABSL_GUARDED_BY(mu_);
   // Abandoned steps, oldest first (a bounded memory of them).
@@ -515,7 +515,7 @@ bool install() {
     for (const auto& p : stage->params) refs.push_back(rref::make_local(c10::IValue(p)).to_ivalue());
     {
       Stages& s = stages();
-      absl::MutexLock lock(&s.mu);
+      MutexLock lock(&s.mu);
       s.by_id[{pipe, index}] = std::move(stage);
     }
     return rpc::Future::ready(c10::ivalue::Tuple::create(std::move(refs)));
@@ -552,7 +552,7 @@ bool install() {
   rpc::register_function(kRelease, [](int64_t pipe) {
     {
       Stages& s = stages();
-      absl::MutexLock lock(&s.mu);
+      MutexLock lock(&s.mu);
       for (auto it = s.by_id.begin(); it != s.by_id.end();)
         it = it->first.first == pipe ? s.by_id.erase(it) : std::next(it);
     }
@@ -561,7 +561,7 @@ bool install() {
   rpc::add_stop_hook([] {
     Mailbox::get().abort_all(absl::CancelledError("RPC is shutting down"));
     Stages& s = stages();
-    absl::MutexLock lock(&s.mu);
+    MutexLock lock(&s.mu);
     s.by_id.clear();
   });
   return true;
@@ -575,7 +575,7 @@ const bool g_installed = install();
 
 void register_loss(const std::string& name, std::function<at::Tensor(const at::Tensor&, const at::Tensor&)> loss) {
   Losses& l = losses();
-  absl::MutexLock lock(&l.mu);
+  MutexLock lock(&l.mu);
   if (!l.by_name.emplace(name, std::move(loss)).second) {
     throw RpcError(absl::AlreadyExistsError("a pipeline loss named '" + name + "' is already registered"));
   }
@@ -626,19 +626,19 @@ struct Pipeline::State {
   std::vector<int> stage_worker;  // per stage: index into workers
   std::vector<rref::RRef> params;
 
-  absl::Mutex step_mu;                                                             // one step at a time
+  Mutex step_mu;                                                                   // one step at a time
   std::map<int, std::vector<std::vector<Action>>> plans ABSL_GUARDED_BY(step_mu);  // by number of micro-batches
   int64_t next_step ABSL_GUARDED_BY(step_mu) = 0;
 
   // What other threads read or change while a step runs (options(), last_stats(), set_record_timeline()): held only
   // briefly, so they need not wait for the step. Taken after step_mu when both are held.
-  mutable absl::Mutex mu;
+  mutable Mutex mu;
   PipelineOptions options ABSL_GUARDED_BY(mu);  // record_timeline changes; the rest is fixed
   StepStats stats ABSL_GUARDED_BY(mu);
   std::vector<TimelineEvent> timeline ABSL_GUARDED_BY(mu);
 
   PipelineOptions current_options() const {
-    absl::MutexLock lock(&mu);
+    MutexLock lock(&mu);
     return options;
   }
 
@@ -678,7 +678,7 @@ struct Pipeline::State {
   }
 
   double step(const at::Tensor& input, const at::Tensor& target) {
-    absl::MutexLock step_lock(&step_mu);
+    MutexLock step_lock(&step_mu);
     const PipelineOptions opts = current_options();  // this step's: set_record_timeline() applies to the next
     validate(opts, input, target);
     const int m = opts.n_microbatches, n = static_cast<int>(stage_rank.size());
@@ -724,7 +724,7 @@ struct Pipeline::State {
     }
     std::sort(events.begin(), events.end(), [](const auto& a, const auto& b) { return a.start_us < b.start_us; });
     const double loss = step_stats.loss;
-    absl::MutexLock lock(&mu);
+    MutexLock lock(&mu);
     stats = std::move(step_stats);
     timeline = std::move(events);
     return loss;
@@ -738,21 +738,21 @@ struct Pipeline::State {
       bool all_done() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { return done == expected; }
       bool settled() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { return failed || done == expected; }
       const size_t expected;
-      absl::Mutex mu;
+      Mutex mu;
       size_t done ABSL_GUARDED_BY(mu) = 0;
       bool failed ABSL_GUARDED_BY(mu) = false;
     };
     auto waiter = std::make_shared<Waiter>(replies.size());
     for (const auto& f : replies) {
       f.add_callback([waiter](const rpc::Future& done) {
-        absl::MutexLock lock(&waiter->mu);
+        MutexLock lock(&waiter->mu);
         ++waiter->done;
         waiter->failed |= !done.status().ok();
       });
     }
     {
-      absl::MutexLock lock(&waiter->mu);
-      waiter->mu.AwaitWithTimeout(absl::Condition(waiter.get(), &Waiter::settled),
+      MutexLock lock(&waiter->mu);
+      waiter->mu.AwaitWithTimeout(Condition(waiter.get(), &Waiter::settled),
                                   absl::FromChrono(opts.timeout + kReplyMargin));
       if (!waiter->failed && waiter->all_done()) return;
     }
@@ -760,8 +760,8 @@ struct Pipeline::State {
       (void)rpc::rpc_async(w, kAbort, id, step_id, std::string("another stage failed"), kErrorGrace);
     }
     {
-      absl::MutexLock lock(&waiter->mu);
-      waiter->mu.AwaitWithTimeout(absl::Condition(waiter.get(), &Waiter::all_done), absl::FromChrono(kErrorGrace));
+      MutexLock lock(&waiter->mu);
+      waiter->mu.AwaitWithTimeout(Condition(waiter.get(), &Waiter::all_done), absl::FromChrono(kErrorGrace));
     }
     // The causes first; then the workers that abandoned the step on our request, which say what they were waiting
     // for (the micro-batch a dead or failed stage held up).
@@ -894,7 +894,7 @@ at::Tensor Pipeline::forward(const at::Tensor& input) {
 }
 
 void Pipeline::set_record_timeline(bool on) {
-  absl::MutexLock lock(&state_->mu);
+  MutexLock lock(&state_->mu);
   state_->options.record_timeline = on;
 }
 int Pipeline::num_stages() const { return static_cast<int>(state_->stage_rank.size()); }
@@ -918,11 +918,11 @@ std::vector<rref::RRef> Pipeline::parameter_rrefs() const { return state_->param
 int64_t Pipeline::id() const { return state_->id; }
 PipelineOptions Pipeline::options() const { return state_->current_options(); }
 StepStats Pipeline::last_stats() const {
-  absl::MutexLock lock(&state_->mu);
+  MutexLock lock(&state_->mu);
   return state_->stats;
 }
 std::vector<TimelineEvent> Pipeline::last_timeline() const {
-  absl::MutexLock lock(&state_->mu);
+  MutexLock lock(&state_->mu);
   return state_->timeline;
 }
 

@@ -17,9 +17,9 @@ Agent::~Agent() {
 }
 
 absl::Status Agent::drain_outgoing(absl::Time deadline) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   auto empty = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return outstanding_ == 0; };
-  if (!mu_.AwaitWithDeadline(absl::Condition(&empty), deadline)) {
+  if (!mu_.AwaitWithDeadline(Condition(&empty), deadline)) {
     return absl::DeadlineExceededError(absl::StrCat(outstanding_, " outgoing calls still pending"));
   }
   return absl::OkStatus();
@@ -62,7 +62,7 @@ absl::Status Agent::shutdown(bool graceful) {
 void Agent::stop(std::chrono::milliseconds grace) {
   std::vector<std::shared_ptr<InCall>> in_calls;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     if (stopped_) return;
     stopped_ = true;
     for (auto& [_, call] : in_calls_) in_calls.push_back(call);

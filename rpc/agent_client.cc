@@ -68,7 +68,7 @@ absl::Status Agent::call_error(const absl::Status& s, int peer, const std::strin
     case absl::StatusCode::kCancelled:
       return absl::CancelledError(prefix + "RPC was shut down on this worker");
     case absl::StatusCode::kUnavailable: {
-      absl::MutexLock lock(&mu_);
+      MutexLock lock(&mu_);
       if (stopped_) return absl::CancelledError(prefix + "RPC was shut down on this worker");
       return absl::UnavailableError(prefix + "worker unreachable or dead: " + std::string(s.message()));
     }
@@ -125,7 +125,7 @@ void Agent::count_call(int peer) {
 }
 
 void Agent::call_done() {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   --outstanding_;
 }
 
@@ -142,7 +142,7 @@ Future Agent::call(const To& to, const std::string& function, std::vector<c10::I
   args.clear();
   Future future(deadline);
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     if (stopped_) {
       return Future::failed(absl::CancelledError(describe(*peer, function) + "RPC has been shut down on this worker"));
     }
@@ -174,7 +174,7 @@ Future Agent::call_and_wait(const To& to, const std::string& function, std::vect
   auto frame = encode_request(*peer, function, args, route->by_reference(*peer), &referenced);
   if (!frame.ok()) return Future::failed(error_with(frame.status(), describe(*peer, function)));
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     if (stopped_) {
       return Future::failed(absl::CancelledError(describe(*peer, function) + "RPC has been shut down on this worker"));
     }

@@ -19,7 +19,7 @@ void Agent::on_incoming(Incoming in) {
   call->in = std::move(in);
   bool stopped = false;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     stopped = stopped_;
     if (!stopped) in_calls_.emplace(call.get(), call);
   }
@@ -42,7 +42,7 @@ void Agent::handle(std::shared_ptr<InCall> call) {
   }
   bool stopped = false;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     stopped = stopped_;
   }
   // Replied without mu_: finishing the call takes it (it aborted a worker shutting down, in abseil's deadlock check).
@@ -152,12 +152,12 @@ void Agent::reply_error(const std::shared_ptr<InCall>& call, const absl::Status&
 
 void Agent::finish_once(const std::shared_ptr<InCall>& call, const absl::Status& status, grpc::ByteBuffer* reply) {
   {
-    absl::MutexLock call_lock(&call->mu);
+    MutexLock call_lock(&call->mu);
     if (call->finished) return;
     call->finished = true;
     call->in.reply(reply, status);
   }
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   in_calls_.erase(call.get());
 }
 

@@ -7,9 +7,9 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "rpc/errors.h"
+#include "sync/sync.h"
 
 namespace tandem::rpc {
 namespace {
@@ -30,7 +30,7 @@ class Batcher : public std::enable_shared_from_this<Batcher> {
     Future reply;
     std::vector<Pending> batch;
     {
-      absl::MutexLock lock(&mu_);  // unlocking wakes the flushing thread, which starts timing the oldest request
+      MutexLock lock(&mu_);  // unlocking wakes the flushing thread, which starts timing the oldest request
       pending_.push_back(Pending{std::move(args), reply, Clock::now()});
       if (pending_.size() < options_.max_batch) return reply;
       batch.swap(pending_);
@@ -43,7 +43,7 @@ class Batcher : public std::enable_shared_from_this<Batcher> {
   void set_max_batch(size_t n) {
     std::vector<Pending> batch;
     {
-      absl::MutexLock lock(&mu_);
+      MutexLock lock(&mu_);
       options_.max_batch = n;
       if (pending_.empty() || pending_.size() < n) return;
       batch.swap(pending_);
@@ -53,7 +53,7 @@ class Batcher : public std::enable_shared_from_this<Batcher> {
   }
 
   BatchStats stats() {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     return stats_;
   }
 
@@ -66,15 +66,15 @@ class Batcher : public std::enable_shared_from_this<Batcher> {
 
   void flush_loop() {
     auto some = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !pending_.empty(); };
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     for (;;) {
-      mu_.Await(absl::Condition(&some));
+      mu_.Await(Condition(&some));
       // The oldest request's age; a full batch sent meanwhile leaves pending_ empty (wait again) or newer.
       const auto oldest = pending_.front().arrived;
       auto gone = [this, oldest]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
         return pending_.empty() || pending_.front().arrived != oldest;
       };
-      if (mu_.AwaitWithTimeout(absl::Condition(&gone), absl::FromChrono(oldest + options_.max_delay - Clock::now()))) {
+      if (mu_.AwaitWithTimeout(Condition(&gone), absl::FromChrono(oldest + options_.max_delay - Clock::now()))) {
         continue;
       }
       std::vector<Pending> batch;
@@ -87,7 +87,7 @@ class Batcher : public std::enable_shared_from_this<Batcher> {
 
   // Runs one batch; batches of this function never overlap.
   void run(std::vector<Pending> batch) {
-    absl::MutexLock running(&run_mu_);
+    MutexLock running(&run_mu_);
     std::vector<std::vector<c10::IValue>> requests;
     requests.reserve(batch.size());
     for (auto& p : batch) requests.push_back(std::move(p.args));
@@ -104,7 +104,7 @@ class Batcher : public std::enable_shared_from_this<Batcher> {
       error = absl::Status(thrown.code(), absl::StrCat("batched function '", name_, "' threw: ", thrown.message()));
     }
     {
-      absl::MutexLock lock(&mu_);
+      MutexLock lock(&mu_);
       ++stats_.batches;
       stats_.requests += static_cast<int64_t>(batch.size());
     }
@@ -114,15 +114,15 @@ class Batcher : public std::enable_shared_from_this<Batcher> {
   }
 
   const std::string name_;
-  absl::Mutex mu_;
+  Mutex mu_;
   BatchOptions options_ ABSL_GUARDED_BY(mu_);  // max_delay never changes; max_batch does
   const BatchHandler handler_;
   std::vector<Pending> pending_ ABSL_GUARDED_BY(mu_);
   BatchStats stats_ ABSL_GUARDED_BY(mu_);
-  absl::Mutex run_mu_;  // one batch at a time
+  Mutex run_mu_;  // one batch at a time
 };
 
-absl::Mutex g_mu(absl::kConstInit);
+Mutex g_mu(absl::kConstInit);
 std::map<std::string, std::shared_ptr<Batcher>>& batchers() ABSL_EXCLUSIVE_LOCKS_REQUIRED(g_mu) {
   static auto* m = new std::map<std::string, std::shared_ptr<Batcher>>;
   return *m;
@@ -137,7 +137,7 @@ absl::Status register_batched_handler(const std::string& name, BatchOptions opti
       register_handler(name, [batcher](std::vector<c10::IValue>&& args) { return batcher->enqueue(std::move(args)); });
   if (!s.ok()) return s;
   {
-    absl::MutexLock lock(&g_mu);
+    MutexLock lock(&g_mu);
     batchers()[name] = batcher;
   }
   batcher->start();
@@ -148,7 +148,7 @@ absl::Status set_max_batch(const std::string& name, size_t max_batch) {
   if (max_batch == 0) return absl::InvalidArgumentError("a batched function needs max_batch of at least 1");
   std::shared_ptr<Batcher> batcher;
   {
-    absl::MutexLock lock(&g_mu);
+    MutexLock lock(&g_mu);
     auto it = batchers().find(name);
     if (it == batchers().end()) return absl::NotFoundError("no batched function '" + name + "' is registered here");
     batcher = it->second;
@@ -158,7 +158,7 @@ absl::Status set_max_batch(const std::string& name, size_t max_batch) {
 }
 
 BatchStats batch_stats(const std::string& name) {
-  absl::MutexLock lock(&g_mu);
+  MutexLock lock(&g_mu);
   auto it = batchers().find(name);
   return it == batchers().end() ? BatchStats{} : it->second->stats();
 }

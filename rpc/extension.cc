@@ -5,13 +5,13 @@
 #include <deque>
 
 #include "absl/base/thread_annotations.h"
-#include "absl/synchronization/mutex.h"
+#include "sync/sync.h"
 
 namespace tandem::rpc {
 namespace {
 
 struct Extensions {
-  absl::Mutex mu;
+  Mutex mu;
   std::deque<ValueCodec> codecs ABSL_GUARDED_BY(mu);  // push_back keeps references to earlier codecs valid
   std::vector<std::function<absl::Status(absl::Time)>> shutdown_hooks ABSL_GUARDED_BY(mu);
   std::vector<std::function<void()>> stop_hooks ABSL_GUARDED_BY(mu);
@@ -28,7 +28,7 @@ Extensions& extensions() {
 
 void register_value_codec(ValueCodec codec) {
   auto& e = extensions();
-  absl::MutexLock lock(&e.mu);
+  MutexLock lock(&e.mu);
   e.codecs.push_back(std::move(codec));
 }
 
@@ -46,13 +46,13 @@ std::function<void()> bind_call_scope(std::function<void()> fn) {
 
 void add_shutdown_hook(std::function<absl::Status(absl::Time)> hook) {
   auto& e = extensions();
-  absl::MutexLock lock(&e.mu);
+  MutexLock lock(&e.mu);
   e.shutdown_hooks.push_back(std::move(hook));
 }
 
 void add_stop_hook(std::function<void()> hook) {
   auto& e = extensions();
-  absl::MutexLock lock(&e.mu);
+  MutexLock lock(&e.mu);
   e.stop_hooks.push_back(std::move(hook));
 }
 
@@ -79,7 +79,7 @@ namespace detail {
 
 const ValueCodec* find_codec(const c10::IValue& value) {
   auto& e = extensions();
-  absl::MutexLock lock(&e.mu);
+  MutexLock lock(&e.mu);
   for (const auto& c : e.codecs) {
     if (c.matches(value)) return &c;  // codecs are never removed: the pointer stays valid
   }
@@ -88,7 +88,7 @@ const ValueCodec* find_codec(const c10::IValue& value) {
 
 const ValueCodec* find_codec(const std::string& kind) {
   auto& e = extensions();
-  absl::MutexLock lock(&e.mu);
+  MutexLock lock(&e.mu);
   for (const auto& c : e.codecs) {
     if (c.kind == kind) return &c;
   }
@@ -97,7 +97,7 @@ const ValueCodec* find_codec(const std::string& kind) {
 
 std::vector<std::function<absl::Status(absl::Time)>> shutdown_hooks() {
   auto& e = extensions();
-  absl::MutexLock lock(&e.mu);
+  MutexLock lock(&e.mu);
   return e.shutdown_hooks;
 }
 
@@ -105,7 +105,7 @@ CallTracer* call_tracer() { return g_tracer.load(std::memory_order_acquire); }
 
 std::vector<std::function<void()>> stop_hooks() {
   auto& e = extensions();
-  absl::MutexLock lock(&e.mu);
+  MutexLock lock(&e.mu);
   return e.stop_hooks;
 }
 

@@ -3,14 +3,14 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
-#include "absl/synchronization/mutex.h"
+#include "sync/sync.h"
 
 namespace tandem::rpc {
 
 struct Future::State {
   explicit State(absl::Time d) : deadline(d) {}
   const absl::Time deadline;
-  mutable absl::Mutex mu;
+  mutable Mutex mu;
   bool done ABSL_GUARDED_BY(mu) = false;
   c10::IValue value ABSL_GUARDED_BY(mu);
   absl::Status error ABSL_GUARDED_BY(mu);
@@ -34,14 +34,14 @@ Future Future::failed(absl::Status error) {
 absl::Time Future::deadline() const { return state_->deadline; }
 
 bool Future::completed() const {
-  absl::MutexLock lock(&state_->mu);
+  MutexLock lock(&state_->mu);
   return state_->done;
 }
 
 bool Future::wait_for(std::chrono::milliseconds timeout) const {
-  absl::MutexLock lock(&state_->mu);
+  MutexLock lock(&state_->mu);
   const bool* done = &state_->done;
-  return state_->mu.AwaitWithTimeout(absl::Condition(done), absl::FromChrono(timeout));
+  return state_->mu.AwaitWithTimeout(Condition(done), absl::FromChrono(timeout));
 }
 
 absl::Status Future::status() const {
@@ -50,9 +50,9 @@ absl::Status Future::status() const {
   // latency and what runs before the future is set), which no option describes.
   constexpr absl::Duration kCompletionMargin = absl::Seconds(2);
   until = until == absl::InfiniteFuture() ? absl::Now() + absl::FromChrono(kDefaultWait) : until + kCompletionMargin;
-  absl::MutexLock lock(&state_->mu);
+  MutexLock lock(&state_->mu);
   const bool* done = &state_->done;
-  if (!state_->mu.AwaitWithDeadline(absl::Condition(done), until)) {
+  if (!state_->mu.AwaitWithDeadline(Condition(done), until)) {
     return absl::DeadlineExceededError("future not completed before its deadline");
   }
   return state_->error;
@@ -60,7 +60,7 @@ absl::Status Future::status() const {
 
 const c10::IValue& Future::value() const {
   throw_if_error(status());
-  absl::MutexLock lock(&state_->mu);
+  MutexLock lock(&state_->mu);
   return state_->value;  // immutable once done
 }
 
@@ -78,7 +78,7 @@ bool Future::set_status(const absl::Status& status, c10::IValue value) const {
 bool Future::complete(c10::IValue value, absl::Status error) const {
   std::vector<std::function<void(const Future&)>> callbacks;
   {
-    absl::MutexLock lock(&state_->mu);
+    MutexLock lock(&state_->mu);
     if (state_->done) return false;
     state_->value = std::move(value);
     state_->error = std::move(error);
@@ -91,7 +91,7 @@ bool Future::complete(c10::IValue value, absl::Status error) const {
 
 void Future::add_callback(std::function<void(const Future&)> callback) const {
   {
-    absl::MutexLock lock(&state_->mu);
+    MutexLock lock(&state_->mu);
     if (!state_->done) {
       state_->callbacks.push_back(std::move(callback));
       return;

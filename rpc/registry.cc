@@ -3,14 +3,14 @@
 #include <map>
 
 #include "absl/strings/str_cat.h"
-#include "absl/synchronization/mutex.h"
 #include "rpc/errors.h"
+#include "sync/sync.h"
 
 namespace tandem::rpc {
 namespace {
 
 struct Registry {
-  absl::Mutex mu;
+  Mutex mu;
   std::map<std::string, Handler> handlers ABSL_GUARDED_BY(mu);
 };
 
@@ -25,7 +25,7 @@ absl::Status register_handler(const std::string& name, Handler handler) {
   if (name.empty()) return absl::InvalidArgumentError("cannot register a function with an empty name");
   if (!handler) return absl::InvalidArgumentError(absl::StrCat("cannot register an empty handler as '", name, "'"));
   auto& r = registry();
-  absl::MutexLock lock(&r.mu);
+  MutexLock lock(&r.mu);
   if (!r.handlers.emplace(name, std::move(handler)).second) {
     return absl::AlreadyExistsError(absl::StrCat("a function named '", name, "' is already registered"));
   }
@@ -34,20 +34,20 @@ absl::Status register_handler(const std::string& name, Handler handler) {
 
 bool unregister_function(const std::string& name) {
   auto& r = registry();
-  absl::MutexLock lock(&r.mu);
+  MutexLock lock(&r.mu);
   return r.handlers.erase(name) > 0;
 }
 
 Handler find_function(const std::string& name) {
   auto& r = registry();
-  absl::MutexLock lock(&r.mu);
+  MutexLock lock(&r.mu);
   auto it = r.handlers.find(name);
   return it == r.handlers.end() ? Handler() : it->second;
 }
 
 std::vector<std::string> registered_functions() {
   auto& r = registry();
-  absl::MutexLock lock(&r.mu);
+  MutexLock lock(&r.mu);
   std::vector<std::string> names;
   for (const auto& [name, h] : r.handlers) names.push_back(name);
   return names;

@@ -8,7 +8,6 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/synchronization/mutex.h"
 #include "rpc/detail/agent.h"
 #include "rpc/detail/direct_transport.h"  // complete types for deleting the agent
 #include "rpc/detail/fault_transport.h"
@@ -17,6 +16,7 @@
 #include "rpc/detail/standby.h"
 #include "rpc/extension.h"
 #include "rpc/rpc.h"
+#include "sync/sync.h"
 
 #include "cluster/environment.h"
 
@@ -29,11 +29,11 @@ __attribute__((constructor(101))) void standby_hook() { detail::wait_for_activat
 
 using detail::Agent;
 
-absl::Mutex g_mu;
+Mutex g_mu;
 std::shared_ptr<Agent> g_agent ABSL_GUARDED_BY(g_mu);
 
 std::shared_ptr<Agent> current_agent() {
-  absl::MutexLock lock(&g_mu);
+  MutexLock lock(&g_mu);
   return g_agent;
 }
 
@@ -61,7 +61,7 @@ void dispose(std::shared_ptr<Agent>& agent) {
 void at_exit_shutdown() {
   std::shared_ptr<Agent> agent;
   {
-    absl::MutexLock lock(&g_mu);
+    MutexLock lock(&g_mu);
     agent = std::move(g_agent);
     detail::set_self_rank(-1);
   }
@@ -82,7 +82,7 @@ WorkerInfo worker_info(const To& to) {
 }  // namespace
 
 void init_rpc(const std::string& name, int rank, int world_size, RpcOptions options) {
-  absl::MutexLock lock(&g_mu);
+  MutexLock lock(&g_mu);
   if (g_agent) throw RpcError(absl::FailedPreconditionError("init_rpc: RPC is already initialized"));
   auto agent = Agent::start(name, rank, world_size, options);
   throw_if_error(agent.status());
@@ -108,7 +108,7 @@ void shutdown(bool graceful) {
   if (!agent) return;
   absl::Status s = agent->shutdown(graceful);
   {
-    absl::MutexLock lock(&g_mu);
+    MutexLock lock(&g_mu);
     if (g_agent == agent) {
       g_agent.reset();
       detail::set_self_rank(-1);

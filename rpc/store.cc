@@ -11,10 +11,10 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "absl/synchronization/mutex.h"
 #include "proto/tandem_rpc.grpc.pb.h"
 #include "rpc/detail/auth.h"
 #include "rpc/detail/net.h"
+#include "sync/sync.h"
 
 namespace tandem::rpc {
 namespace {
@@ -34,7 +34,7 @@ class StoreService final : public pb::Store::CallbackService {
     auto* r = ctx->DefaultReactor();
     std::vector<Waiter*> ready;
     {
-      absl::MutexLock lock(&mu_);
+      MutexLock lock(&mu_);
       data_[req->key()] = req->value();
       ready = take_ready_locked();
     }
@@ -50,7 +50,7 @@ class StoreService final : public pb::Store::CallbackService {
     std::vector<Waiter*> ready;
     grpc::Status status = grpc::Status::OK;
     {
-      absl::MutexLock lock(&mu_);
+      MutexLock lock(&mu_);
       int64_t value = 0;
       auto it = data_.find(req->key());
       if (it != data_.end() && !absl::SimpleAtoi(it->second, &value)) {
@@ -87,7 +87,7 @@ class StoreService final : public pb::Store::CallbackService {
     if (auto* rejected = reject_unauthenticated(ctx)) return rejected;
     auto* r = ctx->DefaultReactor();
     {
-      absl::MutexLock lock(&mu_);
+      MutexLock lock(&mu_);
       for (const auto& k : req->keys()) resp->add_present(data_.count(k) > 0);
     }
     r->Finish(grpc::Status::OK);
@@ -99,7 +99,7 @@ class StoreService final : public pb::Store::CallbackService {
     if (auto* rejected = reject_unauthenticated(ctx)) return rejected;
     auto* r = ctx->DefaultReactor();
     {
-      absl::MutexLock lock(&mu_);
+      MutexLock lock(&mu_);
       data_.erase(req->key());
     }
     r->Finish(grpc::Status::OK);
@@ -125,7 +125,7 @@ class StoreService final : public pb::Store::CallbackService {
     Waiter(StoreService* s, std::vector<std::string> k, Fill f) : service(s), keys(std::move(k)), fill(std::move(f)) {}
     void OnCancel() override {
       {
-        absl::MutexLock lock(&service->mu_);
+        MutexLock lock(&service->mu_);
         if (finished) return;
         finished = true;
         service->waiters_.remove(this);
@@ -144,7 +144,7 @@ class StoreService final : public pb::Store::CallbackService {
     auto* w = new Waiter(this, std::move(keys), std::move(fill));
     bool ready = false;
     {
-      absl::MutexLock lock(&mu_);
+      MutexLock lock(&mu_);
       if (all_present_locked(w->keys)) {
         if (w->fill) w->fill(data_);
         w->finished = true;
@@ -185,7 +185,7 @@ class StoreService final : public pb::Store::CallbackService {
   }
 
   const std::string token_;
-  absl::Mutex mu_;
+  Mutex mu_;
   std::map<std::string, std::string> data_ ABSL_GUARDED_BY(mu_);
   std::list<Waiter*> waiters_ ABSL_GUARDED_BY(mu_);
 };
@@ -327,7 +327,8 @@ absl::StatusOr<std::unique_ptr<StoreServer>> serve_store(const std::string& addr
         close(fd);
       }
       freeaddrinfo(found);
-      if (!bound) return absl::UnavailableError(absl::StrCat("cannot serve a store on ", address, ": the port is in use"));
+      if (!bound)
+        return absl::UnavailableError(absl::StrCat("cannot serve a store on ", address, ": the port is in use"));
     }
   }
   auto s = std::make_unique<StandaloneStoreServer>();

@@ -1,13 +1,13 @@
 #include "rpc/transport.h"
 
-#include "absl/synchronization/notification.h"
+#include "sync/sync.h"
 
 namespace tandem::rpc {
 
 absl::StatusOr<grpc::ByteBuffer> Transport::call_sync(int peer, const std::string& function, grpc::ByteBuffer request,
                                                       absl::Time deadline, std::chrono::microseconds) {
   struct Waiter {
-    absl::Notification done;
+    Notification done;
     absl::StatusOr<grpc::ByteBuffer> reply = absl::UnknownError("no reply");
   };
   auto w = std::make_shared<Waiter>();

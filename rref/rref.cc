@@ -12,13 +12,13 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
-#include "absl/synchronization/mutex.h"
 #include "proto/tandem_rpc.pb.h"
 #include "rpc/detail/ids.h"
 #include "rpc/detail/note_batcher.h"
 #include "rpc/errors.h"
 #include "rpc/extension.h"
 #include "rref/detail/descriptor.h"
+#include "sync/sync.h"
 
 namespace tandem::rref {
 namespace detail {
@@ -92,7 +92,7 @@ class Context {
     return r >= 0 ? r : rpc::get_worker_info().id;
   }
   void configure(const RRefOptions& options) {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     options_ = options;
   }
 
@@ -100,7 +100,7 @@ class Context {
   // order: a fork may be registered before the creation it descends from. Whichever comes first makes the entry;
   // the value future is made once and the creation completes it.
   rpc::Future create_entry(int64_t rref_id, int64_t fork_id, int holder) {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     auto& e = owners_[rref_id];
     if (fork_id != 0) e.forks[fork_id] = holder;
     start_probe_locked();
@@ -113,7 +113,7 @@ class Context {
   // The value of `rref_id`; when the owner has not heard of it yet (a fetch may overtake the creation it follows), a
   // future that its creation completes, or that fails with NOT_FOUND after `wait`. No entry is made for it.
   rpc::Future value_or_wait(int64_t rref_id, milliseconds wait) {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     if (auto it = owners_.find(rref_id); it != owners_.end()) return it->second.value;
     rpc::Future waiter;
     awaiting_[rref_id].emplace_back(std::chrono::steady_clock::now() + wait, waiter);
@@ -121,7 +121,7 @@ class Context {
     return waiter;
   }
   absl::StatusOr<rpc::Future> value_of(int64_t rref_id) {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     auto it = owners_.find(rref_id);
     if (it == owners_.end()) return missing(rref_id);
     return it->second.value;
@@ -134,7 +134,7 @@ class Context {
   }
   void remove_fork(int64_t rref_id, int64_t fork_id) {
     std::vector<rpc::Future> freed;  // destroyed after the lock is released (see maybe_free_locked)
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     auto it = owners_.find(rref_id);
     if (it == owners_.end()) return;  // deletes are idempotent
     it->second.forks.erase(fork_id);
@@ -143,13 +143,13 @@ class Context {
   // A handle on the owner. The entry may not exist yet when the reference overtook its own creation (see
   // create_entry); the creation will fill the value.
   absl::StatusOr<c10::intrusive_ptr<RRefImpl>> owner_handle(int64_t rref_id) {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     ++owners_[rref_id].local_handles;
     return c10::make_intrusive<RRefImpl>(rank(), rref_id, 0, true, true, generation());
   }
   void release_handle(int64_t rref_id, uint64_t generation) {
     std::vector<rpc::Future> freed;
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     if (generation != generation_) return;
     auto it = owners_.find(rref_id);
     if (it == owners_.end()) return;
@@ -159,25 +159,25 @@ class Context {
 
   // User side.
   void hold_pending_user(const c10::intrusive_ptr<RRefImpl>& user) {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     pending_users_[user->fork_id_] = user;
   }
   void release_pending_user(int64_t fork_id) {
     c10::intrusive_ptr<RRefImpl> keep;  // destroyed outside the lock (its destructor may send a delete)
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     auto it = pending_users_.find(fork_id);
     if (it == pending_users_.end()) return;
     keep = std::move(it->second);
     pending_users_.erase(it);
   }
   void hold_pending_child(int64_t child, c10::intrusive_ptr<RRefImpl> parent) {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     pending_children_[child] = {std::move(parent), std::chrono::steady_clock::now()};
     start_probe_locked();
   }
   void release_pending_child(int64_t child) {
     c10::intrusive_ptr<RRefImpl> keep;
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     auto it = pending_children_.find(child);
     if (it == pending_children_.end()) return;
     keep = std::move(it->second.first);
@@ -185,7 +185,7 @@ class Context {
   }
 
   Stats stats() {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     Stats s;
     s.owned_values = static_cast<int64_t>(owners_.size());
     for (const auto& [id, e] : owners_) s.known_forks += static_cast<int64_t>(e.forks.size());
@@ -199,7 +199,7 @@ class Context {
   // Graceful shutdown: confirmations and accepts in flight settle before the workers leave.
   absl::Status drain(absl::Time deadline) {
     batcher.flush();
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     while (!settled()) {
       mu_.Unlock();
       batcher.flush();  // accepts owed to other workers
@@ -209,7 +209,7 @@ class Context {
                                                         pending_children_.size(), " child acceptances still pending"));
       }
       // A poll (the batcher is flushed each round), which ends early when the last pending entry goes.
-      mu_.AwaitWithTimeout(absl::Condition(this, &Context::settled), absl::Milliseconds(2));
+      mu_.AwaitWithTimeout(Condition(this, &Context::settled), absl::Milliseconds(2));
     }
     return absl::OkStatus();
   }
@@ -222,7 +222,7 @@ class Context {
         children;
     std::thread probe;
     {
-      absl::MutexLock lock(&mu_);
+      MutexLock lock(&mu_);
       ++generation_;
       stop_probe_ = true;  // ends the probe's wait, and no probe starts until it is joined
       owners.swap(owners_);
@@ -233,7 +233,7 @@ class Context {
     }
     batcher.stop();
     if (probe.joinable()) probe.join();
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     stop_probe_ = false;
   }
 
@@ -280,10 +280,10 @@ class Context {
   }
 
   void probe_loop() {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     while (!stop_probe_) {
       const milliseconds interval = options_.probe_interval;
-      mu_.AwaitWithTimeout(absl::Condition(&stop_probe_), absl::FromChrono(interval));
+      mu_.AwaitWithTimeout(Condition(&stop_probe_), absl::FromChrono(interval));
       if (stop_probe_) return;
       std::set<int> holders;
       const int me = rpc::detail::self_rank_or(-1);
@@ -348,7 +348,7 @@ class Context {
     }
   }
 
-  absl::Mutex mu_;
+  Mutex mu_;
   std::unordered_map<int64_t, OwnerEntry> owners_ ABSL_GUARDED_BY(mu_);
   std::unordered_map<int64_t, c10::intrusive_ptr<RRefImpl>> pending_users_ ABSL_GUARDED_BY(mu_);
   std::unordered_map<int64_t, std::pair<c10::intrusive_ptr<RRefImpl>, std::chrono::steady_clock::time_point>>
@@ -363,7 +363,7 @@ class Context {
 
 // Registered classes and their methods (remote objects).
 struct Classes {
-  absl::Mutex mu;
+  Mutex mu;
   std::map<std::string, Constructor> constructors ABSL_GUARDED_BY(mu);
   std::map<std::pair<std::string, std::string>, Method> methods ABSL_GUARDED_BY(mu);
 };
@@ -509,7 +509,7 @@ rpc::Future on_construct(std::vector<c10::IValue>&& args) {
   Constructor ctor;
   {
     Classes& c = classes();
-    absl::MutexLock lock(&c.mu);
+    MutexLock lock(&c.mu);
     auto it = c.constructors.find(name);
     if (it == c.constructors.end()) {
       throw_error(absl::NotFoundError(
@@ -540,7 +540,7 @@ rpc::Future on_call(std::vector<c10::IValue>&& args) {
       Method m;
       {
         Classes& c = classes();
-        absl::MutexLock lock(&c.mu);
+        MutexLock lock(&c.mu);
         auto it = c.methods.find({object->class_name, method});
         if (it == c.methods.end()) {
           throw_error(
@@ -612,13 +612,13 @@ std::string RRefImpl::ownerName() const { return name_of(owner_); }
 
 void register_class_impl(const std::string& name, Constructor constructor) {
   Classes& c = classes();
-  absl::MutexLock lock(&c.mu);
+  MutexLock lock(&c.mu);
   c.constructors[name] = std::move(constructor);
 }
 
 void register_method_impl(const std::string& class_name, const std::string& method, Method m) {
   Classes& c = classes();
-  absl::MutexLock lock(&c.mu);
+  MutexLock lock(&c.mu);
   c.methods[{class_name, method}] = std::move(m);
 }
 

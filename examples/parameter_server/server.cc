@@ -5,12 +5,12 @@
 #include <atomic>
 
 #include "absl/base/thread_annotations.h"
-#include "absl/synchronization/mutex.h"
 #include "checkpoint/checkpoint.h"
 #include "dist_autograd/dist_autograd.h"
 #include "examples/data/cnn.h"
 #include "examples/data/fashion_mnist.h"
 #include "rpc/rpc.h"
+#include "sync/sync.h"
 
 namespace tandem::examples {
 namespace {
@@ -31,13 +31,13 @@ struct Server {
   rpc::Future finished;
   std::atomic<int> done{0};
 
-  absl::Mutex mu;
-  std::vector<at::Tensor> sum ABSL_GUARDED_BY(mu);       // gradients submitted in this round
-  std::vector<rpc::Future> waiting ABSL_GUARDED_BY(mu);  // the trainers that submitted them
-  int64_t rounds ABSL_GUARDED_BY(mu) = 0;                // optimizer steps taken (async: the last checkpoint's step)
+  Mutex mu;
+  std::vector<at::Tensor> sum ABSL_GUARDED_BY(mu);          // gradients submitted in this round
+  std::vector<rpc::Future> waiting ABSL_GUARDED_BY(mu);     // the trainers that submitted them
+  int64_t rounds ABSL_GUARDED_BY(mu) = 0;                   // optimizer steps taken (async: the last checkpoint's step)
   std::vector<rpc::Future> at_barrier ABSL_GUARDED_BY(mu);  // async checkpoints: trainers waiting for the others
-  std::unique_ptr<checkpoint::Checkpointer> ckpt;        // with checkpoint_dir; saves under mu
-  checkpoint::State state;                               // the model, the optimizer, rounds
+  std::unique_ptr<checkpoint::Checkpointer> ckpt;           // with checkpoint_dir; saves under mu
+  checkpoint::State state;                                  // the model, the optimizer, rounds
 };
 
 Server& server() {
@@ -51,7 +51,7 @@ rpc::Future on_submit(int64_t context_id) {
   rpc::Future done;
   std::vector<rpc::Future> release;
   {
-    absl::MutexLock lock(&s.mu);
+    MutexLock lock(&s.mu);
     for (size_t i = 0; i < s.params.size(); ++i) {
       at::Tensor g = grads[s.params[i]];
       if (!g.defined()) continue;
@@ -104,7 +104,7 @@ void register_parameter_server() {
     rpc::Future arrived;
     std::vector<rpc::Future> release;
     {
-      absl::MutexLock lock(&s.mu);
+      MutexLock lock(&s.mu);
       s.at_barrier.push_back(arrived);
       if (static_cast<int>(s.at_barrier.size()) == s.options.trainers) {
         s.rounds = step;
@@ -117,12 +117,12 @@ void register_parameter_server() {
   });
   rpc::register_function("ps.rounds", [] {
     Server& s = server();
-    absl::MutexLock lock(&s.mu);
+    MutexLock lock(&s.mu);
     return s.rounds;
   });
   rpc::register_function("ps.hash", [] {
     Server& s = server();
-    absl::MutexLock lock(&s.mu);
+    MutexLock lock(&s.mu);
     return static_cast<int64_t>(parameters_hash(*s.model.local_module()));
   });
   rpc::register_function("ps.done", [] {
@@ -145,7 +145,7 @@ void start_parameter_server(const ServerOptions& options) {
     s.optimizer = std::make_unique<torch::optim::SGD>(s.params, torch::optim::SGDOptions(options.lr).momentum(0.9));
   }
   if (!options.checkpoint_dir.empty()) {
-    absl::MutexLock lock(&s.mu);
+    MutexLock lock(&s.mu);
     s.ckpt = std::make_unique<checkpoint::Checkpointer>(options.checkpoint_dir, /*rank=*/0);
     s.state.add("model", *s.model.local_module()).add("optimizer", *s.optimizer).add("rounds", s.rounds);
     if (auto resumed = s.ckpt->restore(s.state)) {

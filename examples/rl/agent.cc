@@ -29,7 +29,7 @@ torch::nn::Sequential make_policy(uint64_t seed) {
   return torch::nn::Sequential(torch::nn::Linear(4, 128), torch::nn::ReLU(), torch::nn::Linear(128, 2));
 }
 
-ABSL_CONST_INIT absl::Mutex g_agent_mu(absl::kConstInit);
+ABSL_CONST_INIT Mutex g_agent_mu(absl::kConstInit);
 std::shared_ptr<Agent> g_agent ABSL_GUARDED_BY(g_agent_mu);
 std::atomic<int64_t> g_active{0};  // observers still playing this round (batched mode: the full batch)
 
@@ -40,7 +40,7 @@ void one_observer_fewer() {
 }
 
 std::shared_ptr<Agent> agent() {
-  absl::MutexLock lock(&g_agent_mu);
+  MutexLock lock(&g_agent_mu);
   if (!g_agent) throw std::runtime_error("no agent on worker '" + rpc::get_worker_info().name + "'");
   return g_agent;
 }
@@ -97,7 +97,7 @@ std::vector<int64_t> Agent::select(const std::vector<Request>& requests) {
   }
   at::Tensor states = at::tensor(flat, at::kDouble).to(at::kFloat).view({static_cast<int64_t>(requests.size()), 4});
   at::NoGradGuard no_grad;
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   at::Tensor p0 = at::softmax(policy_->forward(states), 1).select(1, 0).contiguous();
   const float* p = p0.data_ptr<float>();
   const float* st = states.data_ptr<float>();
@@ -114,7 +114,7 @@ std::vector<int64_t> Agent::select(const std::vector<Request>& requests) {
 }
 
 double Agent::finish_round(const std::vector<int>& observers, const std::vector<Trajectory>& trajectories) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   std::vector<double> returns;
   std::vector<float> states;
   std::vector<int64_t> actions;
@@ -161,7 +161,7 @@ void register_rl() {
 }
 
 void set_agent(std::shared_ptr<Agent> a) {
-  absl::MutexLock lock(&g_agent_mu);
+  MutexLock lock(&g_agent_mu);
   g_agent = std::move(a);
 }
 

@@ -14,8 +14,8 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
-#include "absl/synchronization/mutex.h"
 #include "rref/rref.h"
+#include "sync/sync.h"
 
 namespace tandem::examples::rl {
 
@@ -51,7 +51,7 @@ class Agent {
     std::vector<float> states;  // 4 per step
     std::vector<int64_t> actions;
   };
-  absl::Mutex mu_;  // select() runs on RPC threads, finish_round() on the round's
+  Mutex mu_;  // select() runs on RPC threads, finish_round() on the round's
   torch::nn::Sequential policy_ ABSL_GUARDED_BY(mu_);
   torch::optim::Adam optimizer_ ABSL_GUARDED_BY(mu_);
   const double gamma_;

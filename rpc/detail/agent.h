@@ -32,8 +32,6 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
-#include "absl/synchronization/mutex.h"
-#include "absl/synchronization/notification.h"
 #include "proto/tandem_rpc.pb.h"
 #include "rpc/detail/direct_transport.h"
 #include "rpc/detail/fault_transport.h"
@@ -42,6 +40,7 @@
 #include "rpc/rpc.h"
 #include "rpc/store.h"
 #include "rpc/transport.h"
+#include "sync/sync.h"
 
 namespace tandem::rpc::detail {
 
@@ -85,7 +84,7 @@ class Agent {
     int caller = -1;                    // the caller's rank, once the request is parsed (for value codecs of the reply)
     bool traced = false;                // the request carried a call tracer's attachment
     std::shared_ptr<void> trace_state;  // what the tracer keeps for this call
-    absl::Mutex mu;                     // makes "send the reply" one step against a concurrent stop()
+    Mutex mu;                           // makes "send the reply" one step against a concurrent stop()
     bool finished ABSL_GUARDED_BY(mu) = false;
   };
   // The way back to the agent for completions that may come after it is gone: a registered function's future may be
@@ -119,7 +118,8 @@ class Agent {
   };
   struct Peer {
     WorkerInfo info;
-    Transport* transport = nullptr;  // the route: direct (Unix socket on this host, TCP beyond) when it connects, else gRPC
+    // The route: direct (Unix socket on this host, TCP beyond) when it connects, else gRPC.
+    Transport* transport = nullptr;
   };
 
   Agent(std::string name, int rank, int world_size, RpcOptions options)
@@ -181,13 +181,13 @@ class Agent {
   std::vector<Peer> peers_;
   std::map<std::string, int> rank_of_;
 
-  absl::Mutex mu_;
+  Mutex mu_;
   int64_t outstanding_ ABSL_GUARDED_BY(mu_) = 0;  // outgoing calls not completed yet
   std::map<InCall*, std::shared_ptr<InCall>> in_calls_ ABSL_GUARDED_BY(mu_);
   bool stopped_ ABSL_GUARDED_BY(mu_) = false;
   std::atomic<int64_t> grpc_calls_{0}, direct_calls_{0}, by_reference_{0};
   bool stopped_cleanly_ = false;
-  absl::Notification ready_;
+  Notification ready_;
 };
 
 }  // namespace tandem::rpc::detail

@@ -8,7 +8,7 @@
 #include <new>
 
 #include "absl/base/thread_annotations.h"
-#include "absl/synchronization/mutex.h"
+#include "sync/sync.h"
 
 namespace tandem::rpc::detail {
 namespace {
@@ -17,7 +17,7 @@ namespace {
 constexpr size_t kMaxCachedBytes = size_t{1} << 30;
 
 struct Pool {
-  absl::Mutex mu;
+  Mutex mu;
   std::multimap<size_t, void*> free ABSL_GUARDED_BY(mu);  // capacity -> buffer
   size_t cached ABSL_GUARDED_BY(mu) = 0;
 };
@@ -40,7 +40,7 @@ void* acquire_buffer(size_t bytes, size_t* capacity) {
   *capacity = cap;
   if (cap >= kPoolMinBytes) {
     Pool& p = pool();
-    absl::MutexLock lock(&p.mu);
+    MutexLock lock(&p.mu);
     auto it = p.free.lower_bound(cap);
     if (it != p.free.end() && it->first <= cap + cap / 4) {  // reuse a buffer at most 25% larger
       void* buf = it->second;
@@ -60,7 +60,7 @@ void release_buffer(void* buffer, size_t capacity) {
   if (!buffer) return;
   if (capacity >= kPoolMinBytes) {
     Pool& p = pool();
-    absl::MutexLock lock(&p.mu);
+    MutexLock lock(&p.mu);
     if (p.cached + capacity <= kMaxCachedBytes) {
       p.free.emplace(capacity, buffer);
       p.cached += capacity;
@@ -82,7 +82,7 @@ at::Tensor pooled_empty(at::IntArrayRef sizes, c10::ScalarType dtype) {
 
 size_t pooled_bytes_cached() {
   Pool& p = pool();
-  absl::MutexLock lock(&p.mu);
+  MutexLock lock(&p.mu);
   return p.cached;
 }
 

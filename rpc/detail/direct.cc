@@ -22,8 +22,8 @@
 #include "rpc/detail/auth.h"
 #include "rpc/detail/buffer_pool.h"
 #include "rpc/detail/net.h"
-#include "rpc/detail/tsan.h"
 #include "rpc/detail/version.h"
+#include "sync/sync.h"
 
 namespace tandem::rpc::direct {
 namespace {
@@ -274,7 +274,8 @@ absl::StatusOr<std::string> parse_challenge(const grpc::ByteBuffer& body) {
   }
   if (challenge.wire_version() != kWireVersion) {
     return absl::FailedPreconditionError(absl::StrCat("direct channel: the server speaks Tandem wire version ",
-                                                      challenge.wire_version(), ", this worker version ", kWireVersion));
+                                                      challenge.wire_version(), ", this worker version ",
+                                                      kWireVersion));
   }
   return challenge.nonce();
 }
@@ -328,7 +329,7 @@ absl::Status Conn::write(Kind kind, uint64_t call_id, const grpc::ByteBuffer& bo
     h.length += s.size();
     if (s.size() > 0) iov.push_back({const_cast<uint8_t*>(s.begin()), s.size()});
   }
-  absl::MutexLock lock(&write_mu_);
+  MutexLock lock(&write_mu_);
   size_t first = 0;
   while (first < iov.size()) {
     msghdr mh{};
@@ -366,7 +367,7 @@ void Conn::write_half_and_shut(Kind kind, uint64_t call_id, const grpc::ByteBuff
   std::string out(reinterpret_cast<const char*>(&h), sizeof(h));
   out.append(bytes, 0, bytes.size() / 2);
   {
-    absl::MutexLock lock(&write_mu_);
+    MutexLock lock(&write_mu_);
     size_t done = 0;
     const absl::Time deadline = absl::Now() + absl::Seconds(1);  // best effort: the connection is cut either way
     while (done < out.size()) {
@@ -513,7 +514,7 @@ void Channel::arm(const std::shared_ptr<Conn>& conn, bool add) {
 void Channel::drop(const std::shared_ptr<Conn>& conn, const absl::Status& why) {
   epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, conn->fd(), nullptr);
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     conns_.erase(conn.get());
   }
   conn->broken = true;
@@ -533,7 +534,7 @@ void Channel::loop() {
     }
     std::shared_ptr<Conn> conn;
     {
-      absl::MutexLock lock(&mu_);
+      MutexLock lock(&mu_);
       auto it = conns_.find(static_cast<Conn*>(ev.data.ptr));
       if (it == conns_.end()) continue;
       conn = it->second;
@@ -564,7 +565,7 @@ void Channel::accept_one(int listen_fd, uint64_t tag) {
     set_socket_options(fd);
   }
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     if (stopping_) return;
     conns_[conn.get()] = conn;
   }
@@ -653,7 +654,8 @@ absl::StatusOr<std::shared_ptr<Conn>> Channel::connect(const std::string& addres
   std::string challenge, client_nonce;
   if (tcp) {
     auto first = conn->read(kMaxChallengeBytes, deadline);
-    if (!first.ok()) return absl::UnavailableError(absl::StrCat("handshake with ", address, ": ", first.status().message()));
+    if (!first.ok())
+      return absl::UnavailableError(absl::StrCat("handshake with ", address, ": ", first.status().message()));
     if (first->kind != Kind::kChallenge) return absl::UnavailableError("handshake: the server sent no challenge");
     auto nonce = parse_challenge(first->body);
     if (!nonce.ok()) return nonce.status();
@@ -675,7 +677,7 @@ absl::StatusOr<std::shared_ptr<Conn>> Channel::connect(const std::string& addres
   conn->cma_ok = welcome->cma_ok() && !tcp;
   if (for_responses) {
     {
-      absl::MutexLock lock(&mu_);
+      MutexLock lock(&mu_);
       if (stopping_) return absl::CancelledError("direct channel stopped");
       conns_[conn.get()] = conn;
     }
@@ -694,7 +696,7 @@ bool Channel::stop(std::chrono::milliseconds grace) {
   if (tcp_listen_fd_ >= 0) ::shutdown(tcp_listen_fd_, SHUT_RDWR);
   std::map<Conn*, std::shared_ptr<Conn>> conns;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     conns.swap(conns_);
   }
   for (auto& [raw, conn] : conns) {

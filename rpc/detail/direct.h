@@ -7,10 +7,10 @@
 // can be pulled straight from the caller's memory with process_vm_readv (one copy into a pooled buffer) instead of
 // being streamed through the socket.
 //
-// Beyond one host the same channel runs over TCP (Channel::start's `tcp_host`; the agent publishes the listener's address
-// and connects to peers of other hosts with it): gRPC's HTTP/2 framing and its threads are skipped there too, and a
-// large tensor goes to the socket straight from its memory (sendmsg of the frame's slices) and is read into one pooled
-// buffer. No cross-memory reads over TCP: the peer's pid means nothing on another host.
+// Beyond one host the same channel runs over TCP (Channel::start's `tcp_host`; the agent publishes the listener's
+// address and connects to peers of other hosts with it): gRPC's HTTP/2 framing and its threads are skipped there too,
+// and a large tensor goes to the socket straight from its memory (sendmsg of the frame's slices) and is read into one
+// pooled buffer. No cross-memory reads over TCP: the peer's pid means nothing on another host.
 //
 // Messages: [Header (24 bytes)][body] (proto/tandem_rpc.proto describes both).
 //   kChallenge server -> client, TCP only, on accept: a DirectChallenge (a fresh nonce)
@@ -39,10 +39,10 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "proto/tandem_rpc.pb.h"
 #include "rpc/detail/thread_pool.h"
+#include "sync/sync.h"
 
 namespace tandem::rpc::direct {
 
@@ -110,7 +110,7 @@ class Conn {
   absl::Status check_header(uint64_t max_body) const;
 
   const int fd_;
-  absl::Mutex write_mu_;  // one message at a time on the socket
+  Mutex write_mu_;  // one message at a time on the socket
   // The header being received (poll_header); touched by one thread at a time (EPOLLONESHOT).
   uint8_t header_[24] = {};
   size_t header_got_ = 0;
@@ -170,7 +170,7 @@ class Channel {
   int tcp_listen_fd_ = -1;
   int wake_fd_ = -1;  // eventfd: stop() wakes every worker
   std::unique_ptr<detail::ThreadPool> threads_;
-  absl::Mutex mu_;
+  Mutex mu_;
   std::map<Conn*, std::shared_ptr<Conn>> conns_ ABSL_GUARDED_BY(mu_);  // epoll data points at the key
   std::atomic<bool> stopping_{false};
 };

@@ -32,7 +32,7 @@ DirectTransport::~DirectTransport() { stop(std::chrono::milliseconds(1000)); }
 
 DirectTransport::Peer* DirectTransport::peer(int rank) const {
   auto* self = const_cast<DirectTransport*>(this);
-  absl::MutexLock lock(&self->peers_mu_);
+  MutexLock lock(&self->peers_mu_);
   auto it = self->peers_.find(rank);
   return it == self->peers_.end() ? nullptr : it->second.get();
 }
@@ -58,7 +58,7 @@ absl::Status DirectTransport::add_peer(const PeerAddress& address, absl::Time de
       continue;
     }
     p->cma_ok = (*conn)->cma_ok;
-    absl::MutexLock lock(&peers_mu_);
+    MutexLock lock(&peers_mu_);
     peers_[address.rank] = std::move(p);
     return absl::OkStatus();
   }
@@ -76,7 +76,7 @@ bool DirectTransport::by_reference(int rank) const {
 }
 
 absl::StatusOr<std::shared_ptr<direct::Conn>> DirectTransport::async_conn(Peer& p, absl::Time deadline) {
-  absl::MutexLock lock(&p.mu);
+  MutexLock lock(&p.mu);
   if (p.async_conn && !p.async_conn->broken) return p.async_conn;
   auto conn = channel_->connect(p.address, my_rank_, /*for_responses=*/true, deadline);
   if (!conn.ok()) return conn.status();
@@ -92,7 +92,7 @@ void DirectTransport::call(int rank, const std::string& function, grpc::ByteBuff
   if (!conn.ok()) return done(conn.status());
   uint64_t id = 0;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     if (stopped_) return done(absl::CancelledError("RPC was shut down on this worker"));
     id = next_id_++;
     pending_.emplace(id, Pending{std::move(done), conn->get()});
@@ -111,7 +111,7 @@ absl::StatusOr<grpc::ByteBuffer> DirectTransport::call_sync(int rank, const std:
   if (!p) return absl::UnavailableError("no direct channel to this worker");
   std::shared_ptr<direct::Conn> conn;
   {
-    absl::MutexLock lock(&p->mu);
+    MutexLock lock(&p->mu);
     if (!p->idle_sync.empty()) {
       conn = std::move(p->idle_sync.back());
       p->idle_sync.pop_back();
@@ -124,7 +124,7 @@ absl::StatusOr<grpc::ByteBuffer> DirectTransport::call_sync(int rank, const std:
   }
   uint64_t id = 0;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     if (stopped_) return absl::CancelledError("RPC was shut down on this worker");
     id = next_id_++;
     sync_calls_.insert(conn);
@@ -137,7 +137,7 @@ absl::StatusOr<grpc::ByteBuffer> DirectTransport::call_sync(int rank, const std:
   }
   bool stopped = false;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     sync_calls_.erase(conn);
     stopped = stopped_;
   }
@@ -147,7 +147,7 @@ absl::StatusOr<grpc::ByteBuffer> DirectTransport::call_sync(int rank, const std:
     return msg.ok() ? absl::InternalError("direct channel: unexpected message") : msg.status();
   }
   {
-    absl::MutexLock lock(&p->mu);
+    MutexLock lock(&p->mu);
     p->idle_sync.push_back(conn);
   }
   return std::move(msg->body);
@@ -191,7 +191,7 @@ void DirectTransport::on_response(direct::Message msg) { complete(msg.call_id, s
 void DirectTransport::complete(uint64_t id, absl::StatusOr<grpc::ByteBuffer> reply) {
   DoneFn done;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     auto it = pending_.find(id);
     if (it == pending_.end()) return;  // timed out or cancelled already: a late reply is dropped
     done = std::move(it->second.done);
@@ -203,7 +203,7 @@ void DirectTransport::complete(uint64_t id, absl::StatusOr<grpc::ByteBuffer> rep
 void DirectTransport::on_lost(const direct::Conn* conn, const absl::Status& why) {
   std::vector<uint64_t> lost;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     for (const auto& [id, p] : pending_) {
       if (p.conn == conn) lost.push_back(id);
     }
@@ -213,7 +213,7 @@ void DirectTransport::on_lost(const direct::Conn* conn, const absl::Status& why)
 }
 
 void DirectTransport::run_timer() {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   for (;;) {
     if (stopped_ && pending_.empty()) return;
     const absl::Time next = deadlines_.empty() ? absl::InfiniteFuture() : deadlines_.begin()->first;
@@ -221,7 +221,7 @@ void DirectTransport::run_timer() {
     auto wake = [this, next]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
       return stopped_ || (!deadlines_.empty() && deadlines_.begin()->first < next);
     };
-    mu_.AwaitWithDeadline(absl::Condition(&wake), next);
+    mu_.AwaitWithDeadline(Condition(&wake), next);
     std::vector<uint64_t> expired;
     const bool stopping = stopped_;
     const absl::Time now = absl::Now();
@@ -248,7 +248,7 @@ void DirectTransport::cut(int rank, const grpc::ByteBuffer* partial) {
   std::shared_ptr<direct::Conn> async;
   std::vector<std::shared_ptr<direct::Conn>> idle;
   {
-    absl::MutexLock lock(&p->mu);
+    MutexLock lock(&p->mu);
     async = std::move(p->async_conn);
     idle.swap(p->idle_sync);
   }
@@ -264,7 +264,7 @@ void DirectTransport::cut(int rank, const grpc::ByteBuffer* partial) {
 
 bool DirectTransport::stop(std::chrono::milliseconds grace) {
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     if (stopped_) return !timer_.joinable();
     stopped_ = true;
     for (auto& conn : sync_calls_) conn->shut();  // their callers see the channel closed

@@ -15,9 +15,9 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
-#include "absl/synchronization/mutex.h"
 #include "rpc/detail/direct.h"
 #include "rpc/transport.h"
+#include "sync/sync.h"
 
 namespace tandem::rpc::detail {
 
@@ -50,7 +50,7 @@ class DirectTransport final : public Transport {
   struct Peer {
     std::string address;
     bool cma_ok = false;
-    absl::Mutex mu;  // held while the async connection is made: callers to one peer wait for the one connect
+    Mutex mu;  // held while the async connection is made: callers to one peer wait for the one connect
     std::shared_ptr<direct::Conn> async_conn ABSL_GUARDED_BY(mu);
     std::vector<std::shared_ptr<direct::Conn>> idle_sync ABSL_GUARDED_BY(mu);  // connections of finished rpc_sync calls
   };
@@ -76,10 +76,10 @@ class DirectTransport final : public Transport {
   std::unique_ptr<direct::Channel> channel_;
   std::thread timer_;
 
-  absl::Mutex peers_mu_;
+  Mutex peers_mu_;
   std::map<int, std::unique_ptr<Peer>> peers_ ABSL_GUARDED_BY(peers_mu_);
 
-  absl::Mutex mu_;
+  Mutex mu_;
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
   std::map<uint64_t, Pending> pending_ ABSL_GUARDED_BY(mu_);
   std::multimap<absl::Time, uint64_t> deadlines_ ABSL_GUARDED_BY(mu_);

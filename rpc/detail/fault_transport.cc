@@ -6,9 +6,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
-#include "absl/synchronization/notification.h"
 #include "proto/tandem_rpc.pb.h"
 #include "rpc/detail/wire.h"
+#include "sync/sync.h"
 
 namespace tandem::rpc {
 
@@ -82,18 +82,18 @@ FaultInjector::FaultInjector(std::vector<FaultRule> rules, std::string self)
 FaultInjector::~FaultInjector() { stop(); }
 
 void FaultInjector::set_peers(std::vector<std::string> names) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   names_ = std::move(names);
 }
 
 std::string FaultInjector::name_of(int rank) const {
   auto* self = const_cast<FaultInjector*>(this);
-  absl::MutexLock lock(&self->mu_);
+  MutexLock lock(&self->mu_);
   return rank >= 0 && rank < static_cast<int>(names_.size()) ? names_[rank] : std::string();
 }
 
 const FaultRule* FaultInjector::match(const std::string& to, FaultRule::Kind kind, const std::string& function) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   if (stopped_) return nullptr;
   for (size_t i = 0; i < rules_.size(); ++i) {
     const FaultRule& r = rules_[i];
@@ -108,7 +108,7 @@ const FaultRule* FaultInjector::match(const std::string& to, FaultRule::Kind kin
 
 void FaultInjector::schedule(absl::Time at, Task task) {
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     if (!stopped_) {
       timer_.emplace(at, std::move(task));
       return;
@@ -120,14 +120,14 @@ void FaultInjector::schedule(absl::Time at, Task task) {
 void FaultInjector::hold(const std::string& to, absl::Duration at_most, Task send) {
   auto held = std::make_shared<Task>(std::move(send));
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     if (!stopped_) held_.emplace(to, held);
   }
   // Whichever comes first sends it: the next message to `to` (release) or this timer; the other finds it gone.
   schedule(absl::Now() + at_most, [this, to, held](bool stopping) {
     bool mine = false;
     {
-      absl::MutexLock lock(&mu_);
+      MutexLock lock(&mu_);
       for (auto it = held_.begin(); it != held_.end(); ++it) {
         if (it->second == held) {
           held_.erase(it);
@@ -143,7 +143,7 @@ void FaultInjector::hold(const std::string& to, absl::Duration at_most, Task sen
 void FaultInjector::release(const std::string& to) {
   std::vector<std::shared_ptr<Task>> out;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     auto [first, last] = held_.equal_range(to);
     for (auto it = first; it != last; ++it) out.push_back(it->second);
     held_.erase(first, last);
@@ -152,14 +152,14 @@ void FaultInjector::release(const std::string& to) {
 }
 
 void FaultInjector::run_timer() {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   for (;;) {
     if (stopped_) return;
     const absl::Time next = timer_.empty() ? absl::InfiniteFuture() : timer_.begin()->first;
     auto wake = [this, next]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
       return stopped_ || (!timer_.empty() && timer_.begin()->first < next);
     };
-    mu_.AwaitWithDeadline(absl::Condition(&wake), next);
+    mu_.AwaitWithDeadline(Condition(&wake), next);
     std::vector<Task> due;
     const absl::Time now = absl::Now();
     while (!timer_.empty() && timer_.begin()->first <= now && !stopped_) {
@@ -176,7 +176,7 @@ void FaultInjector::run_timer() {
 void FaultInjector::stop() {
   std::multimap<absl::Time, Task> left;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     if (stopped_) return;
     stopped_ = true;
     left.swap(timer_);
@@ -260,7 +260,7 @@ class FaultTransport final : public Transport {
         inner_->call(peer, function, request, deadline, [](absl::StatusOr<grpc::ByteBuffer>) {});
         break;
       case FaultRule::Action::kReorder: {
-        auto go = std::make_shared<absl::Notification>();
+        auto go = std::make_shared<Notification>();
         faults_->hold(to, absl::FromChrono(rule->delay), [go](bool) { go->Notify(); });
         go->WaitForNotificationWithDeadline(deadline);
         break;

@@ -10,9 +10,9 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
-#include "absl/synchronization/mutex.h"
 #include "rpc/fault_injection.h"
 #include "rpc/transport.h"
+#include "sync/sync.h"
 
 namespace tandem::rpc::detail {
 
@@ -46,7 +46,7 @@ class FaultInjector {
 
   const std::vector<FaultRule> rules_;
   const std::string self_;
-  absl::Mutex mu_;
+  Mutex mu_;
   std::vector<std::string> names_ ABSL_GUARDED_BY(mu_);
   std::vector<int> seen_ ABSL_GUARDED_BY(mu_);  // matching messages counted per rule
   std::multimap<absl::Time, Task> timer_ ABSL_GUARDED_BY(mu_);

@@ -67,7 +67,7 @@ grpc::ServerUnaryReactor* GrpcTransport::accept(grpc::CallbackServerContext* ctx
 absl::Status GrpcTransport::add_peer(const PeerAddress& peer, absl::Time) {
   auto stub = std::make_shared<grpc::GenericStub>(
       net::make_channel(peer.grpc_address, options_.tls, options_.max_message_bytes));
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   stubs_[peer.rank] = std::move(stub);
   addresses_[peer.rank] = peer.grpc_address;
   return absl::OkStatus();
@@ -83,7 +83,7 @@ void GrpcTransport::call(int peer, const std::string&, grpc::ByteBuffer request,
   std::shared_ptr<grpc::GenericStub> stub;
   absl::Status refused;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     auto it = stubs_.find(peer);
     if (stopped_) {
       refused = absl::CancelledError("RPC was shut down on this worker");
@@ -108,7 +108,7 @@ void GrpcTransport::on_reply(OutCall* call, const grpc::Status& status) {
   absl::StatusOr<grpc::ByteBuffer> result = std::move(call->response);
   bool stopped = false;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     out_calls_.erase(call);
     stopped = stopped_;
   }
@@ -128,7 +128,7 @@ void GrpcTransport::on_reply(OutCall* call, const grpc::Status& status) {
 
 void GrpcTransport::cut(int peer, const grpc::ByteBuffer*) {
   // gRPC owns its connections: a fresh channel replaces the peer's, and the calls in flight on the old one fail.
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   auto it = addresses_.find(peer);
   if (it == addresses_.end()) return;
   stubs_[peer] =
@@ -143,16 +143,16 @@ void GrpcTransport::cut(int peer, const grpc::ByteBuffer*) {
 
 bool GrpcTransport::stop(std::chrono::milliseconds grace) {
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     if (!stopped_) {
       stopped_ = true;
       for (auto& [call, _] : out_calls_) call->ctx.TryCancel();  // their callbacks fire promptly with CANCELLED
     }
   }
   if (server_) server_->Shutdown(std::chrono::system_clock::now() + grace);
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   auto empty = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return out_calls_.empty(); };
-  return mu_.AwaitWithTimeout(absl::Condition(&empty), absl::FromChrono(grace));
+  return mu_.AwaitWithTimeout(Condition(&empty), absl::FromChrono(grace));
 }
 
 }  // namespace tandem::rpc::detail

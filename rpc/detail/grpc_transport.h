@@ -13,8 +13,8 @@
 #include <string>
 
 #include "absl/base/thread_annotations.h"
-#include "absl/synchronization/mutex.h"
 #include "rpc/transport.h"
+#include "sync/sync.h"
 
 namespace tandem::rpc {
 struct TlsOptions;
@@ -64,7 +64,7 @@ class GrpcTransport final : public Transport {
   std::unique_ptr<grpc::Server> server_;
   int port_ = 0;
 
-  absl::Mutex mu_;
+  Mutex mu_;
   std::map<int, std::shared_ptr<grpc::GenericStub>> stubs_ ABSL_GUARDED_BY(mu_);
   std::map<int, std::string> addresses_ ABSL_GUARDED_BY(mu_);
   std::map<OutCall*, bool> out_calls_ ABSL_GUARDED_BY(mu_);

@@ -39,7 +39,7 @@ void NoteBatcher::queue(int to, const std::string& function, std::initializer_li
   Key key(to, function);
   Batch batch;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     Pending& p = pending_[key];
     p.values.insert(p.values.end(), values);
     ++p.notes;
@@ -82,7 +82,7 @@ void NoteBatcher::send(Batch batch, int attempts) {
 void NoteBatcher::send_next(const Key& key) {
   Batch next;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     auto it = pending_.find(key);
     if (it == pending_.end()) return;
     Pending& p = it->second;
@@ -98,7 +98,7 @@ void NoteBatcher::send_next(const Key& key) {
 void NoteBatcher::flush() {
   std::vector<Batch> batches;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     if (options_.policy != Policy::kEveryDelay) return;
     batches = take_all_locked();
   }
@@ -109,7 +109,7 @@ void NoteBatcher::stop() {
   std::thread thread;
   std::vector<Future> dropped;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     stopping_ = true;
     for (auto it = pending_.begin(); it != pending_.end();) {
       Batch gone = take(it->first, it->second);
@@ -122,12 +122,12 @@ void NoteBatcher::stop() {
   cv_.SignalAll();
   if (thread.joinable()) thread.join();
   for (const Future& w : dropped) w.set_error(absl::CancelledError("RPC stopped before the note was sent"));
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   stopping_ = false;
 }
 
 void NoteBatcher::loop() {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   while (!stopping_) {
     cv_.WaitWithTimeout(&mu_, options_.flush_delay);
     if (pending_.empty()) continue;

@@ -24,9 +24,9 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "rpc/future.h"
+#include "sync/sync.h"
 
 namespace tandem::rpc::detail {
 
@@ -93,8 +93,8 @@ class NoteBatcher {
   absl::Duration wait_bound() const;
 
   const Options options_;
-  absl::Mutex mu_;
-  absl::CondVar cv_;  // kEveryDelay: wakes the thread early (a full batch, stop())
+  Mutex mu_;
+  CondVar cv_;  // kEveryDelay: wakes the thread early (a full batch, stop())
   std::map<Key, Pending> pending_ ABSL_GUARDED_BY(mu_);
   std::thread thread_ ABSL_GUARDED_BY(mu_);  // kEveryDelay: started by the first note
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;

@@ -8,8 +8,8 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "sync/sync.h"
 
 namespace tandem::rpc::detail {
 
@@ -22,7 +22,7 @@ class ThreadPool {
 
   // Returns false once stopped (the task is not run).
   bool submit(std::function<void()> task) {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     if (stopping_) return false;
     queue_.push_back(std::move(task));
     return true;
@@ -33,10 +33,10 @@ class ThreadPool {
   // timeout (the default, for pools whose tasks always return) waits for them; the agent always passes its grace.
   bool stop(std::chrono::milliseconds timeout = std::chrono::milliseconds(-1)) {
     {
-      absl::MutexLock lock(&mu_);
+      MutexLock lock(&mu_);
       stopping_ = true;
       auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return queue_.empty() && busy_ == 0; };
-      if (timeout.count() >= 0 && !mu_.AwaitWithTimeout(absl::Condition(&idle), absl::FromChrono(timeout))) {
+      if (timeout.count() >= 0 && !mu_.AwaitWithTimeout(Condition(&idle), absl::FromChrono(timeout))) {
         return false;
       }
     }
@@ -49,9 +49,9 @@ class ThreadPool {
  private:
   void run() {
     auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopping_ || !queue_.empty(); };
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     for (;;) {
-      mu_.Await(absl::Condition(&ready));
+      mu_.Await(Condition(&ready));
       if (queue_.empty()) return;  // stopping and drained
       auto task = std::move(queue_.front());
       queue_.pop_front();
@@ -64,7 +64,7 @@ class ThreadPool {
     }
   }
 
-  absl::Mutex mu_;
+  Mutex mu_;
   std::deque<std::function<void()>> queue_ ABSL_GUARDED_BY(mu_);
   int busy_ ABSL_GUARDED_BY(mu_) = 0;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;

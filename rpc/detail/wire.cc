@@ -13,9 +13,9 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
-#include "absl/synchronization/mutex.h"
 #include "rpc/detail/buffer_pool.h"
 #include "rpc/extension.h"
+#include "sync/sync.h"
 
 namespace tandem::rpc::wire {
 namespace {
@@ -48,9 +48,9 @@ bool supported_dtype(int dtype) {
 // Parsing TorchScript type annotations is not free; messages repeat the same few, so cache them.
 c10::TypePtr parse_type(const std::string& annotation) {
   if (annotation.empty() || annotation.size() > 1024) return c10::AnyType::get();
-  static absl::Mutex mu(absl::kConstInit);
+  static Mutex mu(absl::kConstInit);
   static auto* cache ABSL_PT_GUARDED_BY(mu) = new std::map<std::string, c10::TypePtr>;
-  absl::MutexLock lock(&mu);
+  MutexLock lock(&mu);
   auto it = cache->find(annotation);
   if (it != cache->end()) return it->second;
   c10::TypePtr type;

@@ -9,12 +9,12 @@
 #include <memory>
 #include <string>
 
-#include "absl/synchronization/notification.h"
 #include "proto/tandem_rpc.pb.h"
 #include "rpc/detail/auth.h"
 #include "rpc/detail/net.h"
 #include "rpc/detail/wire.h"
 #include "rpc/rpc.h"
+#include "sync/sync.h"
 #include "tests/common/multiproc.h"
 #include "tests/common/test_env.h"
 
@@ -86,7 +86,7 @@ class MultiprocRpc : public ::testing::Test {
     ctx.set_deadline(std::chrono::system_clock::now() + milliseconds(10000));
     if (!token.empty()) rpc::auth::add_credentials(&ctx, token);
     grpc::Status result;
-    absl::Notification done;
+    Notification done;
     stub.UnaryCall(&ctx, "/tandem.wire.Worker/Call", grpc::StubOptions(), &request, response, [&](grpc::Status s) {
       result = s;
       done.Notify();

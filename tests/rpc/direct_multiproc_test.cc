@@ -160,11 +160,11 @@ TEST(UnitDirectTcp, HandshakeAndFramesOverLoopback) {
   const std::string address = (*server)->tcp_address();
   ASSERT_EQ(address.rfind("tcp:127.0.0.1:", 0), 0u) << address;
 
-  absl::Mutex mu;
+  Mutex mu;
   std::map<uint64_t, size_t> replies;
   rpc::direct::Channel::Callbacks client_callbacks;
   client_callbacks.on_response = [&](const std::shared_ptr<rpc::direct::Conn>&, rpc::direct::Message m) {
-    absl::MutexLock lock(&mu);
+    MutexLock lock(&mu);
     replies[m.call_id] = m.body.Length();
   };
   auto client = rpc::direct::Channel::start(token, 1, 64 << 20, absl::Seconds(10), client_callbacks);
@@ -190,8 +190,8 @@ TEST(UnitDirectTcp, HandshakeAndFramesOverLoopback) {
     ASSERT_TRUE((*async)->write(rpc::direct::Kind::kRequest, id, grpc::ByteBuffer(&slice, 1), soon()).ok());
   }
   const absl::Time until = soon();
-  absl::MutexLock lock(&mu);
-  mu.AwaitWithDeadline(absl::Condition(
+  MutexLock lock(&mu);
+  mu.AwaitWithDeadline(Condition(
                            +[](std::map<uint64_t, size_t>* r) { return r->size() == 32; }, &replies),
                        until);
   ASSERT_EQ(replies.size(), 32u);
@@ -375,7 +375,8 @@ TEST_F(MultiprocDirect, TcpRouteRefusesStrangers) {
   TestNetns netns;
   if (!netns.ok()) GTEST_SKIP() << "cannot create a network namespace here";
   auto child = join_with_peer_in(netns, "auto", &job_);
-  auto channel = rpc::net::make_channel(std::string(TestNetns::kHostIp) + ":" + std::to_string(job_->port()), nullptr, -1);
+  auto channel =
+      rpc::net::make_channel(std::string(TestNetns::kHostIp) + ":" + std::to_string(job_->port()), nullptr, -1);
   auto store = rpc::connect_store(channel, rpc::auth::derive_token(job_->secret()), false);
   auto record = store->get("worker/1", milliseconds(5000));
   ASSERT_TRUE(record.ok()) << record.status();

@@ -3,7 +3,6 @@
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
-#include "absl/synchronization/notification.h"
 #include "proto/tandem_rpc.grpc.pb.h"
 #include "rpc/detail/agent.h"
 #include "rpc/detail/auth.h"
@@ -11,6 +10,7 @@
 #include "rpc/detail/net.h"
 #include "rpc/detail/version.h"
 #include "rpc/store.h"
+#include "sync/sync.h"
 
 namespace tandem::rpc {
 namespace {
@@ -99,10 +99,11 @@ TEST(UnitWireSchema, TcpHandshakeProvesTheTokenWithoutSendingIt) {
   ASSERT_TRUE(ok.ok()) << ok.status();
   EXPECT_EQ(ok->rank(), 3);
   // Another secret, a replay against a new challenge, a changed rank, no proof: refused.
-  EXPECT_EQ(direct::parse_tcp_hello(direct::encode_tcp_hello(std::string(64, 'b'), 3, challenge, nonce), token, challenge)
-                .status()
-                .code(),
-            absl::StatusCode::kUnauthenticated);
+  EXPECT_EQ(
+      direct::parse_tcp_hello(direct::encode_tcp_hello(std::string(64, 'b'), 3, challenge, nonce), token, challenge)
+          .status()
+          .code(),
+      absl::StatusCode::kUnauthenticated);
   EXPECT_EQ(direct::parse_tcp_hello(hello, token, auth::random_secret()).status().code(),
             absl::StatusCode::kUnauthenticated);
   tandem::wire::DirectHello forged;
