@@ -29,32 +29,36 @@ class Batcher : public std::enable_shared_from_this<Batcher> {
   Future enqueue(std::vector<c10::IValue>&& args) {
     Future reply;
     std::vector<Pending> batch;
+    int64_t seq;
     {
       MutexLock lock(&mu_);  // unlocking wakes the flushing thread, which starts timing the oldest request
       pending_.push_back(Pending{std::move(args), reply, Clock::now()});
       if (pending_.size() < options_.max_batch) return reply;
-      batch.swap(pending_);
+      seq = take_batch_locked(&batch);
       ++stats_.full_batches;
     }
-    run(std::move(batch));
+    run(seq, std::move(batch));
     return reply;
   }
 
   void set_max_batch(size_t n) {
     std::vector<Pending> batch;
+    int64_t seq;
     {
       MutexLock lock(&mu_);
       options_.max_batch = n;
       if (pending_.empty() || pending_.size() < n) return;
-      batch.swap(pending_);
+      seq = take_batch_locked(&batch);
       ++stats_.full_batches;
     }
-    run(std::move(batch));
+    run(seq, std::move(batch));
   }
 
   BatchStats stats() {
     MutexLock lock(&mu_);
-    return stats_;
+    BatchStats s = stats_;
+    s.max_batch = static_cast<int64_t>(options_.max_batch);
+    return s;
   }
 
  private:
@@ -78,21 +82,29 @@ class Batcher : public std::enable_shared_from_this<Batcher> {
         continue;
       }
       std::vector<Pending> batch;
-      batch.swap(pending_);
+      const int64_t seq = take_batch_locked(&batch);
       mu_.Unlock();
-      run(std::move(batch));
+      run(seq, std::move(batch));
       mu_.Lock();
     }
   }
 
-  // Runs one batch; batches of this function never overlap.
-  void run(std::vector<Pending> batch) {
+  // Moves the waiting requests into `batch` and numbers it: batches run in that order.
+  int64_t take_batch_locked(std::vector<Pending>* batch) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    batch->swap(pending_);
+    return next_formed_++;
+  }
+
+  // Runs batch number `seq` once every batch formed before it has run; batches of this function never overlap.
+  void run(int64_t seq, std::vector<Pending> batch) {
     MutexLock running(&run_mu_);
+    auto turn = [this, seq]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(run_mu_) { return next_to_run_ == seq; };
+    run_mu_.Await(Condition(&turn));  // the batch formed just before is being handed to run() on another thread
     std::vector<std::vector<c10::IValue>> requests;
     requests.reserve(batch.size());
     for (auto& p : batch) requests.push_back(std::move(p.args));
     absl::Status error;
-    std::vector<c10::IValue> results;
+    std::vector<absl::StatusOr<c10::IValue>> results;
     try {
       results = handler_(requests);
       if (results.size() != batch.size()) {  // the user's function is wrong, not Tandem: as if it had thrown
@@ -103,13 +115,20 @@ class Batcher : public std::enable_shared_from_this<Batcher> {
       const absl::Status thrown = status_from_current_exception();
       error = absl::Status(thrown.code(), absl::StrCat("batched function '", name_, "' threw: ", thrown.message()));
     }
+    ++next_to_run_;
     {
       MutexLock lock(&mu_);
       ++stats_.batches;
       stats_.requests += static_cast<int64_t>(batch.size());
     }
     for (size_t i = 0; i < batch.size(); ++i) {
-      batch[i].reply.set_status(error, error.ok() ? std::move(results[i]) : c10::IValue());
+      if (!error.ok()) {
+        batch[i].reply.set_error(error);
+      } else if (!results[i].ok()) {
+        batch[i].reply.set_error(results[i].status());
+      } else {
+        batch[i].reply.set_value(*std::move(results[i]));
+      }
     }
   }
 
@@ -119,7 +138,9 @@ class Batcher : public std::enable_shared_from_this<Batcher> {
   const BatchHandler handler_;
   std::vector<Pending> pending_ ABSL_GUARDED_BY(mu_);
   BatchStats stats_ ABSL_GUARDED_BY(mu_);
-  Mutex run_mu_;  // one batch at a time
+  int64_t next_formed_ ABSL_GUARDED_BY(mu_) = 0;  // the number the next batch formed gets
+  Mutex run_mu_;                                  // one batch at a time, in the order they were formed
+  int64_t next_to_run_ ABSL_GUARDED_BY(run_mu_) = 0;
 };
 
 Mutex g_mu(absl::kConstInit);

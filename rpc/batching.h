@@ -11,11 +11,17 @@
 // no server thread waits) when its batch runs. A batch runs as soon as `max_batch` requests wait (on the thread of the
 // call that completed it), or when the oldest waiting request has waited `max_delay` (on the batcher's own thread),
 // so a slow, late or dead caller never holds up the others by more than max_delay. The function gets the requests in
-// arrival order and must return exactly one result per request, in the same order. If it throws, or returns another
-// number of results, every request of that batch gets an error naming the function and the cause. A caller that dies
-// while waiting changes nothing for the others (its reply goes nowhere). Each caller's wait is bounded by its own RPC
-// timeout. Batches of one function never run concurrently, so the function needs no lock of its own against itself.
+// arrival order and returns exactly one result per request, in the same order.
 //
+// Order: batches of one function never run concurrently, and they run in the order they were formed, so the function
+// sees every request in arrival order, across batches as within one (a batch formed by a caller never overtakes an
+// older one the batcher's thread is about to run). Arrival is the moment the request was queued on this worker.
+//
+// Errors: a result may be an error (absl::StatusOr), which fails that request alone, as does a request whose
+// arguments do not convert (the function never sees it). If the function throws, or returns another number of
+// results, every request of that batch gets an error naming the function and the cause. A caller that dies while
+// waiting changes nothing for the others (its reply goes nowhere). Each caller's wait is bounded by its own RPC
+// timeout.
 // Thread-safety: registration may happen at any time from any thread; a batcher lives until the process ends.
 #pragma once
 
@@ -25,8 +31,11 @@
 #include <cstddef>
 #include <functional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
+#include "absl/status/statusor.h"
+#include "rpc/errors.h"
 #include "rpc/registry.h"
 
 namespace tandem::rpc {
@@ -40,10 +49,12 @@ struct BatchStats {
   int64_t batches = 0;
   int64_t requests = 0;
   int64_t full_batches = 0;  // run because max_batch requests were waiting (the others ran at max_delay)
+  int64_t max_batch = 0;     // the current max_batch (set_max_batch changes it)
 };
 
-// The type-erased form: each request is the argument list of one call.
-using BatchHandler = std::function<std::vector<c10::IValue>(std::vector<std::vector<c10::IValue>>& requests)>;
+// The type-erased form: each request is the argument list of one call; one result (or error) per request.
+using BatchHandler =
+    std::function<std::vector<absl::StatusOr<c10::IValue>>(std::vector<std::vector<c10::IValue>>& requests)>;
 // Fails with ALREADY_EXISTS when the name is taken, INVALID_ARGUMENT for max_batch 0.
 absl::Status register_batched_handler(const std::string& name, BatchOptions options, BatchHandler handler);
 
@@ -55,21 +66,50 @@ BatchStats batch_stats(const std::string& name);
 // INVALID_ARGUMENT for 0.
 absl::Status set_max_batch(const std::string& name, size_t max_batch);
 
-// Typed: a call takes one argument of type Arg; fn maps the batch's arguments to one Result each. Throws RpcError
-// (ALREADY_EXISTS, INVALID_ARGUMENT) as register_batched_handler fails.
+namespace detail {
+template <typename T>
+struct IsStatusOr : std::false_type {};
+template <typename T>
+struct IsStatusOr<absl::StatusOr<T>> : std::true_type {};
+}  // namespace detail
+
+// Typed: a call takes one argument of type Arg; fn maps the batch's arguments to one Result each. Result may be
+// absl::StatusOr<T>: an error fails that request alone. A request whose argument does not convert to Arg fails alone
+// with INVALID_ARGUMENT, and fn gets the others. Throws RpcError (ALREADY_EXISTS, INVALID_ARGUMENT) as
+// register_batched_handler fails.
 template <typename Arg, typename Result, typename F>
 void register_batched_function(const std::string& name, BatchOptions options, F fn) {
   BatchHandler handler = [fn = std::move(fn)](std::vector<std::vector<c10::IValue>>& requests) mutable {
+    std::vector<absl::StatusOr<c10::IValue>> out(requests.size(), absl::UnknownError("not answered"));
     std::vector<Arg> args;
+    std::vector<size_t> index;  // args[k] is requests[index[k]]
     args.reserve(requests.size());
     for (size_t i = 0; i < requests.size(); ++i) {
-      if (requests[i].size() != 1) detail::arity_error(1, requests[i].size());
-      args.push_back(detail::convert_argument<Arg>(0, requests[i][0]));
+      try {
+        if (requests[i].size() != 1) detail::arity_error(1, requests[i].size());
+        args.push_back(detail::convert_argument<Arg>(0, requests[i][0]));
+        index.push_back(i);
+      } catch (...) {
+        out[i] = status_from_current_exception();
+      }
     }
+    if (args.empty()) return out;
     std::vector<Result> results = fn(std::move(args));
-    std::vector<c10::IValue> out;
-    out.reserve(results.size());
-    for (auto& r : results) out.push_back(to_ivalue(std::move(r)));
+    if (results.size() != index.size()) {
+      throw_error(absl::InternalError("returned " + std::to_string(results.size()) + " results for " +
+                                      std::to_string(index.size()) + " requests"));
+    }
+    for (size_t k = 0; k < results.size(); ++k) {
+      if constexpr (detail::IsStatusOr<Result>::value) {
+        if (results[k].ok()) {
+          out[index[k]] = to_ivalue(std::move(*results[k]));
+        } else {
+          out[index[k]] = std::move(results[k]).status();
+        }
+      } else {
+        out[index[k]] = to_ivalue(std::move(results[k]));
+      }
+    }
     return out;
   };
   throw_if_error(register_batched_handler(name, options, std::move(handler)));

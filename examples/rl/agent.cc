@@ -4,7 +4,6 @@
 #include <torch/nn/modules/activation.h>
 #include <torch/nn/modules/linear.h>
 
-#include <atomic>
 #include <optional>
 
 #include "absl/base/attributes.h"
@@ -31,12 +30,16 @@ torch::nn::Sequential make_policy(uint64_t seed) {
 
 ABSL_CONST_INIT Mutex g_agent_mu(absl::kConstInit);
 std::shared_ptr<Agent> g_agent ABSL_GUARDED_BY(g_agent_mu);
-std::atomic<int64_t> g_active{0};  // observers still playing this round (batched mode: the full batch)
+// Observers still playing this round (batched mode: the full batch). The count and the batcher's max_batch change
+// together under g_active_mu: two observers finishing at once must not leave the larger of their two values behind.
+ABSL_CONST_INIT Mutex g_active_mu(absl::kConstInit);
+int64_t g_active ABSL_GUARDED_BY(g_active_mu) = 0;
 
 // An observer finished its round (or failed): the next batches need one request fewer.
 void one_observer_fewer() {
-  const int64_t left = std::max<int64_t>(1, --g_active);
-  throw_if_error(rpc::set_max_batch(kSelectBatch, static_cast<size_t>(left)));
+  MutexLock lock(&g_active_mu);
+  g_active = std::max<int64_t>(0, g_active - 1);
+  throw_if_error(rpc::set_max_batch(kSelectBatch, static_cast<size_t>(std::max<int64_t>(1, g_active))));
 }
 
 std::shared_ptr<Agent> agent() {
@@ -87,27 +90,38 @@ Agent::Agent(int observers, uint64_t seed, double lr, double gamma)
     : policy_(make_policy(seed)),
       optimizer_(policy_->parameters(), torch::optim::AdamOptions(lr)),
       gamma_(gamma),
+      n_observers_(observers),
       steps_(observers) {}
 
-std::vector<int64_t> Agent::select(const std::vector<Request>& requests) {
+std::vector<absl::StatusOr<int64_t>> Agent::select(const std::vector<Request>& requests) {
+  std::vector<absl::StatusOr<int64_t>> actions(requests.size(), absl::UnknownError("not answered"));
+  std::vector<size_t> good;  // the well-formed requests, checked before anything is recorded
   std::vector<double> flat;
-  for (const Request& r : requests) {
-    if (r.size() != 6) throw std::invalid_argument("a request is {observer, 4 state values, u}");
-    flat.insert(flat.end(), r.begin() + 1, r.begin() + 5);
+  for (size_t i = 0; i < requests.size(); ++i) {
+    const Request& r = requests[i];
+    if (r.size() != 6) {
+      actions[i] = absl::InvalidArgumentError(
+          absl::StrCat("a request is {observer, 4 state values, u}; this one has ", r.size(), " values"));
+    } else if (!(r[0] >= 0 && r[0] < static_cast<double>(n_observers_)) || r[0] != static_cast<int64_t>(r[0])) {
+      actions[i] = absl::InvalidArgumentError(absl::StrCat("no observer ", r[0], " (the agent has ", n_observers_, ")"));
+    } else {
+      good.push_back(i);
+      flat.insert(flat.end(), r.begin() + 1, r.begin() + 5);
+    }
   }
-  at::Tensor states = at::tensor(flat, at::kDouble).to(at::kFloat).view({static_cast<int64_t>(requests.size()), 4});
+  if (good.empty()) return actions;
+  at::Tensor states = at::tensor(flat, at::kDouble).to(at::kFloat).view({static_cast<int64_t>(good.size()), 4});
   at::NoGradGuard no_grad;
   MutexLock lock(&mu_);
   at::Tensor p0 = at::softmax(policy_->forward(states), 1).select(1, 0).contiguous();
   const float* p = p0.data_ptr<float>();
   const float* st = states.data_ptr<float>();
-  std::vector<int64_t> actions;
-  for (size_t i = 0; i < requests.size(); ++i) {
-    const auto o = static_cast<size_t>(requests[i][0]);
-    if (o >= steps_.size()) throw std::invalid_argument(absl::StrCat("no observer ", o));
-    const int64_t a = requests[i][5] < static_cast<double>(p[i]) ? 0 : 1;
-    actions.push_back(a);
-    steps_[o].states.insert(steps_[o].states.end(), st + 4 * i, st + 4 * i + 4);
+  for (size_t k = 0; k < good.size(); ++k) {
+    const Request& r = requests[good[k]];
+    const auto o = static_cast<size_t>(r[0]);
+    const int64_t a = r[5] < static_cast<double>(p[k]) ? 0 : 1;
+    actions[good[k]] = a;
+    steps_[o].states.insert(steps_[o].states.end(), st + 4 * k, st + 4 * k + 4);
     steps_[o].actions.push_back(a);
   }
   return actions;
@@ -153,11 +167,27 @@ double Agent::finish_round(const std::vector<int>& observers, const std::vector<
 }
 
 void register_rl() {
-  rpc::register_function(kSelect, [](Request r) { return agent()->select({std::move(r)}).front(); });
-  rpc::register_batched_function<Request, int64_t>(kSelectBatch, {.max_batch = 1, .max_delay = kBatchDelay},
-                                                   [](std::vector<Request> rs) { return agent()->select(rs); });
+  rpc::register_function(kSelect, [](Request r) {
+    absl::StatusOr<int64_t> a = agent()->select({std::move(r)}).front();
+    throw_if_error(a.status());
+    return *a;
+  });
+  rpc::register_batched_function<Request, absl::StatusOr<int64_t>>(
+      kSelectBatch, {.max_batch = 1, .max_delay = kBatchDelay},
+      [](std::vector<Request> rs) { return agent()->select(rs); });
   rpc::register_function(kDone, [] { one_observer_fewer(); });
   rref::register_class<Observer>(kObserver).constructor<int64_t, int64_t>().method("run", &Observer::run);
+}
+
+void set_active_observers(int64_t n) {
+  MutexLock lock(&g_active_mu);
+  g_active = std::max<int64_t>(0, n);
+  throw_if_error(rpc::set_max_batch(kSelectBatch, static_cast<size_t>(std::max<int64_t>(1, g_active))));
+}
+
+int64_t active_observers() {
+  MutexLock lock(&g_active_mu);
+  return g_active;
 }
 
 void set_agent(std::shared_ptr<Agent> a) {
@@ -171,8 +201,7 @@ rref::RRef make_observer(const rpc::To& on, int64_t id, uint64_t seed) {
 
 Round run_round(const std::vector<rref::RRef>& observers, const RoundOptions& options) {
   const int me = rpc::get_worker_info().id;
-  g_active = static_cast<int64_t>(observers.size());
-  if (options.batched) throw_if_error(rpc::set_max_batch(kSelectBatch, std::max<size_t>(1, observers.size())));
+  if (options.batched) set_active_observers(static_cast<int64_t>(observers.size()));
   std::vector<rpc::Future> runs;
   for (const auto& o : observers) {
     runs.push_back(o.rpc_async("run", int64_t{me}, int64_t{options.steps}, options.batched, options.timeout));

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
 #include "rref/rref.h"
 #include "sync/sync.h"
 
@@ -35,9 +36,11 @@ class Agent {
   // Policy 4 -> 128 -> ReLU -> 2 -> softmax, initialised from `seed`; Adam with `lr`; discount `gamma`.
   Agent(int observers, uint64_t seed, double lr = 1e-2, double gamma = 0.99);
 
-  // One policy forward for all requests (no autograd); action 0 if u < p0, else 1. Keeps each state and action for
-  // its observer's trajectory. Thread-safe.
-  std::vector<int64_t> select(const std::vector<Request>& requests);
+  // One policy forward for the well-formed requests (no autograd); action 0 if u < p0, else 1. Keeps each state and
+  // action for its observer's trajectory. Every request is checked before anything is recorded: a malformed one (not
+  // 6 values, an unknown observer) gets INVALID_ARGUMENT alone and leaves no step behind; the others are answered.
+  // Thread-safe.
+  std::vector<absl::StatusOr<int64_t>> select(const std::vector<Request>& requests);
 
   // REINFORCE over the round: trajectories[k] is observer observers[k]'s (rewards in step order, ends marking each
   // episode's last step); the steps of observers not named are dropped. The log-probabilities come from one forward
@@ -55,6 +58,7 @@ class Agent {
   torch::nn::Sequential policy_ ABSL_GUARDED_BY(mu_);
   torch::optim::Adam optimizer_ ABSL_GUARDED_BY(mu_);
   const double gamma_;
+  const int n_observers_;
   std::vector<Steps> steps_ ABSL_GUARDED_BY(mu_);  // per observer, this round
 };
 
@@ -62,6 +66,11 @@ class Agent {
 // are registered once per process by register_rl() (every worker, before init_rpc).
 void register_rl();
 void set_agent(std::shared_ptr<Agent> agent);
+
+// How many observers the batched select_action waits for (its max_batch, at least 1): run_round sets it to the number
+// of observers, and each observer that finishes or fails makes it one fewer, atomically with the batcher's max_batch.
+void set_active_observers(int64_t n);
+int64_t active_observers();
 
 struct RoundOptions {
   bool batched = true;

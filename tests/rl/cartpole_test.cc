@@ -1,10 +1,14 @@
 // The C++ CartPole against the published equations of motion, and the agent's batched and single answers.
-#include <gtest/gtest.h>
+#include <gmock/gmock.h>
 
+#include <atomic>
 #include <cmath>
+#include <thread>
 
 #include "examples/rl/agent.h"
 #include "examples/rl/cartpole.h"
+#include "rpc/batching.h"
+#include "rpc/registry.h"
 
 namespace tandem::examples::rl {
 namespace {
@@ -77,7 +81,52 @@ TEST(UnitRlAgent, OneBatchedForwardAnswersAsSingleOnesDo) {
   std::vector<Request> requests;
   for (int o = 0; o < 5; ++o) requests.push_back({double(o), 0.01 * o, -0.02, 0.03 * o, 0.1, 0.1 + 0.2 * o});
   const auto together = batched.select(requests);
-  for (int o = 0; o < 5; ++o) EXPECT_EQ(single.select({requests[o]}).front(), together[o]) << "observer " << o;
+  for (int o = 0; o < 5; ++o) {
+    ASSERT_TRUE(together[o].ok()) << together[o].status();
+    EXPECT_EQ(*single.select({requests[o]}).front(), *together[o]) << "observer " << o;
+  }
+}
+
+// A malformed request in a batch fails alone, and nothing of it is recorded: the round of the others still finishes
+// (issue 27: steps were recorded before the bad request was found, and the whole batch failed).
+TEST(UnitRlAgent, ABadRequestFailsAloneAndTheRoundOfTheOthersFinishes) {
+  Agent agent(2, 3);
+  const Request good0{0, 0.01, -0.02, 0.03, 0.1, 0.3}, good1{1, 0.02, 0.01, -0.03, 0.0, 0.6};
+  const Request unknown_observer{7, 0, 0, 0, 0, 0.5}, too_short{1, 0, 0, 0, 0.5};
+  const auto actions = agent.select({good0, unknown_observer, good1, too_short});
+  ASSERT_EQ(actions.size(), 4u);
+  EXPECT_TRUE(actions[0].ok());
+  EXPECT_EQ(actions[1].status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(actions[1].status().message()), ::testing::HasSubstr("no observer 7"));
+  EXPECT_TRUE(actions[2].ok());
+  EXPECT_EQ(actions[3].status().code(), absl::StatusCode::kInvalidArgument);
+  Trajectory one_step;
+  one_step.rewards = {1.0};
+  one_step.ends = {1};
+  EXPECT_NO_THROW(agent.finish_round({0, 1}, {one_step, one_step}));
+}
+
+// Observers that finish at the same moment each make the batch one smaller: when all have finished, max_batch is 1
+// (issue 27: the count and max_batch changed in two steps, and a stale larger max_batch could win).
+TEST(UnitRlAgent, ObserversFinishingTogetherLeaveTheRightBatchSize) {
+  const rpc::Handler done = rpc::find_function("rl.observer_done");
+  ASSERT_TRUE(done);
+  constexpr int kObservers = 16;
+  for (int round = 0; round < 200; ++round) {
+    set_active_observers(kObservers);
+    std::atomic<int> ready{0};
+    std::vector<std::thread> threads;
+    for (int i = 0; i < kObservers; ++i) {
+      threads.emplace_back([&] {
+        ++ready;
+        while (ready.load() < kObservers) std::this_thread::yield();
+        done({}).value();
+      });
+    }
+    for (auto& t : threads) t.join();
+    ASSERT_EQ(active_observers(), 0) << "round " << round;
+    ASSERT_EQ(rpc::batch_stats("rl.select_action_batch").max_batch, 1) << "round " << round;
+  }
 }
 
 }  // namespace

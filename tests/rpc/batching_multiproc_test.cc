@@ -65,6 +65,68 @@ TEST_F(MultiprocRpc, BatchedFunctionServesTheOthersWhenACallerDies) {
   EXPECT_EQ(job_->wait_children(milliseconds(30000))[1], 9);
 }
 
+// Eight callers each queue their requests 0, 1, 2, ... in order (called in this process, through the registered
+// handler), with a batch of 3 or a delay of 1 us, and a function that takes a moment: batches formed by callers and by
+// the batcher's thread queue up behind the one running. The function must see each caller's requests in the order
+// that caller queued them, across batches too (issue 27: a batch formed later could run first, since the next batch
+// to run was whichever thread took the lock first).
+TEST(UnitRpcBatching, BatchesRunInTheOrderTheirRequestsArrived) {
+  constexpr int64_t kCallers = 8, kEach = 3000;
+  static std::vector<int64_t>* seen = new std::vector<int64_t>;  // appended by the function only (batches never overlap)
+  rpc::register_batched_function<int64_t, int64_t>(
+      "unit_batched_order", {.max_batch = 3, .max_delay = std::chrono::microseconds(1)}, [](std::vector<int64_t> xs) {
+        seen->insert(seen->end(), xs.begin(), xs.end());
+        const auto until = Clock::now() + std::chrono::microseconds(20);
+        while (Clock::now() < until) {
+        }
+        return xs;
+      });
+  const rpc::Handler handler = rpc::find_function("unit_batched_order");
+  ASSERT_TRUE(handler);
+  std::vector<std::thread> callers;
+  std::vector<std::vector<rpc::Future>> replies(kCallers);
+  for (int64_t c = 0; c < kCallers; ++c) {
+    callers.emplace_back([&, c] {
+      for (int64_t i = 0; i < kEach; ++i) replies[c].push_back(handler({c10::IValue(c * 1000000 + i)}));
+    });
+  }
+  for (auto& t : callers) t.join();
+  for (int64_t c = 0; c < kCallers; ++c) {
+    for (int64_t i = 0; i < kEach; ++i) ASSERT_EQ(replies[c][i].value().toInt(), c * 1000000 + i);
+  }
+  ASSERT_EQ(seen->size(), static_cast<size_t>(kCallers * kEach));
+  std::vector<int64_t> next(kCallers, 0);  // per caller: the request the function should see next
+  for (size_t k = 0; k < seen->size(); ++k) {
+    const int64_t c = (*seen)[k] / 1000000, i = (*seen)[k] % 1000000;
+    ASSERT_EQ(i, next[c]) << "caller " << c << "'s request " << i << " ran at position " << k << ", before its request "
+                          << next[c];
+    ++next[c];
+  }
+}
+
+// A result that is an error, or an argument that does not convert, fails that request alone; the batch's other
+// requests get their answers.
+TEST(UnitRpcBatching, ABadRequestFailsAlone) {
+  rpc::register_batched_function<int64_t, absl::StatusOr<int64_t>>(
+      "unit_batched_errors", {.max_batch = 3, .max_delay = std::chrono::seconds(10)}, [](std::vector<int64_t> xs) {
+        std::vector<absl::StatusOr<int64_t>> out;
+        for (int64_t x : xs) {
+          out.push_back(x < 0 ? absl::StatusOr<int64_t>(absl::InvalidArgumentError("negative")) : 2 * x);
+        }
+        return out;
+      });
+  const rpc::Handler handler = rpc::find_function("unit_batched_errors");
+  ASSERT_TRUE(handler);
+  rpc::Future a = handler({c10::IValue(int64_t{1})});
+  rpc::Future b = handler({c10::IValue(int64_t{-1})});
+  rpc::Future c = handler({c10::IValue(std::string("not a number"))});
+  EXPECT_EQ(a.value().toInt(), 2);
+  EXPECT_EQ(b.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(b.status().message()), ::testing::HasSubstr("negative"));
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(rpc::batch_stats("unit_batched_errors").batches, 1);
+}
+
 TEST(UnitRpcBatching, BadOptionsAndNamesAreRefused) {
   EXPECT_EQ(rpc::register_batched_handler("unit_batched", {.max_batch = 0}, nullptr).code(),
             absl::StatusCode::kInvalidArgument);
