@@ -519,7 +519,20 @@ void set_gradient(int64_t context_id, const at::Tensor& leaf, at::Tensor grad) {
 }
 
 void add_gradient(int64_t context_id, const at::Tensor& leaf, const at::Tensor& grad) {
-  auto ctx = Container::get().get_or_create(context_id);
+  auto ctx = Container::get().find(context_id);
+  if (!ctx) {
+    // Not known here yet: made here only while this thread serves a call made in that context, whose caller's release
+    // reaches this worker. Anything else is a context that was released (or never existed): an error, never one
+    // brought back to life that nobody would release.
+    const rpc::CallContext* call = rpc::current_call();
+    if (call == nullptr || t_context != context_id) {
+      throw RpcError(absl::NotFoundError(absl::StrCat("distributed autograd context ", context_id,
+                                                      " does not exist on worker '", worker_name(),
+                                                      "' (released?), and no call made in it is being served here")));
+    }
+    ctx = Container::get().get_or_create(context_id);
+    ctx->add_worker(call->caller_rank);
+  }
   MutexLock lock(&ctx->mu);
   ctx->accumulate(leaf, grad);
 }

@@ -86,10 +86,11 @@ Gradients get_gradients(int64_t context_id);
 // back this way). Throws tandem::Error (NOT_FOUND) for a context this worker does not know.
 void set_gradient(int64_t context_id, const at::Tensor& leaf, at::Tensor grad);
 
-// Adds `grad` to the gradient the context holds for `leaf` on this worker, creating the context here if this worker
-// does not know it yet: for layers that compute gradients with LibTorch's own engine and leave them where
-// DistributedOptimizer finds them (a pipeline stage). Call it while serving a call made in that context (so that the
-// caller's release reaches this worker), before replying. Thread-safe.
+// Adds `grad` to the gradient the context holds for `leaf` on this worker: for layers that compute gradients with
+// LibTorch's own engine and leave them where DistributedOptimizer finds them (a pipeline stage). A context this worker
+// does not know yet is created only while this thread serves a call made in that context (so that the caller's
+// release reaches this worker); otherwise, and for a released context, it throws tandem::Error (NOT_FOUND).
+// Thread-safe.
 void add_gradient(int64_t context_id, const at::Tensor& leaf, const at::Tensor& grad);
 
 // Releases a context here and, asynchronously, on every worker it touched; the future completes when all did.

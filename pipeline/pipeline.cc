@@ -7,7 +7,9 @@
 #include <torch/nn/modules/container/sequential.h>
 
 #include <algorithm>
+#include <deque>
 #include <map>
+#include <mutex>
 #include <numeric>
 #include <optional>
 #include <set>
@@ -37,6 +39,11 @@ constexpr const char* kAct = "__tandem.pipeline.act";
 constexpr const char* kAbort = "__tandem.pipeline.abort";
 constexpr const char* kRelease = "__tandem.pipeline.release";
 constexpr const char* kForward = "__tandem.pipeline.forward";
+constexpr const char* kCommit = "__tandem.pipeline.commit";
+constexpr const char* kPing = "__tandem.pipeline.ping";
+// How often a stage worker checks that the drivers of the pipelines it holds stages of are alive (a driver that died
+// leaves its stages behind otherwise), and how long each check may take.
+constexpr std::chrono::milliseconds kDriverCheck{1000};
 // A worker's reply (its own error naming stage and micro-batch) must reach the driver before the driver's own wait
 // on that worker runs out: the RPC carrying a plan gets the step's timeout plus this.
 constexpr std::chrono::milliseconds kReplyMargin{2000};
@@ -95,11 +102,95 @@ struct Stage {
   std::shared_ptr<torch::nn::Module> module;
   std::function<at::Tensor(const at::Tensor&)> forward;
   std::vector<at::Tensor> params;
+  std::vector<at::Tensor> buffers;  // running statistics and the like: a checkpointed recompute leaves them as they were
+  std::function<bool()> is_training;
+  std::function<void(bool)> set_training;
 };
+
+// Runs one pipeline's work on this worker, one task at a time in the order queued: a step's plan, an inference
+// micro-batch. So the run of step n + 1 never starts before the run of step n has ended here, and nothing of a
+// pipeline runs on an RPC server thread. stop() runs what is queued (those tasks fail fast: their pipeline is gone)
+// and joins the thread.
+class Executor {
+ public:
+  Executor() : thread_([this] { loop(); }) {}
+  ~Executor() { stop(); }
+  Executor(const Executor&) = delete;
+  Executor& operator=(const Executor&) = delete;
+
+  // False when stopped.
+  bool submit(std::function<void()> task) {
+    MutexLock lock(&mu_);
+    if (stopping_) return false;
+    queue_.push_back(std::move(task));
+    return true;
+  }
+  // Not from the executor's own thread.
+  void stop() {
+    {
+      MutexLock lock(&mu_);
+      stopping_ = true;
+    }
+    std::call_once(joined_, [this] { thread_.join(); });
+  }
+
+ private:
+  void loop() {
+    for (;;) {
+      std::function<void()> task;
+      {
+        MutexLock lock(&mu_);
+        auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopping_ || !queue_.empty(); };
+        mu_.Await(Condition(&ready));
+        if (queue_.empty()) return;  // stopping, and nothing left
+        task = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      task();  // tasks catch their own errors
+    }
+  }
+
+  Mutex mu_;
+  std::deque<std::function<void()>> queue_ ABSL_GUARDED_BY(mu_);
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  std::once_flag joined_;
+  std::thread thread_;  // last: starts once the members above exist
+};
+
+// A finished run's gradients, held until the driver commits the step (every worker succeeded) or abandons it: a
+// failed step leaves no gradient anywhere.
+struct HeldGradients {
+  int64_t step = -1;
+  bool to_grad = false;
+  std::vector<std::pair<at::Tensor, at::Tensor>> grads;  // (parameter, gradient)
+};
+
+// What this worker holds of one pipeline.
+struct PipeEntry {
+  int driver = -1;  // the rank that created it: when it dies, the pipeline goes
+  std::map<int, std::shared_ptr<Stage>> stages;
+  std::shared_ptr<Executor> executor;
+  std::optional<HeldGradients> held;
+};
+
+void sweep_loop();
 
 struct Stages {
   Mutex mu;
-  std::map<std::pair<int64_t, int>, std::shared_ptr<Stage>> by_id ABSL_GUARDED_BY(mu);  // (pipeline, stage)
+  CondVar cv;  // wakes the driver checks at stop
+  std::map<int64_t, PipeEntry> pipes ABSL_GUARDED_BY(mu);
+  // Pipelines released here (bounded memory, oldest first): a stage whose build ends after its pipeline's release is
+  // dropped instead of staying for ever.
+  std::set<int64_t> released ABSL_GUARDED_BY(mu);
+  std::deque<int64_t> released_order ABSL_GUARDED_BY(mu);
+  std::thread sweeper ABSL_GUARDED_BY(mu);  // checks the drivers (sweep_loop) while any pipeline is held
+  bool stopping ABSL_GUARDED_BY(mu) = false;
+
+  void remember_released_locked(int64_t pipe) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    if (!released.insert(pipe).second) return;
+    released_order.push_back(pipe);
+    if (released_order.size() > 10000) released.erase(released_order.front()), released_order.pop_front();
+  }
 };
 Stages& stages() {
   static auto* s = new Stages;  // never destroyed: RPC threads may use it until exit
@@ -108,8 +199,72 @@ Stages& stages() {
 std::shared_ptr<Stage> find_stage(int64_t pipe, int stage) {
   Stages& s = stages();
   MutexLock lock(&s.mu);
-  auto it = s.by_id.find({pipe, stage});
-  return it == s.by_id.end() ? nullptr : it->second;
+  auto it = s.pipes.find(pipe);
+  if (it == s.pipes.end()) return nullptr;
+  auto st = it->second.stages.find(stage);
+  return st == it->second.stages.end() ? nullptr : st->second;
+}
+std::shared_ptr<Executor> executor_of(int64_t pipe) {
+  Stages& s = stages();
+  MutexLock lock(&s.mu);
+  auto it = s.pipes.find(pipe);
+  return it == s.pipes.end() ? nullptr : it->second.executor;
+}
+bool was_released(int64_t pipe) {
+  Stages& s = stages();
+  MutexLock lock(&s.mu);
+  return s.released.count(pipe) > 0;
+}
+// Adds a built stage; false when its pipeline was released meanwhile (or RPC is stopping).
+bool add_stage(int64_t pipe, int index, int driver, std::shared_ptr<Stage> stage) {
+  Stages& s = stages();
+  MutexLock lock(&s.mu);
+  if (s.stopping || s.released.count(pipe)) return false;
+  PipeEntry& e = s.pipes[pipe];
+  e.driver = driver;
+  e.stages[index] = std::move(stage);
+  if (!e.executor) e.executor = std::make_shared<Executor>();
+  if (!s.sweeper.joinable()) s.sweeper = std::thread(sweep_loop);
+  return true;
+}
+void hold_gradients(int64_t pipe, HeldGradients held) {
+  Stages& s = stages();
+  MutexLock lock(&s.mu);
+  auto it = s.pipes.find(pipe);
+  if (it != s.pipes.end()) it->second.held = std::move(held);
+}
+// The gradients held for `step`, taken out (nullopt when none: abandoned, released, or another step's).
+std::optional<HeldGradients> take_gradients(int64_t pipe, int64_t step) {
+  Stages& s = stages();
+  MutexLock lock(&s.mu);
+  auto it = s.pipes.find(pipe);
+  if (it == s.pipes.end() || !it->second.held || it->second.held->step != step) return std::nullopt;
+  std::optional<HeldGradients> held = std::move(it->second.held);
+  it->second.held.reset();
+  return held;
+}
+void release_pipes(const std::vector<int64_t>& pipes);
+
+// Every `kDriverCheck`, asks each driver of a pipeline held here whether it is alive; the pipelines of a driver that
+// is gone (UNAVAILABLE) are released. Ends at RPC stop.
+void sweep_loop() {
+  Stages& s = stages();
+  for (;;) {
+    std::map<int, std::vector<int64_t>> by_driver;
+    {
+      MutexLock lock(&s.mu);
+      if (!s.stopping) s.cv.WaitWithTimeout(&s.mu, absl::FromChrono(kDriverCheck));
+      if (s.stopping) return;
+      for (const auto& [pipe, e] : s.pipes) by_driver[e.driver].push_back(pipe);
+    }
+    if (!rpc::is_initialized()) continue;
+    const int self = rpc::get_worker_info().id;
+    for (const auto& [driver, pipes] : by_driver) {
+      if (driver < 0 || driver == self) continue;
+      rpc::Future ping = rpc::call(driver, kPing, {}, kDriverCheck);
+      if (ping.status().code() == absl::StatusCode::kUnavailable) release_pipes(pipes);
+    }
+  }
 }
 
 // A TorchScript module as a stage: its parameters and forward. Holds the module, which is not a torch::nn::Module.
@@ -129,6 +284,9 @@ std::shared_ptr<Stage> load_script_stage(const std::string& path) {
   for (const auto& p : module->parameters()) {
     if (p.requires_grad()) stage->params.push_back(p);
   }
+  for (const auto& b : module->script.buffers()) stage->buffers.push_back(b);
+  stage->is_training = [module] { return module->script.is_training(); };
+  stage->set_training = [module](bool on) { module->script.train(on); };
   return stage;
 }
 
@@ -164,7 +322,25 @@ std::shared_ptr<Stage> build_stage(const std::string& factory, std::vector<c10::
   for (const auto& p : stage->module->parameters()) {
     if (p.requires_grad()) stage->params.push_back(p);
   }
+  for (const auto& b : stage->module->buffers()) stage->buffers.push_back(b);
+  torch::nn::Module* module = stage->module.get();  // the stage holds it
+  stage->is_training = [module] { return module == nullptr || module->is_training(); };
+  stage->set_training = [module](bool on) {
+    if (module) module->train(on);
+  };
   return stage;
+}
+
+// The CPU generator's state (what torch.get_rng_state() returns), and setting it back.
+at::Tensor cpu_rng_state() {
+  at::Generator gen = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  return gen.get_state();
+}
+void set_cpu_rng_state(const at::Tensor& state) {
+  at::Generator gen = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  gen.set_state(state);
 }
 
 // ---- the mailbox: activations and gradients arriving for this worker's stages ----
@@ -179,7 +355,7 @@ class Mailbox {
   }
   void put(const Key& key, at::Tensor t) {
     MutexLock lock(&mu_);
-    if (aborted_.count(step_of(key))) return;
+    if (aborted_.count(step_of(key)) || released_.count(std::get<0>(key))) return;
     box_[key] = std::move(t);
     cv_.SignalAll();
   }
@@ -196,6 +372,9 @@ class Mailbox {
       if (auto a = aborted_.find(step_of(key)); a != aborted_.end()) {
         return absl::Status(a->second.code(),
                             absl::StrCat("abandoned while waiting for ", what, ": ", a->second.message()));
+      }
+      if (released_.count(std::get<0>(key))) {
+        return absl::AbortedError(absl::StrCat("abandoned while waiting for ", what, ": the pipeline was released"));
       }
       if (auto it = box_.find(key); it != box_.end()) {
         at::Tensor t = std::move(it->second);
@@ -226,10 +405,20 @@ class Mailbox {
     box_.clear();
     cv_.SignalAll();
   }
-  void forget(int64_t pipe) {
+  // The pipeline is gone from this worker: what waits for it ends, what is here for it and what comes later is dropped.
+  void release(int64_t pipe) {
     MutexLock lock(&mu_);
+    if (released_.insert(pipe).second) {
+      released_order_.push_back(pipe);
+      if (released_order_.size() > 10000) released_.erase(released_order_.front()), released_order_.pop_front();
+    }
     for (auto it = box_.begin(); it != box_.end();)
       it = std::get<0>(it->first) == pipe ? box_.erase(it) : std::next(it);
+    cv_.SignalAll();
+  }
+  bool aborted(int64_t pipe, int64_t step) {
+    MutexLock lock(&mu_);
+    return aborted_.count({pipe, step}) > 0 || released_.count(pipe) > 0;
   }
 
  private:
@@ -240,9 +429,32 @@ class Mailbox {
   std::map<std::pair<int64_t, int64_t>, absl::Status> aborted_ ABSL_GUARDED_BY(mu_);
   // Abandoned steps, oldest first (a bounded memory of them).
   std::vector<std::pair<int64_t, int64_t>> order_ ABSL_GUARDED_BY(mu_);
-  int64_t epoch_ ABSL_GUARDED_BY(mu_) = 0;     // abort_all() calls so far
+  std::set<int64_t> released_ ABSL_GUARDED_BY(mu_);  // pipelines released here (bounded, oldest first)
+  std::deque<int64_t> released_order_ ABSL_GUARDED_BY(mu_);
+  int64_t epoch_ ABSL_GUARDED_BY(mu_) = 0;  // abort_all() calls so far
   absl::Status stopped_ ABSL_GUARDED_BY(mu_);  // the last one's reason
 };
+
+// Releases pipelines on this worker: their stages, mailbox entries and held gradients go, and each one's executor
+// stops once the task it runs has ended (its waits end at once). Not from a pipeline's own executor thread.
+void release_pipes(const std::vector<int64_t>& pipes) {
+  std::vector<PipeEntry> gone;
+  {
+    Stages& s = stages();
+    MutexLock lock(&s.mu);
+    for (int64_t pipe : pipes) {
+      s.remember_released_locked(pipe);
+      auto it = s.pipes.find(pipe);
+      if (it == s.pipes.end()) continue;
+      gone.push_back(std::move(it->second));
+      s.pipes.erase(it);
+    }
+  }
+  for (int64_t pipe : pipes) Mailbox::get().release(pipe);
+  for (auto& e : gone) {
+    if (e.executor) e.executor->stop();
+  }
+}
 
 // ---- a worker's run of its plan ----
 
@@ -262,6 +474,7 @@ struct StageRun {
   std::shared_ptr<Stage> stage;
   struct Live {
     at::Tensor input, output;  // output: the stage's output (none with checkpointing), or its weighted loss
+    at::Tensor rng_state;      // with checkpointing: the CPU generator's state when the forward began
   };
   std::map<int, Live> live;
   int64_t peak = 0, busy_us = 0;
@@ -300,10 +513,15 @@ class Run {
       throw_if_error(f.status());
     }
     std::vector<int64_t> stats;
+    HeldGradients held{p_.step, p_.to_grad, {}};
     for (auto& [index, run] : runs_) {
-      deliver_gradients(run);
+      for (size_t j = 0; j < run.grads.size(); ++j) {
+        if (run.grads[j].defined()) held.grads.emplace_back(run.stage->params[j], std::move(run.grads[j]));
+      }
       stats.insert(stats.end(), {index, run.peak, run.busy_us});
     }
+    // Delivered when the driver commits the step (every worker succeeded); dropped if it abandons it.
+    if (!Mailbox::get().aborted(p_.pipe, p_.step)) hold_gradients(p_.pipe, std::move(held));
     return c10::ivalue::Tuple::create({c10::IValue(loss_), rpc::to_ivalue(stats), rpc::to_ivalue(events_)});
   }
 
@@ -372,8 +590,9 @@ class Run {
     at::Tensor x = a.stage == 0 ? p_.inputs.at(a.microbatch) : receive(a.stage, a.microbatch, false);
     compute_start_ = now_us();
     if (a.stage > 0 && x.is_floating_point()) x = x.detach().requires_grad_(true);
-    at::Tensor out;
+    at::Tensor out, rng_state;
     if (p_.checkpoint && !last) {
+      rng_state = cpu_rng_state();  // the recompute in backward draws what this forward draws (dropout's mask)
       at::NoGradGuard no_grad;
       out = run.stage->forward(x);
     } else {
@@ -383,9 +602,9 @@ class Run {
       const double share = static_cast<double>(p_.sizes[a.microbatch]) / static_cast<double>(batch);
       at::Tensor l = loss(out, p_.targets.at(a.microbatch)) * share;
       loss_ += l.item<double>();
-      run.live[a.microbatch] = {x, l};
+      run.live[a.microbatch] = {x, l, at::Tensor()};
     } else {
-      run.live[a.microbatch] = {x, p_.checkpoint ? at::Tensor() : out};
+      run.live[a.microbatch] = {x, p_.checkpoint ? at::Tensor() : out, rng_state};
       send(a.stage + 1, a.microbatch, false, out.detach());
     }
     run.peak = std::max(run.peak, static_cast<int64_t>(run.live.size()));
@@ -399,7 +618,13 @@ class Run {
     at::Tensor root = live.output, grad_out;
     if (a.stage < n - 1) grad_out = receive(a.stage, a.microbatch, true);
     compute_start_ = now_us();
-    if (a.stage < n - 1 && p_.checkpoint) root = run.stage->forward(live.input);
+    std::vector<at::Tensor> kept;  // with checkpointing: the buffers as the first forward left them
+    struct PutBack {
+      Stage& stage;
+      const std::vector<at::Tensor>& kept;
+      ~PutBack() { put_back(stage, kept); }
+    } put_back_after{*run.stage, kept};  // after the backward below (or its error): its graph may hold them
+    if (a.stage < n - 1 && p_.checkpoint) root = recompute(*run.stage, live, &kept);
     std::vector<at::Tensor> wrt = run.stage->params;
     const bool input_grad = a.stage > 0 && live.input.requires_grad();
     if (input_grad) wrt.push_back(live.input);
@@ -427,21 +652,28 @@ class Run {
     }
   }
 
-  void deliver_gradients(StageRun& run) {
-    for (size_t j = 0; j < run.grads.size(); ++j) {
-      const at::Tensor& g = run.grads[j];
-      if (!g.defined()) continue;
-      at::Tensor& param = run.stage->params[j];
-      if (p_.to_grad) {
-        at::NoGradGuard no_grad;
-        if (param.grad().defined()) {
-          param.mutable_grad().add_(g);
-        } else {
-          param.mutable_grad() = g.clone();
-        }
-      } else {
-        dist_autograd::add_gradient(p_.context, param, g);
-      }
+  // The forward again, as it ran the first time: from the CPU generator's state it began with (dropout draws the same
+  // mask), as PyTorch's checkpoint and Megatron do; the generator then continues from where it was, so the step draws
+  // the same numbers as without checkpointing. The buffers (BatchNorm's running statistics) are kept in `kept`: the
+  // caller puts them back once the backward is done (before, the graph may hold them), so that they are updated once
+  // per micro-batch, by the first forward.
+  static at::Tensor recompute(Stage& stage, const StageRun::Live& live, std::vector<at::Tensor>* kept) {
+    for (const auto& b : stage.buffers) kept->push_back(b.defined() ? b.clone() : at::Tensor());
+    const at::Tensor now = cpu_rng_state();
+    set_cpu_rng_state(live.rng_state);
+    try {
+      at::Tensor out = stage.forward(live.input);
+      set_cpu_rng_state(now);
+      return out;
+    } catch (...) {
+      set_cpu_rng_state(now);
+      throw;
+    }
+  }
+  static void put_back(Stage& stage, const std::vector<at::Tensor>& kept) {
+    at::NoGradGuard no_grad;
+    for (size_t i = 0; i < kept.size(); ++i) {
+      if (kept[i].defined() && !at::equal(stage.buffers[i], kept[i])) stage.buffers[i].copy_(kept[i]);
     }
   }
 
@@ -482,8 +714,14 @@ rpc::Future on_run(int64_t pipe, int64_t step, std::vector<int64_t> actions, std
   if (!plan.to_grad && plan.context < 0) {
     throw_error(absl::FailedPreconditionError("the plan came without a distributed autograd context"));
   }
+  auto executor = executor_of(pipe);
+  if (!executor) {
+    throw_error(absl::NotFoundError(
+        absl::StrCat("pipeline ", pipe, " has no stage on worker '", self_name(), "' (released?)")));
+  }
   rpc::Future result(absl::Now() + absl::FromChrono(plan.timeout + kReplyMargin));
-  std::thread([plan = std::move(plan), result]() mutable {
+  // On the pipeline's executor: after the run of the previous step has ended here.
+  const bool queued = executor->submit([plan = std::move(plan), result]() mutable {
     const int64_t pipe = plan.pipe, step = plan.step;
     try {
       Run run(std::move(plan));
@@ -494,7 +732,81 @@ rpc::Future on_run(int64_t pipe, int64_t step, std::vector<int64_t> actions, std
     if (!result.completed()) result.set_error(absl::InternalError("pipeline run ended without a result"));
     // Whatever else of this step is still on its way here is of no use now.
     if (!result.status().ok()) Mailbox::get().abort(pipe, step, result.status());
-  }).detach();
+  });
+  if (!queued) throw_error(absl::AbortedError(absl::StrCat("pipeline ", pipe, " was released on this worker")));
+  return result;
+}
+
+// The driver's commit of a step every worker finished: this worker's gradients of that step go to the parameters'
+// .grad or to the distributed autograd context of this call (which the driver made in the step's context).
+void on_commit(int64_t pipe, int64_t step) {
+  std::optional<HeldGradients> held = take_gradients(pipe, step);
+  if (!held) {
+    throw_error(absl::FailedPreconditionError(absl::StrCat("no gradients of step ", step, " of pipeline ", pipe,
+                                                           " are held on worker '", self_name(),
+                                                           "' (abandoned, or the pipeline was released)")));
+  }
+  if (held->to_grad) {
+    at::NoGradGuard no_grad;
+    for (auto& [param, g] : held->grads) {
+      if (param.grad().defined()) {
+        param.mutable_grad().add_(g);
+      } else {
+        param.mutable_grad() = std::move(g);  // the run's own tensor: nobody else holds it
+      }
+    }
+    return;
+  }
+  const int64_t context = dist_autograd::current_context();
+  if (context < 0) throw_error(absl::FailedPreconditionError("the commit came without a distributed autograd context"));
+  for (const auto& [param, g] : held->grads) dist_autograd::add_gradient(context, param, g);
+}
+
+// Inference, one micro-batch on one stage (on the pipeline's executor, in eval mode, without gradients), then the
+// next stage's, asynchronously: no thread waits for the rest.
+rpc::Future on_forward(int64_t pipe, int64_t index, std::vector<int64_t> ranks, at::Tensor x, int64_t timeout_ms) {
+  auto executor = executor_of(pipe);
+  if (!executor) {
+    throw_error(absl::NotFoundError(
+        absl::StrCat("pipeline ", pipe, " has no stage ", index, " on worker '", self_name(), "' (released?)")));
+  }
+  const auto timeout = std::chrono::milliseconds(timeout_ms);
+  rpc::Future result(absl::Now() + absl::FromChrono(timeout));
+  const bool queued = executor->submit([=]() mutable {
+    try {
+      auto stage = find_stage(pipe, static_cast<int>(index));
+      if (!stage) {
+        throw_error(absl::NotFoundError(
+            absl::StrCat("pipeline ", pipe, " has no stage ", index, " on worker '", self_name(), "' (released?)")));
+      }
+      at::Tensor y;
+      const bool training = stage->is_training();
+      try {
+        at::NoGradGuard no_grad;
+        stage->set_training(false);  // dropout off, BatchNorm's running statistics used and left as they are
+        y = stage->forward(x);
+        stage->set_training(training);
+      } catch (...) {
+        stage->set_training(training);
+        const absl::Status thrown = status_from_current_exception();
+        throw_error(absl::Status(thrown.code(), absl::StrCat("stage ", index, " on worker '", self_name(),
+                                                             "', forward: ", thrown.message())));
+      }
+      if (index + 1 >= static_cast<int64_t>(ranks.size())) {
+        result.set_value(c10::IValue(y));
+        return;
+      }
+      rpc::Future next = rpc::rpc_async(static_cast<int>(ranks[index + 1]), kForward, pipe, index + 1, ranks, y,
+                                        timeout_ms, timeout);
+      next.add_callback([result](const rpc::Future& done) {
+        const absl::Status s = done.status();
+        result.set_status(s, s.ok() ? done.value() : c10::IValue());
+      });
+    } catch (...) {
+      result.set_error(status_from_current_exception());
+    }
+  });
+  if (!queued) throw_error(absl::AbortedError(absl::StrCat("pipeline ", pipe, " was released on this worker")));
   return result;
 }
 
@@ -506,63 +818,53 @@ bool install() {
     }
     const int64_t pipe = a[0].toInt();
     const int index = static_cast<int>(a[1].toInt());
+    const rpc::CallContext* call = rpc::current_call();
+    const int driver = call ? call->caller_rank : -1;
+    auto released = [&] {
+      return absl::AbortedError(absl::StrCat("pipeline ", pipe, " was released while stage ", index,
+                                             " was being built on worker '", self_name(), "'"));
+    };
+    if (was_released(pipe)) throw_error(released());
     std::vector<c10::IValue> args;
     for (const auto& v : a[3].toListRef()) args.push_back(v);
     auto stage = a[6].toStringRef().empty()
                      ? build_stage(a[2].toStringRef(), std::move(args), a[4].toInt(), a[5].toInt())
                      : load_script_stage(a[6].toStringRef());
+    std::vector<at::Tensor> params = stage->params;
+    // A release that overtook this build (the driver gave up waiting, or its pipeline object went) drops it here.
+    if (!add_stage(pipe, index, driver, std::move(stage))) throw_error(released());
     std::vector<c10::IValue> refs;
-    for (const auto& p : stage->params) refs.push_back(rref::make_local(c10::IValue(p)).to_ivalue());
-    {
-      Stages& s = stages();
-      MutexLock lock(&s.mu);
-      s.by_id[{pipe, index}] = std::move(stage);
-    }
+    for (const auto& p : params) refs.push_back(rref::make_local(c10::IValue(p)).to_ivalue());
     return rpc::Future::ready(c10::ivalue::Tuple::create(std::move(refs)));
   }));
   rpc::register_function(kRun, on_run);
-  // Inference: this stage's forward, then the next stage's (asynchronously: no thread waits for the rest).
-  rpc::register_function(
-      kForward,
-      [](int64_t pipe, int64_t index, std::vector<int64_t> ranks, at::Tensor x, int64_t timeout_ms) -> rpc::Future {
-        auto stage = find_stage(pipe, static_cast<int>(index));
-        if (!stage) {
-          throw_error(absl::NotFoundError(
-              absl::StrCat("pipeline ", pipe, " has no stage ", index, " on worker '", self_name(), "' (released?)")));
-        }
-        at::Tensor y;
-        try {
-          at::NoGradGuard no_grad;
-          y = stage->forward(x);
-        } catch (...) {
-          const absl::Status thrown = status_from_current_exception();
-          throw_error(absl::Status(thrown.code(), absl::StrCat("stage ", index, " on worker '", self_name(),
-                                                               "', forward: ", thrown.message())));
-        }
-        if (index + 1 >= static_cast<int64_t>(ranks.size())) return rpc::Future::ready(c10::IValue(y));
-        return rpc::rpc_async(static_cast<int>(ranks[index + 1]), kForward, pipe, index + 1, ranks, y, timeout_ms,
-                              std::chrono::milliseconds(timeout_ms));
-      });
+  rpc::register_function(kCommit, on_commit);
+  rpc::register_function(kForward, on_forward);
+  rpc::register_function(kPing, [] {});
   rpc::register_function(kAct, [](int64_t pipe, int64_t step, int64_t stage, int64_t mb, bool grad, at::Tensor t) {
     Mailbox::get().put({pipe, step, static_cast<int>(stage), static_cast<int>(mb), grad}, std::move(t));
   });
   rpc::register_function(kAbort, [](int64_t pipe, int64_t step, std::string reason) {
     Mailbox::get().abort(pipe, step, absl::AbortedError(reason));
+    (void)take_gradients(pipe, step);  // a run that finished before the abort came: its gradients go
   });
-  rpc::register_function(kRelease, [](int64_t pipe) {
-    {
-      Stages& s = stages();
-      MutexLock lock(&s.mu);
-      for (auto it = s.by_id.begin(); it != s.by_id.end();)
-        it = it->first.first == pipe ? s.by_id.erase(it) : std::next(it);
-    }
-    Mailbox::get().forget(pipe);
-  });
+  rpc::register_function(kRelease, [](int64_t pipe) { release_pipes({pipe}); });
   rpc::add_stop_hook([] {
     Mailbox::get().abort_all(absl::CancelledError("RPC is shutting down"));
     Stages& s = stages();
+    std::vector<int64_t> all;
+    std::thread sweeper;
+    {
+      MutexLock lock(&s.mu);
+      s.stopping = true;
+      s.cv.SignalAll();
+      sweeper.swap(s.sweeper);
+      for (const auto& [pipe, e] : s.pipes) all.push_back(pipe);
+    }
+    if (sweeper.joinable()) sweeper.join();
+    release_pipes(all);  // joins every executor
     MutexLock lock(&s.mu);
-    s.by_id.clear();
+    s.stopping = false;  // RPC may start again in this process
   });
   return true;
 }
@@ -584,6 +886,14 @@ void register_loss(const std::string& name, std::function<at::Tensor(const at::T
 std::shared_ptr<torch::nn::Module> local_stage(int64_t pipeline_id, int stage) {
   auto s = find_stage(pipeline_id, stage);
   return s ? s->module : nullptr;
+}
+
+int64_t local_stage_count() {
+  Stages& s = stages();
+  MutexLock lock(&s.mu);
+  int64_t n = 0;
+  for (const auto& [pipe, e] : s.pipes) n += static_cast<int64_t>(e.stages.size());
+  return n;
 }
 
 std::vector<std::pair<int64_t, int64_t>> balanced_cut(const std::vector<double>& weights, int n_stages) {
@@ -702,6 +1012,7 @@ struct Pipeline::State {
                                        opts.loss, flags, opts.timeout + kReplyMargin));
     }
     wait_all(opts, replies, step_id);
+    commit(opts, step_id);
     StepStats step_stats;
     step_stats.step_ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
     step_stats.busy_ms.assign(n, 0);
@@ -728,6 +1039,26 @@ struct Pipeline::State {
     stats = std::move(step_stats);
     timeline = std::move(events);
     return loss;
+  }
+
+  // Every worker finished the step: each now delivers the gradients it holds (to this call's distributed autograd
+  // context, the caller's, or to .grad). Until here nothing of the step reached a gradient anywhere.
+  void commit(const PipelineOptions& opts, int64_t step_id) {
+    std::vector<rpc::Future> done;
+    for (int w : workers) done.push_back(rpc::rpc_async(w, kCommit, id, step_id, opts.timeout));
+    std::vector<std::string> errors;
+    absl::StatusCode code = absl::StatusCode::kOk;
+    for (size_t w = 0; w < done.size(); ++w) {
+      absl::Status s = done[w].status();
+      if (s.ok()) continue;
+      if (code == absl::StatusCode::kOk) code = s.code();
+      errors.push_back(describe_worker(workers[w]) + ": " + std::string(s.message()));
+    }
+    if (!errors.empty()) {
+      fail(code, absl::StrCat("step ", step_id, " of pipeline ", id,
+                              ": delivering the gradients failed (other workers may have delivered theirs): ",
+                              absl::StrJoin(errors, "; ")));
+    }
   }
 
   // Waits for every worker's reply. On the first error, tells every worker to abandon the step, gathers the others'
@@ -822,13 +1153,19 @@ Pipeline Pipeline::create(std::vector<StageSpec> stages, PipelineOptions options
         options.timeout));
   }
   st->specs = std::move(stages);
+  // Every build ends (or times out) before a failure is reported. When one failed, `st` goes with the exception and
+  // releases the pipeline on every worker; a build still running there when the release arrives is dropped.
+  std::vector<absl::Status> statuses;
+  for (auto& b : built) statuses.push_back(b.status());
   for (size_t s = 0; s < built.size(); ++s) {
-    absl::Status status = built[s].status();
-    if (!status.ok()) {
-      fail(status.code(), absl::StrCat("building stage ", s, " on worker '",
-                                       rpc::get_worker_info(st->stage_rank[s]).name, "' failed: ", status.message()));
+    if (!statuses[s].ok()) {
+      fail(statuses[s].code(), absl::StrCat("building stage ", s, " on worker '",
+                                            rpc::get_worker_info(st->stage_rank[s]).name,
+                                            "' failed: ", statuses[s].message()));
     }
-    for (const auto& r : built[s].value().toTupleRef().elements()) st->params.push_back(rref::RRef::from_ivalue(r));
+  }
+  for (auto& b : built) {
+    for (const auto& r : b.value().toTupleRef().elements()) st->params.push_back(rref::RRef::from_ivalue(r));
   }
   return Pipeline(std::move(st));
 }
@@ -875,7 +1212,8 @@ double Pipeline::step(const at::Tensor& input, const at::Tensor& target) { retur
 
 at::Tensor Pipeline::forward(const at::Tensor& input) {
   check_not_empty(input);
-  const auto& st = *state_;
+  auto& st = *state_;
+  MutexLock step_lock(&st.step_mu);  // never beside a step of this pipeline: it waits for one running
   const PipelineOptions options = st.current_options();
   const int64_t m = std::min<int64_t>(std::max(1, options.n_microbatches), input.size(0));
   const std::vector<int64_t> ranks(st.stage_rank.begin(), st.stage_rank.end());

@@ -23,17 +23,29 @@
 // forward in backward); a backward waits for the gradient from the next stage, computes this stage's gradients with
 // LibTorch's engine, sends the input's gradient to the previous stage, and frees the micro-batch's activations. The
 // last stage weighs each micro-batch's loss by its share of the batch (n_i / N; PyTorch's scale_grads when they are
-// equal), so the loss and the gradients are the whole batch's. When every worker has finished, the gradients are added
-// to the caller's distributed autograd context on each stage's worker (or to the parameters' .grad, by option).
+// equal), so the loss and the gradients are the whole batch's. Each worker runs a pipeline's plans on one thread of its
+// own for that pipeline, in step order (the run of step n + 1 never starts before step n's has ended there), and holds
+// its gradients when done; only when every worker has finished does the driver commit the step, and the gradients are
+// added to the caller's distributed autograd context on each stage's worker (or to the parameters' .grad, by option).
+//
+// Checkpointing (PipelineOptions::checkpoint) gives the same loss, gradients and buffers as without: the recompute in
+// backward starts from the CPU generator's state of the first forward (dropout draws the same mask; the generator then
+// continues where it was), and buffers such as BatchNorm's running statistics are left as the first forward left them.
+//
+// A stage worker keeps a pipeline's stages until the Pipeline's last copy goes, its creation fails (every stage already
+// built, or still building, is released), or its driver is gone (each stage worker checks its drivers every second).
 //
 // Errors (tandem::Error): bad input before any work starts (INVALID_ARGUMENT: an empty batch, fewer rows than
 // micro-batches, input and target of different batch sizes); at creation, a stage placed on a worker not in the job or
 // an unknown factory (NOT_FOUND);
 // a stage whose forward or backward throws (for instance an input of the wrong shape or dtype from the previous stage,
 // found on the first step), a dead stage worker, a lost message or the step's deadline: step() fails naming the
-// stage, its worker and the micro-batch, the other workers abandon the step at once, and the next step works.
+// stage, its worker and the micro-batch, the other workers abandon the step at once, and the next step works. A failed
+// step leaves no gradient anywhere: no context on any worker, .grad unchanged (a worker that dies after finishing the
+// step but before delivering is the one case where the others' gradients are delivered and the step still fails).
 //
-// Thread-safety: one step at a time per Pipeline (step() serialises); several pipelines may share workers.
+// Thread-safety: one step or forward() at a time per Pipeline (each waits for the other); several pipelines may share
+// workers.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -78,7 +90,8 @@ struct PipelineOptions {
   // kContext: step() must run inside a dist_autograd::ContextGuard; the gradients go to that context on each stage's
   // worker (for DistributedOptimizer). kDotGrad: they are added to the stage parameters' .grad (zero them yourself).
   GradientsTo gradients = GradientsTo::kContext;
-  bool checkpoint = false;  // recompute each stage's forward in its backward (activation memory: inputs only)
+  // Recompute each stage's forward in its backward (activation memory: inputs only), with the same results (above).
+  bool checkpoint = false;
   // The whole step, and every wait inside it; also each stage's creation and each forward(). Non-positive (the
   // default): RpcOptions::rpc_timeout, resolved when the pipeline is created (options() then shows it).
   std::chrono::milliseconds timeout{0};
@@ -131,9 +144,12 @@ class Pipeline {
   // One training step on the whole batch: forward and backward of every micro-batch by the schedule. Returns the
   // batch's loss. See the header comment for where the gradients go and for errors.
   double step(const at::Tensor& input, const at::Tensor& target);
-  // Inference: the last stage's output for the whole batch, without gradients. The batch's micro-batches go through
-  // the stages concurrently, each from stage to stage (stage i's worker calls stage i+1's). Throws RpcError naming the
-  // stage and worker that failed.
+  // Inference: the last stage's output for the whole batch, without gradients, every stage in eval mode (dropout off,
+  // BatchNorm's running statistics used and not updated; each stage's training flag is restored after). It waits for
+  // a step of this pipeline that is running, and a step waits for it. The batch's micro-batches flow through the stages
+  // as in a step (one at a time on each stage, several stages at once), each from stage to stage (stage i's worker calls stage i+1's), computed where steps are (the
+  // pipeline's own thread on each worker), never on RPC server threads. Throws RpcError naming the stage and worker
+  // that failed.
   at::Tensor forward(const at::Tensor& input);
   // Turns PipelineOptions::record_timeline on or off for the following steps (a step running now keeps its setting).
   void set_record_timeline(bool on);
@@ -163,6 +179,8 @@ class Pipeline {
 
 // On a stage's worker: the module of stage `stage` of pipeline `pipeline_id` (nullptr when not here).
 std::shared_ptr<torch::nn::Module> local_stage(int64_t pipeline_id, int stage);
+// On any worker: how many stages (of every pipeline) it holds now.
+int64_t local_stage_count();
 
 // Timeline writers, for any events (also used by benchmarks).
 std::string chrome_trace_json(const std::vector<TimelineEvent>& events);

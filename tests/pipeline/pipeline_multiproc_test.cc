@@ -2,9 +2,11 @@
 #include <gmock/gmock.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <fstream>
 #include <sstream>
+#include <thread>
 
 #include <torch/script.h>
 
@@ -329,6 +331,155 @@ TEST_F(MultiprocPipeline, ALostActivationFailsTheStepWithinTheTimeoutAndTheNextS
   EXPECT_LT(Clock::now() - t0, milliseconds(3000 + 5000));
   dist_autograd::ContextGuard ctx;
   EXPECT_NEAR(pipe.step(x, y), 1.0, 1e-12);
+}
+
+
+// ---- issue 27: checkpointing, inference, failed steps, stages left behind ----
+
+std::vector<pipeline::StageSpec> dropout_bn_stages() {
+  // Stage 0: Linear + Dropout; stage 1: Linear + BatchNorm; stage 2: Tanh + Linear.
+  return {{1, "pipe_dropout_bn", {kSeed}, 0, 2}, {2, "pipe_dropout_bn", {kSeed}, 2, 4},
+          {3, "pipe_dropout_bn", {kSeed}, 4, 6}};
+}
+
+int64_t on_worker(int rank, const std::string& fn) { return rpc::rpc_sync<int64_t>(rank, fn); }
+
+// Polls `fn` on the given workers until each returns `want`, for up to `limit`; returns what they last returned.
+std::vector<int64_t> poll_until(const std::vector<int>& ranks, const std::string& fn, int64_t want,
+                                milliseconds limit) {
+  const auto deadline = Clock::now() + limit;
+  std::vector<int64_t> got;
+  for (;;) {
+    got.clear();
+    for (int r : ranks) got.push_back(on_worker(r, fn));
+    if (std::all_of(got.begin(), got.end(), [&](int64_t v) { return v == want; }) || Clock::now() > deadline) {
+      return got;
+    }
+    std::this_thread::sleep_for(milliseconds(100));
+  }
+}
+
+// A stage with dropout and one with BatchNorm, trained one step from the same seeds with checkpointing off and on:
+// the same loss, gradients and running statistics (issue 27: the recompute drew a new dropout mask, and BatchNorm's
+// running statistics were updated twice per micro-batch).
+TEST_F(MultiprocPipeline, CheckpointingKeepsDropoutMasksAndRunningStatistics) {
+  start({.world_size = 4});
+  struct Result {
+    double loss = 0;
+    std::vector<std::vector<at::Tensor>> grads, buffers;
+  };
+  auto train = [&](bool checkpoint) {
+    auto pipe = Pipeline::create(dropout_bn_stages(), {.schedule = Schedule::k1F1B,
+                                                       .n_microbatches = 4,
+                                                       .loss = "mse",
+                                                       .gradients = pipeline::GradientsTo::kDotGrad,
+                                                       .checkpoint = checkpoint});
+    for (int r = 1; r <= 3; ++r) rpc::rpc_sync(r, "pipe_seed", int64_t{11});
+    auto gen = at::detail::createCPUGenerator(42);
+    const at::Tensor x = at::randn({16, 4}, gen, at::kDouble), y = at::randn({16, 4}, gen, at::kDouble);
+    Result r;
+    r.loss = pipe.step(x, y);
+    for (int s = 0; s < 3; ++s) {
+      r.grads.push_back(rpc::rpc_sync<std::vector<at::Tensor>>(pipe.stage_worker(s), "pipe_dot_grads", pipe.id(), s));
+      r.buffers.push_back(rpc::rpc_sync<std::vector<at::Tensor>>(pipe.stage_worker(s), "pipe_buffers", pipe.id(), s));
+    }
+    return r;
+  };
+  const Result off = train(false), on = train(true);
+  EXPECT_NEAR(on.loss, off.loss, 1e-12 * std::abs(off.loss));
+  for (int s = 0; s < 3; ++s) {
+    EXPECT_LE(relative_diff(on.grads[s], off.grads[s]), 1e-12) << "stage " << s << "'s gradients";
+    EXPECT_LE(relative_diff(on.buffers[s], off.buffers[s]), 1e-12) << "stage " << s << "'s buffers";
+  }
+  ASSERT_EQ(off.buffers[1].size(), 3u);                    // running mean, running variance, batches tracked
+  EXPECT_EQ(off.buffers[1][2].item<double>(), 4.0);        // one update per micro-batch
+  EXPECT_GT(off.grads[0][0].abs().sum().item<double>(), 0);  // the gradients are not all zero
+}
+
+// forward() is inference: eval mode (dropout off: the same output twice; BatchNorm's running statistics untouched),
+// every stage back in training mode after; and it waits for a step of the same pipeline that is running.
+TEST_F(MultiprocPipeline, ForwardIsInferenceInEvalModeAndWaitsForARunningStep) {
+  start({.world_size = 4});
+  auto pipe = Pipeline::create(dropout_bn_stages(), {.n_microbatches = 2, .gradients = pipeline::GradientsTo::kDotGrad});
+  auto gen = at::detail::createCPUGenerator(43);
+  const at::Tensor x = at::randn({8, 4}, gen, at::kDouble);
+  const auto before = rpc::rpc_sync<std::vector<at::Tensor>>(pipe.stage_worker(1), "pipe_buffers", pipe.id(), 1);
+  const at::Tensor a = pipe.forward(x), b = pipe.forward(x);
+  EXPECT_TRUE(at::equal(a, b)) << "dropout was on";
+  EXPECT_EQ(a.sizes(), (std::vector<int64_t>{8, 4}));
+  const auto after = rpc::rpc_sync<std::vector<at::Tensor>>(pipe.stage_worker(1), "pipe_buffers", pipe.id(), 1);
+  EXPECT_EQ(relative_diff(after, before), 0) << "forward() updated BatchNorm's running statistics";
+  for (int s = 0; s < 3; ++s) {
+    EXPECT_TRUE(rpc::rpc_sync<bool>(pipe.stage_worker(s), "pipe_training", pipe.id(), s)) << "stage " << s;
+  }
+
+  // A step whose last stage's backwards take 4 x 300 ms; forward() called once the step is running ends after it.
+  auto slow = Pipeline::create(
+      {{1, "pipe_faulty", {int64_t{0}}}, {2, "pipe_faulty", {int64_t{0}}}, {3, "pipe_slow_backward", {int64_t{300}}}},
+      {.schedule = Schedule::kGPipe, .n_microbatches = 4, .gradients = pipeline::GradientsTo::kDotGrad});
+  const at::Tensor ones = at::ones({8, 4}, at::kDouble), zeros = at::zeros({8, 4}, at::kDouble);
+  const int64_t forwards_before = on_worker(3, "pipe_slow_forwards");
+  Clock::time_point step_end;
+  std::thread stepper([&] {
+    slow.step(ones, zeros);
+    step_end = Clock::now();
+  });
+  // The step is running (holding the pipeline) once its last stage computed a forward.
+  poll_until({3}, "pipe_slow_forwards", forwards_before + 4, milliseconds(20000));
+  const at::Tensor out = slow.forward(ones);
+  const auto forward_end = Clock::now();
+  stepper.join();
+  EXPECT_TRUE(at::equal(out, ones));
+  EXPECT_GE(forward_end, step_end) << "forward() overlapped the running step";
+}
+
+// A step that fails while the last stage still has backwards to compute (it needs no more input, so it finishes after
+// the driver gave up): afterwards no distributed autograd context exists on any worker, and .grad is unchanged
+// (issue 27: that stage delivered its gradients anyway, bringing back a released context or writing .grad).
+TEST_F(MultiprocPipeline, AFailedStepLeavesNoGradientAnywhere) {
+  start({.world_size = 4});
+  for (const auto to : {pipeline::GradientsTo::kContext, pipeline::GradientsTo::kDotGrad}) {
+    SCOPED_TRACE(to == pipeline::GradientsTo::kContext ? "context" : ".grad");
+    auto pipe = Pipeline::create(
+        {{1, "pipe_faulty", {int64_t{0}}}, {2, "pipe_faulty", {int64_t{0}}}, {3, "pipe_slow_backward", {int64_t{400}}}},
+        {.schedule = Schedule::kGPipe, .n_microbatches = 4, .gradients = to, .timeout = milliseconds(1000)});
+    const at::Tensor x = at::ones({8, 4}, at::kDouble), y = at::zeros({8, 4}, at::kDouble);
+    {
+      dist_autograd::ContextGuard ctx;
+      EXPECT_THROW(pipe.step(x, y), RpcError);
+    }
+    // The last stage's run ends about 1.6 s after the step began (4 backwards of 400 ms).
+    std::this_thread::sleep_for(milliseconds(2500));
+    EXPECT_EQ(poll_until({1, 2, 3}, "pipe_contexts", 0, milliseconds(5000)), (std::vector<int64_t>{0, 0, 0}));
+    for (int s = 0; s < 3; ++s) {
+      const auto grads = rpc::rpc_sync<std::vector<at::Tensor>>(pipe.stage_worker(s), "pipe_dot_grads", pipe.id(), s);
+      for (const auto& g : grads) EXPECT_EQ(g.abs().sum().item<double>(), 0) << "stage " << s << "'s .grad changed";
+    }
+  }
+}
+
+// A creation where stage 1 cannot be built while stage 0's build is slow (the driver gives up waiting for it): once
+// that build has ended, no stage is left on either worker (issue 27: the release overtook the build).
+TEST_F(MultiprocPipeline, AFailedCreationLeavesNoStageBehind) {
+  start({.world_size = 3});
+  EXPECT_THROW(Pipeline::create({{1, "pipe_slow_build", {int64_t{1500}}}, {2, "no_such_factory", {}}},
+                                {.timeout = milliseconds(500)}),
+               RpcError);
+  std::this_thread::sleep_for(milliseconds(2000));  // the slow build has ended
+  EXPECT_EQ(poll_until({1, 2}, "pipe_stage_count", 0, milliseconds(5000)), (std::vector<int64_t>{0, 0}));
+}
+
+// A driver process that dies holding a pipeline: its stage workers release the stages (they check their drivers every
+// second).
+TEST_F(MultiprocPipeline, TheStagesOfADriverThatDiedAreReleased) {
+  start({.world_size = 4});
+  expect_clean_children_ = false;
+  (void)rpc::rpc_sync<int64_t>("worker3", "pipe_create_and_die");
+  EXPECT_EQ(on_worker(1, "pipe_stage_count"), 1);
+  EXPECT_EQ(on_worker(2, "pipe_stage_count"), 1);
+  EXPECT_EQ(poll_until({1, 2}, "pipe_stage_count", 0, milliseconds(15000)), (std::vector<int64_t>{0, 0}));
+  rpc::shutdown(false);
+  EXPECT_EQ(job_->wait_children(milliseconds(30000))[2], 9);
 }
 
 }  // namespace

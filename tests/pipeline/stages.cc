@@ -2,10 +2,15 @@
 
 #include <unistd.h>
 
+#include <atomic>
+#include <chrono>
+#include <thread>
+
 #include "dist_autograd/dist_autograd.h"
 #include "nn/remote_module.h"
 #include "pipeline/pipeline.h"
 #include "rpc/registry.h"
+#include "tests/common/test_env.h"
 
 namespace tandem::test {
 
@@ -28,14 +33,20 @@ std::vector<at::Tensor> stage_params(int64_t pipe, int64_t stage) {
   return m->parameters();
 }
 
+// A float64 Linear(4, 4) that computes the identity.
+torch::nn::Linear identity_linear() {
+  torch::nn::Linear lin(4, 4);
+  lin->to(torch::kDouble);
+  torch::NoGradGuard no_grad;
+  lin->weight.copy_(torch::eye(4, torch::kDouble));
+  lin->bias.zero_();
+  return lin;
+}
+
 // An identity layer that fails on a marked row (first value 999): throws (mode 1) or dies (mode 2).
 struct Faulty : torch::nn::Module {
   explicit Faulty(int64_t mode) : mode(mode) {
-    lin = register_module("lin", torch::nn::Linear(4, 4));
-    lin->to(torch::kDouble);
-    torch::NoGradGuard no_grad;
-    lin->weight.copy_(torch::eye(4, torch::kDouble));
-    lin->bias.zero_();
+    lin = register_module("lin", identity_linear());
   }
   at::Tensor forward(const at::Tensor& x) {
     if (mode != 0 && x.select(1, 0).eq(999).any().item<bool>()) {
@@ -48,7 +59,38 @@ struct Faulty : torch::nn::Module {
   torch::nn::Linear lin{nullptr};
 };
 
+// An identity Linear(4, 4) whose backward sleeps `ms` milliseconds (a hook on its output's gradient); counts its
+// forwards in this process (slow_forwards).
+std::atomic<int64_t> slow_forwards{0};
+struct SlowBackward : torch::nn::Module {
+  explicit SlowBackward(int64_t ms) : ms(ms) {
+    lin = register_module("lin", identity_linear());
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    ++slow_forwards;
+    at::Tensor y = lin->forward(x);
+    if (y.requires_grad()) {
+      const int64_t wait = ms;
+      y.register_hook([wait](const at::Tensor& g) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(wait));
+        return g;
+      });
+    }
+    return y;
+  }
+  int64_t ms;
+  torch::nn::Linear lin{nullptr};
+};
+
 }  // namespace
+
+torch::nn::Sequential make_pipe_dropout_bn(int64_t seed) {
+  torch::manual_seed(seed);
+  torch::nn::Sequential m(torch::nn::Linear(4, 6), torch::nn::Dropout(0.5), torch::nn::Linear(6, 6),
+                          torch::nn::BatchNorm1d(6), torch::nn::Tanh(), torch::nn::Linear(6, 4));
+  m->to(torch::kDouble);
+  return m;
+}
 
 void register_pipeline_stages() {
   nn::register_module("pipe_mlp", make_pipe_mlp);
@@ -68,6 +110,40 @@ void register_pipeline_stages() {
     std::vector<at::Tensor> out;
     for (const auto& p : stage_params(pipe, stage)) out.push_back(p.grad().defined() ? p.grad() : at::zeros_like(p));
     return out;
+  });
+  nn::register_module("pipe_dropout_bn", make_pipe_dropout_bn);
+  nn::register_module("pipe_slow_backward", [](int64_t ms) { return std::make_shared<SlowBackward>(ms); });
+  nn::register_module("pipe_slow_build", [](int64_t ms) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+    torch::nn::Linear l(4, 4);
+    l->to(torch::kDouble);
+    return l;
+  });
+  rpc::register_function("pipe_slow_forwards", [] { return slow_forwards.load(); });
+  rpc::register_function("pipe_seed", [](int64_t seed) { torch::manual_seed(seed); });
+  rpc::register_function("pipe_buffers", [](int64_t pipe, int64_t stage) {
+    auto m = pipeline::local_stage(pipe, static_cast<int>(stage));
+    if (!m) throw std::invalid_argument("no such stage here");
+    std::vector<at::Tensor> out;
+    for (const auto& b : m->buffers()) out.push_back(b.detach().to(at::kDouble));
+    return out;
+  });
+  rpc::register_function("pipe_training", [](int64_t pipe, int64_t stage) {
+    auto m = pipeline::local_stage(pipe, static_cast<int>(stage));
+    if (!m) throw std::invalid_argument("no such stage here");
+    bool all = true;
+    for (const auto& c : m->modules()) all = all && c->is_training();
+    return all;
+  });
+  rpc::register_function("pipe_stage_count", [] { return pipeline::local_stage_count(); });
+  rpc::register_function("pipe_contexts", [] { return dist_autograd::stats().contexts; });
+  // Builds a pipeline on worker1 and worker2 from this worker, keeps it, and dies 300 ms later (a driver that died).
+  rpc::register_function("pipe_create_and_die", [] {
+    static auto* kept = new std::vector<pipeline::Pipeline>;
+    kept->push_back(pipeline::Pipeline::create({{1, "pipe_linear", {int64_t{4}, int64_t{4}}},
+                                                {2, "pipe_linear", {int64_t{4}, int64_t{4}}}}));
+    die_in(std::chrono::milliseconds(300));
+    return kept->back().id();
   });
   rpc::register_function("pipe_params", [](int64_t pipe, int64_t stage) {
     std::vector<at::Tensor> out;

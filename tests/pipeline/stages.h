@@ -8,7 +8,13 @@ namespace tandem::test {
 // "pipe_mlp"(layers, width, seed): a float64 Sequential of `layers` Linear(width, width), each followed by Tanh.
 torch::nn::Sequential make_pipe_mlp(int64_t layers, int64_t width, int64_t seed);
 
-// Also registers: "pipe_linear"(in, out) (float64 Linear); "pipe_faulty"(mode): a float64 identity Linear(4, 4) whose
+// "pipe_dropout_bn"(seed): a float64 Sequential Linear(4, 6), Dropout(0.5), Linear(6, 6), BatchNorm1d(6), Tanh,
+// Linear(6, 4).
+torch::nn::Sequential make_pipe_dropout_bn(int64_t seed);
+
+// Also registers "pipe_slow_backward"(ms) (an identity Linear(4, 4) whose backward sleeps; "pipe_slow_forwards" counts
+// its forwards), "pipe_slow_build"(ms) (a Linear(4, 4) whose factory sleeps), "pipe_seed", "pipe_buffers",
+// "pipe_training", "pipe_stage_count", "pipe_contexts" and "pipe_create_and_die" (see stages.cc); "pipe_linear"(in, out) (float64 Linear); "pipe_faulty"(mode): a float64 identity Linear(4, 4) whose
 // forward, when a row's first value is 999, throws (mode 1) or kills its process with exit code 9 (mode 2); and the
 // functions "pipe_grads"(pipeline, stage, context) / "pipe_params"(pipeline, stage) / "pipe_dot_grads"(pipeline,
 // stage) returning a local stage's context gradients, parameters and .grad (zeros where undefined).
