@@ -419,18 +419,15 @@ TEST_F(MultiprocPipeline, ForwardIsInferenceInEvalModeAndWaitsForARunningStep) {
       {.schedule = Schedule::kGPipe, .n_microbatches = 4, .gradients = pipeline::GradientsTo::kDotGrad});
   const at::Tensor ones = at::ones({8, 4}, at::kDouble), zeros = at::zeros({8, 4}, at::kDouble);
   const int64_t forwards_before = on_worker(3, "pipe_slow_forwards");
-  Clock::time_point step_end;
-  std::thread stepper([&] {
-    slow.step(ones, zeros);
-    step_end = Clock::now();
-  });
-  // The step is running (holding the pipeline) once its last stage computed a forward.
+  std::thread stepper([&] { slow.step(ones, zeros); });
+  // The step is running (holding the pipeline) once its last stage computed its forwards; its backwards follow.
   poll_until({3}, "pipe_slow_forwards", forwards_before + 4, milliseconds(20000));
   const at::Tensor out = slow.forward(ones);
-  const auto forward_end = Clock::now();
   stepper.join();
   EXPECT_TRUE(at::equal(out, ones));
-  EXPECT_GE(forward_end, step_end) << "forward() overlapped the running step";
+  // On the last stage's worker (one clock): the inference forward began after the step's last backward ended.
+  const auto times = rpc::rpc_sync<std::vector<int64_t>>(3, "pipe_slow_times");
+  EXPECT_GT(times[1], times[0]) << "forward() overlapped the running step";
 }
 
 // A step that fails while the last stage still has backwards to compute (it needs no more input, so it finishes after
@@ -469,8 +466,8 @@ TEST_F(MultiprocPipeline, AFailedCreationLeavesNoStageBehind) {
   EXPECT_EQ(poll_until({1, 2}, "pipe_stage_count", 0, milliseconds(5000)), (std::vector<int64_t>{0, 0}));
 }
 
-// A driver process that dies holding a pipeline: its stage workers release the stages (they check their drivers every
-// second).
+// A driver process that dies (a second after building its pipeline): its stage workers release the stages (they check
+// their drivers every second).
 TEST_F(MultiprocPipeline, TheStagesOfADriverThatDiedAreReleased) {
   start({.world_size = 4});
   expect_clean_children_ = false;

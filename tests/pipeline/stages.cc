@@ -60,19 +60,26 @@ struct Faulty : torch::nn::Module {
 };
 
 // An identity Linear(4, 4) whose backward sleeps `ms` milliseconds (a hook on its output's gradient); counts its
-// forwards in this process (slow_forwards).
-std::atomic<int64_t> slow_forwards{0};
+// forwards in this process (slow_forwards) and notes when its last backward ended and its last forward without
+// gradients began (steady clock, microseconds).
+std::atomic<int64_t> slow_forwards{0}, slow_backward_end_us{0}, slow_inference_start_us{0};
+int64_t steady_us() {
+  return std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
 struct SlowBackward : torch::nn::Module {
   explicit SlowBackward(int64_t ms) : ms(ms) {
     lin = register_module("lin", identity_linear());
   }
   at::Tensor forward(const at::Tensor& x) {
     ++slow_forwards;
+    if (!at::GradMode::is_enabled()) slow_inference_start_us = steady_us();
     at::Tensor y = lin->forward(x);
     if (y.requires_grad()) {
       const int64_t wait = ms;
       y.register_hook([wait](const at::Tensor& g) {
         std::this_thread::sleep_for(std::chrono::milliseconds(wait));
+        slow_backward_end_us = steady_us();
         return g;
       });
     }
@@ -120,6 +127,9 @@ void register_pipeline_stages() {
     return l;
   });
   rpc::register_function("pipe_slow_forwards", [] { return slow_forwards.load(); });
+  rpc::register_function("pipe_slow_times", [] {
+    return std::vector<int64_t>{slow_backward_end_us.load(), slow_inference_start_us.load()};
+  });
   rpc::register_function("pipe_seed", [](int64_t seed) { torch::manual_seed(seed); });
   rpc::register_function("pipe_buffers", [](int64_t pipe, int64_t stage) {
     auto m = pipeline::local_stage(pipe, static_cast<int>(stage));
@@ -137,12 +147,12 @@ void register_pipeline_stages() {
   });
   rpc::register_function("pipe_stage_count", [] { return pipeline::local_stage_count(); });
   rpc::register_function("pipe_contexts", [] { return dist_autograd::stats().contexts; });
-  // Builds a pipeline on worker1 and worker2 from this worker, keeps it, and dies 300 ms later (a driver that died).
+  // Builds a pipeline on worker1 and worker2 from this worker, keeps it, and dies a second later (a driver that died).
   rpc::register_function("pipe_create_and_die", [] {
     static auto* kept = new std::vector<pipeline::Pipeline>;
     kept->push_back(pipeline::Pipeline::create({{1, "pipe_linear", {int64_t{4}, int64_t{4}}},
                                                 {2, "pipe_linear", {int64_t{4}, int64_t{4}}}}));
-    die_in(std::chrono::milliseconds(300));
+    die_in(std::chrono::milliseconds(1000));
     return kept->back().id();
   });
   rpc::register_function("pipe_params", [](int64_t pipe, int64_t stage) {
