@@ -455,6 +455,34 @@ TEST_F(MultiprocPipeline, AFailedStepLeavesNoGradientAnywhere) {
   }
 }
 
+// The run of step n + 1 never starts on a worker before the run of step n has ended there, even when step n failed and
+// its run is still going (issue 27: with a thread per step, an abandoned run could overlap the next step on the same
+// module). The last stage's backwards take 4 x 1 s; the step fails at stage 0's 1.5 s deadline and throws after the
+// 2 s grace for the other replies, while the last stage still computes; the next step follows at once.
+TEST_F(MultiprocPipeline, TheNextStepWaitsForTheAbandonedRunOfTheLastOnEachWorker) {
+  start({.world_size = 4});
+  auto pipe = Pipeline::create(
+      {{1, "pipe_faulty", {int64_t{0}}}, {2, "pipe_faulty", {int64_t{0}}}, {3, "pipe_slow_backward", {int64_t{1000}}}},
+      {.schedule = Schedule::kGPipe,
+       .n_microbatches = 4,
+       .gradients = pipeline::GradientsTo::kDotGrad,
+       .timeout = milliseconds(1500)});
+  const at::Tensor x = at::ones({8, 4}, at::kDouble), y = at::zeros({8, 4}, at::kDouble);
+  EXPECT_THROW(pipe.step(x, y), RpcError);
+  try {
+    pipe.step(x, y);  // fails too (its backwards outlast the timeout); its forwards are what this test looks at
+  } catch (const RpcError&) {
+  }
+  // The last stage's log: step 1's 4 forwards and 4 backwards, then step 2's forwards.
+  const auto log = rpc::rpc_sync<std::vector<int64_t>>(3, "pipe_slow_log");
+  std::vector<int64_t> forwards, backwards;
+  for (size_t i = 0; i + 1 < log.size(); i += 2) (log[i] == 'f' ? forwards : backwards).push_back(log[i + 1]);
+  ASSERT_GE(backwards.size(), 4u);
+  ASSERT_GE(forwards.size(), 5u) << "step 2 never ran its forwards on the last stage";
+  EXPECT_GT(forwards[4], backwards[3]) << "step 2's run began " << (backwards[3] - forwards[4]) / 1000
+                                       << " ms before step 1's run ended on the last stage";
+}
+
 // A creation where stage 1 cannot be built while stage 0's build is slow (the driver gives up waiting for it): once
 // that build has ended, no stage is left on either worker (issue 27: the release overtook the build).
 TEST_F(MultiprocPipeline, AFailedCreationLeavesNoStageBehind) {

@@ -4,7 +4,9 @@
 
 #include <atomic>
 #include <chrono>
+#include <mutex>
 #include <thread>
+#include <vector>
 
 #include "dist_autograd/dist_autograd.h"
 #include "nn/remote_module.h"
@@ -63,6 +65,13 @@ struct Faulty : torch::nn::Module {
 // forwards in this process (slow_forwards) and notes when its last backward ended and its last forward without
 // gradients began (steady clock, microseconds).
 std::atomic<int64_t> slow_forwards{0}, slow_backward_end_us{0}, slow_inference_start_us{0};
+// Every forward with gradients ('f', its start) and backward ('b', its end) of such modules in this process, in order.
+std::mutex slow_log_mu;
+std::vector<int64_t> slow_log;  // kind, time, kind, time, ...
+void note(char kind, int64_t t) {
+  std::lock_guard<std::mutex> lock(slow_log_mu);
+  slow_log.insert(slow_log.end(), {kind, t});
+}
 int64_t steady_us() {
   return std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now().time_since_epoch())
       .count();
@@ -74,12 +83,14 @@ struct SlowBackward : torch::nn::Module {
   at::Tensor forward(const at::Tensor& x) {
     ++slow_forwards;
     if (!at::GradMode::is_enabled()) slow_inference_start_us = steady_us();
+    if (at::GradMode::is_enabled()) note('f', steady_us());
     at::Tensor y = lin->forward(x);
     if (y.requires_grad()) {
       const int64_t wait = ms;
       y.register_hook([wait](const at::Tensor& g) {
         std::this_thread::sleep_for(std::chrono::milliseconds(wait));
         slow_backward_end_us = steady_us();
+        note('b', slow_backward_end_us);
         return g;
       });
     }
@@ -127,6 +138,10 @@ void register_pipeline_stages() {
     return l;
   });
   rpc::register_function("pipe_slow_forwards", [] { return slow_forwards.load(); });
+  rpc::register_function("pipe_slow_log", [] {
+    std::lock_guard<std::mutex> lock(slow_log_mu);
+    return slow_log;
+  });
   rpc::register_function("pipe_slow_times", [] {
     return std::vector<int64_t>{slow_backward_end_us.load(), slow_inference_start_us.load()};
   });
