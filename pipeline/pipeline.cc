@@ -102,7 +102,8 @@ struct Stage {
   std::shared_ptr<torch::nn::Module> module;
   std::function<at::Tensor(const at::Tensor&)> forward;
   std::vector<at::Tensor> params;
-  std::vector<at::Tensor> buffers;  // running statistics and the like: a checkpointed recompute leaves them as they were
+  // Running statistics and the like: a checkpointed recompute leaves them as they were.
+  std::vector<at::Tensor> buffers;
   std::function<bool()> is_training;
   std::function<void(bool)> set_training;
 };
@@ -176,7 +177,7 @@ struct PipeEntry {
 void sweep_loop();
 
 struct Stages {
-  Mutex mu;
+  Mutex mu;    // taken inside the mailbox's lock (was_released); the mailbox's is never taken under it
   CondVar cv;  // wakes the driver checks at stop
   std::map<int64_t, PipeEntry> pipes ABSL_GUARDED_BY(mu);
   // Pipelines released here (bounded memory, oldest first): a stage whose build ends after its pipeline's release is
@@ -355,7 +356,7 @@ class Mailbox {
   }
   void put(const Key& key, at::Tensor t) {
     MutexLock lock(&mu_);
-    if (aborted_.count(step_of(key)) || released_.count(std::get<0>(key))) return;
+    if (aborted_.count(step_of(key)) || was_released(std::get<0>(key))) return;
     box_[key] = std::move(t);
     cv_.SignalAll();
   }
@@ -373,7 +374,7 @@ class Mailbox {
         return absl::Status(a->second.code(),
                             absl::StrCat("abandoned while waiting for ", what, ": ", a->second.message()));
       }
-      if (released_.count(std::get<0>(key))) {
+      if (was_released(std::get<0>(key))) {
         return absl::AbortedError(absl::StrCat("abandoned while waiting for ", what, ": the pipeline was released"));
       }
       if (auto it = box_.find(key); it != box_.end()) {
@@ -405,20 +406,17 @@ class Mailbox {
     box_.clear();
     cv_.SignalAll();
   }
-  // The pipeline is gone from this worker: what waits for it ends, what is here for it and what comes later is dropped.
+  // The pipeline is gone from this worker (was_released, which every wait and delivery here checks, says so already):
+  // what waits for it ends, and what is here for it is dropped.
   void release(int64_t pipe) {
     MutexLock lock(&mu_);
-    if (released_.insert(pipe).second) {
-      released_order_.push_back(pipe);
-      if (released_order_.size() > 10000) released_.erase(released_order_.front()), released_order_.pop_front();
-    }
     for (auto it = box_.begin(); it != box_.end();)
       it = std::get<0>(it->first) == pipe ? box_.erase(it) : std::next(it);
     cv_.SignalAll();
   }
   bool aborted(int64_t pipe, int64_t step) {
     MutexLock lock(&mu_);
-    return aborted_.count({pipe, step}) > 0 || released_.count(pipe) > 0;
+    return aborted_.count({pipe, step}) > 0 || was_released(pipe);
   }
 
  private:
@@ -429,9 +427,7 @@ class Mailbox {
   std::map<std::pair<int64_t, int64_t>, absl::Status> aborted_ ABSL_GUARDED_BY(mu_);
   // Abandoned steps, oldest first (a bounded memory of them).
   std::vector<std::pair<int64_t, int64_t>> order_ ABSL_GUARDED_BY(mu_);
-  std::set<int64_t> released_ ABSL_GUARDED_BY(mu_);  // pipelines released here (bounded, oldest first)
-  std::deque<int64_t> released_order_ ABSL_GUARDED_BY(mu_);
-  int64_t epoch_ ABSL_GUARDED_BY(mu_) = 0;  // abort_all() calls so far
+  int64_t epoch_ ABSL_GUARDED_BY(mu_) = 0;     // abort_all() calls so far
   absl::Status stopped_ ABSL_GUARDED_BY(mu_);  // the last one's reason
 };
 
@@ -796,8 +792,8 @@ rpc::Future on_forward(int64_t pipe, int64_t index, std::vector<int64_t> ranks, 
         result.set_value(c10::IValue(y));
         return;
       }
-      rpc::Future next = rpc::rpc_async(static_cast<int>(ranks[index + 1]), kForward, pipe, index + 1, ranks, y,
-                                        timeout_ms, timeout);
+      rpc::Future next =
+          rpc::rpc_async(static_cast<int>(ranks[index + 1]), kForward, pipe, index + 1, ranks, y, timeout_ms, timeout);
       next.add_callback([result](const rpc::Future& done) {
         const absl::Status s = done.status();
         result.set_status(s, s.ok() ? done.value() : c10::IValue());
@@ -1159,9 +1155,9 @@ Pipeline Pipeline::create(std::vector<StageSpec> stages, PipelineOptions options
   for (auto& b : built) statuses.push_back(b.status());
   for (size_t s = 0; s < built.size(); ++s) {
     if (!statuses[s].ok()) {
-      fail(statuses[s].code(), absl::StrCat("building stage ", s, " on worker '",
-                                            rpc::get_worker_info(st->stage_rank[s]).name,
-                                            "' failed: ", statuses[s].message()));
+      fail(statuses[s].code(),
+           absl::StrCat("building stage ", s, " on worker '", rpc::get_worker_info(st->stage_rank[s]).name,
+                        "' failed: ", statuses[s].message()));
     }
   }
   for (auto& b : built) {

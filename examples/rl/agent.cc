@@ -35,11 +35,15 @@ std::shared_ptr<Agent> g_agent ABSL_GUARDED_BY(g_agent_mu);
 ABSL_CONST_INIT Mutex g_active_mu(absl::kConstInit);
 int64_t g_active ABSL_GUARDED_BY(g_active_mu) = 0;
 
+void set_active_locked(int64_t n) ABSL_EXCLUSIVE_LOCKS_REQUIRED(g_active_mu) {
+  g_active = std::max<int64_t>(0, n);
+  throw_if_error(rpc::set_max_batch(kSelectBatch, static_cast<size_t>(std::max<int64_t>(1, g_active))));
+}
+
 // An observer finished its round (or failed): the next batches need one request fewer.
 void one_observer_fewer() {
   MutexLock lock(&g_active_mu);
-  g_active = std::max<int64_t>(0, g_active - 1);
-  throw_if_error(rpc::set_max_batch(kSelectBatch, static_cast<size_t>(std::max<int64_t>(1, g_active))));
+  set_active_locked(g_active - 1);
 }
 
 std::shared_ptr<Agent> agent() {
@@ -103,7 +107,8 @@ std::vector<absl::StatusOr<int64_t>> Agent::select(const std::vector<Request>& r
       actions[i] = absl::InvalidArgumentError(
           absl::StrCat("a request is {observer, 4 state values, u}; this one has ", r.size(), " values"));
     } else if (!(r[0] >= 0 && r[0] < static_cast<double>(n_observers_)) || r[0] != static_cast<int64_t>(r[0])) {
-      actions[i] = absl::InvalidArgumentError(absl::StrCat("no observer ", r[0], " (the agent has ", n_observers_, ")"));
+      actions[i] =
+          absl::InvalidArgumentError(absl::StrCat("no observer ", r[0], " (the agent has ", n_observers_, ")"));
     } else {
       good.push_back(i);
       flat.insert(flat.end(), r.begin() + 1, r.begin() + 5);
@@ -181,8 +186,7 @@ void register_rl() {
 
 void set_active_observers(int64_t n) {
   MutexLock lock(&g_active_mu);
-  g_active = std::max<int64_t>(0, n);
-  throw_if_error(rpc::set_max_batch(kSelectBatch, static_cast<size_t>(std::max<int64_t>(1, g_active))));
+  set_active_locked(n);
 }
 
 int64_t active_observers() {

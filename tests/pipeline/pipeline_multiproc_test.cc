@@ -333,12 +333,12 @@ TEST_F(MultiprocPipeline, ALostActivationFailsTheStepWithinTheTimeoutAndTheNextS
   EXPECT_NEAR(pipe.step(x, y), 1.0, 1e-12);
 }
 
-
 // ---- issue 27: checkpointing, inference, failed steps, stages left behind ----
 
 std::vector<pipeline::StageSpec> dropout_bn_stages() {
   // Stage 0: Linear + Dropout; stage 1: Linear + BatchNorm; stage 2: Tanh + Linear.
-  return {{1, "pipe_dropout_bn", {kSeed}, 0, 2}, {2, "pipe_dropout_bn", {kSeed}, 2, 4},
+  return {{1, "pipe_dropout_bn", {kSeed}, 0, 2},
+          {2, "pipe_dropout_bn", {kSeed}, 2, 4},
           {3, "pipe_dropout_bn", {kSeed}, 4, 6}};
 }
 
@@ -391,8 +391,8 @@ TEST_F(MultiprocPipeline, CheckpointingKeepsDropoutMasksAndRunningStatistics) {
     EXPECT_LE(relative_diff(on.grads[s], off.grads[s]), 1e-12) << "stage " << s << "'s gradients";
     EXPECT_LE(relative_diff(on.buffers[s], off.buffers[s]), 1e-12) << "stage " << s << "'s buffers";
   }
-  ASSERT_EQ(off.buffers[1].size(), 3u);                    // running mean, running variance, batches tracked
-  EXPECT_EQ(off.buffers[1][2].item<double>(), 4.0);        // one update per micro-batch
+  ASSERT_EQ(off.buffers[1].size(), 3u);                      // running mean, running variance, batches tracked
+  EXPECT_EQ(off.buffers[1][2].item<double>(), 4.0);          // one update per micro-batch
   EXPECT_GT(off.grads[0][0].abs().sum().item<double>(), 0);  // the gradients are not all zero
 }
 
@@ -400,7 +400,8 @@ TEST_F(MultiprocPipeline, CheckpointingKeepsDropoutMasksAndRunningStatistics) {
 // every stage back in training mode after; and it waits for a step of the same pipeline that is running.
 TEST_F(MultiprocPipeline, ForwardIsInferenceInEvalModeAndWaitsForARunningStep) {
   start({.world_size = 4});
-  auto pipe = Pipeline::create(dropout_bn_stages(), {.n_microbatches = 2, .gradients = pipeline::GradientsTo::kDotGrad});
+  auto pipe =
+      Pipeline::create(dropout_bn_stages(), {.n_microbatches = 2, .gradients = pipeline::GradientsTo::kDotGrad});
   auto gen = at::detail::createCPUGenerator(43);
   const at::Tensor x = at::randn({8, 4}, gen, at::kDouble);
   const auto before = rpc::rpc_sync<std::vector<at::Tensor>>(pipe.stage_worker(1), "pipe_buffers", pipe.id(), 1);
@@ -426,8 +427,15 @@ TEST_F(MultiprocPipeline, ForwardIsInferenceInEvalModeAndWaitsForARunningStep) {
   stepper.join();
   EXPECT_TRUE(at::equal(out, ones));
   // On the last stage's worker (one clock): the inference forward began after the step's last backward ended.
-  const auto times = rpc::rpc_sync<std::vector<int64_t>>(3, "pipe_slow_times");
-  EXPECT_GT(times[1], times[0]) << "forward() overlapped the running step";
+  const auto log = rpc::rpc_sync<std::vector<int64_t>>(3, "pipe_slow_log");
+  int64_t last_backward = -1, inference = -1;
+  for (size_t i = 0; i + 1 < log.size(); i += 2) {
+    if (log[i] == 'b') last_backward = log[i + 1];
+    if (log[i] == 'i' && inference < 0) inference = log[i + 1];
+  }
+  ASSERT_GE(last_backward, 0);
+  ASSERT_GE(inference, 0);
+  EXPECT_GT(inference, last_backward) << "forward() overlapped the running step";
 }
 
 // A step that fails while the last stage still has backwards to compute (it needs no more input, so it finishes after
@@ -476,7 +484,10 @@ TEST_F(MultiprocPipeline, TheNextStepWaitsForTheAbandonedRunOfTheLastOnEachWorke
   // The last stage's log: step 1's 4 forwards and 4 backwards, then step 2's forwards.
   const auto log = rpc::rpc_sync<std::vector<int64_t>>(3, "pipe_slow_log");
   std::vector<int64_t> forwards, backwards;
-  for (size_t i = 0; i + 1 < log.size(); i += 2) (log[i] == 'f' ? forwards : backwards).push_back(log[i + 1]);
+  for (size_t i = 0; i + 1 < log.size(); i += 2) {
+    if (log[i] == 'f') forwards.push_back(log[i + 1]);
+    if (log[i] == 'b') backwards.push_back(log[i + 1]);
+  }
   ASSERT_GE(backwards.size(), 4u);
   ASSERT_GE(forwards.size(), 5u) << "step 2 never ran its forwards on the last stage";
   EXPECT_GT(forwards[4], backwards[3]) << "step 2's run began " << (backwards[3] - forwards[4]) / 1000

@@ -47,9 +47,7 @@ torch::nn::Linear identity_linear() {
 
 // An identity layer that fails on a marked row (first value 999): throws (mode 1) or dies (mode 2).
 struct Faulty : torch::nn::Module {
-  explicit Faulty(int64_t mode) : mode(mode) {
-    lin = register_module("lin", identity_linear());
-  }
+  explicit Faulty(int64_t mode) : mode(mode) { lin = register_module("lin", identity_linear()); }
   at::Tensor forward(const at::Tensor& x) {
     if (mode != 0 && x.select(1, 0).eq(999).any().item<bool>()) {
       if (mode == 2) _exit(9);
@@ -62,10 +60,10 @@ struct Faulty : torch::nn::Module {
 };
 
 // An identity Linear(4, 4) whose backward sleeps `ms` milliseconds (a hook on its output's gradient); counts its
-// forwards in this process (slow_forwards) and notes when its last backward ended and its last forward without
-// gradients began (steady clock, microseconds).
-std::atomic<int64_t> slow_forwards{0}, slow_backward_end_us{0}, slow_inference_start_us{0};
-// Every forward with gradients ('f', its start) and backward ('b', its end) of such modules in this process, in order.
+// forwards in this process (slow_forwards).
+std::atomic<int64_t> slow_forwards{0};
+// Every forward of such modules in this process ('f' with gradients, 'i' without: its start) and every backward ('b':
+// its end), in order, with the steady clock's microseconds.
 std::mutex slow_log_mu;
 std::vector<int64_t> slow_log;  // kind, time, kind, time, ...
 void note(char kind, int64_t t) {
@@ -77,20 +75,16 @@ int64_t steady_us() {
       .count();
 }
 struct SlowBackward : torch::nn::Module {
-  explicit SlowBackward(int64_t ms) : ms(ms) {
-    lin = register_module("lin", identity_linear());
-  }
+  explicit SlowBackward(int64_t ms) : ms(ms) { lin = register_module("lin", identity_linear()); }
   at::Tensor forward(const at::Tensor& x) {
     ++slow_forwards;
-    if (!at::GradMode::is_enabled()) slow_inference_start_us = steady_us();
-    if (at::GradMode::is_enabled()) note('f', steady_us());
+    note(at::GradMode::is_enabled() ? 'f' : 'i', steady_us());
     at::Tensor y = lin->forward(x);
     if (y.requires_grad()) {
       const int64_t wait = ms;
       y.register_hook([wait](const at::Tensor& g) {
         std::this_thread::sleep_for(std::chrono::milliseconds(wait));
-        slow_backward_end_us = steady_us();
-        note('b', slow_backward_end_us);
+        note('b', steady_us());
         return g;
       });
     }
@@ -142,9 +136,6 @@ void register_pipeline_stages() {
     std::lock_guard<std::mutex> lock(slow_log_mu);
     return slow_log;
   });
-  rpc::register_function("pipe_slow_times", [] {
-    return std::vector<int64_t>{slow_backward_end_us.load(), slow_inference_start_us.load()};
-  });
   rpc::register_function("pipe_seed", [](int64_t seed) { torch::manual_seed(seed); });
   rpc::register_function("pipe_buffers", [](int64_t pipe, int64_t stage) {
     auto m = pipeline::local_stage(pipe, static_cast<int>(stage));
@@ -165,8 +156,8 @@ void register_pipeline_stages() {
   // Builds a pipeline on worker1 and worker2 from this worker, keeps it, and dies a second later (a driver that died).
   rpc::register_function("pipe_create_and_die", [] {
     static auto* kept = new std::vector<pipeline::Pipeline>;
-    kept->push_back(pipeline::Pipeline::create({{1, "pipe_linear", {int64_t{4}, int64_t{4}}},
-                                                {2, "pipe_linear", {int64_t{4}, int64_t{4}}}}));
+    kept->push_back(pipeline::Pipeline::create(
+        {{1, "pipe_linear", {int64_t{4}, int64_t{4}}}, {2, "pipe_linear", {int64_t{4}, int64_t{4}}}}));
     die_in(std::chrono::milliseconds(1000));
     return kept->back().id();
   });
