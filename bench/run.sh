@@ -20,6 +20,8 @@ if ! "$PY" -c "import torch.distributed.rpc" 2>/dev/null; then
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends python3-torch >/dev/null
 fi
 cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DTANDEM_BUILD_BENCH=ON >/dev/null
+# The cores, asked first: coreutils' nproc honours OMP_NUM_THREADS, and the builds below would run on one.
+cores="$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)"
 export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1  # one intra-op thread per process, BLAS included
 # Both sides keep the memory they free (docs/deploy.md, "Memory"): with glibc's defaults every large tensor PyTorch
 # receives or allocates is faulted in afresh, at ~10 us a page on these VMs, which cut its 64 MiB RPC transfer from
@@ -32,7 +34,7 @@ fi
 bench() {
   local target="$1" nproc="$2" peer="$3"
   shift 3
-  cmake --build build -j"$(nproc)" --target "$target" tandem-run >&2
+  cmake --build build -j"$cores" --target "$target" tandem-run >&2
   for ((round = 1; round <= ${ROUNDS:-1}; round++)); do
     build/tandem-run --nproc-per-node "$nproc" "build/$target" "$@" | sed -n 's/^\[rank0\]: {/{/p'
     for mode in ${PEER_MODES:-default tcp}; do "$PY" "bench/$peer" "$mode" "$@"; done
@@ -61,7 +63,7 @@ hosts_bench() {
     echo "bench: hosts: skipped: $why" >&2
     exit 77
   fi
-  cmake --build build -j"$(nproc)" --target rpc_bench collectives_bench tandem-run delay_relay tcp_pingpong >&2
+  cmake --build build -j"$cores" --target rpc_bench collectives_bench tandem-run delay_relay tcp_pingpong >&2
   step_timeout="${STEP_TIMEOUT:-900}" delay_us="${DELAY_US:-1000}" hn="bh$$" relays=()
   tmp="$(mktemp -d)"
   trap 'delay_off; bash scripts/hosts.sh down "$hn"; rm -rf "$tmp"' EXIT
@@ -216,7 +218,7 @@ case "$name" in
   hybrid) bench hybrid_bench 4 peer_hybrid.py "$@" ;;
   elastic)
     # Not under tandem-run: the driver starts each launcher itself, kills a worker and times the restart.
-    cmake --build build -j"$(nproc)" --target elastic_bench tandem-run >&2
+    cmake --build build -j"$cores" --target elastic_bench tandem-run >&2
     for ((round = 1; round <= ${ROUNDS:-1}; round++)); do
       "$PY" bench/elastic_driver.py tandem --tandem-run build/tandem-run --worker build/elastic_bench "$@"
       "$PY" bench/elastic_driver.py torch --peer bench/peer_elastic.py "$@"

@@ -2,12 +2,14 @@
 //
 //   build/tandem-run --nproc-per-node 4 build/pipeline_train [--epochs 4] [--lr 0.002] [--batch 64]
 //        [--microbatches 4] [--schedule 1f1b|gpipe|interleaved] [--timeline pipeline_timeline] [--checkpoint 1]
+//        [--min-accuracy A]
 //
 // Rank 0 (the driver) cuts the CNN (the other examples' model) into stages of balanced measured time, places stage k
 // on worker k+1, and trains with Adam through DistributedOptimizer: each batch goes through pipe.step() (micro-batches
 // by the schedule, activations from stage to stage), then opt.step(). It prints progress every 100 steps, per epoch
 // the loss, images/s and test accuracy (inference through the pipeline), and writes one step's timeline as
-// <timeline>.svg (the schedule as a picture) and <timeline>.json (a Chrome trace for Perfetto).
+// <timeline>.svg (the schedule as a picture) and <timeline>.json (a Chrome trace for Perfetto). With --min-accuracy it
+// stops after the first epoch whose test accuracy reaches A, and exits 1 if none of the --epochs does.
 #include <torch/torch.h>
 
 #include <chrono>
@@ -36,7 +38,7 @@ struct Args {
   std::string timeline = "pipeline_timeline";  // "" writes none
   bool checkpoint = false;
   int64_t limit = 0;        // train on at most this many images (0: all 60,000); for smoke tests
-  double min_accuracy = 0;  // exit 1 if the final test accuracy is lower
+  double min_accuracy = 0;  // stop once an epoch's test accuracy reaches it; exit 1 if none does
 };
 
 Args parse(int argc, char** argv) {
@@ -130,6 +132,10 @@ int drive(const Args& args) {
     std::printf("epoch %d/%d  %.0f images/s  loss %.4f  test accuracy %.4f\n", epoch, args.epochs,
                 static_cast<double>(n) / secs, loss_sum / static_cast<double>(steps), accuracy);
     std::fflush(stdout);
+    if (args.min_accuracy > 0 && accuracy >= args.min_accuracy) {
+      std::printf("reached --min-accuracy %.2f after epoch %d of %d: stopping\n", args.min_accuracy, epoch, args.epochs);
+      break;
+    }
   }
   return examples::accuracy_exit_code(accuracy, args.min_accuracy);
 }

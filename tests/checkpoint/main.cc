@@ -4,8 +4,10 @@
 
 #include "tests/checkpoint/scenarios.h"
 #include "tests/common/test_env.h"
+#include "tests/common/spawner.h"
 
 int main(int argc, char** argv) {
+  tandem::test::spawner::start();  // first: the workers are forked from here (tests/common/spawner.h)
   tandem::test::register_scenarios();
   return tandem::test::test_main(argc, argv, [](const std::string& scenario) {
     if (scenario == "write-forever") return tandem::test::write_forever();

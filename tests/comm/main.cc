@@ -2,8 +2,10 @@
 // test process (rank 0) and every worker run the same scenario (tests/comm/scenarios.h), started through RPC.
 #include "tests/comm/scenarios.h"
 #include "tests/common/test_env.h"
+#include "tests/common/spawner.h"
 
 int main(int argc, char** argv) {
+  tandem::test::spawner::start();  // first: the workers are forked from here (tests/common/spawner.h)
   tandem::test::register_scenarios();
   return tandem::test::test_main(argc, argv, [](const std::string&) { return tandem::test::run_worker_job([] {}); });
 }

@@ -1,6 +1,7 @@
 #include "tests/common/multiproc.h"
 
 #include "rpc/detail/net.h"
+#include "tests/common/spawner.h"
 
 #include <arpa/inet.h>
 #include <fcntl.h>
@@ -42,6 +43,22 @@ std::string make_temp_dir() {
 
 Process::Process(const std::vector<std::string>& argv, const std::map<std::string, std::string>& env) {
   log_path_ = make_temp_dir() + "/output.log";
+  // This binary in worker mode: forked by the fork server when there is one (spawner.h), with the same environment
+  // an exec'd child would get.
+  if (argv.size() == 3 && argv[1] == "--worker" && spawner::available() && argv[0] == self_exe()) {
+    std::map<std::string, std::string> all;
+    for (char** e = environ; *e; ++e) {
+      const std::string kv = *e;
+      const auto eq = kv.find('=');
+      if (eq != std::string::npos) all[kv.substr(0, eq)] = kv.substr(eq + 1);
+    }
+    for (const auto& [k, v] : env) all[k] = v;
+    std::vector<std::string> flat;
+    for (const auto& [k, v] : all) flat.push_back(k + "=" + v);
+    pid_ = spawner::spawn(argv[2], flat, log_path_);
+    spawned_ = true;
+    return;
+  }
   const pid_t parent = getpid();
   pid_ = fork();
   if (pid_ < 0) throw std::runtime_error("fork failed");
@@ -63,21 +80,43 @@ Process::Process(const std::vector<std::string>& argv, const std::map<std::strin
 Process::~Process() {
   if (!reaped_) {
     ::kill(pid_, SIGKILL);
-    waitpid(pid_, &status_, 0);
+    (void)reap(true);
+  }
+}
+
+bool Process::reap(bool block) {
+  if (!spawned_) {
+    if (waitpid(pid_, &status_, block ? 0 : WNOHANG) != pid_) return false;
+    reaped_ = true;
+    return true;
+  }
+  for (;;) {
+    try {
+      if (auto status = spawner::poll(pid_)) {
+        status_ = *status;
+        reaped_ = true;
+        return true;
+      }
+    } catch (const std::exception&) {  // the server is gone, and its workers with it
+      status_ = -1;
+      reaped_ = true;
+      return true;
+    }
+    if (!block) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
   }
 }
 
 int Process::wait(std::chrono::milliseconds timeout) {
-  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  return wait_until(std::chrono::steady_clock::now() + scaled(timeout));
+}
+
+int Process::wait_until(std::chrono::steady_clock::time_point deadline) {
   while (!reaped_) {
-    if (waitpid(pid_, &status_, WNOHANG) == pid_) {
-      reaped_ = true;
-      break;
-    }
+    if (reap(false)) break;
     if (std::chrono::steady_clock::now() > deadline) {
       ::kill(pid_, SIGKILL);
-      waitpid(pid_, &status_, 0);
-      reaped_ = true;
+      (void)reap(true);
       return -1;
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
@@ -161,12 +200,9 @@ std::map<std::string, std::string> Job::env_for(int rank) const {
 }
 
 std::vector<int> Job::wait_children(std::chrono::milliseconds timeout) {
-  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  const auto deadline = std::chrono::steady_clock::now() + scaled(timeout);
   std::vector<int> codes;
-  for (auto& c : children_) {
-    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
-    codes.push_back(exit_code(c->wait(std::max(left, std::chrono::milliseconds(1)))));
-  }
+  for (auto& c : children_) codes.push_back(exit_code(c->wait_until(deadline)));
   return codes;
 }
 

@@ -11,6 +11,8 @@
 #include <string>
 #include <vector>
 
+#include "tests/common/time_scale.h"
+
 namespace tandem::test {
 
 // A port for a job's master to listen on (rpc::net::pick_listen_port: below the ephemeral range, free on every local
@@ -40,20 +42,29 @@ std::string make_temp_dir();
 
 class Process {
  public:
-  // Starts `argv` with the current environment plus `env`; stdout and stderr go to a temporary file.
+  // Starts `argv` with the current environment plus `env`; stdout and stderr go to a temporary file. `argv` of this
+  // binary in worker mode ({self_exe(), "--worker", scenario}) is forked by the fork server when there is one
+  // (spawner.h): the same process, without the program's start-up.
   Process(const std::vector<std::string>& argv, const std::map<std::string, std::string>& env);
   ~Process();
   Process(const Process&) = delete;
   Process& operator=(const Process&) = delete;
 
-  // Waits up to `timeout` for the exit. Returns the wait status, or -1 (after SIGKILL) when it did not exit in time.
+  // Waits up to scaled(`timeout`) (time_scale.h) for the exit. Returns the wait status, or -1 (after SIGKILL) when it
+  // did not exit in time.
   int wait(std::chrono::milliseconds timeout);
+  // The same with a deadline (not scaled).
+  int wait_until(std::chrono::steady_clock::time_point deadline);
   void kill(int sig);
   pid_t pid() const { return pid_; }
   std::string output() const;
 
  private:
+  // Reaps the child if it has exited (waits for that when `block`); true once reaped.
+  bool reap(bool block);
+
   pid_t pid_ = -1;
+  bool spawned_ = false;  // by the fork server, which reaps it
   bool reaped_ = false;
   int status_ = 0;
   std::string log_path_;
@@ -78,7 +89,7 @@ class Job {
   int port() const { return port_; }
   const std::string& secret() const { return secret_; }
   Process& child(int rank) { return *children_.at(rank - 1); }
-  // Waits for every child; returns their exit codes (index 0 is rank 1).
+  // Waits up to scaled(`timeout`) in all for every child; returns their exit codes (index 0 is rank 1).
   std::vector<int> wait_children(std::chrono::milliseconds timeout);
   std::string outputs() const;
 

@@ -1,5 +1,7 @@
 #include "tests/common/test_env.h"
 
+#include "tests/common/spawner.h"
+
 #include <gtest/gtest.h>
 
 #include <unistd.h>
@@ -17,6 +19,7 @@ int env_int(const char* name, int fallback) {
 }  // namespace
 
 int test_main(int argc, char** argv, const std::function<int(const std::string& scenario)>& worker) {
+  if (const auto& scenario = spawner::worker_scenario()) return worker(*scenario);  // forked by the fork server
   if (argc >= 3 && std::string(argv[1]) == "--worker") return worker(argv[2]);
   testing::InitGoogleTest(&argc, argv);
   return RUN_ALL_TESTS();

@@ -32,8 +32,8 @@ void register_test_functions();
 // `body`, then a graceful shutdown. Returns the exit code: 0, or 3 after printing the error.
 int run_worker_job(const std::function<void()>& body);
 
-// The main of a module's test binary: `--worker <scenario>` runs `worker(scenario)` (a child of a multi-process
-// test), anything else runs the GoogleTest suites.
+// The main of a module's test binary: a worker forked by the fork server (spawner.h), or `--worker <scenario>`, runs
+// `worker(scenario)` (a child of a multi-process test); anything else runs the GoogleTest suites.
 int test_main(int argc, char** argv, const std::function<int(const std::string& scenario)>& worker);
 
 // RpcOptions from the environment the test set for its workers: TANDEM_TEST_SHUTDOWN_MS, TANDEM_TEST_THREADS,

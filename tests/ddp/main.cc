@@ -2,8 +2,10 @@
 // runs the same scenario (tests/ddp/scenarios.cc), started through RPC by the test process (rank 0).
 #include "tests/common/test_env.h"
 #include "tests/ddp/scenarios.h"
+#include "tests/common/spawner.h"
 
 int main(int argc, char** argv) {
+  tandem::test::spawner::start();  // first: the workers are forked from here (tests/common/spawner.h)
   tandem::test::register_scenarios();
   return tandem::test::test_main(argc, argv, [](const std::string&) { return tandem::test::run_worker_job([] {}); });
 }

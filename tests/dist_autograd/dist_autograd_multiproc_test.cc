@@ -39,7 +39,7 @@ class MultiprocDistAutograd : public MultiprocRpc {
   static int64_t contexts_on(int rank) { return rpc::rpc_sync<int64_t>(rank, "contexts"); }
   // Waits (bounded) until no worker holds a context; returns the counts last seen otherwise.
   static std::string wait_no_contexts(int world) {
-    const auto deadline = Clock::now() + milliseconds(20000);
+    const auto deadline = Clock::now() + scaled(milliseconds(20000));
     std::string last;
     for (;;) {
       bool zero = true;
@@ -214,7 +214,7 @@ TEST_F(MultiprocDistAutograd, AWorkerDyingMidBackwardIsAnErrorNotAHang) {
     } catch (const RpcError& e) {
       EXPECT_THAT(e.what(), testing::HasSubstr("worker1"));
     }
-    EXPECT_LT(Clock::now() - t0, milliseconds(30000));
+    EXPECT_LT(Clock::now() - t0, scaled(milliseconds(30000)));
   }
   rpc::shutdown(false);
   for (int code : job_->wait_children(milliseconds(30000))) EXPECT_EQ(code, 7);

@@ -7,6 +7,7 @@
 #include "rref/rref.h"
 #include "tests/common/params.h"
 #include "tests/common/test_env.h"
+#include "tests/common/spawner.h"
 
 namespace tandem::test {
 namespace {
@@ -23,6 +24,7 @@ void register_functions() {
 }  // namespace tandem::test
 
 int main(int argc, char** argv) {
+  tandem::test::spawner::start();  // first: the workers are forked from here (tests/common/spawner.h)
   tandem::test::register_functions();
   return tandem::test::test_main(argc, argv, [](const std::string&) { return tandem::test::run_worker_job([] {}); });
 }

@@ -6,6 +6,7 @@
 #include "nn/remote_module.h"
 #include "tests/common/test_env.h"
 #include "tests/nn/modules.h"
+#include "tests/common/spawner.h"
 
 namespace tandem::test {
 
@@ -32,6 +33,7 @@ void register_modules() {
 }  // namespace tandem::test
 
 int main(int argc, char** argv) {
+  tandem::test::spawner::start();  // first: the workers are forked from here (tests/common/spawner.h)
   tandem::test::register_modules();
   return tandem::test::test_main(argc, argv, [](const std::string&) { return tandem::test::run_worker_job([] {}); });
 }

@@ -281,7 +281,8 @@ TEST_F(MultiprocPipeline, AStageThatThrowsFailsTheStepNamingItAndTheNextStepWork
     EXPECT_THAT(e.what(), ::testing::HasSubstr("stage 1 on worker 'worker2', micro-batch 2, forward"));
     EXPECT_THAT(e.what(), ::testing::HasSubstr("a marked row reached the faulty stage"));
   }
-  EXPECT_LT(Clock::now() - t0, milliseconds(10000));  // the others abandon the step at once, not at its timeout
+  // The others abandon the step at once, not at its 20 s timeout: the scaled bound stays below it.
+  EXPECT_LT(Clock::now() - t0, std::min(scaled(milliseconds(10000)), milliseconds(19000)));
   x[5][0] = 1;
   dist_autograd::ContextGuard ctx;
   EXPECT_NEAR(pipe.step(x, y), 1.0, 1e-12);  // identity stages: mean of ones squared
@@ -305,7 +306,7 @@ TEST_F(MultiprocPipeline, AKilledStageWorkerFailsTheStepWithinTheTimeout) {
     EXPECT_THAT(e.what(), ::testing::HasSubstr("worker 'worker3' (stage 2)"));
     EXPECT_THAT(e.what(), ::testing::HasSubstr("micro-batch"));
   }
-  EXPECT_LT(Clock::now() - t0, milliseconds(8000 + 5000));
+  EXPECT_LT(Clock::now() - t0, milliseconds(8000) + scaled(milliseconds(5000)));
   rpc::shutdown(false);
   auto codes = job_->wait_children(milliseconds(30000));
   EXPECT_EQ(codes.back(), 9);
@@ -328,7 +329,7 @@ TEST_F(MultiprocPipeline, ALostActivationFailsTheStepWithinTheTimeoutAndTheNextS
   } catch (const RpcError& e) {
     EXPECT_THAT(e.what(), ::testing::HasSubstr("micro-batch")) << e.what();
   }
-  EXPECT_LT(Clock::now() - t0, milliseconds(3000 + 5000));
+  EXPECT_LT(Clock::now() - t0, milliseconds(3000) + scaled(milliseconds(5000)));
   dist_autograd::ContextGuard ctx;
   EXPECT_NEAR(pipe.step(x, y), 1.0, 1e-12);
 }
@@ -347,7 +348,7 @@ int64_t on_worker(int rank, const std::string& fn) { return rpc::rpc_sync<int64_
 // Polls `fn` on the given workers until each returns `want`, for up to `limit`; returns what they last returned.
 std::vector<int64_t> poll_until(const std::vector<int>& ranks, const std::string& fn, int64_t want,
                                 milliseconds limit) {
-  const auto deadline = Clock::now() + limit;
+  const auto deadline = Clock::now() + scaled(limit);
   std::vector<int64_t> got;
   for (;;) {
     got.clear();

@@ -51,7 +51,7 @@ TEST_F(MultiprocRl, AKilledObserverFailsTheRoundNamingIt) {
   } catch (const RpcError& e) {
     EXPECT_THAT(e.what(), ::testing::HasSubstr("observer 1 (worker 'worker2')"));
   }
-  EXPECT_LT(Clock::now() - t0, milliseconds(15000));
+  EXPECT_LT(Clock::now() - t0, std::min(scaled(milliseconds(15000)), milliseconds(19000)));  // below the 20 s timeout
   rpc::shutdown(false);
   EXPECT_EQ(job_->wait_children(milliseconds(30000))[1], 9);
 }

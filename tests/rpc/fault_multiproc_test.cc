@@ -80,7 +80,7 @@ TEST_F(MultiprocRpcFaults, DuplicatedRequestRunsTwiceAndCompletesOnce) {
   const int64_t first = f.get<int64_t>();
   EXPECT_TRUE(first == 1 || first == 2) << first;
   // The copy may still be queued on the callee when the original's reply arrives: wait (bounded) until it ran.
-  const auto deadline = Clock::now() + milliseconds(10000);
+  const auto deadline = Clock::now() + scaled(milliseconds(10000));
   while (rpc::rpc_sync<int64_t>("worker1", "bumps") < 2 && Clock::now() < deadline) {
     std::this_thread::sleep_for(milliseconds(5));
   }

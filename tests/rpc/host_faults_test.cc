@@ -21,13 +21,13 @@ TEST_F(HostFaults, LinkCutMidCallFailsAtItsDeadlineAndTheHealedLinkServesAgain) 
   EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
   EXPECT_THAT(std::string(s.message()), HasSubstr("worker1"));
   EXPECT_THAT(std::string(s.message()), HasSubstr("sleep_ms"));
-  EXPECT_LT(since(t0), milliseconds(2500 + 2000));
+  EXPECT_LT(since(t0), milliseconds(2500) + scaled(milliseconds(2000)));
   // New calls over the cut link fail at their deadline too; the other host is unaffected.
   EXPECT_EQ(rpc::rpc_async("worker1", "whoami", milliseconds(500)).status().code(), absl::StatusCode::kDeadlineExceeded);
   EXPECT_EQ(rpc::rpc_sync<std::string>("worker2", "whoami"), "worker2");
   // The partition heals: calls go through again (TCP retransmits on the same connection), and the job ends cleanly.
   host_fault("heal", 1);
-  const auto deadline = Clock::now() + milliseconds(20000);
+  const auto deadline = Clock::now() + scaled(milliseconds(20000));
   absl::Status again;
   do {
     again = rpc::rpc_async("worker1", "whoami", milliseconds(2000)).status();
@@ -43,10 +43,10 @@ TEST_F(HostFaults, BlackHoledHostFailsCallsAtTheirDeadlineNamingIt) {
   const absl::Status s = rpc::rpc_async("worker2", "whoami").status();
   EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
   EXPECT_THAT(std::string(s.message()), HasSubstr("worker 'worker2' (rank 2) calling 'whoami'"));
-  EXPECT_LT(since(t0), milliseconds(1500 + 2000));
+  EXPECT_LT(since(t0), milliseconds(1500) + scaled(milliseconds(2000)));
   EXPECT_EQ(rpc::rpc_sync<std::string>("worker1", "whoami"), "worker1");
   host_fault("heal", 2);
-  const auto deadline = Clock::now() + milliseconds(20000);
+  const auto deadline = Clock::now() + scaled(milliseconds(20000));
   absl::Status again;
   do {
     again = rpc::rpc_async("worker2", "whoami", milliseconds(2000)).status();
@@ -64,7 +64,7 @@ TEST_F(HostFaults, HostWhoseProcessesAreKilledFailsPendingCallsLongBeforeTheirDe
   const absl::Status s = pending.status();
   EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
   EXPECT_THAT(std::string(s.message()), HasSubstr("worker 'worker2' (rank 2)"));
-  EXPECT_LT(since(t0), milliseconds(10000));
+  EXPECT_LT(since(t0), scaled(milliseconds(10000)));
   EXPECT_EQ(rpc::rpc_async("worker2", "whoami", milliseconds(20000)).status().code(), absl::StatusCode::kUnavailable);
   EXPECT_EQ(rpc::rpc_sync<std::string>("worker1", "whoami"), "worker1");
   rpc::shutdown(false);

@@ -1,5 +1,9 @@
-// tandem-run: the torchrun environment, output prefixes, and failure propagation, with real processes.
+// tandem-run: the torchrun environment, output prefixes, and failure propagation, with real processes. And the test
+// harness's own way of starting workers (the fork server, tests/common/spawner.h).
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
+
+#include <cstdlib>
 
 #include "tests/common/multiproc.h"
 
@@ -7,6 +11,30 @@ namespace tandem::test {
 namespace {
 
 using std::chrono::milliseconds;
+using testing::HasSubstr;
+
+// A worker forked by the fork server gets what an exec'd one would: the test process's environment as it is when the
+// worker starts (here a variable set after the server was forked), the Process's variables, its output in the log,
+// and main's return value as its exit code. It is forked, not exec'd, unless TANDEM_TEST_EXEC_WORKERS=1.
+TEST(MultiprocHarness, AForkedWorkerGetsWhatAnExecdOneWould) {
+  setenv("TANDEM_PROBE_FROM_TEST", "set-after-start", 1);
+  Process p({self_exe(), "--worker", "harness_probe"}, {{"TANDEM_PROBE_EXTRA", "given"}});
+  unsetenv("TANDEM_PROBE_FROM_TEST");
+  EXPECT_EQ(exit_code(p.wait(milliseconds(30000))), 7) << p.output();
+  const std::string out = p.output();
+  EXPECT_THAT(out, HasSubstr("TANDEM_PROBE_FROM_TEST=set-after-start\n"));
+  EXPECT_THAT(out, HasSubstr("TANDEM_PROBE_EXTRA=given\n"));
+  const char* exec = std::getenv("TANDEM_TEST_EXEC_WORKERS");
+  EXPECT_THAT(out, HasSubstr(exec && std::string(exec) == "1" ? "forked=0" : "forked=1"));
+}
+
+// A worker that runs past its wait is killed and reaped; the wait says so (-1), and the next worker starts as usual.
+TEST(MultiprocHarness, AWorkerPastItsWaitIsKilled) {
+  Process stuck({self_exe(), "--worker", "fail_if_rank1"}, {{"RANK", "0"}});  // sleeps 60 s
+  EXPECT_EQ(stuck.wait(milliseconds(200)), -1);
+  Process next({self_exe(), "--worker", "harness_probe"}, {});
+  EXPECT_EQ(exit_code(next.wait(milliseconds(30000))), 7) << next.output();
+}
 
 TEST(MultiprocLauncher, SetsTorchrunEnvironmentAndPrefixesOutput) {
   Process p({TANDEM_RUN_PATH, "--nproc-per-node", "2", self_exe(), "--worker", "env_dump"}, {});
@@ -30,7 +58,8 @@ TEST(MultiprocLauncher, OneFailingRankStopsTheJob) {
   const auto t0 = std::chrono::steady_clock::now();
   Process p({TANDEM_RUN_PATH, "--nproc-per-node", "3", self_exe(), "--worker", "fail_if_rank1"}, {});
   EXPECT_EQ(exit_code(p.wait(milliseconds(40000))), 3) << p.output();
-  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(30));  // the other ranks sleep for 60 s
+  // The other ranks sleep for 60 s: the scaled bound stays below that.
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::min(scaled(milliseconds(30000)), milliseconds(55000)));
   const std::string out = p.output();
   EXPECT_NE(out.find("[rank1]: rank 1 gives up"), std::string::npos) << out;
   EXPECT_NE(out.find("tandem-run: rank 1 (pid"), std::string::npos) << out;

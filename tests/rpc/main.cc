@@ -6,7 +6,9 @@
 
 #include <atomic>
 #include <cstdlib>
+#include <fstream>
 #include <iostream>
+#include <iterator>
 #include <mutex>
 #include <thread>
 
@@ -15,6 +17,7 @@
 #include "rpc/batching.h"
 #include "rpc/extension.h"
 #include "rpc/script.h"
+#include "tests/common/spawner.h"
 #include "tests/common/test_env.h"
 
 namespace tandem::test {
@@ -49,6 +52,16 @@ rpc::Future gather_sum(int64_t n, at::Tensor x) {
 }
 
 int run_worker(const std::string& scenario) {
+  // What the harness gave this worker (MultiprocHarness): how it was started, two variables, an exit code of 7.
+  if (scenario == "harness_probe") {
+    std::ifstream in("/proc/self/cmdline");
+    const std::string cmdline((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    std::cout << "forked=" << (cmdline.find("--worker") == std::string::npos ? 1 : 0) << "\n";
+    for (const char* v : {"TANDEM_PROBE_FROM_TEST", "TANDEM_PROBE_EXTRA"}) {
+      std::cout << v << "=" << (std::getenv(v) ? std::getenv(v) : "") << "\n";
+    }
+    return 7;
+  }
   if (scenario == "env_dump") {
     for (const char* v : {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}) {
       std::cout << v << "=" << (std::getenv(v) ? std::getenv(v) : "") << "\n";
@@ -173,6 +186,7 @@ void register_test_functions() {
 }  // namespace tandem::test
 
 int main(int argc, char** argv) {
+  tandem::test::spawner::start();  // first: the workers are forked from here (tests/common/spawner.h)
   tandem::test::register_test_functions();
   return tandem::test::test_main(argc, argv, tandem::test::run_worker);
 }

@@ -30,13 +30,13 @@ TEST_F(HostFaults, LinkCutMidFetchFailsAtItsDeadlineAndLeavesNoReferenceBehind) 
       EXPECT_TRUE(e.code() == absl::StatusCode::kDeadlineExceeded || e.code() == absl::StatusCode::kUnavailable)
           << e.what();
     }
-    EXPECT_LT(since(t0), milliseconds(3000 + 2000));
+    EXPECT_LT(since(t0), milliseconds(3000) + scaled(milliseconds(2000)));
     EXPECT_EQ(rpc::rpc_sync<std::string>("worker2", "whoami"), "worker2");
   }  // the user reference is dropped while the owner is unreachable
   host_fault("heal", 1);
   host_fault("rate", 1, "off");
   // Once the link is back, the owner learns of the deletion: no rank holds anything.
-  const auto deadline = Clock::now() + milliseconds(30000);
+  const auto deadline = Clock::now() + scaled(milliseconds(30000));
   std::vector<int64_t> counts;
   bool zero = false;
   while (!zero && Clock::now() < deadline) {

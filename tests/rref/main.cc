@@ -9,6 +9,7 @@
 #include "rref/rref.h"
 #include "tests/common/test_env.h"
 #include "tests/rref/rref_test_functions.h"
+#include "tests/common/spawner.h"
 
 namespace tandem::test {
 namespace {
@@ -21,6 +22,7 @@ int run_worker(const std::string&) {
 }  // namespace tandem::test
 
 int main(int argc, char** argv) {
+  tandem::test::spawner::start();  // first: the workers are forked from here (tests/common/spawner.h)
   tandem::test::register_rref_test_functions();
   return tandem::test::test_main(argc, argv, tandem::test::run_worker);
 }

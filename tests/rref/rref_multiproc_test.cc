@@ -17,7 +17,7 @@ class MultiprocRRef : public MultiprocRpc {
 
   // Waits (bounded) until every worker's counts are zero; returns the last counts seen otherwise.
   static std::string wait_all_zero(int world, milliseconds timeout) {
-    const auto deadline = Clock::now() + timeout;
+    const auto deadline = Clock::now() + scaled(timeout);
     std::string last;
     for (;;) {
       bool zero = true;
@@ -43,7 +43,7 @@ TEST_F(MultiprocRRef, RemoteReturnsAtOnceAndToHereFetches) {
   EXPECT_FALSE(r.is_owner());
   EXPECT_TRUE(r.to_here<at::Tensor>().equal(at::arange(5, at::kFloat)));
   // The creation's acknowledgement travels independently of the fetch: confirmation follows, it need not precede.
-  const auto deadline = Clock::now() + milliseconds(10000);
+  const auto deadline = Clock::now() + scaled(milliseconds(10000));
   while (!r.confirmed_by_owner() && Clock::now() < deadline) std::this_thread::sleep_for(milliseconds(1));
   EXPECT_TRUE(r.confirmed_by_owner());
   EXPECT_THROW(r.local_value(), RpcError);  // only the owner holds the value
@@ -207,7 +207,7 @@ TEST_F(MultiprocRRef, KilledOwnerFailsWithinTheDeadline) {
     EXPECT_NE(std::string(e.what()).find("worker1"), std::string::npos) << e.what();
   }
   EXPECT_THROW(counter.rpc_sync("get", milliseconds(20000)), RpcError);
-  EXPECT_LT(Clock::now() - t0, milliseconds(15000));
+  EXPECT_LT(Clock::now() - t0, scaled(milliseconds(15000)));
   r = rref::RRef();  // deleting references to a dead owner is not an error for the user
   counter = rref::RRef();
   EXPECT_EQ(rpc::rpc_sync<std::string>("worker2", "whoami"), "worker2");
@@ -225,7 +225,7 @@ TEST_F(MultiprocRRef, KilledUserIsDroppedByTheOwner) {
   }
   EXPECT_EQ(stats_of(0)[0], 1);  // kept alive by worker2 alone
   job_->child(2).kill(SIGKILL);
-  const auto deadline = Clock::now() + milliseconds(15000);
+  const auto deadline = Clock::now() + scaled(milliseconds(15000));
   while (stats_of(0)[0] != 0 && Clock::now() < deadline) std::this_thread::sleep_for(milliseconds(20));
   EXPECT_EQ(stats_of(0)[0], 0) << "the dead user's reference still keeps the value";
   rpc::shutdown(false);
