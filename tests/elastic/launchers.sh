@@ -41,7 +41,7 @@ for _ in range(1000):
     p = random.randrange(10000, low)
     with socket.socket() as s:
         try:
-            s.bind(("127.0.0.1", p))
+            s.bind(("", p))  # every local address, as rpc::net::pick_listen_port checks
         except OSError:
             continue
     print(p)
