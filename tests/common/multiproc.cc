@@ -97,7 +97,12 @@ bool Process::reap(bool block) {
         reaped_ = true;
         return true;
       }
-    } catch (const std::exception&) {  // the server is gone, and its workers with it
+    } catch (const spawner::ServerGone&) {  // and its workers with it
+      status_ = -1;
+      reaped_ = true;
+      return true;
+    } catch (const std::exception&) {  // the server has no such child: make sure it is not running
+      ::kill(pid_, SIGKILL);
       status_ = -1;
       reaped_ = true;
       return true;

@@ -13,7 +13,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <map>
 #include <mutex>
 #include <stdexcept>
 
@@ -31,14 +30,14 @@ struct Reply {
   int64_t b;  // poll: the wait status
 };
 
-int g_fd = -1;                    // the test process's end of the socket; -1 when there is no server
+int g_fd = -1;  // the test process's end of the socket; -1 when there is no server
 std::atomic<bool> g_available{false};
-std::mutex g_mu;                  // one request at a time on the socket
+std::mutex g_mu;  // one request at a time on the socket
 
 bool write_all(int fd, const void* data, size_t n) {
   const char* p = static_cast<const char*>(data);
   while (n > 0) {
-    const ssize_t w = ::write(fd, p, n);
+    const ssize_t w = ::send(fd, p, n, MSG_NOSIGNAL);  // a peer that is gone is an error here, not a SIGPIPE
     if (w < 0 && errno == EINTR) continue;
     if (w <= 0) return false;
     p += w;
@@ -80,7 +79,6 @@ void become_worker(int server_fd, pid_t server, const std::vector<std::string>& 
 // worker.
 void serve(int fd) {
   const pid_t self = getpid();
-  std::map<pid_t, int> exited;  // statuses already reaped, for repeated polls
   for (;;) {
     Header h;
     if (!read_all(fd, &h, sizeof(h))) _exit(0);
@@ -106,18 +104,10 @@ void serve(int fd) {
     } else if (h.kind == kPoll && h.size == sizeof(pid_t)) {
       pid_t pid;
       std::memcpy(&pid, payload.data(), sizeof(pid));
-      if (auto it = exited.find(pid); it != exited.end()) {
-        reply = {1, it->second};
-      } else {
-        int status = 0;
-        const pid_t r = waitpid(pid, &status, WNOHANG);
-        if (r == pid) {
-          exited[pid] = status;
-          reply = {1, status};
-        } else {
-          reply = {r == 0 ? 0 : -1, 0};
-        }
-      }
+      // Reported once: a Process stops polling when it has the status, and the pid may be reused after.
+      int status = 0;
+      const pid_t r = waitpid(pid, &status, WNOHANG);
+      reply = r == pid ? Reply{1, status} : Reply{r == 0 ? 0 : -1, 0};
     } else {
       _exit(2);
     }
@@ -131,7 +121,7 @@ Reply request(Kind kind, const std::string& payload) {
   Reply reply;
   if (g_fd < 0 || !write_all(g_fd, &h, sizeof(h)) || !write_all(g_fd, payload.data(), payload.size()) ||
       !read_all(g_fd, &reply, sizeof(reply))) {
-    throw std::runtime_error("the test's worker fork server is gone");
+    throw ServerGone("the test's worker fork server is gone");
   }
   return reply;
 }

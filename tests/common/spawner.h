@@ -15,6 +15,7 @@
 #include <sys/types.h>
 
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -30,12 +31,18 @@ const std::optional<std::string>& worker_scenario();
 // Whether workers are forked by the server (false in the server's own children). Thread-safe.
 bool available();
 
+// What spawn() and poll() throw when the server has died (and its workers with it).
+struct ServerGone : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
 // Forks a worker running `scenario` with `env` ("K=V" strings, the whole environment) and its stdout and stderr
-// appended to `log_path`. Returns its pid; throws std::runtime_error when the server is gone. Thread-safe.
+// written to `log_path`. Returns its pid; throws ServerGone when the server is gone, std::runtime_error when the fork
+// fails. Thread-safe.
 pid_t spawn(const std::string& scenario, const std::vector<std::string>& env, const std::string& log_path);
 
-// The wait status of worker `pid` once it has exited (reaped by the server), std::nullopt while it runs. Throws
-// std::runtime_error when the server is gone or does not know `pid`. Thread-safe.
+// The wait status of worker `pid` once it has exited (reaped by the server: reported once), std::nullopt while it
+// runs. Throws ServerGone when the server is gone, std::runtime_error when it has no such child. Thread-safe.
 std::optional<int> poll(pid_t pid);
 
 }  // namespace tandem::test::spawner

@@ -3,6 +3,9 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <signal.h>
+
+#include <chrono>
 #include <cstdlib>
 
 #include "tests/common/multiproc.h"
@@ -14,24 +17,35 @@ using std::chrono::milliseconds;
 using testing::HasSubstr;
 
 // A worker forked by the fork server gets what an exec'd one would: the test process's environment as it is when the
-// worker starts (here a variable set after the server was forked), the Process's variables, its output in the log,
-// and main's return value as its exit code. It is forked, not exec'd, unless TANDEM_TEST_EXEC_WORKERS=1.
+// worker starts (a variable set, and one unset, after the server was forked), the Process's variables, its stdout and
+// stderr in the log, and main's return value as its exit code. It is forked, not exec'd, unless
+// TANDEM_TEST_EXEC_WORKERS=1.
 TEST(MultiprocHarness, AForkedWorkerGetsWhatAnExecdOneWould) {
+  const char* home = std::getenv("HOME");
+  const std::string saved_home = home ? home : "";
   setenv("TANDEM_PROBE_FROM_TEST", "set-after-start", 1);
+  unsetenv("HOME");
   Process p({self_exe(), "--worker", "harness_probe"}, {{"TANDEM_PROBE_EXTRA", "given"}});
   unsetenv("TANDEM_PROBE_FROM_TEST");
+  if (home) setenv("HOME", saved_home.c_str(), 1);
   EXPECT_EQ(exit_code(p.wait(milliseconds(30000))), 7) << p.output();
   const std::string out = p.output();
   EXPECT_THAT(out, HasSubstr("TANDEM_PROBE_FROM_TEST=set-after-start\n"));
   EXPECT_THAT(out, HasSubstr("TANDEM_PROBE_EXTRA=given\n"));
+  EXPECT_THAT(out, HasSubstr("HOME=\n"));
+  EXPECT_THAT(out, HasSubstr("probe-stderr\n"));
   const char* exec = std::getenv("TANDEM_TEST_EXEC_WORKERS");
   EXPECT_THAT(out, HasSubstr(exec && std::string(exec) == "1" ? "forked=0" : "forked=1"));
 }
 
-// A worker that runs past its wait is killed and reaped; the wait says so (-1), and the next worker starts as usual.
+// A worker that runs past its wait is killed at the wait's end and reaped; the wait says so (-1), the process is gone,
+// and the next worker starts as usual.
 TEST(MultiprocHarness, AWorkerPastItsWaitIsKilled) {
   Process stuck({self_exe(), "--worker", "fail_if_rank1"}, {{"RANK", "0"}});  // sleeps 60 s
+  const auto t0 = std::chrono::steady_clock::now();
   EXPECT_EQ(stuck.wait(milliseconds(200)), -1);
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, scaled(milliseconds(200 + 5000)));  // not the 60 s sleep
+  EXPECT_NE(::kill(stuck.pid(), 0), 0);  // reaped: no such process
   Process next({self_exe(), "--worker", "harness_probe"}, {});
   EXPECT_EQ(exit_code(next.wait(milliseconds(30000))), 7) << next.output();
 }

@@ -57,9 +57,10 @@ int run_worker(const std::string& scenario) {
     std::ifstream in("/proc/self/cmdline");
     const std::string cmdline((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
     std::cout << "forked=" << (cmdline.find("--worker") == std::string::npos ? 1 : 0) << "\n";
-    for (const char* v : {"TANDEM_PROBE_FROM_TEST", "TANDEM_PROBE_EXTRA"}) {
+    for (const char* v : {"TANDEM_PROBE_FROM_TEST", "TANDEM_PROBE_EXTRA", "HOME"}) {
       std::cout << v << "=" << (std::getenv(v) ? std::getenv(v) : "") << "\n";
     }
+    std::cerr << "probe-stderr\n";
     return 7;
   }
   if (scenario == "env_dump") {
