@@ -2,8 +2,10 @@
 // its own shard (DistributedSampler); gradients are averaged across the ranks during backward.
 //
 //   build/tandem-run --nproc-per-node 2 build/ddp_train [--epochs 4] [--lr 0.002] [--batch 64] [--zero 1]
-//                    [--checkpoint-dir D [--checkpoint-every 50]]
+//                    [--checkpoint-dir D [--checkpoint-every 50]] [--min-accuracy A]
 //
+// With --min-accuracy the run stops after the first epoch whose test accuracy reaches A (every rank gets the same
+// accuracy, so all stop together), and exits 1 if no epoch does.
 // With --checkpoint-dir the job saves a checkpoint (checkpoint/checkpoint.h: model, optimizer, sampler position,
 // counters) every --checkpoint-every steps and, when started again (by hand, or by `tandem-run --max-restarts K`
 // after a worker failed), resumes from the newest one every rank has: the run ends as an uninterrupted one would, to
@@ -40,7 +42,7 @@ struct Args {
   int batch = 64;  // per rank
   bool zero = false;
   int64_t limit = 0;        // train on at most this many images in all (0: all 60,000); for smoke tests
-  double min_accuracy = 0;  // exit 1 if the final test accuracy is lower
+  double min_accuracy = 0;  // stop once an epoch's test accuracy reaches it; exit 1 if none does
   std::string checkpoint_dir;
   int64_t checkpoint_every = 50;  // steps
 };
@@ -171,6 +173,14 @@ int train(const Args& args) {
                   static_cast<long long>(epoch), args.epochs, sampler.size() * pg->size() / secs,
                   mean_loss.item<double>(), accuracy);
       std::fflush(stdout);
+    }
+    if (args.min_accuracy > 0 && accuracy >= args.min_accuracy) {
+      if (lead) {
+        std::printf("reached --min-accuracy %.2f after epoch %lld of %d: stopping\n", args.min_accuracy,
+                    static_cast<long long>(epoch), args.epochs);
+        std::fflush(stdout);
+      }
+      break;
     }
   }
   if (lead) {

@@ -1,8 +1,11 @@
 // Parameter-server training on Fashion-MNIST: rank 0 is the server ("ps"), ranks 1..N are trainers.
 //
 //   build/tandem-run --nproc-per-node 3 build/parameter_server [--epochs 4] [--lr 0.002] [--mode sync|async] [--batch
-//   64] [--checkpoint-dir D [--checkpoint-every 50]]
+//   64] [--checkpoint-dir D [--checkpoint-every 50]] [--min-accuracy A]
 //
+// With --min-accuracy A the job exits 1 unless the last epoch's test accuracy reaches A; in synchronous mode it also
+// stops after the first epoch that reaches it (every trainer then scores the same model, so all stop together; in
+// asynchronous mode each trainer's model differs, and all run every epoch).
 // With --checkpoint-dir the job saves every --checkpoint-every steps and, started again (by hand, or by
 // `tandem-run --max-restarts K` after a failure), resumes: in synchronous mode the server saves the model, its
 // optimizer and the rounds taken, and the trainers carry on from its round, so the run ends with the same parameters
@@ -41,7 +44,7 @@ struct Args {
   int batch = 64;
   std::string mode = "sync";
   int64_t limit = 0;        // train on at most this many images per trainer (0: the whole shard); for smoke tests
-  double min_accuracy = 0;  // exit 1 if the final test accuracy is lower
+  double min_accuracy = 0;  // exit 1 if the final test accuracy is lower; sync mode: stop once an epoch reaches it
   std::string checkpoint_dir;
   int64_t checkpoint_every = 50;  // rounds
 };
@@ -124,13 +127,24 @@ int train(const Args& args, int rank, int trainers) {
       }
     }
     const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    // Sync mode: once a round is complete no trainer changes the model before every trainer submits again, so all
+    // score the same model here and take the same decision.
+    const bool stop_early = args.min_accuracy > 0 && args.mode == "sync";
+    if (rank == 1 || stop_early) accuracy = examples::evaluate();
     if (rank == 1) {
-      accuracy = examples::evaluate();
       std::printf("epoch %d/%d  %.0f steps/s (all %d trainers)  loss %.4f  test accuracy %.4f\n", epoch, args.epochs,
                   trainers * (steps_per_epoch - first_step) / secs, trainers,
                   loss_sum / std::max<int64_t>(1, steps_per_epoch - first_step),
                   accuracy);
       std::fflush(stdout);
+    }
+    if (stop_early && accuracy >= args.min_accuracy) {
+      if (rank == 1) {
+        std::printf("reached --min-accuracy %.2f after epoch %d of %d: stopping\n", args.min_accuracy, epoch,
+                    args.epochs);
+        std::fflush(stdout);
+      }
+      break;
     }
   }
   if (rank == 1) {
