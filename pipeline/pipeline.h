@@ -46,6 +46,11 @@
 //
 // Thread-safety: one step or forward() at a time per Pipeline (each waits for the other); several pipelines may share
 // workers.
+//
+// The parts: this header and pipeline.cc are the driver; partition.h cuts a Sequential; schedule.h makes each worker's
+// plan; timeline.h draws a step; local.h is what a stage worker holds; detail/ has the stage workers' runtime
+// (runtime: a worker's executor of its plans; stage: building a stage and one micro-batch's forward and backward;
+// p2p: the mailbox of activations and gradients; microbatch: splitting and merging batches).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -58,13 +63,11 @@
 #include <string>
 #include <vector>
 
+#include "pipeline/partition.h"
 #include "pipeline/schedule.h"
+#include "pipeline/timeline.h"
 #include "rpc/rpc.h"
 #include "rref/rref.h"
-
-namespace torch::nn {
-class Module;
-}
 
 namespace tandem::pipeline {
 
@@ -98,21 +101,6 @@ struct PipelineOptions {
   bool record_timeline = false;  // every action's start and end, for write_chrome_trace / write_svg
 };
 
-enum class Partition { kParameters, kTime };
-struct PartitionOptions {
-  int n_stages = 2;
-  // kParameters: balances parameter counts; kTime: balances each layer's measured forward + backward time on
-  // `sample` (a batch like the real ones), as DeepSpeed's partition_method does.
-  Partition by = Partition::kParameters;
-  at::Tensor sample;
-};
-
-struct TimelineEvent {
-  int stage = 0, worker = 0, microbatch = 0;
-  bool backward = false;
-  int64_t start_us = 0, end_us = 0;  // system clock, microseconds
-};
-
 struct StepStats {
   double loss = 0;
   double step_ms = 0;                     // on the driver, from sending the plans to the last reply
@@ -125,10 +113,6 @@ struct StepStats {
 // Throws RpcError (ALREADY_EXISTS) for a taken name.
 void register_loss(const std::string& name,
                    std::function<at::Tensor(const at::Tensor& output, const at::Tensor& target)> loss);
-
-// Layer ranges [begin, end) of a contiguous cut of `weights` into n_stages parts minimising the largest part's sum.
-// Throws tandem::Error (INVALID_ARGUMENT) when there are fewer layers than stages.
-std::vector<std::pair<int64_t, int64_t>> balanced_cut(const std::vector<double>& weights, int n_stages);
 
 class Pipeline {
  public:
@@ -147,9 +131,9 @@ class Pipeline {
   // Inference: the last stage's output for the whole batch, without gradients, every stage in eval mode (dropout off,
   // BatchNorm's running statistics used and not updated; each stage's training flag is restored after). It waits for
   // a step of this pipeline that is running, and a step waits for it. The batch's micro-batches flow through the stages
-  // as in a step (one at a time on each stage, several stages at once), each from stage to stage (stage i's worker calls stage i+1's), computed where steps are (the
-  // pipeline's own thread on each worker), never on RPC server threads. Throws RpcError naming the stage and worker
-  // that failed.
+  // as in a step (one at a time on each stage, several stages at once), each from stage to stage (stage i's worker
+  // calls stage i+1's), computed where steps are (the pipeline's own thread on each worker), never on RPC server
+  // threads. Throws RpcError naming the stage and worker that failed.
   at::Tensor forward(const at::Tensor& input);
   // Turns PipelineOptions::record_timeline on or off for the following steps (a step running now keeps its setting).
   void set_record_timeline(bool on);
@@ -176,14 +160,5 @@ class Pipeline {
   explicit Pipeline(std::shared_ptr<State> state) : state_(std::move(state)) {}
   std::shared_ptr<State> state_;  // released on the workers when the last copy goes
 };
-
-// On a stage's worker: the module of stage `stage` of pipeline `pipeline_id` (nullptr when not here).
-std::shared_ptr<torch::nn::Module> local_stage(int64_t pipeline_id, int stage);
-// On any worker: how many stages (of every pipeline) it holds now.
-int64_t local_stage_count();
-
-// Timeline writers, for any events (also used by benchmarks).
-std::string chrome_trace_json(const std::vector<TimelineEvent>& events);
-std::string schedule_svg(const std::vector<TimelineEvent>& events, int n_stages, const std::string& title);
 
 }  // namespace tandem::pipeline

@@ -1,4 +1,6 @@
 // The pipeline timeline as pictures: a Chrome trace (Perfetto, chrome://tracing) and a self-contained SVG.
+#include "pipeline/timeline.h"
+
 #include <algorithm>
 #include <fstream>
 #include <limits>

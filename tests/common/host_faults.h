@@ -12,6 +12,8 @@ class HostFaults : public MultiprocScenario {
   void SetUp() override {
     if (test_hosts().count < 3) GTEST_SKIP() << "runs on 3 test hosts only: bash tests/hosts/run.sh";
   }
+
+ public:  // for a test file's helpers that several of its tests share
   // A job of 3 ranks, one per host, whose calls default to `rpc_timeout` and whose graceful shutdown waits 10 s.
   void start_on_hosts(std::chrono::milliseconds rpc_timeout) {
     rpc::RpcOptions options = options_from_env();

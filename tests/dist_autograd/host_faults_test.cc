@@ -1,5 +1,5 @@
-// Distributed autograd across test hosts when a link is cut between the forward and the backward pass
-// (tests/common/host_faults.h).
+// Distributed autograd across test hosts when a link is cut between the forward and the backward pass, and in the
+// middle of the backward pass (tests/common/host_faults.h).
 #include <ATen/ATen.h>
 #include <gmock/gmock.h>
 
@@ -11,25 +11,35 @@
 namespace tandem::test {
 namespace {
 
-TEST_F(HostFaults, BackwardOverACutLinkFailsNamingTheWorkerAndLeavesNoContext) {
-  start_on_hosts(milliseconds(3000));
+// x -> worker2 -> worker1 -> here, then the backward pass, which goes to worker1 first: the link to worker1's host is
+// cut before it starts (`mid` false) or while worker1 computes its part (`mid`: worker1's backward takes 1.5 s and
+// the cut comes 0.5 s into the backward). (Were the cut further down the chain, the error would name the first worker
+// that did not reply in time: each hop has the same timeout, so the caller's own deadline expires first.)
+void backward_over_a_cut_link(HostFaults& t, bool mid) {
+  t.start_on_hosts(milliseconds(3000));
   at::Tensor x = at::randn({3, 4}, at::kDouble).set_requires_grad(true);
   {
     dist_autograd::ContextGuard ctx;
-    // x -> worker2 -> worker1 -> here: the backward pass goes to worker1 first, over the cut link. (Were the cut
-    // further down the chain, the error would name the first worker that did not reply in time: each hop has the
-    // same timeout, so the caller's own deadline expires first.)
     at::Tensor h = rpc::rpc_sync<at::Tensor>("worker2", "layer", std::string("w2"), x);
-    at::Tensor y = rpc::rpc_sync<at::Tensor>("worker1", "layer", std::string("w1"), h);
-    host_fault("cut", 1);
+    at::Tensor y = rpc::rpc_sync<at::Tensor>("worker1", "slow_backward_layer", std::string("w1"),
+                                             int64_t{mid ? 1500 : 0}, h);
+    if (!mid) host_fault("cut", 1);
     const auto t0 = Clock::now();
+    std::thread cutter;
+    if (mid) {
+      cutter = std::thread([] {
+        std::this_thread::sleep_for(milliseconds(500));
+        host_fault("cut", 1);
+      });
+    }
     try {
       dist_autograd::backward(ctx.id(), {y.sum()});
-      FAIL() << "a backward pass over a cut link succeeded";
+      ADD_FAILURE() << "a backward pass over a cut link succeeded";
     } catch (const RpcError& e) {
       EXPECT_THAT(e.what(), testing::HasSubstr("worker 'worker1' (rank 1)"));
     }
-    EXPECT_LT(since(t0), milliseconds(3000) + scaled(milliseconds(3000)));
+    if (cutter.joinable()) cutter.join();
+    EXPECT_LT(HostFaults::since(t0), milliseconds(3000) + scaled(milliseconds(3000)));
   }
   host_fault("heal", 1);
   // Every rank's part of the failed context is released once the link is back.
@@ -49,6 +59,14 @@ TEST_F(HostFaults, BackwardOverACutLinkFailsNamingTheWorkerAndLeavesNoContext) {
   at::Tensor y = rpc::rpc_sync<at::Tensor>("worker1", "layer", std::string("w1"), x);
   dist_autograd::backward(again.id(), {y.sum()});
   EXPECT_TRUE(dist_autograd::get_gradients(again.id())[x].defined());
+}
+
+TEST_F(HostFaults, BackwardOverACutLinkFailsNamingTheWorkerAndLeavesNoContext) {
+  backward_over_a_cut_link(*this, /*mid=*/false);
+}
+
+TEST_F(HostFaults, ALinkCutMidBackwardFailsNamingTheWorkerAndLeavesNoContext) {
+  backward_over_a_cut_link(*this, /*mid=*/true);
 }
 
 }  // namespace

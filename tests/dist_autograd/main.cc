@@ -6,6 +6,9 @@
 #include <torch/csrc/autograd/functions/utils.h>
 #include <unistd.h>
 
+#include <chrono>
+#include <thread>
+
 #include "dist_autograd/dist_autograd.h"
 #include "rref/rref.h"
 #include "tests/common/params.h"
@@ -26,13 +29,27 @@ struct FailingBackward : torch::autograd::Node {
   bool die_;
 };
 
-at::Tensor through(at::Tensor x, bool die) {
+// y = x, with `node` as y's backward function.
+at::Tensor with_backward(const at::Tensor& x, std::shared_ptr<torch::autograd::Node> node) {
   at::Tensor y = x.detach().clone();
-  auto node = std::make_shared<FailingBackward>(die);
   node->set_next_edges(torch::autograd::collect_next_edges(x));
-  torch::autograd::set_history(y, node);
+  torch::autograd::set_history(y, std::move(node));
   return y;
 }
+
+at::Tensor through(const at::Tensor& x, bool die) { return with_backward(x, std::make_shared<FailingBackward>(die)); }
+
+// A backward function that takes `ms` before it passes the gradient on: a fault can strike while it runs.
+struct SlowBackward : torch::autograd::Node {
+  explicit SlowBackward(int64_t ms) : ms_(ms) {}
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
+    std::this_thread::sleep_for(std::chrono::milliseconds(ms_));
+    return std::move(grads);
+  }
+  int64_t ms_;
+};
+
+at::Tensor slowly(const at::Tensor& x, int64_t ms) { return with_backward(x, std::make_shared<SlowBackward>(ms)); }
 
 void register_functions() {
   rpc::register_function("layer", [](std::string p, at::Tensor x) { return at::tanh(x.mm(param(p, 4, 4))); });
@@ -50,6 +67,10 @@ void register_functions() {
   });
   rpc::register_function("fails_in_backward", [](at::Tensor x) { return through(x.mm(param("pf", 4, 4)), false); });
   rpc::register_function("dies_in_backward", [](at::Tensor x) { return through(x.mm(param("pd", 4, 4)), true); });
+  // "layer" whose backward spends `ms` on this worker.
+  rpc::register_function("slow_backward_layer", [](std::string p, int64_t ms, at::Tensor x) {
+    return slowly(at::tanh(x.mm(param(p, 4, 4))), ms);
+  });
   rpc::register_function("contexts", [] { return dist_autograd::stats().contexts; });
 }
 

@@ -10,6 +10,7 @@
 
 #include "dist_autograd/dist_autograd.h"
 #include "nn/remote_module.h"
+#include "pipeline/local.h"
 #include "pipeline/pipeline.h"
 #include "rpc/registry.h"
 #include "tests/common/test_env.h"

@@ -1,0 +1,46 @@
+// What the pipeline's driver (pipeline.cc) and its stage workers' runtime (runtime.cc) share: the names of the
+// runtime's RPC handlers, the margins of their waits, and small helpers.
+//
+// Thread-safety: constants and stateless functions.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <chrono>
+#include <cstdint>
+#include <string>
+
+#include "absl/status/status.h"
+
+namespace tandem::pipeline::detail {
+
+inline constexpr const char* kCreate = "__tandem.pipeline.create";
+inline constexpr const char* kRun = "__tandem.pipeline.run";
+inline constexpr const char* kAct = "__tandem.pipeline.act";
+inline constexpr const char* kAbort = "__tandem.pipeline.abort";
+inline constexpr const char* kRelease = "__tandem.pipeline.release";
+inline constexpr const char* kForward = "__tandem.pipeline.forward";
+inline constexpr const char* kCommit = "__tandem.pipeline.commit";
+inline constexpr const char* kPing = "__tandem.pipeline.ping";
+// How often a stage worker checks that the drivers of the pipelines it holds stages of are alive (a driver that died
+// leaves its stages behind otherwise), and how long each check may take.
+inline constexpr std::chrono::milliseconds kDriverCheck{1000};
+// A worker's reply (its own error naming stage and micro-batch) must reach the driver before the driver's own wait
+// on that worker runs out: the RPC carrying a plan gets the step's timeout plus this.
+inline constexpr std::chrono::milliseconds kReplyMargin{2000};
+// After the first failure, how long the driver waits for the other workers' errors (which name, e.g., the
+// micro-batch a dead worker's neighbour could not send) before it reports.
+inline constexpr std::chrono::milliseconds kErrorGrace{2000};
+
+using Clock = std::chrono::steady_clock;
+
+// Throws RpcError with `code` and "pipeline: <message>".
+[[noreturn]] void fail(absl::StatusCode code, const std::string& message);
+// The system clock in microseconds (timeline events of different workers on one axis).
+int64_t now_us();
+// Throws INVALID_ARGUMENT for a batch without rows.
+void check_not_empty(const at::Tensor& input);
+// This worker's name, or "(local)" outside RPC.
+std::string self_name();
+
+}  // namespace tandem::pipeline::detail

@@ -1,0 +1,145 @@
+#include "pipeline/detail/p2p.h"
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
+
+namespace tandem::pipeline::detail {
+namespace {
+
+// Adds `id` to a bounded memory (the oldest forgotten past `limit`).
+template <typename Set, typename Id>
+void remember(Set* set, std::deque<Id>* order, const Id& id, size_t limit) {
+  if (!set->insert(id).second) return;
+  order->push_back(id);
+  if (order->size() > limit) set->erase(order->front()), order->pop_front();
+}
+
+constexpr size_t kRemembered = 10000;
+
+}  // namespace
+
+Mailbox& Mailbox::get() {
+  static auto* m = new Mailbox;  // never destroyed: RPC threads may deliver until exit
+  return *m;
+}
+
+bool Mailbox::closed_locked(int64_t pipe, int64_t step) const {
+  return aborted_.count({pipe, step}) > 0 || finished_.count({pipe, step}) > 0 || released_.count(pipe) > 0;
+}
+
+template <typename Match>
+void Mailbox::drop_locked(Match match) {
+  for (auto it = slots_.begin(); it != slots_.end();) {
+    if (!match(it->first)) {
+      ++it;
+      continue;
+    }
+    if (it->second.waiter) it->second.waiter->Signal();  // it finds its slot gone and says why
+    it = slots_.erase(it);
+  }
+}
+
+void Mailbox::put(const MailKey& key, at::Tensor t) {
+  MutexLock lock(&mu_);
+  if (closed_locked(key.pipe, key.step)) return;
+  Slot& slot = slots_[key];
+  if (slot.arrived || slot.taken) return;  // a duplicate: the first delivery stands
+  slot.value = std::move(t);
+  slot.arrived = true;
+  if (slot.waiter) slot.waiter->Signal();
+}
+
+absl::StatusOr<at::Tensor> Mailbox::take(const MailKey& key, Clock::time_point deadline, const std::string& what) {
+  MutexLock lock(&mu_);
+  const int64_t epoch = epoch_;
+  CondVar wake;  // this receive's own
+  // Leaves no empty slot behind when the receive ends without its message.
+  auto forget = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    auto it = slots_.find(key);
+    if (it == slots_.end()) return;
+    if (it->second.waiter == &wake) it->second.waiter = nullptr;
+    if (!it->second.arrived && !it->second.taken && !it->second.waiter) slots_.erase(it);
+  };
+  for (;;) {
+    if (epoch_ != epoch) {
+      forget();
+      return absl::Status(stopped_.code(),
+                          absl::StrCat("abandoned while waiting for ", what, ": ", stopped_.message()));
+    }
+    if (auto a = aborted_.find({key.pipe, key.step}); a != aborted_.end()) {
+      forget();
+      return absl::Status(a->second.code(),
+                          absl::StrCat("abandoned while waiting for ", what, ": ", a->second.message()));
+    }
+    if (released_.count(key.pipe)) {
+      forget();
+      return absl::AbortedError(absl::StrCat("abandoned while waiting for ", what, ": the pipeline was released"));
+    }
+    if (finished_.count({key.pipe, key.step})) {
+      forget();
+      return absl::FailedPreconditionError(absl::StrCat("waiting for ", what, " after its step ended here"));
+    }
+    auto it = slots_.find(key);
+    if (it != slots_.end() && it->second.arrived) {
+      Slot& slot = it->second;
+      at::Tensor t = std::move(slot.value);
+      slot.value = at::Tensor();
+      slot.arrived = false;
+      slot.taken = true;  // kept until the step ends here: a second delivery is dropped
+      slot.waiter = nullptr;
+      return t;
+    }
+    if (Clock::now() >= deadline) {
+      forget();
+      return absl::DeadlineExceededError("nothing arrived in time: waited for " + what + " until the step's deadline");
+    }
+    if (it == slots_.end()) it = slots_.emplace(key, Slot{}).first;
+    if (it->second.waiter && it->second.waiter != &wake) {
+      return absl::InternalError("two receives wait for " + what);
+    }
+    it->second.waiter = &wake;
+    wake.WaitWithTimeout(&mu_, absl::FromChrono(deadline - Clock::now()));
+    // Woken by the delivery, by an end of the wait (the slot may be gone then), or by the deadline: look again.
+  }
+}
+
+void Mailbox::abort(int64_t pipe, int64_t step, absl::Status reason) {
+  MutexLock lock(&mu_);
+  const StepId id{pipe, step};
+  if (aborted_.emplace(id, std::move(reason)).second) {
+    aborted_order_.push_back(id);
+    if (aborted_order_.size() > 1000) aborted_.erase(aborted_order_.front()), aborted_order_.pop_front();
+  }
+  drop_locked([&](const MailKey& k) { return k.pipe == pipe && k.step == step; });
+}
+
+void Mailbox::finish(int64_t pipe, int64_t step) {
+  MutexLock lock(&mu_);
+  remember(&finished_, &finished_order_, StepId{pipe, step}, kRemembered);
+  drop_locked([&](const MailKey& k) { return k.pipe == pipe && k.step == step; });
+}
+
+void Mailbox::abort_all(const absl::Status& reason) {
+  MutexLock lock(&mu_);
+  stopped_ = reason;
+  ++epoch_;
+  drop_locked([](const MailKey&) { return true; });
+}
+
+void Mailbox::release(int64_t pipe) {
+  MutexLock lock(&mu_);
+  remember(&released_, &released_order_, pipe, kRemembered);
+  drop_locked([&](const MailKey& k) { return k.pipe == pipe; });
+}
+
+bool Mailbox::aborted(int64_t pipe, int64_t step) {
+  MutexLock lock(&mu_);
+  return aborted_.count({pipe, step}) > 0 || released_.count(pipe) > 0;
+}
+
+size_t Mailbox::held() {
+  MutexLock lock(&mu_);
+  return slots_.size();
+}
+
+}  // namespace tandem::pipeline::detail

@@ -1,0 +1,89 @@
+// The mailbox of a stage worker: activations and gradients that other stages sent to this worker's stages, matched
+// by (pipeline, step, stage, micro-batch, direction). Each waiting receive has a wake-up of its own: a delivery wakes
+// the one receive waiting for its key, never every waiter of the process. A message delivered twice is kept once,
+// and what arrives for a step that ended here, was abandoned, or whose pipeline was released is dropped.
+//
+// Thread-safety: every function may be called from any thread (RPC handlers deliver, executors receive).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <set>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "pipeline/detail/common.h"
+#include "sync/sync.h"
+
+namespace tandem::pipeline::detail {
+
+struct MailKey {
+  int64_t pipe = 0, step = 0;
+  int stage = 0, microbatch = 0;
+  bool gradient = false;  // a gradient going back (else an activation going forward)
+  bool operator<(const MailKey& o) const {
+    return std::tie(pipe, step, stage, microbatch, gradient) <
+           std::tie(o.pipe, o.step, o.stage, o.microbatch, o.gradient);
+  }
+};
+
+class Mailbox {
+ public:
+  static Mailbox& get();  // this process's
+
+  // Delivers `t` for `key`; dropped when `key` was delivered already, or its step ended here, was abandoned, or its
+  // pipeline was released.
+  void put(const MailKey& key, at::Tensor t);
+  // The tensor for `key`, or an error: the step was abandoned (its reason), RPC stopped, the pipeline was released,
+  // or nothing came by `deadline` (DEADLINE_EXCEEDED). `what` names the message in the error.
+  absl::StatusOr<at::Tensor> take(const MailKey& key, Clock::time_point deadline, const std::string& what);
+  // The step is abandoned here: its waits end with `reason`, what is here of it goes, later deliveries are dropped.
+  void abort(int64_t pipe, int64_t step, absl::Status reason);
+  // The step's run ended here (it succeeded): what is left of it goes, later deliveries (duplicates) are dropped.
+  void finish(int64_t pipe, int64_t step);
+  // Every wait in progress ends with `reason` (RPC is stopping); later steps are not affected.
+  void abort_all(const absl::Status& reason);
+  // The pipeline is gone from this worker: its waits end, what is here of it goes, later deliveries are dropped.
+  void release(int64_t pipe);
+  bool aborted(int64_t pipe, int64_t step);
+
+  // How many messages and waits are held now (tests: nothing is left behind).
+  size_t held();
+
+ private:
+  struct Slot {
+    at::Tensor value;
+    bool arrived = false;        // value holds the delivery, not yet taken
+    bool taken = false;          // delivered and taken: a second delivery is a duplicate
+    CondVar* waiter = nullptr;   // the receive waiting for this key
+  };
+  using StepId = std::pair<int64_t, int64_t>;
+  Mailbox() = default;
+  bool closed_locked(int64_t pipe, int64_t step) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Erases the slots matching `match`, waking their waiters.
+  template <typename Match>
+  void drop_locked(Match match) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  Mutex mu_;
+  std::map<MailKey, Slot> slots_ ABSL_GUARDED_BY(mu_);
+  // Bounded memories (oldest first in each deque) of the steps abandoned (with why), the steps ended and the
+  // pipelines released here.
+  std::map<StepId, absl::Status> aborted_ ABSL_GUARDED_BY(mu_);
+  std::deque<StepId> aborted_order_ ABSL_GUARDED_BY(mu_);
+  std::set<StepId> finished_ ABSL_GUARDED_BY(mu_);
+  std::deque<StepId> finished_order_ ABSL_GUARDED_BY(mu_);
+  std::set<int64_t> released_ ABSL_GUARDED_BY(mu_);
+  std::deque<int64_t> released_order_ ABSL_GUARDED_BY(mu_);
+  int64_t epoch_ ABSL_GUARDED_BY(mu_) = 0;     // abort_all() calls so far
+  absl::Status stopped_ ABSL_GUARDED_BY(mu_);  // the last one's reason
+};
+
+}  // namespace tandem::pipeline::detail

@@ -1,0 +1,588 @@
+// A stage worker's runtime (runtime.h).
+#include "pipeline/detail/runtime.h"
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <numeric>
+#include <optional>
+#include <set>
+#include <thread>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
+#include "dist_autograd/dist_autograd.h"
+#include "pipeline/detail/common.h"
+#include "pipeline/detail/p2p.h"
+#include "pipeline/detail/stage.h"
+#include "pipeline/local.h"
+#include "pipeline/schedule.h"
+#include "rpc/errors.h"
+#include "rpc/extension.h"
+#include "rpc/registry.h"
+#include "rpc/rpc.h"
+#include "rref/rref.h"
+#include "sync/sync.h"
+
+namespace tandem::pipeline {
+namespace detail {
+namespace {
+
+// Runs one pipeline's work on this worker, one task at a time in the order queued: a step's plan, an inference
+// micro-batch. So the run of step n + 1 never starts before the run of step n has ended here, and nothing of a
+// pipeline runs on an RPC server thread. stop() runs what is queued (those tasks fail fast: their pipeline is gone)
+// and joins the thread.
+class Executor {
+ public:
+  Executor() : thread_([this] { loop(); }) {}
+  ~Executor() { stop(); }
+  Executor(const Executor&) = delete;
+  Executor& operator=(const Executor&) = delete;
+
+  // False when stopped.
+  bool submit(std::function<void()> task) {
+    MutexLock lock(&mu_);
+    if (stopping_) return false;
+    queue_.push_back(std::move(task));
+    return true;
+  }
+  // Not from the executor's own thread.
+  void stop() {
+    {
+      MutexLock lock(&mu_);
+      stopping_ = true;
+    }
+    std::call_once(joined_, [this] { thread_.join(); });
+  }
+
+ private:
+  void loop() {
+    for (;;) {
+      std::function<void()> task;
+      {
+        MutexLock lock(&mu_);
+        auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopping_ || !queue_.empty(); };
+        mu_.Await(Condition(&ready));
+        if (queue_.empty()) return;  // stopping, and nothing left
+        task = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      task();  // tasks catch their own errors
+    }
+  }
+
+  Mutex mu_;
+  std::deque<std::function<void()>> queue_ ABSL_GUARDED_BY(mu_);
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  std::once_flag joined_;
+  std::thread thread_;  // last: starts once the members above exist
+};
+
+// A finished run's gradients, held until the driver commits the step (every worker succeeded) or abandons it: a
+// failed step leaves no gradient anywhere.
+struct HeldGradients {
+  int64_t step = -1;
+  bool to_grad = false;
+  std::vector<std::pair<at::Tensor, at::Tensor>> grads;  // (parameter, gradient)
+};
+
+// What this worker holds of one pipeline.
+struct PipeEntry {
+  int driver = -1;  // the rank that created it: when it dies, the pipeline goes
+  std::map<int, std::shared_ptr<Stage>> stages;
+  std::shared_ptr<Executor> executor;
+  std::optional<HeldGradients> held;
+};
+
+void sweep_loop();
+
+struct Stages {
+  Mutex mu;
+  CondVar cv;  // wakes the driver checks at stop
+  std::map<int64_t, PipeEntry> pipes ABSL_GUARDED_BY(mu);
+  // Pipelines released here (bounded memory, oldest first): a stage whose build ends after its pipeline's release is
+  // dropped instead of staying for ever.
+  std::set<int64_t> released ABSL_GUARDED_BY(mu);
+  std::deque<int64_t> released_order ABSL_GUARDED_BY(mu);
+  std::thread sweeper ABSL_GUARDED_BY(mu);  // checks the drivers (sweep_loop) while any pipeline is held
+  bool stopping ABSL_GUARDED_BY(mu) = false;
+
+  void remember_released_locked(int64_t pipe) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    if (!released.insert(pipe).second) return;
+    released_order.push_back(pipe);
+    if (released_order.size() > 10000) released.erase(released_order.front()), released_order.pop_front();
+  }
+};
+Stages& stages() {
+  static auto* s = new Stages;  // never destroyed: RPC threads may use it until exit
+  return *s;
+}
+std::shared_ptr<Stage> find_stage(int64_t pipe, int stage) {
+  Stages& s = stages();
+  MutexLock lock(&s.mu);
+  auto it = s.pipes.find(pipe);
+  if (it == s.pipes.end()) return nullptr;
+  auto st = it->second.stages.find(stage);
+  return st == it->second.stages.end() ? nullptr : st->second;
+}
+std::shared_ptr<Executor> executor_of(int64_t pipe) {
+  Stages& s = stages();
+  MutexLock lock(&s.mu);
+  auto it = s.pipes.find(pipe);
+  return it == s.pipes.end() ? nullptr : it->second.executor;
+}
+bool was_released(int64_t pipe) {
+  Stages& s = stages();
+  MutexLock lock(&s.mu);
+  return s.released.count(pipe) > 0;
+}
+// Adds a built stage; false when its pipeline was released meanwhile (or RPC is stopping).
+bool add_stage(int64_t pipe, int index, int driver, std::shared_ptr<Stage> stage) {
+  Stages& s = stages();
+  MutexLock lock(&s.mu);
+  if (s.stopping || s.released.count(pipe)) return false;
+  PipeEntry& e = s.pipes[pipe];
+  e.driver = driver;
+  e.stages[index] = std::move(stage);
+  if (!e.executor) e.executor = std::make_shared<Executor>();
+  if (!s.sweeper.joinable()) s.sweeper = std::thread(sweep_loop);
+  return true;
+}
+void hold_gradients(int64_t pipe, HeldGradients held) {
+  Stages& s = stages();
+  MutexLock lock(&s.mu);
+  auto it = s.pipes.find(pipe);
+  if (it != s.pipes.end()) it->second.held = std::move(held);
+}
+// The gradients held for `step`, taken out (nullopt when none: abandoned, released, or another step's).
+std::optional<HeldGradients> take_gradients(int64_t pipe, int64_t step) {
+  Stages& s = stages();
+  MutexLock lock(&s.mu);
+  auto it = s.pipes.find(pipe);
+  if (it == s.pipes.end() || !it->second.held || it->second.held->step != step) return std::nullopt;
+  std::optional<HeldGradients> held = std::move(it->second.held);
+  it->second.held.reset();
+  return held;
+}
+void release_pipes(const std::vector<int64_t>& pipes);
+
+// Every `kDriverCheck`, asks each driver of a pipeline held here whether it is alive; the pipelines of a driver that
+// is gone (UNAVAILABLE) are released. Ends at RPC stop.
+void sweep_loop() {
+  Stages& s = stages();
+  for (;;) {
+    std::map<int, std::vector<int64_t>> by_driver;
+    {
+      MutexLock lock(&s.mu);
+      if (!s.stopping) s.cv.WaitWithTimeout(&s.mu, absl::FromChrono(kDriverCheck));
+      if (s.stopping) return;
+      for (const auto& [pipe, e] : s.pipes) by_driver[e.driver].push_back(pipe);
+    }
+    if (!rpc::is_initialized()) continue;
+    const int self = rpc::get_worker_info().id;
+    for (const auto& [driver, pipes] : by_driver) {
+      if (driver < 0 || driver == self) continue;
+      rpc::Future ping = rpc::call(driver, kPing, {}, kDriverCheck);
+      if (ping.status().code() == absl::StatusCode::kUnavailable) release_pipes(pipes);
+    }
+  }
+}
+
+// Releases pipelines on this worker: their stages, mailbox entries and held gradients go, and each one's executor
+// stops once the task it runs has ended (its waits end at once). Not from a pipeline's own executor thread.
+void release_pipes(const std::vector<int64_t>& pipes) {
+  std::vector<PipeEntry> gone;
+  {
+    Stages& s = stages();
+    MutexLock lock(&s.mu);
+    for (int64_t pipe : pipes) {
+      s.remember_released_locked(pipe);
+      auto it = s.pipes.find(pipe);
+      if (it == s.pipes.end()) continue;
+      gone.push_back(std::move(it->second));
+      s.pipes.erase(it);
+    }
+  }
+  for (int64_t pipe : pipes) Mailbox::get().release(pipe);
+  for (auto& e : gone) {
+    if (e.executor) e.executor->stop();
+  }
+}
+
+struct Plan {
+  int64_t pipe = 0, step = 0;
+  std::vector<Action> actions;
+  std::vector<int> stage_rank;
+  std::vector<int64_t> sizes;
+  std::vector<at::Tensor> inputs, targets;  // stage 0's micro-batches / the last stage's targets (else empty)
+  std::string loss;
+  bool checkpoint = false, to_grad = false, record = false;
+  std::chrono::milliseconds timeout{0};
+  int64_t context = -1;
+};
+
+struct StageRun {
+  std::shared_ptr<Stage> stage;
+  std::map<int, Live> live;  // by micro-batch: from its forward to its backward
+  int64_t peak = 0, busy_us = 0;
+  std::vector<at::Tensor> grads;  // per Stage::params: the step's sums
+};
+
+class Run {
+ public:
+  explicit Run(Plan plan)
+      : p_(std::move(plan)), deadline_(Clock::now() + p_.timeout), self_(rpc::get_worker_info().id) {
+    for (int r : p_.stage_rank) stage_names_.push_back(rpc::get_worker_info(r).name);
+  }
+
+  // Returns (loss, [stage, peak, busy_us]..., [stage, mb, backward, start_us, end_us]...).
+  c10::IValue execute() {
+    const int n = static_cast<int>(p_.stage_rank.size());
+    const int64_t batch = std::accumulate(p_.sizes.begin(), p_.sizes.end(), int64_t{0});
+    const LossFn loss = find_loss_if_last(n);
+    for (const Action& a : p_.actions) {
+      StageRun& run = stage_run(a.stage);
+      compute_start_ = 0;
+      try {
+        a.backward ? backward(run, a, n) : forward(run, a, n, loss, batch);
+      } catch (...) {
+        const absl::Status thrown = status_from_current_exception();
+        throw_error(thrown.code(), a, thrown.message());
+      }
+      // Busy time and the timeline count computing only, not the wait for the action's input.
+      const int64_t end = now_us(), start = compute_start_;
+      run.busy_us += end - start;
+      if (p_.record) events_.insert(events_.end(), {a.stage, a.microbatch, a.backward, start, end});
+    }
+    for (auto& f : sends_) {
+      if (!f.wait_for(remaining()))
+        throw RpcError(absl::DeadlineExceededError("a message to the next stage did not complete"));
+      throw_if_error(f.status());
+    }
+    std::vector<int64_t> stats;
+    HeldGradients held{p_.step, p_.to_grad, {}};
+    for (auto& [index, run] : runs_) {
+      for (size_t j = 0; j < run.grads.size(); ++j) {
+        if (run.grads[j].defined()) held.grads.emplace_back(run.stage->params[j], std::move(run.grads[j]));
+      }
+      stats.insert(stats.end(), {index, run.peak, run.busy_us});
+    }
+    // Delivered when the driver commits the step (every worker succeeded); dropped if it abandons it.
+    if (!Mailbox::get().aborted(p_.pipe, p_.step)) hold_gradients(p_.pipe, std::move(held));
+    return c10::ivalue::Tuple::create({c10::IValue(loss_), rpc::to_ivalue(stats), rpc::to_ivalue(events_)});
+  }
+
+ private:
+  std::chrono::milliseconds remaining() const {
+    return std::max(std::chrono::milliseconds(1),
+                    std::chrono::duration_cast<std::chrono::milliseconds>(deadline_ - Clock::now()));
+  }
+
+  LossFn find_loss_if_last(int n) {
+    for (const Action& a : p_.actions) {
+      if (a.stage == n - 1) return find_loss(p_.loss);
+    }
+    return nullptr;
+  }
+
+  StageRun& stage_run(int index) {
+    auto it = runs_.find(index);
+    if (it != runs_.end()) return it->second;
+    auto stage = find_stage(p_.pipe, index);
+    if (!stage) {
+      throw RpcError(absl::NotFoundError(
+          absl::StrCat("pipeline ", p_.pipe, " has no stage ", index, " on worker '", self_name(), "' (released?)")));
+    }
+    StageRun& run = runs_[index];
+    run.stage = std::move(stage);
+    run.grads.resize(run.stage->params.size());
+    return run;
+  }
+
+  [[noreturn]] void throw_error(absl::StatusCode code, const Action& a, absl::string_view cause) {
+    throw RpcError(
+        absl::Status(code, absl::StrCat("stage ", a.stage, " on worker '", self_name(), "', micro-batch ", a.microbatch,
+                                        ", ", a.backward ? "backward" : "forward", ": ", cause)));
+  }
+
+  at::Tensor receive(int stage, int mb, bool grad) {
+    const int from = grad ? stage + 1 : stage - 1;
+    auto got = Mailbox::get().take(MailKey{p_.pipe, p_.step, stage, mb, grad}, deadline_,
+                                   absl::StrCat(grad ? "the gradient" : "the activation", " from stage ", from,
+                                                " (worker '", stage_names_[from], "')"));
+    throw_if_error(got.status());
+    return *std::move(got);
+  }
+
+  void send(int stage, int mb, bool grad, at::Tensor t) {
+    const int to = p_.stage_rank[stage];
+    if (to == self_) return Mailbox::get().put(MailKey{p_.pipe, p_.step, stage, mb, grad}, std::move(t));
+    rpc::Future f =
+        rpc::rpc_async(to, kAct, p_.pipe, p_.step, int64_t{stage}, int64_t{mb}, grad, std::move(t), remaining());
+    const int64_t pipe = p_.pipe, step = p_.step;
+    f.add_callback([pipe, step, stage, mb, grad](const rpc::Future& done) {
+      absl::Status s = done.status();
+      if (s.ok()) return;
+      // Wakes this worker's waits at once: the step cannot finish without that message.
+      Mailbox::get().abort(
+          pipe, step,
+          absl::Status(s.code(), absl::StrCat("sending the ", grad ? "gradient" : "activation", " of micro-batch ", mb,
+                                              " to stage ", stage, " failed: ", s.message())));
+    });
+    sends_.push_back(std::move(f));
+  }
+
+  void forward(StageRun& run, const Action& a, int n, const LossFn& loss, int64_t batch) {
+    const bool last = a.stage == n - 1;
+    at::Tensor x = a.stage == 0 ? p_.inputs.at(a.microbatch) : receive(a.stage, a.microbatch, false);
+    compute_start_ = now_us();
+    Live live;
+    at::Tensor out = forward_microbatch(*run.stage, std::move(x), a.stage == 0, p_.checkpoint && !last, &live);
+    if (last) {
+      const double share = static_cast<double>(p_.sizes[a.microbatch]) / static_cast<double>(batch);
+      at::Tensor l = loss(out, p_.targets.at(a.microbatch)) * share;
+      loss_ += l.item<double>();
+      live.output = l;
+    } else {
+      send(a.stage + 1, a.microbatch, false, out.detach());
+    }
+    run.live[a.microbatch] = std::move(live);
+    run.peak = std::max(run.peak, static_cast<int64_t>(run.live.size()));
+  }
+
+  void backward(StageRun& run, const Action& a, int n) {
+    auto it = run.live.find(a.microbatch);
+    if (it == run.live.end()) tandem::throw_error(absl::InternalError("backward before forward"));
+    Live live = std::move(it->second);
+    run.live.erase(it);  // the micro-batch's activations go when this backward is done
+    const bool last = a.stage == n - 1;
+    at::Tensor grad_out;
+    if (!last) grad_out = receive(a.stage, a.microbatch, true);
+    compute_start_ = now_us();
+    MicrobatchGradients g =
+        backward_microbatch(*run.stage, std::move(live), grad_out, a.stage == 0, !last && p_.checkpoint);
+    accumulate(run.grads, std::move(g.params));
+    if (a.stage > 0) send(a.stage - 1, a.microbatch, true, std::move(g.input));
+  }
+
+  Plan p_;
+  const Clock::time_point deadline_;
+  const int self_;
+  std::vector<std::string> stage_names_;
+  std::map<int, StageRun> runs_;
+  std::vector<rpc::Future> sends_;
+  std::vector<int64_t> events_;
+  double loss_ = 0;
+  int64_t compute_start_ = 0;  // when the current action had its input and began computing
+};
+
+rpc::Future on_run(int64_t pipe, int64_t step, std::vector<int64_t> actions, std::vector<int64_t> stage_rank,
+                   std::vector<int64_t> sizes, std::vector<at::Tensor> inputs, std::vector<at::Tensor> targets,
+                   std::string loss, std::vector<int64_t> flags) {
+  Plan plan;
+  plan.pipe = pipe, plan.step = step;
+  if (actions.size() % 3 != 0 || flags.size() != 4) throw_error(absl::InvalidArgumentError("malformed pipeline plan"));
+  for (size_t i = 0; i < actions.size(); i += 3) {
+    plan.actions.push_back(Action{static_cast<int>(actions[i]), static_cast<int>(actions[i + 1]), actions[i + 2] != 0});
+  }
+  for (int64_t r : stage_rank) plan.stage_rank.push_back(static_cast<int>(r));
+  for (const Action& a : plan.actions) {
+    if (a.stage < 0 || a.stage >= static_cast<int>(stage_rank.size()) || a.microbatch < 0 ||
+        a.microbatch >= static_cast<int>(sizes.size())) {
+      throw_error(absl::InvalidArgumentError("malformed pipeline plan: an action outside the stages or micro-batches"));
+    }
+  }
+  plan.sizes = std::move(sizes);
+  plan.inputs = std::move(inputs);
+  plan.targets = std::move(targets);
+  plan.loss = std::move(loss);
+  plan.checkpoint = flags[0] != 0, plan.to_grad = flags[1] != 0, plan.record = flags[2] != 0;
+  plan.timeout = std::chrono::milliseconds(std::max<int64_t>(1, flags[3]));
+  plan.context = dist_autograd::current_context();
+  if (!plan.to_grad && plan.context < 0) {
+    throw_error(absl::FailedPreconditionError("the plan came without a distributed autograd context"));
+  }
+  auto executor = executor_of(pipe);
+  if (!executor) {
+    throw_error(absl::NotFoundError(
+        absl::StrCat("pipeline ", pipe, " has no stage on worker '", self_name(), "' (released?)")));
+  }
+  rpc::Future result(absl::Now() + absl::FromChrono(plan.timeout + kReplyMargin));
+  // On the pipeline's executor: after the run of the previous step has ended here.
+  const bool queued = executor->submit([plan = std::move(plan), result]() mutable {
+    const int64_t pipe = plan.pipe, step = plan.step;
+    try {
+      Run run(std::move(plan));
+      c10::IValue value = run.execute();
+      Mailbox::get().finish(pipe, step);  // a late duplicate of one of its messages is dropped from now on
+      result.set_value(std::move(value));
+    } catch (...) {
+      result.set_error(status_from_current_exception());
+    }
+    if (!result.completed()) result.set_error(absl::InternalError("pipeline run ended without a result"));
+    // Whatever else of this step is still on its way here is of no use now.
+    if (!result.status().ok()) Mailbox::get().abort(pipe, step, result.status());
+  });
+  if (!queued) throw_error(absl::AbortedError(absl::StrCat("pipeline ", pipe, " was released on this worker")));
+  return result;
+}
+
+// The driver's commit of a step every worker finished: this worker's gradients of that step go to the parameters'
+// .grad or to the distributed autograd context of this call (which the driver made in the step's context).
+void on_commit(int64_t pipe, int64_t step) {
+  std::optional<HeldGradients> held = take_gradients(pipe, step);
+  if (!held) {
+    throw_error(absl::FailedPreconditionError(absl::StrCat("no gradients of step ", step, " of pipeline ", pipe,
+                                                           " are held on worker '", self_name(),
+                                                           "' (abandoned, or the pipeline was released)")));
+  }
+  if (held->to_grad) {
+    at::NoGradGuard no_grad;
+    for (auto& [param, g] : held->grads) {
+      if (param.grad().defined()) {
+        param.mutable_grad().add_(g);
+      } else {
+        param.mutable_grad() = std::move(g);  // the run's own tensor: nobody else holds it
+      }
+    }
+    return;
+  }
+  const int64_t context = dist_autograd::current_context();
+  if (context < 0) throw_error(absl::FailedPreconditionError("the commit came without a distributed autograd context"));
+  for (const auto& [param, g] : held->grads) dist_autograd::add_gradient(context, param, g);
+}
+
+// Inference, one micro-batch on one stage (on the pipeline's executor, in eval mode, without gradients), then the
+// next stage's, asynchronously: no thread waits for the rest.
+rpc::Future on_forward(int64_t pipe, int64_t index, std::vector<int64_t> ranks, at::Tensor x, int64_t timeout_ms) {
+  auto executor = executor_of(pipe);
+  if (!executor) {
+    throw_error(absl::NotFoundError(
+        absl::StrCat("pipeline ", pipe, " has no stage ", index, " on worker '", self_name(), "' (released?)")));
+  }
+  const auto timeout = std::chrono::milliseconds(timeout_ms);
+  rpc::Future result(absl::Now() + absl::FromChrono(timeout));
+  const bool queued = executor->submit([=]() mutable {
+    try {
+      auto stage = find_stage(pipe, static_cast<int>(index));
+      if (!stage) {
+        throw_error(absl::NotFoundError(
+            absl::StrCat("pipeline ", pipe, " has no stage ", index, " on worker '", self_name(), "' (released?)")));
+      }
+      at::Tensor y;
+      const bool training = stage->is_training();
+      try {
+        at::NoGradGuard no_grad;
+        stage->set_training(false);  // dropout off, BatchNorm's running statistics used and left as they are
+        y = stage->forward(x);
+        stage->set_training(training);
+      } catch (...) {
+        stage->set_training(training);
+        const absl::Status thrown = status_from_current_exception();
+        throw_error(absl::Status(thrown.code(), absl::StrCat("stage ", index, " on worker '", self_name(),
+                                                             "', forward: ", thrown.message())));
+      }
+      if (index + 1 >= static_cast<int64_t>(ranks.size())) {
+        result.set_value(c10::IValue(y));
+        return;
+      }
+      rpc::Future next =
+          rpc::rpc_async(static_cast<int>(ranks[index + 1]), kForward, pipe, index + 1, ranks, y, timeout_ms, timeout);
+      next.add_callback([result](const rpc::Future& done) {
+        const absl::Status s = done.status();
+        result.set_status(s, s.ok() ? done.value() : c10::IValue());
+      });
+    } catch (...) {
+      result.set_error(status_from_current_exception());
+    }
+  });
+  if (!queued) throw_error(absl::AbortedError(absl::StrCat("pipeline ", pipe, " was released on this worker")));
+  return result;
+}
+
+bool install() {
+  throw_if_error(rpc::register_handler(kCreate, [](std::vector<c10::IValue>&& a) -> rpc::Future {
+    if (a.size() != 7 || !a[0].isInt() || !a[1].isInt() || !a[2].isString() || !a[3].isList() || !a[4].isInt() ||
+        !a[5].isInt() || !a[6].isString()) {
+      throw_error(absl::InvalidArgumentError("malformed pipeline stage creation"));
+    }
+    const int64_t pipe = a[0].toInt();
+    const int index = static_cast<int>(a[1].toInt());
+    const rpc::CallContext* call = rpc::current_call();
+    const int driver = call ? call->caller_rank : -1;
+    auto released = [&] {
+      return absl::AbortedError(absl::StrCat("pipeline ", pipe, " was released while stage ", index,
+                                             " was being built on worker '", self_name(), "'"));
+    };
+    if (was_released(pipe)) throw_error(released());
+    std::vector<c10::IValue> args;
+    for (const auto& v : a[3].toListRef()) args.push_back(v);
+    auto stage = a[6].toStringRef().empty()
+                     ? build_stage(a[2].toStringRef(), std::move(args), a[4].toInt(), a[5].toInt())
+                     : load_script_stage(a[6].toStringRef());
+    std::vector<at::Tensor> params = stage->params;
+    // A release that overtook this build (the driver gave up waiting, or its pipeline object went) drops it here.
+    if (!add_stage(pipe, index, driver, std::move(stage))) throw_error(released());
+    std::vector<c10::IValue> refs;
+    for (const auto& p : params) refs.push_back(rref::make_local(c10::IValue(p)).to_ivalue());
+    return rpc::Future::ready(c10::ivalue::Tuple::create(std::move(refs)));
+  }));
+  rpc::register_function(kRun, on_run);
+  rpc::register_function(kCommit, on_commit);
+  rpc::register_function(kForward, on_forward);
+  rpc::register_function(kPing, [] {});
+  rpc::register_function(kAct, [](int64_t pipe, int64_t step, int64_t stage, int64_t mb, bool grad, at::Tensor t) {
+    Mailbox::get().put(MailKey{pipe, step, static_cast<int>(stage), static_cast<int>(mb), grad}, std::move(t));
+  });
+  rpc::register_function(kAbort, [](int64_t pipe, int64_t step, std::string reason) {
+    Mailbox::get().abort(pipe, step, absl::AbortedError(reason));
+    (void)take_gradients(pipe, step);  // a run that finished before the abort came: its gradients go
+  });
+  rpc::register_function(kRelease, [](int64_t pipe) { release_pipes({pipe}); });
+  rpc::add_stop_hook([] {
+    Mailbox::get().abort_all(absl::CancelledError("RPC is shutting down"));
+    Stages& s = stages();
+    std::vector<int64_t> all;
+    std::thread sweeper;
+    {
+      MutexLock lock(&s.mu);
+      s.stopping = true;
+      s.cv.SignalAll();
+      sweeper.swap(s.sweeper);
+      for (const auto& [pipe, e] : s.pipes) all.push_back(pipe);
+    }
+    if (sweeper.joinable()) sweeper.join();
+    release_pipes(all);  // joins every executor
+    MutexLock lock(&s.mu);
+    s.stopping = false;  // RPC may start again in this process
+  });
+  return true;
+}
+
+const bool g_installed = install();
+
+}  // namespace
+
+void ensure_runtime() { (void)g_installed; }
+
+}  // namespace detail
+
+std::shared_ptr<torch::nn::Module> local_stage(int64_t pipeline_id, int stage) {
+  auto s = detail::find_stage(pipeline_id, stage);
+  return s ? s->module : nullptr;
+}
+
+int64_t local_stage_count() {
+  detail::Stages& s = detail::stages();
+  MutexLock lock(&s.mu);
+  int64_t n = 0;
+  for (const auto& [pipe, e] : s.pipes) n += static_cast<int64_t>(e.stages.size());
+  return n;
+}
+
+}  // namespace tandem::pipeline

@@ -1,0 +1,217 @@
+#include "pipeline/detail/stage.h"
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/jit/serialization/import.h>
+#include <torch/nn/modules/container/sequential.h>
+
+#include <map>
+#include <mutex>
+
+#include "absl/base/attributes.h"
+#include "absl/base/thread_annotations.h"
+#include "absl/strings/str_cat.h"
+#include "nn/remote_module.h"
+#include "pipeline/detail/common.h"
+#include "pipeline/pipeline.h"
+#include "rpc/errors.h"
+#include "sync/sync.h"
+
+namespace tandem::pipeline {
+namespace detail {
+namespace {
+
+struct Losses {
+  Mutex mu;
+  std::map<std::string, LossFn> by_name ABSL_GUARDED_BY(mu) = {
+      {"mse", [](const at::Tensor& o, const at::Tensor& t) { return at::mse_loss(o, t); }},
+      {"cross_entropy", [](const at::Tensor& o, const at::Tensor& t) { return at::cross_entropy_loss(o, t); }},
+      {"nll", [](const at::Tensor& o, const at::Tensor& t) { return at::nll_loss(o, t); }},
+  };
+};
+Losses& losses() {
+  static auto* l = new Losses;
+  return *l;
+}
+
+// A TorchScript module as a stage: its parameters and forward. Holds the module, which is not a torch::nn::Module.
+struct ScriptStage : torch::nn::Module {
+  explicit ScriptStage(torch::jit::Module m) : script(std::move(m)) {
+    int i = 0;
+    for (const auto& p : script.parameters()) register_parameter("p" + std::to_string(i++), p, p.requires_grad());
+  }
+  torch::jit::Module script;
+};
+
+// The CPU generator's state (what torch.get_rng_state() returns), and setting it back.
+at::Tensor cpu_rng_state() {
+  at::Generator gen = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  return gen.get_state();
+}
+void set_cpu_rng_state(const at::Tensor& state) {
+  at::Generator gen = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  gen.set_state(state);
+}
+
+// The forward again, as it ran the first time: from the CPU generator's state it began with (dropout draws the same
+// mask), as PyTorch's checkpoint and Megatron do; the generator then continues from where it was, so the step draws
+// the same numbers as without checkpointing. The buffers (BatchNorm's running statistics) are kept in `kept`: the
+// caller puts them back once the backward is done (before, the graph may hold them), so that they are updated once
+// per micro-batch, by the first forward.
+at::Tensor recompute(Stage& stage, const Live& live, std::vector<at::Tensor>* kept) {
+  for (const auto& b : stage.buffers) kept->push_back(b.defined() ? b.clone() : at::Tensor());
+  const at::Tensor now = cpu_rng_state();
+  set_cpu_rng_state(live.rng_state);
+  try {
+    at::Tensor out = stage.forward(live.input);
+    set_cpu_rng_state(now);
+    return out;
+  } catch (...) {
+    set_cpu_rng_state(now);
+    throw;
+  }
+}
+void put_back(Stage& stage, const std::vector<at::Tensor>& kept) {
+  at::NoGradGuard no_grad;
+  for (size_t i = 0; i < kept.size(); ++i) {
+    if (kept[i].defined() && !at::equal(stage.buffers[i], kept[i])) stage.buffers[i].copy_(kept[i]);
+  }
+}
+
+}  // namespace
+
+std::shared_ptr<Stage> load_script_stage(const std::string& path) {
+  auto module = std::make_shared<ScriptStage>(torch::jit::load(path));
+  auto stage = std::make_shared<Stage>();
+  stage->module = module;
+  stage->forward = [module](const at::Tensor& x) { return module->script.forward({x}).toTensor(); };
+  for (const auto& p : module->parameters()) {
+    if (p.requires_grad()) stage->params.push_back(p);
+  }
+  for (const auto& b : module->script.buffers()) stage->buffers.push_back(b);
+  stage->is_training = [module] { return module->script.is_training(); };
+  stage->set_training = [module](bool on) { module->script.train(on); };
+  return stage;
+}
+
+std::shared_ptr<Stage> build_stage(const std::string& factory, std::vector<c10::IValue> args, int64_t begin,
+                                   int64_t end) {
+  // One build at a time in a process: factories seed LibTorch's global generator (torch::manual_seed) to build the
+  // same weights everywhere, and two stages of one worker built at once would draw from it interleaved.
+  ABSL_CONST_INIT static Mutex build_mu(absl::kConstInit);  // guards no data: it orders the builds
+  nn::detail::Instance instance;
+  {
+    MutexLock build_lock(&build_mu);
+    instance = nn::detail::make_instance(factory, std::move(args));
+  }
+  auto stage = std::make_shared<Stage>();
+  if (begin < 0) {
+    stage->module = instance.module;
+    auto forward = instance.forward;
+    stage->forward = [forward](const at::Tensor& x) { return forward({c10::IValue(x)}).value().toTensor(); };
+  } else {
+    auto full = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(instance.module);
+    if (!full) {
+      throw_error(absl::InvalidArgumentError("factory '" + factory + "' does not return a torch::nn::Sequential"));
+    }
+    if (end <= begin || end > static_cast<int64_t>(full->size())) {
+      throw_error(absl::InvalidArgumentError(absl::StrCat("layers [", begin, ", ", end, ") are not within the ",
+                                                          full->size(), " layers of factory '", factory, "'")));
+    }
+    torch::nn::Sequential part;
+    for (int64_t i = begin; i < end; ++i) part->push_back(std::to_string(i), *(full->begin() + i));
+    stage->module = part.ptr();
+    stage->forward = [part](const at::Tensor& x) mutable { return part->forward(x); };
+  }
+  for (const auto& p : stage->module->parameters()) {
+    if (p.requires_grad()) stage->params.push_back(p);
+  }
+  for (const auto& b : stage->module->buffers()) stage->buffers.push_back(b);
+  torch::nn::Module* module = stage->module.get();  // the stage holds it
+  stage->is_training = [module] { return module == nullptr || module->is_training(); };
+  stage->set_training = [module](bool on) {
+    if (module) module->train(on);
+  };
+  return stage;
+}
+
+LossFn find_loss(const std::string& name) {
+  Losses& l = losses();
+  MutexLock lock(&l.mu);
+  auto it = l.by_name.find(name);
+  if (it == l.by_name.end()) {
+    throw_error(absl::NotFoundError(absl::StrCat("no loss named '", name, "' on worker '", self_name(),
+                                                 "' (built in: mse, cross_entropy, nll; or pipeline::register_loss)")));
+  }
+  return it->second;
+}
+
+at::Tensor forward_microbatch(Stage& stage, at::Tensor x, bool first, bool checkpoint, Live* live) {
+  if (!first && x.is_floating_point()) x = x.detach().requires_grad_(true);
+  at::Tensor out;
+  if (checkpoint) {
+    live->rng_state = cpu_rng_state();  // the recompute in backward draws what this forward draws (dropout's mask)
+    at::NoGradGuard no_grad;
+    out = stage.forward(x);
+  } else {
+    out = stage.forward(x);
+  }
+  live->input = std::move(x);
+  live->output = checkpoint ? at::Tensor() : out;
+  return out;
+}
+
+MicrobatchGradients backward_microbatch(Stage& stage, Live live, const at::Tensor& grad_output, bool first,
+                                        bool recompute_forward) {
+  std::vector<at::Tensor> kept;  // with checkpointing: the buffers as the first forward left them
+  struct PutBack {
+    Stage& stage;
+    const std::vector<at::Tensor>& kept;
+    ~PutBack() { put_back(stage, kept); }
+  } put_back_after{stage, kept};  // after the backward below (or its error): its graph may hold them
+  at::Tensor root = recompute_forward ? recompute(stage, live, &kept) : live.output;
+  std::vector<at::Tensor> wrt = stage.params;
+  const bool input_grad = !first && live.input.requires_grad();
+  if (input_grad) wrt.push_back(live.input);
+  std::vector<at::Tensor> grads;
+  if (!wrt.empty() && root.requires_grad()) {
+    grads = torch::autograd::grad({root}, wrt,
+                                  grad_output.defined() ? std::vector<at::Tensor>{grad_output}
+                                                        : std::vector<at::Tensor>{},
+                                  /*retain_graph=*/false, /*create_graph=*/false, /*allow_unused=*/true);
+  } else {
+    grads.resize(wrt.size());
+  }
+  MicrobatchGradients out;
+  if (!first) out.input = input_grad && grads.back().defined() ? grads.back() : at::zeros_like(live.input);
+  grads.resize(stage.params.size());
+  out.params = std::move(grads);
+  return out;
+}
+
+void accumulate(std::vector<at::Tensor>& sums, std::vector<at::Tensor>&& grads) {
+  for (size_t j = 0; j < sums.size() && j < grads.size(); ++j) {
+    if (!grads[j].defined()) continue;
+    if (sums[j].defined()) {
+      sums[j].add_(grads[j]);
+    } else if (grads[j].use_count() == 1 && grads[j].storage().use_count() == 1) {
+      sums[j] = std::move(grads[j]);  // computed for this parameter alone: ours to accumulate into
+    } else {
+      sums[j] = grads[j].clone();  // the engine may hand one tensor to several inputs (x * (a + b))
+    }
+  }
+}
+
+}  // namespace detail
+
+void register_loss(const std::string& name, std::function<at::Tensor(const at::Tensor&, const at::Tensor&)> loss) {
+  detail::Losses& l = detail::losses();
+  MutexLock lock(&l.mu);
+  if (!l.by_name.emplace(name, std::move(loss)).second) {
+    throw RpcError(absl::AlreadyExistsError("a pipeline loss named '" + name + "' is already registered"));
+  }
+}
+
+}  // namespace tandem::pipeline

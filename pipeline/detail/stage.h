@@ -1,0 +1,70 @@
+// One stage on its worker: how it is built (a registered factory, a layer range of a Sequential, a TorchScript
+// file), the losses the last stage computes, and the forward and backward of one micro-batch. The runtime
+// (runtime.h) moves the micro-batches between stages; nothing here talks to another worker.
+//
+// Thread-safety: building is serialised per process (factories seed LibTorch's global generator); a Stage's forward
+// and backward run on its pipeline's executor thread only; the loss registry is guarded.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <ATen/core/ivalue.h>
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace torch::nn {
+class Module;
+}
+
+namespace tandem::pipeline::detail {
+
+struct Stage {
+  std::shared_ptr<torch::nn::Module> module;
+  std::function<at::Tensor(const at::Tensor&)> forward;
+  std::vector<at::Tensor> params;  // those that require gradients, in the module's order
+  // Running statistics and the like: a checkpointed recompute leaves them as they were.
+  std::vector<at::Tensor> buffers;
+  std::function<bool()> is_training;
+  std::function<void(bool)> set_training;
+};
+
+// factory(args...) from nn::register_module; with begin >= 0 only layers [begin, end) of the Sequential it returns.
+// Throws tandem::Error: NOT_FOUND (unknown factory), INVALID_ARGUMENT (not a Sequential, a range outside it).
+std::shared_ptr<Stage> build_stage(const std::string& factory, std::vector<c10::IValue> args, int64_t begin,
+                                   int64_t end);
+// A TorchScript module file (its forward takes and returns one tensor). Throws what torch::jit::load throws.
+std::shared_ptr<Stage> load_script_stage(const std::string& path);
+
+using LossFn = std::function<at::Tensor(const at::Tensor&, const at::Tensor&)>;
+// The loss registered under `name` on this worker (built in: mse, cross_entropy, nll). Throws NOT_FOUND.
+LossFn find_loss(const std::string& name);
+
+// What a micro-batch leaves on its stage between its forward and its backward.
+struct Live {
+  at::Tensor input;      // what the forward took (requiring grad when a gradient goes back to the previous stage)
+  at::Tensor output;     // the stage's output (none with checkpointing), or on the last stage its weighted loss
+  at::Tensor rng_state;  // with checkpointing: the CPU generator's state when the forward began
+};
+
+// The forward of one micro-batch. `x` is the micro-batch (first stage) or the activation received (it is detached
+// and made to require grad, so its gradient can be sent back). With `checkpoint` only the input is kept (the forward
+// runs without a graph and is recomputed in backward). Returns what the forward produced (the activation for the next
+// stage, or the last stage's output) and fills `live`.
+at::Tensor forward_microbatch(Stage& stage, at::Tensor x, bool first, bool checkpoint, Live* live);
+
+struct MicrobatchGradients {
+  std::vector<at::Tensor> params;  // per Stage::params; undefined where the micro-batch gave none
+  at::Tensor input;                // the input's gradient, for the previous stage (undefined on the first stage)
+};
+// The backward of one micro-batch from `live` (taken: its activations go with it). `grad_output` is the gradient
+// received from the next stage (undefined on the last stage, whose live.output is its loss). With `recompute` the
+// forward runs again first from live.input and live.rng_state, and the buffers are left as the first forward left them.
+MicrobatchGradients backward_microbatch(Stage& stage, Live live, const at::Tensor& grad_output, bool first,
+                                        bool recompute);
+
+// Adds `grads` into `sums` (per parameter), taking a gradient tensor over when nothing else holds it.
+void accumulate(std::vector<at::Tensor>& sums, std::vector<at::Tensor>&& grads);
+
+}  // namespace tandem::pipeline::detail
