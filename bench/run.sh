@@ -44,10 +44,13 @@ bench() {
 # `bench/run.sh hosts` (issue 19). Two test hosts (scripts/hosts.sh: network namespaces on a bridge, so every byte
 # between the ranks crosses a TCP/IP path); rank 0 in host 0, rank 1 in host 1, each process started on its own host.
 # Lines carry "bench":"hosts" and metric names prefixed hosts_ (hosts_delay_ under the delay); impl is
-#   raw_tcp          tcp_pingpong: blocking 1-byte round trips, the floor under a small call on this path
+#   raw_tcp          tcp_pingpong: blocking 1-byte round trips, the floor under a small call on this path, and one
+#                    connection's transfer of the bulk size for a 1-byte answer, the floor under the bulk figure
 #   tandem           rpc_bench and collectives_bench on Tandem's default transport (between hosts: the direct channel's
 #                    TCP route), one tandem-run per host (--nnodes 2 --node-rank R)
 #   tandem_grpc      rpc_bench with TANDEM_TRANSPORT=grpc (collectives use Gloo's connections whatever the transport)
+#   tandem_tls       rpc_bench with TLS between the hosts (scripts/hosts.sh tls: a job with TLS sends every call
+#                    through gRPC with TLS)
 #   torch, torch_tcp peer_rpc.py in its default configuration and with TCP forced; peer_collectives.py (Gloo). In the
 #                    default configuration each peer process also gets its own pid namespace, as on two machines: else
 #                    TensorPipe's CMA channel (same kernel, same pid namespace) would move tensors between the "hosts" by
@@ -73,16 +76,22 @@ hosts_bench() {
   # Tandem: a job on several nodes needs one secret on each. PyTorch: the store on host 0, TensorPipe and Gloo on eth0.
   TANDEM_SECRET="$(od -An -tx1 -N16 /dev/urandom | tr -d ' \n')"
   export TANDEM_SECRET TANDEM_BENCH_MASTER_ADDR="$h0" TP_SOCKET_IFNAME=eth0 GLOO_SOCKET_IFNAME=eth0
-  local small=5000 coll=(--iters "${COLL_ITERS:-20}") a prev=""
+  local small=5000 bulk=20 bulk_mib=64 coll=(--iters "${COLL_ITERS:-20}") a prev=""
   for a in "$@"; do
     [ "$prev" != --small ] || small="$a"
+    [ "$prev" != --bulk ] || bulk="$a"
+    [ "$prev" != --bulk-mib ] || bulk_mib="$a"
     prev="$a"
   done
+  bash scripts/hosts.sh tls "$tmp"
   for ((round = 1; round <= ${ROUNDS:-1}; round++)); do
-    note "round $round: raw TCP, Tandem (default and gRPC) and PyTorch (default and TCP) rpc, collectives"
+    note "round $round: raw TCP, Tandem (default, gRPC and TLS) and PyTorch (default and TCP) rpc, collectives"
     raw_tcp hosts_ --iters "$small" --size 1
+    ((bulk == 0)) || raw_tcp hosts_ --iters "$bulk" --warmup 2 --size $((bulk_mib << 20)) --reply 1
     tandem_pair hosts_ tandem rpc_bench "$@"
     TANDEM_TRANSPORT=grpc tandem_pair hosts_ tandem_grpc rpc_bench "$@"
+    TANDEM_TLS_CERT="$tmp/node.crt" TANDEM_TLS_KEY="$tmp/node.key" TANDEM_TLS_CA="$tmp/ca.crt" \
+      tandem_pair hosts_ tandem_tls rpc_bench "$@"
     for mode in default tcp; do peer_pair hosts_ peer_rpc.py "$mode" "$@"; done
     tandem_pair hosts_ tandem collectives_bench "${coll[@]}"
     peer_pair hosts_ peer_collectives.py default "${coll[@]}"

@@ -1,14 +1,17 @@
-// tcp_pingpong: the floor under a small RPC — blocking round trips of B bytes over one plain TCP connection, for
-// `bench/run.sh hosts`, which compares Tandem's small call with it over the same path.
+// tcp_pingpong: the floors under an RPC over one plain TCP connection, for `bench/run.sh hosts`, which compares
+// Tandem's calls with them over the same path: blocking round trips of B bytes (the small call), and B bytes sent for
+// an R-byte answer (the bulk transfer, --reply R).
 //
 //   tcp_pingpong server [--port P] [--bind ADDR]
-//   tcp_pingpong client --host H --port P [--iters N] [--size B] [--warmup W]
+//   tcp_pingpong client --host H --port P [--iters N] [--size B] [--reply R] [--warmup W]
 //
 // The server prints "port P" first (the port bound; --port 0, the default, picks a free one) and serves each
-// connection in its own process until SIGTERM. The client sends B (8 bytes, big-endian) once, then per round trip B
-// bytes; the server reads all B, then returns B bytes. Blocking sockets, TCP_NODELAY on both ends. After W untimed
-// round trips (default 200) the client times N (default 5000) and prints one JSON line:
+// connection in its own process until SIGTERM. The client sends B and R (8 bytes each, big-endian) once, then per
+// round trip B bytes; the server reads all B, then returns R bytes (R defaults to B). Blocking sockets, TCP_NODELAY
+// on both ends. After W untimed round trips (default 200) the client times N (default 5000) and prints one JSON line:
 //   {"bench":"hosts","impl":"raw_tcp","metric":"hosts_raw_tcp_rtt_p50_us","value":..,"unit":"us","iters":N,..}
+// or, with --reply smaller than B, the median of B / round trip:
+//   {"bench":"hosts","impl":"raw_tcp","metric":"hosts_raw_tcp_bulk_GBps","value":..,"unit":"GB/s","bytes":B,..}
 #include <arpa/inet.h>
 #include <endian.h>
 #include <errno.h>
@@ -69,10 +72,12 @@ void no_delay(int fd) {
 
 void serve_connection(int fd) {
   no_delay(fd);
-  uint64_t size_be;
-  if (!read_full(fd, reinterpret_cast<char*>(&size_be), sizeof size_be)) return;
-  std::vector<char> message(be64toh(size_be));
-  while (read_full(fd, message.data(), message.size())) write_full(fd, message.data(), message.size());
+  uint64_t sizes_be[2];
+  if (!read_full(fd, reinterpret_cast<char*>(sizes_be), sizeof sizes_be)) return;
+  const uint64_t size = be64toh(sizes_be[0]), reply = be64toh(sizes_be[1]);
+  if (size < 1 || reply < 1 || size > (uint64_t{1} << 32) || reply > (uint64_t{1} << 32)) return;
+  std::vector<char> message(std::max(size, reply));
+  while (read_full(fd, message.data(), size)) write_full(fd, message.data(), reply);
 }
 
 int server(int port, const std::string& bind_addr) {
@@ -138,18 +143,18 @@ double percentile(std::vector<double> v, double p) {
   return v[std::min(v.size() - 1, static_cast<size_t>(p * (v.size() - 1) + 0.5))];
 }
 
-int client(const std::string& host, int port, long iters, long size, long warmup) {
+int client(const std::string& host, int port, long iters, long size, long reply, long warmup) {
   const int fd = connect_to(host, port);
   no_delay(fd);
-  const uint64_t size_be = htobe64(static_cast<uint64_t>(size));
-  write_full(fd, reinterpret_cast<const char*>(&size_be), sizeof size_be);
-  std::vector<char> message(size, 'x');
+  const uint64_t sizes_be[2] = {htobe64(static_cast<uint64_t>(size)), htobe64(static_cast<uint64_t>(reply))};
+  write_full(fd, reinterpret_cast<const char*>(sizes_be), sizeof sizes_be);
+  std::vector<char> message(std::max(size, reply), 'x');
   std::vector<double> rtt_us;
   rtt_us.reserve(iters);
   for (long i = 0; i < warmup + iters; ++i) {
     const auto t0 = std::chrono::steady_clock::now();
-    write_full(fd, message.data(), message.size());
-    if (!read_full(fd, message.data(), message.size())) {
+    write_full(fd, message.data(), size);
+    if (!read_full(fd, message.data(), reply)) {
       errno = ECONNRESET;
       die("read (the server closed the connection)");
     }
@@ -158,6 +163,16 @@ int client(const std::string& host, int port, long iters, long size, long warmup
     }
   }
   close(fd);
+  if (reply < size) {
+    std::vector<double> gbps;
+    for (double us : rtt_us) gbps.push_back(static_cast<double>(size) / (us * 1e3));
+    std::printf(
+        "{\"bench\":\"hosts\",\"impl\":\"raw_tcp\",\"metric\":\"hosts_raw_tcp_bulk_GBps\","
+        "\"value\":%.6g,\"unit\":\"GB/s\",\"iters\":%ld,\"bytes\":%ld,\"reply_bytes\":%ld,\"processes\":2}\n",
+        percentile(gbps, 0.5), iters, size, reply);
+    std::fflush(stdout);
+    return 0;
+  }
   std::printf(
       "{\"bench\":\"hosts\",\"impl\":\"raw_tcp\",\"metric\":\"hosts_raw_tcp_rtt_p50_us\","
       "\"value\":%.6g,\"unit\":\"us\",\"iters\":%ld,\"bytes\":%ld,\"p99_us\":%.6g,\"processes\":2}\n",
@@ -169,11 +184,13 @@ int client(const std::string& host, int port, long iters, long size, long warmup
 [[noreturn]] void usage(int code) {
   std::fprintf(code ? stderr : stdout,
                "usage: tcp_pingpong server [--port P] [--bind ADDR]\n"
-               "       tcp_pingpong client --host H --port P [--iters N] [--size B] [--warmup W]\n"
-               "  server: prints \"port P\" (--port 0, the default: a free port), answers each B-byte message with B\n"
+               "       tcp_pingpong client --host H --port P [--iters N] [--size B] [--reply R] [--warmup W]\n"
+               "  server: prints \"port P\" (--port 0, the default: a free port), answers each B-byte message with R\n"
                "          bytes; --bind defaults to 0.0.0.0\n"
-               "  client: W untimed (default 200), then N timed round trips (default 5000) of B bytes (default 1);\n"
-               "          prints one JSON line with the median round trip (hosts_raw_tcp_rtt_p50_us) and p99\n");
+               "  client: W untimed (default 200), then N timed round trips (default 5000) of B bytes (default 1)\n"
+               "          answered with R (default B); prints one JSON line: the median round trip\n"
+               "          (hosts_raw_tcp_rtt_p50_us) and p99, or with R < B the median B / round trip\n"
+               "          (hosts_raw_tcp_bulk_GBps)\n");
   std::exit(code);
 }
 
@@ -185,7 +202,7 @@ int main(int argc, char** argv) {
   if (role == "--help" || role == "-h") usage(0);
   if (role != "server" && role != "client") usage(2);
   std::string host, bind_addr = "0.0.0.0";
-  long port = role == "server" ? 0 : -1, iters = 5000, size = 1, warmup = 200;
+  long port = role == "server" ? 0 : -1, iters = 5000, size = 1, reply = 0, warmup = 200;
   for (int i = 2; i < argc; ++i) {
     const std::string flag = argv[i];
     if (flag == "--help" || flag == "-h") usage(0);
@@ -194,6 +211,7 @@ int main(int argc, char** argv) {
     long* number = flag == "--port"     ? &port
                    : flag == "--iters"  ? &iters
                    : flag == "--size"   ? &size
+                   : flag == "--reply"  ? &reply
                    : flag == "--warmup" ? &warmup
                                         : nullptr;
     if (flag == "--host") host = value;
@@ -207,6 +225,9 @@ int main(int argc, char** argv) {
   }
   if (port > 65535) usage(2);
   if (role == "server") return server(static_cast<int>(port), bind_addr);
-  if (host.empty() || port <= 0 || port > 65535 || iters < 1 || size < 1) usage(2);
-  return client(host, static_cast<int>(port), iters, size, warmup);
+  if (reply == 0) reply = size;
+  if (host.empty() || port <= 0 || port > 65535 || iters < 1 || size < 1 || size > (1L << 32) || reply > (1L << 32)) {
+    usage(2);
+  }
+  return client(host, static_cast<int>(port), iters, size, reply, warmup);
 }

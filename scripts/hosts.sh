@@ -4,7 +4,8 @@
 # channel). Used by tests/hosts and `bench/run.sh hosts`. Run as root.
 #
 #   hosts.sh up NAME N          makes NAME-sw (the bridge br0) and NAME-h0 .. NAME-h<N-1>; host i has eth0 with
-#                               10.77.0.<i+1>/24 and lo. The root namespace is not touched.
+#                               10.77.0.<i+1>/24 and lo. The root namespace is not touched. The links' MTU is
+#                               HOSTS_MTU (default 1500, Ethernet's; up to 65535, as on loopback).
 #   hosts.sh down NAME          kills every process in them and removes them all (idempotent)
 #   hosts.sh addr NAME I        prints host I's address
 #   hosts.sh exec NAME I CMD..  runs CMD in host I (ip netns exec: CMD replaces this process)
@@ -13,6 +14,9 @@
 #   hosts.sh blackhole NAME I   drops every packet host I sends or receives (nftables rules in its namespace)
 #   hosts.sh kill NAME I        SIGKILLs every process in host I (the kernel resets their connections)
 #   hosts.sh rate NAME I RATE   limits host I's outgoing rate (tc tbf, e.g. 1gbit); RATE "off" removes the limit
+#   hosts.sh tls DIR            writes DIR/ca.crt, DIR/node.crt and DIR/node.key: one CA, and one certificate valid
+#                               for every host's address (and 127.0.0.1) that each worker presents and checks its peers
+#                               against (TANDEM_TLS_CERT, TANDEM_TLS_KEY, TANDEM_TLS_CA)
 #   hosts.sh check              exits 0 when this machine can make hosts, else prints why
 #
 # NAME must be short and unique per concurrent user (tests use their pid). Delay cannot be added here: this kernel has
@@ -38,13 +42,14 @@ case "$cmd" in
     name="$1"; n="$2"
     [ "$n" -ge 1 ] && [ "$n" -le 200 ] || die "host count must be 1..200"
     trap 'bash "$0" down "$name"' ERR
+    mtu="${HOSTS_MTU:-1500}"
     ip netns add "$name-sw"
     ip -n "$name-sw" link add br0 type bridge
-    ip -n "$name-sw" link set br0 up
+    ip -n "$name-sw" link set br0 mtu "$mtu" up
     for ((i = 0; i < n; i++)); do
       h="$(ns "$name" "$i")"
       ip netns add "$h"
-      ip -n "$name-sw" link add "p$i" type veth peer name eth0 netns "$h"
+      ip -n "$name-sw" link add "p$i" mtu "$mtu" type veth peer name eth0 mtu "$mtu" netns "$h"
       ip -n "$name-sw" link set "p$i" master br0 up
       ip -n "$h" addr add "10.77.0.$((i + 1))/24" dev eth0
       ip -n "$h" link set lo up
@@ -87,5 +92,15 @@ EOF
       ip netns exec "$h" tc qdisc replace dev eth0 root tbf rate "$3" burst 256kb latency 100ms
     fi
     ;;
-  *) die "usage: hosts.sh up|down|addr|exec|cut|heal|blackhole|kill|rate|check ... (see the header)" ;;
+  tls)
+    dir="$1" sans="IP:127.0.0.1"
+    for i in $(seq 1 200); do sans+=",IP:10.77.0.$i"; done  # every address `up` gives
+    (cd "$dir" &&
+      openssl req -x509 -newkey rsa:2048 -nodes -days 2 -subj /CN=tandem-hosts-ca -keyout ca.key -out ca.crt &&
+      openssl req -newkey rsa:2048 -nodes -subj /CN=tandem-host -keyout node.key -out node.csr &&
+      printf 'subjectAltName=%s\n' "$sans" >ext.cnf &&
+      openssl x509 -req -in node.csr -CA ca.crt -CAkey ca.key -CAcreateserial -days 2 -extfile ext.cnf -out node.crt
+    ) >"$dir/openssl.log" 2>&1 || { cat "$dir/openssl.log" >&2; die "could not make the certificates in $dir"; }
+    ;;
+  *) die "usage: hosts.sh up|down|addr|exec|cut|heal|blackhole|kill|rate|tls|check ... (see the header)" ;;
 esac

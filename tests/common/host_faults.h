@@ -12,6 +12,19 @@ class HostFaults : public MultiprocScenario {
   void SetUp() override {
     if (test_hosts().count < 3) GTEST_SKIP() << "runs on 3 test hosts only: bash tests/hosts/run.sh";
   }
+  // Whatever a test did to the links (a failed assertion returns early, before its own heal), every link is up and
+  // unlimited again before the job shuts down, and for the next test and the next suites of the same run.
+  void TearDown() override {
+    for (int h = 1; h < test_hosts().count; ++h) {
+      try {
+        host_fault("heal", h);
+        host_fault("rate", h, "off");
+      } catch (const std::exception& e) {
+        ADD_FAILURE() << e.what();
+      }
+    }
+    MultiprocScenario::TearDown();
+  }
 
  public:  // for a test file's helpers that several of its tests share
   // A job of 3 ranks, one per host, whose calls default to `rpc_timeout` and whose graceful shutdown waits 10 s.

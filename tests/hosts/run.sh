@@ -41,13 +41,7 @@ export TANDEM_TEST_HOSTS="$name:3" TANDEM_TEST_LAUNCHER="$build/tandem-run" TAND
 export TANDEM_TEST_MASTER_ADDR="$(bash "$hosts" addr "$name" 0)" TANDEM_TRANSPORT=auto
 case "$mode" in *-grpc) export TANDEM_TRANSPORT=grpc ;; esac
 if [ "$mode" = suites-tls ]; then
-  # One CA; one certificate valid for every host's address (each worker presents it and checks its peers against it).
-  (cd "$tmp" &&
-    openssl req -x509 -newkey rsa:2048 -nodes -days 2 -subj /CN=tandem-hosts-ca -keyout ca.key -out ca.crt &&
-    openssl req -newkey rsa:2048 -nodes -subj /CN=tandem-host -keyout node.key -out node.csr &&
-    printf 'subjectAltName=IP:10.77.0.1,IP:10.77.0.2,IP:10.77.0.3,IP:127.0.0.1\n' >ext.cnf &&
-    openssl x509 -req -in node.csr -CA ca.crt -CAkey ca.key -CAcreateserial -days 2 -extfile ext.cnf -out node.crt
-  ) >/dev/null 2>&1
+  bash "$hosts" tls "$tmp"
   # Through the environment every Tandem program reads (rpc/rpc.h, RpcOptions::tls): the test process and every worker.
   export TANDEM_TLS_CERT="$tmp/node.crt" TANDEM_TLS_KEY="$tmp/node.key" TANDEM_TLS_CA="$tmp/ca.crt"
 fi
@@ -55,7 +49,18 @@ fi
 failed=()
 for b in "${order[@]}"; do
   echo "== $b on 3 hosts ($mode): ${suites[$b]}"
-  if ! timeout 600 bash "$hosts" exec "$name" 0 "$build/$b" --gtest_filter="${suites[$b]}" --gtest_brief=1; then
+  out="$tmp/$b.out"
+  # A run passes only when every test it names ran there: a skipped test (not on 3 hosts?) or a name that matches
+  # nothing (a renamed test) fails it, as a failed test does. Each pattern of the filter matches at least one test.
+  patterns="$(tr ':' '\n' <<<"${suites[$b]}" | grep -c .)"
+  if ! timeout 600 bash "$hosts" exec "$name" 0 "$build/$b" --gtest_filter="${suites[$b]}" --gtest_brief=1 2>&1 |
+       tee "$out"; then
+    failed+=("$b")
+  elif grep -q '^\[  SKIPPED \]' "$out"; then
+    echo "FAILED: tests of $b skipped on the test hosts"
+    failed+=("$b")
+  elif ran="$(sed -nE 's/^\[==========\] ([0-9]+) tests? from .* ran\..*/\1/p' "$out")" && ((${ran:-0} < patterns)); then
+    echo "FAILED: $b ran ${ran:-0} tests for the $patterns names of its filter"
     failed+=("$b")
   fi
 done
