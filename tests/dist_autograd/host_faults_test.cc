@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <gmock/gmock.h>
 
+#include <future>
 #include <thread>
 
 #include "dist_autograd/dist_autograd.h"
@@ -25,9 +26,11 @@ void backward_over_a_cut_link(HostFaults& t, bool mid) {
                                              int64_t{mid ? 1500 : 0}, h);
     if (!mid) host_fault("cut", 1);
     const auto t0 = Clock::now();
-    std::thread cutter;
+    // A future, not a thread: whatever the backward throws, it is waited for (and a failed cut reported), never a
+    // joinable thread destroyed.
+    std::future<void> cutter;
     if (mid) {
-      cutter = std::thread([] {
+      cutter = std::async(std::launch::async, [] {
         std::this_thread::sleep_for(milliseconds(500));
         host_fault("cut", 1);
       });
@@ -38,7 +41,7 @@ void backward_over_a_cut_link(HostFaults& t, bool mid) {
     } catch (const RpcError& e) {
       EXPECT_THAT(e.what(), testing::HasSubstr("worker 'worker1' (rank 1)"));
     }
-    if (cutter.joinable()) cutter.join();
+    if (cutter.valid()) cutter.get();
     EXPECT_LT(HostFaults::since(t0), milliseconds(3000) + scaled(milliseconds(3000)));
   }
   host_fault("heal", 1);

@@ -59,7 +59,8 @@ for b in "${order[@]}"; do
   elif grep -q '^\[  SKIPPED \]' "$out"; then
     echo "FAILED: tests of $b skipped on the test hosts"
     failed+=("$b")
-  elif ran="$(sed -nE 's/^\[==========\] ([0-9]+) tests? from .* ran\..*/\1/p' "$out")" && ((${ran:-0} < patterns)); then
+  elif ran="$(sed -nE 's/^\[==========\] ([0-9]+) tests? from .* ran\..*/\1/p' "$out")" &&
+       ((${ran:-0} < patterns)); then
     echo "FAILED: $b ran ${ran:-0} tests for the $patterns names of its filter"
     failed+=("$b")
   fi
