@@ -45,16 +45,17 @@ bench() {
 # between the ranks crosses a TCP/IP path); rank 0 in host 0, rank 1 in host 1, each process started on its own host.
 # Lines carry "bench":"hosts" and metric names prefixed hosts_ (hosts_delay_ under the delay); impl is
 #   raw_tcp          tcp_pingpong: blocking 1-byte round trips, the floor under a small call on this path, and one
-#                    connection's transfer of the bulk size for a 1-byte answer, the floor under the bulk figure
+#                    connection's transfer of the bulk size for a 1-byte answer in 256 KiB sends (the best size
+#                    measured here: one send of 64 MiB moves 2 GB/s, 256 KiB ones 5.5), the floor under the bulk figure
 #   tandem           rpc_bench and collectives_bench on Tandem's default transport (between hosts: the direct channel's
 #                    TCP route), one tandem-run per host (--nnodes 2 --node-rank R)
 #   tandem_grpc      rpc_bench with TANDEM_TRANSPORT=grpc (collectives use Gloo's connections whatever the transport)
 #   tandem_tls       rpc_bench with TLS between the hosts (scripts/hosts.sh tls: a job with TLS sends every call
 #                    through gRPC with TLS)
-#   torch, torch_tcp peer_rpc.py in its default configuration and with TCP forced; peer_collectives.py (Gloo). In the
-#                    default configuration each peer process also gets its own pid namespace, as on two machines: else
-#                    TensorPipe's CMA channel (same kernel, same pid namespace) would move tensors between the "hosts" by
-#                    memory copy, off the link. With TCP forced (no CMA) it runs as it is.
+#   torch, torch_tcp peer_rpc.py in its default configuration and with TCP forced; peer_collectives.py (Gloo). Each
+#                    peer process gets its own pid namespace, as on two machines: else TensorPipe's CMA channel (same
+#                    kernel, same pid namespace) moves tensors between the "hosts" by memory copy, off the link, and
+#                    does so even with TCP forced.
 # Then DELAY_US (default 1000) is added each way: in each host a delay_relay behind an nftables redirect of the TCP
 # connections it opens to the other host. Measured: raw_tcp, tandem, tandem_grpc and torch_tcp small round trips
 # (rpc flags plus --bulk 0 --async 0), and hosts_delay_rtt_ratio = tandem's p50 / raw_tcp's p50.
@@ -87,7 +88,7 @@ hosts_bench() {
   for ((round = 1; round <= ${ROUNDS:-1}; round++)); do
     note "round $round: raw TCP, Tandem (default, gRPC and TLS) and PyTorch (default and TCP) rpc, collectives"
     raw_tcp hosts_ --iters "$small" --size 1
-    ((bulk == 0)) || raw_tcp hosts_ --iters "$bulk" --warmup 2 --size $((bulk_mib << 20)) --reply 1
+    ((bulk == 0)) || raw_tcp hosts_ --iters "$bulk" --warmup 2 --size $((bulk_mib << 20)) --reply 1 --chunk $((256 << 10))
     tandem_pair hosts_ tandem rpc_bench "$@"
     TANDEM_TRANSPORT=grpc tandem_pair hosts_ tandem_grpc rpc_bench "$@"
     TANDEM_TLS_CERT="$tmp/node.crt" TANDEM_TLS_KEY="$tmp/node.key" TANDEM_TLS_CA="$tmp/ca.crt" \
@@ -182,14 +183,28 @@ peer_pair() {
   local prefix="$1" script="$2" mode="$3" port other
   shift 3
   port="$(free_port)"
-  # The default configuration gets a pid namespace of its own (no CMA between the "hosts"); TCP forced uses no CMA
-  # anyway, and runs as it would on its own machine.
-  local run=("$PY" "bench/$script" "$mode" "$@" --port "$port" --rank)
-  [ "$mode" != default ] || run=(unshare --pid --fork --kill-child "${run[@]}")
-  in_host 1 "${run[@]}" 1 >&2 &
+  # Each rank gets a pid namespace of its own, as on two machines: else TensorPipe's CMA channel reads the tensors from
+  # the other "host"'s memory (process_vm_readv works across network namespaces), off the link. With TCP forced
+  # (_channels = ["basic"]) it does so all the same: strace showed one 64 MiB process_vm_readv per bulk call.
+  local run=(unshare --pid --fork --kill-child "$PY" "bench/$script" "$mode" "$@" --port "$port" --rank)
+  # Rank 0 first, and rank 1 once rank 0's store listens: under the added delay rank 1's connection crosses the
+  # delay_relay, which can only turn a refused connection into a reset, and PyTorch's store client retries a refusal
+  # but fails on a reset.
+  in_host 0 "${run[@]}" 0 >"$tmp/rank0.jsonl" &
   other=$!
-  in_host 0 "${run[@]}" 0 | relabel "$prefix"
+  wait_listening 0 "$port"
+  in_host 1 "${run[@]}" 1 >&2
   wait "$other"
+  relabel "$prefix" <"$tmp/rank0.jsonl"
+}
+# wait_listening H PORT: returns once something in test host H listens on TCP PORT (at most 60 s).
+wait_listening() {
+  local i
+  for ((i = 0; i < 600; i++)); do
+    [ -z "$(bash scripts/hosts.sh exec "$hn" "$1" ss -Hltn "sport = :$2")" ] || return 0
+    sleep 0.1
+  done
+  note "nothing listens on port $2 in host $1 after 60 s"
 }
 # delay_on: DELAY_US added each way to every TCP connection between the hosts. In each host, a delay_relay, and an
 # nftables rule sending the connections it opens to the other host through it (except the relay's own, marked 0x77).

@@ -3,7 +3,7 @@
 // an R-byte answer (the bulk transfer, --reply R).
 //
 //   tcp_pingpong server [--port P] [--bind ADDR]
-//   tcp_pingpong client --host H --port P [--iters N] [--size B] [--reply R] [--warmup W]
+//   tcp_pingpong client --host H --port P [--iters N] [--size B] [--reply R] [--warmup W] [--chunk C]
 //
 // The server prints "port P" first (the port bound; --port 0, the default, picks a free one) and serves each
 // connection in its own process until SIGTERM. The client sends B and R (8 bytes each, big-endian) once, then per
@@ -56,9 +56,11 @@ bool read_full(int fd, char* p, size_t n) {
   return true;
 }
 
-void write_full(int fd, const char* p, size_t n) {
+// Sends n bytes, at most `chunk` per send (0: all that is left at once).
+void write_full(int fd, const char* p, size_t n, size_t chunk = 0) {
   for (size_t put = 0; put < n;) {
-    const ssize_t w = send(fd, p + put, n - put, MSG_NOSIGNAL);
+    const size_t want = chunk ? std::min(chunk, n - put) : n - put;
+    const ssize_t w = send(fd, p + put, want, MSG_NOSIGNAL);
     if (w < 0 && errno == EINTR) continue;
     if (w < 0) die("write");
     put += w;
@@ -143,7 +145,7 @@ double percentile(std::vector<double> v, double p) {
   return v[std::min(v.size() - 1, static_cast<size_t>(p * (v.size() - 1) + 0.5))];
 }
 
-int client(const std::string& host, int port, long iters, long size, long reply, long warmup) {
+int client(const std::string& host, int port, long iters, long size, long reply, long warmup, long chunk) {
   const int fd = connect_to(host, port);
   no_delay(fd);
   const uint64_t sizes_be[2] = {htobe64(static_cast<uint64_t>(size)), htobe64(static_cast<uint64_t>(reply))};
@@ -153,7 +155,7 @@ int client(const std::string& host, int port, long iters, long size, long reply,
   rtt_us.reserve(iters);
   for (long i = 0; i < warmup + iters; ++i) {
     const auto t0 = std::chrono::steady_clock::now();
-    write_full(fd, message.data(), size);
+    write_full(fd, message.data(), size, static_cast<size_t>(chunk));
     if (!read_full(fd, message.data(), reply)) {
       errno = ECONNRESET;
       die("read (the server closed the connection)");
@@ -168,8 +170,9 @@ int client(const std::string& host, int port, long iters, long size, long reply,
     for (double us : rtt_us) gbps.push_back(static_cast<double>(size) / (us * 1e3));
     std::printf(
         "{\"bench\":\"hosts\",\"impl\":\"raw_tcp\",\"metric\":\"hosts_raw_tcp_bulk_GBps\","
-        "\"value\":%.6g,\"unit\":\"GB/s\",\"iters\":%ld,\"bytes\":%ld,\"reply_bytes\":%ld,\"processes\":2}\n",
-        percentile(gbps, 0.5), iters, size, reply);
+        "\"value\":%.6g,\"unit\":\"GB/s\",\"iters\":%ld,\"bytes\":%ld,\"reply_bytes\":%ld,\"send_bytes\":%ld,"
+        "\"processes\":2}\n",
+        percentile(gbps, 0.5), iters, size, reply, chunk ? std::min(chunk, size) : size);
     std::fflush(stdout);
     return 0;
   }
@@ -185,12 +188,13 @@ int client(const std::string& host, int port, long iters, long size, long reply,
   std::fprintf(code ? stderr : stdout,
                "usage: tcp_pingpong server [--port P] [--bind ADDR]\n"
                "       tcp_pingpong client --host H --port P [--iters N] [--size B] [--reply R] [--warmup W]\n"
+               "                           [--chunk C]\n"
                "  server: prints \"port P\" (--port 0, the default: a free port), answers each B-byte message with R\n"
                "          bytes; --bind defaults to 0.0.0.0\n"
                "  client: W untimed (default 200), then N timed round trips (default 5000) of B bytes (default 1)\n"
                "          answered with R (default B); prints one JSON line: the median round trip\n"
                "          (hosts_raw_tcp_rtt_p50_us) and p99, or with R < B the median B / round trip\n"
-               "          (hosts_raw_tcp_bulk_GBps)\n");
+               "          (hosts_raw_tcp_bulk_GBps); --chunk: at most C bytes per send (default 0: the whole message)\n");
   std::exit(code);
 }
 
@@ -202,7 +206,7 @@ int main(int argc, char** argv) {
   if (role == "--help" || role == "-h") usage(0);
   if (role != "server" && role != "client") usage(2);
   std::string host, bind_addr = "0.0.0.0";
-  long port = role == "server" ? 0 : -1, iters = 5000, size = 1, reply = 0, warmup = 200;
+  long port = role == "server" ? 0 : -1, iters = 5000, size = 1, reply = 0, warmup = 200, chunk = 0;
   for (int i = 2; i < argc; ++i) {
     const std::string flag = argv[i];
     if (flag == "--help" || flag == "-h") usage(0);
@@ -213,6 +217,7 @@ int main(int argc, char** argv) {
                    : flag == "--size"   ? &size
                    : flag == "--reply"  ? &reply
                    : flag == "--warmup" ? &warmup
+                   : flag == "--chunk"  ? &chunk
                                         : nullptr;
     if (flag == "--host") host = value;
     else if (flag == "--bind") bind_addr = value;
@@ -229,5 +234,5 @@ int main(int argc, char** argv) {
   if (host.empty() || port <= 0 || port > 65535 || iters < 1 || size < 1 || size > (1L << 32) || reply > (1L << 32)) {
     usage(2);
   }
-  return client(host, static_cast<int>(port), iters, size, reply, warmup);
+  return client(host, static_cast<int>(port), iters, size, reply, warmup, chunk);
 }
