@@ -19,6 +19,7 @@
 #include "pipeline/detail/common.h"
 #include "pipeline/detail/microbatch.h"
 #include "pipeline/detail/runtime.h"
+#include "pipeline/layers.h"
 #include "rpc/detail/ids.h"
 #include "rpc/errors.h"
 #include "sync/sync.h"
@@ -263,7 +264,8 @@ Pipeline Pipeline::create(std::vector<StageSpec> stages, PipelineOptions options
     built.push_back(rpc::call(
         info.id, kCreate,
         {c10::IValue(st->id), c10::IValue(static_cast<int64_t>(s)), c10::IValue(spec.factory), c10::IValue(args),
-         c10::IValue(spec.layer_begin), c10::IValue(spec.layer_end), c10::IValue(spec.torchscript)},
+         c10::IValue(spec.layer_begin), c10::IValue(spec.layer_end), c10::IValue(spec.torchscript),
+         c10::IValue(spec.layers)},
         options.timeout));
   }
   st->specs = std::move(stages);
@@ -296,6 +298,21 @@ Pipeline Pipeline::from_sequential(const std::string& factory, std::vector<c10::
   std::vector<StageSpec> stages;
   for (int k = 0; k < partition.n_stages; ++k) {
     stages.push_back(StageSpec{workers[k % workers.size()], factory, args, cut[k].first, cut[k].second});
+  }
+  return create(std::move(stages), options);
+}
+
+Pipeline Pipeline::from_layers(const std::string& layers, const std::vector<rpc::To>& workers,
+                               PartitionOptions partition, PipelineOptions options) {
+  if (workers.empty()) fail(absl::StatusCode::kInvalidArgument, "from_layers needs at least one worker");
+  const std::vector<std::pair<int64_t, int64_t>> cut = balanced_cut(layer_weights(layers, partition), partition.n_stages);
+  std::vector<StageSpec> stages;
+  for (int k = 0; k < partition.n_stages; ++k) {
+    StageSpec spec{workers[k % workers.size()]};
+    spec.layers = layers;
+    spec.layer_begin = cut[k].first;
+    spec.layer_end = cut[k].second;
+    stages.push_back(std::move(spec));
   }
   return create(std::move(stages), options);
 }

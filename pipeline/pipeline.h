@@ -47,10 +47,11 @@
 // Thread-safety: one step or forward() at a time per Pipeline (each waits for the other); several pipelines may share
 // workers.
 //
-// The parts: this header and pipeline.cc are the driver; partition.h cuts a Sequential; schedule.h makes each worker's
-// plan; timeline.h draws a step; local.h is what a stage worker holds; detail/ has the stage workers' runtime
-// (runtime: a worker's executor of its plans; stage: building a stage and one micro-batch's forward and backward;
-// p2p: the mailbox of activations and gradients; microbatch: splitting and merging batches).
+// The parts: this header and pipeline.cc are the driver; partition.h cuts a Sequential; layers.h registers models by
+// their layers (each stage worker builds only its own); schedule.h makes each worker's plan; timeline.h draws a step;
+// local.h is what a stage worker holds; detail/ has the stage workers' runtime (runtime: a worker's executor of its
+// plans; stage: building a stage and one micro-batch's forward and backward; p2p: the mailbox of activations and
+// gradients; microbatch: splitting and merging batches).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -77,6 +78,9 @@ struct StageSpec {
   std::vector<c10::IValue> args;  // its arguments
   // When the factory returns a torch::nn::Sequential: keep only its layers [layer_begin, layer_end). -1: all of it.
   int64_t layer_begin = -1, layer_end = -1;
+  // Instead of a factory: a model registered with register_layers (pipeline/layers.h); the worker builds only its
+  // layers [layer_begin, layer_end), which must then be given.
+  std::string layers;
   // Instead of a factory: a TorchScript module file (torch.jit.save / torch::jit::Module::save) that the worker loads
   // (the path as the worker sees it); its forward takes and returns one tensor.
   std::string torchscript;
@@ -121,9 +125,16 @@ class Pipeline {
   static Pipeline create(std::vector<StageSpec> stages, PipelineOptions options = {});
   // Builds factory(args...) here (it must return a torch::nn::Sequential), cuts it into balanced stages and builds
   // them on `workers`: stage k on workers[k % workers.size()] (with more stages than workers: interleaved stages).
+  // Every stage worker builds the whole model too and keeps its layers: from_layers builds only what each needs.
   static Pipeline from_sequential(const std::string& factory, std::vector<c10::IValue> args,
                                   const std::vector<rpc::To>& workers, PartitionOptions partition,
                                   PipelineOptions options = {});
+
+  // Cuts the model registered with register_layers under `layers` (on this worker and on every stage's) into
+  // partition.n_stages stages and builds them on `workers` as from_sequential does; each worker builds only its own
+  // layers, and this worker never builds the whole model (pipeline/layers.h says how it weighs the layers).
+  static Pipeline from_layers(const std::string& layers, const std::vector<rpc::To>& workers,
+                              PartitionOptions partition, PipelineOptions options = {});
 
   // One training step on the whole batch: forward and backward of every micro-batch by the schedule. Returns the
   // batch's loss. See the header comment for where the gradients go and for errors.

@@ -507,8 +507,8 @@ rpc::Future on_forward(int64_t pipe, int64_t index, std::vector<int64_t> ranks, 
 
 bool install() {
   throw_if_error(rpc::register_handler(kCreate, [](std::vector<c10::IValue>&& a) -> rpc::Future {
-    if (a.size() != 7 || !a[0].isInt() || !a[1].isInt() || !a[2].isString() || !a[3].isList() || !a[4].isInt() ||
-        !a[5].isInt() || !a[6].isString()) {
+    if (a.size() != 8 || !a[0].isInt() || !a[1].isInt() || !a[2].isString() || !a[3].isList() || !a[4].isInt() ||
+        !a[5].isInt() || !a[6].isString() || !a[7].isString()) {
       throw_error(absl::InvalidArgumentError("malformed pipeline stage creation"));
     }
     const int64_t pipe = a[0].toInt();
@@ -522,9 +522,10 @@ bool install() {
     if (was_released(pipe)) throw_error(released());
     std::vector<c10::IValue> args;
     for (const auto& v : a[3].toListRef()) args.push_back(v);
-    auto stage = a[6].toStringRef().empty()
-                     ? build_stage(a[2].toStringRef(), std::move(args), a[4].toInt(), a[5].toInt())
-                     : load_script_stage(a[6].toStringRef());
+    auto stage = !a[6].toStringRef().empty() ? load_script_stage(a[6].toStringRef())
+                 : !a[7].toStringRef().empty()
+                     ? build_layers_stage(a[7].toStringRef(), a[4].toInt(), a[5].toInt())
+                     : build_stage(a[2].toStringRef(), std::move(args), a[4].toInt(), a[5].toInt());
     std::vector<at::Tensor> params = stage->params;
     // A release that overtook this build (the driver gave up waiting, or its pipeline object went) drops it here.
     if (!add_stage(pipe, index, driver, std::move(stage))) throw_error(released());

@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "nn/remote_module.h"
 #include "pipeline/detail/common.h"
+#include "pipeline/layers.h"
 #include "pipeline/pipeline.h"
 #include "rpc/errors.h"
 #include "sync/sync.h"
@@ -96,45 +97,62 @@ std::shared_ptr<Stage> load_script_stage(const std::string& path) {
   return stage;
 }
 
+namespace {
+// One build at a time in a process: factories seed LibTorch's global generator (torch::manual_seed) to build the
+// same weights everywhere, and two stages of one worker built at once would draw from it interleaved.
+ABSL_CONST_INIT Mutex build_mu(absl::kConstInit);  // guards no data: it orders the builds
+
+// The stage of `module` (which the stage holds) with `forward`: its parameters, buffers and training flag.
+std::shared_ptr<Stage> make_stage(std::shared_ptr<torch::nn::Module> module,
+                                  std::function<at::Tensor(const at::Tensor&)> forward) {
+  auto stage = std::make_shared<Stage>();
+  stage->module = std::move(module);
+  stage->forward = std::move(forward);
+  for (const auto& p : stage->module->parameters()) {
+    if (p.requires_grad()) stage->params.push_back(p);
+  }
+  for (const auto& b : stage->module->buffers()) stage->buffers.push_back(b);
+  torch::nn::Module* m = stage->module.get();  // the stage holds it
+  stage->is_training = [m] { return m == nullptr || m->is_training(); };
+  stage->set_training = [m](bool on) {
+    if (m) m->train(on);
+  };
+  return stage;
+}
+}  // namespace
+
 std::shared_ptr<Stage> build_stage(const std::string& factory, std::vector<c10::IValue> args, int64_t begin,
                                    int64_t end) {
-  // One build at a time in a process: factories seed LibTorch's global generator (torch::manual_seed) to build the
-  // same weights everywhere, and two stages of one worker built at once would draw from it interleaved.
-  ABSL_CONST_INIT static Mutex build_mu(absl::kConstInit);  // guards no data: it orders the builds
   nn::detail::Instance instance;
   {
     MutexLock build_lock(&build_mu);
     instance = nn::detail::make_instance(factory, std::move(args));
   }
-  auto stage = std::make_shared<Stage>();
   if (begin < 0) {
-    stage->module = instance.module;
     auto forward = instance.forward;
-    stage->forward = [forward](const at::Tensor& x) { return forward({c10::IValue(x)}).value().toTensor(); };
-  } else {
-    auto full = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(instance.module);
-    if (!full) {
-      throw_error(absl::InvalidArgumentError("factory '" + factory + "' does not return a torch::nn::Sequential"));
-    }
-    if (end <= begin || end > static_cast<int64_t>(full->size())) {
-      throw_error(absl::InvalidArgumentError(absl::StrCat("layers [", begin, ", ", end, ") are not within the ",
-                                                          full->size(), " layers of factory '", factory, "'")));
-    }
-    torch::nn::Sequential part;
-    for (int64_t i = begin; i < end; ++i) part->push_back(std::to_string(i), *(full->begin() + i));
-    stage->module = part.ptr();
-    stage->forward = [part](const at::Tensor& x) mutable { return part->forward(x); };
+    return make_stage(instance.module,
+                      [forward](const at::Tensor& x) { return forward({c10::IValue(x)}).value().toTensor(); });
   }
-  for (const auto& p : stage->module->parameters()) {
-    if (p.requires_grad()) stage->params.push_back(p);
+  auto full = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(instance.module);
+  if (!full) {
+    throw_error(absl::InvalidArgumentError("factory '" + factory + "' does not return a torch::nn::Sequential"));
   }
-  for (const auto& b : stage->module->buffers()) stage->buffers.push_back(b);
-  torch::nn::Module* module = stage->module.get();  // the stage holds it
-  stage->is_training = [module] { return module == nullptr || module->is_training(); };
-  stage->set_training = [module](bool on) {
-    if (module) module->train(on);
-  };
-  return stage;
+  if (end <= begin || end > static_cast<int64_t>(full->size())) {
+    throw_error(absl::InvalidArgumentError(absl::StrCat("layers [", begin, ", ", end, ") are not within the ",
+                                                        full->size(), " layers of factory '", factory, "'")));
+  }
+  torch::nn::Sequential part;
+  for (int64_t i = begin; i < end; ++i) part->push_back(std::to_string(i), *(full->begin() + i));
+  return make_stage(part.ptr(), [part](const at::Tensor& x) mutable { return part->forward(x); });
+}
+
+std::shared_ptr<Stage> build_layers_stage(const std::string& layers, int64_t begin, int64_t end) {
+  torch::nn::Sequential part;
+  {
+    MutexLock build_lock(&build_mu);
+    part = build_layers(layers, begin, end);
+  }
+  return make_stage(part.ptr(), [part](const at::Tensor& x) mutable { return part->forward(x); });
 }
 
 LossFn find_loss(const std::string& name) {

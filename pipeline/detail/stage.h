@@ -1,5 +1,5 @@
-// One stage on its worker: how it is built (a registered factory, a layer range of a Sequential, a TorchScript
-// file), the losses the last stage computes, and the forward and backward of one micro-batch. The runtime
+// One stage on its worker: how it is built (a registered factory, a layer range of a Sequential, a range of a model
+// registered by its layers, a TorchScript file), the losses the last stage computes, and the forward and backward of one micro-batch. The runtime
 // (runtime.h) moves the micro-batches between stages; nothing here talks to another worker.
 //
 // Thread-safety: building is serialised per process (factories seed LibTorch's global generator); a Stage's forward
@@ -34,6 +34,9 @@ struct Stage {
 // Throws tandem::Error: NOT_FOUND (unknown factory), INVALID_ARGUMENT (not a Sequential, a range outside it).
 std::shared_ptr<Stage> build_stage(const std::string& factory, std::vector<c10::IValue> args, int64_t begin,
                                    int64_t end);
+// Layers [begin, end) of a model registered with register_layers (pipeline/layers.h): only those are built. Throws
+// tandem::Error: NOT_FOUND (unknown name), INVALID_ARGUMENT (a range outside the model).
+std::shared_ptr<Stage> build_layers_stage(const std::string& layers, int64_t begin, int64_t end);
 // A TorchScript module file (its forward takes and returns one tensor). Throws what torch::jit::load throws.
 std::shared_ptr<Stage> load_script_stage(const std::string& path);
 

@@ -13,6 +13,7 @@
 #include "dist_autograd/dist_autograd.h"
 #include "dist_optim/dist_optim.h"
 #include "nn/remote_module.h"
+#include "pipeline/layers.h"
 #include "pipeline/pipeline.h"
 #include "rpc/errors.h"
 #include "tests/common/rpc_fixture.h"
@@ -58,15 +59,18 @@ std::vector<rpc::To> stage_workers(int n) {
 }
 
 // Trains the pipeline and one local model side by side for 3 steps; returns what differs ("" when nothing).
+// With `by_layers` the model is "pipe_layers", built stage by stage (Pipeline::from_layers).
 std::string follow_one_process(Schedule schedule, int stages, int workers, int m, bool checkpoint,
-                               pipeline::GradientsTo to = pipeline::GradientsTo::kContext) {
+                               pipeline::GradientsTo to = pipeline::GradientsTo::kContext, bool by_layers = false) {
   std::ostringstream where;
   where << pipeline::schedule_name(schedule) << ", " << stages << " stages on " << workers << " workers, m " << m
-        << (checkpoint ? ", checkpointing" : "") << ": ";
-  auto pipe = Pipeline::from_sequential(
-      "pipe_mlp", {kLayers, kWidth, kSeed}, stage_workers(workers), {.n_stages = stages},
-      {.schedule = schedule, .n_microbatches = m, .loss = "mse", .gradients = to, .checkpoint = checkpoint});
-  auto ref = make_pipe_mlp(kLayers, kWidth, kSeed);
+        << (checkpoint ? ", checkpointing" : "") << (by_layers ? ", built by layers" : "") << ": ";
+  const pipeline::PipelineOptions options{
+      .schedule = schedule, .n_microbatches = m, .loss = "mse", .gradients = to, .checkpoint = checkpoint};
+  auto pipe = by_layers ? Pipeline::from_layers("pipe_layers", stage_workers(workers), {.n_stages = stages}, options)
+                        : Pipeline::from_sequential("pipe_mlp", {kLayers, kWidth, kSeed}, stage_workers(workers),
+                                                    {.n_stages = stages}, options);
+  auto ref = by_layers ? make_pipe_layers(0, kPipeLayers) : make_pipe_mlp(kLayers, kWidth, kSeed);
   torch::optim::SGD ref_opt(ref->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
   dist_optim::DistributedOptimizer opt("sgd", pipe.parameter_rrefs(), {{"lr", 0.1}, {"momentum", 0.9}});
   // An uneven last micro-batch: 2m - 1 rows split into m parts (2, ..., 2, 1); m = 1: 3 rows.
@@ -125,6 +129,69 @@ INSTANTIATE_TEST_SUITE_P(MultiprocPipeline, MultiprocPipelineEquivalence,
                          [](const auto& info) {
                            return std::get<0>(info.param) + "_" + std::to_string(std::get<1>(info.param)) + "_stages";
                          });
+
+// A model registered by its layers (Pipeline::from_layers): each stage worker builds only its range, and the
+// pipeline still equals one process on the whole model (built from the same factory in one piece).
+TEST_F(MultiprocPipeline, AModelBuiltByLayersEqualsTheUnsplitModel) {
+  start({.world_size = 4});
+  EXPECT_EQ(follow_one_process(Schedule::k1F1B, 3, 3, 4, false, pipeline::GradientsTo::kContext, true), "");
+  EXPECT_EQ(follow_one_process(Schedule::kInterleaved1F1B, 4, 2, 3, false, pipeline::GradientsTo::kContext, true), "");
+  try {
+    Pipeline::from_layers("no_such_layers", stage_workers(2), {.n_stages = 2});
+    ADD_FAILURE() << "unknown layers were accepted";
+  } catch (const RpcError& e) {
+    EXPECT_THAT(e.what(), ::testing::HasSubstr("no layers registered as 'no_such_layers'"));
+  }
+  pipeline::StageSpec outside{1};
+  outside.layers = "pipe_layers";
+  outside.layer_begin = 6;
+  outside.layer_end = kPipeLayers + 1;
+  try {
+    Pipeline::create({outside});
+    ADD_FAILURE() << "a range outside the model was accepted";
+  } catch (const RpcError& e) {
+    EXPECT_THAT(e.what(), ::testing::HasSubstr("layers [6, 9) are not within the 8 layers of 'pipe_layers'"));
+  }
+}
+
+// A model larger than what any stage worker's building costs: 8 float Linear(2048, 2048) (131 MiB of parameters) in
+// 4 stages. Each stage worker builds only its 2 layers: its resident memory grows by less than half the model when
+// the stages are built (building the whole model first, as from_sequential does, grows it by the whole model); the
+// driver builds one layer at a time to weigh them, and its peak grows by less than half the model; the pipeline then
+// trains. The training peak (parameters, their gradients summed over micro-batches, one micro-batch's gradients, and
+// a released context's until the release arrives) is printed, not bounded here.
+TEST_F(MultiprocPipeline, StagesBuildOnlyTheirLayersSoAModelLargerThanEachStageTrains) {
+  start({.world_size = 5});
+  const double whole_kib = kBigLayers * (kBigWidth * kBigWidth + kBigWidth) * 4 / 1024.0;
+  reset_peak_memory();  // VmHWM is the process's peak since then: an earlier test's peak would count
+  std::vector<int64_t> rss_before{memory_kib("VmRSS")};
+  for (int r = 1; r <= 4; ++r) rss_before.push_back(rpc::rpc_sync<std::vector<int64_t>>(r, "pipe_memory_kib", true)[0]);
+  auto pipe = Pipeline::from_layers("pipe_big_layers", stage_workers(4), {.n_stages = 4},
+                                    {.schedule = Schedule::k1F1B, .n_microbatches = 4, .loss = "mse"});
+  const double driver_growth = memory_kib("VmHWM") - rss_before[0];
+  EXPECT_LT(driver_growth, whole_kib / 2) << "the driver's peak grew by " << driver_growth << " KiB";
+  for (int s = 0; s < 4; ++s) EXPECT_EQ(pipe.stage_layers(s), std::make_pair(int64_t{2} * s, int64_t{2} * s + 2));
+  for (int r = 1; r <= 4; ++r) {
+    const double growth = rpc::rpc_sync<std::vector<int64_t>>(r, "pipe_memory_kib", false)[1] - rss_before[r];
+    EXPECT_LT(growth, whole_kib / 2) << "worker" << r << "'s peak grew by " << growth << " KiB building its stage; "
+                                     << "the model is " << whole_kib << " KiB";
+  }
+  dist_optim::DistributedOptimizer opt("sgd", pipe.parameter_rrefs(), {{"lr", 0.5}});
+  auto gen = at::detail::createCPUGenerator(11);
+  const at::Tensor x = at::randn({8, kBigWidth}, gen), y = at::randn({8, kBigWidth}, gen);
+  std::vector<double> losses;
+  for (int step = 0; step < 2; ++step) {
+    dist_autograd::ContextGuard ctx;
+    losses.push_back(pipe.step(x, y));
+    opt.step(ctx.id());
+  }
+  EXPECT_LT(losses[1], losses[0]);  // it trains
+  for (int r = 1; r <= 4; ++r) {
+    const double growth = rpc::rpc_sync<std::vector<int64_t>>(r, "pipe_memory_kib", false)[1] - rss_before[r];
+    std::printf("worker%d: peak resident memory grew by %.0f KiB in two steps (the whole model: %.0f KiB)\n", r,
+                growth, whole_kib);
+  }
+}
 
 TEST_F(MultiprocPipeline, CheckpointingAndDotGradGiveTheSameGradients) {
   start({.world_size = 4});

@@ -4,12 +4,15 @@
 
 #include <atomic>
 #include <chrono>
+#include <fstream>
+#include <string>
 #include <mutex>
 #include <thread>
 #include <vector>
 
 #include "dist_autograd/dist_autograd.h"
 #include "nn/remote_module.h"
+#include "pipeline/layers.h"
 #include "pipeline/local.h"
 #include "pipeline/pipeline.h"
 #include "rpc/registry.h"
@@ -97,6 +100,33 @@ struct SlowBackward : torch::nn::Module {
 
 }  // namespace
 
+torch::nn::Sequential make_pipe_layers(int64_t begin, int64_t end) {
+  torch::nn::Sequential part;
+  for (int64_t i = begin; i < end; ++i) {
+    if (i % 2 == 1) {
+      part->push_back(torch::nn::Tanh());
+      continue;
+    }
+    torch::manual_seed(7000 + i);  // layer i is the same whatever range it is built in
+    torch::nn::Linear lin(kPipeLayersWidth, kPipeLayersWidth);
+    lin->to(torch::kDouble);
+    part->push_back(lin);
+  }
+  return part;
+}
+
+int64_t memory_kib(const char* field) {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  const std::string key = std::string(field) + ":";
+  while (std::getline(status, line)) {
+    if (line.rfind(key, 0) == 0) return std::stoll(line.substr(key.size()));
+  }
+  return -1;
+}
+
+void reset_peak_memory() { std::ofstream("/proc/self/clear_refs") << "5"; }
+
 torch::nn::Sequential make_pipe_dropout_bn(int64_t seed) {
   torch::manual_seed(seed);
   torch::nn::Sequential m(torch::nn::Linear(4, 6), torch::nn::Dropout(0.5), torch::nn::Linear(6, 6),
@@ -125,6 +155,19 @@ void register_pipeline_stages() {
     return out;
   });
   nn::register_module("pipe_dropout_bn", make_pipe_dropout_bn);
+  pipeline::register_layers("pipe_layers", {.n_layers = kPipeLayers, .build = make_pipe_layers});
+  pipeline::register_layers("pipe_big_layers", {.n_layers = kBigLayers, .build = [](int64_t begin, int64_t end) {
+                                                  torch::nn::Sequential part;
+                                                  for (int64_t i = begin; i < end; ++i) {
+                                                    torch::manual_seed(9000 + i);
+                                                    part->push_back(torch::nn::Linear(kBigWidth, kBigWidth));
+                                                  }
+                                                  return part;
+                                                }});
+  rpc::register_function("pipe_memory_kib", [](bool reset_peak) {
+    if (reset_peak) reset_peak_memory();
+    return std::vector<int64_t>{memory_kib("VmRSS"), memory_kib("VmHWM")};
+  });
   nn::register_module("pipe_slow_backward", [](int64_t ms) { return std::make_shared<SlowBackward>(ms); });
   nn::register_module("pipe_slow_build", [](int64_t ms) {
     std::this_thread::sleep_for(std::chrono::milliseconds(ms));

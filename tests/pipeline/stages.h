@@ -8,6 +8,17 @@ namespace tandem::test {
 // "pipe_mlp"(layers, width, seed): a float64 Sequential of `layers` Linear(width, width), each followed by Tanh.
 torch::nn::Sequential make_pipe_mlp(int64_t layers, int64_t width, int64_t seed);
 
+// "pipe_layers" (pipeline::register_layers): kPipeLayers layers, even ones a float64 Linear(kPipeLayersWidth,
+// kPipeLayersWidth) seeded by its index, odd ones Tanh; make_pipe_layers builds layers [begin, end).
+constexpr int64_t kPipeLayers = 8, kPipeLayersWidth = 5;
+torch::nn::Sequential make_pipe_layers(int64_t begin, int64_t end);
+// "pipe_big_layers": kBigLayers float Linear(kBigWidth, kBigWidth), each seeded by its index (16 MiB each).
+constexpr int64_t kBigLayers = 8, kBigWidth = 2048;
+// This process's VmRSS or VmHWM in KiB; "pipe_memory_kib"(reset) returns both, of the worker it runs on, after
+// resetting its peak (VmHWM) to its resident memory now when `reset` (reset_peak_memory: Linux's clear_refs 5).
+int64_t memory_kib(const char* field);
+void reset_peak_memory();
+
 // "pipe_dropout_bn"(seed): a float64 Sequential Linear(4, 6), Dropout(0.5), Linear(6, 6), BatchNorm1d(6), Tanh,
 // Linear(6, 4).
 torch::nn::Sequential make_pipe_dropout_bn(int64_t seed);

@@ -1,0 +1,106 @@
+#include "pipeline/layers.h"
+
+#include <algorithm>
+#include <chrono>
+#include <limits>
+#include <map>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "pipeline/detail/common.h"
+#include "sync/sync.h"
+
+namespace tandem::pipeline {
+namespace {
+
+struct Registry {
+  Mutex mu;
+  std::map<std::string, LayerFactory> by_name ABSL_GUARDED_BY(mu);
+};
+Registry& registry() {
+  static auto* r = new Registry;
+  return *r;
+}
+
+double parameter_count(const torch::nn::Module& layer) {
+  double n = 1;  // a layer without parameters still counts a little, so every stage gets a layer
+  for (const auto& p : layer.parameters()) n += static_cast<double>(p.numel());
+  return n;
+}
+
+}  // namespace
+
+void register_layers(const std::string& name, LayerFactory factory) {
+  if (factory.n_layers < 1 || !factory.build) {
+    detail::fail(absl::StatusCode::kInvalidArgument,
+                 absl::StrCat("layers '", name, "': a factory needs n_layers >= 1 (", factory.n_layers,
+                              ") and a build function"));
+  }
+  Registry& r = registry();
+  MutexLock lock(&r.mu);
+  if (!r.by_name.emplace(name, std::move(factory)).second) {
+    detail::fail(absl::StatusCode::kAlreadyExists, absl::StrCat("layers '", name, "' are already registered"));
+  }
+}
+
+LayerFactory find_layers(const std::string& name) {
+  Registry& r = registry();
+  MutexLock lock(&r.mu);
+  auto it = r.by_name.find(name);
+  if (it == r.by_name.end()) {
+    std::vector<std::string> names;
+    for (const auto& [n, f] : r.by_name) names.push_back(n);
+    detail::fail(absl::StatusCode::kNotFound, absl::StrCat("no layers registered as '", name, "' on this worker",
+                                                           names.empty() ? "" : " (registered: ",
+                                                           absl::StrJoin(names, ", "), names.empty() ? "" : ")"));
+  }
+  return it->second;
+}
+
+torch::nn::Sequential build_layers(const std::string& name, int64_t begin, int64_t end) {
+  const LayerFactory f = find_layers(name);
+  if (begin < 0 || end <= begin || end > f.n_layers) {
+    detail::fail(absl::StatusCode::kInvalidArgument, absl::StrCat("layers [", begin, ", ", end, ") are not within the ",
+                                                                  f.n_layers, " layers of '", name, "'"));
+  }
+  torch::nn::Sequential part = f.build(begin, end);
+  if (!part || static_cast<int64_t>(part->size()) != end - begin) {
+    detail::fail(absl::StatusCode::kInvalidArgument,
+                 absl::StrCat("layers '", name, "': build(", begin, ", ", end, ") returned ",
+                              part ? static_cast<int64_t>(part->size()) : 0, " layers, not ", end - begin));
+  }
+  return part;
+}
+
+std::vector<double> layer_weights(const std::string& name, const PartitionOptions& options) {
+  const LayerFactory f = find_layers(name);
+  std::vector<double> weights;
+  if (options.by == Partition::kParameters) {
+    for (int64_t i = 0; i < f.n_layers; ++i) {
+      weights.push_back(f.weight ? f.weight(i) : parameter_count(*build_layers(name, i, i + 1)));
+    }
+    return weights;
+  }
+  if (!options.sample.defined()) {
+    detail::fail(absl::StatusCode::kInvalidArgument, "Partition::kTime needs a sample batch");
+  }
+  at::Tensor x = options.sample;
+  for (int64_t i = 0; i < f.n_layers; ++i) {
+    torch::nn::Sequential layer = build_layers(name, i, i + 1);
+    double best = std::numeric_limits<double>::infinity();
+    at::Tensor y;
+    for (int rep = 0; rep < 3; ++rep) {  // the fastest of three: the first pays for allocations
+      at::Tensor in = x.is_floating_point() ? x.detach().requires_grad_(true) : x;
+      const auto t0 = detail::Clock::now();
+      y = layer->forward(in);
+      if (y.requires_grad()) y.sum().backward();
+      best = std::min(best, std::chrono::duration<double>(detail::Clock::now() - t0).count());
+    }
+    weights.push_back(best);
+    x = y.detach();
+  }  // each layer is freed before the next is built
+  return weights;
+}
+
+}  // namespace tandem::pipeline
