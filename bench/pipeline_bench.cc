@@ -4,7 +4,8 @@
 //                                plus DistributedOptimizer(SGD) over both stages, in a distributed autograd context.
 //                                Each stage: Linear(d, d), ReLU, Linear(d, d), ReLU; loss MSE; "small": d 256, batch
 //                                128 (about 1 ms per stage and micro-batch at m = 8); "large": d 1024, batch 1024
-//                                (about 25 ms per stage and micro-batch at m = 8).
+//                                (about 25 ms per stage and micro-batch at m = 8). Its line carries
+//                                stage_peak_memory_mib: each stage worker's peak resident memory (StepStats).
 //   pipeline_local_step_ms       the same model unsplit, in one process (loss.backward(), torch::optim::SGD).
 //   pipeline_control_overhead_us per micro-batch: (step - the schedule's makespan with each stage's measured mean
 //                                forward and backward times) / m: what the runtime adds beyond the schedule itself.
@@ -128,6 +129,10 @@ void step_time(const std::string& size, int64_t d, int64_t batch, int steps) {
     const double ideal =
         pipeline::simulate(pipeline::make_plans(options.schedule, placement, 2, m), placement, m, f, b);
     const double step_only = pipe.last_stats().step_ms;
+    std::string peak_mib;  // each stage worker's peak resident memory
+    for (int64_t kib : pipe.last_stats().peak_memory_kib) {
+      peak_mib += (peak_mib.empty() ? "" : ",") + std::to_string(kib / 1024);
+    }
     const std::string cond = fields({{"processes", "3"},
                                      {"intra_op_threads", "1"},
                                      {"size", str(size)},
@@ -138,7 +143,8 @@ void step_time(const std::string& size, int64_t d, int64_t batch, int steps) {
                                      {"steps", std::to_string(steps)}});
     bench::emit("pipeline", "pipeline_step_ms", ms, "ms",
                 cond + ",\"speedup_vs_m1\":" + std::to_string(m1_ms / ms) +
-                    ",\"speedup_vs_local\":" + std::to_string(local_ms / ms));
+                    ",\"speedup_vs_local\":" + std::to_string(local_ms / ms) + ",\"stage_peak_memory_mib\":[" +
+                    peak_mib + "]");
     bench::emit("pipeline", "pipeline_control_overhead_us", (step_only - ideal) * 1000 / m, "us",
                 cond + ",\"last_step_ms\":" + std::to_string(step_only) +
                     ",\"schedule_makespan_ms\":" + std::to_string(ideal) + ",\"stage_busy_ms\":[" +

@@ -132,15 +132,21 @@ struct Pipeline::State {
     step_stats.step_ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
     step_stats.busy_ms.assign(n, 0);
     step_stats.peak_activations.assign(n, 0);
+    step_stats.peak_memory_kib.assign(n, -1);
     step_stats.microbatch_sizes = sizes;
     std::vector<TimelineEvent> events;
     for (size_t w = 0; w < workers.size(); ++w) {
       auto reply = replies[w].value().toTuple();
+      if (reply->elements().size() != 4) {
+        fail(absl::StatusCode::kInternal, absl::StrCat("malformed step reply from worker '",
+                                                       rpc::get_worker_info(workers[w]).name, "'"));
+      }
       step_stats.loss += reply->elements()[0].toDouble();
       auto st = rpc::from_ivalue<std::vector<int64_t>>(reply->elements()[1]);
       for (size_t i = 0; i + 2 < st.size(); i += 3) {
         step_stats.peak_activations.at(st[i]) = st[i + 1];
         step_stats.busy_ms.at(st[i]) = static_cast<double>(st[i + 2]) / 1000.0;
+        step_stats.peak_memory_kib.at(st[i]) = reply->elements()[3].toInt();
       }
       auto ev = rpc::from_ivalue<std::vector<int64_t>>(reply->elements()[2]);
       for (size_t i = 0; i + 4 < ev.size(); i += 5) {

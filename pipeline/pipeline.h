@@ -110,6 +110,9 @@ struct StepStats {
   double step_ms = 0;                     // on the driver, from sending the plans to the last reply
   std::vector<double> busy_ms;            // per stage: time spent in its forwards and backwards
   std::vector<int64_t> peak_activations;  // per stage: most micro-batches whose activations were alive at once
+  // Per stage: its worker process's peak resident memory so far (VmHWM, KiB) when its part of the step ended; -1 where
+  // the system does not tell. Stages of one worker show the same figure.
+  std::vector<int64_t> peak_memory_kib;
   std::vector<int64_t> microbatch_sizes;
 };
 

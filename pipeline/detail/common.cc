@@ -1,5 +1,9 @@
 #include "pipeline/detail/common.h"
 
+#include <cstdlib>
+#include <fstream>
+#include <string>
+
 #include "rpc/errors.h"
 #include "rpc/rpc.h"
 
@@ -21,5 +25,14 @@ void check_not_empty(const at::Tensor& input) {
 }
 
 std::string self_name() { return rpc::is_initialized() ? rpc::get_worker_info().name : "(local)"; }
+
+int64_t peak_resident_kib() {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind("VmHWM:", 0) == 0) return std::strtoll(line.c_str() + 6, nullptr, 10);
+  }
+  return -1;
+}
 
 }  // namespace tandem::pipeline::detail

@@ -42,5 +42,7 @@ int64_t now_us();
 void check_not_empty(const at::Tensor& input);
 // This worker's name, or "(local)" outside RPC.
 std::string self_name();
+// This process's peak resident memory so far (VmHWM) in KiB; -1 where /proc does not tell.
+int64_t peak_resident_kib();
 
 }  // namespace tandem::pipeline::detail

@@ -240,7 +240,8 @@ class Run {
     for (int r : p_.stage_rank) stage_names_.push_back(rpc::get_worker_info(r).name);
   }
 
-  // Returns (loss, [stage, peak, busy_us]..., [stage, mb, backward, start_us, end_us]...).
+  // Returns (loss, [stage, peak, busy_us]..., [stage, mb, backward, start_us, end_us]..., this process's peak resident
+  // memory in KiB).
   c10::IValue execute() {
     const int n = static_cast<int>(p_.stage_rank.size());
     const int64_t batch = std::accumulate(p_.sizes.begin(), p_.sizes.end(), int64_t{0});
@@ -274,7 +275,8 @@ class Run {
     }
     // Delivered when the driver commits the step (every worker succeeded); dropped if it abandons it.
     if (!Mailbox::get().aborted(p_.pipe, p_.step)) hold_gradients(p_.pipe, std::move(held));
-    return c10::ivalue::Tuple::create({c10::IValue(loss_), rpc::to_ivalue(stats), rpc::to_ivalue(events_)});
+    return c10::ivalue::Tuple::create(
+        {c10::IValue(loss_), rpc::to_ivalue(stats), rpc::to_ivalue(events_), c10::IValue(peak_resident_kib())});
   }
 
  private:
