@@ -4,7 +4,9 @@
 //   async_128_calls_per_s  tiny calls, 128 in flight at any time
 // Rank 0 also measures the floors of the first two in the same run ("impl":"floor"; emit_floors below).
 // Flags: --small N (round trips), --bulk N (transfers), --async N (calls), --bulk-mib M; a count of 0 skips its
-// figure. Each process runs with one intra-op thread, as the PyTorch peer does.
+// figure. --bulk-kib K sends K KiB instead (metric bulk_<K>KiB_GBps); --bulk-min-bytes B sets RpcOptions::
+// bulk_min_bytes (0: no bulk path; bench/run.sh bulk-threshold compares both paths by size). Each process runs with
+// one intra-op thread, as the PyTorch peer does.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <sys/socket.h>
@@ -100,7 +102,8 @@ bool emit_floors(int small, int bulk, int mib) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  int small = 5000, bulk = 20, calls = 50000, mib = 64;
+  int small = 5000, bulk = 20, calls = 50000, mib = 64, kib = 0;
+  int64_t bulk_min_bytes = -1;  // -1: the library's default
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string f = argv[i];
     const int v = std::atoi(argv[i + 1]);
@@ -108,6 +111,8 @@ int main(int argc, char** argv) {
     else if (f == "--bulk") bulk = v;
     else if (f == "--async") calls = v;
     else if (f == "--bulk-mib") mib = v;
+    else if (f == "--bulk-kib") kib = v;
+    else if (f == "--bulk-min-bytes") bulk_min_bytes = std::atoll(argv[i + 1]);
   }
   // The floors first, on rank 0, before init_rpc starts any thread (the child is forked).
   // TANDEM_BENCH_FLOORS=0 skips them (bench/run.sh hosts, whose floor is a TCP ping-pong between the hosts).
@@ -119,7 +124,9 @@ int main(int argc, char** argv) {
   at::set_num_threads(1);
   rpc::register_function("add", [](at::Tensor a, at::Tensor b) { return a + b; });
   rpc::register_function("numel", [](at::Tensor a) { return a.numel(); });
-  rpc::init_rpc();
+  rpc::RpcOptions options;
+  if (bulk_min_bytes >= 0) options.bulk_min_bytes = bulk_min_bytes;
+  rpc::init_rpc(options);
   if (rpc::get_worker_info().id == 0) {
     const std::string cond = "\"processes\":2,\"intra_op_threads\":1";
     const at::Tensor one = at::ones({1});
@@ -140,7 +147,7 @@ int main(int argc, char** argv) {
 
     // Bulk: one tensor of `mib` MiB per call.
     if (bulk > 0) {
-      const at::Tensor big = at::rand({int64_t{mib} << 18});
+      const at::Tensor big = kib > 0 ? at::rand({int64_t{kib} << 8}) : at::rand({int64_t{mib} << 18});
       std::vector<double> gbps;
       for (int i = 0; i < bulk + 2; ++i) {
         const double t0 = bench::now_us();
@@ -149,8 +156,10 @@ int main(int argc, char** argv) {
         if (n != big.numel()) return 1;
         if (i >= 2) gbps.push_back(big.nbytes() / dt / 1e3);
       }
-      bench::emit("rpc", "bulk_" + std::to_string(mib) + "MiB_GBps", bench::median(gbps), "GB/s",
-                  cond + ",\"iters\":" + std::to_string(bulk));
+      bench::emit("rpc", "bulk_" + (kib > 0 ? std::to_string(kib) + "KiB" : std::to_string(mib) + "MiB") + "_GBps",
+                  bench::median(gbps), "GB/s",
+                  cond + ",\"iters\":" + std::to_string(bulk) + ",\"bulk_min_bytes\":" +
+                      std::to_string(bulk_min_bytes >= 0 ? bulk_min_bytes : rpc::RpcOptions{}.bulk_min_bytes));
     }
 
     // Throughput with a window of 128 calls in flight.

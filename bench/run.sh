@@ -8,7 +8,8 @@
 # process group, in its only configuration); pipeline, rl, hybrid (peers: PyTorch's RPC pipeline, RL and DDP+RPC tutorials'
 # designs, TensorPipe defaults; hybrid also with TCP forced); elastic (peer: torchrun, the same DDP job restarted after a
 # worker's SIGKILL; bench/elastic_driver.py); hosts (rpc and collectives between two test hosts, then small round trips
-# with 1 ms added each way, against raw TCP: see hosts_bench below; exits 77 when this machine cannot make test hosts).
+# with 1 ms added each way, against raw TCP: see hosts_bench below; exits 77 when this machine cannot make test hosts);
+# bulk-threshold (Tandem alone: one tensor per call through the socket and by the same-host bulk path, by size).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 name="${1:?usage: bench/run.sh NAME [flags]}"
@@ -240,6 +241,22 @@ case "$name" in
   pipeline) PEER_MODES=default bench pipeline_bench 5 peer_pipeline.py "$@" ;;
   rl) PEER_MODES=default bench rl_bench 11 peer_rl.py "$@" ;;
   hybrid) bench hybrid_bench 4 peer_hybrid.py "$@" ;;
+  bulk-threshold)
+    # Where the same-host bulk path (the callee reads the tensor from the caller's memory) starts to beat the socket:
+    # one tensor of K KiB per call, through the socket (bulk_min_bytes 0, impl tandem_socket) and by reference
+    # (bulk_min_bytes 1, impl tandem_bulk), median of BULK_ITERS (default 300) calls each. RpcOptions::bulk_min_bytes
+    # is chosen from these lines.
+    cmake --build build -j"$cores" --target rpc_bench tandem-run >&2
+    for ((round = 1; round <= ${ROUNDS:-1}; round++)); do
+      for kib in ${BULK_KIB:-64 128 256 512 1024 2048 4096}; do
+        for path in socket:0 bulk:1; do
+          build/tandem-run --nproc-per-node 2 env TANDEM_BENCH_FLOORS=0 build/rpc_bench --small 0 --async 0 \
+            --bulk "${BULK_ITERS:-300}" --bulk-kib "$kib" --bulk-min-bytes "${path#*:}" |
+            sed -n 's/^\[rank0\]: {/{/p' | sed 's/"impl": *"tandem"/"impl":"tandem_'"${path%:*}"'"/'
+        done
+      done
+    done
+    ;;
   elastic)
     # Not under tandem-run: the driver starts each launcher itself, kills a worker and times the restart.
     cmake --build build -j"$cores" --target elastic_bench tandem-run >&2
@@ -249,5 +266,5 @@ case "$name" in
     done
     ;;
   hosts) hosts_bench "$@" ;;
-  *) echo "bench: unknown benchmark '$name' (known: rpc, rref, autograd, ps, collectives, ddp, pipeline, rl, hybrid, elastic, hosts)" >&2; exit 2 ;;
+  *) echo "bench: unknown benchmark '$name' (known: rpc, rref, autograd, ps, collectives, ddp, pipeline, rl, hybrid, elastic, hosts, bulk-threshold)" >&2; exit 2 ;;
 esac

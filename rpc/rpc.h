@@ -82,8 +82,9 @@ struct RpcOptions {
   // every peer uses gRPC (the direct channel is not encrypted).
   std::string transport;
   // On the direct channel, request tensors of at least this many bytes are read from the caller's memory by the callee
-  // (one copy, by the kernel) instead of travelling through the socket. 0 turns the bulk path off.
-  int64_t bulk_min_bytes = int64_t{1} << 20;
+  // (one copy, by the kernel) instead of travelling through the socket. 0 turns the bulk path off. The default is where
+  // the two paths met when measured (`bench/run.sh bulk-threshold`): below it the socket is faster.
+  int64_t bulk_min_bytes = int64_t{3} << 19;  // 1.5 MiB
   // On the direct channel, a thread blocked in rpc_sync polls for its reply this long before it sleeps: a quick reply
   // then costs no thread wake-up (tens of microseconds on a VM). It spends at most this much CPU per call. 0: never.
   std::chrono::microseconds sync_spin{50};
