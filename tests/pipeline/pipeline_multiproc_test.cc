@@ -27,6 +27,20 @@ using pipeline::Schedule;
 
 constexpr int64_t kLayers = 6, kWidth = 5, kSeed = 7;
 
+// Under AddressSanitizer (its quarantine keeps freed memory resident) or ThreadSanitizer (its shadow memory is
+// resident memory too) the resident sizes say nothing about what the code allocates.
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+constexpr bool kSanitized = true;
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
+constexpr bool kSanitized = true;
+#else
+constexpr bool kSanitized = false;
+#endif
+#else
+constexpr bool kSanitized = false;
+#endif
+
 // max |a - b| / max |b| over lists of tensors.
 double relative_diff(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
   double diff = 0, scale = 1e-300;
@@ -159,7 +173,8 @@ TEST_F(MultiprocPipeline, AModelBuiltByLayersEqualsTheUnsplitModel) {
 // the stages are built (building the whole model first, as from_sequential does, grows it by the whole model); the
 // driver builds one layer at a time to weigh them, and its peak grows by less than half the model; the pipeline then
 // trains. The training peak (parameters, their gradients summed over micro-batches, one micro-batch's gradients, and
-// a released context's until the release arrives) is printed, not bounded here.
+// a released context's until the release arrives) is printed, not bounded here. Under a sanitizer the sizes are not
+// compared (kSanitized); the rest runs.
 TEST_F(MultiprocPipeline, StagesBuildOnlyTheirLayersSoAModelLargerThanEachStageTrains) {
   start({.world_size = 5});
   const double whole_kib = kBigLayers * (kBigWidth * kBigWidth + kBigWidth) * 4 / 1024.0;
@@ -169,10 +184,13 @@ TEST_F(MultiprocPipeline, StagesBuildOnlyTheirLayersSoAModelLargerThanEachStageT
   auto pipe = Pipeline::from_layers("pipe_big_layers", stage_workers(4), {.n_stages = 4},
                                     {.schedule = Schedule::k1F1B, .n_microbatches = 4, .loss = "mse"});
   const double driver_growth = memory_kib("VmHWM") - rss_before[0];
-  EXPECT_LT(driver_growth, whole_kib / 2) << "the driver's peak grew by " << driver_growth << " KiB";
+  if (!kSanitized) {
+    EXPECT_LT(driver_growth, whole_kib / 2) << "the driver's peak grew by " << driver_growth << " KiB";
+  }
   for (int s = 0; s < 4; ++s) EXPECT_EQ(pipe.stage_layers(s), std::make_pair(int64_t{2} * s, int64_t{2} * s + 2));
   for (int r = 1; r <= 4; ++r) {
     const double growth = rpc::rpc_sync<std::vector<int64_t>>(r, "pipe_memory_kib", false)[1] - rss_before[r];
+    if (kSanitized) continue;
     EXPECT_LT(growth, whole_kib / 2) << "worker" << r << "'s peak grew by " << growth << " KiB building its stage; "
                                      << "the model is " << whole_kib << " KiB";
   }
