@@ -184,28 +184,31 @@ peer_pair() {
   local prefix="$1" script="$2" mode="$3" port other
   shift 3
   port="$(free_port)"
-  # Each rank gets a pid namespace of its own, as on two machines: else TensorPipe's CMA channel reads the tensors from
-  # the other "host"'s memory (process_vm_readv works across network namespaces), off the link. With TCP forced
-  # (_channels = ["basic"]) it does so all the same: strace showed one 64 MiB process_vm_readv per bulk call.
+  # Each rank gets a pid namespace of its own, as on two machines: else TensorPipe's default configuration reads the
+  # tensors from the other "host"'s memory with its CMA channel (process_vm_readv works across network namespaces),
+  # off the link. TCP forced (the basic channel) cannot use CMA; it gets the same namespaces, as two machines would.
   local run=(unshare --pid --fork --kill-child "$PY" "bench/$script" "$mode" "$@" --port "$port" --rank)
   # Rank 0 first, and rank 1 once rank 0's store listens: under the added delay rank 1's connection crosses the
   # delay_relay, which can only turn a refused connection into a reset, and PyTorch's store client retries a refusal
   # but fails on a reset.
   in_host 0 "${run[@]}" 0 >"$tmp/rank0.jsonl" &
   other=$!
-  wait_listening 0 "$port"
+  wait_listening 0 "$port" "$other"
   in_host 1 "${run[@]}" 1 >&2
   wait "$other"
   relabel "$prefix" <"$tmp/rank0.jsonl"
 }
-# wait_listening H PORT: returns once something in test host H listens on TCP PORT (at most 60 s).
+# wait_listening H PORT PID: returns once something in test host H listens on TCP PORT; fails (the run stops) when
+# process PID, which should listen there, exits first, or after 60 s.
 wait_listening() {
   local i
   for ((i = 0; i < 600; i++)); do
     [ -z "$(bash scripts/hosts.sh exec "$hn" "$1" ss -Hltn "sport = :$2")" ] || return 0
+    kill -0 "$3" 2>/dev/null || { note "the process that should listen on port $2 in host $1 exited"; return 1; }
     sleep 0.1
   done
   note "nothing listens on port $2 in host $1 after 60 s"
+  return 1
 }
 # delay_on: DELAY_US added each way to every TCP connection between the hosts. In each host, a delay_relay, and an
 # nftables rule sending the connections it opens to the other host through it (except the relay's own, marked 0x77).

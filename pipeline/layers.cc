@@ -31,6 +31,14 @@ double parameter_count(const torch::nn::Module& layer) {
 
 }  // namespace
 
+namespace {
+// Layer i alone, built while no other build of this process runs (detail::build_mutex).
+torch::nn::Sequential build_alone(const std::string& name, int64_t i) {
+  MutexLock lock(&detail::build_mutex());
+  return build_layers(name, i, i + 1);
+}
+}  // namespace
+
 void register_layers(const std::string& name, LayerFactory factory) {
   if (factory.n_layers < 1 || !factory.build) {
     detail::fail(absl::StatusCode::kInvalidArgument,
@@ -78,7 +86,7 @@ std::vector<double> layer_weights(const std::string& name, const PartitionOption
   std::vector<double> weights;
   if (options.by == Partition::kParameters) {
     for (int64_t i = 0; i < f.n_layers; ++i) {
-      weights.push_back(f.weight ? f.weight(i) : parameter_count(*build_layers(name, i, i + 1)));
+      weights.push_back(f.weight ? f.weight(i) : parameter_count(*build_alone(name, i)));
     }
     return weights;
   }
@@ -87,7 +95,7 @@ std::vector<double> layer_weights(const std::string& name, const PartitionOption
   }
   at::Tensor x = options.sample;
   for (int64_t i = 0; i < f.n_layers; ++i) {
-    torch::nn::Sequential layer = build_layers(name, i, i + 1);
+    torch::nn::Sequential layer = build_alone(name, i);
     double best = std::numeric_limits<double>::infinity();
     at::Tensor y;
     for (int rep = 0; rep < 3; ++rep) {  // the fastest of three: the first pays for allocations

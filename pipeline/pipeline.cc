@@ -296,7 +296,11 @@ Pipeline Pipeline::from_sequential(const std::string& factory, std::vector<c10::
                                    const std::vector<rpc::To>& workers, PartitionOptions partition,
                                    PipelineOptions options) {
   if (workers.empty()) fail(absl::StatusCode::kInvalidArgument, "from_sequential needs at least one worker");
-  nn::detail::Instance model = nn::detail::make_instance(factory, std::vector<c10::IValue>(args));
+  nn::detail::Instance model;
+  {
+    MutexLock build_lock(&detail::build_mutex());  // no stage of another pipeline is built here meanwhile
+    model = nn::detail::make_instance(factory, std::vector<c10::IValue>(args));
+  }
   if (!std::dynamic_pointer_cast<torch::nn::SequentialImpl>(model.module))
     fail(absl::StatusCode::kInvalidArgument, "factory '" + factory + "' does not return a torch::nn::Sequential");
   const std::vector<double> weights = layer_weights(model.module, partition);

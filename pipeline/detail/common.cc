@@ -26,6 +26,11 @@ void check_not_empty(const at::Tensor& input) {
 
 std::string self_name() { return rpc::is_initialized() ? rpc::get_worker_info().name : "(local)"; }
 
+Mutex& build_mutex() {
+  static auto* mu = new Mutex;
+  return *mu;
+}
+
 int64_t peak_resident_kib() {
   std::ifstream status("/proc/self/status");
   std::string line;

@@ -11,6 +11,7 @@
 #include <string>
 
 #include "absl/status/status.h"
+#include "sync/sync.h"
 
 namespace tandem::pipeline::detail {
 
@@ -42,6 +43,10 @@ int64_t now_us();
 void check_not_empty(const at::Tensor& input);
 // This worker's name, or "(local)" outside RPC.
 std::string self_name();
+// Held around every build of a model or of its layers in this process (stage builds, and the driver's own in
+// from_sequential and from_layers): factories seed LibTorch's global generator (torch::manual_seed) to build the same
+// weights everywhere, and two builds at once would draw from it interleaved. Guards no data: it orders the builds.
+Mutex& build_mutex();
 // This process's peak resident memory so far (VmHWM) in KiB; -1 where /proc does not tell.
 int64_t peak_resident_kib();
 

@@ -98,9 +98,6 @@ std::shared_ptr<Stage> load_script_stage(const std::string& path) {
 }
 
 namespace {
-// One build at a time in a process: factories seed LibTorch's global generator (torch::manual_seed) to build the
-// same weights everywhere, and two stages of one worker built at once would draw from it interleaved.
-ABSL_CONST_INIT Mutex build_mu(absl::kConstInit);  // guards no data: it orders the builds
 
 // The stage of `module` (which the stage holds) with `forward`: its parameters, buffers and training flag.
 std::shared_ptr<Stage> make_stage(std::shared_ptr<torch::nn::Module> module,
@@ -125,7 +122,7 @@ std::shared_ptr<Stage> build_stage(const std::string& factory, std::vector<c10::
                                    int64_t end) {
   nn::detail::Instance instance;
   {
-    MutexLock build_lock(&build_mu);
+    MutexLock build_lock(&build_mutex());
     instance = nn::detail::make_instance(factory, std::move(args));
   }
   if (begin < 0) {
@@ -149,7 +146,7 @@ std::shared_ptr<Stage> build_stage(const std::string& factory, std::vector<c10::
 std::shared_ptr<Stage> build_layers_stage(const std::string& layers, int64_t begin, int64_t end) {
   torch::nn::Sequential part;
   {
-    MutexLock build_lock(&build_mu);
+    MutexLock build_lock(&build_mutex());
     part = build_layers(layers, begin, end);
   }
   return make_stage(part.ptr(), [part](const at::Tensor& x) mutable { return part->forward(x); });

@@ -125,7 +125,12 @@ int64_t memory_kib(const char* field) {
   return -1;
 }
 
-void reset_peak_memory() { std::ofstream("/proc/self/clear_refs") << "5"; }
+bool reset_peak_memory() {
+  std::ofstream clear_refs("/proc/self/clear_refs");
+  clear_refs << "5";
+  clear_refs.flush();
+  return clear_refs.good();
+}
 
 torch::nn::Sequential make_pipe_dropout_bn(int64_t seed) {
   torch::manual_seed(seed);
@@ -165,8 +170,8 @@ void register_pipeline_stages() {
                                                   return part;
                                                 }});
   rpc::register_function("pipe_memory_kib", [](bool reset_peak) {
-    if (reset_peak) reset_peak_memory();
-    return std::vector<int64_t>{memory_kib("VmRSS"), memory_kib("VmHWM")};
+    const bool reset = reset_peak && reset_peak_memory();
+    return std::vector<int64_t>{memory_kib("VmRSS"), memory_kib("VmHWM"), reset ? 1 : 0};
   });
   nn::register_module("pipe_slow_backward", [](int64_t ms) { return std::make_shared<SlowBackward>(ms); });
   nn::register_module("pipe_slow_build", [](int64_t ms) {
