@@ -194,7 +194,8 @@ int client(const std::string& host, int port, long iters, long size, long reply,
                "  client: W untimed (default 200), then N timed round trips (default 5000) of B bytes (default 1)\n"
                "          answered with R (default B); prints one JSON line: the median round trip\n"
                "          (hosts_raw_tcp_rtt_p50_us) and p99, or with R < B the median B / round trip\n"
-               "          (hosts_raw_tcp_bulk_GBps); --chunk: at most C bytes per send (default 0: the whole message)\n");
+               "          (hosts_raw_tcp_bulk_GBps); --chunk: at most C bytes per send (default 0: the whole\n"
+               "          message)\n");
   std::exit(code);
 }
 

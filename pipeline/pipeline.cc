@@ -315,7 +315,8 @@ Pipeline Pipeline::from_sequential(const std::string& factory, std::vector<c10::
 Pipeline Pipeline::from_layers(const std::string& layers, const std::vector<rpc::To>& workers,
                                PartitionOptions partition, PipelineOptions options) {
   if (workers.empty()) fail(absl::StatusCode::kInvalidArgument, "from_layers needs at least one worker");
-  const std::vector<std::pair<int64_t, int64_t>> cut = balanced_cut(layer_weights(layers, partition), partition.n_stages);
+  const std::vector<std::pair<int64_t, int64_t>> cut =
+      balanced_cut(layer_weights(layers, partition), partition.n_stages);
   std::vector<StageSpec> stages;
   for (int k = 0; k < partition.n_stages; ++k) {
     StageSpec spec{workers[k % workers.size()]};

@@ -1,6 +1,7 @@
 // One stage on its worker: how it is built (a registered factory, a layer range of a Sequential, a range of a model
-// registered by its layers, a TorchScript file), the losses the last stage computes, and the forward and backward of one micro-batch. The runtime
-// (runtime.h) moves the micro-batches between stages; nothing here talks to another worker.
+// registered by its layers, a TorchScript file), the losses the last stage computes, and the forward and backward of
+// one micro-batch. The runtime (runtime.h) moves the micro-batches between stages; nothing here talks to another
+// worker.
 //
 // Thread-safety: building is serialised per process (factories seed LibTorch's global generator); a Stage's forward
 // and backward run on its pipeline's executor thread only; the loss registry is guarded.

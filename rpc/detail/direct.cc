@@ -342,7 +342,8 @@ absl::Status Conn::write(Kind kind, uint64_t call_id, const grpc::ByteBuffer& bo
   while (first < iov.size()) {
     window.clear();
     size_t offered = 0;
-    for (size_t i = first; i < iov.size() && window.size() < static_cast<size_t>(IOV_MAX) && offered < kMaxSendBytes; ++i) {
+    for (size_t i = first;
+         i < iov.size() && window.size() < static_cast<size_t>(IOV_MAX) && offered < kMaxSendBytes; ++i) {
       const size_t take = std::min(iov[i].iov_len, kMaxSendBytes - offered);
       window.push_back({iov[i].iov_base, take});
       offered += take;
