@@ -5,11 +5,12 @@
 # Flags are passed to both sides (e.g. --small 1000 --bulk 5 --async 10000). ROUNDS=N repeats both sides N times,
 # interleaved (this VM's speed drifts between runs); `bench/summarize.py` gives medians and ratios of the lines.
 # Benchmarks: rpc, rref, autograd, ps (peer: torch.distributed.rpc, default and TCP); collectives, ddp (peer: the Gloo
-# process group, in its only configuration); pipeline, rl, hybrid (peers: PyTorch's RPC pipeline, RL and DDP+RPC tutorials'
-# designs, TensorPipe defaults; hybrid also with TCP forced); elastic (peer: torchrun, the same DDP job restarted after a
-# worker's SIGKILL; bench/elastic_driver.py); hosts (rpc and collectives between two test hosts, then small round trips
-# with 1 ms added each way, against raw TCP: see hosts_bench below; exits 77 when this machine cannot make test hosts);
-# bulk-threshold (Tandem alone: one tensor per call through the socket and by the same-host bulk path, by size).
+# process group, in its only configuration); pipeline, rl, hybrid (peers: PyTorch's RPC pipeline, RL and DDP+RPC
+# tutorials' designs, TensorPipe defaults; hybrid also with TCP forced); elastic (peer: torchrun, the same DDP job
+# restarted after a worker's SIGKILL; bench/elastic_driver.py); hosts (rpc and collectives between two test hosts,
+# then small round trips with 1 ms added each way, against raw TCP: see hosts_bench below; exits 77 when this machine
+# cannot make test hosts); bulk-threshold (Tandem alone: one tensor per call through the socket and by the same-host
+# bulk path, by size).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 name="${1:?usage: bench/run.sh NAME [flags]}"
@@ -89,7 +90,8 @@ hosts_bench() {
   for ((round = 1; round <= ${ROUNDS:-1}; round++)); do
     note "round $round: raw TCP, Tandem (default, gRPC and TLS) and PyTorch (default and TCP) rpc, collectives"
     raw_tcp hosts_ --iters "$small" --size 1
-    ((bulk == 0)) || raw_tcp hosts_ --iters "$bulk" --warmup 2 --size $((bulk_mib << 20)) --reply 1 --chunk $((256 << 10))
+    ((bulk == 0)) ||
+      raw_tcp hosts_ --iters "$bulk" --warmup 2 --size $((bulk_mib << 20)) --reply 1 --chunk $((256 << 10))
     tandem_pair hosts_ tandem rpc_bench "$@"
     TANDEM_TRANSPORT=grpc tandem_pair hosts_ tandem_grpc rpc_bench "$@"
     TANDEM_TLS_CERT="$tmp/node.crt" TANDEM_TLS_KEY="$tmp/node.key" TANDEM_TLS_CA="$tmp/ca.crt" \
@@ -114,9 +116,9 @@ for line in open(sys.argv[1]):
     d = json.loads(line)
     v[d["impl"], d["metric"]] = d["value"]
 tandem, raw = v["tandem", "hosts_delay_small_rtt_p50_us"], v["raw_tcp", "hosts_delay_raw_tcp_rtt_p50_us"]
-print(json.dumps({"bench": "hosts", "impl": "tandem", "metric": "hosts_delay_rtt_ratio", "value": round(tandem / raw, 3),
-                  "unit": "x", "tandem_small_rtt_p50_us": tandem, "raw_tcp_rtt_p50_us": raw,
-                  "delay_us_each_way": int(sys.argv[2])}), flush=True)
+print(json.dumps({"bench": "hosts", "impl": "tandem", "metric": "hosts_delay_rtt_ratio",
+                  "value": round(tandem / raw, 3), "unit": "x", "tandem_small_rtt_p50_us": tandem,
+                  "raw_tcp_rtt_p50_us": raw, "delay_us_each_way": int(sys.argv[2])}), flush=True)
 EOF
   done
 }
@@ -269,5 +271,9 @@ case "$name" in
     done
     ;;
   hosts) hosts_bench "$@" ;;
-  *) echo "bench: unknown benchmark '$name' (known: rpc, rref, autograd, ps, collectives, ddp, pipeline, rl, hybrid, elastic, hosts, bulk-threshold)" >&2; exit 2 ;;
+  *)
+    echo "bench: unknown benchmark '$name' (known: rpc, rref, autograd, ps, collectives, ddp, pipeline, rl, hybrid," \
+      "elastic, hosts, bulk-threshold)" >&2
+    exit 2
+    ;;
 esac

@@ -1,8 +1,5 @@
 #include "pipeline/layers.h"
 
-#include <algorithm>
-#include <chrono>
-#include <limits>
 #include <map>
 
 #include "absl/base/thread_annotations.h"
@@ -23,15 +20,6 @@ Registry& registry() {
   return *r;
 }
 
-double parameter_count(const torch::nn::Module& layer) {
-  double n = 1;  // a layer without parameters still counts a little, so every stage gets a layer
-  for (const auto& p : layer.parameters()) n += static_cast<double>(p.numel());
-  return n;
-}
-
-}  // namespace
-
-namespace {
 // Layer i alone, built while no other build of this process runs (detail::build_mutex).
 torch::nn::Sequential build_alone(const std::string& name, int64_t i) {
   MutexLock lock(&detail::build_mutex());
@@ -86,7 +74,7 @@ std::vector<double> layer_weights(const std::string& name, const PartitionOption
   std::vector<double> weights;
   if (options.by == Partition::kParameters) {
     for (int64_t i = 0; i < f.n_layers; ++i) {
-      weights.push_back(f.weight ? f.weight(i) : parameter_count(*build_alone(name, i)));
+      weights.push_back(f.weight ? f.weight(i) : detail::parameter_weight(*build_alone(name, i)));
     }
     return weights;
   }
@@ -96,17 +84,7 @@ std::vector<double> layer_weights(const std::string& name, const PartitionOption
   at::Tensor x = options.sample;
   for (int64_t i = 0; i < f.n_layers; ++i) {
     torch::nn::Sequential layer = build_alone(name, i);
-    double best = std::numeric_limits<double>::infinity();
-    at::Tensor y;
-    for (int rep = 0; rep < 3; ++rep) {  // the fastest of three: the first pays for allocations
-      at::Tensor in = x.is_floating_point() ? x.detach().requires_grad_(true) : x;
-      const auto t0 = detail::Clock::now();
-      y = layer->forward(in);
-      if (y.requires_grad()) y.sum().backward();
-      best = std::min(best, std::chrono::duration<double>(detail::Clock::now() - t0).count());
-    }
-    weights.push_back(best);
-    x = y.detach();
+    weights.push_back(detail::fastest_pass([&](const at::Tensor& in) { return layer->forward(in); }, x, &x));
   }  // each layer is freed before the next is built
   return weights;
 }

@@ -3,7 +3,6 @@
 #include <torch/nn/modules/container/sequential.h>
 
 #include <algorithm>
-#include <chrono>
 #include <limits>
 
 #include "absl/strings/str_cat.h"
@@ -47,27 +46,16 @@ std::vector<double> layer_weights(const std::shared_ptr<torch::nn::Module>& sequ
   if (!seq) detail::fail(absl::StatusCode::kInvalidArgument, "the model to partition is not a torch::nn::Sequential");
   std::vector<double> weights;
   if (options.by == Partition::kParameters) {
-    for (const auto& layer : seq->children()) {
-      double n = 1;  // a layer without parameters still counts a little, so every stage gets a layer
-      for (const auto& p : layer->parameters()) n += static_cast<double>(p.numel());
-      weights.push_back(n);
-    }
+    for (const auto& layer : seq->children()) weights.push_back(detail::parameter_weight(*layer));
     return weights;
   }
   if (!options.sample.defined()) {
     detail::fail(absl::StatusCode::kInvalidArgument, "Partition::kTime needs a sample batch");
   }
-  weights.assign(seq->size(), std::numeric_limits<double>::infinity());
-  for (int rep = 0; rep < 3; ++rep) {  // the fastest of three: the first pays for allocations
-    at::Tensor x = options.sample;
-    for (size_t i = 0; i < seq->size(); ++i) {
-      at::Tensor in = x.is_floating_point() ? x.detach().requires_grad_(true) : x;
-      const auto t0 = detail::Clock::now();
-      at::Tensor y = (seq->begin() + i)->forward(in);
-      if (y.requires_grad()) y.sum().backward();
-      weights[i] = std::min(weights[i], std::chrono::duration<double>(detail::Clock::now() - t0).count());
-      x = y.detach();
-    }
+  at::Tensor x = options.sample;
+  for (size_t i = 0; i < seq->size(); ++i) {
+    auto& layer = *(seq->begin() + i);
+    weights.push_back(detail::fastest_pass([&](const at::Tensor& in) { return layer.forward(in); }, x, &x));
   }
   return weights;
 }

@@ -143,10 +143,11 @@ struct Pipeline::State {
       }
       step_stats.loss += reply->elements()[0].toDouble();
       auto st = rpc::from_ivalue<std::vector<int64_t>>(reply->elements()[1]);
+      const int64_t peak_memory = reply->elements()[3].toInt();  // the worker's: each of its stages shows it
       for (size_t i = 0; i + 2 < st.size(); i += 3) {
         step_stats.peak_activations.at(st[i]) = st[i + 1];
         step_stats.busy_ms.at(st[i]) = static_cast<double>(st[i + 2]) / 1000.0;
-        step_stats.peak_memory_kib.at(st[i]) = reply->elements()[3].toInt();
+        step_stats.peak_memory_kib.at(st[i]) = peak_memory;
       }
       auto ev = rpc::from_ivalue<std::vector<int64_t>>(reply->elements()[2]);
       for (size_t i = 0; i + 4 < ev.size(); i += 5) {
@@ -292,6 +293,18 @@ Pipeline Pipeline::create(std::vector<StageSpec> stages, PipelineOptions options
   return Pipeline(std::move(st));
 }
 
+namespace {
+// The stages of a balanced cut of `weights` into n_stages, round-robin over `workers`; `make` makes the spec of one.
+std::vector<StageSpec> cut_into_stages(const std::vector<double>& weights, const std::vector<rpc::To>& workers,
+                                       int n_stages,
+                                       const std::function<StageSpec(rpc::To, int64_t, int64_t)>& make) {
+  const std::vector<std::pair<int64_t, int64_t>> cut = balanced_cut(weights, n_stages);
+  std::vector<StageSpec> stages;
+  for (int k = 0; k < n_stages; ++k) stages.push_back(make(workers[k % workers.size()], cut[k].first, cut[k].second));
+  return stages;
+}
+}  // namespace
+
 Pipeline Pipeline::from_sequential(const std::string& factory, std::vector<c10::IValue> args,
                                    const std::vector<rpc::To>& workers, PartitionOptions partition,
                                    PipelineOptions options) {
@@ -303,29 +316,25 @@ Pipeline Pipeline::from_sequential(const std::string& factory, std::vector<c10::
   }
   if (!std::dynamic_pointer_cast<torch::nn::SequentialImpl>(model.module))
     fail(absl::StatusCode::kInvalidArgument, "factory '" + factory + "' does not return a torch::nn::Sequential");
-  const std::vector<double> weights = layer_weights(model.module, partition);
-  const std::vector<std::pair<int64_t, int64_t>> cut = balanced_cut(weights, partition.n_stages);
-  std::vector<StageSpec> stages;
-  for (int k = 0; k < partition.n_stages; ++k) {
-    stages.push_back(StageSpec{workers[k % workers.size()], factory, args, cut[k].first, cut[k].second});
-  }
-  return create(std::move(stages), options);
+  return create(cut_into_stages(layer_weights(model.module, partition), workers, partition.n_stages,
+                                 [&](rpc::To worker, int64_t begin, int64_t end) {
+                                   return StageSpec{worker, factory, args, begin, end};
+                                 }),
+                options);
 }
 
 Pipeline Pipeline::from_layers(const std::string& layers, const std::vector<rpc::To>& workers,
                                PartitionOptions partition, PipelineOptions options) {
   if (workers.empty()) fail(absl::StatusCode::kInvalidArgument, "from_layers needs at least one worker");
-  const std::vector<std::pair<int64_t, int64_t>> cut =
-      balanced_cut(layer_weights(layers, partition), partition.n_stages);
-  std::vector<StageSpec> stages;
-  for (int k = 0; k < partition.n_stages; ++k) {
-    StageSpec spec{workers[k % workers.size()]};
-    spec.layers = layers;
-    spec.layer_begin = cut[k].first;
-    spec.layer_end = cut[k].second;
-    stages.push_back(std::move(spec));
-  }
-  return create(std::move(stages), options);
+  return create(cut_into_stages(layer_weights(layers, partition), workers, partition.n_stages,
+                                 [&](rpc::To worker, int64_t begin, int64_t end) {
+                                   StageSpec spec{worker};
+                                   spec.layers = layers;
+                                   spec.layer_begin = begin;
+                                   spec.layer_end = end;
+                                   return spec;
+                                 }),
+                options);
 }
 
 double Pipeline::step(const at::Tensor& input, const at::Tensor& target) { return state_->step(input, target); }

@@ -1,6 +1,10 @@
 #include "pipeline/detail/common.h"
 
+#include <torch/nn/module.h>
+
+#include <algorithm>
 #include <cstdlib>
+#include <limits>
 #include <fstream>
 #include <string>
 
@@ -31,13 +35,34 @@ Mutex& build_mutex() {
   return *mu;
 }
 
-int64_t peak_resident_kib() {
+int64_t status_kib(const char* field) {
+  const std::string prefix = std::string(field) + ":";
   std::ifstream status("/proc/self/status");
   std::string line;
   while (std::getline(status, line)) {
-    if (line.rfind("VmHWM:", 0) == 0) return std::strtoll(line.c_str() + 6, nullptr, 10);
+    if (line.rfind(prefix, 0) == 0) return std::strtoll(line.c_str() + prefix.size(), nullptr, 10);
   }
   return -1;
+}
+
+double parameter_weight(const torch::nn::Module& layer) {
+  double n = 1;
+  for (const auto& p : layer.parameters()) n += static_cast<double>(p.numel());
+  return n;
+}
+
+double fastest_pass(const std::function<at::Tensor(const at::Tensor&)>& layer, const at::Tensor& x, at::Tensor* out) {
+  double best = std::numeric_limits<double>::infinity();
+  at::Tensor y;
+  for (int rep = 0; rep < 3; ++rep) {
+    at::Tensor in = x.is_floating_point() ? x.detach().requires_grad_(true) : x;
+    const auto t0 = Clock::now();
+    y = layer(in);
+    if (y.requires_grad()) y.sum().backward();
+    best = std::min(best, std::chrono::duration<double>(Clock::now() - t0).count());
+  }
+  *out = y.detach();
+  return best;
 }
 
 }  // namespace tandem::pipeline::detail

@@ -8,10 +8,15 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <string>
 
 #include "absl/status/status.h"
 #include "sync/sync.h"
+
+namespace torch::nn {
+class Module;
+}
 
 namespace tandem::pipeline::detail {
 
@@ -47,7 +52,15 @@ std::string self_name();
 // from_sequential and from_layers): factories seed LibTorch's global generator (torch::manual_seed) to build the same
 // weights everywhere, and two builds at once would draw from it interleaved. Guards no data: it orders the builds.
 Mutex& build_mutex();
-// This process's peak resident memory so far (VmHWM) in KiB; -1 where /proc does not tell.
-int64_t peak_resident_kib();
+// A field of this process's /proc/self/status in KiB ("VmHWM": the peak resident memory so far, "VmRSS": now); -1
+// where /proc does not tell.
+int64_t status_kib(const char* field);
+inline int64_t peak_resident_kib() { return status_kib("VmHWM"); }
+// A layer's weight by parameters: its parameter count plus one (a layer without parameters still counts a little, so
+// every stage gets a layer).
+double parameter_weight(const torch::nn::Module& layer);
+// The fastest of three forward + backward passes of `layer` on `x` in seconds (the first pays for allocations);
+// `*out` gets the output, detached (the next layer's input).
+double fastest_pass(const std::function<at::Tensor(const at::Tensor&)>& layer, const at::Tensor& x, at::Tensor* out);
 
 }  // namespace tandem::pipeline::detail

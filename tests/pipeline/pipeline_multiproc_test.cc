@@ -13,6 +13,7 @@
 #include "dist_autograd/dist_autograd.h"
 #include "dist_optim/dist_optim.h"
 #include "nn/remote_module.h"
+#include "pipeline/detail/common.h"
 #include "pipeline/layers.h"
 #include "pipeline/pipeline.h"
 #include "rpc/errors.h"
@@ -180,8 +181,8 @@ TEST_F(MultiprocPipeline, StagesBuildOnlyTheirLayersSoAModelLargerThanEachStageT
   const double whole_kib = kBigLayers * (kBigWidth * kBigWidth + kBigWidth) * 4 / 1024.0;
   // VmHWM is the process's peak since the reset: an earlier test's peak would count. The sizes are compared only where
   // the peaks could be reset and read (and not under a sanitizer).
-  bool measurable = !kSanitized && reset_peak_memory() && memory_kib("VmHWM") > 0;
-  std::vector<int64_t> rss_before{memory_kib("VmRSS")};
+  bool measurable = !kSanitized && reset_peak_memory() && pipeline::detail::status_kib("VmHWM") > 0;
+  std::vector<int64_t> rss_before{pipeline::detail::status_kib("VmRSS")};
   for (int r = 1; r <= 4; ++r) {
     const auto m = rpc::rpc_sync<std::vector<int64_t>>(r, "pipe_memory_kib", true);
     rss_before.push_back(m[0]);
@@ -190,7 +191,7 @@ TEST_F(MultiprocPipeline, StagesBuildOnlyTheirLayersSoAModelLargerThanEachStageT
   if (!measurable) std::printf("resident sizes not compared: a sanitizer, or no VmHWM or clear_refs here\n");
   auto pipe = Pipeline::from_layers("pipe_big_layers", stage_workers(4), {.n_stages = 4},
                                     {.schedule = Schedule::k1F1B, .n_microbatches = 4, .loss = "mse"});
-  const double driver_growth = memory_kib("VmHWM") - rss_before[0];
+  const double driver_growth = pipeline::detail::status_kib("VmHWM") - rss_before[0];
   if (measurable) {
     EXPECT_LT(driver_growth, whole_kib / 2) << "the driver's peak grew by " << driver_growth << " KiB";
   }

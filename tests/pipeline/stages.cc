@@ -12,6 +12,7 @@
 
 #include "dist_autograd/dist_autograd.h"
 #include "nn/remote_module.h"
+#include "pipeline/detail/common.h"
 #include "pipeline/layers.h"
 #include "pipeline/local.h"
 #include "pipeline/pipeline.h"
@@ -19,6 +20,8 @@
 #include "tests/common/test_env.h"
 
 namespace tandem::test {
+
+using pipeline::detail::status_kib;
 
 torch::nn::Sequential make_pipe_mlp(int64_t layers, int64_t width, int64_t seed) {
   torch::manual_seed(seed);
@@ -115,16 +118,6 @@ torch::nn::Sequential make_pipe_layers(int64_t begin, int64_t end) {
   return part;
 }
 
-int64_t memory_kib(const char* field) {
-  std::ifstream status("/proc/self/status");
-  std::string line;
-  const std::string key = std::string(field) + ":";
-  while (std::getline(status, line)) {
-    if (line.rfind(key, 0) == 0) return std::stoll(line.substr(key.size()));
-  }
-  return -1;
-}
-
 bool reset_peak_memory() {
   std::ofstream clear_refs("/proc/self/clear_refs");
   clear_refs << "5";
@@ -171,7 +164,7 @@ void register_pipeline_stages() {
                                                 }});
   rpc::register_function("pipe_memory_kib", [](bool reset_peak) {
     const bool reset = reset_peak && reset_peak_memory();
-    return std::vector<int64_t>{memory_kib("VmRSS"), memory_kib("VmHWM"), reset ? 1 : 0};
+    return std::vector<int64_t>{status_kib("VmRSS"), status_kib("VmHWM"), reset ? 1 : 0};
   });
   nn::register_module("pipe_slow_backward", [](int64_t ms) { return std::make_shared<SlowBackward>(ms); });
   nn::register_module("pipe_slow_build", [](int64_t ms) {

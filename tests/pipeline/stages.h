@@ -14,10 +14,9 @@ constexpr int64_t kPipeLayers = 8, kPipeLayersWidth = 5;
 torch::nn::Sequential make_pipe_layers(int64_t begin, int64_t end);
 // "pipe_big_layers": kBigLayers float Linear(kBigWidth, kBigWidth), each seeded by its index (16 MiB each).
 constexpr int64_t kBigLayers = 8, kBigWidth = 2048;
-// This process's VmRSS or VmHWM in KiB (-1: not in /proc/self/status). reset_peak_memory sets the peak (VmHWM) to the
-// resident memory now (Linux's clear_refs 5); false where the system does not allow it. "pipe_memory_kib"(reset)
-// returns {VmRSS, VmHWM, 1 if reset and the reset worked, else 0} of the worker it runs on.
-int64_t memory_kib(const char* field);
+// reset_peak_memory sets this process's peak (VmHWM) to the resident memory now (Linux's clear_refs 5); false where
+// the system does not allow it. "pipe_memory_kib"(reset) returns {VmRSS, VmHWM, 1 if reset and the reset worked, else
+// 0} of the worker it runs on (pipeline/detail/common.h's status_kib reads them).
 bool reset_peak_memory();
 
 // "pipe_dropout_bn"(seed): a float64 Sequential Linear(4, 6), Dropout(0.5), Linear(6, 6), BatchNorm1d(6), Tanh,
