@@ -26,7 +26,6 @@
 
 namespace tandem::pipeline {
 
-using detail::check_not_empty;
 using detail::Clock;
 using detail::fail;
 using detail::kAbort;
@@ -82,34 +81,38 @@ struct Pipeline::State {
                         absl::StrJoin(hosted, ", "), ")");
   }
 
-  static void validate(const PipelineOptions& opts, const at::Tensor& input, const at::Tensor& target) {
+  // Each micro-batch's arguments, and their rows (the target's, split alike, in *ys). Throws INVALID_ARGUMENT (and
+  // FAILED_PRECONDITION without a context) before any work starts.
+  static std::vector<detail::Args> split_step(const PipelineOptions& opts, const std::vector<c10::IValue>& inputs,
+                                              const std::vector<bool>& replicate, const at::Tensor& target,
+                                              std::vector<at::Tensor>* ys) {
     const int m = opts.n_microbatches;
     if (m < 1) fail(absl::StatusCode::kInvalidArgument, absl::StrCat("n_microbatches must be at least 1 (is ", m, ")"));
-    check_not_empty(input);
-    if (!target.defined() || target.dim() == 0 || target.size(0) != input.size(0)) {
+    int64_t rows = 0;
+    std::vector<detail::Args> xs = detail::split_inputs(inputs, replicate, m, &rows);
+    if (!target.defined() || target.dim() == 0 || target.size(0) != rows) {
       fail(absl::StatusCode::kInvalidArgument,
            absl::StrCat("the target's batch size (", target.defined() && target.dim() > 0 ? target.size(0) : 0,
-                        ") differs from the input's (", input.size(0), ")"));
-    }
-    if (input.size(0) < m) {
-      fail(absl::StatusCode::kInvalidArgument,
-           absl::StrCat("a batch of ", input.size(0), " rows cannot be split into ", m,
-                        " non-empty micro-batches: use a larger batch or fewer micro-batches"));
+                        ") differs from the input's (", rows, ")"));
     }
     if (opts.gradients == GradientsTo::kContext && dist_autograd::current_context() < 0) {
       fail(absl::StatusCode::kFailedPrecondition,
            "step() leaves gradients in the current distributed autograd context, and there is none: run it inside a "
            "dist_autograd::ContextGuard (or set gradients = GradientsTo::kDotGrad)");
     }
+    *ys = split_batch(target, m);
+    return xs;
   }
 
-  double step(const at::Tensor& input, const at::Tensor& target) {
+  double step(const std::vector<c10::IValue>& inputs, const std::vector<bool>& replicate, const at::Tensor& target) {
     MutexLock step_lock(&step_mu);
     const PipelineOptions opts = current_options();  // this step's: set_record_timeline() applies to the next
-    validate(opts, input, target);
+    std::vector<at::Tensor> ys;
+    const std::vector<detail::Args> xs = split_step(opts, inputs, replicate, target, &ys);
     const int m = opts.n_microbatches, n = static_cast<int>(stage_rank.size());
-    const std::vector<at::Tensor> xs = split_batch(input, m), ys = split_batch(target, m);
-    const std::vector<int64_t> sizes = sizes_of(xs);
+    const std::vector<int64_t> sizes = sizes_of(ys);
+    std::vector<c10::IValue> first_inputs;  // stage 0's micro-batches, each its arguments as a tuple
+    for (const auto& x : xs) first_inputs.emplace_back(c10::ivalue::Tuple::create(x));
     auto& plan = plans[m];
     if (plan.empty()) plan = make_plans(opts.schedule, stage_worker, static_cast<int>(workers.size()), m);
     const int64_t step_id = next_step++;
@@ -122,9 +125,9 @@ struct Pipeline::State {
       std::vector<int64_t> actions;
       for (const Action& a : plan[w]) actions.insert(actions.end(), {a.stage, a.microbatch, a.backward});
       const bool first = stage_worker.front() == static_cast<int>(w), last = stage_worker.back() == static_cast<int>(w);
-      replies.push_back(rpc::rpc_async(workers[w], kRun, id, step_id, actions, ranks, sizes,
-                                       first ? xs : std::vector<at::Tensor>{}, last ? ys : std::vector<at::Tensor>{},
-                                       opts.loss, flags, opts.timeout + kReplyMargin));
+      replies.push_back(rpc::rpc_async(
+          workers[w], kRun, id, step_id, actions, ranks, sizes, first ? first_inputs : std::vector<c10::IValue>{},
+          last ? ys : std::vector<at::Tensor>{}, opts.loss, flags, opts.timeout + kReplyMargin));
     }
     wait_all(opts, replies, step_id);
     commit(opts, step_id);
@@ -138,8 +141,8 @@ struct Pipeline::State {
     for (size_t w = 0; w < workers.size(); ++w) {
       auto reply = replies[w].value().toTuple();
       if (reply->elements().size() != 4) {
-        fail(absl::StatusCode::kInternal, absl::StrCat("malformed step reply from worker '",
-                                                       rpc::get_worker_info(workers[w]).name, "'"));
+        fail(absl::StatusCode::kInternal,
+             absl::StrCat("malformed step reply from worker '", rpc::get_worker_info(workers[w]).name, "'"));
       }
       step_stats.loss += reply->elements()[0].toDouble();
       auto st = rpc::from_ivalue<std::vector<int64_t>>(reply->elements()[1]);
@@ -268,12 +271,11 @@ Pipeline Pipeline::create(std::vector<StageSpec> stages, PipelineOptions options
     if (it == st->workers.end()) st->workers.push_back(info.id);
     c10::impl::GenericList args(c10::AnyType::get());
     for (const auto& a : spec.args) args.push_back(a);
-    built.push_back(rpc::call(
-        info.id, kCreate,
-        {c10::IValue(st->id), c10::IValue(static_cast<int64_t>(s)), c10::IValue(spec.factory), c10::IValue(args),
-         c10::IValue(spec.layer_begin), c10::IValue(spec.layer_end), c10::IValue(spec.torchscript),
-         c10::IValue(spec.layers)},
-        options.timeout));
+    built.push_back(rpc::call(info.id, kCreate,
+                              {c10::IValue(st->id), c10::IValue(static_cast<int64_t>(s)), c10::IValue(spec.factory),
+                               c10::IValue(args), c10::IValue(spec.layer_begin), c10::IValue(spec.layer_end),
+                               c10::IValue(spec.torchscript), c10::IValue(spec.layers)},
+                              options.timeout));
   }
   st->specs = std::move(stages);
   // Every build ends (or times out) before a failure is reported. When one failed, `st` goes with the exception and
@@ -296,8 +298,7 @@ Pipeline Pipeline::create(std::vector<StageSpec> stages, PipelineOptions options
 namespace {
 // The stages of a balanced cut of `weights` into n_stages, round-robin over `workers`; `make` makes the spec of one.
 std::vector<StageSpec> cut_into_stages(const std::vector<double>& weights, const std::vector<rpc::To>& workers,
-                                       int n_stages,
-                                       const std::function<StageSpec(rpc::To, int64_t, int64_t)>& make) {
+                                       int n_stages, const std::function<StageSpec(rpc::To, int64_t, int64_t)>& make) {
   const std::vector<std::pair<int64_t, int64_t>> cut = balanced_cut(weights, n_stages);
   std::vector<StageSpec> stages;
   for (int k = 0; k < n_stages; ++k) stages.push_back(make(workers[k % workers.size()], cut[k].first, cut[k].second));
@@ -317,9 +318,9 @@ Pipeline Pipeline::from_sequential(const std::string& factory, std::vector<c10::
   if (!std::dynamic_pointer_cast<torch::nn::SequentialImpl>(model.module))
     fail(absl::StatusCode::kInvalidArgument, "factory '" + factory + "' does not return a torch::nn::Sequential");
   return create(cut_into_stages(layer_weights(model.module, partition), workers, partition.n_stages,
-                                 [&](rpc::To worker, int64_t begin, int64_t end) {
-                                   return StageSpec{worker, factory, args, begin, end};
-                                 }),
+                                [&](rpc::To worker, int64_t begin, int64_t end) {
+                                  return StageSpec{worker, factory, args, begin, end};
+                                }),
                 options);
 }
 
@@ -327,34 +328,49 @@ Pipeline Pipeline::from_layers(const std::string& layers, const std::vector<rpc:
                                PartitionOptions partition, PipelineOptions options) {
   if (workers.empty()) fail(absl::StatusCode::kInvalidArgument, "from_layers needs at least one worker");
   return create(cut_into_stages(layer_weights(layers, partition), workers, partition.n_stages,
-                                 [&](rpc::To worker, int64_t begin, int64_t end) {
-                                   StageSpec spec{worker};
-                                   spec.layers = layers;
-                                   spec.layer_begin = begin;
-                                   spec.layer_end = end;
-                                   return spec;
-                                 }),
+                                [&](rpc::To worker, int64_t begin, int64_t end) {
+                                  StageSpec spec{worker};
+                                  spec.layers = layers;
+                                  spec.layer_begin = begin;
+                                  spec.layer_end = end;
+                                  return spec;
+                                }),
                 options);
 }
 
-double Pipeline::step(const at::Tensor& input, const at::Tensor& target) { return state_->step(input, target); }
+double Pipeline::step(const at::Tensor& input, const at::Tensor& target) {
+  return state_->step({c10::IValue(input)}, {}, target);
+}
 
-at::Tensor Pipeline::forward(const at::Tensor& input) {
-  check_not_empty(input);
+double Pipeline::step(const std::vector<c10::IValue>& inputs, const at::Tensor& target,
+                      const std::vector<bool>& replicate) {
+  return state_->step(inputs, replicate, target);
+}
+
+at::Tensor Pipeline::forward(const at::Tensor& input) { return forward(std::vector<c10::IValue>{input}); }
+
+at::Tensor Pipeline::forward(const std::vector<c10::IValue>& inputs, const std::vector<bool>& replicate) {
   auto& st = *state_;
   MutexLock step_lock(&st.step_mu);  // never beside a step of this pipeline: it waits for one running
   const PipelineOptions options = st.current_options();
-  const int64_t m = std::min<int64_t>(std::max(1, options.n_microbatches), input.size(0));
+  int64_t rows = 0;
+  (void)detail::split_inputs(inputs, replicate, 1, &rows);  // checks the inputs, counts the rows
+  const int64_t m = std::min<int64_t>(std::max(1, options.n_microbatches), rows);
   const std::vector<int64_t> ranks(st.stage_rank.begin(), st.stage_rank.end());
   std::vector<rpc::Future> outs;
-  for (const at::Tensor& x : split_batch(input, m)) {
-    outs.push_back(rpc::rpc_async(st.stage_rank[0], kForward, st.id, int64_t{0}, ranks, x,
+  for (detail::Args& x : detail::split_inputs(inputs, replicate, m, &rows)) {
+    outs.push_back(rpc::rpc_async(st.stage_rank[0], kForward, st.id, int64_t{0}, ranks, std::move(x),
                                   static_cast<int64_t>(options.timeout.count()), options.timeout));
   }
   std::vector<at::Tensor> ys;
   for (const auto& f : outs) {
     absl::Status s = f.status();
     if (!s.ok()) fail(s.code(), absl::StrCat("forward of pipeline ", st.id, " failed: ", s.message()));
+    if (!f.value().isTensor()) {
+      fail(absl::StatusCode::kInvalidArgument,
+           absl::StrCat("forward of pipeline ", st.id, ": the last stage returned a ", f.value().tagKind(),
+                        ", not one tensor"));
+    }
     ys.push_back(f.value().toTensor());
   }
   return merge_batch(ys);

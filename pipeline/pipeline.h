@@ -36,7 +36,7 @@
 // built, or still building, is released), or its driver is gone (each stage worker checks its drivers every second).
 //
 // Errors (tandem::Error): bad input before any work starts (INVALID_ARGUMENT: an empty batch, fewer rows than
-// micro-batches, input and target of different batch sizes); at creation, a stage placed on a worker not in the job or
+// micro-batches, inputs and target of different batch sizes); at creation, a stage placed on a worker not in the job or
 // an unknown factory (NOT_FOUND);
 // a stage whose forward or backward throws (for instance an input of the wrong shape or dtype from the previous stage,
 // found on the first step), a dead stage worker, a lost message or the step's deadline: step() fails naming the
@@ -82,7 +82,7 @@ struct StageSpec {
   // layers [layer_begin, layer_end), which must then be given.
   std::string layers;
   // Instead of a factory: a TorchScript module file (torch.jit.save / torch::jit::Module::save) that the worker loads
-  // (the path as the worker sees it); its forward takes and returns one tensor.
+  // (the path as the worker sees it); its forward takes the stage's arguments (one tensor, or see step()).
   std::string torchscript;
 };
 
@@ -142,6 +142,17 @@ class Pipeline {
   // One training step on the whole batch: forward and backward of every micro-batch by the schedule. Returns the
   // batch's loss. See the header comment for where the gradients go and for errors.
   double step(const at::Tensor& input, const at::Tensor& target);
+  // The same for a model of several inputs (stage 0's forward takes them as its arguments), split as PyTorch's
+  // split_args_kwargs_into_chunks does by default: every tensor, also inside tuples and lists, along dimension 0 (all
+  // with the batch's rows, the target's too); other values (a scalar, a string, a config) and the inputs marked in
+  // `replicate` (empty, or one flag per input) whole to every micro-batch. Stages then pass structured activations:
+  // what a stage returns (a tensor, or a tuple or list of tensors and other values, e.g. hidden states and an
+  // attention mask) is the next stage's arguments (a tuple's elements, anything else one argument), and every
+  // floating-point tensor of it gets its gradient back. The last stage returns one tensor, for the loss. A stage that
+  // takes or returns more than one tensor is a registered module whose forward has those arguments
+  // (nn::register_module with a forward function) or a TorchScript file; layers of a Sequential take one tensor.
+  double step(const std::vector<c10::IValue>& inputs, const at::Tensor& target,
+              const std::vector<bool>& replicate = {});
   // Inference: the last stage's output for the whole batch, without gradients, every stage in eval mode (dropout off,
   // BatchNorm's running statistics used and not updated; each stage's training flag is restored after). It waits for
   // a step of this pipeline that is running, and a step waits for it. The batch's micro-batches flow through the stages
@@ -149,6 +160,8 @@ class Pipeline {
   // calls stage i+1's), computed where steps are (the pipeline's own thread on each worker), never on RPC server
   // threads. Throws RpcError naming the stage and worker that failed.
   at::Tensor forward(const at::Tensor& input);
+  // The same for several inputs, split as step() splits them; the last stage returns one tensor.
+  at::Tensor forward(const std::vector<c10::IValue>& inputs, const std::vector<bool>& replicate = {});
   // Turns PipelineOptions::record_timeline on or off for the following steps (a step running now keeps its setting).
   void set_record_timeline(bool on);
 

@@ -44,8 +44,6 @@ using Clock = std::chrono::steady_clock;
 [[noreturn]] void fail(absl::StatusCode code, const std::string& message);
 // The system clock in microseconds (timeline events of different workers on one axis).
 int64_t now_us();
-// Throws INVALID_ARGUMENT for a batch without rows.
-void check_not_empty(const at::Tensor& input);
 // This worker's name, or "(local)" outside RPC.
 std::string self_name();
 // Held around every build of a model or of its layers in this process (stage builds, and the driver's own in

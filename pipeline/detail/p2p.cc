@@ -39,17 +39,17 @@ void Mailbox::drop_locked(Match match) {
   }
 }
 
-void Mailbox::put(const MailKey& key, at::Tensor t) {
+void Mailbox::put(const MailKey& key, c10::IValue value) {
   MutexLock lock(&mu_);
   if (closed_locked(key.pipe, key.step)) return;
   Slot& slot = slots_[key];
   if (slot.arrived || slot.taken) return;  // a duplicate: the first delivery stands
-  slot.value = std::move(t);
+  slot.value = std::move(value);
   slot.arrived = true;
   if (slot.waiter) slot.waiter->Signal();
 }
 
-absl::StatusOr<at::Tensor> Mailbox::take(const MailKey& key, Clock::time_point deadline, const std::string& what) {
+absl::StatusOr<c10::IValue> Mailbox::take(const MailKey& key, Clock::time_point deadline, const std::string& what) {
   MutexLock lock(&mu_);
   const int64_t epoch = epoch_;
   CondVar wake;  // this receive's own
@@ -82,8 +82,8 @@ absl::StatusOr<at::Tensor> Mailbox::take(const MailKey& key, Clock::time_point d
     auto it = slots_.find(key);
     if (it != slots_.end() && it->second.arrived) {
       Slot& slot = it->second;
-      at::Tensor t = std::move(slot.value);
-      slot.value = at::Tensor();
+      c10::IValue t = std::move(slot.value);
+      slot.value = c10::IValue();
       slot.arrived = false;
       slot.taken = true;  // kept until the step ends here: a second delivery is dropped
       slot.waiter = nullptr;

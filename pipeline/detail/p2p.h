@@ -6,7 +6,7 @@
 // Thread-safety: every function may be called from any thread (RPC handlers deliver, executors receive).
 #pragma once
 
-#include <ATen/core/Tensor.h>
+#include <ATen/core/ivalue.h>
 
 #include <cstdint>
 #include <deque>
@@ -39,12 +39,12 @@ class Mailbox {
  public:
   static Mailbox& get();  // this process's
 
-  // Delivers `t` for `key`; dropped when `key` was delivered already, or its step ended here, was abandoned, or its
-  // pipeline was released.
-  void put(const MailKey& key, at::Tensor t);
-  // The tensor for `key`, or an error: the step was abandoned (its reason), RPC stopped, the pipeline was released,
+  // Delivers `value` (an activation or a gradient: a tensor, or tuples and lists of values) for `key`; dropped when
+  // `key` was delivered already, or its step ended here, was abandoned, or its pipeline was released.
+  void put(const MailKey& key, c10::IValue value);
+  // The value for `key`, or an error: the step was abandoned (its reason), RPC stopped, the pipeline was released,
   // or nothing came by `deadline` (DEADLINE_EXCEEDED). `what` names the message in the error.
-  absl::StatusOr<at::Tensor> take(const MailKey& key, Clock::time_point deadline, const std::string& what);
+  absl::StatusOr<c10::IValue> take(const MailKey& key, Clock::time_point deadline, const std::string& what);
   // The step is abandoned here: its waits end with `reason`, what is here of it goes, later deliveries are dropped.
   void abort(int64_t pipe, int64_t step, absl::Status reason);
   // The step's run ended here (it succeeded): what is left of it goes, later deliveries (duplicates) are dropped.
@@ -60,10 +60,10 @@ class Mailbox {
 
  private:
   struct Slot {
-    at::Tensor value;
-    bool arrived = false;        // value holds the delivery, not yet taken
-    bool taken = false;          // delivered and taken: a second delivery is a duplicate
-    CondVar* waiter = nullptr;   // the receive waiting for this key
+    c10::IValue value;
+    bool arrived = false;       // value holds the delivery, not yet taken
+    bool taken = false;         // delivered and taken: a second delivery is a duplicate
+    CondVar* waiter = nullptr;  // the receive waiting for this key
   };
   using StepId = std::pair<int64_t, int64_t>;
   Mailbox() = default;

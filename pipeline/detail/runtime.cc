@@ -219,7 +219,8 @@ struct Plan {
   std::vector<Action> actions;
   std::vector<int> stage_rank;
   std::vector<int64_t> sizes;
-  std::vector<at::Tensor> inputs, targets;  // stage 0's micro-batches / the last stage's targets (else empty)
+  std::vector<Args> inputs;         // stage 0's micro-batches, each its arguments (else empty)
+  std::vector<at::Tensor> targets;  // the last stage's targets (else empty)
   std::string loss;
   bool checkpoint = false, to_grad = false, record = false;
   std::chrono::milliseconds timeout{0};
@@ -312,7 +313,7 @@ class Run {
                                         ", ", a.backward ? "backward" : "forward", ": ", cause)));
   }
 
-  at::Tensor receive(int stage, int mb, bool grad) {
+  c10::IValue receive(int stage, int mb, bool grad) {
     const int from = grad ? stage + 1 : stage - 1;
     auto got = Mailbox::get().take(MailKey{p_.pipe, p_.step, stage, mb, grad}, deadline_,
                                    absl::StrCat(grad ? "the gradient" : "the activation", " from stage ", from,
@@ -321,7 +322,7 @@ class Run {
     return *std::move(got);
   }
 
-  void send(int stage, int mb, bool grad, at::Tensor t) {
+  void send(int stage, int mb, bool grad, c10::IValue t) {
     const int to = p_.stage_rank[stage];
     if (to == self_) return Mailbox::get().put(MailKey{p_.pipe, p_.step, stage, mb, grad}, std::move(t));
     rpc::Future f =
@@ -341,17 +342,21 @@ class Run {
 
   void forward(StageRun& run, const Action& a, int n, const LossFn& loss, int64_t batch) {
     const bool last = a.stage == n - 1;
-    at::Tensor x = a.stage == 0 ? p_.inputs.at(a.microbatch) : receive(a.stage, a.microbatch, false);
+    Args x = a.stage == 0 ? p_.inputs.at(a.microbatch) : args_of(receive(a.stage, a.microbatch, false));
     compute_start_ = now_us();
     Live live;
-    at::Tensor out = forward_microbatch(*run.stage, std::move(x), a.stage == 0, p_.checkpoint && !last, &live);
+    c10::IValue out = forward_microbatch(*run.stage, std::move(x), a.stage == 0, p_.checkpoint && !last, &live);
     if (last) {
+      if (!out.isTensor()) {
+        fail(absl::StatusCode::kInvalidArgument,
+             absl::StrCat("the last stage returned a ", out.tagKind(), ": it returns one tensor, for the loss"));
+      }
       const double share = static_cast<double>(p_.sizes[a.microbatch]) / static_cast<double>(batch);
-      at::Tensor l = loss(out, p_.targets.at(a.microbatch)) * share;
+      at::Tensor l = loss(out.toTensor(), p_.targets.at(a.microbatch)) * share;
       loss_ += l.item<double>();
       live.output = l;
     } else {
-      send(a.stage + 1, a.microbatch, false, out.detach());
+      send(a.stage + 1, a.microbatch, false, map_tensors(out, [](const at::Tensor& t) { return t.detach(); }));
     }
     run.live[a.microbatch] = std::move(live);
     run.peak = std::max(run.peak, static_cast<int64_t>(run.live.size()));
@@ -363,7 +368,7 @@ class Run {
     Live live = std::move(it->second);
     run.live.erase(it);  // the micro-batch's activations go when this backward is done
     const bool last = a.stage == n - 1;
-    at::Tensor grad_out;
+    c10::IValue grad_out;
     if (!last) grad_out = receive(a.stage, a.microbatch, true);
     compute_start_ = now_us();
     MicrobatchGradients g =
@@ -384,7 +389,7 @@ class Run {
 };
 
 rpc::Future on_run(int64_t pipe, int64_t step, std::vector<int64_t> actions, std::vector<int64_t> stage_rank,
-                   std::vector<int64_t> sizes, std::vector<at::Tensor> inputs, std::vector<at::Tensor> targets,
+                   std::vector<int64_t> sizes, std::vector<c10::IValue> inputs, std::vector<at::Tensor> targets,
                    std::string loss, std::vector<int64_t> flags) {
   Plan plan;
   plan.pipe = pipe, plan.step = step;
@@ -400,7 +405,10 @@ rpc::Future on_run(int64_t pipe, int64_t step, std::vector<int64_t> actions, std
     }
   }
   plan.sizes = std::move(sizes);
-  plan.inputs = std::move(inputs);
+  for (auto& x : inputs) {
+    if (!x.isTuple()) throw_error(absl::InvalidArgumentError("malformed pipeline plan: a micro-batch is not a tuple"));
+    plan.inputs.push_back(args_of(std::move(x)));
+  }
   plan.targets = std::move(targets);
   plan.loss = std::move(loss);
   plan.checkpoint = flags[0] != 0, plan.to_grad = flags[1] != 0, plan.record = flags[2] != 0;
@@ -461,7 +469,8 @@ void on_commit(int64_t pipe, int64_t step) {
 
 // Inference, one micro-batch on one stage (on the pipeline's executor, in eval mode, without gradients), then the
 // next stage's, asynchronously: no thread waits for the rest.
-rpc::Future on_forward(int64_t pipe, int64_t index, std::vector<int64_t> ranks, at::Tensor x, int64_t timeout_ms) {
+rpc::Future on_forward(int64_t pipe, int64_t index, std::vector<int64_t> ranks, std::vector<c10::IValue> x,
+                       int64_t timeout_ms) {
   auto executor = executor_of(pipe);
   if (!executor) {
     throw_error(absl::NotFoundError(
@@ -476,7 +485,7 @@ rpc::Future on_forward(int64_t pipe, int64_t index, std::vector<int64_t> ranks, 
         throw_error(absl::NotFoundError(
             absl::StrCat("pipeline ", pipe, " has no stage ", index, " on worker '", self_name(), "' (released?)")));
       }
-      at::Tensor y;
+      c10::IValue y;
       const bool training = stage->is_training();
       try {
         at::NoGradGuard no_grad;
@@ -493,8 +502,8 @@ rpc::Future on_forward(int64_t pipe, int64_t index, std::vector<int64_t> ranks, 
         result.set_value(c10::IValue(y));
         return;
       }
-      rpc::Future next =
-          rpc::rpc_async(static_cast<int>(ranks[index + 1]), kForward, pipe, index + 1, ranks, y, timeout_ms, timeout);
+      rpc::Future next = rpc::rpc_async(static_cast<int>(ranks[index + 1]), kForward, pipe, index + 1, ranks,
+                                        args_of(std::move(y)), timeout_ms, timeout);
       next.add_callback([result](const rpc::Future& done) {
         const absl::Status s = done.status();
         result.set_status(s, s.ok() ? done.value() : c10::IValue());
@@ -539,7 +548,7 @@ bool install() {
   rpc::register_function(kCommit, on_commit);
   rpc::register_function(kForward, on_forward);
   rpc::register_function(kPing, [] {});
-  rpc::register_function(kAct, [](int64_t pipe, int64_t step, int64_t stage, int64_t mb, bool grad, at::Tensor t) {
+  rpc::register_function(kAct, [](int64_t pipe, int64_t step, int64_t stage, int64_t mb, bool grad, c10::IValue t) {
     Mailbox::get().put(MailKey{pipe, step, static_cast<int>(stage), static_cast<int>(mb), grad}, std::move(t));
   });
   rpc::register_function(kAbort, [](int64_t pipe, int64_t step, std::string reason) {

@@ -5,12 +5,15 @@
 #include <torch/csrc/jit/serialization/import.h>
 #include <torch/nn/modules/container/sequential.h>
 
+#include <limits>
 #include <map>
 #include <mutex>
+#include <string>
 
 #include "absl/base/attributes.h"
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "nn/remote_module.h"
 #include "pipeline/detail/common.h"
 #include "pipeline/layers.h"
@@ -61,12 +64,12 @@ void set_cpu_rng_state(const at::Tensor& state) {
 // the same numbers as without checkpointing. The buffers (BatchNorm's running statistics) are kept in `kept`: the
 // caller puts them back once the backward is done (before, the graph may hold them), so that they are updated once
 // per micro-batch, by the first forward.
-at::Tensor recompute(Stage& stage, const Live& live, std::vector<at::Tensor>* kept) {
+c10::IValue recompute(Stage& stage, const Live& live, std::vector<at::Tensor>* kept) {
   for (const auto& b : stage.buffers) kept->push_back(b.defined() ? b.clone() : at::Tensor());
   const at::Tensor now = cpu_rng_state();
   set_cpu_rng_state(live.rng_state);
   try {
-    at::Tensor out = stage.forward(live.input);
+    c10::IValue out = stage.forward(live.input);
     set_cpu_rng_state(now);
     return out;
   } catch (...) {
@@ -87,7 +90,7 @@ std::shared_ptr<Stage> load_script_stage(const std::string& path) {
   auto module = std::make_shared<ScriptStage>(torch::jit::load(path));
   auto stage = std::make_shared<Stage>();
   stage->module = module;
-  stage->forward = [module](const at::Tensor& x) { return module->script.forward({x}).toTensor(); };
+  stage->forward = [module](Args args) { return module->script.forward(std::move(args)); };
   for (const auto& p : module->parameters()) {
     if (p.requires_grad()) stage->params.push_back(p);
   }
@@ -100,8 +103,7 @@ std::shared_ptr<Stage> load_script_stage(const std::string& path) {
 namespace {
 
 // The stage of `module` (which the stage holds) with `forward`: its parameters, buffers and training flag.
-std::shared_ptr<Stage> make_stage(std::shared_ptr<torch::nn::Module> module,
-                                  std::function<at::Tensor(const at::Tensor&)> forward) {
+std::shared_ptr<Stage> make_stage(std::shared_ptr<torch::nn::Module> module, std::function<c10::IValue(Args)> forward) {
   auto stage = std::make_shared<Stage>();
   stage->module = std::move(module);
   stage->forward = std::move(forward);
@@ -116,6 +118,20 @@ std::shared_ptr<Stage> make_stage(std::shared_ptr<torch::nn::Module> module,
   };
   return stage;
 }
+
+// Layers of a Sequential as a stage: one tensor in, the last layer's tensor out.
+std::shared_ptr<Stage> sequential_stage(torch::nn::Sequential part) {
+  return make_stage(part.ptr(), [part](Args args) mutable -> c10::IValue {
+    if (args.size() != 1 || !args[0].isTensor()) {
+      std::vector<std::string> kinds;
+      for (const auto& a : args) kinds.push_back(a.tagKind());
+      fail(absl::StatusCode::kInvalidArgument,
+           absl::StrCat("layers of a Sequential take one tensor, and this stage got ", args.size(), " values (",
+                        absl::StrJoin(kinds, ", "), "): use a registered module whose forward takes them"));
+    }
+    return part->forward(args[0].toTensor());
+  });
+}
 }  // namespace
 
 std::shared_ptr<Stage> build_stage(const std::string& factory, std::vector<c10::IValue> args, int64_t begin,
@@ -127,8 +143,7 @@ std::shared_ptr<Stage> build_stage(const std::string& factory, std::vector<c10::
   }
   if (begin < 0) {
     auto forward = instance.forward;
-    return make_stage(instance.module,
-                      [forward](const at::Tensor& x) { return forward({c10::IValue(x)}).value().toTensor(); });
+    return make_stage(instance.module, [forward](Args args) { return forward(std::move(args)).value(); });
   }
   auto full = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(instance.module);
   if (!full) {
@@ -140,7 +155,7 @@ std::shared_ptr<Stage> build_stage(const std::string& factory, std::vector<c10::
   }
   torch::nn::Sequential part;
   for (int64_t i = begin; i < end; ++i) part->push_back(std::to_string(i), *(full->begin() + i));
-  return make_stage(part.ptr(), [part](const at::Tensor& x) mutable { return part->forward(x); });
+  return sequential_stage(part);
 }
 
 std::shared_ptr<Stage> build_layers_stage(const std::string& layers, int64_t begin, int64_t end) {
@@ -149,7 +164,7 @@ std::shared_ptr<Stage> build_layers_stage(const std::string& layers, int64_t beg
     MutexLock build_lock(&build_mutex());
     part = build_layers(layers, begin, end);
   }
-  return make_stage(part.ptr(), [part](const at::Tensor& x) mutable { return part->forward(x); });
+  return sequential_stage(part);
 }
 
 LossFn find_loss(const std::string& name) {
@@ -163,9 +178,14 @@ LossFn find_loss(const std::string& name) {
   return it->second;
 }
 
-at::Tensor forward_microbatch(Stage& stage, at::Tensor x, bool first, bool checkpoint, Live* live) {
-  if (!first && x.is_floating_point()) x = x.detach().requires_grad_(true);
-  at::Tensor out;
+c10::IValue forward_microbatch(Stage& stage, Args x, bool first, bool checkpoint, Live* live) {
+  if (!first) {
+    for (auto& a : x) {
+      a = map_tensors(a,
+                      [](const at::Tensor& t) { return t.is_floating_point() ? t.detach().requires_grad_(true) : t; });
+    }
+  }
+  c10::IValue out;
   if (checkpoint) {
     live->rng_state = cpu_rng_state();  // the recompute in backward draws what this forward draws (dropout's mask)
     at::NoGradGuard no_grad;
@@ -174,11 +194,22 @@ at::Tensor forward_microbatch(Stage& stage, at::Tensor x, bool first, bool check
     out = stage.forward(x);
   }
   live->input = std::move(x);
-  live->output = checkpoint ? at::Tensor() : out;
+  live->output = checkpoint ? c10::IValue() : out;
   return out;
 }
 
-MicrobatchGradients backward_microbatch(Stage& stage, Live live, const at::Tensor& grad_output, bool first,
+namespace {
+// The gradients of an activation's tensors from its gradient message (the form of MicrobatchGradients::input).
+std::vector<at::Tensor> gradients_of(const c10::IValue& g) {
+  if (g.isTensor()) return {g.toTensor()};
+  std::vector<at::Tensor> out;
+  if (!g.isList()) return out;
+  for (const c10::IValue& e : g.toListRef()) out.push_back(e.isTensor() ? e.toTensor() : at::Tensor());
+  return out;
+}
+}  // namespace
+
+MicrobatchGradients backward_microbatch(Stage& stage, Live live, const c10::IValue& grad_output, bool first,
                                         bool recompute_forward) {
   std::vector<at::Tensor> kept;  // with checkpointing: the buffers as the first forward left them
   struct PutBack {
@@ -186,21 +217,53 @@ MicrobatchGradients backward_microbatch(Stage& stage, Live live, const at::Tenso
     const std::vector<at::Tensor>& kept;
     ~PutBack() { put_back(stage, kept); }
   } put_back_after{stage, kept};  // after the backward below (or its error): its graph may hold them
-  at::Tensor root = recompute_forward ? recompute(stage, live, &kept) : live.output;
+  const c10::IValue output = recompute_forward ? recompute(stage, live, &kept) : live.output;
+  // The roots: the output's tensors that have a graph and a gradient (on the last stage, the loss alone).
+  std::vector<at::Tensor> roots, root_grads;
+  const std::vector<at::Tensor> outs = tensors_of(output);
+  if (grad_output.isNone()) {
+    for (const auto& t : outs) {
+      if (t.requires_grad()) roots.push_back(t);
+    }
+  } else {
+    const std::vector<at::Tensor> received = gradients_of(grad_output);
+    if (received.size() != outs.size()) {
+      fail(absl::StatusCode::kInvalidArgument, absl::StrCat("the gradient from the next stage has ", received.size(),
+                                                            " tensors where this stage's output has ", outs.size()));
+    }
+    for (size_t i = 0; i < outs.size(); ++i) {
+      if (outs[i].requires_grad() && received[i].defined()) roots.push_back(outs[i]), root_grads.push_back(received[i]);
+    }
+  }
+  const std::vector<at::Tensor> inputs = first ? std::vector<at::Tensor>{} : tensors_of(live.input);
   std::vector<at::Tensor> wrt = stage.params;
-  const bool input_grad = !first && live.input.requires_grad();
-  if (input_grad) wrt.push_back(live.input);
+  std::vector<size_t> input_at;  // for each tensor of the input: its place in wrt, or max() when it has no gradient
+  for (const auto& t : inputs) {
+    input_at.push_back(t.requires_grad() ? wrt.size() : std::numeric_limits<size_t>::max());
+    if (t.requires_grad()) wrt.push_back(t);
+  }
   std::vector<at::Tensor> grads;
-  if (!wrt.empty() && root.requires_grad()) {
-    grads = torch::autograd::grad({root}, wrt,
-                                  grad_output.defined() ? std::vector<at::Tensor>{grad_output}
-                                                        : std::vector<at::Tensor>{},
-                                  /*retain_graph=*/false, /*create_graph=*/false, /*allow_unused=*/true);
+  if (!wrt.empty() && !roots.empty()) {
+    grads = torch::autograd::grad(roots, wrt, root_grads, /*retain_graph=*/false, /*create_graph=*/false,
+                                  /*allow_unused=*/true);
   } else {
     grads.resize(wrt.size());
   }
   MicrobatchGradients out;
-  if (!first) out.input = input_grad && grads.back().defined() ? grads.back() : at::zeros_like(live.input);
+  if (!first) {
+    auto grad_of = [&](size_t k) { return input_at[k] < grads.size() ? grads[input_at[k]] : at::Tensor(); };
+    if (live.input.size() == 1 && live.input[0].isTensor()) {
+      at::Tensor g = grad_of(0);
+      out.input = g.defined() ? g : at::zeros_like(inputs[0]);
+    } else {
+      c10::impl::GenericList list(c10::AnyType::get());
+      for (size_t k = 0; k < inputs.size(); ++k) {
+        at::Tensor g = grad_of(k);
+        list.push_back(g.defined() ? c10::IValue(g) : c10::IValue());
+      }
+      out.input = std::move(list);
+    }
+  }
   grads.resize(stage.params.size());
   out.params = std::move(grads);
   return out;

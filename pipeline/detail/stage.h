@@ -15,6 +15,8 @@
 #include <string>
 #include <vector>
 
+#include "pipeline/detail/microbatch.h"
+
 namespace torch::nn {
 class Module;
 }
@@ -23,7 +25,9 @@ namespace tandem::pipeline::detail {
 
 struct Stage {
   std::shared_ptr<torch::nn::Module> module;
-  std::function<at::Tensor(const at::Tensor&)> forward;
+  // The stage on its arguments (Args: the model's inputs, or what the previous stage returned); returns a tensor, or a
+  // tuple or list of tensors and other values (an attention mask, lengths) that the next stage takes.
+  std::function<c10::IValue(Args)> forward;
   std::vector<at::Tensor> params;  // those that require gradients, in the module's order
   // Running statistics and the like: a checkpointed recompute leaves them as they were.
   std::vector<at::Tensor> buffers;
@@ -38,7 +42,7 @@ std::shared_ptr<Stage> build_stage(const std::string& factory, std::vector<c10::
 // Layers [begin, end) of a model registered with register_layers (pipeline/layers.h): only those are built. Throws
 // tandem::Error: NOT_FOUND (unknown name), INVALID_ARGUMENT (a range outside the model).
 std::shared_ptr<Stage> build_layers_stage(const std::string& layers, int64_t begin, int64_t end);
-// A TorchScript module file (its forward takes and returns one tensor). Throws what torch::jit::load throws.
+// A TorchScript module file (its forward takes the stage's arguments). Throws what torch::jit::load throws.
 std::shared_ptr<Stage> load_script_stage(const std::string& path);
 
 using LossFn = std::function<at::Tensor(const at::Tensor&, const at::Tensor&)>;
@@ -47,25 +51,28 @@ LossFn find_loss(const std::string& name);
 
 // What a micro-batch leaves on its stage between its forward and its backward.
 struct Live {
-  at::Tensor input;      // what the forward took (requiring grad when a gradient goes back to the previous stage)
-  at::Tensor output;     // the stage's output (none with checkpointing), or on the last stage its weighted loss
+  Args input;            // what the forward took (floating-point tensors requiring grad after the first stage)
+  c10::IValue output;    // the stage's output (none with checkpointing), or on the last stage its weighted loss
   at::Tensor rng_state;  // with checkpointing: the CPU generator's state when the forward began
 };
 
-// The forward of one micro-batch. `x` is the micro-batch (first stage) or the activation received (it is detached
-// and made to require grad, so its gradient can be sent back). With `checkpoint` only the input is kept (the forward
-// runs without a graph and is recomputed in backward). Returns what the forward produced (the activation for the next
-// stage, or the last stage's output) and fills `live`.
-at::Tensor forward_microbatch(Stage& stage, at::Tensor x, bool first, bool checkpoint, Live* live);
+// The forward of one micro-batch. `x` is the micro-batch's arguments (first stage) or the activation received (its
+// floating-point tensors are detached and made to require grad, so their gradients can be sent back). With
+// `checkpoint` only the input is kept (the forward runs without a graph and is recomputed in backward). Returns what
+// the forward produced (the activation for the next stage, or the last stage's output) and fills `live`.
+c10::IValue forward_microbatch(Stage& stage, Args x, bool first, bool checkpoint, Live* live);
 
+// The gradient that goes back to the previous stage for an activation `a`: for one tensor, its gradient (a tensor);
+// otherwise a list with one entry per tensor of `a` (tensors_of's order): its gradient, or None where it has none.
 struct MicrobatchGradients {
   std::vector<at::Tensor> params;  // per Stage::params; undefined where the micro-batch gave none
-  at::Tensor input;                // the input's gradient, for the previous stage (undefined on the first stage)
+  c10::IValue input;               // the input's gradient, for the previous stage (none on the first stage)
 };
 // The backward of one micro-batch from `live` (taken: its activations go with it). `grad_output` is the gradient
-// received from the next stage (undefined on the last stage, whose live.output is its loss). With `recompute` the
-// forward runs again first from live.input and live.rng_state, and the buffers are left as the first forward left them.
-MicrobatchGradients backward_microbatch(Stage& stage, Live live, const at::Tensor& grad_output, bool first,
+// received from the next stage, in the form above (none on the last stage, whose live.output is its loss). With
+// `recompute` the forward runs again first from live.input and live.rng_state, and the buffers are left as the first
+// forward left them. Throws INVALID_ARGUMENT when grad_output does not match the output's tensors.
+MicrobatchGradients backward_microbatch(Stage& stage, Live live, const c10::IValue& grad_output, bool first,
                                         bool recompute);
 
 // Adds `grads` into `sums` (per parameter), taking a gradient tensor over when nothing else holds it.

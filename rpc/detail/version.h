@@ -7,6 +7,7 @@
 namespace tandem::rpc {
 
 // 1: the schema before versioning (hand-made rendezvous, hello, RRef and autograd encodings). 2: all of them in proto/.
-constexpr uint32_t kWireVersion = 2;
+// 3: the pipeline's micro-batches are argument tuples, its activations and gradients structured values.
+constexpr uint32_t kWireVersion = 3;
 
 }  // namespace tandem::rpc

@@ -26,7 +26,7 @@ TEST(UnitPipelineMailbox, ADuplicateDeliveryIsDroppedAndTheFirstStands) {
   box.put(key(101, 0, 0), at::full({1}, 2.0));  // the same message again (a retried send)
   auto got = box.take(key(101, 0, 0), in(milliseconds(100)), "m0");
   ASSERT_TRUE(got.ok()) << got.status();
-  EXPECT_EQ(got->item<double>(), 1.0);
+  EXPECT_EQ(got->toTensor().item<double>(), 1.0);
   box.put(key(101, 0, 0), at::full({1}, 3.0));  // once more after it was taken: not kept for ever
   auto again = box.take(key(101, 0, 0), in(milliseconds(50)), "m0 again");
   EXPECT_EQ(again.status().code(), absl::StatusCode::kDeadlineExceeded) << again.status();
@@ -36,24 +36,22 @@ TEST(UnitPipelineMailbox, ADuplicateDeliveryIsDroppedAndTheFirstStands) {
 
 TEST(UnitPipelineMailbox, AReceiveIsWokenByItsOwnMessageAndAnotherKeepsWaiting) {
   Mailbox& box = Mailbox::get();
-  auto first = std::async(std::launch::async, [&] {
-    return box.take(key(102, 0, 0), in(test::scaled(milliseconds(10000))), "m0");
-  });
-  auto second = std::async(std::launch::async, [&] {
-    return box.take(key(102, 0, 1, true), in(test::scaled(milliseconds(10000))), "g1");
-  });
+  auto first = std::async(std::launch::async,
+                          [&] { return box.take(key(102, 0, 0), in(test::scaled(milliseconds(10000))), "m0"); });
+  auto second = std::async(std::launch::async,
+                           [&] { return box.take(key(102, 0, 1, true), in(test::scaled(milliseconds(10000))), "g1"); });
   std::this_thread::sleep_for(milliseconds(50));
   box.put(key(102, 0, 0), at::full({1}, 7.0));
   ASSERT_EQ(first.wait_for(test::scaled(milliseconds(5000))), std::future_status::ready);
   auto a = first.get();
   ASSERT_TRUE(a.ok()) << a.status();
-  EXPECT_EQ(a->item<double>(), 7.0);
+  EXPECT_EQ(a->toTensor().item<double>(), 7.0);
   EXPECT_EQ(second.wait_for(milliseconds(100)), std::future_status::timeout);
   box.put(key(102, 0, 1, true), at::full({1}, 8.0));
   ASSERT_EQ(second.wait_for(test::scaled(milliseconds(5000))), std::future_status::ready);
   auto b = second.get();
   ASSERT_TRUE(b.ok()) << b.status();
-  EXPECT_EQ(b->item<double>(), 8.0);
+  EXPECT_EQ(b->toTensor().item<double>(), 8.0);
   box.finish(102, 0);
   EXPECT_EQ(box.held(), 0u);
 }
@@ -96,9 +94,8 @@ TEST(UnitPipelineMailbox, WhatArrivesAfterItsStepEndedIsDropped) {
 TEST(UnitPipelineMailbox, AReleasedPipelineEndsItsWaitsAndKeepsNothing) {
   Mailbox& box = Mailbox::get();
   box.put(key(105, 0, 1), at::ones({1}));
-  auto waiting = std::async(std::launch::async, [&] {
-    return box.take(key(105, 0, 0), in(test::scaled(milliseconds(10000))), "m0");
-  });
+  auto waiting = std::async(std::launch::async,
+                            [&] { return box.take(key(105, 0, 0), in(test::scaled(milliseconds(10000))), "m0"); });
   std::this_thread::sleep_for(milliseconds(50));
   box.release(105);
   ASSERT_EQ(waiting.wait_for(test::scaled(milliseconds(5000))), std::future_status::ready);
@@ -109,9 +106,8 @@ TEST(UnitPipelineMailbox, AReleasedPipelineEndsItsWaitsAndKeepsNothing) {
 
 TEST(UnitPipelineMailbox, StoppingEndsTheWaitsInProgressOnly) {
   Mailbox& box = Mailbox::get();
-  auto waiting = std::async(std::launch::async, [&] {
-    return box.take(key(106, 0, 0), in(test::scaled(milliseconds(10000))), "m0");
-  });
+  auto waiting = std::async(std::launch::async,
+                            [&] { return box.take(key(106, 0, 0), in(test::scaled(milliseconds(10000))), "m0"); });
   std::this_thread::sleep_for(milliseconds(50));
   box.abort_all(absl::CancelledError("RPC is shutting down"));
   ASSERT_EQ(waiting.wait_for(test::scaled(milliseconds(5000))), std::future_status::ready);

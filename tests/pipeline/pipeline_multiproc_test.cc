@@ -211,7 +211,7 @@ TEST_F(MultiprocPipeline, StagesBuildOnlyTheirLayersSoAModelLargerThanEachStageT
     losses.push_back(pipe.step(x, y));
     opt.step(ctx.id());
   }
-  EXPECT_LT(losses[1], losses[0]);  // it trains
+  EXPECT_LT(losses[1], losses[0]);                                          // it trains
   const std::vector<int64_t> reported = pipe.last_stats().peak_memory_kib;  // each stage worker's, by the step
   ASSERT_EQ(reported.size(), 4u);
   for (int r = 1; r <= 4; ++r) {
@@ -220,8 +220,8 @@ TEST_F(MultiprocPipeline, StagesBuildOnlyTheirLayersSoAModelLargerThanEachStageT
     // and a later reading can be a little lower.)
     if (measurable) EXPECT_GT(reported[r - 1], rss_before[r] + 30 * 1024);
     const double growth = now[1] - rss_before[r];
-    std::printf("worker%d: peak resident memory grew by %.0f KiB in two steps (the whole model: %.0f KiB)\n", r,
-                growth, whole_kib);
+    std::printf("worker%d: peak resident memory grew by %.0f KiB in two steps (the whole model: %.0f KiB)\n", r, growth,
+                whole_kib);
   }
 }
 
@@ -494,6 +494,78 @@ TEST_F(MultiprocPipeline, CheckpointingKeepsDropoutMasksAndRunningStatistics) {
   ASSERT_EQ(off.buffers[1].size(), 3u);                      // running mean, running variance, batches tracked
   EXPECT_EQ(off.buffers[1][2].item<double>(), 4.0);          // one update per micro-batch
   EXPECT_GT(off.grads[0][0].abs().sum().item<double>(), 0);  // the gradients are not all zero
+}
+
+// Structured activations: stage 0 takes (x, mask, scale), x and the bool mask split along the batch and the double
+// given to every micro-batch, and each stage passes the tuple (hidden, mask, scale) on. The loss, every stage's
+// gradients and forward() equal one process's, with and without checkpointing, in uneven micro-batches. A tensor
+// without the batch's rows is refused unless marked replicated, and then reaches every micro-batch whole; layers of a
+// Sequential given a tuple say what they take.
+TEST_F(MultiprocPipeline, StagesPassTuplesOfTensorsAndOtherValues) {
+  start({.world_size = 4});
+  const int64_t rows = 10;
+  auto gen = at::detail::createCPUGenerator(77);
+  const at::Tensor x = at::randn({rows, 4}, gen, at::kDouble), y = at::randn({rows, 4}, gen, at::kDouble);
+  const at::Tensor mask = at::rand({rows, 4}, gen, at::kDouble).gt(0.3), row_mask = at::tensor({1, 0, 1, 1}).gt(0);
+  const double scale = 0.7;
+  struct Reference {
+    double loss = 0;
+    at::Tensor out;
+    std::vector<std::vector<at::Tensor>> grads;  // per stage
+  };
+  auto reference = [&](const at::Tensor& m) {
+    Reference r;
+    c10::IValue h = c10::ivalue::Tuple::create({x, m, scale});
+    std::vector<MaskedBlock> blocks;
+    for (int s = 0; s < 3; ++s) {
+      blocks.emplace_back(100 + s, s == 2);
+      const auto& a = h.toTupleRef().elements();
+      h = masked_block_forward(blocks.back(), a[0].toTensor(), a[1].toTensor(), a[2].toDouble());
+    }
+    at::Tensor loss = torch::mse_loss(h.toTensor(), y);
+    loss.backward();
+    r.loss = loss.item<double>(), r.out = h.toTensor().detach();
+    for (auto& b : blocks) {
+      r.grads.emplace_back();
+      for (const auto& p : b->parameters()) r.grads.back().push_back(p.grad());
+    }
+    return r;
+  };
+  std::vector<pipeline::StageSpec> stages;
+  for (int s = 0; s < 3; ++s) stages.push_back({s + 1, "pipe_masked", {int64_t{100 + s}, s == 2}});
+  auto expect_equal = [&](Pipeline& pipe, double loss, const Reference& want, const std::string& what) {
+    EXPECT_NEAR(loss, want.loss, 1e-10 * want.loss) << what;
+    for (int s = 0; s < 3; ++s) {
+      auto got = rpc::rpc_sync<std::vector<at::Tensor>>(s + 1, "pipe_dot_grads", pipe.id(), int64_t{s});
+      EXPECT_LE(relative_diff(got, want.grads[s]), 1e-10) << what << ", stage " << s << "'s gradients";
+    }
+  };
+  const Reference per_row = reference(mask), whole = reference(row_mask);
+  EXPECT_GT(per_row.grads[0][0].abs().sum().item<double>(), 0);  // gradients reach stage 0 through the tuples
+  for (bool checkpoint : {false, true}) {
+    auto pipe = Pipeline::create(
+        stages, {.n_microbatches = 3, .gradients = pipeline::GradientsTo::kDotGrad, .checkpoint = checkpoint});
+    expect_equal(pipe, pipe.step({x, mask, scale}, y), per_row, checkpoint ? "checkpointing" : "no checkpointing");
+    EXPECT_LE(relative_diff({pipe.forward({x, mask, scale})}, {per_row.out}), 1e-12);
+  }
+  auto pipe = Pipeline::create(stages, {.n_microbatches = 3, .gradients = pipeline::GradientsTo::kDotGrad});
+  try {
+    pipe.step({x, row_mask, scale}, y);
+    ADD_FAILURE() << "a tensor of another batch size was split";
+  } catch (const RpcError& e) {
+    EXPECT_THAT(e.what(), ::testing::HasSubstr("input 1 holds a tensor of 4 rows where the batch has 10"));
+  }
+  expect_equal(pipe, pipe.step({x, row_mask, scale}, y, {false, true, false}), whole, "a replicated mask");
+  auto mixed =
+      Pipeline::create({{1, "pipe_masked", {int64_t{100}, false}}, {2, "pipe_mlp", {kLayers, kWidth, kSeed}, 0, 2}},
+                       {.n_microbatches = 2, .gradients = pipeline::GradientsTo::kDotGrad});
+  try {
+    mixed.step({x, mask, scale}, y);
+    ADD_FAILURE() << "a Sequential took a tuple";
+  } catch (const RpcError& e) {
+    EXPECT_THAT(e.what(), ::testing::HasSubstr("layers of a Sequential take one tensor, and this stage got 3 values"));
+    EXPECT_THAT(e.what(), ::testing::HasSubstr("stage 1 on worker 'worker2'"));
+  }
 }
 
 // forward() is inference: eval mode (dropout off: the same output twice; BatchNorm's running statistics untouched),

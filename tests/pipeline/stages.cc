@@ -5,8 +5,8 @@
 #include <atomic>
 #include <chrono>
 #include <fstream>
-#include <string>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -125,6 +125,18 @@ bool reset_peak_memory() {
   return clear_refs.good();
 }
 
+MaskedBlockImpl::MaskedBlockImpl(int64_t seed, bool last) : last(last) {
+  torch::manual_seed(seed);
+  lin = register_module("lin", torch::nn::Linear(4, 4));
+  lin->to(torch::kDouble);
+}
+
+c10::IValue masked_block_forward(MaskedBlock& block, const at::Tensor& x, const at::Tensor& mask, double scale) {
+  const at::Tensor keep = mask.to(at::kDouble);
+  if (block->last) return block->lin->forward(x) * keep;
+  return c10::ivalue::Tuple::create({torch::tanh(block->lin->forward(x) * scale) * keep, mask, scale});
+}
+
 torch::nn::Sequential make_pipe_dropout_bn(int64_t seed) {
   torch::manual_seed(seed);
   torch::nn::Sequential m(torch::nn::Linear(4, 6), torch::nn::Dropout(0.5), torch::nn::Linear(6, 6),
@@ -153,6 +165,8 @@ void register_pipeline_stages() {
     return out;
   });
   nn::register_module("pipe_dropout_bn", make_pipe_dropout_bn);
+  nn::register_module(
+      "pipe_masked", [](int64_t seed, bool last) { return MaskedBlock(seed, last); }, masked_block_forward);
   pipeline::register_layers("pipe_layers", {.n_layers = kPipeLayers, .build = make_pipe_layers});
   pipeline::register_layers("pipe_big_layers", {.n_layers = kBigLayers, .build = [](int64_t begin, int64_t end) {
                                                   torch::nn::Sequential part;

@@ -3,6 +3,7 @@
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
+#include "absl/strings/str_cat.h"
 #include "proto/tandem_rpc.grpc.pb.h"
 #include "rpc/detail/agent.h"
 #include "rpc/detail/auth.h"
@@ -36,7 +37,8 @@ TEST(UnitWireSchema, RendezvousRecordOfAnotherVersionIsNamedNotMisread) {
   EXPECT_TRUE(detail::parse_record(record(kWireVersion), 1, 4).ok());
   auto other = detail::parse_record(record(kWireVersion + 1), 1, 4);
   EXPECT_EQ(other.status().code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_NE(other.status().message().find("rank 1 speaks Tandem wire version 3, this worker version 2"),
+  EXPECT_NE(other.status().message().find(absl::StrCat("rank 1 speaks Tandem wire version ", kWireVersion + 1,
+                                                       ", this worker version ", kWireVersion)),
             std::string::npos)
       << other.status();
   // The text record of builds from before versioning: name, address, world size, boot id, direct address, pid.
@@ -71,7 +73,8 @@ TEST(UnitWireSchema, DirectHandshakeChecksTokenAndVersion) {
   other.set_pid(42);
   auto s = direct::parse_hello(buffer(other.SerializeAsString()), token);
   EXPECT_EQ(s.status().code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_NE(s.status().message().find("wire version 3"), std::string::npos) << s.status();
+  EXPECT_NE(s.status().message().find(absl::StrCat("wire version ", kWireVersion + 1)), std::string::npos)
+      << s.status();
   // The 80-byte binary hello of builds from before versioning: token, rank, pid, probe address.
   std::string old = token + std::string(16, '\x01');
   EXPECT_FALSE(direct::parse_hello(buffer(old), token).ok());
@@ -137,7 +140,8 @@ TEST(UnitWireSchema, StoreRefusesAnotherWireVersion) {
   auto server = builder.BuildAndStart();
   auto channel = net::make_channel("127.0.0.1:" + std::to_string(port), nullptr, -1);
   tandem::wire::Store::Stub stub(channel);
-  for (const char* version : {"1", "3", ""}) {
+  const std::string newer = std::to_string(kWireVersion + 1);
+  for (const char* version : {"1", newer.c_str(), ""}) {
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
     ctx.AddMetadata(auth::kAuthMetadataKey, token);
@@ -148,7 +152,8 @@ TEST(UnitWireSchema, StoreRefusesAnotherWireVersion) {
     tandem::wire::StoreCount resp;
     grpc::Status s = stub.Add(&ctx, req, &resp);
     EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << version;
-    EXPECT_NE(s.error_message().find("this worker version 2"), std::string::npos) << s.error_message();
+    EXPECT_NE(s.error_message().find(absl::StrCat("this worker version ", kWireVersion)), std::string::npos)
+        << s.error_message();
   }
   auto store = connect_store(channel, token, false);
   EXPECT_EQ(*store->add("k", 1), 1);  // this build's own version is served
