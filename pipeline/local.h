@@ -16,5 +16,7 @@ namespace tandem::pipeline {
 std::shared_ptr<torch::nn::Module> local_stage(int64_t pipeline_id, int stage);
 // How many stages (of every pipeline) this worker holds now.
 int64_t local_stage_count();
+// How many plans (of every pipeline) this worker holds now: one per number of micro-batches a pipeline has run with.
+int64_t local_plan_count();
 
 }  // namespace tandem::pipeline

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <map>
 #include <optional>
+#include <set>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
@@ -53,6 +54,9 @@ struct Pipeline::State {
 
   Mutex step_mu;                                                                   // one step at a time
   std::map<int, std::vector<std::vector<Action>>> plans ABSL_GUARDED_BY(step_mu);  // by number of micro-batches
+  // (worker index, number of micro-batches): the plans a worker has cached, from a step that succeeded; later steps
+  // of that shape send it no plan.
+  std::set<std::pair<size_t, int>> plan_held ABSL_GUARDED_BY(step_mu);
   int64_t next_step ABSL_GUARDED_BY(step_mu) = 0;
 
   // What other threads read or change while a step runs (options(), last_stats(), set_record_timeline()): held only
@@ -122,14 +126,20 @@ struct Pipeline::State {
     const auto t0 = Clock::now();
     std::vector<rpc::Future> replies;
     for (size_t w = 0; w < workers.size(); ++w) {
-      std::vector<int64_t> actions;
-      for (const Action& a : plan[w]) actions.insert(actions.end(), {a.stage, a.microbatch, a.backward});
+      // The plan goes once per shape (the number of micro-batches); then the worker has it.
+      const bool held = plan_held.count({w, m}) > 0;
+      std::vector<int64_t> actions, plan_ranks;
+      if (!held) {
+        for (const Action& a : plan[w]) actions.insert(actions.end(), {a.stage, a.microbatch, a.backward});
+        plan_ranks = ranks;
+      }
       const bool first = stage_worker.front() == static_cast<int>(w), last = stage_worker.back() == static_cast<int>(w);
       replies.push_back(rpc::rpc_async(
-          workers[w], kRun, id, step_id, actions, ranks, sizes, first ? first_inputs : std::vector<c10::IValue>{},
-          last ? ys : std::vector<at::Tensor>{}, opts.loss, flags, opts.timeout + kReplyMargin));
+          workers[w], kRun, id, step_id, actions, plan_ranks, sizes, first ? first_inputs : std::vector<c10::IValue>{},
+          last ? ys : std::vector<at::Tensor>{}, held ? std::string() : opts.loss, flags, opts.timeout + kReplyMargin));
     }
     wait_all(opts, replies, step_id);
+    for (size_t w = 0; w < workers.size(); ++w) plan_held.insert({w, m});
     commit(opts, step_id);
     StepStats step_stats;
     step_stats.step_ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();

@@ -13,6 +13,18 @@ absl::Status error_with(const absl::Status& s, const std::string& prefix) {
   return absl::Status(s.code(), absl::StrCat(prefix, s.message()));
 }
 
+// The error a Response carries (OK when none), or why the frame is not a Response.
+absl::Status reply_status(const grpc::ByteBuffer& frame_bytes, const std::string& prefix,
+                          tandem::wire::Response* response, absl::StatusOr<wire::Frame>* frame) {
+  *frame = wire::Frame::parse(frame_bytes, response);
+  if (!frame->ok()) return error_with(frame->status(), prefix + "bad reply: ");
+  if (!response->has_error()) return absl::OkStatus();
+  const auto code = static_cast<absl::StatusCode>(response->error().code());
+  return absl::Status(
+      code == absl::StatusCode::kOk ? absl::StatusCode::kUnknown : code,
+      prefix + (code == absl::StatusCode::kUnknown ? "remote exception: " : "") + response->error().message());
+}
+
 }  // namespace
 
 std::vector<WorkerInfo> Agent::workers() const {
@@ -39,8 +51,9 @@ std::string Agent::describe(int peer, const std::string& function) const {
 
 absl::StatusOr<grpc::ByteBuffer> Agent::encode_request(int peer, const std::string& function,
                                                        const std::vector<c10::IValue>& args, bool by_reference,
-                                                       std::vector<at::Tensor>* referenced) {
+                                                       std::vector<at::Tensor>* referenced, bool oneway) {
   tandem::wire::Request request;
+  request.set_oneway(oneway);
   request.set_function(function);
   request.set_caller_name(name_);
   request.set_caller_rank(rank_);
@@ -91,14 +104,8 @@ void Agent::deliver(const Future& target, absl::StatusOr<c10::IValue> value, std
 absl::StatusOr<c10::IValue> Agent::parse_reply(const grpc::ByteBuffer& frame_bytes, int peer, const std::string& prefix,
                                                std::vector<Future>* wait) const {
   tandem::wire::Response response;
-  auto frame = wire::Frame::parse(frame_bytes, &response);
-  if (!frame.ok()) return error_with(frame.status(), prefix + "bad reply: ");
-  if (response.has_error()) {
-    const auto code = static_cast<absl::StatusCode>(response.error().code());
-    return absl::Status(
-        code == absl::StatusCode::kOk ? absl::StatusCode::kUnknown : code,
-        prefix + (code == absl::StatusCode::kUnknown ? "remote exception: " : "") + response.error().message());
-  }
+  absl::StatusOr<wire::Frame> frame = absl::UnknownError("not parsed");
+  if (auto s = reply_status(frame_bytes, prefix, &response, &frame); !s.ok()) return s;
   CallTracer* tracer = response.trace().empty() ? nullptr : call_tracer();
   std::vector<at::Tensor> wire_tensors;
   absl::StatusOr<std::vector<c10::IValue>> values = absl::UnknownError("not decoded");
@@ -129,69 +136,97 @@ void Agent::call_done() {
   --outstanding_;
 }
 
-Future Agent::call(const To& to, const std::string& function, std::vector<c10::IValue> args,
-                   std::chrono::milliseconds timeout) {
+absl::StatusOr<Agent::Outgoing> Agent::start_call(const To& to, const std::string& function,
+                                                  std::vector<c10::IValue>& args, std::chrono::milliseconds timeout,
+                                                  bool by_reference_ok, bool oneway,
+                                                  std::vector<at::Tensor>* referenced) {
   auto peer = resolve(to);
-  if (!peer.ok()) return Future::failed(error_with(peer.status(), absl::StrCat("rpc calling '", function, "': ")));
-  if (timeout.count() <= 0) timeout = options_.rpc_timeout;
-  const absl::Time deadline = absl::Now() + absl::FromChrono(timeout);
-  Transport* route = peers_[*peer].transport;
-  auto referenced = std::make_shared<std::vector<at::Tensor>>();  // read by the callee from our memory until the reply
-  auto frame = encode_request(*peer, function, args, route->by_reference(*peer), referenced.get());
-  if (!frame.ok()) return Future::failed(error_with(frame.status(), describe(*peer, function)));
+  if (!peer.ok()) return error_with(peer.status(), absl::StrCat("rpc calling '", function, "': "));
+  Outgoing out;
+  out.peer = *peer;
+  out.timeout = timeout.count() <= 0 ? options_.rpc_timeout : timeout;
+  out.deadline = absl::Now() + absl::FromChrono(out.timeout);
+  out.route = peers_[*peer].transport;
+  auto frame =
+      encode_request(*peer, function, args, by_reference_ok && out.route->by_reference(*peer), referenced, oneway);
+  if (!frame.ok()) return error_with(frame.status(), describe(*peer, function));
+  out.frame = std::move(*frame);
   args.clear();
-  Future future(deadline);
   {
     MutexLock lock(&mu_);
-    if (stopped_) {
-      return Future::failed(absl::CancelledError(describe(*peer, function) + "RPC has been shut down on this worker"));
-    }
+    if (stopped_) return absl::CancelledError(describe(*peer, function) + "RPC has been shut down on this worker");
     ++outstanding_;
   }
   count_call(*peer);
-  const int p = *peer;
-  route->call(p, function, std::move(*frame), deadline,
-              [this, future, p, function, timeout, referenced](absl::StatusOr<grpc::ByteBuffer> reply) {
-                referenced->clear();  // the request's tensors are released before the caller's callbacks run
-                std::vector<Future> wait;
-                absl::StatusOr<c10::IValue> result =
-                    reply.ok() ? parse_reply(*reply, p, describe(p, function), &wait)
-                               : absl::StatusOr<c10::IValue>(call_error(reply.status(), p, function, timeout));
-                call_done();
-                deliver(future, std::move(result), std::move(wait));
-              });
+  return out;
+}
+
+Future Agent::call(const To& to, const std::string& function, std::vector<c10::IValue> args,
+                   std::chrono::milliseconds timeout) {
+  auto referenced = std::make_shared<std::vector<at::Tensor>>();  // read by the callee from our memory until the reply
+  auto out = start_call(to, function, args, timeout, /*by_reference_ok=*/true, /*oneway=*/false, referenced.get());
+  if (!out.ok()) return Future::failed(out.status());
+  Future future(out->deadline);
+  const int p = out->peer;
+  timeout = out->timeout;
+  out->route->call(p, function, std::move(out->frame), out->deadline,
+                   [this, future, p, function, timeout, referenced](absl::StatusOr<grpc::ByteBuffer> reply) {
+                     referenced->clear();  // the request's tensors are released before the caller's callbacks run
+                     std::vector<Future> wait;
+                     absl::StatusOr<c10::IValue> result =
+                         reply.ok() ? parse_reply(*reply, p, describe(p, function), &wait)
+                                    : absl::StatusOr<c10::IValue>(call_error(reply.status(), p, function, timeout));
+                     call_done();
+                     deliver(future, std::move(result), std::move(wait));
+                   });
+  return future;
+}
+
+Future Agent::send(const To& to, const std::string& function, std::vector<c10::IValue> args,
+                   std::chrono::milliseconds timeout) {
+  std::vector<at::Tensor> referenced;  // stays empty: nothing goes by reference without a reply
+  auto out = start_call(to, function, args, timeout, /*by_reference_ok=*/false, /*oneway=*/true, &referenced);
+  if (!out.ok()) return Future::failed(out.status());
+  Future future(out->deadline);
+  const int p = out->peer;
+  timeout = out->timeout;
+  out->route->send(
+      p, function, std::move(out->frame), out->deadline,
+      [this, future, p, function, timeout](absl::StatusOr<grpc::ByteBuffer> sent) {
+        // A transport that waited for the callee's answer (gRPC) has it here: an error in it is this
+        // call's (the callee could not tell it was one-way: a request it could not read).
+        absl::Status status = sent.ok() ? absl::OkStatus() : call_error(sent.status(), p, function, timeout);
+        if (sent.ok() && sent->Length() > 0) {
+          tandem::wire::Response response;
+          absl::StatusOr<wire::Frame> frame = absl::UnknownError("not parsed");
+          status = reply_status(*sent, describe(p, function), &response, &frame);
+        }
+        call_done();
+        deliver(future, status.ok() ? absl::StatusOr<c10::IValue>(c10::IValue()) : absl::StatusOr<c10::IValue>(status),
+                {});
+      });
   return future;
 }
 
 Future Agent::call_and_wait(const To& to, const std::string& function, std::vector<c10::IValue> args,
                             std::chrono::milliseconds timeout) {
-  auto peer = resolve(to);
-  if (!peer.ok()) return call(to, function, std::move(args), timeout);  // fails with the same error
-  if (timeout.count() <= 0) timeout = options_.rpc_timeout;
-  const absl::Time deadline = absl::Now() + absl::FromChrono(timeout);
-  Transport* route = peers_[*peer].transport;
   std::vector<at::Tensor> referenced;  // alive until the reply: the callee reads them from our memory
-  auto frame = encode_request(*peer, function, args, route->by_reference(*peer), &referenced);
-  if (!frame.ok()) return Future::failed(error_with(frame.status(), describe(*peer, function)));
-  {
-    MutexLock lock(&mu_);
-    if (stopped_) {
-      return Future::failed(absl::CancelledError(describe(*peer, function) + "RPC has been shut down on this worker"));
-    }
-    ++outstanding_;
-  }
-  count_call(*peer);
-  auto reply = route->call_sync(*peer, function, std::move(*frame), deadline, options_.sync_spin);
+  auto out = start_call(to, function, args, timeout, /*by_reference_ok=*/true, /*oneway=*/false, &referenced);
+  if (!out.ok()) return Future::failed(out.status());
+  const int peer = out->peer;
+  const absl::Time deadline = out->deadline;
+  timeout = out->timeout;
+  auto reply = out->route->call_sync(peer, function, std::move(out->frame), deadline, options_.sync_spin);
   referenced.clear();
   std::vector<Future> wait;
   absl::StatusOr<c10::IValue> result =
-      reply.ok() ? parse_reply(*reply, *peer, describe(*peer, function), &wait)
-                 : absl::StatusOr<c10::IValue>(call_error(reply.status(), *peer, function, timeout));
+      reply.ok() ? parse_reply(*reply, peer, describe(peer, function), &wait)
+                 : absl::StatusOr<c10::IValue>(call_error(reply.status(), peer, function, timeout));
   call_done();
   Future done(deadline);
   deliver(done, std::move(result), std::move(wait));
   if (!done.wait_for(absl::ToChronoMilliseconds(deadline - absl::Now()))) {
-    return Future::failed(call_error(absl::DeadlineExceededError(""), *peer, function, timeout));
+    return Future::failed(call_error(absl::DeadlineExceededError(""), peer, function, timeout));
   }
   return done;
 }

@@ -1,4 +1,6 @@
 // Incoming calls of the agent (rpc/detail/agent.h): decode the request, run the registered function, reply once.
+#include <cstdio>
+
 #include "absl/strings/str_cat.h"
 #include "proto/tandem_rpc.pb.h"
 #include "rpc/detail/agent.h"
@@ -55,6 +57,9 @@ void Agent::handle(std::shared_ptr<InCall> call) {
                                                                      request.caller_rank(), " is not in the job")));
   }
   call->caller = request.caller_rank();
+  call->function = request.function();
+  call->caller_name = request.caller_name();
+  call->oneway = request.oneway();
   std::vector<Future> wait;
   CallTracer* tracer = request.trace().empty() ? nullptr : call_tracer();
   std::vector<at::Tensor> wire_tensors;
@@ -128,6 +133,7 @@ void Agent::run(const std::shared_ptr<InCall>& call, const std::string& function
 void Agent::reply(const std::shared_ptr<InCall>& call, const Future& result) {
   absl::Status status = result.status();  // completed: does not wait
   if (!status.ok()) return reply_error(call, status);
+  if (call->in.oneway || call->oneway) return finish_oneway(call);  // nobody waits for the result
   tandem::wire::Response response;
   wire::Encoder encoder(0, call->caller);
   if (auto s = encoder.encode({result.value()}, response.mutable_result()); !s.ok()) {
@@ -143,11 +149,25 @@ void Agent::reply(const std::shared_ptr<InCall>& call, const Future& result) {
 }
 
 void Agent::reply_error(const std::shared_ptr<InCall>& call, const absl::Status& error) {
+  if (call->in.oneway || call->oneway) {  // no reply carries the failure: it is counted and told here
+    ++oneway_failures_;
+    std::fprintf(stderr, "tandem: worker '%s': one-way call '%s' from worker '%s' failed: %s\n", name_.c_str(),
+                 call->function.empty() ? "(not parsed)" : call->function.c_str(),
+                 call->caller_name.empty() ? "(unknown)" : call->caller_name.c_str(),
+                 std::string(error.message()).c_str());
+    return finish_oneway(call);
+  }
   tandem::wire::Response response;
   response.mutable_error()->set_code(static_cast<int>(error.code()));
   response.mutable_error()->set_message(std::string(error.message()));
   grpc::ByteBuffer frame = wire::Encoder().frame(response);
   finish_once(call, absl::OkStatus(), &frame);
+}
+
+void Agent::finish_oneway(const std::shared_ptr<InCall>& call) {
+  // An empty Response for a transport that needs an answer (gRPC); the direct channel's one-way frame gets none.
+  grpc::ByteBuffer frame = call->in.oneway ? grpc::ByteBuffer() : wire::Encoder().frame(tandem::wire::Response());
+  finish_once(call, absl::OkStatus(), call->in.oneway ? nullptr : &frame);
 }
 
 void Agent::finish_once(const std::shared_ptr<InCall>& call, const absl::Status& status, grpc::ByteBuffer* reply) {

@@ -158,6 +158,13 @@ Future call_and_wait(const To& to, const std::string& function, std::vector<c10:
   return agent->call_and_wait(to, function, std::move(args), timeout);
 }
 
+Future send(const To& to, const std::string& function, std::vector<c10::IValue> args,
+            std::chrono::milliseconds timeout) {
+  auto agent = current_agent();
+  if (!agent) return Future::failed(absl::FailedPreconditionError("RPC is not initialized: call init_rpc first"));
+  return agent->send(to, function, std::move(args), timeout);
+}
+
 TransportStats transport_stats() { return require_agent()->stats(); }
 
 std::string transport_to(const To& to) {

@@ -144,6 +144,18 @@ Future call(const To& to, const std::string& function, std::vector<c10::IValue> 
 Future call_and_wait(const To& to, const std::string& function, std::vector<c10::IValue> args,
                      std::chrono::milliseconds timeout = std::chrono::milliseconds(0));
 
+// One-way: runs `function` on `to` without a reply. The future completes (with None) once the request was handed to
+// the connection to `to`, in order after the earlier calls and sends to it from this process, or fails with the
+// errors of call() (UNAVAILABLE: the worker is unreachable or its connection broke; CANCELLED; DEADLINE_EXCEEDED: it
+// could not be written by the timeout). What the function returns is dropped there; when it fails, the failure is
+// counted and written to stderr on `to` (TransportStats::oneway_failures), never sent back. Tensors travel inside the
+// message (never by reference: no reply tells when the callee has read them); arguments holding RRefs are not for
+// one-way calls. Over gRPC (no one-way message) it is a call whose future completes when the callee has run it. For
+// protocols whose receivers owe no answer, such as a pipeline's activations: the sender learns of a lost receiver by
+// other means (its own deadline, or a call that does reply).
+Future send(const To& to, const std::string& function, std::vector<c10::IValue> args,
+            std::chrono::milliseconds timeout = std::chrono::milliseconds(0));
+
 // Which transport calls to `to` use: "direct" (Unix socket, same host), "tcp" (the direct channel to another host) or
 // "grpc" (see RpcOptions::transport).
 std::string transport_to(const To& to);
@@ -158,6 +170,9 @@ struct TransportStats {
   int64_t grpc_calls = 0;
   int64_t direct_calls = 0;
   int64_t tensors_by_reference = 0;  // request tensors the callee read from this process's memory
+  // One-way calls (send) received by this worker whose function failed or could not run; each is also written to
+  // this process's stderr, naming the caller, the function and the cause (nobody waits for its reply).
+  int64_t oneway_failures = 0;
 };
 TransportStats transport_stats();
 
@@ -204,6 +219,13 @@ template <typename... Args>
 Future rpc_async(const To& to, const std::string& function, Args&&... args) {
   detail::Packed p = detail::pack(std::forward<Args>(args)...);
   return call(to, function, std::move(p.values), p.timeout);
+}
+
+// send() with rpc_async's arguments (a trailing duration is the timeout).
+template <typename... Args>
+Future rpc_oneway(const To& to, const std::string& function, Args&&... args) {
+  detail::Packed p = detail::pack(std::forward<Args>(args)...);
+  return send(to, function, std::move(p.values), p.timeout);
 }
 
 template <typename R = c10::IValue, typename... Args>

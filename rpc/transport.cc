@@ -22,4 +22,9 @@ absl::StatusOr<grpc::ByteBuffer> Transport::call_sync(int peer, const std::strin
   return std::move(w->reply);
 }
 
+void Transport::send(int peer, const std::string& function, grpc::ByteBuffer request, absl::Time deadline,
+                     DoneFn done) {
+  call(peer, function, std::move(request), deadline, std::move(done));
+}
+
 }  // namespace tandem::rpc

@@ -43,6 +43,9 @@ struct Incoming {
   grpc::ByteBuffer request;
   pid_t cma_pid = 0;          // the caller's process when tensors sent by reference may be read from it, else 0
   bool on_io_thread = false;  // true: the handler may run the call right here (the direct channel's worker threads)
+  // A one-way request (Transport::send): nobody waits for its reply, and `reply` writes none (the agent still calls
+  // it once, and reports a failure of the function itself).
+  bool oneway = false;
   ReplyFn reply;
   // Closes the connection the request came on (fault injection); with `partial`, first writes half of that reply
   // frame where the transport can. gRPC cannot close its connection from a handler: it answers UNAVAILABLE instead.
@@ -80,6 +83,12 @@ class Transport {
   // The same, waiting on the calling thread (the direct channel reads its reply on it, spinning up to `spin`).
   virtual absl::StatusOr<grpc::ByteBuffer> call_sync(int peer, const std::string& function, grpc::ByteBuffer request,
                                                      absl::Time deadline, std::chrono::microseconds spin);
+
+  // One-way: sends `request` to `peer` without waiting for a reply; `done` runs once, with an empty buffer when the
+  // request was handed to the connection (after earlier requests to `peer` on it), or with the errors of call(). The
+  // default sends it as a call() and runs `done` with the reply frame when it came (gRPC has no one-way message); the
+  // direct channel writes a one-way frame the callee does not answer.
+  virtual void send(int peer, const std::string& function, grpc::ByteBuffer request, absl::Time deadline, DoneFn done);
 
   // Closes every connection to `peer` now: calls in flight on them fail with UNAVAILABLE; later calls reconnect.
   // With `partial`, the transport first writes the first half of that frame where it can (a message cut mid-way).

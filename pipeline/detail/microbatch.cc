@@ -82,10 +82,18 @@ std::vector<Args> split_inputs(const Args& inputs, const std::vector<bool>& repl
   *rows = -1;
   for (size_t i = 0; i < inputs.size(); ++i) {
     if (!replicate.empty() && replicate[i]) continue;
+    if (tensors_in_dict(inputs[i])) {
+      fail(absl::StatusCode::kInvalidArgument,
+           absl::StrCat("input ", i, " holds tensors inside a dict: pass them in a tuple or a list"));
+    }
     each_tensor(inputs[i], [&](const at::Tensor& t) {
-      if (!t.defined() || t.dim() == 0) {
+      if (!t.defined())
+        fail(absl::StatusCode::kInvalidArgument, absl::StrCat("input ", i, " holds an undefined tensor"));
+      if (t.dim() == 0) {
         fail(absl::StatusCode::kInvalidArgument,
-             absl::StrCat("input ", i, " holds a tensor without a batch dimension: mark it replicated"));
+             absl::StrCat("input ", i,
+                          " holds a tensor without a batch dimension (0-dim): to give it whole to every "
+                          "micro-batch, mark it in replicate"));
       }
       if (*rows >= 0 && t.size(0) != *rows) {
         fail(absl::StatusCode::kInvalidArgument,
@@ -110,6 +118,25 @@ std::vector<Args> split_inputs(const Args& inputs, const std::vector<bool>& repl
     for (int64_t k = 0; k < m; ++k) parts[k].push_back(std::move(split[k]));
   }
   return parts;
+}
+
+bool tensors_in_dict(const c10::IValue& v) {
+  if (v.isGenericDict()) {
+    for (const auto& entry : v.toGenericDict()) {
+      if (!tensors_of(entry.value()).empty() || tensors_in_dict(entry.value())) return true;
+    }
+    return false;
+  }
+  if (v.isTuple()) {
+    for (const auto& e : v.toTupleRef().elements()) {
+      if (tensors_in_dict(e)) return true;
+    }
+  } else if (v.isList()) {
+    for (const c10::IValue& e : v.toListRef()) {
+      if (tensors_in_dict(e)) return true;
+    }
+  }
+  return false;
 }
 
 std::vector<at::Tensor> tensors_of(const c10::IValue& v) {

@@ -30,10 +30,12 @@ Args args_of(c10::IValue output);
 // TensorChunkSpec: every tensor, also inside tuples and lists, split along dimension 0 by split_batch (so all of them
 // must have the batch's rows); other values (a scalar, a string, a config), and the inputs marked in `replicate`,
 // whole in every micro-batch. Returns each micro-batch's arguments; `*rows` gets the batch's rows. Throws
-// tandem::Error (INVALID_ARGUMENT) naming the input: no tensor to split, a tensor without a batch dimension, batch
-// sizes that differ, fewer rows than m, `replicate` of another length.
+// tandem::Error (INVALID_ARGUMENT) naming the input: no tensor to split, an undefined tensor or one without a batch
+// dimension, batch sizes that differ, fewer rows than m, tensors inside a dict, `replicate` of another length.
 std::vector<Args> split_inputs(const Args& inputs, const std::vector<bool>& replicate, int64_t m, int64_t* rows);
 
+// Whether `v` holds a tensor inside a dict (dicts are neither split nor given gradients: refused where they come in).
+bool tensors_in_dict(const c10::IValue& v);
 // The tensors of `v` (a tensor, or tuples and lists of values; dicts and other values hold none here), depth first.
 std::vector<at::Tensor> tensors_of(const c10::IValue& v);
 std::vector<at::Tensor> tensors_of(const Args& args);

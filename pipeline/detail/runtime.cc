@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <atomic>
 #include <deque>
 #include <map>
 #include <mutex>
@@ -91,8 +92,16 @@ struct HeldGradients {
   std::vector<std::pair<at::Tensor, at::Tensor>> grads;  // (parameter, gradient)
 };
 
+// A plan as the driver sent it once for a number of micro-batches: later steps of that shape name it.
+struct CachedPlan {
+  std::vector<Action> actions;
+  std::vector<int> stage_rank;
+  std::string loss;
+};
+
 // What this worker holds of one pipeline.
 struct PipeEntry {
+  std::map<int64_t, std::shared_ptr<const CachedPlan>> plans;  // by number of micro-batches
   int driver = -1;  // the rank that created it: when it dies, the pipeline goes
   std::map<int, std::shared_ptr<Stage>> stages;
   std::shared_ptr<Executor> executor;
@@ -152,6 +161,26 @@ bool add_stage(int64_t pipe, int index, int driver, std::shared_ptr<Stage> stage
   if (!e.executor) e.executor = std::make_shared<Executor>();
   if (!s.sweeper.joinable()) s.sweeper = std::thread(sweep_loop);
   return true;
+}
+std::atomic<int64_t> g_plans_received{0};
+
+// Keeps `plan` for steps of `m` micro-batches; false when the pipeline is not held here.
+bool cache_plan(int64_t pipe, int64_t m, std::shared_ptr<const CachedPlan> plan) {
+  ++g_plans_received;
+  Stages& s = stages();
+  MutexLock lock(&s.mu);
+  auto it = s.pipes.find(pipe);
+  if (it == s.pipes.end()) return false;
+  it->second.plans[m] = std::move(plan);
+  return true;
+}
+std::shared_ptr<const CachedPlan> find_plan(int64_t pipe, int64_t m) {
+  Stages& s = stages();
+  MutexLock lock(&s.mu);
+  auto it = s.pipes.find(pipe);
+  if (it == s.pipes.end()) return nullptr;
+  auto p = it->second.plans.find(m);
+  return p == it->second.plans.end() ? nullptr : p->second;
 }
 void hold_gradients(int64_t pipe, HeldGradients held) {
   Stages& s = stages();
@@ -325,8 +354,10 @@ class Run {
   void send(int stage, int mb, bool grad, c10::IValue t) {
     const int to = p_.stage_rank[stage];
     if (to == self_) return Mailbox::get().put(MailKey{p_.pipe, p_.step, stage, mb, grad}, std::move(t));
+    // One-way: no acknowledgement comes back (a lost receiver fails the step by the driver's call to it, or by the
+    // receivers' deadlines); the future completes once the message is on its way.
     rpc::Future f =
-        rpc::rpc_async(to, kAct, p_.pipe, p_.step, int64_t{stage}, int64_t{mb}, grad, std::move(t), remaining());
+        rpc::rpc_oneway(to, kAct, p_.pipe, p_.step, int64_t{stage}, int64_t{mb}, grad, std::move(t), remaining());
     const int64_t pipe = p_.pipe, step = p_.step;
     f.add_callback([pipe, step, stage, mb, grad](const rpc::Future& done) {
       absl::Status s = done.status();
@@ -356,6 +387,10 @@ class Run {
       loss_ += l.item<double>();
       live.output = l;
     } else {
+      if (tensors_in_dict(out)) {
+        fail(absl::StatusCode::kInvalidArgument,
+             "the stage returned tensors inside a dict: return them in a tuple or a list");
+      }
       send(a.stage + 1, a.microbatch, false, map_tensors(out, [](const at::Tensor& t) { return t.detach(); }));
     }
     run.live[a.microbatch] = std::move(live);
@@ -372,7 +407,7 @@ class Run {
     if (!last) grad_out = receive(a.stage, a.microbatch, true);
     compute_start_ = now_us();
     MicrobatchGradients g =
-        backward_microbatch(*run.stage, std::move(live), grad_out, a.stage == 0, !last && p_.checkpoint);
+        backward_microbatch(*run.stage, std::move(live), grad_out, a.stage == 0, last, !last && p_.checkpoint);
     accumulate(run.grads, std::move(g.params));
     if (a.stage > 0) send(a.stage - 1, a.microbatch, true, std::move(g.input));
   }
@@ -388,22 +423,48 @@ class Run {
   int64_t compute_start_ = 0;  // when the current action had its input and began computing
 };
 
+// The plan of `m` micro-batches: the one sent (cached for the following steps of that shape), or, when none came,
+// the one cached.
+std::shared_ptr<const CachedPlan> plan_of(int64_t pipe, int64_t m, const std::vector<int64_t>& actions,
+                                          const std::vector<int64_t>& stage_rank, std::string loss) {
+  if (actions.empty()) {
+    auto cached = find_plan(pipe, m);
+    if (!cached) {
+      throw_error(absl::NotFoundError(absl::StrCat("pipeline ", pipe, " has no plan of ", m,
+                                                   " micro-batches on worker '", self_name(), "' (released?)")));
+    }
+    return cached;
+  }
+  auto plan = std::make_shared<CachedPlan>();
+  if (actions.size() % 3 != 0) throw_error(absl::InvalidArgumentError("malformed pipeline plan"));
+  for (size_t i = 0; i < actions.size(); i += 3) {
+    plan->actions.push_back(
+        Action{static_cast<int>(actions[i]), static_cast<int>(actions[i + 1]), actions[i + 2] != 0});
+  }
+  for (int64_t r : stage_rank) plan->stage_rank.push_back(static_cast<int>(r));
+  for (const Action& a : plan->actions) {
+    if (a.stage < 0 || a.stage >= static_cast<int>(stage_rank.size()) || a.microbatch < 0 || a.microbatch >= m) {
+      throw_error(absl::InvalidArgumentError("malformed pipeline plan: an action outside the stages or micro-batches"));
+    }
+  }
+  plan->loss = std::move(loss);
+  if (!cache_plan(pipe, m, plan)) {
+    throw_error(absl::NotFoundError(
+        absl::StrCat("pipeline ", pipe, " has no stage on worker '", self_name(), "' (released?)")));
+  }
+  return plan;
+}
+
 rpc::Future on_run(int64_t pipe, int64_t step, std::vector<int64_t> actions, std::vector<int64_t> stage_rank,
                    std::vector<int64_t> sizes, std::vector<c10::IValue> inputs, std::vector<at::Tensor> targets,
                    std::string loss, std::vector<int64_t> flags) {
   Plan plan;
   plan.pipe = pipe, plan.step = step;
-  if (actions.size() % 3 != 0 || flags.size() != 4) throw_error(absl::InvalidArgumentError("malformed pipeline plan"));
-  for (size_t i = 0; i < actions.size(); i += 3) {
-    plan.actions.push_back(Action{static_cast<int>(actions[i]), static_cast<int>(actions[i + 1]), actions[i + 2] != 0});
-  }
-  for (int64_t r : stage_rank) plan.stage_rank.push_back(static_cast<int>(r));
-  for (const Action& a : plan.actions) {
-    if (a.stage < 0 || a.stage >= static_cast<int>(stage_rank.size()) || a.microbatch < 0 ||
-        a.microbatch >= static_cast<int>(sizes.size())) {
-      throw_error(absl::InvalidArgumentError("malformed pipeline plan: an action outside the stages or micro-batches"));
-    }
-  }
+  if (flags.size() != 4 || sizes.empty()) throw_error(absl::InvalidArgumentError("malformed pipeline plan"));
+  auto cached = plan_of(pipe, static_cast<int64_t>(sizes.size()), actions, stage_rank, std::move(loss));
+  plan.actions = cached->actions;
+  plan.stage_rank = cached->stage_rank;
+  loss = cached->loss;
   plan.sizes = std::move(sizes);
   for (auto& x : inputs) {
     if (!x.isTuple()) throw_error(absl::InvalidArgumentError("malformed pipeline plan: a micro-batch is not a tuple"));
@@ -499,7 +560,12 @@ rpc::Future on_forward(int64_t pipe, int64_t index, std::vector<int64_t> ranks, 
                                                              "', forward: ", thrown.message())));
       }
       if (index + 1 >= static_cast<int64_t>(ranks.size())) {
-        result.set_value(c10::IValue(y));
+        if (!y.isTensor()) {
+          throw_error(absl::InvalidArgumentError(absl::StrCat("stage ", index, " on worker '", self_name(),
+                                                              "', forward: the last stage returned a ", y.tagKind(),
+                                                              ", not one tensor")));
+        }
+        result.set_value(std::move(y));
         return;
       }
       rpc::Future next = rpc::rpc_async(static_cast<int>(ranks[index + 1]), kForward, pipe, index + 1, ranks,
@@ -582,11 +648,21 @@ const bool g_installed = install();
 
 void ensure_runtime() { (void)g_installed; }
 
+int64_t plans_received() { return g_plans_received.load(); }
+
 }  // namespace detail
 
 std::shared_ptr<torch::nn::Module> local_stage(int64_t pipeline_id, int stage) {
   auto s = detail::find_stage(pipeline_id, stage);
   return s ? s->module : nullptr;
+}
+
+int64_t local_plan_count() {
+  detail::Stages& s = detail::stages();
+  MutexLock lock(&s.mu);
+  int64_t n = 0;
+  for (const auto& [pipe, e] : s.pipes) n += static_cast<int64_t>(e.plans.size());
+  return n;
 }
 
 int64_t local_stage_count() {

@@ -7,10 +7,14 @@
 // Thread-safety: handlers run on RPC threads; a pipeline's work runs on its executor thread.
 #pragma once
 
+#include <cstdint>
+
 namespace tandem::pipeline::detail {
 
 // Makes sure this process serves the runtime's handlers (they are registered at start-up; calling this keeps the
 // runtime linked into programs that use only the driver).
 void ensure_runtime();
+// How many plans this process has received from drivers (each is kept for the steps of its shape that follow).
+int64_t plans_received();
 
 }  // namespace tandem::pipeline::detail

@@ -199,17 +199,42 @@ c10::IValue forward_microbatch(Stage& stage, Args x, bool first, bool checkpoint
 }
 
 namespace {
-// The gradients of an activation's tensors from its gradient message (the form of MicrobatchGradients::input).
-std::vector<at::Tensor> gradients_of(const c10::IValue& g) {
-  if (g.isTensor()) return {g.toTensor()};
-  std::vector<at::Tensor> out;
-  if (!g.isList()) return out;
-  for (const c10::IValue& e : g.toListRef()) out.push_back(e.isTensor() ? e.toTensor() : at::Tensor());
-  return out;
+// The gradients of an activation's tensors from its gradient message (the form of MicrobatchGradients::input),
+// checked against the output's tensors `outs`.
+std::vector<at::Tensor> gradients_of(const c10::IValue& g, const std::vector<at::Tensor>& outs) {
+  std::vector<at::Tensor> got;
+  if (g.isTensor()) {
+    got.push_back(g.toTensor());
+  } else if (g.isList()) {
+    size_t k = 0;
+    for (const c10::IValue& e : g.toListRef()) {
+      if (!e.isTensor() && !e.isNone()) {
+        fail(absl::StatusCode::kInvalidArgument, absl::StrCat("entry ", k, " of the gradient from the next stage is a ",
+                                                              e.tagKind(), ", not a tensor or None"));
+      }
+      got.push_back(e.isTensor() ? e.toTensor() : at::Tensor());
+      ++k;
+    }
+  } else {
+    fail(absl::StatusCode::kInvalidArgument,
+         absl::StrCat("the gradient from the next stage is a ", g.tagKind(), ", not a tensor or a list"));
+  }
+  if (got.size() != outs.size()) {
+    fail(absl::StatusCode::kInvalidArgument, absl::StrCat("the gradient from the next stage has ", got.size(),
+                                                          " tensors where this stage's output has ", outs.size()));
+  }
+  for (size_t k = 0; k < got.size(); ++k) {
+    if (got[k].defined() && got[k].sizes() != outs[k].sizes()) {
+      fail(absl::StatusCode::kInvalidArgument,
+           absl::StrCat("gradient ", k, " from the next stage has shape [", absl::StrJoin(got[k].sizes(), ", "),
+                        "] where this stage's output tensor ", k, " has [", absl::StrJoin(outs[k].sizes(), ", "), "]"));
+    }
+  }
+  return got;
 }
 }  // namespace
 
-MicrobatchGradients backward_microbatch(Stage& stage, Live live, const c10::IValue& grad_output, bool first,
+MicrobatchGradients backward_microbatch(Stage& stage, Live live, const c10::IValue& grad_output, bool first, bool last,
                                         bool recompute_forward) {
   std::vector<at::Tensor> kept;  // with checkpointing: the buffers as the first forward left them
   struct PutBack {
@@ -221,16 +246,12 @@ MicrobatchGradients backward_microbatch(Stage& stage, Live live, const c10::IVal
   // The roots: the output's tensors that have a graph and a gradient (on the last stage, the loss alone).
   std::vector<at::Tensor> roots, root_grads;
   const std::vector<at::Tensor> outs = tensors_of(output);
-  if (grad_output.isNone()) {
+  if (last) {
     for (const auto& t : outs) {
       if (t.requires_grad()) roots.push_back(t);
     }
   } else {
-    const std::vector<at::Tensor> received = gradients_of(grad_output);
-    if (received.size() != outs.size()) {
-      fail(absl::StatusCode::kInvalidArgument, absl::StrCat("the gradient from the next stage has ", received.size(),
-                                                            " tensors where this stage's output has ", outs.size()));
-    }
+    const std::vector<at::Tensor> received = gradients_of(grad_output, outs);
     for (size_t i = 0; i < outs.size(); ++i) {
       if (outs[i].requires_grad() && received[i].defined()) roots.push_back(outs[i]), root_grads.push_back(received[i]);
     }

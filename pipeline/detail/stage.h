@@ -71,8 +71,9 @@ struct MicrobatchGradients {
 // The backward of one micro-batch from `live` (taken: its activations go with it). `grad_output` is the gradient
 // received from the next stage, in the form above (none on the last stage, whose live.output is its loss). With
 // `recompute` the forward runs again first from live.input and live.rng_state, and the buffers are left as the first
-// forward left them. Throws INVALID_ARGUMENT when grad_output does not match the output's tensors.
-MicrobatchGradients backward_microbatch(Stage& stage, Live live, const c10::IValue& grad_output, bool first,
+// forward left them. Throws INVALID_ARGUMENT when grad_output is not of that form or does not match the output's
+// tensors (their number, each one's shape).
+MicrobatchGradients backward_microbatch(Stage& stage, Live live, const c10::IValue& grad_output, bool first, bool last,
                                         bool recompute);
 
 // Adds `grads` into `sums` (per parameter), taking a gradient tensor over when nothing else holds it.

@@ -58,6 +58,8 @@ class Agent {
               std::chrono::milliseconds timeout);
   Future call_and_wait(const To& to, const std::string& function, std::vector<c10::IValue> args,
                        std::chrono::milliseconds timeout);
+  Future send(const To& to, const std::string& function, std::vector<c10::IValue> args,
+              std::chrono::milliseconds timeout);
   absl::Status shutdown(bool graceful);
 
   // RpcOptions::rpc_timeout: the default of every timeout left unset (rpc::default_timeout()).
@@ -68,7 +70,9 @@ class Agent {
   std::vector<WorkerInfo> workers() const;
   absl::StatusOr<int> resolve(const To& to) const;
   const char* route(int peer) const { return peers_[peer].transport->kind_for(peer); }
-  TransportStats stats() const { return {grpc_calls_.load(), direct_calls_.load(), by_reference_.load()}; }
+  TransportStats stats() const {
+    return {grpc_calls_.load(), direct_calls_.load(), by_reference_.load(), oneway_failures_.load()};
+  }
 
   // True when everything outstanding was released (safe to delete).
   bool stopped_cleanly() const { return stopped_cleanly_; }
@@ -81,8 +85,11 @@ class Agent {
   // An incoming call, whichever transport brought it.
   struct InCall {
     Incoming in;
-    int caller = -1;                    // the caller's rank, once the request is parsed (for value codecs of the reply)
-    bool traced = false;                // the request carried a call tracer's attachment
+    int caller = -1;       // the caller's rank, once the request is parsed (for value codecs of the reply)
+    bool traced = false;   // the request carried a call tracer's attachment
+    std::string function;  // once the request is parsed (a one-way call's failure names it)
+    std::string caller_name;
+    bool oneway = false;                // the request says so (rpc::send), whichever transport brought it
     std::shared_ptr<void> trace_state;  // what the tracer keeps for this call
     Mutex mu;                           // makes "send the reply" one step against a concurrent stop()
     bool finished ABSL_GUARDED_BY(mu) = false;
@@ -139,11 +146,26 @@ class Agent {
   void reply_error(const std::shared_ptr<InCall>& call, const absl::Status& error);
   // Answers the call unless it already was, first moving `reply` (if any) into it.
   void finish_once(const std::shared_ptr<InCall>& call, const absl::Status& status, grpc::ByteBuffer* reply = nullptr);
+  // A one-way call's end: no result goes back (an empty Response where the transport needs an answer).
+  void finish_oneway(const std::shared_ptr<InCall>& call);
 
   // agent_client.cc
   absl::StatusOr<grpc::ByteBuffer> encode_request(int peer, const std::string& function,
                                                   const std::vector<c10::IValue>& args, bool by_reference,
-                                                  std::vector<at::Tensor>* referenced);
+                                                  std::vector<at::Tensor>* referenced, bool oneway = false);
+  // What an outgoing call or send starts with: the peer resolved, the request encoded (tensors by reference where
+  // `by_reference_ok` and the route allows it), the call counted as outstanding (call_done() ends it). Errors name
+  // the call.
+  struct Outgoing {
+    int peer = -1;
+    std::chrono::milliseconds timeout{0};
+    absl::Time deadline;
+    Transport* route = nullptr;
+    grpc::ByteBuffer frame;
+  };
+  absl::StatusOr<Outgoing> start_call(const To& to, const std::string& function, std::vector<c10::IValue>& args,
+                                      std::chrono::milliseconds timeout, bool by_reference_ok, bool oneway,
+                                      std::vector<at::Tensor>* referenced);
   // The value of a reply frame from `peer`; `wait` receives the futures value codecs need completed before it is used.
   absl::StatusOr<c10::IValue> parse_reply(const grpc::ByteBuffer& frame, int peer, const std::string& prefix,
                                           std::vector<Future>* wait) const;
@@ -185,7 +207,7 @@ class Agent {
   int64_t outstanding_ ABSL_GUARDED_BY(mu_) = 0;  // outgoing calls not completed yet
   std::map<InCall*, std::shared_ptr<InCall>> in_calls_ ABSL_GUARDED_BY(mu_);
   bool stopped_ ABSL_GUARDED_BY(mu_) = false;
-  std::atomic<int64_t> grpc_calls_{0}, direct_calls_{0}, by_reference_{0};
+  std::atomic<int64_t> grpc_calls_{0}, direct_calls_{0}, by_reference_{0}, oneway_failures_{0};
   bool stopped_cleanly_ = false;
   Notification ready_;
 };

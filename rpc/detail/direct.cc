@@ -406,7 +406,7 @@ void Conn::write_half_and_shut(Kind kind, uint64_t call_id, const grpc::ByteBuff
 absl::Status Conn::check_header(uint64_t max_body) const {
   Header h;
   std::memcpy(&h, header_, sizeof(h));
-  if (h.magic != kMagic || h.kind < 1 || h.kind > 5) {
+  if (h.magic != kMagic || h.kind < 1 || h.kind > 6) {
     return absl::InvalidArgumentError("direct channel: malformed message header");
   }
   if (h.length > max_body) {
@@ -635,6 +635,7 @@ void Channel::handle_ready(const std::shared_ptr<Conn>& conn) {
   arm(conn, /*add=*/false);  // another worker may read the next message while this one runs
   switch (msg->kind) {
     case Kind::kRequest:
+    case Kind::kOneway:
       if (conn->inbound) return callbacks_.on_request(conn, std::move(*msg));
       break;
     case Kind::kResponse:

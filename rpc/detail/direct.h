@@ -46,7 +46,8 @@
 
 namespace tandem::rpc::direct {
 
-enum class Kind : uint32_t { kHello = 1, kWelcome = 2, kRequest = 3, kResponse = 4, kChallenge = 5 };
+// kOneway: a request the server does not answer (Transport::send).
+enum class Kind : uint32_t { kHello = 1, kWelcome = 2, kRequest = 3, kResponse = 4, kChallenge = 5, kOneway = 6 };
 
 struct Message {
   Kind kind;

@@ -104,6 +104,23 @@ void DirectTransport::call(int rank, const std::string& function, grpc::ByteBuff
   }
 }
 
+void DirectTransport::send(int rank, const std::string& function, grpc::ByteBuffer request, absl::Time deadline,
+                           DoneFn done) {
+  Peer* p = peer(rank);
+  if (!p) return done(absl::UnavailableError("no direct channel to this worker"));
+  auto conn = async_conn(*p, deadline);  // after the calls and sends on it before this one
+  if (!conn.ok()) return done(conn.status());
+  {
+    MutexLock lock(&mu_);
+    if (stopped_) return done(absl::CancelledError("RPC was shut down on this worker"));
+  }
+  if (auto s = (*conn)->write(direct::Kind::kOneway, 0, request, deadline); !s.ok()) {
+    if ((*conn)->broken) (*conn)->shut();  // a half-written message: the channel is done; its calls fail
+    return done(s);
+  }
+  done(grpc::ByteBuffer());
+}
+
 absl::StatusOr<grpc::ByteBuffer> DirectTransport::call_sync(int rank, const std::string& function,
                                                             grpc::ByteBuffer request, absl::Time deadline,
                                                             std::chrono::microseconds spin) {
@@ -158,6 +175,15 @@ void DirectTransport::on_request(const std::shared_ptr<direct::Conn>& conn, dire
   in.request = std::move(msg.body);
   in.cma_pid = conn->cma_pid;
   in.on_io_thread = true;
+  if (msg.kind == direct::Kind::kOneway) {
+    in.oneway = true;
+    in.reply = [](grpc::ByteBuffer*, const absl::Status&) {};  // nobody waits for it
+    in.cut = [conn](const grpc::ByteBuffer*) {
+      conn->broken = true;
+      conn->shut();
+    };
+    return on_request_(std::move(in));
+  }
   const uint64_t call_id = msg.call_id;
   const uint64_t max_bytes = max_bytes_;
   const absl::Duration write_timeout = message_timeout_;

@@ -43,6 +43,7 @@ class DirectTransport final : public Transport {
   void call(int peer, const std::string& function, grpc::ByteBuffer request, absl::Time deadline, DoneFn done) override;
   absl::StatusOr<grpc::ByteBuffer> call_sync(int peer, const std::string& function, grpc::ByteBuffer request,
                                              absl::Time deadline, std::chrono::microseconds spin) override;
+  void send(int peer, const std::string& function, grpc::ByteBuffer request, absl::Time deadline, DoneFn done) override;
   void cut(int peer, const grpc::ByteBuffer* partial) override;
   bool stop(std::chrono::milliseconds grace) override;
 

@@ -7,7 +7,8 @@
 namespace tandem::rpc {
 
 // 1: the schema before versioning (hand-made rendezvous, hello, RRef and autograd encodings). 2: all of them in proto/.
-// 3: the pipeline's micro-batches are argument tuples, its activations and gradients structured values.
+// 3: the pipeline's micro-batches are argument tuples, its activations and gradients structured values; the direct
+// channel's one-way request (kind 6).
 constexpr uint32_t kWireVersion = 3;
 
 }  // namespace tandem::rpc

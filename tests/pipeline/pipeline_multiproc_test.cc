@@ -10,6 +10,8 @@
 
 #include <torch/script.h>
 
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "dist_autograd/dist_autograd.h"
 #include "dist_optim/dist_optim.h"
 #include "nn/remote_module.h"
@@ -73,8 +75,9 @@ std::vector<rpc::To> stage_workers(int n) {
   return w;
 }
 
-// Trains the pipeline and one local model side by side for 3 steps; returns what differs ("" when nothing).
-// With `by_layers` the model is "pipe_layers", built stage by stage (Pipeline::from_layers).
+// Trains the pipeline and one local model side by side for 3 steps; returns what differs ("" when nothing). The plan
+// goes to each stage worker once: the later steps run the plan it holds. With `by_layers` the model is "pipe_layers",
+// built stage by stage (Pipeline::from_layers).
 std::string follow_one_process(Schedule schedule, int stages, int workers, int m, bool checkpoint,
                                pipeline::GradientsTo to = pipeline::GradientsTo::kContext, bool by_layers = false) {
   std::ostringstream where;
@@ -86,6 +89,12 @@ std::string follow_one_process(Schedule schedule, int stages, int workers, int m
                         : Pipeline::from_sequential("pipe_mlp", {kLayers, kWidth, kSeed}, stage_workers(workers),
                                                     {.n_stages = stages}, options);
   auto ref = by_layers ? make_pipe_layers(0, kPipeLayers) : make_pipe_mlp(kLayers, kWidth, kSeed);
+  auto plans_received = [&] {
+    std::vector<int64_t> n;
+    for (int r = 1; r <= workers; ++r) n.push_back(rpc::rpc_sync<std::vector<int64_t>>(r, "pipe_plans")[0]);
+    return n;
+  };
+  const std::vector<int64_t> plans_before = plans_received();
   torch::optim::SGD ref_opt(ref->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
   dist_optim::DistributedOptimizer opt("sgd", pipe.parameter_rrefs(), {{"lr", 0.1}, {"momentum", 0.9}});
   // An uneven last micro-batch: 2m - 1 rows split into m parts (2, ..., 2, 1); m = 1: 3 rows.
@@ -112,6 +121,13 @@ std::string follow_one_process(Schedule schedule, int stages, int workers, int m
     if (to == pipeline::GradientsTo::kDotGrad) return "";  // .grad accumulates: one step checks it
     opt.step(ctx.id());
     ref_opt.step();
+  }
+  const std::vector<int64_t> plans_after = plans_received();
+  for (int r = 1; r <= workers; ++r) {
+    if (plans_after[r - 1] - plans_before[r - 1] != 1) {
+      return where.str() + "worker " + std::to_string(r) + " received " +
+             std::to_string(plans_after[r - 1] - plans_before[r - 1]) + " plans in 3 steps of one shape";
+    }
   }
   for (int s = 0; s < stages; ++s) {
     auto params = rpc::rpc_sync<std::vector<at::Tensor>>(pipe.stage_worker(s), "pipe_params", pipe.id(), s);
@@ -496,17 +512,20 @@ TEST_F(MultiprocPipeline, CheckpointingKeepsDropoutMasksAndRunningStatistics) {
   EXPECT_GT(off.grads[0][0].abs().sum().item<double>(), 0);  // the gradients are not all zero
 }
 
-// Structured activations: stage 0 takes (x, mask, scale), x and the bool mask split along the batch and the double
-// given to every micro-batch, and each stage passes the tuple (hidden, mask, scale) on. The loss, every stage's
-// gradients and forward() equal one process's, with and without checkpointing, in uneven micro-batches. A tensor
-// without the batch's rows is refused unless marked replicated, and then reaches every micro-batch whole; layers of a
-// Sequential given a tuple say what they take.
+// Structured activations: stage 0 takes (x, mask, scale, [a, b]): x, the bool mask and the list's tensors split along
+// the batch, the double given to every micro-batch; each stage passes (h, mask, scale, [a', h]) on, h twice and the
+// bool mask between floating-point tensors, so a gradient put at the wrong place would not go unseen. The loss, every
+// stage's gradients and forward() equal one process's, with and without checkpointing, in uneven micro-batches, with
+// stages on three workers and with two stages on one worker (its mailbox, no RPC between them). A tensor without the
+// batch's rows is refused unless marked replicated, and then reaches every micro-batch whole; tensors inside a dict are
+// refused; layers of a Sequential given a tuple say what they take.
 TEST_F(MultiprocPipeline, StagesPassTuplesOfTensorsAndOtherValues) {
   start({.world_size = 4});
   const int64_t rows = 10;
   auto gen = at::detail::createCPUGenerator(77);
   const at::Tensor x = at::randn({rows, 4}, gen, at::kDouble), y = at::randn({rows, 4}, gen, at::kDouble);
   const at::Tensor mask = at::rand({rows, 4}, gen, at::kDouble).gt(0.3), row_mask = at::tensor({1, 0, 1, 1}).gt(0);
+  const c10::List<at::Tensor> aux({at::randn({rows, 1}, gen, at::kDouble), at::randn({rows, 4}, gen, at::kDouble)});
   const double scale = 0.7;
   struct Reference {
     double loss = 0;
@@ -515,12 +534,12 @@ TEST_F(MultiprocPipeline, StagesPassTuplesOfTensorsAndOtherValues) {
   };
   auto reference = [&](const at::Tensor& m) {
     Reference r;
-    c10::IValue h = c10::ivalue::Tuple::create({x, m, scale});
+    c10::IValue h = c10::ivalue::Tuple::create({x, m, scale, aux.copy()});
     std::vector<MaskedBlock> blocks;
     for (int s = 0; s < 3; ++s) {
       blocks.emplace_back(100 + s, s == 2);
       const auto& a = h.toTupleRef().elements();
-      h = masked_block_forward(blocks.back(), a[0].toTensor(), a[1].toTensor(), a[2].toDouble());
+      h = masked_block_forward(blocks.back(), a[0].toTensor(), a[1].toTensor(), a[2].toDouble(), a[3].toTensorVector());
     }
     at::Tensor loss = torch::mse_loss(h.toTensor(), y);
     loss.backward();
@@ -531,39 +550,57 @@ TEST_F(MultiprocPipeline, StagesPassTuplesOfTensorsAndOtherValues) {
     }
     return r;
   };
-  std::vector<pipeline::StageSpec> stages;
-  for (int s = 0; s < 3; ++s) stages.push_back({s + 1, "pipe_masked", {int64_t{100 + s}, s == 2}});
+  auto stages_on = [](const std::vector<int>& workers) {
+    std::vector<pipeline::StageSpec> stages;
+    for (int s = 0; s < 3; ++s) stages.push_back({workers[s], "pipe_masked", {int64_t{100 + s}, s == 2}});
+    return stages;
+  };
   auto expect_equal = [&](Pipeline& pipe, double loss, const Reference& want, const std::string& what) {
     EXPECT_NEAR(loss, want.loss, 1e-10 * want.loss) << what;
     for (int s = 0; s < 3; ++s) {
-      auto got = rpc::rpc_sync<std::vector<at::Tensor>>(s + 1, "pipe_dot_grads", pipe.id(), int64_t{s});
+      auto got = rpc::rpc_sync<std::vector<at::Tensor>>(pipe.stage_worker(s), "pipe_dot_grads", pipe.id(), int64_t{s});
       EXPECT_LE(relative_diff(got, want.grads[s]), 1e-10) << what << ", stage " << s << "'s gradients";
     }
   };
   const Reference per_row = reference(mask), whole = reference(row_mask);
-  EXPECT_GT(per_row.grads[0][0].abs().sum().item<double>(), 0);  // gradients reach stage 0 through the tuples
-  for (bool checkpoint : {false, true}) {
-    auto pipe = Pipeline::create(
-        stages, {.n_microbatches = 3, .gradients = pipeline::GradientsTo::kDotGrad, .checkpoint = checkpoint});
-    expect_equal(pipe, pipe.step({x, mask, scale}, y), per_row, checkpoint ? "checkpointing" : "no checkpointing");
-    EXPECT_LE(relative_diff({pipe.forward({x, mask, scale})}, {per_row.out}), 1e-12);
+  for (int s = 0; s < 3; ++s) {  // gradients reach every stage through the tuples
+    EXPECT_GT(per_row.grads[s][0].abs().sum().item<double>(), 0) << "stage " << s;
   }
-  auto pipe = Pipeline::create(stages, {.n_microbatches = 3, .gradients = pipeline::GradientsTo::kDotGrad});
-  try {
-    pipe.step({x, row_mask, scale}, y);
-    ADD_FAILURE() << "a tensor of another batch size was split";
-  } catch (const RpcError& e) {
-    EXPECT_THAT(e.what(), ::testing::HasSubstr("input 1 holds a tensor of 4 rows where the batch has 10"));
+  for (const auto& workers : std::vector<std::vector<int>>{{1, 2, 3}, {1, 1, 2}}) {
+    for (bool checkpoint : {false, true}) {
+      auto pipe = Pipeline::create(
+          stages_on(workers),
+          {.n_microbatches = 3, .gradients = pipeline::GradientsTo::kDotGrad, .checkpoint = checkpoint});
+      const std::string what =
+          absl::StrCat("stages on workers ", absl::StrJoin(workers, ", "), checkpoint ? ", checkpointing" : "");
+      expect_equal(pipe, pipe.step({x, mask, scale, aux.copy()}, y), per_row, what);
+      EXPECT_LE(relative_diff({pipe.forward({x, mask, scale, aux.copy()})}, {per_row.out}), 1e-12) << what;
+    }
   }
-  expect_equal(pipe, pipe.step({x, row_mask, scale}, y, {false, true, false}), whole, "a replicated mask");
+  auto pipe =
+      Pipeline::create(stages_on({1, 2, 3}), {.n_microbatches = 3, .gradients = pipeline::GradientsTo::kDotGrad});
+  auto expect_refused = [&](const std::vector<c10::IValue>& inputs, const std::string& text) {
+    try {
+      pipe.step(inputs, y);
+      ADD_FAILURE() << "no error; expected one saying " << text;
+    } catch (const RpcError& e) {
+      EXPECT_THAT(e.what(), ::testing::HasSubstr(text));
+    }
+  };
+  expect_refused({x, row_mask, scale, aux.copy()}, "input 1 holds a tensor of 4 rows where the batch has 10");
+  c10::impl::GenericDict dict(c10::StringType::get(), c10::AnyType::get());
+  dict.insert("a", aux.get(0));
+  expect_refused({x, mask, scale, dict}, "input 3 holds tensors inside a dict");
+  expect_equal(pipe, pipe.step({x, row_mask, scale, aux.copy()}, y, {false, true, false, false}), whole,
+               "a replicated mask");
   auto mixed =
       Pipeline::create({{1, "pipe_masked", {int64_t{100}, false}}, {2, "pipe_mlp", {kLayers, kWidth, kSeed}, 0, 2}},
                        {.n_microbatches = 2, .gradients = pipeline::GradientsTo::kDotGrad});
   try {
-    mixed.step({x, mask, scale}, y);
+    mixed.step({x, mask, scale, aux.copy()}, y);
     ADD_FAILURE() << "a Sequential took a tuple";
   } catch (const RpcError& e) {
-    EXPECT_THAT(e.what(), ::testing::HasSubstr("layers of a Sequential take one tensor, and this stage got 3 values"));
+    EXPECT_THAT(e.what(), ::testing::HasSubstr("layers of a Sequential take one tensor, and this stage got 4 values"));
     EXPECT_THAT(e.what(), ::testing::HasSubstr("stage 1 on worker 'worker2'"));
   }
 }

@@ -13,6 +13,7 @@
 #include "dist_autograd/dist_autograd.h"
 #include "nn/remote_module.h"
 #include "pipeline/detail/common.h"
+#include "pipeline/detail/runtime.h"
 #include "pipeline/layers.h"
 #include "pipeline/local.h"
 #include "pipeline/pipeline.h"
@@ -131,10 +132,14 @@ MaskedBlockImpl::MaskedBlockImpl(int64_t seed, bool last) : last(last) {
   lin->to(torch::kDouble);
 }
 
-c10::IValue masked_block_forward(MaskedBlock& block, const at::Tensor& x, const at::Tensor& mask, double scale) {
+c10::IValue masked_block_forward(MaskedBlock& block, const at::Tensor& x, const at::Tensor& mask, double scale,
+                                 const std::vector<at::Tensor>& aux) {
+  if (aux.size() != 2) throw std::invalid_argument("pipe_masked takes [a, b]");
   const at::Tensor keep = mask.to(at::kDouble);
-  if (block->last) return block->lin->forward(x) * keep;
-  return c10::ivalue::Tuple::create({torch::tanh(block->lin->forward(x) * scale) * keep, mask, scale});
+  const at::Tensor z = block->lin->forward(x + 0.1 * aux[1]);
+  if (block->last) return z * keep + aux[0];
+  const at::Tensor h = torch::tanh(z * scale) * keep;
+  return c10::ivalue::Tuple::create({h, mask, scale, c10::List<at::Tensor>({0.5 * aux[0] + h.narrow(1, 0, 1), h})});
 }
 
 torch::nn::Sequential make_pipe_dropout_bn(int64_t seed) {
@@ -166,7 +171,10 @@ void register_pipeline_stages() {
   });
   nn::register_module("pipe_dropout_bn", make_pipe_dropout_bn);
   nn::register_module(
-      "pipe_masked", [](int64_t seed, bool last) { return MaskedBlock(seed, last); }, masked_block_forward);
+      "pipe_masked", [](int64_t seed, bool last) { return MaskedBlock(seed, last); },
+      [](MaskedBlock& block, at::Tensor x, at::Tensor mask, double scale, std::vector<at::Tensor> aux) {
+        return masked_block_forward(block, x, mask, scale, aux);
+      });
   pipeline::register_layers("pipe_layers", {.n_layers = kPipeLayers, .build = make_pipe_layers});
   pipeline::register_layers("pipe_big_layers", {.n_layers = kBigLayers, .build = [](int64_t begin, int64_t end) {
                                                   torch::nn::Sequential part;
@@ -193,6 +201,9 @@ void register_pipeline_stages() {
     return slow_log;
   });
   rpc::register_function("pipe_seed", [](int64_t seed) { torch::manual_seed(seed); });
+  rpc::register_function("pipe_plans", [] {
+    return std::vector<int64_t>{pipeline::detail::plans_received(), pipeline::local_plan_count()};
+  });
   rpc::register_function("pipe_buffers", [](int64_t pipe, int64_t stage) {
     auto m = pipeline::local_stage(pipe, static_cast<int>(stage));
     if (!m) throw std::invalid_argument("no such stage here");

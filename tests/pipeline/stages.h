@@ -23,19 +23,22 @@ bool reset_peak_memory();
 // Linear(6, 4).
 torch::nn::Sequential make_pipe_dropout_bn(int64_t seed);
 
-// "pipe_masked"(seed, last): a float64 Linear(4, 4) seeded by `seed` whose forward takes (x, mask, scale) — a
-// float64 batch, a bool mask of its shape and a double — and returns masked_block_forward's value: the tuple
-// (tanh(lin(x) * scale) * mask, mask, scale), or on a last stage the tensor lin(x) * mask.
+// "pipe_masked"(seed, last): a float64 Linear(4, 4) seeded by `seed` whose forward takes (x, mask, scale, [a, b]) —
+// a float64 batch, a bool mask of its shape, a double, and a list of a (rows x 1) and b (rows x 4) — and returns
+// masked_block_forward's value. With z = lin(x + 0.1 b): h = tanh(z * scale) * mask and the tuple
+// (h, mask, scale, [0.5 a + h[:, :1], h]) (h twice), or on a last stage the tensor z * mask + a.
 struct MaskedBlockImpl : torch::nn::Module {
   MaskedBlockImpl(int64_t seed, bool last);
   torch::nn::Linear lin{nullptr};
   bool last;
 };
 TORCH_MODULE(MaskedBlock);
-c10::IValue masked_block_forward(MaskedBlock& block, const at::Tensor& x, const at::Tensor& mask, double scale);
+c10::IValue masked_block_forward(MaskedBlock& block, const at::Tensor& x, const at::Tensor& mask, double scale,
+                                 const std::vector<at::Tensor>& aux);
 
 // Also registers "pipe_slow_backward"(ms) (an identity Linear(4, 4) whose backward sleeps; "pipe_slow_forwards" counts
-// its forwards), "pipe_slow_build"(ms) (a Linear(4, 4) whose factory sleeps), "pipe_seed", "pipe_buffers",
+// its forwards), "pipe_slow_build"(ms) (a Linear(4, 4) whose factory sleeps), "pipe_plans" ({plans received, plans
+// held} by the worker), "pipe_seed", "pipe_buffers",
 // "pipe_training", "pipe_stage_count", "pipe_contexts" and "pipe_create_and_die" (see stages.cc); "pipe_linear"(in,
 // out) (float64 Linear); "pipe_faulty"(mode): a float64 identity Linear(4, 4) whose forward, when a row's first value
 // is 999, throws (mode 1) or kills its process with exit code 9 (mode 2); and the functions "pipe_grads"(pipeline,

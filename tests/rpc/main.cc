@@ -135,10 +135,13 @@ void register_test_functions() {
     std::this_thread::sleep_for(std::chrono::milliseconds(ms));
     return rpc::get_worker_info().id;
   });
-  // Counts its calls in this process: how many times a request ran (duplicated, reordered); "bumps" reads the count.
+  // Counts its calls in this process: how many times a request ran (duplicated, reordered); "bumps" reads the count,
+  // "bump_tensor"(tensor) counts one too.
   static std::atomic<int64_t> bumps{0};
   rpc::register_function("bump", [] { return ++bumps; });
+  rpc::register_function("bump_tensor", [](at::Tensor t) { return t.numel() > 0 ? ++bumps : bumps.load(); });
   rpc::register_function("bumps", [] { return bumps.load(); });
+  rpc::register_function("oneway_failures", [] { return rpc::transport_stats().oneway_failures; });
   rpc::register_function("throw_error", [](std::string msg) -> int64_t { throw std::runtime_error(msg); });
   rpc::register_function("nested_add",
                          [](std::string to, at::Tensor x) { return rpc::rpc_sync<at::Tensor>(to, "add", x, x); });

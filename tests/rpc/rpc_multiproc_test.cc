@@ -141,6 +141,46 @@ TEST_F(MultiprocRpc, KilledPeerFailsPendingCallsAndShutdownNamesIt) {
   EXPECT_EQ(exit_code(job_->child(2).wait(milliseconds(20000))), 0) << job_->outputs();
 }
 
+// Polls `fn` on `to` until it returns `want` (bounded); returns what it last returned.
+int64_t poll_for(const rpc::To& to, const std::string& fn, int64_t want) {
+  const auto deadline = Clock::now() + scaled(milliseconds(10000));
+  int64_t got = -1;
+  while ((got = rpc::rpc_sync<int64_t>(to, fn)) != want && Clock::now() < deadline) {
+    std::this_thread::sleep_for(milliseconds(5));
+  }
+  return got;
+}
+
+// One-way calls: each send completes once it is on its way, every function runs on the callee, a failing one is
+// counted and told there (never answered), and sends to a dead worker fail UNAVAILABLE, naming it, without hanging.
+TEST_F(MultiprocRpc, OneWayCallsRunWithoutRepliesAndTheirFailuresStayWithTheCallee) {
+  start({.world_size = 3});
+  const int64_t bumps = rpc::rpc_sync<int64_t>("worker1", "bumps");
+  std::vector<rpc::Future> sent;
+  for (int i = 0; i < 200; ++i)
+    sent.push_back(rpc::rpc_oneway("worker1", "bump_tensor", at::ones({1000}), milliseconds(10000)));
+  for (auto& f : sent) EXPECT_TRUE(f.status().ok()) << f.status();
+  // Nothing orders them before a later call (another connection, other threads): the count gets there.
+  EXPECT_EQ(poll_for("worker1", "bumps", bumps + 200), bumps + 200);
+  const int64_t failures = rpc::rpc_sync<int64_t>("worker1", "oneway_failures");
+  EXPECT_TRUE(rpc::rpc_oneway("worker1", "throw_error", std::string("boom")).status().ok());
+  EXPECT_TRUE(rpc::rpc_oneway("worker1", "no_such_function").status().ok());
+  EXPECT_EQ(poll_for("worker1", "oneway_failures", failures + 2), failures + 2);
+  EXPECT_EQ(rpc::rpc_sync<std::string>("worker1", "whoami"), "worker1");  // the callee is fine
+
+  expect_clean_children_ = false;
+  job_->child(2).kill(SIGKILL);
+  EXPECT_NE(job_->child(2).wait(milliseconds(10000)), -1);
+  const auto t0 = Clock::now();
+  absl::Status s;
+  do {  // the first sends may still reach the socket's buffer before the close is seen
+    s = rpc::rpc_oneway("worker2", "bump", milliseconds(2000)).status();
+  } while (s.ok() && Clock::now() - t0 < scaled(milliseconds(10000)));
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
+  EXPECT_NE(s.message().find("worker 'worker2' (rank 2)"), std::string::npos) << s;
+  rpc::shutdown(false);  // rank 2 cannot leave gracefully
+}
+
 TEST_F(MultiprocRpc, UnauthenticatedCallersAreRejected) {
   start({.world_size = 2});
   pb::Request request;
@@ -323,8 +363,9 @@ TEST_F(MultiprocRpc, TlsFromTheEnvironment) {
   // TANDEM_TLS_CERT/KEY/CA turn TLS on in a program that sets no RpcOptions::tls: here and in the child alike.
   const std::string dir = make_temp_dir();
   if (!make_test_certificates(dir)) GTEST_SKIP() << "openssl cannot make test certificates here";
-  const std::map<std::string, std::string> env = {
-      {"TANDEM_TLS_CERT", dir + "/node.crt"}, {"TANDEM_TLS_KEY", dir + "/node.key"}, {"TANDEM_TLS_CA", dir + "/ca.crt"}};
+  const std::map<std::string, std::string> env = {{"TANDEM_TLS_CERT", dir + "/node.crt"},
+                                                  {"TANDEM_TLS_KEY", dir + "/node.key"},
+                                                  {"TANDEM_TLS_CA", dir + "/ca.crt"}};
   for (const auto& [k, v] : env) setenv(k.c_str(), v.c_str(), 1);
   start({.world_size = 2, .extra_env = env});
   for (const auto& [k, v] : env) unsetenv(k.c_str());
