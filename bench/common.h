@@ -1,6 +1,10 @@
 // Shared by Tandem's benchmark programs: timing and the JSON line format of bench/run.sh.
 #pragma once
 
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -21,12 +25,56 @@ inline double percentile(std::vector<double> v, double p) {
 
 inline double median(std::vector<double> v) { return percentile(std::move(v), 0.5); }
 
+// Reads or writes all `n` bytes of `p` on `fd`; false on EOF or an error.
+inline bool full_io(int fd, void* p, size_t n, bool writing) {
+  auto* c = static_cast<char*>(p);
+  while (n > 0) {
+    const ssize_t k = writing ? write(fd, c, n) : read(fd, c, n);
+    if (k <= 0) return false;
+    c += k;
+    n -= static_cast<size_t>(k);
+  }
+  return true;
+}
+
+// Round trips of a blocking ping-pong of `bytes` each way over a Unix stream socket between this process and a child
+// forked for it (call before any thread starts), after 500 warm-up ones: the floor of a message between two processes
+// of one host that sleep while they wait. Empty when the machine refuses the socket or the fork.
+inline std::vector<double> unix_pingpong_rtts_us(int iters, size_t bytes = 128) {
+  std::vector<double> rtt;
+  int sv[2];
+  if (iters <= 0 || socketpair(AF_UNIX, SOCK_STREAM, 0, sv) != 0) return rtt;
+  std::vector<char> msg(bytes, 'p');
+  const pid_t child = fork();
+  if (child == 0) {
+    close(sv[0]);
+    while (full_io(sv[1], msg.data(), bytes, false) && msg[0] != 'q') full_io(sv[1], msg.data(), bytes, true);
+    _exit(0);
+  }
+  close(sv[1]);
+  bool ok = child > 0;
+  for (int i = 0; i < iters + 500 && ok; ++i) {
+    const double t0 = now_us();
+    ok = full_io(sv[0], msg.data(), bytes, true) && full_io(sv[0], msg.data(), bytes, false);
+    if (ok && i >= 500) rtt.push_back(now_us() - t0);
+  }
+  msg[0] = 'q';
+  if (child > 0) {
+    full_io(sv[0], msg.data(), bytes, true);
+    waitpid(child, nullptr, 0);
+  }
+  close(sv[0]);
+  if (!ok) rtt.clear();
+  return rtt;
+}
+
 // One result line: {"bench":..,"impl":"tandem","metric":..,"value":..,"unit":..,<extra>}; `extra` is ready JSON
 // members without braces ("\"iters\":1000"), or empty.
 inline void emit_as(const std::string& impl, const std::string& bench, const std::string& metric, double value,
                     const std::string& unit, const std::string& extra = "") {
   std::printf("{\"bench\":\"%s\",\"impl\":\"%s\",\"metric\":\"%s\",\"value\":%.6g,\"unit\":\"%s\"%s%s}\n",
-              bench.c_str(), impl.c_str(), metric.c_str(), value, unit.c_str(), extra.empty() ? "" : ",", extra.c_str());
+              bench.c_str(), impl.c_str(), metric.c_str(), value, unit.c_str(), extra.empty() ? "" : ",",
+              extra.c_str());
   std::fflush(stdout);
 }
 inline void emit(const std::string& bench, const std::string& metric, double value, const std::string& unit,

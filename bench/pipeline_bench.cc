@@ -9,6 +9,14 @@
 //   pipeline_local_step_ms       the same model unsplit, in one process (loss.backward(), torch::optim::SGD).
 //   pipeline_control_overhead_us per micro-batch: (step - the schedule's makespan with each stage's measured mean
 //                                forward and backward times) / m: what the runtime adds beyond the schedule itself.
+//   pipeline_p2p_delivery_us     median time from a stage's action that sent an activation or gradient ending to the
+//                                receiving stage's action starting, where the receiver was idle, waiting for it (its
+//                                previous action ended before the sender's did): a message's delivery (socket, decode,
+//                                the hand-off to the stage's thread), over 5 more steps at each m. Beside it
+//                                (impl "floor") pipeline_p2p_floor_us: half the median round trip of a blocking
+//                                ping-pong of 128 B over a Unix socket between two processes, measured first. With 2
+//                                stages in 1F1B each micro-batch waits for one activation and one gradient in turn, so
+//                                the control overhead per micro-batch cannot go below twice that floor.
 //   pipeline_bubble_ratio        4 stages on workers 1-4, m = 8, each forward sleeping tf and each backward tb (so the
 //                                figure does not depend on cores): step / ideal, ideal = (m + p - 1)(tf + tb).
 // Flags: --steps N (timed steps per figure, after 2 warm-up steps), --tf-ms, --tb-ms.
@@ -24,6 +32,7 @@
 #include <map>
 #include <string>
 #include <thread>
+#include <tuple>
 
 #include "bench/common.h"
 #include "dist_autograd/dist_autograd.h"
@@ -86,6 +95,31 @@ std::string fields(const std::map<std::string, std::string>& f) {
 }
 std::string str(const std::string& s) { return "\"" + s + "\""; }
 
+// Delivery times (see pipeline_p2p_delivery_us) in a step's timeline.
+std::vector<double> deliveries(const std::vector<pipeline::TimelineEvent>& events) {
+  std::map<std::tuple<int, int, bool>, const pipeline::TimelineEvent*> by_action;
+  std::map<int, std::vector<const pipeline::TimelineEvent*>> by_stage;  // in start order (events come sorted)
+  int n = 0;
+  for (const auto& e : events) {
+    by_action[{e.stage, e.microbatch, e.backward}] = &e;
+    by_stage[e.stage].push_back(&e);
+    n = std::max(n, e.stage + 1);
+  }
+  std::vector<double> out;
+  for (const auto& [stage, list] : by_stage) {
+    for (size_t k = 1; k < list.size(); ++k) {
+      const auto& e = *list[k];
+      const int from = e.backward ? stage + 1 : stage - 1;
+      if (from < 0 || from >= n) continue;
+      auto sender = by_action.find({from, e.microbatch, e.backward});
+      if (sender == by_action.end()) continue;
+      const int64_t sent = sender->second->end_us;
+      if (list[k - 1]->end_us <= sent) out.push_back(static_cast<double>(e.start_us - sent));
+    }
+  }
+  return out;
+}
+
 void step_time(const std::string& size, int64_t d, int64_t batch, int steps) {
   auto gen = at::detail::createCPUGenerator(0);
   at::Tensor x = at::randn({batch, d}, gen), y = at::randn({batch, d}, gen);
@@ -142,9 +176,20 @@ void step_time(const std::string& size, int64_t d, int64_t batch, int steps) {
                                      {"batch", std::to_string(batch)},
                                      {"steps", std::to_string(steps)}});
     bench::emit("pipeline", "pipeline_step_ms", ms, "ms",
-                cond + ",\"speedup_vs_m1\":" + std::to_string(m1_ms / ms) +
-                    ",\"speedup_vs_local\":" + std::to_string(local_ms / ms) + ",\"stage_peak_memory_mib\":[" +
-                    peak_mib + "]");
+                cond + ",\"speedup_vs_m1\":" + std::to_string(m1_ms / ms) + ",\"speedup_vs_local\":" +
+                    std::to_string(local_ms / ms) + ",\"stage_peak_memory_mib\":[" + peak_mib + "]");
+    std::vector<double> delivered;
+    for (int i = 0; i < 5; ++i) {
+      dist_autograd::ContextGuard ctx;
+      pipe.step(x, y);
+      opt.step(ctx.id());
+      for (double us : deliveries(pipe.last_timeline())) delivered.push_back(us);
+    }
+    if (!delivered.empty()) {
+      bench::emit("pipeline", "pipeline_p2p_delivery_us", bench::median(delivered), "us",
+                  cond + ",\"samples\":" + std::to_string(delivered.size()) +
+                      ",\"p90_us\":" + std::to_string(bench::percentile(delivered, 0.9)));
+    }
     bench::emit("pipeline", "pipeline_control_overhead_us", (step_only - ideal) * 1000 / m, "us",
                 cond + ",\"last_step_ms\":" + std::to_string(step_only) +
                     ",\"schedule_makespan_ms\":" + std::to_string(ideal) + ",\"stage_busy_ms\":[" +
@@ -202,6 +247,15 @@ int main(int argc, char** argv) {
   tandem::nn::register_module("bench_sleep_stage",
                               [](int64_t tf_us, int64_t tb_us) { return std::make_shared<SleepStage>(tf_us, tb_us); });
   pipeline::register_loss("bench_sum", [](const at::Tensor& out, const at::Tensor&) { return out.sum(); });
+  const char* rank = std::getenv("RANK");
+  if (rank && std::string(rank) == "0") {  // before any thread starts: the floor forks a child
+    const std::vector<double> rtt = bench::unix_pingpong_rtts_us(2000);
+    if (!rtt.empty()) {
+      bench::emit_floor("pipeline", "pipeline_p2p_floor_us", bench::median(rtt) / 2, "us",
+                        "\"processes\":2,\"what\":\"half a blocking ping-pong of 128 B over a Unix stream socket\","
+                        "\"iters\":2000");
+    }
+  }
   rpc::RpcOptions options;
   options.shutdown_timeout = std::chrono::hours(1);  // stage workers wait in shutdown while rank 0 measures
   rpc::init_rpc(options);

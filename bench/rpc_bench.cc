@@ -28,16 +28,7 @@ namespace bench = tandem::bench;
 
 namespace {
 
-bool full_io(int fd, void* p, size_t n, bool writing) {
-  auto* c = static_cast<char*>(p);
-  while (n > 0) {
-    const ssize_t k = writing ? write(fd, c, n) : read(fd, c, n);
-    if (k <= 0) return false;
-    c += k;
-    n -= static_cast<size_t>(k);
-  }
-  return true;
-}
+using bench::full_io;
 
 // The floors of the direct channel's figures, measured between this process and a child forked before any thread
 // starts (the child only reads, writes and exits), on the same kinds of kernel paths the channel uses:
@@ -87,9 +78,9 @@ bool emit_floors(int small, int bulk, int mib) {
       if (i >= 2) gbps.push_back(bytes / (bench::now_us() - t0) / 1e3);
     }
     if (ok) {
-      bench::emit_floor("rpc", "bulk_" + std::to_string(mib) + "MiB_GBps", bench::median(gbps), "GB/s",
-                        cond + ",\"what\":\"process_vm_readv into a faulted-in buffer\",\"iters\":" +
-                            std::to_string(bulk));
+      bench::emit_floor(
+          "rpc", "bulk_" + std::to_string(mib) + "MiB_GBps", bench::median(gbps), "GB/s",
+          cond + ",\"what\":\"process_vm_readv into a faulted-in buffer\",\"iters\":" + std::to_string(bulk));
     }
   }
   char quit[128] = {'q'};

@@ -184,27 +184,32 @@ Future Agent::call(const To& to, const std::string& function, std::vector<c10::I
 
 Future Agent::send(const To& to, const std::string& function, std::vector<c10::IValue> args,
                    std::chrono::milliseconds timeout) {
-  std::vector<at::Tensor> referenced;  // stays empty: nothing goes by reference without a reply
-  auto out = start_call(to, function, args, timeout, /*by_reference_ok=*/false, /*oneway=*/true, &referenced);
+  // Tensors large enough for the same-host bulk path go by reference: the callee reads them from our memory, so the
+  // request is then a call whose (empty) answer says when they may go.
+  auto referenced = std::make_shared<std::vector<at::Tensor>>();
+  auto out = start_call(to, function, args, timeout, /*by_reference_ok=*/true, /*oneway=*/true, referenced.get());
   if (!out.ok()) return Future::failed(out.status());
   Future future(out->deadline);
   const int p = out->peer;
   timeout = out->timeout;
-  out->route->send(
-      p, function, std::move(out->frame), out->deadline,
-      [this, future, p, function, timeout](absl::StatusOr<grpc::ByteBuffer> sent) {
-        // A transport that waited for the callee's answer (gRPC) has it here: an error in it is this
-        // call's (the callee could not tell it was one-way: a request it could not read).
-        absl::Status status = sent.ok() ? absl::OkStatus() : call_error(sent.status(), p, function, timeout);
-        if (sent.ok() && sent->Length() > 0) {
-          tandem::wire::Response response;
-          absl::StatusOr<wire::Frame> frame = absl::UnknownError("not parsed");
-          status = reply_status(*sent, describe(p, function), &response, &frame);
-        }
-        call_done();
-        deliver(future, status.ok() ? absl::StatusOr<c10::IValue>(c10::IValue()) : absl::StatusOr<c10::IValue>(status),
-                {});
-      });
+  DoneFn done = [this, future, p, function, timeout, referenced](absl::StatusOr<grpc::ByteBuffer> sent) {
+    referenced->clear();
+    // A transport that waited for the callee's answer (gRPC, or a call carrying tensors by reference) has it here: an
+    // error in it is this call's (the callee could not tell it was one-way: a request it could not read).
+    absl::Status status = sent.ok() ? absl::OkStatus() : call_error(sent.status(), p, function, timeout);
+    if (sent.ok() && sent->Length() > 0) {
+      tandem::wire::Response response;
+      absl::StatusOr<wire::Frame> frame = absl::UnknownError("not parsed");
+      status = reply_status(*sent, describe(p, function), &response, &frame);
+    }
+    call_done();
+    deliver(future, status.ok() ? absl::StatusOr<c10::IValue>(c10::IValue()) : absl::StatusOr<c10::IValue>(status), {});
+  };
+  if (referenced->empty()) {
+    out->route->send(p, function, std::move(out->frame), out->deadline, std::move(done));
+  } else {
+    out->route->call(p, function, std::move(out->frame), out->deadline, std::move(done));
+  }
   return future;
 }
 

@@ -26,7 +26,9 @@ void Agent::on_incoming(Incoming in) {
     if (!stopped) in_calls_.emplace(call.get(), call);
   }
   if (stopped) {  // replied without mu_, as every reply is: a transport may complete work inline
-    call->in.reply(nullptr, absl::UnavailableError(absl::StrCat("worker '", name_, "' has shut down")));
+    const absl::Status gone = absl::UnavailableError(absl::StrCat("worker '", name_, "' has shut down"));
+    if (call->in.oneway) note_oneway_failure(*call, gone);
+    call->in.reply(nullptr, gone);
     return;
   }
   if (call->in.on_io_thread && ready_.HasBeenNotified()) return handle(call);  // on this thread: no hand-off
@@ -80,6 +82,9 @@ void Agent::handle(std::shared_ptr<InCall> call) {
         absl::InternalError(absl::StrCat("decoding the request failed: ", status_from_current_exception().message()));
   }
   if (!args.ok()) return reply_error(call, args.status());
+  // A one-way request that a transport must answer (gRPC; tensors read by reference) is answered now: its arguments
+  // have been read, and nobody waits for the function. What the function does later is told here only.
+  if (call->oneway && !call->in.oneway) finish_oneway(call);
   if (wait.empty()) return run(call, request.function(), std::move(*args), request.caller_name());
   // Some argument needs protocol work first (e.g. a remote reference its owner must confirm): run after it, on the
   // pool.
@@ -150,11 +155,7 @@ void Agent::reply(const std::shared_ptr<InCall>& call, const Future& result) {
 
 void Agent::reply_error(const std::shared_ptr<InCall>& call, const absl::Status& error) {
   if (call->in.oneway || call->oneway) {  // no reply carries the failure: it is counted and told here
-    ++oneway_failures_;
-    std::fprintf(stderr, "tandem: worker '%s': one-way call '%s' from worker '%s' failed: %s\n", name_.c_str(),
-                 call->function.empty() ? "(not parsed)" : call->function.c_str(),
-                 call->caller_name.empty() ? "(unknown)" : call->caller_name.c_str(),
-                 std::string(error.message()).c_str());
+    note_oneway_failure(*call, error);
     return finish_oneway(call);
   }
   tandem::wire::Response response;
@@ -162,6 +163,13 @@ void Agent::reply_error(const std::shared_ptr<InCall>& call, const absl::Status&
   response.mutable_error()->set_message(std::string(error.message()));
   grpc::ByteBuffer frame = wire::Encoder().frame(response);
   finish_once(call, absl::OkStatus(), &frame);
+}
+
+void Agent::note_oneway_failure(const InCall& call, const absl::Status& error) {
+  ++oneway_failures_;
+  std::fprintf(stderr, "tandem: worker '%s': one-way call '%s' from worker '%s' failed: %s\n", name_.c_str(),
+               call.function.empty() ? "(not parsed)" : call.function.c_str(),
+               call.caller_name.empty() ? "(unknown)" : call.caller_name.c_str(), std::string(error.message()).c_str());
 }
 
 void Agent::finish_oneway(const std::shared_ptr<InCall>& call) {
@@ -175,6 +183,8 @@ void Agent::finish_once(const std::shared_ptr<InCall>& call, const absl::Status&
     MutexLock call_lock(&call->mu);
     if (call->finished) return;
     call->finished = true;
+    // A one-way frame's reply writes nothing: a failure given here (the worker stopping) is told here.
+    if (call->in.oneway && !status.ok()) note_oneway_failure(*call, status);
     call->in.reply(reply, status);
   }
   MutexLock lock(&mu_);

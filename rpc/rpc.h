@@ -145,14 +145,15 @@ Future call_and_wait(const To& to, const std::string& function, std::vector<c10:
                      std::chrono::milliseconds timeout = std::chrono::milliseconds(0));
 
 // One-way: runs `function` on `to` without a reply. The future completes (with None) once the request was handed to
-// the connection to `to`, in order after the earlier calls and sends to it from this process, or fails with the
+// the connection to `to` (nothing orders its run on `to` against other calls and sends), or fails with the
 // errors of call() (UNAVAILABLE: the worker is unreachable or its connection broke; CANCELLED; DEADLINE_EXCEEDED: it
 // could not be written by the timeout). What the function returns is dropped there; when it fails, the failure is
-// counted and written to stderr on `to` (TransportStats::oneway_failures), never sent back. Tensors travel inside the
-// message (never by reference: no reply tells when the callee has read them); arguments holding RRefs are not for
-// one-way calls. Over gRPC (no one-way message) it is a call whose future completes when the callee has run it. For
-// protocols whose receivers owe no answer, such as a pipeline's activations: the sender learns of a lost receiver by
-// other means (its own deadline, or a call that does reply).
+// counted and written to stderr on `to` (TransportStats::oneway_failures), never sent back. Tensors large enough for
+// the same-host bulk path (RpcOptions::bulk_min_bytes) still go by reference: the callee then answers with an empty
+// reply as soon as it has read the arguments (before the function runs), and the future completes when it came. Over
+// gRPC (no one-way message) it is likewise a call answered once the arguments are read. Arguments holding RRefs are
+// not for one-way calls. For protocols whose receivers owe no answer, such as a pipeline's activations: the sender
+// learns of a lost receiver by other means (its own deadline, or a call that does reply).
 Future send(const To& to, const std::string& function, std::vector<c10::IValue> args,
             std::chrono::milliseconds timeout = std::chrono::milliseconds(0));
 

@@ -278,15 +278,15 @@ class Run {
     const LossFn loss = find_loss_if_last(n);
     for (const Action& a : p_.actions) {
       StageRun& run = stage_run(a.stage);
-      compute_start_ = 0;
+      compute_start_ = compute_end_ = 0;
       try {
         a.backward ? backward(run, a, n) : forward(run, a, n, loss, batch);
       } catch (...) {
         const absl::Status thrown = status_from_current_exception();
         throw_error(thrown.code(), a, thrown.message());
       }
-      // Busy time and the timeline count computing only, not the wait for the action's input.
-      const int64_t end = now_us(), start = compute_start_;
+      // Busy time and the timeline count computing only, not the wait for the action's input nor its send.
+      const int64_t end = compute_end_ > 0 ? compute_end_ : now_us(), start = compute_start_;
       run.busy_us += end - start;
       if (p_.record) events_.insert(events_.end(), {a.stage, a.microbatch, a.backward, start, end});
     }
@@ -352,6 +352,7 @@ class Run {
   }
 
   void send(int stage, int mb, bool grad, c10::IValue t) {
+    compute_end_ = now_us();
     const int to = p_.stage_rank[stage];
     if (to == self_) return Mailbox::get().put(MailKey{p_.pipe, p_.step, stage, mb, grad}, std::move(t));
     // One-way: no acknowledgement comes back (a lost receiver fails the step by the driver's call to it, or by the
@@ -421,6 +422,7 @@ class Run {
   std::vector<int64_t> events_;
   double loss_ = 0;
   int64_t compute_start_ = 0;  // when the current action had its input and began computing
+  int64_t compute_end_ = 0;    // when it had computed what it sends (0: it sends nothing)
 };
 
 // The plan of `m` micro-batches: the one sent (cached for the following steps of that shape), or, when none came,

@@ -148,6 +148,8 @@ class Agent {
   void finish_once(const std::shared_ptr<InCall>& call, const absl::Status& status, grpc::ByteBuffer* reply = nullptr);
   // A one-way call's end: no result goes back (an empty Response where the transport needs an answer).
   void finish_oneway(const std::shared_ptr<InCall>& call);
+  // A one-way call failed here: counted (TransportStats::oneway_failures) and written to stderr.
+  void note_oneway_failure(const InCall& call, const absl::Status& error);
 
   // agent_client.cc
   absl::StatusOr<grpc::ByteBuffer> encode_request(int peer, const std::string& function,

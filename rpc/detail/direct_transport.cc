@@ -176,6 +176,10 @@ void DirectTransport::on_request(const std::shared_ptr<direct::Conn>& conn, dire
   in.cma_pid = conn->cma_pid;
   in.on_io_thread = true;
   if (msg.kind == direct::Kind::kOneway) {
+    if (msg.call_id != 0) {  // not a frame this build writes: the connection is not trusted further
+      conn->broken = true;
+      return conn->shut();
+    }
     in.oneway = true;
     in.reply = [](grpc::ByteBuffer*, const absl::Status&) {};  // nobody waits for it
     in.cut = [conn](const grpc::ByteBuffer*) {

@@ -167,6 +167,13 @@ TEST_F(MultiprocRpc, OneWayCallsRunWithoutRepliesAndTheirFailuresStayWithTheCall
   EXPECT_TRUE(rpc::rpc_oneway("worker1", "no_such_function").status().ok());
   EXPECT_EQ(poll_for("worker1", "oneway_failures", failures + 2), failures + 2);
   EXPECT_EQ(rpc::rpc_sync<std::string>("worker1", "whoami"), "worker1");  // the callee is fine
+  // A tensor for the bulk path (4 MiB) goes by reference on the same-host channel: answered, then released.
+  const auto stats = rpc::transport_stats();
+  EXPECT_TRUE(rpc::rpc_oneway("worker1", "bump_tensor", at::ones({1 << 20}), milliseconds(10000)).status().ok());
+  EXPECT_EQ(poll_for("worker1", "bumps", bumps + 201), bumps + 201);
+  if (rpc::transport_to(1) == "direct") {
+    EXPECT_EQ(rpc::transport_stats().tensors_by_reference, stats.tensors_by_reference + 1);
+  }
 
   expect_clean_children_ = false;
   job_->child(2).kill(SIGKILL);
