@@ -52,8 +52,11 @@ std::shared_ptr<grpc::Channel> make_channel(const std::string& address, const Tl
   args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
   // A dead peer is reported promptly instead of after gRPC's default reconnect backoff of up to 2 minutes.
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
-  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
+  // gRPC also takes this as the least time a connection attempt (TCP and HTTP/2 handshakes) may take: at 100 ms a
+  // busy or slowed-down peer (ThreadSanitizer, a loaded machine) failed its first connection with "tcp handshaker
+  // shutdown" and the call UNAVAILABLE. A refused connection (a dead peer) still fails at once.
+  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 2000);
   std::shared_ptr<grpc::ChannelCredentials> creds;
   if (tls) {
     grpc::SslCredentialsOptions o;
