@@ -17,6 +17,9 @@
 //              (INVALID_ARGUMENT naming the worker and the call).
 //   cut        every connection to the worker is closed; on the direct channel the message is first half written
 //              (cut mid-message). The call, and any other in flight on those connections, fails with UNAVAILABLE.
+// One-way sends (rpc::send) are requests to these rules, and nothing answers them, so reply rules never apply to
+// them (nor to the receipt gRPC answers for one). A dropped one-way send completes as written: the sender cannot
+// tell a message lost after it left, and the receiver is the one that notices (its own deadline).
 //
 // Thread-safety: parse_faults is pure; the rules are applied under the transport's own lock.
 #pragma once

@@ -205,39 +205,14 @@ class FaultTransport final : public Transport {
 
   void call(int peer, const std::string& function, grpc::ByteBuffer request, absl::Time deadline,
             DoneFn done) override {
-    const std::string to = faults_->name_of(peer);
-    const FaultRule* rule = faults_->match(to, FaultRule::Kind::kRequest, function);
-    auto send = [this, peer, function, deadline](grpc::ByteBuffer frame, DoneFn d) {
-      inner_->call(peer, function, std::move(frame), deadline, std::move(d));
-    };
-    if (!rule) {
-      send(std::move(request), std::move(done));
-      return faults_->release(to);
-    }
-    auto shared_done = std::make_shared<DoneFn>(std::move(done));
-    switch (rule->action) {
-      case FaultRule::Action::kDrop:
-        return faults_->schedule(deadline, [shared_done](bool stopping) {
-          (*shared_done)(stopping ? absl::CancelledError("RPC was shut down on this worker")
-                                  : absl::DeadlineExceededError("no reply by the deadline (request dropped)"));
-        });
-      case FaultRule::Action::kDelay:
-        return faults_->schedule(absl::Now() + absl::FromChrono(rule->delay),
-                                 [send, request, shared_done](bool) { send(request, std::move(*shared_done)); });
-      case FaultRule::Action::kDuplicate:
-        send(request, [](absl::StatusOr<grpc::ByteBuffer>) {});
-        send(std::move(request), std::move(*shared_done));
-        return faults_->release(to);
-      case FaultRule::Action::kReorder:
-        return faults_->hold(to, absl::FromChrono(rule->delay),
-                             [send, request, shared_done](bool) { send(request, std::move(*shared_done)); });
-      case FaultRule::Action::kCorrupt:
-        send(corrupt_frame(request), std::move(*shared_done));
-        return faults_->release(to);
-      case FaultRule::Action::kCut:
-        inner_->cut(peer, &request);
-        return (*shared_done)(absl::UnavailableError("the connection was cut"));
-    }
+    carry(peer, function, std::move(request), std::move(done), /*oneway=*/false, deadline);
+  }
+
+  // One-way frames get the request rules: a dropped one completes as written (the sender cannot tell a message lost
+  // after it left), and nothing answers them, so reply rules never see them (wrap_incoming).
+  void send(int peer, const std::string& function, grpc::ByteBuffer request, absl::Time deadline,
+            DoneFn done) override {
+    carry(peer, function, std::move(request), std::move(done), /*oneway=*/true, deadline);
   }
 
   absl::StatusOr<grpc::ByteBuffer> call_sync(int peer, const std::string& function, grpc::ByteBuffer request,
@@ -276,6 +251,46 @@ class FaultTransport final : public Transport {
   }
 
  private:
+  // Sends `request` (as a call, or one-way) with the rule that matches it applied.
+  void carry(int peer, const std::string& function, grpc::ByteBuffer request, DoneFn done, bool oneway,
+             absl::Time deadline) {
+    const std::string to = faults_->name_of(peer);
+    const FaultRule* rule = faults_->match(to, FaultRule::Kind::kRequest, function);
+    auto send = [this, peer, function, deadline, oneway](grpc::ByteBuffer frame, DoneFn d) {
+      if (oneway) return inner_->send(peer, function, std::move(frame), deadline, std::move(d));
+      inner_->call(peer, function, std::move(frame), deadline, std::move(d));
+    };
+    if (!rule) {
+      send(std::move(request), std::move(done));
+      return faults_->release(to);
+    }
+    auto shared_done = std::make_shared<DoneFn>(std::move(done));
+    switch (rule->action) {
+      case FaultRule::Action::kDrop:
+        if (oneway) return (*shared_done)(grpc::ByteBuffer());
+        return faults_->schedule(deadline, [shared_done](bool stopping) {
+          (*shared_done)(stopping ? absl::CancelledError("RPC was shut down on this worker")
+                                  : absl::DeadlineExceededError("no reply by the deadline (request dropped)"));
+        });
+      case FaultRule::Action::kDelay:
+        return faults_->schedule(absl::Now() + absl::FromChrono(rule->delay),
+                                 [send, request, shared_done](bool) { send(request, std::move(*shared_done)); });
+      case FaultRule::Action::kDuplicate:
+        send(request, [](absl::StatusOr<grpc::ByteBuffer>) {});
+        send(std::move(request), std::move(*shared_done));
+        return faults_->release(to);
+      case FaultRule::Action::kReorder:
+        return faults_->hold(to, absl::FromChrono(rule->delay),
+                             [send, request, shared_done](bool) { send(request, std::move(*shared_done)); });
+      case FaultRule::Action::kCorrupt:
+        send(corrupt_frame(request), std::move(*shared_done));
+        return faults_->release(to);
+      case FaultRule::Action::kCut:
+        inner_->cut(peer, &request);
+        return (*shared_done)(absl::UnavailableError("the connection was cut"));
+    }
+  }
+
   FaultInjector* faults_;
   Transport* inner_;
 };
@@ -288,6 +303,7 @@ IncomingFn FaultInjector::wrap_incoming(IncomingFn handler) {
   return [this, handler](Incoming in) {
     tandem::wire::Request header;
     if (!wire::Frame::parse(in.request, &header).ok()) return handler(std::move(in));  // the agent answers it
+    if (in.oneway || header.oneway()) return handler(std::move(in));  // no reply, or only the transport's receipt
     const std::string to = header.caller_name();
     const FaultRule* rule = match(to, FaultRule::Kind::kReply, header.function());
     if (!rule) {

@@ -99,6 +99,29 @@ TEST_F(MultiprocRpcFaults, ReorderedRequestGoesAfterTheNextOne) {
   EXPECT_GE(Clock::now() - t0, milliseconds(290));
 }
 
+// One-way sends get the request rules and none of the reply rules: a dropped send completes as written and never
+// runs, a duplicated one runs twice, and a rule dropping every reply of the function changes nothing (gRPC's receipt
+// of a one-way call is not a reply: were it dropped, the send would fail at its deadline).
+TEST_F(MultiprocRpcFaults, OneWaySendsGetTheRequestRulesAndNoReplyRules) {
+  start_with("drop worker0->worker1 request fn=bump nth=1; duplicate worker0->worker1 request fn=bump_tensor nth=1",
+             "drop worker1->worker0 reply fn=bump count=0; drop worker1->worker0 reply fn=bump_tensor count=0");
+  const int64_t before = rpc::rpc_sync<int64_t>("worker1", "bumps");
+  const auto t0 = Clock::now();
+  rpc::Future dropped = rpc::rpc_oneway("worker1", "bump", milliseconds(3000));
+  EXPECT_TRUE(dropped.status().ok()) << dropped.status();
+  EXPECT_LT(Clock::now() - t0, milliseconds(2000));  // at once, not at the deadline
+  rpc::Future twice = rpc::rpc_oneway("worker1", "bump_tensor", at::ones({10}), milliseconds(3000));
+  rpc::Future once = rpc::rpc_oneway("worker1", "bump", milliseconds(3000));
+  EXPECT_TRUE(twice.status().ok()) << twice.status();
+  EXPECT_TRUE(once.status().ok()) << once.status();
+  const auto deadline = Clock::now() + scaled(milliseconds(10000));
+  while (rpc::rpc_sync<int64_t>("worker1", "bumps") < before + 3 && Clock::now() < deadline) {
+    std::this_thread::sleep_for(milliseconds(5));
+  }
+  std::this_thread::sleep_for(milliseconds(200));  // were the dropped one delivered, it would have run by now
+  EXPECT_EQ(rpc::rpc_sync<int64_t>("worker1", "bumps"), before + 3);
+}
+
 TEST_F(MultiprocRpcFaults, CorruptedRequestIsRefusedAsMalformedAndTheWorkerServesOn) {
   start_with("corrupt worker0->worker1 request fn=add nth=1");
   const at::Tensor one = at::ones({1000});
