@@ -71,12 +71,12 @@ def launch(script, argv, world):
 
 
 def main(script, run, world, sizes):
-    """The command line of a peer script: `mode` plus integer `sizes` ({flag: default}); without --rank it launches the
-    `world` ranks, with it it runs `run(rank, port, args)`."""
+    """The command line of a peer script: `mode` plus `sizes` ({flag: default}, each of its default's type); without
+    --rank it launches the `world` ranks, with it it runs `run(rank, port, args)`."""
     p = argparse.ArgumentParser()
     p.add_argument("mode", choices=["default", "tcp"])
     for flag, default in sizes.items():
-        p.add_argument(flag, type=int, default=default)
+        p.add_argument(flag, type=type(default), default=default)
     p.add_argument("--rank", type=int, default=-1)
     p.add_argument("--port", type=int, default=0)
     args = p.parse_args()

@@ -12,7 +12,7 @@ configuration for it: TensorPipe defaults (or TCP forced) with 16 RPC threads, a
 - pipeline_bubble_ratio: 4 stages on w1..w4 whose forward sleeps --tf-ms and whose backward sleeps --tb-ms (a scalar
   weight gives the optimizer something to step), m 8, input 16x8; median step time over the ideal (m+p-1)(tf+tb).
 
-  python3 bench/peer_pipeline.py default|tcp [--steps N --tf-ms N --tb-ms N]
+  python3 bench/peer_pipeline.py default|tcp [--steps N --tf-ms N --tb-ms N --parts small,large,bubble]
 """
 import threading
 import time
@@ -104,7 +104,8 @@ def make_step(shards, x, target, m, loss_fn):
 def run(rank, port, args):
     impl = init(rank, 5, port, args.mode)
     if rank == 0:
-        for size, d, batch in SIZES:
+        parts = args.parts.split(",")
+        for size, d, batch in [s for s in SIZES if s[0] in parts]:
             torch.manual_seed(0)
             x, target = torch.randn(batch, d), torch.randn(batch, d)
             shards = [rpc.remote(w, MLPShard, args=(d,)) for w in ("w1", "w2")]
@@ -124,6 +125,9 @@ def run(rank, port, args):
             emit_line("pipeline", impl, "pipeline_local_step_ms", ms, "ms", processes=1, size=size, dim=d,
                       batch=batch, steps=args.steps)
         p, m, tf, tb = 4, 8, args.tf_ms, args.tb_ms
+        if "bubble" not in parts:
+            rpc.shutdown()
+            return
         shards = [rpc.remote(f"w{r}", SleepShard, args=(tf, tb)) for r in range(1, p + 1)]
         step = make_step(shards, torch.randn(16, 8), None, m, lambda out, _: out.sum())
         step_ms = median_time(args.steps, 1, step, scale=1e3)
@@ -134,4 +138,4 @@ def run(rank, port, args):
 
 
 if __name__ == "__main__":
-    peer_main(__file__, run, 5, {"--steps": 10, "--tf-ms": 10, "--tb-ms": 20})
+    peer_main(__file__, run, 5, {"--steps": 10, "--tf-ms": 10, "--tb-ms": 20, "--parts": "small,large,bubble"})

@@ -19,7 +19,8 @@
 //                                the control overhead per micro-batch cannot go below twice that floor.
 //   pipeline_bubble_ratio        4 stages on workers 1-4, m = 8, each forward sleeping tf and each backward tb (so the
 //                                figure does not depend on cores): step / ideal, ideal = (m + p - 1)(tf + tb).
-// Flags: --steps N (timed steps per figure, after 2 warm-up steps), --tf-ms, --tb-ms.
+// Flags: --steps N (timed steps per figure, after 2 warm-up steps), --tf-ms, --tb-ms, --parts (of
+// small,large,bubble; default all).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -232,12 +233,15 @@ void bubble(int steps, int64_t tf_ms, int64_t tb_ms) {
 int main(int argc, char** argv) {
   int steps = 10;
   int64_t tf_ms = 10, tb_ms = 20;
+  std::string parts = "small,large,bubble";
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string f = argv[i];
     if (f == "--steps") steps = std::atoi(argv[i + 1]);
     else if (f == "--tf-ms") tf_ms = std::atoll(argv[i + 1]);
     else if (f == "--tb-ms") tb_ms = std::atoll(argv[i + 1]);
+    else if (f == "--parts") parts = argv[i + 1];
   }
+  auto part = [&](const std::string& name) { return ("," + parts + ",").find("," + name + ",") != std::string::npos; };
   at::set_num_threads(1);
   at::manual_seed(0);
   tandem::nn::register_module("bench_mlp_stage", [](int64_t d) {
@@ -260,9 +264,9 @@ int main(int argc, char** argv) {
   options.shutdown_timeout = std::chrono::hours(1);  // stage workers wait in shutdown while rank 0 measures
   rpc::init_rpc(options);
   if (rpc::get_worker_info().id == 0) {
-    step_time("small", 256, 128, steps);
-    step_time("large", 1024, 1024, steps);
-    bubble(steps, tf_ms, tb_ms);
+    if (part("small")) step_time("small", 256, 128, steps);
+    if (part("large")) step_time("large", 1024, 1024, steps);
+    if (part("bubble")) bubble(steps, tf_ms, tb_ms);
   }
   rpc::shutdown();
   return 0;

@@ -518,23 +518,39 @@ void set_gradient(int64_t context_id, const at::Tensor& leaf, at::Tensor grad) {
   ctx->grads.insert_or_assign(leaf.unsafeGetTensorImpl(), std::make_pair(leaf, std::move(grad)));
 }
 
+namespace {
+// The context of the call this thread serves, made known here (its caller's release reaches this worker); null when
+// this thread serves no call made in `context_id`.
+std::shared_ptr<Context> adopt(int64_t context_id) {
+  const rpc::CallContext* call = rpc::current_call();
+  if (call == nullptr || context_id < 0 || t_context != context_id) return nullptr;
+  auto ctx = Container::get().get_or_create(context_id);
+  ctx->add_worker(call->caller_rank);
+  return ctx;
+}
+}  // namespace
+
 void add_gradient(int64_t context_id, const at::Tensor& leaf, const at::Tensor& grad) {
   auto ctx = Container::get().find(context_id);
+  // Not known here yet: made here only while this thread serves a call made in that context. Anything else is a
+  // context that was released (or never existed): an error, never one brought back to life that nobody would release.
+  if (!ctx) ctx = adopt(context_id);
   if (!ctx) {
-    // Not known here yet: made here only while this thread serves a call made in that context, whose caller's release
-    // reaches this worker. Anything else is a context that was released (or never existed): an error, never one
-    // brought back to life that nobody would release.
-    const rpc::CallContext* call = rpc::current_call();
-    if (call == nullptr || t_context != context_id) {
-      throw RpcError(absl::NotFoundError(absl::StrCat("distributed autograd context ", context_id,
-                                                      " does not exist on worker '", worker_name(),
-                                                      "' (released?), and no call made in it is being served here")));
-    }
-    ctx = Container::get().get_or_create(context_id);
-    ctx->add_worker(call->caller_rank);
+    throw RpcError(
+        absl::NotFoundError(absl::StrCat("distributed autograd context ", context_id, " does not exist on worker '",
+                                         worker_name(), "' (released?), and no call made in it is being served here")));
   }
   MutexLock lock(&ctx->mu);
   ctx->accumulate(leaf, grad);
+}
+
+int64_t adopt_current_context() {
+  if (!adopt(t_context)) {
+    throw RpcError(absl::FailedPreconditionError(absl::StrCat("adopt_current_context on worker '", worker_name(),
+                                                              "': this thread serves no call made in a "
+                                                              "distributed autograd context")));
+  }
+  return t_context;
 }
 
 rpc::Future release_context(int64_t context_id) { return release_on(context_id, -1); }

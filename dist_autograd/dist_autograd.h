@@ -93,6 +93,12 @@ void set_gradient(int64_t context_id, const at::Tensor& leaf, at::Tensor grad);
 // Thread-safe.
 void add_gradient(int64_t context_id, const at::Tensor& leaf, const at::Tensor& grad);
 
+// Makes the context of the call this thread serves (current_context()) known on this worker, as add_gradient does when
+// it must, and returns its id: a thread that serves no call (a pipeline stage's own thread) may then add gradients to
+// it, until its caller releases it, whose release reaches this worker. Throws tandem::Error (FAILED_PRECONDITION)
+// when this thread serves no call made in a context. Thread-safe.
+int64_t adopt_current_context();
+
 // Releases a context here and, asynchronously, on every worker it touched; the future completes when all did.
 rpc::Future release_context(int64_t context_id);
 

@@ -1,5 +1,5 @@
 // Pipeline parallelism, the driver: creating a pipeline (its stages built on their workers), a training step (the
-// plans sent, every worker's reply awaited, the step committed or abandoned), inference, and what a step measured.
+// plans sent, every worker's reply awaited, the step abandoned on a failure), inference, and what a step measured.
 // The stage workers' side is detail/runtime.cc.
 #include "pipeline/pipeline.h"
 
@@ -30,7 +30,6 @@ namespace tandem::pipeline {
 using detail::Clock;
 using detail::fail;
 using detail::kAbort;
-using detail::kCommit;
 using detail::kCreate;
 using detail::kErrorGrace;
 using detail::kForward;
@@ -140,7 +139,6 @@ struct Pipeline::State {
     }
     wait_all(opts, replies, step_id);
     for (size_t w = 0; w < workers.size(); ++w) plan_held.insert({w, m});
-    commit(opts, step_id);
     StepStats step_stats;
     step_stats.step_ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
     step_stats.busy_ms.assign(n, 0);
@@ -174,26 +172,6 @@ struct Pipeline::State {
     stats = std::move(step_stats);
     timeline = std::move(events);
     return loss;
-  }
-
-  // Every worker finished the step: each now delivers the gradients it holds (to this call's distributed autograd
-  // context, the caller's, or to .grad). Until here nothing of the step reached a gradient anywhere.
-  void commit(const PipelineOptions& opts, int64_t step_id) {
-    std::vector<rpc::Future> done;
-    for (int w : workers) done.push_back(rpc::rpc_async(w, kCommit, id, step_id, opts.timeout));
-    std::vector<std::string> errors;
-    absl::StatusCode code = absl::StatusCode::kOk;
-    for (size_t w = 0; w < done.size(); ++w) {
-      absl::Status s = done[w].status();
-      if (s.ok()) continue;
-      if (code == absl::StatusCode::kOk) code = s.code();
-      errors.push_back(describe_worker(workers[w]) + ": " + std::string(s.message()));
-    }
-    if (!errors.empty()) {
-      fail(code, absl::StrCat("step ", step_id, " of pipeline ", id,
-                              ": delivering the gradients failed (other workers may have delivered theirs): ",
-                              absl::StrJoin(errors, "; ")));
-    }
   }
 
   // Waits for every worker's reply. On the first error, tells every worker to abandon the step, gathers the others'

@@ -25,8 +25,9 @@
 // last stage weighs each micro-batch's loss by its share of the batch (n_i / N; PyTorch's scale_grads when they are
 // equal), so the loss and the gradients are the whole batch's. Each worker runs a pipeline's plans on one thread of its
 // own for that pipeline, in step order (the run of step n + 1 never starts before step n's has ended there), and holds
-// its gradients when done; only when every worker has finished does the driver commit the step, and the gradients are
-// added to the caller's distributed autograd context on each stage's worker (or to the parameters' .grad, by option).
+// its gradients when done; only when every worker has heard from every other one that it finished (one-way messages
+// between them) are the gradients added to the caller's distributed autograd context on each stage's worker (or to
+// the parameters' .grad, by option); then each worker replies.
 //
 // Checkpointing (PipelineOptions::checkpoint) gives the same loss, gradients and buffers as without: the recompute in
 // backward starts from the CPU generator's state of the first forward (dropout draws the same mask; the generator then

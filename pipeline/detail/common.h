@@ -26,7 +26,7 @@ inline constexpr const char* kAct = "__tandem.pipeline.act";
 inline constexpr const char* kAbort = "__tandem.pipeline.abort";
 inline constexpr const char* kRelease = "__tandem.pipeline.release";
 inline constexpr const char* kForward = "__tandem.pipeline.forward";
-inline constexpr const char* kCommit = "__tandem.pipeline.commit";
+inline constexpr const char* kDone = "__tandem.pipeline.done";
 inline constexpr const char* kPing = "__tandem.pipeline.ping";
 // How often a stage worker checks that the drivers of the pipelines it holds stages of are alive (a driver that died
 // leaves its stages behind otherwise), and how long each check may take.

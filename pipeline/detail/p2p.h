@@ -35,6 +35,10 @@ struct MailKey {
   }
 };
 
+// The stage of the key under which worker `rank`'s word that it finished its run of a step arrives (a stage index
+// below zero: no stage's).
+inline int finished_key(int rank) { return -1 - rank; }
+
 class Mailbox {
  public:
   static Mailbox& get();  // this process's

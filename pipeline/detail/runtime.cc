@@ -84,14 +84,6 @@ class Executor {
   std::thread thread_;  // last: starts once the members above exist
 };
 
-// A finished run's gradients, held until the driver commits the step (every worker succeeded) or abandons it: a
-// failed step leaves no gradient anywhere.
-struct HeldGradients {
-  int64_t step = -1;
-  bool to_grad = false;
-  std::vector<std::pair<at::Tensor, at::Tensor>> grads;  // (parameter, gradient)
-};
-
 // A plan as the driver sent it once for a number of micro-batches: later steps of that shape name it.
 struct CachedPlan {
   std::vector<Action> actions;
@@ -105,7 +97,6 @@ struct PipeEntry {
   int driver = -1;  // the rank that created it: when it dies, the pipeline goes
   std::map<int, std::shared_ptr<Stage>> stages;
   std::shared_ptr<Executor> executor;
-  std::optional<HeldGradients> held;
 };
 
 void sweep_loop();
@@ -131,19 +122,23 @@ Stages& stages() {
   static auto* s = new Stages;  // never destroyed: RPC threads may use it until exit
   return *s;
 }
-std::shared_ptr<Stage> find_stage(int64_t pipe, int stage) {
+// f(what this worker holds of `pipe`, or null), under the lock.
+template <typename F>
+auto with_pipe(int64_t pipe, F f) {
   Stages& s = stages();
   MutexLock lock(&s.mu);
   auto it = s.pipes.find(pipe);
-  if (it == s.pipes.end()) return nullptr;
-  auto st = it->second.stages.find(stage);
-  return st == it->second.stages.end() ? nullptr : st->second;
+  return f(it == s.pipes.end() ? nullptr : &it->second);
+}
+std::shared_ptr<Stage> find_stage(int64_t pipe, int stage) {
+  return with_pipe(pipe, [stage](PipeEntry* e) -> std::shared_ptr<Stage> {
+    if (!e) return nullptr;
+    auto st = e->stages.find(stage);
+    return st == e->stages.end() ? nullptr : st->second;
+  });
 }
 std::shared_ptr<Executor> executor_of(int64_t pipe) {
-  Stages& s = stages();
-  MutexLock lock(&s.mu);
-  auto it = s.pipes.find(pipe);
-  return it == s.pipes.end() ? nullptr : it->second.executor;
+  return with_pipe(pipe, [](PipeEntry* e) { return e ? e->executor : nullptr; });
 }
 bool was_released(int64_t pipe) {
   Stages& s = stages();
@@ -167,36 +162,14 @@ std::atomic<int64_t> g_plans_received{0};
 // Keeps `plan` for steps of `m` micro-batches; false when the pipeline is not held here.
 bool cache_plan(int64_t pipe, int64_t m, std::shared_ptr<const CachedPlan> plan) {
   ++g_plans_received;
-  Stages& s = stages();
-  MutexLock lock(&s.mu);
-  auto it = s.pipes.find(pipe);
-  if (it == s.pipes.end()) return false;
-  it->second.plans[m] = std::move(plan);
-  return true;
+  return with_pipe(pipe, [&](PipeEntry* e) { return e && (e->plans[m] = std::move(plan), true); });
 }
 std::shared_ptr<const CachedPlan> find_plan(int64_t pipe, int64_t m) {
-  Stages& s = stages();
-  MutexLock lock(&s.mu);
-  auto it = s.pipes.find(pipe);
-  if (it == s.pipes.end()) return nullptr;
-  auto p = it->second.plans.find(m);
-  return p == it->second.plans.end() ? nullptr : p->second;
-}
-void hold_gradients(int64_t pipe, HeldGradients held) {
-  Stages& s = stages();
-  MutexLock lock(&s.mu);
-  auto it = s.pipes.find(pipe);
-  if (it != s.pipes.end()) it->second.held = std::move(held);
-}
-// The gradients held for `step`, taken out (nullopt when none: abandoned, released, or another step's).
-std::optional<HeldGradients> take_gradients(int64_t pipe, int64_t step) {
-  Stages& s = stages();
-  MutexLock lock(&s.mu);
-  auto it = s.pipes.find(pipe);
-  if (it == s.pipes.end() || !it->second.held || it->second.held->step != step) return std::nullopt;
-  std::optional<HeldGradients> held = std::move(it->second.held);
-  it->second.held.reset();
-  return held;
+  return with_pipe(pipe, [m](PipeEntry* e) -> std::shared_ptr<const CachedPlan> {
+    if (!e) return nullptr;
+    auto p = e->plans.find(m);
+    return p == e->plans.end() ? nullptr : p->second;
+  });
 }
 void release_pipes(const std::vector<int64_t>& pipes);
 
@@ -245,12 +218,10 @@ void release_pipes(const std::vector<int64_t>& pipes) {
 
 struct Plan {
   int64_t pipe = 0, step = 0;
-  std::vector<Action> actions;
-  std::vector<int> stage_rank;
+  std::shared_ptr<const CachedPlan> kept;  // the actions, the stages' ranks and the loss
   std::vector<int64_t> sizes;
   std::vector<Args> inputs;         // stage 0's micro-batches, each its arguments (else empty)
   std::vector<at::Tensor> targets;  // the last stage's targets (else empty)
-  std::string loss;
   bool checkpoint = false, to_grad = false, record = false;
   std::chrono::milliseconds timeout{0};
   int64_t context = -1;
@@ -267,16 +238,16 @@ class Run {
  public:
   explicit Run(Plan plan)
       : p_(std::move(plan)), deadline_(Clock::now() + p_.timeout), self_(rpc::get_worker_info().id) {
-    for (int r : p_.stage_rank) stage_names_.push_back(rpc::get_worker_info(r).name);
+    for (int r : p_.kept->stage_rank) stage_names_.push_back(rpc::get_worker_info(r).name);
   }
 
   // Returns (loss, [stage, peak, busy_us]..., [stage, mb, backward, start_us, end_us]..., this process's peak resident
   // memory in KiB).
   c10::IValue execute() {
-    const int n = static_cast<int>(p_.stage_rank.size());
+    const int n = static_cast<int>(p_.kept->stage_rank.size());
     const int64_t batch = std::accumulate(p_.sizes.begin(), p_.sizes.end(), int64_t{0});
     const LossFn loss = find_loss_if_last(n);
-    for (const Action& a : p_.actions) {
+    for (const Action& a : p_.kept->actions) {
       StageRun& run = stage_run(a.stage);
       compute_start_ = compute_end_ = 0;
       try {
@@ -295,16 +266,10 @@ class Run {
         throw RpcError(absl::DeadlineExceededError("a message to the next stage did not complete"));
       throw_if_error(f.status());
     }
+    agree_finished();
     std::vector<int64_t> stats;
-    HeldGradients held{p_.step, p_.to_grad, {}};
-    for (auto& [index, run] : runs_) {
-      for (size_t j = 0; j < run.grads.size(); ++j) {
-        if (run.grads[j].defined()) held.grads.emplace_back(run.stage->params[j], std::move(run.grads[j]));
-      }
-      stats.insert(stats.end(), {index, run.peak, run.busy_us});
-    }
-    // Delivered when the driver commits the step (every worker succeeded); dropped if it abandons it.
-    if (!Mailbox::get().aborted(p_.pipe, p_.step)) hold_gradients(p_.pipe, std::move(held));
+    for (auto& [index, run] : runs_) stats.insert(stats.end(), {index, run.peak, run.busy_us});
+    deliver_gradients();
     return c10::ivalue::Tuple::create(
         {c10::IValue(loss_), rpc::to_ivalue(stats), rpc::to_ivalue(events_), c10::IValue(peak_resident_kib())});
   }
@@ -315,9 +280,60 @@ class Run {
                     std::chrono::duration_cast<std::chrono::milliseconds>(deadline_ - Clock::now()));
   }
 
+  // The step is done only when every worker of it finished its run: each tells the others (one-way) and waits to hear
+  // from all of them, so a failed step leaves no gradient anywhere (its workers wait in vain until the driver, told
+  // of the failure, abandons the step here).
+  void agree_finished() {
+    std::set<int> others(p_.kept->stage_rank.begin(), p_.kept->stage_rank.end());
+    others.erase(self_);
+    for (int w : others)
+      watch(rpc::rpc_oneway(w, kDone, p_.pipe, p_.step, int64_t{self_}, remaining()), "end of the run", w);
+    for (int w : others) {
+      auto got = Mailbox::get().take(MailKey{p_.pipe, p_.step, finished_key(w), 0, false}, deadline_,
+                                     absl::StrCat("worker '", rpc::get_worker_info(w).name, "' to finish its run"));
+      throw_if_error(got.status());
+    }
+  }
+
+  // Adds the step's gradients to the caller's distributed autograd context here, or to the parameters' .grad.
+  void deliver_gradients() {
+    if (Mailbox::get().aborted(p_.pipe, p_.step)) {
+      throw RpcError(absl::AbortedError("the step was abandoned before its gradients were delivered"));
+    }
+    at::NoGradGuard no_grad;
+    for (auto& [index, run] : runs_) {
+      for (size_t j = 0; j < run.grads.size(); ++j) {
+        at::Tensor& g = run.grads[j];
+        if (!g.defined()) continue;
+        at::Tensor param = run.stage->params[j];
+        if (!p_.to_grad) {
+          dist_autograd::add_gradient(p_.context, param, g);
+        } else if (param.grad().defined()) {
+          param.mutable_grad().add_(g);
+        } else {
+          param.mutable_grad() = std::move(g);  // the run's own tensor: nobody else holds it
+        }
+      }
+    }
+  }
+
+  // A failed send wakes this worker's waits at once: the step cannot finish without that message.
+  void watch(rpc::Future f, std::string what, int to) {
+    const int64_t pipe = p_.pipe, step = p_.step;
+    f.add_callback([pipe, step, what = std::move(what), to](const rpc::Future& done) {
+      absl::Status s = done.status();
+      if (s.ok()) return;
+      Mailbox::get().abort(
+          pipe, step,
+          absl::Status(s.code(), absl::StrCat("sending the ", what, " to worker '", rpc::get_worker_info(to).name,
+                                              "' failed: ", s.message())));
+    });
+    sends_.push_back(std::move(f));
+  }
+
   LossFn find_loss_if_last(int n) {
-    for (const Action& a : p_.actions) {
-      if (a.stage == n - 1) return find_loss(p_.loss);
+    for (const Action& a : p_.kept->actions) {
+      if (a.stage == n - 1) return find_loss(p_.kept->loss);
     }
     return nullptr;
   }
@@ -353,23 +369,12 @@ class Run {
 
   void send(int stage, int mb, bool grad, c10::IValue t) {
     compute_end_ = now_us();
-    const int to = p_.stage_rank[stage];
+    const int to = p_.kept->stage_rank[stage];
     if (to == self_) return Mailbox::get().put(MailKey{p_.pipe, p_.step, stage, mb, grad}, std::move(t));
     // One-way: no acknowledgement comes back (a lost receiver fails the step by the driver's call to it, or by the
     // receivers' deadlines); the future completes once the message is on its way.
-    rpc::Future f =
-        rpc::rpc_oneway(to, kAct, p_.pipe, p_.step, int64_t{stage}, int64_t{mb}, grad, std::move(t), remaining());
-    const int64_t pipe = p_.pipe, step = p_.step;
-    f.add_callback([pipe, step, stage, mb, grad](const rpc::Future& done) {
-      absl::Status s = done.status();
-      if (s.ok()) return;
-      // Wakes this worker's waits at once: the step cannot finish without that message.
-      Mailbox::get().abort(
-          pipe, step,
-          absl::Status(s.code(), absl::StrCat("sending the ", grad ? "gradient" : "activation", " of micro-batch ", mb,
-                                              " to stage ", stage, " failed: ", s.message())));
-    });
-    sends_.push_back(std::move(f));
+    watch(rpc::rpc_oneway(to, kAct, p_.pipe, p_.step, int64_t{stage}, int64_t{mb}, grad, std::move(t), remaining()),
+          absl::StrCat(grad ? "gradient" : "activation", " of micro-batch ", mb, " for stage ", stage), to);
   }
 
   void forward(StageRun& run, const Action& a, int n, const LossFn& loss, int64_t batch) {
@@ -463,22 +468,22 @@ rpc::Future on_run(int64_t pipe, int64_t step, std::vector<int64_t> actions, std
   Plan plan;
   plan.pipe = pipe, plan.step = step;
   if (flags.size() != 4 || sizes.empty()) throw_error(absl::InvalidArgumentError("malformed pipeline plan"));
-  auto cached = plan_of(pipe, static_cast<int64_t>(sizes.size()), actions, stage_rank, std::move(loss));
-  plan.actions = cached->actions;
-  plan.stage_rank = cached->stage_rank;
-  loss = cached->loss;
+  plan.kept = plan_of(pipe, static_cast<int64_t>(sizes.size()), actions, stage_rank, std::move(loss));
   plan.sizes = std::move(sizes);
   for (auto& x : inputs) {
     if (!x.isTuple()) throw_error(absl::InvalidArgumentError("malformed pipeline plan: a micro-batch is not a tuple"));
     plan.inputs.push_back(args_of(std::move(x)));
   }
   plan.targets = std::move(targets);
-  plan.loss = std::move(loss);
   plan.checkpoint = flags[0] != 0, plan.to_grad = flags[1] != 0, plan.record = flags[2] != 0;
   plan.timeout = std::chrono::milliseconds(std::max<int64_t>(1, flags[3]));
-  plan.context = dist_autograd::current_context();
-  if (!plan.to_grad && plan.context < 0) {
-    throw_error(absl::FailedPreconditionError("the plan came without a distributed autograd context"));
+  if (!plan.to_grad) {
+    // The gradients go to the caller's context here: known on this worker from now on, so the run's own thread may
+    // add to it and the caller's release reaches it.
+    if (dist_autograd::current_context() < 0) {
+      throw_error(absl::FailedPreconditionError("the plan came without a distributed autograd context"));
+    }
+    plan.context = dist_autograd::adopt_current_context();
   }
   auto executor = executor_of(pipe);
   if (!executor) {
@@ -503,31 +508,6 @@ rpc::Future on_run(int64_t pipe, int64_t step, std::vector<int64_t> actions, std
   });
   if (!queued) throw_error(absl::AbortedError(absl::StrCat("pipeline ", pipe, " was released on this worker")));
   return result;
-}
-
-// The driver's commit of a step every worker finished: this worker's gradients of that step go to the parameters'
-// .grad or to the distributed autograd context of this call (which the driver made in the step's context).
-void on_commit(int64_t pipe, int64_t step) {
-  std::optional<HeldGradients> held = take_gradients(pipe, step);
-  if (!held) {
-    throw_error(absl::FailedPreconditionError(absl::StrCat("no gradients of step ", step, " of pipeline ", pipe,
-                                                           " are held on worker '", self_name(),
-                                                           "' (abandoned, or the pipeline was released)")));
-  }
-  if (held->to_grad) {
-    at::NoGradGuard no_grad;
-    for (auto& [param, g] : held->grads) {
-      if (param.grad().defined()) {
-        param.mutable_grad().add_(g);
-      } else {
-        param.mutable_grad() = std::move(g);  // the run's own tensor: nobody else holds it
-      }
-    }
-    return;
-  }
-  const int64_t context = dist_autograd::current_context();
-  if (context < 0) throw_error(absl::FailedPreconditionError("the commit came without a distributed autograd context"));
-  for (const auto& [param, g] : held->grads) dist_autograd::add_gradient(context, param, g);
 }
 
 // Inference, one micro-batch on one stage (on the pipeline's executor, in eval mode, without gradients), then the
@@ -613,7 +593,9 @@ bool install() {
     return rpc::Future::ready(c10::ivalue::Tuple::create(std::move(refs)));
   }));
   rpc::register_function(kRun, on_run);
-  rpc::register_function(kCommit, on_commit);
+  rpc::register_function(kDone, [](int64_t pipe, int64_t step, int64_t from) {
+    Mailbox::get().put(MailKey{pipe, step, finished_key(static_cast<int>(from)), 0, false}, c10::IValue());
+  });
   rpc::register_function(kForward, on_forward);
   rpc::register_function(kPing, [] {});
   rpc::register_function(kAct, [](int64_t pipe, int64_t step, int64_t stage, int64_t mb, bool grad, c10::IValue t) {
@@ -621,7 +603,6 @@ bool install() {
   });
   rpc::register_function(kAbort, [](int64_t pipe, int64_t step, std::string reason) {
     Mailbox::get().abort(pipe, step, absl::AbortedError(reason));
-    (void)take_gradients(pipe, step);  // a run that finished before the abort came: its gradients go
   });
   rpc::register_function(kRelease, [](int64_t pipe) { release_pipes({pipe}); });
   rpc::add_stop_hook([] {

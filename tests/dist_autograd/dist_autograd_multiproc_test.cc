@@ -229,6 +229,27 @@ TEST_F(MultiprocDistAutograd, UnknownContextAndBadRootsAreErrors) {
   EXPECT_EQ(dist_autograd::current_context(), ctx.id());
 }
 
+// A context adopted while serving a call takes gradients from another thread of that worker, and goes with the
+// caller's release; adopting outside a call is FAILED_PRECONDITION.
+TEST_F(MultiprocDistAutograd, AnAdoptedContextTakesGradientsFromAnyThreadAndGoesWithTheCaller) {
+  start({.world_size = 2});
+  EXPECT_THROW(dist_autograd::adopt_current_context(), RpcError);
+  {
+    dist_autograd::ContextGuard ctx;
+    EXPECT_EQ(rpc::rpc_sync<int64_t>("worker1", "adopt_and_add", std::string("pa")),
+              static_cast<int64_t>(absl::StatusCode::kFailedPrecondition));
+    auto [known, g] = rpc::rpc_sync<std::tuple<bool, at::Tensor>>("worker1", "grad_of", ctx.id(), std::string("pa"));
+    EXPECT_TRUE(known);
+    EXPECT_TRUE(g.equal(at::ones({4, 4}, at::kDouble)));
+    EXPECT_EQ(rpc::rpc_sync<int64_t>("worker1", "contexts"), 1);
+  }
+  const auto deadline = Clock::now() + scaled(milliseconds(5000));
+  while (rpc::rpc_sync<int64_t>("worker1", "contexts") != 0 && Clock::now() < deadline) {
+    std::this_thread::sleep_for(milliseconds(5));
+  }
+  EXPECT_EQ(rpc::rpc_sync<int64_t>("worker1", "contexts"), 0);
+}
+
 }  // namespace
 }  // namespace tandem::test
 

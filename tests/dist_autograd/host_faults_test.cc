@@ -22,8 +22,8 @@ void backward_over_a_cut_link(HostFaults& t, bool mid) {
   {
     dist_autograd::ContextGuard ctx;
     at::Tensor h = rpc::rpc_sync<at::Tensor>("worker2", "layer", std::string("w2"), x);
-    at::Tensor y = rpc::rpc_sync<at::Tensor>("worker1", "slow_backward_layer", std::string("w1"),
-                                             int64_t{mid ? 1500 : 0}, h);
+    at::Tensor y =
+        rpc::rpc_sync<at::Tensor>("worker1", "slow_backward_layer", std::string("w1"), int64_t{mid ? 1500 : 0}, h);
     if (!mid) host_fault("cut", 1);
     const auto t0 = Clock::now();
     // A future, not a thread: whatever the backward throws, it is waited for (and a failed cut reported), never a

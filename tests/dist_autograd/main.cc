@@ -12,8 +12,8 @@
 #include "dist_autograd/dist_autograd.h"
 #include "rref/rref.h"
 #include "tests/common/params.h"
-#include "tests/common/test_env.h"
 #include "tests/common/spawner.h"
+#include "tests/common/test_env.h"
 
 namespace tandem::test {
 
@@ -72,6 +72,21 @@ void register_functions() {
     return slowly(at::tanh(x.mm(param(p, 4, 4))), ms);
   });
   rpc::register_function("contexts", [] { return dist_autograd::stats().contexts; });
+  // Adopts the call's context, then adds ones to parameter `p`'s gradient in it from a thread that serves no call (as
+  // a pipeline stage's thread does); that thread's own adopt_current_context fails. Returns the error code it got.
+  rpc::register_function("adopt_and_add", [](std::string p) {
+    const int64_t ctx = dist_autograd::adopt_current_context();
+    int64_t code = 0;
+    std::thread([&] {
+      dist_autograd::add_gradient(ctx, param(p, 4, 4), at::ones({4, 4}, at::kDouble));
+      try {
+        dist_autograd::adopt_current_context();
+      } catch (const RpcError& e) {
+        code = static_cast<int64_t>(e.status().code());
+      }
+    }).join();
+    return code;
+  });
 }
 
 }  // namespace
