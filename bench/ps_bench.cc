@@ -2,15 +2,32 @@
 // 2 trainers (tandem-run --nproc-per-node 3), batch 64, synchronous mode (both trainers step concurrently; the server
 // averages their gradients each step), SGD. Random inputs (the figure is about the framework, not the data).
 //   ps_steps_per_s  training steps per second summed over the trainers (each measures its own rate and reports it
-//                   to the server, which prints the sum)
+//                   to the server, which prints the sum). The line also tells where a step's time goes:
+//                   trainer_step_us (means per step over the trainers: forward, loss_and_backward, submit, release),
+//                   server_cpu_per_round_us (the server's CPU time per round, warm-up included) and
+//                   server_cores_busy (the server's CPU time over the run's wall time: 2.0 would be both cores).
+//                   Beside it (impl "floor", measured by rank 0 first, before any other thread runs) the limit of the
+//                   machine for this training: two threads of one process, each a trainer's step on the one model
+//                   (forward, loss, backward for its own gradients), then both average theirs and one of them steps
+//                   SGD (momentum 0.9), as the server does; the summed steps per second, with no RPC, copy or process
+//                   boundary in the way.
 // Flags: --steps N (per trainer, after 10% warm-up).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/nn/functional/loss.h>
 
+#include <torch/autograd.h>
+#include <torch/nn/modules/activation.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/optim/sgd.h>
+
+#include <sys/resource.h>
+#include <condition_variable>
 #include <cstdlib>
 #include <mutex>
 #include <string>
+#include <thread>
 
 #include "bench/common.h"
 #include "dist_autograd/dist_autograd.h"
@@ -23,7 +40,63 @@ namespace examples = tandem::examples;
 
 namespace {
 std::mutex g_mu;
-double g_rate_sum = 0;  // the trainers' own rates, reported to the server
+double g_rate_sum = 0;            // the trainers' own rates, reported to the server
+std::vector<double> g_phases(4);  // their mean phases per step (us), summed over trainers
+
+// CPU time (user + system) this process used so far, in seconds.
+double cpu_seconds() {
+  struct rusage ru;
+  getrusage(RUSAGE_SELF, &ru);
+  return static_cast<double>(ru.ru_utime.tv_sec + ru.ru_stime.tv_sec) +
+         static_cast<double>(ru.ru_utime.tv_usec + ru.ru_stime.tv_usec) / 1e6;
+}
+
+// The two-threads-in-one-process limit (see the top): summed steps per second over `steps` rounds after a tenth as
+// many warm-up rounds, and the CPU time per round (us).
+std::pair<double, double> local_limit(int steps) {
+  namespace tn = torch::nn;
+  torch::manual_seed(0);
+  tn::Sequential model(tn::Flatten(), tn::Linear(784, 512), tn::ReLU(), tn::Linear(512, 512), tn::ReLU(),
+                       tn::Linear(512, 10));
+  std::vector<at::Tensor> params = model->parameters();
+  torch::optim::SGD opt(params, torch::optim::SGDOptions(0.01).momentum(0.9));
+  std::mutex mu;
+  std::condition_variable cv;
+  int arrived = 0;
+  int64_t round = 0;
+  std::vector<at::Tensor> sum(params.size());
+  const int warmup = steps / 10;
+  double t0 = 0, cpu0 = 0;
+  auto trainer = [&](int seed) {
+    const at::Tensor x = at::randn({64, 784}, at::detail::createCPUGenerator(seed));
+    const at::Tensor y = at::randint(0, 10, {64}, at::detail::createCPUGenerator(seed), at::kLong);
+    for (int s = 0; s < warmup + steps; ++s) {
+      at::Tensor loss = torch::nn::functional::cross_entropy(model->forward(x), y);
+      std::vector<at::Tensor> grads = torch::autograd::grad({loss}, params);
+      std::unique_lock<std::mutex> lock(mu);
+      for (size_t i = 0; i < params.size(); ++i) sum[i] = sum[i].defined() ? sum[i].add_(grads[i]) : grads[i];
+      if (++arrived < 2) {
+        const int64_t mine = round;
+        cv.wait(lock, [&] { return round != mine; });
+        continue;
+      }
+      {
+        at::NoGradGuard no_grad;
+        for (size_t i = 0; i < params.size(); ++i) params[i].mutable_grad() = sum[i].div_(2);
+        opt.step();
+        for (auto& g : sum) g = at::Tensor();
+      }
+      arrived = 0;
+      ++round;
+      if (round == warmup) t0 = bench::now_us(), cpu0 = cpu_seconds();
+      cv.notify_all();
+    }
+  };
+  std::thread a(trainer, 1), b(trainer, 2);
+  a.join();
+  b.join();
+  return {2.0 * steps / ((bench::now_us() - t0) / 1e6), (cpu_seconds() - cpu0) / steps * 1e6};
+}
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -33,12 +106,22 @@ int main(int argc, char** argv) {
   }
   at::set_num_threads(1);
   examples::register_parameter_server();
-  rpc::register_function("bench.rate", [](double rate) {
+  rpc::register_function("bench.rate", [](double rate, std::vector<double> phases) {
     std::lock_guard<std::mutex> lock(g_mu);
     g_rate_sum += rate;
+    for (size_t i = 0; i < g_phases.size() && i < phases.size(); ++i) g_phases[i] += phases[i];
   });
   const int rank = std::atoi(std::getenv("RANK") ? std::getenv("RANK") : "0");
   const int world = std::atoi(std::getenv("WORLD_SIZE") ? std::getenv("WORLD_SIZE") : "1");
+  if (rank == 0) {  // before RPC starts its threads; the trainers wait for it in init_rpc
+    const auto [rate, cpu_us] = local_limit(steps);
+    bench::emit_floor("ps", "ps_steps_per_s", rate, "steps/s",
+                      "\"processes\":1,\"threads\":2,\"intra_op_threads\":1,\"model\":\"mlp784-512-512-10\","
+                      "\"batch\":64,\"mode\":\"sync\",\"what\":\"two trainers as threads of one process\","
+                      "\"steps_per_trainer\":" +
+                          std::to_string(steps) +
+                          ",\"cpu_per_round_us\":" + std::to_string(static_cast<int64_t>(cpu_us)));
+  }
   rpc::init_rpc(rank == 0 ? "ps" : "trainer" + std::to_string(rank), rank, world);
   const int trainers = world - 1;
   if (rank == 0) {
@@ -49,26 +132,51 @@ int main(int argc, char** argv) {
     options.trainers = trainers;
     options.evaluate = false;
     examples::start_parameter_server(options);
+    const double cpu0 = cpu_seconds(), wall0 = bench::now_us();
     if (!examples::wait_for_trainers(std::chrono::minutes(30))) return 1;
+    // The server's CPU time per round (warm-up included) and its share of the machine's 2 cores over the run.
+    const double cpu = cpu_seconds() - cpu0, wall = (bench::now_us() - wall0) / 1e6;
+    const int rounds = steps + steps / 10;
     std::lock_guard<std::mutex> lock(g_mu);
+    auto us = [&](int i) { return std::to_string(static_cast<int64_t>(g_phases[i] / trainers)); };
     bench::emit("ps", "ps_steps_per_s", g_rate_sum, "steps/s",
                 "\"processes\":" + std::to_string(world) + ",\"intra_op_threads\":1,\"trainers\":" +
                     std::to_string(trainers) + ",\"model\":\"mlp784-512-512-10\",\"batch\":64,\"mode\":\"sync\"," +
-                    "\"steps_per_trainer\":" + std::to_string(steps));
+                    "\"steps_per_trainer\":" + std::to_string(steps) + ",\"trainer_step_us\":{\"forward\":" + us(0) +
+                    ",\"loss_and_backward\":" + us(1) + ",\"submit\":" + us(2) + ",\"release\":" + us(3) +
+                    "},\"server_cpu_per_round_us\":" + std::to_string(static_cast<int64_t>(cpu / rounds * 1e6)) +
+                    ",\"server_cores_busy\":" + std::to_string(cpu / wall));
   } else {
     auto model = examples::server_model();
     const at::Tensor x = at::randn({64, 784});
     const at::Tensor y = at::randint(0, 10, {64}, at::kLong);
     double t0 = 0;
     const int warmup = steps / 10;
+    // Each phase's time (us): the forward on the server, the loss here and the distributed backward, the submit
+    // (the wait for the other trainers and the server's step), the context's release.
+    std::vector<double> phases(4, 0.0);
     for (int s = 0; s < warmup + steps; ++s) {
       if (s == warmup) t0 = bench::now_us();
-      tandem::dist_autograd::ContextGuard ctx;
-      at::Tensor loss = torch::nn::functional::cross_entropy(model.forward(x), y);
-      tandem::dist_autograd::backward(ctx.id(), {loss});
-      examples::submit(ctx.id());
+      double mark = bench::now_us();
+      auto lap = [&](int phase) {
+        const double now = bench::now_us();
+        if (s >= warmup) phases[phase] += now - mark;
+        mark = now;
+      };
+      {
+        tandem::dist_autograd::ContextGuard ctx;
+        at::Tensor out = model.forward(x);
+        lap(0);
+        at::Tensor loss = torch::nn::functional::cross_entropy(out, y);
+        tandem::dist_autograd::backward(ctx.id(), {loss});
+        lap(1);
+        examples::submit(ctx.id());
+        lap(2);
+      }
+      lap(3);
     }
-    rpc::rpc_sync("ps", "bench.rate", steps / ((bench::now_us() - t0) / 1e6));
+    for (double& p : phases) p /= steps;
+    rpc::rpc_sync("ps", "bench.rate", steps / ((bench::now_us() - t0) / 1e6), phases);
     examples::done();
   }
   rpc::shutdown();
