@@ -42,8 +42,10 @@
 // a stage whose forward or backward throws (for instance an input of the wrong shape or dtype from the previous stage,
 // found on the first step), a dead stage worker, a lost message or the step's deadline: step() fails naming the
 // stage, its worker and the micro-batch, the other workers abandon the step at once, and the next step works. A failed
-// step leaves no gradient anywhere: no context on any worker, .grad unchanged (a worker that dies after finishing the
-// step but before delivering is the one case where the others' gradients are delivered and the step still fails).
+// step leaves no gradient anywhere: no context on any worker, .grad unchanged. Except when the failure comes after
+// every worker said that it finished its run: a worker that dies or loses its connection then, a word of finishing
+// lost between two workers, or a reply lost on its way to the driver fail a step whose gradients were delivered on
+// some or all workers (docs/pipeline.md, "Errors and deadlines").
 //
 // Thread-safety: one step or forward() at a time per Pipeline (each waits for the other); several pipelines may share
 // workers.

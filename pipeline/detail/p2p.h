@@ -1,5 +1,6 @@
 // The mailbox of a stage worker: activations and gradients that other stages sent to this worker's stages, matched
-// by (pipeline, step, stage, micro-batch, direction). Each waiting receive has a wake-up of its own: a delivery wakes
+// by (pipeline, step, stage, micro-batch, direction), and the other workers' word that they finished their run of a
+// step (under a stage below zero, finished_key). Each waiting receive has a wake-up of its own: a delivery wakes
 // the one receive waiting for its key, never every waiter of the process. A message delivered twice is kept once,
 // and what arrives for a step that ended here, was abandoned, or whose pipeline was released is dropped.
 //

@@ -195,7 +195,7 @@ void sweep_loop() {
   }
 }
 
-// Releases pipelines on this worker: their stages, mailbox entries and held gradients go, and each one's executor
+// Releases pipelines on this worker: their stages and mailbox entries go, and each one's executor
 // stops once the task it runs has ended (its waits end at once). Not from a pipeline's own executor thread.
 void release_pipes(const std::vector<int64_t>& pipes) {
   std::vector<PipeEntry> gone;
@@ -282,14 +282,21 @@ class Run {
 
   // The step is done only when every worker of it finished its run: each tells the others (one-way) and waits to hear
   // from all of them, so a failed step leaves no gradient anywhere (its workers wait in vain until the driver, told
-  // of the failure, abandons the step here).
+  // of the failure, abandons the step here). Once a worker said so it is bound to deliver: it waits for the others
+  // past its own deadline, by half the driver's reply margin (each worker's deadline runs from when its run began, so
+  // a peer that finished by its own deadline may say so a little after ours), and still within the driver's wait.
   void agree_finished() {
+    if (Mailbox::get().aborted(p_.pipe, p_.step)) {
+      throw RpcError(absl::AbortedError("the step was abandoned before this worker's run ended"));
+    }
     std::set<int> others(p_.kept->stage_rank.begin(), p_.kept->stage_rank.end());
     others.erase(self_);
-    for (int w : others)
-      watch(rpc::rpc_oneway(w, kDone, p_.pipe, p_.step, int64_t{self_}, remaining()), "end of the run", w);
     for (int w : others) {
-      auto got = Mailbox::get().take(MailKey{p_.pipe, p_.step, finished_key(w), 0, false}, deadline_,
+      watch(rpc::rpc_oneway(w, kDone, p_.pipe, p_.step, int64_t{self_}, remaining() + kReplyMargin / 2),
+            "end of the run", w);
+    }
+    for (int w : others) {
+      auto got = Mailbox::get().take(MailKey{p_.pipe, p_.step, finished_key(w), 0, false}, deadline_ + kReplyMargin / 2,
                                      absl::StrCat("worker '", rpc::get_worker_info(w).name, "' to finish its run"));
       throw_if_error(got.status());
     }
@@ -318,15 +325,15 @@ class Run {
   }
 
   // A failed send wakes this worker's waits at once: the step cannot finish without that message.
-  void watch(rpc::Future f, std::string what, int to) {
+  void watch(rpc::Future f, const std::string& what, int to) {
     const int64_t pipe = p_.pipe, step = p_.step;
-    f.add_callback([pipe, step, what = std::move(what), to](const rpc::Future& done) {
+    // Named here: the callback may run on a transport's thread while RPC stops, and must not throw.
+    std::string sending =
+        absl::StrCat("sending the ", what, " to worker '", rpc::get_worker_info(to).name, "' failed: ");
+    f.add_callback([pipe, step, sending = std::move(sending)](const rpc::Future& done) {
       absl::Status s = done.status();
       if (s.ok()) return;
-      Mailbox::get().abort(
-          pipe, step,
-          absl::Status(s.code(), absl::StrCat("sending the ", what, " to worker '", rpc::get_worker_info(to).name,
-                                              "' failed: ", s.message())));
+      Mailbox::get().abort(pipe, step, absl::Status(s.code(), absl::StrCat(sending, s.message())));
     });
     sends_.push_back(std::move(f));
   }
@@ -479,9 +486,16 @@ rpc::Future on_run(int64_t pipe, int64_t step, std::vector<int64_t> actions, std
   plan.timeout = std::chrono::milliseconds(std::max<int64_t>(1, flags[3]));
   if (!plan.to_grad) {
     // The gradients go to the caller's context here: known on this worker from now on, so the run's own thread may
-    // add to it and the caller's release reaches it.
+    // add to it and the caller's release reaches it. Not for a step the driver already abandoned (its release may
+    // have come before this late call: the context would stay).
     if (dist_autograd::current_context() < 0) {
       throw_error(absl::FailedPreconditionError("the plan came without a distributed autograd context"));
+    }
+    if (Mailbox::get().aborted(pipe, step)) {
+      throw_error(absl::AbortedError(absl::StrCat("step ", step, " of pipeline ", pipe,
+                                                  " was abandoned before its plan "
+                                                  "reached worker '",
+                                                  self_name(), "'")));
     }
     plan.context = dist_autograd::adopt_current_context();
   }
@@ -594,6 +608,11 @@ bool install() {
   }));
   rpc::register_function(kRun, on_run);
   rpc::register_function(kDone, [](int64_t pipe, int64_t step, int64_t from) {
+    const rpc::CallContext* call = rpc::current_call();
+    if (!call || call->caller_rank != from) {
+      throw_error(absl::InvalidArgumentError(
+          absl::StrCat("malformed pipeline message: worker ", from, "'s end of a run sent by another worker")));
+    }
     Mailbox::get().put(MailKey{pipe, step, finished_key(static_cast<int>(from)), 0, false}, c10::IValue());
   });
   rpc::register_function(kForward, on_forward);
