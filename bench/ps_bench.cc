@@ -5,7 +5,9 @@
 //                   to the server, which prints the sum). The line also tells where a step's time goes:
 //                   trainer_step_us (means per step over the trainers: forward, loss_and_backward, submit, release),
 //                   server_cpu_per_round_us (the server's CPU time per round, warm-up included) and
-//                   server_cores_busy (the server's CPU time over the run's wall time: 2.0 would be both cores).
+//                   server_cores_busy (the server's CPU time over the run's wall time: 2.0 would be both cores),
+//                   trainers_cpu_per_round_us (the trainers' CPU time per step, summed: they share the cores) and
+//                   machine_cpu_per_round_us (the server's and the trainers'), against the floor's cpu_per_round_us.
 //                   Beside it (impl "floor", measured by rank 0 first, before any other thread runs) the limit of the
 //                   machine for this training: two threads of one process, each a trainer's step on the one model
 //                   (forward, loss, backward for its own gradients), then both average theirs and one of them steps
@@ -42,6 +44,7 @@ namespace {
 std::mutex g_mu;
 double g_rate_sum = 0;            // the trainers' own rates, reported to the server
 std::vector<double> g_phases(4);  // their mean phases per step (us), summed over trainers
+double g_trainers_cpu_us = 0;     // their CPU time per step (us), summed over trainers
 
 // CPU time (user + system) this process used so far, in seconds.
 double cpu_seconds() {
@@ -106,9 +109,10 @@ int main(int argc, char** argv) {
   }
   at::set_num_threads(1);
   examples::register_parameter_server();
-  rpc::register_function("bench.rate", [](double rate, std::vector<double> phases) {
+  rpc::register_function("bench.rate", [](double rate, std::vector<double> phases, double cpu_us) {
     std::lock_guard<std::mutex> lock(g_mu);
     g_rate_sum += rate;
+    g_trainers_cpu_us += cpu_us;
     for (size_t i = 0; i < g_phases.size() && i < phases.size(); ++i) g_phases[i] += phases[i];
   });
   const int rank = std::atoi(std::getenv("RANK") ? std::getenv("RANK") : "0");
@@ -145,18 +149,20 @@ int main(int argc, char** argv) {
                     "\"steps_per_trainer\":" + std::to_string(steps) + ",\"trainer_step_us\":{\"forward\":" + us(0) +
                     ",\"loss_and_backward\":" + us(1) + ",\"submit\":" + us(2) + ",\"release\":" + us(3) +
                     "},\"server_cpu_per_round_us\":" + std::to_string(static_cast<int64_t>(cpu / rounds * 1e6)) +
-                    ",\"server_cores_busy\":" + std::to_string(cpu / wall));
+                    ",\"server_cores_busy\":" + std::to_string(cpu / wall) + ",\"trainers_cpu_per_round_us\":" +
+                    std::to_string(static_cast<int64_t>(g_trainers_cpu_us)) + ",\"machine_cpu_per_round_us\":" +
+                    std::to_string(static_cast<int64_t>(cpu / rounds * 1e6 + g_trainers_cpu_us)));
   } else {
     auto model = examples::server_model();
     const at::Tensor x = at::randn({64, 784});
     const at::Tensor y = at::randint(0, 10, {64}, at::kLong);
-    double t0 = 0;
+    double t0 = 0, cpu0 = 0;
     const int warmup = steps / 10;
     // Each phase's time (us): the forward on the server, the loss here and the distributed backward, the submit
     // (the wait for the other trainers and the server's step), the context's release.
     std::vector<double> phases(4, 0.0);
     for (int s = 0; s < warmup + steps; ++s) {
-      if (s == warmup) t0 = bench::now_us();
+      if (s == warmup) t0 = bench::now_us(), cpu0 = cpu_seconds();
       double mark = bench::now_us();
       auto lap = [&](int phase) {
         const double now = bench::now_us();
@@ -176,7 +182,8 @@ int main(int argc, char** argv) {
       lap(3);
     }
     for (double& p : phases) p /= steps;
-    rpc::rpc_sync("ps", "bench.rate", steps / ((bench::now_us() - t0) / 1e6), phases);
+    const double cpu_us = (cpu_seconds() - cpu0) / steps * 1e6;
+    rpc::rpc_sync("ps", "bench.rate", steps / ((bench::now_us() - t0) / 1e6), phases, cpu_us);
     examples::done();
   }
   rpc::shutdown();
