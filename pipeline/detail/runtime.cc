@@ -292,12 +292,12 @@ class Run {
     std::set<int> others(p_.kept->stage_rank.begin(), p_.kept->stage_rank.end());
     others.erase(self_);
     for (int w : others) {
-      watch(rpc::rpc_oneway(w, kDone, p_.pipe, p_.step, int64_t{self_}, remaining() + kReplyMargin / 2),
-            "end of the run", w);
+      watch(rpc::rpc_oneway(w, kDone, p_.pipe, p_.step, int64_t{self_}, remaining() + kReplyMargin / 2), w,
+            /*stage=*/-1);
     }
     for (int w : others) {
       auto got = Mailbox::get().take(MailKey{p_.pipe, p_.step, finished_key(w), 0, false}, deadline_ + kReplyMargin / 2,
-                                     absl::StrCat("worker '", rpc::get_worker_info(w).name, "' to finish its run"));
+                                     absl::StrCat("worker '", name_of(w), "' to finish its run"));
       throw_if_error(got.status());
     }
   }
@@ -324,18 +324,28 @@ class Run {
     }
   }
 
-  // A failed send wakes this worker's waits at once: the step cannot finish without that message.
-  void watch(rpc::Future f, const std::string& what, int to) {
-    const int64_t pipe = p_.pipe, step = p_.step;
-    // Named here: the callback may run on a transport's thread while RPC stops, and must not throw.
-    std::string sending =
-        absl::StrCat("sending the ", what, " to worker '", rpc::get_worker_info(to).name, "' failed: ");
-    f.add_callback([pipe, step, sending = std::move(sending)](const rpc::Future& done) {
+  // A failed send wakes this worker's waits at once: the step cannot finish without that message. `stage` < 0: the
+  // word that this run finished; else the activation (or gradient) of micro-batch `mb` for that stage. The message is
+  // made only on a failure, from the name looked up here (the callback may run on a transport's thread while RPC
+  // stops, and must not throw).
+  void watch(rpc::Future f, int to, int stage, int mb = 0, bool grad = false) {
+    f.add_callback([pipe = p_.pipe, step = p_.step, name = name_of(to), stage, mb, grad](const rpc::Future& done) {
       absl::Status s = done.status();
       if (s.ok()) return;
-      Mailbox::get().abort(pipe, step, absl::Status(s.code(), absl::StrCat(sending, s.message())));
+      const std::string what =
+          stage < 0 ? "end of the run"
+                    : absl::StrCat(grad ? "gradient" : "activation", " of micro-batch ", mb, " for stage ", stage);
+      Mailbox::get().abort(
+          pipe, step,
+          absl::Status(s.code(), absl::StrCat("sending the ", what, " to worker '", name, "' failed: ", s.message())));
     });
     sends_.push_back(std::move(f));
+  }
+
+  // The name of worker `rank`, which holds a stage of this pipeline.
+  const std::string& name_of(int rank) const {
+    const std::vector<int>& ranks = p_.kept->stage_rank;
+    return stage_names_.at(std::find(ranks.begin(), ranks.end(), rank) - ranks.begin());
   }
 
   LossFn find_loss_if_last(int n) {
@@ -380,8 +390,8 @@ class Run {
     if (to == self_) return Mailbox::get().put(MailKey{p_.pipe, p_.step, stage, mb, grad}, std::move(t));
     // One-way: no acknowledgement comes back (a lost receiver fails the step by the driver's call to it, or by the
     // receivers' deadlines); the future completes once the message is on its way.
-    watch(rpc::rpc_oneway(to, kAct, p_.pipe, p_.step, int64_t{stage}, int64_t{mb}, grad, std::move(t), remaining()),
-          absl::StrCat(grad ? "gradient" : "activation", " of micro-batch ", mb, " for stage ", stage), to);
+    watch(rpc::rpc_oneway(to, kAct, p_.pipe, p_.step, int64_t{stage}, int64_t{mb}, grad, std::move(t), remaining()), to,
+          stage, mb, grad);
   }
 
   void forward(StageRun& run, const Action& a, int n, const LossFn& loss, int64_t batch) {
@@ -492,10 +502,8 @@ rpc::Future on_run(int64_t pipe, int64_t step, std::vector<int64_t> actions, std
       throw_error(absl::FailedPreconditionError("the plan came without a distributed autograd context"));
     }
     if (Mailbox::get().aborted(pipe, step)) {
-      throw_error(absl::AbortedError(absl::StrCat("step ", step, " of pipeline ", pipe,
-                                                  " was abandoned before its plan "
-                                                  "reached worker '",
-                                                  self_name(), "'")));
+      throw_error(absl::AbortedError(absl::StrCat(
+          "step ", step, " of pipeline ", pipe, " was abandoned before its plan reached worker '", self_name(), "'")));
     }
     plan.context = dist_autograd::adopt_current_context();
   }
