@@ -19,9 +19,7 @@
 #include <torch/nn/functional/loss.h>
 
 #include <torch/autograd.h>
-#include <torch/nn/modules/activation.h>
 #include <torch/nn/modules/container/sequential.h>
-#include <torch/nn/modules/linear.h>
 #include <torch/optim/sgd.h>
 
 #include <sys/resource.h>
@@ -57,10 +55,9 @@ double cpu_seconds() {
 // The two-threads-in-one-process limit (see the top): summed steps per second over `steps` rounds after a tenth as
 // many warm-up rounds, and the CPU time per round (us).
 std::pair<double, double> local_limit(int steps) {
-  namespace tn = torch::nn;
-  torch::manual_seed(0);
-  tn::Sequential model(tn::Flatten(), tn::Linear(784, 512), tn::ReLU(), tn::Linear(512, 512), tn::ReLU(),
-                       tn::Linear(512, 10));
+  torch::manual_seed(0);  // as the server builds it: the factory registered as "mlp"
+  auto model =
+      std::dynamic_pointer_cast<torch::nn::SequentialImpl>(tandem::nn::detail::make_instance("mlp", {}).module);
   std::vector<at::Tensor> params = model->parameters();
   torch::optim::SGD opt(params, torch::optim::SGDOptions(0.01).momentum(0.9));
   std::mutex mu;
