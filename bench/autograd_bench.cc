@@ -14,9 +14,9 @@
 #include <string>
 
 #include "bench/common.h"
-#include "dist_autograd/dist_autograd.h"
-#include "dist_optim/dist_optim.h"
-#include "rref/rref.h"
+#include "tandem/dist_autograd/dist_autograd.h"
+#include "tandem/dist_optim/dist_optim.h"
+#include "tandem/rref/rref.h"
 
 namespace rpc = tandem::rpc;
 namespace rref = tandem::rref;

@@ -13,8 +13,8 @@
 #include <string>
 
 #include "bench/common.h"
-#include "comm/process_group.h"
-#include "rpc/rpc.h"
+#include "tandem/comm/process_group.h"
+#include "tandem/rpc/rpc.h"
 
 namespace bench = tandem::bench;
 namespace comm = tandem::comm;
@@ -54,8 +54,8 @@ int main(int argc, char** argv) {
   auto big = at::ones({16 << 20});
   for (comm::ProcessGroup* g : {pg.get(), gloo.get()}) {
     const std::string impl = g == pg.get() ? "tandem" : "tandem_gloo";
-    const std::string cond = "\"processes\":" + std::to_string(n) + ",\"intra_op_threads\":1,\"backend\":\"" +
-                             g->transport() + "\"";
+    const std::string cond =
+        "\"processes\":" + std::to_string(n) + ",\"intra_op_threads\":1,\"backend\":\"" + g->transport() + "\"";
     const double t_tiny = time_op(*g, iters * 100, [&] { return g->allreduce(tiny); });
     const double t_mib = time_op(*g, iters * 10, [&] { return g->allreduce(mib); });
     const double t_big = time_op(*g, iters, [&] { return g->allreduce(big); });

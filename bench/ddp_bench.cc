@@ -17,9 +17,9 @@
 #include <string>
 
 #include "bench/common.h"
-#include "comm/process_group.h"
-#include "ddp/ddp.h"
-#include "rpc/rpc.h"
+#include "tandem/comm/process_group.h"
+#include "tandem/ddp/ddp.h"
+#include "tandem/rpc/rpc.h"
 
 namespace bench = tandem::bench;
 namespace comm = tandem::comm;

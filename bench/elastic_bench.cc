@@ -20,10 +20,10 @@
 #include <string>
 #include <thread>
 
-#include "checkpoint/checkpoint.h"
-#include "comm/process_group.h"
-#include "ddp/ddp.h"
-#include "rpc/rpc.h"
+#include "tandem/checkpoint/checkpoint.h"
+#include "tandem/comm/process_group.h"
+#include "tandem/ddp/ddp.h"
+#include "tandem/rpc/rpc.h"
 
 namespace comm = tandem::comm;
 namespace ddp = tandem::ddp;
@@ -32,9 +32,7 @@ namespace checkpoint = tandem::checkpoint;
 
 namespace {
 
-double wall_s() {
-  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
-}
+double wall_s() { return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count(); }
 
 void event(const char* what, int restart, int64_t step) {
   std::printf("{\"event\":\"%s\",\"restart\":%d,\"step\":%lld,\"t\":%.6f}\n", what, restart,

@@ -14,8 +14,8 @@
 
 #include "bench/common.h"
 #include "examples/hybrid/hybrid.h"
-#include "rpc/registry.h"
-#include "rpc/rpc.h"
+#include "tandem/rpc/registry.h"
+#include "tandem/rpc/rpc.h"
 
 namespace rpc = tandem::rpc;
 namespace rref = tandem::rref;

@@ -36,10 +36,10 @@
 #include <tuple>
 
 #include "bench/common.h"
-#include "dist_autograd/dist_autograd.h"
-#include "dist_optim/dist_optim.h"
-#include "nn/remote_module.h"
-#include "pipeline/pipeline.h"
+#include "tandem/dist_autograd/dist_autograd.h"
+#include "tandem/dist_optim/dist_optim.h"
+#include "tandem/nn/remote_module.h"
+#include "tandem/pipeline/pipeline.h"
 
 namespace rpc = tandem::rpc;
 namespace bench = tandem::bench;

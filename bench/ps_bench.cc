@@ -30,9 +30,9 @@
 #include <thread>
 
 #include "bench/common.h"
-#include "dist_autograd/dist_autograd.h"
 #include "examples/parameter_server/server.h"
-#include "rpc/rpc.h"
+#include "tandem/dist_autograd/dist_autograd.h"
+#include "tandem/rpc/rpc.h"
 
 namespace rpc = tandem::rpc;
 namespace bench = tandem::bench;

@@ -20,7 +20,7 @@
 
 #include "bench/common.h"
 #include "examples/rl/agent.h"
-#include "rpc/rpc.h"
+#include "tandem/rpc/rpc.h"
 
 namespace rpc = tandem::rpc;
 namespace rref = tandem::rref;

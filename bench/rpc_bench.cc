@@ -21,7 +21,7 @@
 #include <vector>
 
 #include "bench/common.h"
-#include "rpc/rpc.h"
+#include "tandem/rpc/rpc.h"
 
 namespace rpc = tandem::rpc;
 namespace bench = tandem::bench;

@@ -13,7 +13,7 @@
 #include <thread>
 
 #include "bench/common.h"
-#include "rref/rref.h"
+#include "tandem/rref/rref.h"
 
 namespace rpc = tandem::rpc;
 namespace rref = tandem::rref;

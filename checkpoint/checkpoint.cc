@@ -1,4 +1,4 @@
-#include "checkpoint/checkpoint.h"
+#include "tandem/checkpoint/checkpoint.h"
 
 #include <dirent.h>
 #include <fcntl.h>
@@ -21,10 +21,10 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "comm/process_group.h"
-#include "ddp/sampler.h"
-#include "ddp/zero.h"
-#include "rpc/errors.h"
+#include "tandem/comm/process_group.h"
+#include "tandem/ddp/sampler.h"
+#include "tandem/ddp/zero.h"
+#include "tandem/rpc/errors.h"
 
 namespace tandem::checkpoint {
 

@@ -78,7 +78,7 @@ class State {
   // rank's gathered (kConsolidated: resumes with any world size, with Layout::kReplicated; save() is then collective).
   enum class Zero { kSharded, kConsolidated };
   State& add(const std::string& name, ddp::ZeroRedundancyOptimizer& zero, Zero how = Zero::kSharded);
-  State& add(const std::string& name, ddp::DistributedSampler& sampler);    // epoch and position
+  State& add(const std::string& name, ddp::DistributedSampler& sampler);  // epoch and position
   State& add(const std::string& name, at::Tensor& tensor);    // restored in place when defined (shape, dtype checked)
   State& add(const std::string& name, int64_t& counter);      // a step, an epoch
   State& add(const std::string& name, Save save, Load load);  // anything else

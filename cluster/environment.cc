@@ -1,4 +1,4 @@
-#include "cluster/environment.h"
+#include "tandem/cluster/environment.h"
 
 #include <unistd.h>
 
@@ -23,8 +23,8 @@ absl::StatusOr<int> get_int(const Env& env, const std::string& name, int min, in
   int n = 0;
   if (!v) return absl::InvalidArgumentError(absl::StrCat("environment variable ", name, " is not set"));
   if (!absl::SimpleAtoi(*v, &n) || n < min || n > max) {
-    return absl::InvalidArgumentError(absl::StrCat("environment variable ", name, "='", *v, "' is not a number in [",
-                                                   min, ", ", max, "]"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("environment variable ", name, "='", *v, "' is not a number in [", min, ", ", max, "]"));
   }
   return n;
 }

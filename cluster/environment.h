@@ -33,19 +33,19 @@ struct WorkerPlace {
 
 // torchrun's variables when RANK is set (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT).
 // Else, when srun started this process (SLURM_PROCID is set): rank SLURM_PROCID, world SLURM_NTASKS, local rank
-// SLURM_LOCALID, local world SLURM_NTASKS_PER_NODE's first entry (else SLURM_NTASKS / SLURM_NNODES); master the first host
-// of SLURM_JOB_NODELIST (SLURM_STEP_NODELIST when set), port MASTER_PORT or 15000 + the last 4 digits of SLURM_JOB_ID
-// (as PyTorch Lightning derives it); MASTER_ADDR, when set, wins. Errors (InvalidArgument) name the variable that is
-// missing or malformed.
+// SLURM_LOCALID, local world SLURM_NTASKS_PER_NODE's first entry (else SLURM_NTASKS / SLURM_NNODES); master the first
+// host of SLURM_JOB_NODELIST (SLURM_STEP_NODELIST when set), port MASTER_PORT or 15000 + the last 4 digits of
+// SLURM_JOB_ID (as PyTorch Lightning derives it); MASTER_ADDR, when set, wins. Errors (InvalidArgument) name the
+// variable that is missing or malformed.
 absl::StatusOr<WorkerPlace> worker_place(const Env& env = process_env());
 
 // A launcher's place: one tandem-run per node.
 struct NodePlace {
-  std::optional<std::string> nnodes;      // "N" or "MIN:MAX"
+  std::optional<std::string> nnodes;  // "N" or "MIN:MAX"
   std::optional<int> node_rank;
   std::optional<std::string> master_addr;
   std::optional<int> master_port;
-  std::string source;                     // "slurm", "kubernetes", or "" when the environment gave nothing
+  std::string source;  // "slurm", "kubernetes", or "" when the environment gave nothing
 };
 
 // What the environment says about this node, for the flags the command line left out:

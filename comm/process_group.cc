@@ -1,5 +1,5 @@
 // ProcessGroup on Gloo: TCP connections between the members, set up through the job's rendezvous store.
-#include "comm/process_group.h"
+#include "tandem/comm/process_group.h"
 
 #include <ATen/ATen.h>
 #include <gloo/allgather.h>
@@ -33,12 +33,12 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "comm/detail/shm.h"
-#include "rpc/errors.h"
-#include "rpc/extension.h"
-#include "rpc/rpc.h"
-#include "rpc/store.h"
-#include "sync/sync.h"
+#include "tandem/comm/detail/shm.h"
+#include "tandem/rpc/errors.h"
+#include "tandem/rpc/extension.h"
+#include "tandem/rpc/rpc.h"
+#include "tandem/rpc/store.h"
+#include "tandem/sync/sync.h"
 
 namespace tandem::comm {
 namespace {

@@ -34,7 +34,7 @@
 #include <string>
 #include <vector>
 
-#include "rpc/future.h"
+#include "tandem/rpc/future.h"
 
 namespace tandem::comm {
 
@@ -45,8 +45,8 @@ enum class Backend { kGloo, kNccl };
 // Whether a group on CPU tensors runs allreduce, broadcast, allgather, reduce_scatter and barrier over shared memory
 // (comm/detail/shm.h) instead of Gloo's TCP algorithms. The other operations always use Gloo.
 enum class SharedMemory {
-  kAuto,    // when every rank is on one host and network namespace (boot ids and namespaces compared at create())
-            // and they can map one segment; Gloo otherwise. TANDEM_SHARED_MEMORY=0 or 1 turns it into kNever or kAlways.
+  kAuto,  // when every rank is on one host and network namespace (boot ids and namespaces compared at create())
+          // and they can map one segment; Gloo otherwise. TANDEM_SHARED_MEMORY=0 or 1 turns it into kNever or kAlways.
   kAlways,  // create() fails (FAILED_PRECONDITION or UNAVAILABLE, with the reason) when the ranks cannot share one
   kNever,
 };

@@ -1,14 +1,14 @@
 // DistributedDataParallel's public surface (ddp/ddp.h) and its communication hooks; the Reducer behind it is in
 // ddp/detail/reducer.h.
-#include "ddp/ddp.h"
+#include "tandem/ddp/ddp.h"
 
 #include <ATen/ATen.h>
 #include <torch/nn/module.h>
 
 #include "absl/base/thread_annotations.h"
-#include "ddp/detail/reducer.h"
-#include "rpc/errors.h"
-#include "sync/sync.h"
+#include "tandem/ddp/detail/reducer.h"
+#include "tandem/rpc/errors.h"
+#include "tandem/sync/sync.h"
 
 namespace tandem::ddp {
 

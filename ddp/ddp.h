@@ -40,8 +40,8 @@
 #include <string>
 #include <vector>
 
-#include "comm/process_group.h"
-#include "rpc/future.h"
+#include "tandem/comm/process_group.h"
+#include "tandem/rpc/future.h"
 
 namespace torch::nn {
 class Module;

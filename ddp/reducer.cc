@@ -1,5 +1,5 @@
 // The Reducer (ddp/detail/reducer.h).
-#include "ddp/detail/reducer.h"
+#include "tandem/ddp/detail/reducer.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/strides.h>

@@ -1,11 +1,11 @@
-#include "ddp/sampler.h"
+#include "tandem/ddp/sampler.h"
 
 #include <ATen/ATen.h>
 #include <torch/serialize/archive.h>
 
 #include <string>
 
-#include "rpc/errors.h"
+#include "tandem/rpc/errors.h"
 
 namespace tandem::ddp {
 

@@ -16,7 +16,7 @@
 #include <optional>
 #include <vector>
 
-#include "comm/process_group.h"
+#include "tandem/comm/process_group.h"
 
 namespace tandem::ddp {
 

@@ -1,4 +1,4 @@
-#include "ddp/zero.h"
+#include "tandem/ddp/zero.h"
 
 #include <torch/optim/optimizer.h>
 #include <torch/serialize/archive.h>
@@ -9,7 +9,7 @@
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
-#include "rpc/errors.h"
+#include "tandem/rpc/errors.h"
 
 namespace tandem::ddp {
 
@@ -136,9 +136,9 @@ void ZeroRedundancyOptimizer::load_consolidated(torch::serialize::InputArchive& 
       in.load_from(static_cast<const char*>(bytes.data_ptr()), static_cast<size_t>(bytes.numel()));
       saved->load(in);
     } catch (const c10::Error& e) {
-      throw_error(absl::InvalidArgumentError(absl::StrCat(
-          "ZeroRedundancyOptimizer: the consolidated state of rank ", r,
-          " does not fit this optimizer: ", e.what_without_backtrace())));
+      throw_error(
+          absl::InvalidArgumentError(absl::StrCat("ZeroRedundancyOptimizer: the consolidated state of rank ", r,
+                                                  " does not fit this optimizer: ", e.what_without_backtrace())));
     }
     for (size_t j = 0; j < held.size(); ++j) {
       if (owner_[held[j]] != group_->rank()) continue;

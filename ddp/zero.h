@@ -17,7 +17,7 @@
 #include <memory>
 #include <vector>
 
-#include "comm/process_group.h"
+#include "tandem/comm/process_group.h"
 
 namespace torch::optim {
 class Optimizer;

@@ -1,7 +1,7 @@
-#include "ddp_dist_autograd/ddp_dist_autograd.h"
+#include "tandem/ddp_dist_autograd/ddp_dist_autograd.h"
 
 #include "absl/strings/str_cat.h"
-#include "dist_autograd/dist_autograd.h"
+#include "tandem/dist_autograd/dist_autograd.h"
 
 namespace tandem::ddp {
 namespace {

@@ -27,7 +27,7 @@
 
 #include <cstdint>
 
-#include "ddp/ddp.h"
+#include "tandem/ddp/ddp.h"
 
 namespace tandem::ddp {
 

@@ -1,6 +1,6 @@
 // Distributed autograd: contexts, the call tracer that records send/recv functions, and the FAST-mode backward pass.
 // docs/dist_autograd.md describes the algorithm; this file follows it.
-#include "dist_autograd/dist_autograd.h"
+#include "tandem/dist_autograd/dist_autograd.h"
 
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function.h>
@@ -18,16 +18,16 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
-#include "dist_autograd/detail/gradients.h"
-#include "dist_autograd/detail/trace.h"
 #include "proto/tandem_rpc.pb.h"
-#include "rpc/detail/ids.h"
-#include "rpc/detail/note_batcher.h"
-#include "rpc/errors.h"
-#include "rpc/extension.h"
-#include "rpc/registry.h"
-#include "rpc/rpc.h"
-#include "sync/sync.h"
+#include "tandem/dist_autograd/detail/gradients.h"
+#include "tandem/dist_autograd/detail/trace.h"
+#include "tandem/rpc/detail/ids.h"
+#include "tandem/rpc/detail/note_batcher.h"
+#include "tandem/rpc/errors.h"
+#include "tandem/rpc/extension.h"
+#include "tandem/rpc/registry.h"
+#include "tandem/rpc/rpc.h"
+#include "tandem/sync/sync.h"
 
 namespace tandem::dist_autograd {
 namespace {

@@ -35,7 +35,7 @@
 #include <utility>
 #include <vector>
 
-#include "rpc/future.h"
+#include "tandem/rpc/future.h"
 
 namespace tandem::dist_autograd {
 

@@ -1,5 +1,5 @@
 // The distributed optimizer: a local LibTorch optimizer per owner, stepped with a context's gradients.
-#include "dist_optim/dist_optim.h"
+#include "tandem/dist_optim/dist_optim.h"
 
 #include <ATen/ATen.h>
 #include <torch/optim/adagrad.h>
@@ -22,13 +22,13 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "dist_autograd/detail/gradients.h"
-#include "dist_autograd/dist_autograd.h"
-#include "rpc/errors.h"
-#include "rpc/extension.h"
-#include "rpc/registry.h"
-#include "rpc/rpc.h"
-#include "sync/sync.h"
+#include "tandem/dist_autograd/detail/gradients.h"
+#include "tandem/dist_autograd/dist_autograd.h"
+#include "tandem/rpc/errors.h"
+#include "tandem/rpc/extension.h"
+#include "tandem/rpc/registry.h"
+#include "tandem/rpc/rpc.h"
+#include "tandem/sync/sync.h"
 
 namespace tandem::dist_optim {
 namespace {

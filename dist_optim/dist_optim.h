@@ -33,8 +33,8 @@
 #include <utility>
 #include <vector>
 
-#include "rpc/future.h"
-#include "rref/rref.h"
+#include "tandem/rpc/future.h"
+#include "tandem/rref/rref.h"
 
 namespace torch::serialize {
 class InputArchive;

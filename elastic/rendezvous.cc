@@ -1,4 +1,4 @@
-#include "elastic/rendezvous.h"
+#include "tandem/elastic/rendezvous.h"
 
 #include <netdb.h>
 #include <netinet/in.h>
@@ -10,10 +10,10 @@
 
 #include "absl/strings/str_cat.h"
 #include "proto/tandem_rpc.pb.h"
-#include "elastic/detail/records.h"
-#include "rpc/detail/net.h"
-#include "rpc/detail/version.h"
-#include "rpc/store.h"
+#include "tandem/elastic/detail/records.h"
+#include "tandem/rpc/detail/net.h"
+#include "tandem/rpc/detail/version.h"
+#include "tandem/rpc/store.h"
 
 namespace tandem::elastic {
 namespace {
@@ -120,8 +120,8 @@ absl::StatusOr<Round> Rendezvous::join() {
         // This node came too late for round k. If the job has room, it re-forms with this node (not a failure).
         if (closed->nodes() < options_.max_nodes && !asked_to_end) {
           asked_to_end = true;
-          const std::string why = absl::StrCat("node ", options_.host, " (launcher pid ", getpid(),
-                                               ") is waiting to join");
+          const std::string why =
+              absl::StrCat("node ", options_.host, " (launcher pid ", getpid(), ") is waiting to join");
           if (auto s = end_round(why, /*failure=*/false); !s.ok()) return s;
         }
       } else if ((*present)[1]) {
@@ -150,12 +150,12 @@ absl::StatusOr<Round> Rendezvous::join() {
       }
       if (absl::Now() > deadline) {
         auto joined = store_.add(round_key("joined"), 0);
-        return absl::DeadlineExceededError(absl::StrCat(
-            "rendezvous '", options_.run_id, "': ",
-            asked_to_end || (*present)[0] ? "the job is full: this node waited for a place"
-                                          : absl::StrCat("only ", joined.ok() ? *joined : 0, " of the ",
-                                                         options_.min_nodes, " nodes needed joined"),
-            " within the join timeout (", seconds(options_.join_timeout), ")"));
+        return absl::DeadlineExceededError(
+            absl::StrCat("rendezvous '", options_.run_id, "': ",
+                         asked_to_end || (*present)[0] ? "the job is full: this node waited for a place"
+                                                       : absl::StrCat("only ", joined.ok() ? *joined : 0, " of the ",
+                                                                      options_.min_nodes, " nodes needed joined"),
+                         " within the join timeout (", seconds(options_.join_timeout), ")"));
       }
       std::this_thread::sleep_for(to_ms(options_.poll_interval));
     }

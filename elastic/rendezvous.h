@@ -47,10 +47,10 @@ struct RendezvousOptions {
   std::string run_id = "none";  // torchrun's --rdzv-id: launchers of one job share it
   int min_nodes = 1;
   int max_nodes = 1;
-  int nproc = 1;                // this node's workers
-  std::string host;             // where the other nodes reach this node's workers
-  int master_port = 0;          // a free port on `host` for this round (the launcher picks a fresh one per round)
-  int max_restarts = -1;        // when >= 0, join() refuses (ABORTED) once more rounds than this ended by a failure
+  int nproc = 1;          // this node's workers
+  std::string host;       // where the other nodes reach this node's workers
+  int master_port = 0;    // a free port on `host` for this round (the launcher picks a fresh one per round)
+  int max_restarts = -1;  // when >= 0, join() refuses (ABORTED) once more rounds than this ended by a failure
   // torchrun's --rdzv-conf keys of the same names.
   absl::Duration join_timeout = absl::Seconds(600);
   absl::Duration last_call_timeout = absl::Seconds(30);
@@ -63,13 +63,13 @@ struct RendezvousOptions {
 // One closed round, as this node sees it.
 struct Round {
   int64_t round = 0;
-  int node_rank = 0;      // GROUP_RANK
-  int nnodes = 0;         // GROUP_WORLD_SIZE
-  int rank_offset = 0;    // the global rank of this node's first worker
-  int world_size = 0;     // WORLD_SIZE
+  int node_rank = 0;        // GROUP_RANK
+  int nnodes = 0;           // GROUP_WORLD_SIZE
+  int rank_offset = 0;      // the global rank of this node's first worker
+  int world_size = 0;       // WORLD_SIZE
   std::string master_addr;  // node 0's host and port: its rank 0 serves the workers' store there
   int master_port = 0;
-  int restarts = 0;       // TORCHELASTIC_RESTART_COUNT: rounds ended by a failure before this one
+  int restarts = 0;  // TORCHELASTIC_RESTART_COUNT: rounds ended by a failure before this one
 };
 
 // Why a round ended.

@@ -6,7 +6,7 @@
 #include <chrono>
 #include <iostream>
 
-#include "rpc/rpc.h"
+#include "tandem/rpc/rpc.h"
 
 namespace rpc = tandem::rpc;
 using namespace std::chrono_literals;

@@ -5,12 +5,12 @@
 #include <cstdint>
 #include <string>
 
-#include "dist_autograd/detail/trace.h"
-#include "elastic/detail/records.h"
 #include "proto/tandem_rpc.pb.h"
-#include "rpc/detail/agent.h"
-#include "rpc/detail/direct.h"
-#include "rref/detail/descriptor.h"
+#include "tandem/dist_autograd/detail/trace.h"
+#include "tandem/elastic/detail/records.h"
+#include "tandem/rpc/detail/agent.h"
+#include "tandem/rpc/detail/direct.h"
+#include "tandem/rref/detail/descriptor.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size < 1) return 0;

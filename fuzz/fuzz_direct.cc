@@ -6,7 +6,7 @@
 
 #include <cstdint>
 
-#include "rpc/detail/direct.h"
+#include "tandem/rpc/detail/direct.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   int fds[2];

@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "proto/tandem_rpc.pb.h"
-#include "rpc/detail/wire.h"
+#include "tandem/rpc/detail/wire.h"
 
 namespace {
 

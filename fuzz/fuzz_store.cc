@@ -8,8 +8,8 @@
 #include <memory>
 #include <string>
 
-#include "rpc/detail/net.h"
-#include "rpc/store.h"
+#include "tandem/rpc/detail/net.h"
+#include "tandem/rpc/store.h"
 
 namespace {
 

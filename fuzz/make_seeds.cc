@@ -10,9 +10,9 @@
 #include <vector>
 
 #include "proto/tandem_rpc.pb.h"
-#include "rpc/detail/direct.h"
-#include "rpc/detail/version.h"
-#include "rpc/detail/wire.h"
+#include "tandem/rpc/detail/direct.h"
+#include "tandem/rpc/detail/version.h"
+#include "tandem/rpc/detail/wire.h"
 
 namespace {
 

@@ -1,12 +1,12 @@
 // RemoteModule: modules built by registered factories, held as RRef'd objects on their worker.
-#include "nn/remote_module.h"
+#include "tandem/nn/remote_module.h"
 
 #include <map>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
-#include "rpc/errors.h"
-#include "sync/sync.h"
+#include "tandem/rpc/errors.h"
+#include "tandem/sync/sync.h"
 
 namespace tandem::nn {
 namespace {

@@ -30,8 +30,8 @@
 #include <utility>
 #include <vector>
 
-#include "rpc/registry.h"
-#include "rref/rref.h"
+#include "tandem/rpc/registry.h"
+#include "tandem/rref/rref.h"
 
 namespace tandem::nn {
 

@@ -1,4 +1,4 @@
-#include "pipeline/layers.h"
+#include "tandem/pipeline/layers.h"
 
 #include <malloc.h>
 
@@ -7,8 +7,8 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "pipeline/detail/common.h"
-#include "sync/sync.h"
+#include "tandem/pipeline/detail/common.h"
+#include "tandem/sync/sync.h"
 
 namespace tandem::pipeline {
 namespace {

@@ -28,7 +28,7 @@
 #include <string>
 #include <vector>
 
-#include "pipeline/partition.h"
+#include "tandem/pipeline/partition.h"
 
 namespace tandem::pipeline {
 

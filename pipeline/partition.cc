@@ -1,4 +1,4 @@
-#include "pipeline/partition.h"
+#include "tandem/pipeline/partition.h"
 
 #include <torch/nn/modules/container/sequential.h>
 
@@ -6,8 +6,8 @@
 #include <limits>
 
 #include "absl/strings/str_cat.h"
-#include "pipeline/detail/common.h"
-#include "rpc/errors.h"
+#include "tandem/pipeline/detail/common.h"
+#include "tandem/rpc/errors.h"
 
 namespace tandem::pipeline {
 

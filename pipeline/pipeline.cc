@@ -1,7 +1,7 @@
 // Pipeline parallelism, the driver: creating a pipeline (its stages built on their workers), a training step (the
 // plans sent, every worker's reply awaited, the step abandoned on a failure), inference, and what a step measured.
 // The stage workers' side is detail/runtime.cc.
-#include "pipeline/pipeline.h"
+#include "tandem/pipeline/pipeline.h"
 
 #include <ATen/ATen.h>
 #include <torch/nn/modules/container/sequential.h>
@@ -15,15 +15,15 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/time.h"
-#include "dist_autograd/dist_autograd.h"
-#include "nn/remote_module.h"
-#include "pipeline/detail/common.h"
-#include "pipeline/detail/microbatch.h"
-#include "pipeline/detail/runtime.h"
-#include "pipeline/layers.h"
-#include "rpc/detail/ids.h"
-#include "rpc/errors.h"
-#include "sync/sync.h"
+#include "tandem/dist_autograd/dist_autograd.h"
+#include "tandem/nn/remote_module.h"
+#include "tandem/pipeline/detail/common.h"
+#include "tandem/pipeline/detail/microbatch.h"
+#include "tandem/pipeline/detail/runtime.h"
+#include "tandem/pipeline/layers.h"
+#include "tandem/rpc/detail/ids.h"
+#include "tandem/rpc/errors.h"
+#include "tandem/sync/sync.h"
 
 namespace tandem::pipeline {
 

@@ -67,11 +67,11 @@
 #include <string>
 #include <vector>
 
-#include "pipeline/partition.h"
-#include "pipeline/schedule.h"
-#include "pipeline/timeline.h"
-#include "rpc/rpc.h"
-#include "rref/rref.h"
+#include "tandem/pipeline/partition.h"
+#include "tandem/pipeline/schedule.h"
+#include "tandem/pipeline/timeline.h"
+#include "tandem/rpc/rpc.h"
+#include "tandem/rref/rref.h"
 
 namespace tandem::pipeline {
 

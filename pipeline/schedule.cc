@@ -1,5 +1,5 @@
 // Schedules by simulation: every idle worker picks its next action by the schedule's rule (see schedule.h).
-#include "pipeline/schedule.h"
+#include "tandem/pipeline/schedule.h"
 
 #include <algorithm>
 #include <limits>
@@ -7,7 +7,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
-#include "rpc/errors.h"
+#include "tandem/rpc/errors.h"
 
 namespace tandem::pipeline {
 

@@ -1,5 +1,5 @@
 // The pipeline timeline as pictures: a Chrome trace (Perfetto, chrome://tracing) and a self-contained SVG.
-#include "pipeline/timeline.h"
+#include "tandem/pipeline/timeline.h"
 
 #include <algorithm>
 #include <fstream>
@@ -7,8 +7,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "pipeline/pipeline.h"
-#include "rpc/errors.h"
+#include "tandem/pipeline/pipeline.h"
+#include "tandem/rpc/errors.h"
 
 namespace tandem::pipeline {
 namespace {

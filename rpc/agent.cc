@@ -2,11 +2,11 @@
 #include <grpcpp/impl/codegen/service_type.h>
 
 #include "absl/strings/str_cat.h"
-#include "rpc/detail/agent.h"
-#include "rpc/detail/direct_transport.h"
-#include "rpc/detail/fault_transport.h"
-#include "rpc/detail/grpc_transport.h"
-#include "rpc/extension.h"
+#include "tandem/rpc/detail/agent.h"
+#include "tandem/rpc/detail/direct_transport.h"
+#include "tandem/rpc/detail/fault_transport.h"
+#include "tandem/rpc/detail/grpc_transport.h"
+#include "tandem/rpc/extension.h"
 
 namespace tandem::rpc::detail {
 

@@ -1,10 +1,10 @@
 // Outgoing calls of the agent (rpc/detail/agent.h): encode, send on the peer's route, decode the reply.
 #include "absl/strings/str_cat.h"
 #include "proto/tandem_rpc.pb.h"
-#include "rpc/detail/agent.h"
-#include "rpc/detail/wire.h"
-#include "rpc/errors.h"
-#include "rpc/extension.h"
+#include "tandem/rpc/detail/agent.h"
+#include "tandem/rpc/detail/wire.h"
+#include "tandem/rpc/errors.h"
+#include "tandem/rpc/extension.h"
 
 namespace tandem::rpc::detail {
 namespace {

@@ -3,10 +3,10 @@
 
 #include "absl/strings/str_cat.h"
 #include "proto/tandem_rpc.pb.h"
-#include "rpc/detail/agent.h"
-#include "rpc/detail/wire.h"
-#include "rpc/errors.h"
-#include "rpc/extension.h"
+#include "tandem/rpc/detail/agent.h"
+#include "tandem/rpc/detail/wire.h"
+#include "tandem/rpc/errors.h"
+#include "tandem/rpc/extension.h"
 
 namespace tandem::rpc {
 namespace detail {

@@ -1,5 +1,5 @@
 // Batched functions: a queue of requests per function, flushed by count or by the oldest request's age.
-#include "rpc/batching.h"
+#include "tandem/rpc/batching.h"
 
 #include <map>
 #include <memory>
@@ -8,8 +8,8 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
-#include "rpc/errors.h"
-#include "sync/sync.h"
+#include "tandem/rpc/errors.h"
+#include "tandem/sync/sync.h"
 
 namespace tandem::rpc {
 namespace {

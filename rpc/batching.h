@@ -35,8 +35,8 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "rpc/errors.h"
-#include "rpc/registry.h"
+#include "tandem/rpc/errors.h"
+#include "tandem/rpc/registry.h"
 
 namespace tandem::rpc {
 

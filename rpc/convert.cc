@@ -1,7 +1,7 @@
-#include "rpc/convert.h"
+#include "tandem/rpc/convert.h"
 
 #include "absl/status/status.h"
-#include "rpc/errors.h"
+#include "tandem/rpc/errors.h"
 
 namespace tandem::rpc::detail {
 

@@ -1,11 +1,11 @@
-#include "rpc/extension.h"
+#include "tandem/rpc/extension.h"
 
 #include <algorithm>
 #include <atomic>
 #include <deque>
 
 #include "absl/base/thread_annotations.h"
-#include "sync/sync.h"
+#include "tandem/sync/sync.h"
 
 namespace tandem::rpc {
 namespace {

@@ -13,7 +13,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "rpc/future.h"
+#include "tandem/rpc/future.h"
 
 namespace tandem::rpc {
 

@@ -1,9 +1,9 @@
-#include "rpc/future.h"
+#include "tandem/rpc/future.h"
 
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
-#include "sync/sync.h"
+#include "tandem/sync/sync.h"
 
 namespace tandem::rpc {
 

@@ -26,8 +26,8 @@
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
-#include "rpc/convert.h"
-#include "rpc/errors.h"
+#include "tandem/rpc/convert.h"
+#include "tandem/rpc/errors.h"
 
 namespace tandem::rpc {
 

@@ -1,10 +1,10 @@
-#include "rpc/registry.h"
+#include "tandem/rpc/registry.h"
 
 #include <map>
 
 #include "absl/strings/str_cat.h"
-#include "rpc/errors.h"
-#include "sync/sync.h"
+#include "tandem/rpc/errors.h"
+#include "tandem/sync/sync.h"
 
 namespace tandem::rpc {
 namespace {

@@ -23,8 +23,8 @@
 #include <vector>
 
 #include "absl/status/status.h"
-#include "rpc/convert.h"
-#include "rpc/future.h"
+#include "tandem/rpc/convert.h"
+#include "tandem/rpc/future.h"
 
 namespace tandem::rpc {
 

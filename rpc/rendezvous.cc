@@ -10,13 +10,13 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "proto/tandem_rpc.pb.h"
-#include "rpc/detail/agent.h"
-#include "rpc/detail/auth.h"
-#include "rpc/detail/direct_transport.h"
-#include "rpc/detail/fault_transport.h"
-#include "rpc/detail/grpc_transport.h"
-#include "rpc/detail/net.h"
-#include "rpc/detail/version.h"
+#include "tandem/rpc/detail/agent.h"
+#include "tandem/rpc/detail/auth.h"
+#include "tandem/rpc/detail/direct_transport.h"
+#include "tandem/rpc/detail/fault_transport.h"
+#include "tandem/rpc/detail/grpc_transport.h"
+#include "tandem/rpc/detail/net.h"
+#include "tandem/rpc/detail/version.h"
 
 namespace tandem::rpc::detail {
 namespace {
@@ -67,9 +67,8 @@ absl::StatusOr<std::optional<TlsOptions>> resolve_tls(const RpcOptions& options)
   }
   if (set == 0) return std::optional<TlsOptions>();
   if (set < 3) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("TLS from the environment needs TANDEM_TLS_CERT, TANDEM_TLS_KEY and TANDEM_TLS_CA; missing: ",
-                     missing));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "TLS from the environment needs TANDEM_TLS_CERT, TANDEM_TLS_KEY and TANDEM_TLS_CA; missing: ", missing));
   }
   TlsOptions t;
   t.cert_chain_path = values[0];
@@ -135,8 +134,8 @@ absl::StatusOr<tandem::wire::WorkerRecord> parse_record(const std::string& bytes
   }
   const tandem::wire::WorkerRecord& w = rec.worker();
   if (!rec.has_worker() || w.rank() != rank || !std::regex_match(w.name(), name_pattern()) ||
-      w.grpc_address().empty() || w.pid() <= 0 || w.direct_address().size() > 100 ||
-      w.tcp_address().size() > 300 || (!w.tcp_address().empty() && !direct::is_tcp_address(w.tcp_address()))) {
+      w.grpc_address().empty() || w.pid() <= 0 || w.direct_address().size() > 100 || w.tcp_address().size() > 300 ||
+      (!w.tcp_address().empty() && !direct::is_tcp_address(w.tcp_address()))) {
     return absl::InvalidArgumentError(absl::StrCat("rank ", rank, " published a malformed rendezvous record"));
   }
   if (w.world_size() != world_size) {

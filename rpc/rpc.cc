@@ -8,17 +8,17 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "rpc/detail/agent.h"
-#include "rpc/detail/direct_transport.h"  // complete types for deleting the agent
-#include "rpc/detail/fault_transport.h"
-#include "rpc/detail/grpc_transport.h"
-#include "rpc/detail/ids.h"
-#include "rpc/detail/standby.h"
-#include "rpc/extension.h"
-#include "rpc/rpc.h"
-#include "sync/sync.h"
+#include "tandem/rpc/detail/agent.h"
+#include "tandem/rpc/detail/direct_transport.h"  // complete types for deleting the agent
+#include "tandem/rpc/detail/fault_transport.h"
+#include "tandem/rpc/detail/grpc_transport.h"
+#include "tandem/rpc/detail/ids.h"
+#include "tandem/rpc/detail/standby.h"
+#include "tandem/rpc/extension.h"
+#include "tandem/rpc/rpc.h"
+#include "tandem/sync/sync.h"
 
-#include "cluster/environment.h"
+#include "tandem/cluster/environment.h"
 
 namespace tandem::rpc {
 namespace {

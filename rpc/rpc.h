@@ -36,12 +36,12 @@
 #include <type_traits>
 #include <vector>
 
-#include "rpc/convert.h"
-#include "rpc/errors.h"
-#include "rpc/fault_injection.h"
-#include "rpc/future.h"
-#include "rpc/registry.h"
-#include "rpc/tls.h"
+#include "tandem/rpc/convert.h"
+#include "tandem/rpc/errors.h"
+#include "tandem/rpc/fault_injection.h"
+#include "tandem/rpc/future.h"
+#include "tandem/rpc/registry.h"
+#include "tandem/rpc/tls.h"
 
 namespace tandem::rpc {
 

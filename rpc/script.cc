@@ -1,8 +1,8 @@
-#include "rpc/script.h"
+#include "tandem/rpc/script.h"
 
 #include "absl/strings/str_cat.h"
-#include "rpc/errors.h"
-#include "rpc/registry.h"
+#include "tandem/rpc/errors.h"
+#include "tandem/rpc/registry.h"
 
 namespace tandem::rpc {
 namespace {

@@ -1,4 +1,4 @@
-#include "rpc/store.h"
+#include "tandem/rpc/store.h"
 
 #include <grpcpp/grpcpp.h>
 #include <netdb.h>
@@ -12,9 +12,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "proto/tandem_rpc.grpc.pb.h"
-#include "rpc/detail/auth.h"
-#include "rpc/detail/net.h"
-#include "sync/sync.h"
+#include "tandem/rpc/detail/auth.h"
+#include "tandem/rpc/detail/net.h"
+#include "tandem/sync/sync.h"
 
 namespace tandem::rpc {
 namespace {

@@ -1,6 +1,6 @@
-#include "rpc/transport.h"
+#include "tandem/rpc/transport.h"
 
-#include "sync/sync.h"
+#include "tandem/sync/sync.h"
 
 namespace tandem::rpc {
 

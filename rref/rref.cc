@@ -1,6 +1,6 @@
 // The RRef protocol (docs/rref.md). Everything here runs over rpc: internal functions named "__tandem.rref.*" and a
 // value codec for RRefs, so rpc itself knows nothing of references.
-#include "rref/rref.h"
+#include "tandem/rref/rref.h"
 
 #include <algorithm>
 #include <atomic>
@@ -13,12 +13,12 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
 #include "proto/tandem_rpc.pb.h"
-#include "rpc/detail/ids.h"
-#include "rpc/detail/note_batcher.h"
-#include "rpc/errors.h"
-#include "rpc/extension.h"
-#include "rref/detail/descriptor.h"
-#include "sync/sync.h"
+#include "tandem/rpc/detail/ids.h"
+#include "tandem/rpc/detail/note_batcher.h"
+#include "tandem/rpc/errors.h"
+#include "tandem/rpc/extension.h"
+#include "tandem/rref/detail/descriptor.h"
+#include "tandem/sync/sync.h"
 
 namespace tandem::rref {
 namespace detail {

@@ -61,10 +61,10 @@
 #include <grpc/support/log.h>
 
 #include "absl/strings/str_split.h"
-#include "cluster/environment.h"
-#include "elastic/rendezvous.h"
-#include "rpc/detail/net.h"
-#include "rpc/store.h"
+#include "tandem/cluster/environment.h"
+#include "tandem/elastic/rendezvous.h"
+#include "tandem/rpc/detail/net.h"
+#include "tandem/rpc/store.h"
 
 namespace {
 
@@ -103,14 +103,15 @@ struct Worker {
 volatile sig_atomic_t g_signal = 0;
 
 [[noreturn]] void usage(const std::string& error) {
-  std::cerr << "tandem-run: " << error << "\n"
-            << "usage: tandem-run --nproc-per-node N [--nnodes M --node-rank R --master-addr A --master-port P]\n"
-            << "                  [--secret-file F] [--grace-seconds S] [--max-restarts K] [--rdzv-id ID]\n"
-            << "                  [--] program args...\n"
-            << "       tandem-run --nproc-per-node N --nnodes MIN:MAX --rdzv-backend c10d|etcd --rdzv-endpoint HOST:PORT\n"
-            << "                  --rdzv-id ID [--max-restarts K] [--monitor-interval S] [--rdzv-conf k=v,...]\n"
-            << "                  [--local-addr A] [--secret-file F] [--grace-seconds S] [--standby 0|1]\n"
-            << "                  [--] program args...\n";
+  std::cerr
+      << "tandem-run: " << error << "\n"
+      << "usage: tandem-run --nproc-per-node N [--nnodes M --node-rank R --master-addr A --master-port P]\n"
+      << "                  [--secret-file F] [--grace-seconds S] [--max-restarts K] [--rdzv-id ID]\n"
+      << "                  [--] program args...\n"
+      << "       tandem-run --nproc-per-node N --nnodes MIN:MAX --rdzv-backend c10d|etcd --rdzv-endpoint HOST:PORT\n"
+      << "                  --rdzv-id ID [--max-restarts K] [--monitor-interval S] [--rdzv-conf k=v,...]\n"
+      << "                  [--local-addr A] [--secret-file F] [--grace-seconds S] [--standby 0|1]\n"
+      << "                  [--] program args...\n";
   std::exit(2);
 }
 
@@ -125,10 +126,10 @@ int parse_int(const std::string& flag, const std::string& v) {
 }
 
 // Every flag tandem-run takes (torchrun's spelling, with '-').
-const char* const kFlags[] = {"--nproc-per-node", "--nnodes",        "--rdzv-backend",  "--rdzv-endpoint",
-                              "--rdzv-conf",      "--local-addr",    "--standby",       "--monitor-interval",
-                              "--node-rank",      "--master-addr",   "--master-port",   "--secret-file",
-                              "--grace-seconds",  "--max-restarts",  "--rdzv-id"};
+const char* const kFlags[] = {"--nproc-per-node", "--nnodes",       "--rdzv-backend", "--rdzv-endpoint",
+                              "--rdzv-conf",      "--local-addr",   "--standby",      "--monitor-interval",
+                              "--node-rank",      "--master-addr",  "--master-port",  "--secret-file",
+                              "--grace-seconds",  "--max-restarts", "--rdzv-id"};
 
 // Fills the flags the command line left out from the environment: torchrun's PET_<FLAG> variables first (Kubeflow
 // sets them), then the cluster's own (SLURM when srun started us, a PyTorchJob's in a Kubernetes pod:
@@ -203,8 +204,7 @@ Options parse(int argc, char** argv) {
       } else {
         o.nnodes = o.min_nodes = o.max_nodes = parse_int(a, value);
       }
-    }
-    else if (a == "--rdzv-backend") o.rdzv_backend = value;
+    } else if (a == "--rdzv-backend") o.rdzv_backend = value;
     else if (a == "--rdzv-endpoint") o.rdzv_endpoint = value;
     else if (a == "--rdzv-conf") o.rdzv_conf = value;
     else if (a == "--local-addr") o.local_addr = value;
@@ -215,8 +215,7 @@ Options parse(int argc, char** argv) {
       } catch (...) {
         usage("bad value for --monitor-interval: '" + value + "'");
       }
-    }
-    else if (a == "--node-rank") o.node_rank = parse_int(a, value);
+    } else if (a == "--node-rank") o.node_rank = parse_int(a, value);
     else if (a == "--master-addr") o.master_addr = value;
     else if (a == "--master-port") o.master_port = parse_int(a, value);
     else if (a == "--secret-file") o.secret_file = value;
@@ -496,7 +495,7 @@ struct Round {
   int status = 0;   // its wait status
   pid_t pid = -1;
   int rank = -1;
-  std::string others;  // how the other workers ended
+  std::string others;                // how the other workers ended
   std::optional<std::string> ended;  // the rendezvous ended the round (another node's failure, membership)
   std::string error;                 // the rendezvous failed (its store is gone)
 };
@@ -623,8 +622,8 @@ Round run_round(const Options& o, const Placement& p, const std::string& secret,
         r.status = first_status;
         if (auto s = rdzv->end_round(failure_text(r, node), /*failure=*/true); !s.ok()) r.error = s.ToString();
       } else if (std::chrono::steady_clock::now() >= next_monitor && any_running) {
-        next_monitor = std::chrono::steady_clock::now() + std::chrono::microseconds(
-                                                              static_cast<int64_t>(o.monitor_interval * 1e6));
+        next_monitor = std::chrono::steady_clock::now() +
+                       std::chrono::microseconds(static_cast<int64_t>(o.monitor_interval * 1e6));
         auto end = rdzv->monitor();
         if (!end.ok()) {
           r.error = end.status().ToString();
@@ -707,8 +706,8 @@ int run_static(Options& o, std::vector<Standby>* pool) {
       continue;
     }
     if (o.max_restarts == 0) {
-      std::fprintf(stderr, "tandem-run: %s%s%s\n", what.c_str(), r.others.empty() ? "" : "; other ranks: ",
-                   r.others.c_str());
+      std::fprintf(stderr, "tandem-run: %s%s%s\n", what.c_str(),
+                   r.others.empty() ? "" : "; other ranks: ", r.others.c_str());
     } else {
       failures += (failures.empty() ? "" : "; ") + what;
       std::fprintf(stderr, "tandem-run: gave up after %d restarts: %s\n", o.max_restarts, failures.c_str());

@@ -1,4 +1,4 @@
-#include "comm/detail/shm.h"
+#include "tandem/comm/detail/shm.h"
 
 #include <ATen/ATen.h>
 #include <dirent.h>
@@ -22,8 +22,8 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
-#include "rpc/errors.h"
-#include "rpc/store.h"
+#include "tandem/rpc/errors.h"
+#include "tandem/rpc/store.h"
 
 namespace tandem::comm::detail {
 namespace {
@@ -32,14 +32,14 @@ using std::chrono::milliseconds;
 using Clock = ShmGroup::Clock;
 
 constexpr uint64_t kMagic = 0x74616e64656d7368;  // "tandemsh"
-constexpr size_t kSlotBytes = size_t{8} << 20;    // per rank: two halves of 4 MiB, one per round
+constexpr size_t kSlotBytes = size_t{8} << 20;   // per rank: two halves of 4 MiB, one per round
 constexpr size_t kHalfBytes = kSlotBytes / 2;
 // An allreduce round this small is reduced whole by every rank, in rank order (one barrier); a larger one in shares,
 // each rank reducing its own (two barriers).
 constexpr size_t kSmallBytes = size_t{256} << 10;
 constexpr size_t kPage = 4096;
-constexpr int kMaxRanks = 64;  // the control lines fit in one page
-constexpr auto kSpin = std::chrono::microseconds(20);      // spinning before sleeping on the futex
+constexpr int kMaxRanks = 64;                                   // the control lines fit in one page
+constexpr auto kSpin = std::chrono::microseconds(20);           // spinning before sleeping on the futex
 constexpr auto kLivenessCheck = std::chrono::milliseconds(50);  // how often a waiter looks for ended processes
 constexpr const char* kPrefix = "tandem-pg-";
 
@@ -145,8 +145,8 @@ absl::StatusOr<std::unique_ptr<ShmGroup>> ShmGroup::attach(rpc::Store& store, co
       return status.ok() ? s : status;
     };
     if (size > kMaxRanks) {
-      return publish("-", absl::FailedPreconditionError(absl::StrCat("shared memory serves at most ", kMaxRanks,
-                                                                     " ranks, not ", size)));
+      return publish("-", absl::FailedPreconditionError(
+                              absl::StrCat("shared memory serves at most ", kMaxRanks, " ranks, not ", size)));
     }
     remove_stale_segments(pid_ns);
     std::random_device rd;
@@ -288,10 +288,10 @@ void ShmGroup::meet(Clock::time_point deadline) {
     if (const int32_t c = layout_->culprit.load(); c != 0) {
       const int reason = layout_->reason.load();
       const std::string who = c - 1 >= 0 && c - 1 < size_ ? labels_[c - 1] : absl::StrCat("rank ", c - 1);
-      throw_error(reason == kLate ? absl::DeadlineExceededError(absl::StrCat(
-                                        who, " did not take part within ", timeout_.count(),
-                                        " ms (seen by another rank; shared memory)"))
-                                  : absl::UnavailableError(absl::StrCat(who, " is gone: its process ended")));
+      throw_error(reason == kLate
+                      ? absl::DeadlineExceededError(absl::StrCat(who, " did not take part within ", timeout_.count(),
+                                                                 " ms (seen by another rank; shared memory)"))
+                      : absl::UnavailableError(absl::StrCat(who, " is gone: its process ended")));
     }
     const Clock::time_point now = Clock::now();
     if (now >= next_check) {

@@ -22,7 +22,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "comm/process_group.h"
+#include "tandem/comm/process_group.h"
 
 namespace tandem::rpc {
 class Store;
@@ -67,7 +67,7 @@ class ShmGroup {
            std::chrono::milliseconds timeout);
   void meet(Clock::time_point deadline);  // the barrier every round ends with
   [[noreturn]] void fail(int culprit, int reason, const std::string& message);
-  std::string gone_ranks() const;         // the ranks whose processes ended, or ""
+  std::string gone_ranks() const;                               // the ranks whose processes ended, or ""
   at::Tensor half(int r, size_t bytes, c10::ScalarType dtype);  // rank r's half of this round, as a tensor
   // Calls round(at, m) for the rounds over `n` elements, `per_round` at most each ([at, at + m)), each round on the
   // next half.
@@ -81,8 +81,8 @@ class ShmGroup {
   std::string name_;  // until unlink()
   Layout* layout_;
   std::chrono::milliseconds timeout_{0};  // the group's, for messages
-  uint64_t met_ = 0;                        // barriers passed
-  uint64_t round_ = 0;                      // rounds started: round_ % 2 is the half in use
+  uint64_t met_ = 0;                      // barriers passed
+  uint64_t round_ = 0;                    // rounds started: round_ % 2 is the half in use
 };
 
 }  // namespace tandem::comm::detail

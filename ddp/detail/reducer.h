@@ -14,7 +14,7 @@
 #include <utility>
 #include <vector>
 
-#include "ddp/ddp.h"
+#include "tandem/ddp/ddp.h"
 
 namespace tandem::ddp::detail {
 

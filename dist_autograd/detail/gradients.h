@@ -5,7 +5,7 @@
 #include <cstdint>
 #include <optional>
 
-#include "dist_autograd/dist_autograd.h"
+#include "tandem/dist_autograd/dist_autograd.h"
 
 namespace tandem::dist_autograd::detail {
 

@@ -8,9 +8,9 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "elastic/rendezvous.h"
 #include "proto/etcd_kv.grpc.pb.h"
-#include "rpc/store.h"
+#include "tandem/elastic/rendezvous.h"
+#include "tandem/rpc/store.h"
 
 namespace tandem::elastic {
 namespace {
@@ -94,8 +94,9 @@ class EtcdStore final : public rpc::Store {
       if (!present.ok()) return present.status();
       if (std::all_of(present->begin(), present->end(), [](bool b) { return b; })) return absl::OkStatus();
       if (Clock::now() + kPoll > deadline) {
-        return absl::DeadlineExceededError(absl::StrCat("store wait('", absl::StrJoin(keys, ","), "'): not all set within ",
-                                                        timeout.count(), " ms (etcd at ", endpoint_, ")"));
+        return absl::DeadlineExceededError(absl::StrCat("store wait('", absl::StrJoin(keys, ","),
+                                                        "'): not all set within ", timeout.count(), " ms (etcd at ",
+                                                        endpoint_, ")"));
       }
       std::this_thread::sleep_for(kPoll);
     }

@@ -1,7 +1,7 @@
-#include "elastic/detail/records.h"
+#include "tandem/elastic/detail/records.h"
 
 #include "absl/strings/str_cat.h"
-#include "rpc/detail/version.h"
+#include "tandem/rpc/detail/version.h"
 
 namespace tandem::elastic::detail {
 namespace {

@@ -17,7 +17,8 @@ void keep_freed_memory() {
                   {M_TRIM_THRESHOLD, kGiB, "M_TRIM_THRESHOLD"}};
   for (const auto& s : settings) {
     if (mallopt(s.param, s.value) != 1) {
-      std::fprintf(stderr, "keep_freed_memory: glibc refused mallopt(%s, %d); large tensors may be slower to allocate\n",
+      std::fprintf(stderr,
+                   "keep_freed_memory: glibc refused mallopt(%s, %d); large tensors may be slower to allocate\n",
                    s.name, s.value);
     }
   }

@@ -22,15 +22,15 @@
 #include <memory>
 #include <string>
 
-#include "checkpoint/checkpoint.h"
-#include "comm/process_group.h"
-#include "ddp/ddp.h"
-#include "ddp/sampler.h"
-#include "ddp/zero.h"
 #include "examples/data/allocator.h"
 #include "examples/data/cnn.h"
 #include "examples/data/fashion_mnist.h"
-#include "rpc/rpc.h"
+#include "tandem/checkpoint/checkpoint.h"
+#include "tandem/comm/process_group.h"
+#include "tandem/ddp/ddp.h"
+#include "tandem/ddp/sampler.h"
+#include "tandem/ddp/zero.h"
+#include "tandem/rpc/rpc.h"
 
 using namespace tandem;
 

@@ -5,9 +5,9 @@
 #include <torch/nn/modules/embedding.h>
 #include <torch/nn/modules/linear.h>
 
-#include "ddp_dist_autograd/ddp_dist_autograd.h"
-#include "dist_autograd/dist_autograd.h"
-#include "rref/rref.h"
+#include "tandem/ddp_dist_autograd/ddp_dist_autograd.h"
+#include "tandem/dist_autograd/dist_autograd.h"
+#include "tandem/rref/rref.h"
 
 namespace tandem::examples::hybrid {
 

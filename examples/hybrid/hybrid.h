@@ -10,10 +10,10 @@
 #include <memory>
 #include <vector>
 
-#include "comm/process_group.h"
-#include "ddp/ddp.h"
-#include "dist_optim/dist_optim.h"
-#include "nn/remote_module.h"
+#include "tandem/comm/process_group.h"
+#include "tandem/ddp/ddp.h"
+#include "tandem/dist_optim/dist_optim.h"
+#include "tandem/nn/remote_module.h"
 
 namespace tandem::examples::hybrid {
 

@@ -16,14 +16,14 @@
 #include <cstdio>
 #include <string>
 
-#include "comm/process_group.h"
-#include "ddp/sampler.h"
 #include "examples/data/allocator.h"
 #include "examples/data/cnn.h"
 #include "examples/data/fashion_mnist.h"
 #include "examples/hybrid/hybrid.h"
-#include "rpc/registry.h"
-#include "rpc/rpc.h"
+#include "tandem/comm/process_group.h"
+#include "tandem/ddp/sampler.h"
+#include "tandem/rpc/registry.h"
+#include "tandem/rpc/rpc.h"
 
 using namespace tandem;
 namespace hybrid = tandem::examples::hybrid;

@@ -24,15 +24,15 @@
 #include <cstring>
 #include <string>
 
-#include "checkpoint/checkpoint.h"
-#include "cluster/environment.h"
-#include "dist_autograd/dist_autograd.h"
-#include "dist_optim/dist_optim.h"
 #include "examples/data/allocator.h"
 #include "examples/data/cnn.h"
 #include "examples/data/fashion_mnist.h"
 #include "examples/parameter_server/server.h"
-#include "rpc/rpc.h"
+#include "tandem/checkpoint/checkpoint.h"
+#include "tandem/cluster/environment.h"
+#include "tandem/dist_autograd/dist_autograd.h"
+#include "tandem/dist_optim/dist_optim.h"
+#include "tandem/rpc/rpc.h"
 
 using namespace tandem;
 
@@ -122,7 +122,7 @@ int train(const Args& args, int rank, int trainers) {
       loss_sum += loss.item<double>();
       ++global_step;
       if (ckpt && global_step % args.checkpoint_every == 0) {
-        ckpt->save(global_step, state);               // this trainer's optimizer state, fetched from the server
+        ckpt->save(global_step, state);             // this trainer's optimizer state, fetched from the server
         examples::checkpoint_barrier(global_step);  // the server saves its model once every trainer has saved
       }
     }
@@ -134,8 +134,7 @@ int train(const Args& args, int rank, int trainers) {
     if (rank == 1) {
       std::printf("epoch %d/%d  %.0f steps/s (all %d trainers)  loss %.4f  test accuracy %.4f\n", epoch, args.epochs,
                   trainers * (steps_per_epoch - first_step) / secs, trainers,
-                  loss_sum / std::max<int64_t>(1, steps_per_epoch - first_step),
-                  accuracy);
+                  loss_sum / std::max<int64_t>(1, steps_per_epoch - first_step), accuracy);
       std::fflush(stdout);
     }
     if (stop_early && accuracy >= args.min_accuracy) {

@@ -5,12 +5,12 @@
 #include <atomic>
 
 #include "absl/base/thread_annotations.h"
-#include "checkpoint/checkpoint.h"
-#include "dist_autograd/dist_autograd.h"
 #include "examples/data/cnn.h"
 #include "examples/data/fashion_mnist.h"
-#include "rpc/rpc.h"
-#include "sync/sync.h"
+#include "tandem/checkpoint/checkpoint.h"
+#include "tandem/dist_autograd/dist_autograd.h"
+#include "tandem/rpc/rpc.h"
+#include "tandem/sync/sync.h"
 
 namespace tandem::examples {
 namespace {

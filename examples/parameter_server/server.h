@@ -15,7 +15,7 @@
 #include <cstdint>
 #include <string>
 
-#include "nn/remote_module.h"
+#include "tandem/nn/remote_module.h"
 
 namespace tandem::examples {
 
@@ -46,8 +46,8 @@ void submit(int64_t context_id);  // synchronous mode: waits for the averaged st
 int64_t rounds_done();            // steps the server's checkpoint holds (sync: rounds; > 0 after a resume)
 // Asynchronous mode with checkpoints: waits until every trainer reached `step`; the server then saves its model.
 void checkpoint_barrier(int64_t step);
-uint64_t model_hash();            // parameters_hash (examples/data/cnn.h) of the server's model
-double evaluate();                // test accuracy of the current model, computed on the server
-void done();                      // this trainer has finished
+uint64_t model_hash();  // parameters_hash (examples/data/cnn.h) of the server's model
+double evaluate();      // test accuracy of the current model, computed on the server
+void done();            // this trainer has finished
 
 }  // namespace tandem::examples

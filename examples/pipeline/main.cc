@@ -16,14 +16,14 @@
 #include <cstdio>
 #include <string>
 
-#include "dist_autograd/dist_autograd.h"
-#include "dist_optim/dist_optim.h"
 #include "examples/data/allocator.h"
 #include "examples/data/cnn.h"
 #include "examples/data/fashion_mnist.h"
-#include "nn/remote_module.h"
-#include "pipeline/pipeline.h"
-#include "rpc/rpc.h"
+#include "tandem/dist_autograd/dist_autograd.h"
+#include "tandem/dist_optim/dist_optim.h"
+#include "tandem/nn/remote_module.h"
+#include "tandem/pipeline/pipeline.h"
+#include "tandem/rpc/rpc.h"
 
 using namespace tandem;
 
@@ -133,7 +133,8 @@ int drive(const Args& args) {
                 static_cast<double>(n) / secs, loss_sum / static_cast<double>(steps), accuracy);
     std::fflush(stdout);
     if (args.min_accuracy > 0 && accuracy >= args.min_accuracy) {
-      std::printf("reached --min-accuracy %.2f after epoch %d of %d: stopping\n", args.min_accuracy, epoch, args.epochs);
+      std::printf("reached --min-accuracy %.2f after epoch %d of %d: stopping\n", args.min_accuracy, epoch,
+                  args.epochs);
       break;
     }
   }

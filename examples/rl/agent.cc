@@ -9,9 +9,9 @@
 #include "absl/base/attributes.h"
 #include "absl/strings/str_cat.h"
 #include "examples/rl/cartpole.h"
-#include "rpc/batching.h"
-#include "rpc/errors.h"
-#include "rpc/rpc.h"
+#include "tandem/rpc/batching.h"
+#include "tandem/rpc/errors.h"
+#include "tandem/rpc/rpc.h"
 
 namespace tandem::examples::rl {
 namespace {

@@ -15,8 +15,8 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
-#include "rref/rref.h"
-#include "sync/sync.h"
+#include "tandem/rref/rref.h"
+#include "tandem/sync/sync.h"
 
 namespace tandem::examples::rl {
 

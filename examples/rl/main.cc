@@ -18,7 +18,7 @@
 #include <string>
 
 #include "examples/rl/agent.h"
-#include "rpc/rpc.h"
+#include "tandem/rpc/rpc.h"
 
 using namespace tandem;
 namespace rl = tandem::examples::rl;

@@ -1,4 +1,4 @@
-#include "pipeline/detail/common.h"
+#include "tandem/pipeline/detail/common.h"
 
 #include <torch/nn/module.h>
 
@@ -8,8 +8,8 @@
 #include <limits>
 #include <string>
 
-#include "rpc/errors.h"
-#include "rpc/rpc.h"
+#include "tandem/rpc/errors.h"
+#include "tandem/rpc/rpc.h"
 
 namespace tandem::pipeline::detail {
 

@@ -12,7 +12,7 @@
 #include <string>
 
 #include "absl/status/status.h"
-#include "sync/sync.h"
+#include "tandem/sync/sync.h"
 
 namespace torch::nn {
 class Module;

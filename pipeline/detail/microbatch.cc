@@ -1,11 +1,11 @@
-#include "pipeline/detail/microbatch.h"
+#include "tandem/pipeline/detail/microbatch.h"
 
 #include <ATen/ATen.h>
 
 #include <string>
 
 #include "absl/strings/str_cat.h"
-#include "pipeline/detail/common.h"
+#include "tandem/pipeline/detail/common.h"
 
 namespace tandem::pipeline::detail {
 

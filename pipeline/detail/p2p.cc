@@ -1,4 +1,4 @@
-#include "pipeline/detail/p2p.h"
+#include "tandem/pipeline/detail/p2p.h"
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"

@@ -21,8 +21,8 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "pipeline/detail/common.h"
-#include "sync/sync.h"
+#include "tandem/pipeline/detail/common.h"
+#include "tandem/sync/sync.h"
 
 namespace tandem::pipeline::detail {
 

@@ -1,5 +1,5 @@
 // A stage worker's runtime (runtime.h).
-#include "pipeline/detail/runtime.h"
+#include "tandem/pipeline/detail/runtime.h"
 
 #include <ATen/ATen.h>
 
@@ -17,18 +17,18 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
-#include "dist_autograd/dist_autograd.h"
-#include "pipeline/detail/common.h"
-#include "pipeline/detail/p2p.h"
-#include "pipeline/detail/stage.h"
-#include "pipeline/local.h"
-#include "pipeline/schedule.h"
-#include "rpc/errors.h"
-#include "rpc/extension.h"
-#include "rpc/registry.h"
-#include "rpc/rpc.h"
-#include "rref/rref.h"
-#include "sync/sync.h"
+#include "tandem/dist_autograd/dist_autograd.h"
+#include "tandem/pipeline/detail/common.h"
+#include "tandem/pipeline/detail/p2p.h"
+#include "tandem/pipeline/detail/stage.h"
+#include "tandem/pipeline/local.h"
+#include "tandem/pipeline/schedule.h"
+#include "tandem/rpc/errors.h"
+#include "tandem/rpc/extension.h"
+#include "tandem/rpc/registry.h"
+#include "tandem/rpc/rpc.h"
+#include "tandem/rref/rref.h"
+#include "tandem/sync/sync.h"
 
 namespace tandem::pipeline {
 namespace detail {

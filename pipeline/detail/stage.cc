@@ -1,4 +1,4 @@
-#include "pipeline/detail/stage.h"
+#include "tandem/pipeline/detail/stage.h"
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/autograd.h>
@@ -14,12 +14,12 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "nn/remote_module.h"
-#include "pipeline/detail/common.h"
-#include "pipeline/layers.h"
-#include "pipeline/pipeline.h"
-#include "rpc/errors.h"
-#include "sync/sync.h"
+#include "tandem/nn/remote_module.h"
+#include "tandem/pipeline/detail/common.h"
+#include "tandem/pipeline/layers.h"
+#include "tandem/pipeline/pipeline.h"
+#include "tandem/rpc/errors.h"
+#include "tandem/sync/sync.h"
 
 namespace tandem::pipeline {
 namespace detail {

@@ -15,7 +15,7 @@
 #include <string>
 #include <vector>
 
-#include "pipeline/detail/microbatch.h"
+#include "tandem/pipeline/detail/microbatch.h"
 
 namespace torch::nn {
 class Module;

@@ -33,14 +33,14 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "proto/tandem_rpc.pb.h"
-#include "rpc/detail/direct_transport.h"
-#include "rpc/detail/fault_transport.h"
-#include "rpc/detail/grpc_transport.h"
-#include "rpc/detail/thread_pool.h"
-#include "rpc/rpc.h"
-#include "rpc/store.h"
-#include "rpc/transport.h"
-#include "sync/sync.h"
+#include "tandem/rpc/detail/direct_transport.h"
+#include "tandem/rpc/detail/fault_transport.h"
+#include "tandem/rpc/detail/grpc_transport.h"
+#include "tandem/rpc/detail/thread_pool.h"
+#include "tandem/rpc/rpc.h"
+#include "tandem/rpc/store.h"
+#include "tandem/rpc/transport.h"
+#include "tandem/sync/sync.h"
 
 namespace tandem::rpc::detail {
 

@@ -1,4 +1,4 @@
-#include "rpc/detail/auth.h"
+#include "tandem/rpc/detail/auth.h"
 
 #include <openssl/crypto.h>
 #include <openssl/evp.h>
@@ -6,8 +6,8 @@
 #include <openssl/rand.h>
 
 #include "absl/strings/str_cat.h"
-#include "rpc/detail/version.h"
-#include "rpc/errors.h"
+#include "tandem/rpc/detail/version.h"
+#include "tandem/rpc/errors.h"
 
 namespace tandem::rpc::auth {
 namespace {

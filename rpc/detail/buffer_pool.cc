@@ -1,4 +1,4 @@
-#include "rpc/detail/buffer_pool.h"
+#include "tandem/rpc/detail/buffer_pool.h"
 
 #include <ATen/ops/from_blob.h>
 #include <sys/mman.h>
@@ -8,7 +8,7 @@
 #include <new>
 
 #include "absl/base/thread_annotations.h"
-#include "sync/sync.h"
+#include "tandem/sync/sync.h"
 
 namespace tandem::rpc::detail {
 namespace {

@@ -1,4 +1,4 @@
-#include "rpc/detail/direct.h"
+#include "tandem/rpc/detail/direct.h"
 
 #include <fcntl.h>
 #include <netdb.h>
@@ -20,11 +20,11 @@
 
 #include "absl/strings/str_cat.h"
 #include "proto/tandem_rpc.pb.h"
-#include "rpc/detail/auth.h"
-#include "rpc/detail/buffer_pool.h"
-#include "rpc/detail/net.h"
-#include "rpc/detail/version.h"
-#include "sync/sync.h"
+#include "tandem/rpc/detail/auth.h"
+#include "tandem/rpc/detail/buffer_pool.h"
+#include "tandem/rpc/detail/net.h"
+#include "tandem/rpc/detail/version.h"
+#include "tandem/sync/sync.h"
 
 namespace tandem::rpc::direct {
 namespace {
@@ -342,8 +342,8 @@ absl::Status Conn::write(Kind kind, uint64_t call_id, const grpc::ByteBuffer& bo
   while (first < iov.size()) {
     window.clear();
     size_t offered = 0;
-    for (size_t i = first;
-         i < iov.size() && window.size() < static_cast<size_t>(IOV_MAX) && offered < kMaxSendBytes; ++i) {
+    for (size_t i = first; i < iov.size() && window.size() < static_cast<size_t>(IOV_MAX) && offered < kMaxSendBytes;
+         ++i) {
       const size_t take = std::min(iov[i].iov_len, kMaxSendBytes - offered);
       window.push_back({iov[i].iov_base, take});
       offered += take;

@@ -41,8 +41,8 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "proto/tandem_rpc.pb.h"
-#include "rpc/detail/thread_pool.h"
-#include "sync/sync.h"
+#include "tandem/rpc/detail/thread_pool.h"
+#include "tandem/sync/sync.h"
 
 namespace tandem::rpc::direct {
 

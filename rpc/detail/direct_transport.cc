@@ -1,8 +1,8 @@
-#include "rpc/detail/direct_transport.h"
+#include "tandem/rpc/detail/direct_transport.h"
 
 #include "absl/strings/str_cat.h"
 #include "proto/tandem_rpc.pb.h"
-#include "rpc/detail/wire.h"
+#include "tandem/rpc/detail/wire.h"
 
 namespace tandem::rpc::detail {
 

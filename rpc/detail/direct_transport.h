@@ -15,9 +15,9 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
-#include "rpc/detail/direct.h"
-#include "rpc/transport.h"
-#include "sync/sync.h"
+#include "tandem/rpc/detail/direct.h"
+#include "tandem/rpc/transport.h"
+#include "tandem/sync/sync.h"
 
 namespace tandem::rpc::detail {
 

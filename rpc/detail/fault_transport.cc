@@ -1,4 +1,4 @@
-#include "rpc/detail/fault_transport.h"
+#include "tandem/rpc/detail/fault_transport.h"
 
 #include <cstring>
 
@@ -7,8 +7,8 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "proto/tandem_rpc.pb.h"
-#include "rpc/detail/wire.h"
-#include "sync/sync.h"
+#include "tandem/rpc/detail/wire.h"
+#include "tandem/sync/sync.h"
 
 namespace tandem::rpc {
 

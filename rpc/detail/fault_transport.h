@@ -10,9 +10,9 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
-#include "rpc/fault_injection.h"
-#include "rpc/transport.h"
-#include "sync/sync.h"
+#include "tandem/rpc/fault_injection.h"
+#include "tandem/rpc/transport.h"
+#include "tandem/sync/sync.h"
 
 namespace tandem::rpc::detail {
 

@@ -1,9 +1,9 @@
-#include "rpc/detail/grpc_transport.h"
+#include "tandem/rpc/detail/grpc_transport.h"
 
 #include "absl/strings/str_cat.h"
 #include "proto/tandem_rpc.grpc.pb.h"
-#include "rpc/detail/auth.h"
-#include "rpc/detail/net.h"
+#include "tandem/rpc/detail/auth.h"
+#include "tandem/rpc/detail/net.h"
 
 namespace tandem::rpc::detail {
 namespace {

@@ -13,8 +13,8 @@
 #include <string>
 
 #include "absl/base/thread_annotations.h"
-#include "rpc/transport.h"
-#include "sync/sync.h"
+#include "tandem/rpc/transport.h"
+#include "tandem/sync/sync.h"
 
 namespace tandem::rpc {
 struct TlsOptions;

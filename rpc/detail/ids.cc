@@ -1,4 +1,4 @@
-#include "rpc/detail/ids.h"
+#include "tandem/rpc/detail/ids.h"
 
 #include <atomic>
 

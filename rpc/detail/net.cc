@@ -1,4 +1,4 @@
-#include "rpc/detail/net.h"
+#include "tandem/rpc/detail/net.h"
 
 #include <arpa/inet.h>
 #include <grpcpp/create_channel.h>
@@ -18,7 +18,7 @@
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
-#include "rpc/tls.h"
+#include "tandem/rpc/tls.h"
 
 namespace tandem::rpc::net {
 namespace {

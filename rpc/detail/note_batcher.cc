@@ -1,9 +1,9 @@
-#include "rpc/detail/note_batcher.h"
+#include "tandem/rpc/detail/note_batcher.h"
 
 #include <iterator>
 
-#include "rpc/convert.h"
-#include "rpc/rpc.h"
+#include "tandem/rpc/convert.h"
+#include "tandem/rpc/rpc.h"
 
 namespace tandem::rpc::detail {
 namespace {

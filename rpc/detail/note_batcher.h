@@ -25,8 +25,8 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/time/time.h"
-#include "rpc/future.h"
-#include "sync/sync.h"
+#include "tandem/rpc/future.h"
+#include "tandem/sync/sync.h"
 
 namespace tandem::rpc::detail {
 

@@ -1,4 +1,4 @@
-#include "rpc/detail/standby.h"
+#include "tandem/rpc/detail/standby.h"
 
 #include <unistd.h>
 

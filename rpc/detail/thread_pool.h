@@ -9,7 +9,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/time/time.h"
-#include "sync/sync.h"
+#include "tandem/sync/sync.h"
 
 namespace tandem::rpc::detail {
 

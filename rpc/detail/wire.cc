@@ -1,4 +1,4 @@
-#include "rpc/detail/wire.h"
+#include "tandem/rpc/detail/wire.h"
 
 #include <ATen/core/Dict.h>
 #include <ATen/core/List.h>
@@ -13,9 +13,9 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
-#include "rpc/detail/buffer_pool.h"
-#include "rpc/extension.h"
-#include "sync/sync.h"
+#include "tandem/rpc/detail/buffer_pool.h"
+#include "tandem/rpc/extension.h"
+#include "tandem/sync/sync.h"
 
 namespace tandem::rpc::wire {
 namespace {

@@ -23,7 +23,7 @@
 
 #include "absl/status/statusor.h"
 #include "proto/tandem_rpc.pb.h"
-#include "rpc/future.h"
+#include "tandem/rpc/future.h"
 
 namespace tandem::rpc::wire {
 

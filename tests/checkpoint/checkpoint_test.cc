@@ -1,6 +1,6 @@
 // Checkpoints in one process: what is saved comes back bit-exact, old steps go, a torn or damaged file is never
 // loaded, mismatches name the item, and a writer killed mid-write leaves the last complete checkpoint.
-#include "checkpoint/checkpoint.h"
+#include "tandem/checkpoint/checkpoint.h"
 
 #include <gmock/gmock.h>
 #include <signal.h>
@@ -12,8 +12,8 @@
 #include <random>
 #include <thread>
 
-#include "ddp/sampler.h"
-#include "rpc/errors.h"
+#include "tandem/ddp/sampler.h"
+#include "tandem/rpc/errors.h"
 #include "tests/common/multiproc.h"
 #include "tests/common/test_env.h"
 

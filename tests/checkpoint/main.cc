@@ -3,8 +3,8 @@
 #include <string>
 
 #include "tests/checkpoint/scenarios.h"
-#include "tests/common/test_env.h"
 #include "tests/common/spawner.h"
+#include "tests/common/test_env.h"
 
 int main(int argc, char** argv) {
   tandem::test::spawner::start();  // first: the workers are forked from here (tests/common/spawner.h)

@@ -6,10 +6,10 @@
 #include <cstdlib>
 
 #include "absl/strings/str_split.h"
-#include "checkpoint/checkpoint.h"
-#include "comm/process_group.h"
-#include "ddp/zero.h"
-#include "rpc/rpc.h"
+#include "tandem/checkpoint/checkpoint.h"
+#include "tandem/comm/process_group.h"
+#include "tandem/ddp/zero.h"
+#include "tandem/rpc/rpc.h"
 #include "tests/common/scenario.h"
 
 namespace tandem::test {

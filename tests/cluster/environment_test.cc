@@ -1,5 +1,5 @@
 // A process's place in a job from torchrun's, SLURM's and Kubeflow's variables (cluster/environment.h).
-#include "cluster/environment.h"
+#include "tandem/cluster/environment.h"
 
 #include <gtest/gtest.h>
 
@@ -20,8 +20,13 @@ TEST(UnitCluster, FirstHostOfASlurmNodeList) {
 }
 
 TEST(UnitCluster, TorchrunVariablesComeFirst) {
-  auto p = worker_place({{"RANK", "3"}, {"WORLD_SIZE", "4"}, {"LOCAL_RANK", "1"}, {"LOCAL_WORLD_SIZE", "2"},
-                         {"MASTER_ADDR", "10.0.0.1"}, {"MASTER_PORT", "29500"}, {"SLURM_PROCID", "0"}});
+  auto p = worker_place({{"RANK", "3"},
+                         {"WORLD_SIZE", "4"},
+                         {"LOCAL_RANK", "1"},
+                         {"LOCAL_WORLD_SIZE", "2"},
+                         {"MASTER_ADDR", "10.0.0.1"},
+                         {"MASTER_PORT", "29500"},
+                         {"SLURM_PROCID", "0"}});
   ASSERT_TRUE(p.ok()) << p.status();
   EXPECT_EQ(p->source, "torchrun");
   EXPECT_EQ(p->rank, 3);
@@ -38,13 +43,17 @@ TEST(UnitCluster, TorchrunVariablesComeFirst) {
 
 TEST(UnitCluster, AMalformedLocalVariableIsAnErrorNamingIt) {
   const Env base = {{"RANK", "1"}, {"WORLD_SIZE", "4"}};
-  for (const auto& [name, value] : std::vector<std::pair<std::string, std::string>>{
-           {"LOCAL_RANK", "x"}, {"LOCAL_RANK", "4"}, {"LOCAL_RANK", "-1"},
-           {"LOCAL_WORLD_SIZE", "0"}, {"LOCAL_WORLD_SIZE", "two"}, {"LOCAL_WORLD_SIZE", "5"}}) {
+  for (const auto& [name, value] : std::vector<std::pair<std::string, std::string>>{{"LOCAL_RANK", "x"},
+                                                                                    {"LOCAL_RANK", "4"},
+                                                                                    {"LOCAL_RANK", "-1"},
+                                                                                    {"LOCAL_WORLD_SIZE", "0"},
+                                                                                    {"LOCAL_WORLD_SIZE", "two"},
+                                                                                    {"LOCAL_WORLD_SIZE", "5"}}) {
     Env env = base;
     env[name] = value;
     auto p = worker_place(env);
-    ASSERT_FALSE(p.ok()) << name << "=" << value << " gave local rank " << p->local_rank << " of " << p->local_world_size;
+    ASSERT_FALSE(p.ok()) << name << "=" << value << " gave local rank " << p->local_rank << " of "
+                         << p->local_world_size;
     EXPECT_EQ(p.status().code(), absl::StatusCode::kInvalidArgument);
     EXPECT_NE(p.status().message().find(name), std::string::npos) << p.status();
   }
@@ -54,16 +63,24 @@ TEST(UnitCluster, AMalformedLocalVariableIsAnErrorNamingIt) {
   EXPECT_EQ(p->local_rank, 1);
   EXPECT_EQ(p->local_world_size, 4);
   // SLURM_NNODES, when there is no tasks-per-node count, is read the same way.
-  auto slurm = worker_place({{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "4"}, {"SLURM_LOCALID", "0"},
-                             {"SLURM_NNODES", "zero"}, {"MASTER_ADDR", "h"}, {"MASTER_PORT", "1234"}});
+  auto slurm = worker_place({{"SLURM_PROCID", "0"},
+                             {"SLURM_NTASKS", "4"},
+                             {"SLURM_LOCALID", "0"},
+                             {"SLURM_NNODES", "zero"},
+                             {"MASTER_ADDR", "h"},
+                             {"MASTER_PORT", "1234"}});
   ASSERT_FALSE(slurm.ok());
   EXPECT_NE(slurm.status().message().find("SLURM_NNODES"), std::string::npos) << slurm.status();
 }
 
 TEST(UnitCluster, SrunTasksFindRankWorldAndMaster) {
-  const Env slurm = {{"SLURM_PROCID", "4"},   {"SLURM_NTASKS", "6"},  {"SLURM_LOCALID", "1"},
-                     {"SLURM_NNODES", "2"},   {"SLURM_NTASKS_PER_NODE", "3(x2)"},
-                     {"SLURM_JOB_NODELIST", "gpu[12-13]"}, {"SLURM_JOB_ID", "4711234"}};
+  const Env slurm = {{"SLURM_PROCID", "4"},
+                     {"SLURM_NTASKS", "6"},
+                     {"SLURM_LOCALID", "1"},
+                     {"SLURM_NNODES", "2"},
+                     {"SLURM_NTASKS_PER_NODE", "3(x2)"},
+                     {"SLURM_JOB_NODELIST", "gpu[12-13]"},
+                     {"SLURM_JOB_ID", "4711234"}};
   auto p = worker_place(slurm);
   ASSERT_TRUE(p.ok()) << p.status();
   EXPECT_EQ(p->source, "slurm");
@@ -95,8 +112,8 @@ TEST(UnitCluster, SrunTasksFindRankWorldAndMaster) {
 }
 
 TEST(UnitCluster, LauncherUnderSrunIsOneNodeOfTheTasks) {
-  auto n = node_place({{"SLURM_PROCID", "1"}, {"SLURM_NTASKS", "2"}, {"SLURM_JOB_NODELIST", "n[3-4]"},
-                       {"SLURM_JOB_ID", "77"}});
+  auto n = node_place(
+      {{"SLURM_PROCID", "1"}, {"SLURM_NTASKS", "2"}, {"SLURM_JOB_NODELIST", "n[3-4]"}, {"SLURM_JOB_ID", "77"}});
   ASSERT_TRUE(n.ok()) << n.status();
   EXPECT_EQ(n->source, "slurm");
   EXPECT_EQ(*n->nnodes, "2");
@@ -106,8 +123,11 @@ TEST(UnitCluster, LauncherUnderSrunIsOneNodeOfTheTasks) {
 }
 
 TEST(UnitCluster, LauncherInAPyTorchJobPod) {
-  auto n = node_place({{"KUBERNETES_SERVICE_HOST", "10.96.0.1"}, {"WORLD_SIZE", "3"}, {"RANK", "2"},
-                       {"MASTER_ADDR", "job-master-0"}, {"MASTER_PORT", "23456"}});
+  auto n = node_place({{"KUBERNETES_SERVICE_HOST", "10.96.0.1"},
+                       {"WORLD_SIZE", "3"},
+                       {"RANK", "2"},
+                       {"MASTER_ADDR", "job-master-0"},
+                       {"MASTER_PORT", "23456"}});
   ASSERT_TRUE(n.ok()) << n.status();
   EXPECT_EQ(n->source, "kubernetes");
   EXPECT_EQ(*n->nnodes, "3");

@@ -13,11 +13,11 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
-#include "comm/process_group.h"
-#include "rpc/errors.h"
-#include "rpc/registry.h"
-#include "rpc/rpc.h"
-#include "rpc/store.h"
+#include "tandem/comm/process_group.h"
+#include "tandem/rpc/errors.h"
+#include "tandem/rpc/registry.h"
+#include "tandem/rpc/rpc.h"
+#include "tandem/rpc/store.h"
 #include "tests/common/multiproc.h"
 
 namespace tandem::test {
@@ -255,10 +255,10 @@ std::string run(const std::string& name) {
     // The last rank dies before the allreduce: the others get an error within the group's timeout. On shared memory
     // (the default here) they see the process end: UNAVAILABLE naming it, without waiting for the deadline.
     const bool gloo = name == "dead_rank_gloo";
-    auto pg = comm::ProcessGroup::create(
-        "dead", {},
-        {.timeout = std::chrono::milliseconds(gloo ? 3000 : 60000),
-         .shared_memory = gloo ? comm::SharedMemory::kNever : comm::SharedMemory::kAlways});
+    auto pg =
+        comm::ProcessGroup::create("dead", {},
+                                   {.timeout = std::chrono::milliseconds(gloo ? 3000 : 60000),
+                                    .shared_memory = gloo ? comm::SharedMemory::kNever : comm::SharedMemory::kAlways});
     comm::wait(pg->barrier());
     if (rank == world - 1) _exit(9);
     auto t = at::ones({10});

@@ -1,6 +1,6 @@
 #include "tests/common/multiproc.h"
 
-#include "rpc/detail/net.h"
+#include "tandem/rpc/detail/net.h"
 #include "tests/common/spawner.h"
 
 #include <arpa/inet.h>
@@ -185,10 +185,9 @@ Job::Job(const JobSpec& spec) : spec_(spec), port_(free_port()), secret_("test-s
     std::vector<std::string> argv{self_exe(), "--worker", spec.scenario};
     if (hosts.count > 0) {
       argv.insert(argv.begin(), {"/usr/sbin/ip", "netns", "exec", hosts.name + "-h" + std::to_string(r % hosts.count),
-                                 hosts.launcher, "--nproc-per-node", "1", "--nnodes",
-                                 std::to_string(spec.world_size), "--node-rank", std::to_string(r), "--master-addr",
-                                 hosts.master_addr, "--master-port", std::to_string(port_), "--grace-seconds", "2",
-                                 "--"});
+                                 hosts.launcher, "--nproc-per-node", "1", "--nnodes", std::to_string(spec.world_size),
+                                 "--node-rank", std::to_string(r), "--master-addr", hosts.master_addr, "--master-port",
+                                 std::to_string(port_), "--grace-seconds", "2", "--"});
     }
     children_.push_back(std::make_unique<Process>(argv, env));
   }

@@ -10,11 +10,11 @@
 #include <string>
 
 #include "proto/tandem_rpc.pb.h"
-#include "rpc/detail/auth.h"
-#include "rpc/detail/net.h"
-#include "rpc/detail/wire.h"
-#include "rpc/rpc.h"
-#include "sync/sync.h"
+#include "tandem/rpc/detail/auth.h"
+#include "tandem/rpc/detail/net.h"
+#include "tandem/rpc/detail/wire.h"
+#include "tandem/rpc/rpc.h"
+#include "tandem/sync/sync.h"
 #include "tests/common/multiproc.h"
 #include "tests/common/test_env.h"
 

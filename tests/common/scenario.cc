@@ -4,8 +4,8 @@
 #include <exception>
 #include <utility>
 
-#include "rpc/registry.h"
-#include "rpc/rpc.h"
+#include "tandem/rpc/registry.h"
+#include "tandem/rpc/rpc.h"
 
 namespace tandem::test {
 namespace {

@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "rpc/rpc.h"
+#include "tandem/rpc/rpc.h"
 
 namespace tandem::test {
 

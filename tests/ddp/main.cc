@@ -1,8 +1,8 @@
 // ddp_tests: GoogleTest main, and the worker side of the multi-process tests (`ddp_tests --worker serve`): every rank
 // runs the same scenario (tests/ddp/scenarios.cc), started through RPC by the test process (rank 0).
+#include "tests/common/spawner.h"
 #include "tests/common/test_env.h"
 #include "tests/ddp/scenarios.h"
-#include "tests/common/spawner.h"
 
 int main(int argc, char** argv) {
   tandem::test::spawner::start();  // first: the workers are forked from here (tests/common/spawner.h)

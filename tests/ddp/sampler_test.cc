@@ -1,5 +1,5 @@
 // DistributedSampler: PyTorch's partition of a dataset's indices.
-#include "ddp/sampler.h"
+#include "tandem/ddp/sampler.h"
 
 #include <gtest/gtest.h>
 
@@ -9,7 +9,7 @@
 
 #include <torch/serialize.h>
 
-#include "rpc/errors.h"
+#include "tandem/rpc/errors.h"
 
 namespace tandem::test {
 namespace {

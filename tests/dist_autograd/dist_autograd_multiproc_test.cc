@@ -5,8 +5,8 @@
 
 #include <thread>
 
-#include "dist_autograd/dist_autograd.h"
-#include "rref/rref.h"
+#include "tandem/dist_autograd/dist_autograd.h"
+#include "tandem/rref/rref.h"
 #include "tests/common/params.h"
 #include "tests/common/rpc_fixture.h"
 

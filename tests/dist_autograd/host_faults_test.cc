@@ -6,7 +6,7 @@
 #include <future>
 #include <thread>
 
-#include "dist_autograd/dist_autograd.h"
+#include "tandem/dist_autograd/dist_autograd.h"
 #include "tests/common/host_faults.h"
 
 namespace tandem::test {

@@ -9,8 +9,8 @@
 #include <chrono>
 #include <thread>
 
-#include "dist_autograd/dist_autograd.h"
-#include "rref/rref.h"
+#include "tandem/dist_autograd/dist_autograd.h"
+#include "tandem/rref/rref.h"
 #include "tests/common/params.h"
 #include "tests/common/spawner.h"
 #include "tests/common/test_env.h"

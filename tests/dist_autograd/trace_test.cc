@@ -1,7 +1,7 @@
 // The distributed autograd attachment (proto/tandem_rpc.proto: AutogradTrace) is validated before anything is recorded.
 #include <gtest/gtest.h>
 
-#include "dist_autograd/detail/trace.h"
+#include "tandem/dist_autograd/detail/trace.h"
 
 namespace tandem::dist_autograd {
 namespace {

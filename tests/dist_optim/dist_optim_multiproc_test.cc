@@ -7,8 +7,8 @@
 #include <sstream>
 #include <thread>
 
-#include "dist_autograd/dist_autograd.h"
-#include "dist_optim/dist_optim.h"
+#include "tandem/dist_autograd/dist_autograd.h"
+#include "tandem/dist_optim/dist_optim.h"
 #include "tests/common/params.h"
 #include "tests/common/rpc_fixture.h"
 

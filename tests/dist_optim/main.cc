@@ -3,11 +3,11 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
-#include "dist_autograd/dist_autograd.h"
-#include "rref/rref.h"
+#include "tandem/dist_autograd/dist_autograd.h"
+#include "tandem/rref/rref.h"
 #include "tests/common/params.h"
-#include "tests/common/test_env.h"
 #include "tests/common/spawner.h"
+#include "tests/common/test_env.h"
 
 namespace tandem::test {
 namespace {

@@ -1,7 +1,7 @@
 // The launchers' rendezvous (elastic/rendezvous.h), several "nodes" as threads of one process, on each backend: a
 // Tandem store served on 127.0.0.1, and a real etcd (Debian's etcd-server) started on 127.0.0.1 for each test, with
 // ports chosen at run time. The launchers themselves: tests/elastic/launchers.sh.
-#include "elastic/rendezvous.h"
+#include "tandem/elastic/rendezvous.h"
 
 #include <gtest/gtest.h>
 #include <signal.h>
@@ -16,8 +16,8 @@
 #include <thread>
 
 #include "proto/tandem_rpc.pb.h"
-#include "rpc/detail/net.h"
-#include "rpc/store.h"
+#include "tandem/rpc/detail/net.h"
+#include "tandem/rpc/store.h"
 #include "tests/common/time_scale.h"
 
 namespace tandem::elastic {

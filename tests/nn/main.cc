@@ -3,10 +3,10 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
-#include "nn/remote_module.h"
+#include "tandem/nn/remote_module.h"
+#include "tests/common/spawner.h"
 #include "tests/common/test_env.h"
 #include "tests/nn/modules.h"
-#include "tests/common/spawner.h"
 
 namespace tandem::test {
 

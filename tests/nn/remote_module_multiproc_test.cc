@@ -3,9 +3,9 @@
 #include <gmock/gmock.h>
 #include <torch/torch.h>
 
-#include "dist_autograd/dist_autograd.h"
-#include "dist_optim/dist_optim.h"
-#include "nn/remote_module.h"
+#include "tandem/dist_autograd/dist_autograd.h"
+#include "tandem/dist_optim/dist_optim.h"
+#include "tandem/nn/remote_module.h"
 #include "tests/common/rpc_fixture.h"
 #include "tests/nn/modules.h"
 

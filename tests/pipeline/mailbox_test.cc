@@ -7,7 +7,7 @@
 #include <future>
 #include <thread>
 
-#include "pipeline/detail/p2p.h"
+#include "tandem/pipeline/detail/p2p.h"
 #include "tests/common/time_scale.h"
 
 namespace tandem::pipeline::detail {

@@ -3,9 +3,9 @@
 
 #include <functional>
 
-#include "pipeline/pipeline.h"
-#include "pipeline/schedule.h"
-#include "rpc/errors.h"
+#include "tandem/pipeline/pipeline.h"
+#include "tandem/pipeline/schedule.h"
+#include "tandem/rpc/errors.h"
 #include "tests/common/test_env.h"
 
 namespace tandem::pipeline {

@@ -10,14 +10,14 @@
 #include <thread>
 #include <vector>
 
-#include "dist_autograd/dist_autograd.h"
-#include "nn/remote_module.h"
-#include "pipeline/detail/common.h"
-#include "pipeline/detail/runtime.h"
-#include "pipeline/layers.h"
-#include "pipeline/local.h"
-#include "pipeline/pipeline.h"
-#include "rpc/registry.h"
+#include "tandem/dist_autograd/dist_autograd.h"
+#include "tandem/nn/remote_module.h"
+#include "tandem/pipeline/detail/common.h"
+#include "tandem/pipeline/detail/runtime.h"
+#include "tandem/pipeline/layers.h"
+#include "tandem/pipeline/local.h"
+#include "tandem/pipeline/pipeline.h"
+#include "tandem/rpc/registry.h"
 #include "tests/common/test_env.h"
 
 namespace tandem::test {

@@ -7,8 +7,8 @@
 
 #include "examples/rl/agent.h"
 #include "examples/rl/cartpole.h"
-#include "rpc/batching.h"
-#include "rpc/registry.h"
+#include "tandem/rpc/batching.h"
+#include "tandem/rpc/registry.h"
 
 namespace tandem::examples::rl {
 namespace {

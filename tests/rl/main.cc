@@ -1,14 +1,14 @@
 // rl_tests: GoogleTest main, and the worker side of the multi-process tests (`rl_tests --worker serve`): every worker
 // registers the RL functions and the Observer class.
 #include "examples/rl/agent.h"
-#include "tests/common/test_env.h"
 #include "tests/common/spawner.h"
+#include "tests/common/test_env.h"
 
 #include <unistd.h>
 
 #include <thread>
 
-#include "rpc/registry.h"
+#include "tandem/rpc/registry.h"
 
 int main(int argc, char** argv) {
   tandem::test::spawner::start();  // first: the workers are forked from here (tests/common/spawner.h)

@@ -7,7 +7,7 @@
 #include <thread>
 
 #include "examples/rl/agent.h"
-#include "rpc/errors.h"
+#include "tandem/rpc/errors.h"
 #include "tests/common/rpc_fixture.h"
 
 namespace tandem::test {

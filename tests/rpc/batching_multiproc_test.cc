@@ -4,7 +4,7 @@
 
 #include <thread>
 
-#include "rpc/batching.h"
+#include "tandem/rpc/batching.h"
 #include "tests/common/rpc_fixture.h"
 
 namespace tandem::test {
@@ -72,7 +72,8 @@ TEST_F(MultiprocRpc, BatchedFunctionServesTheOthersWhenACallerDies) {
 // to run was whichever thread took the lock first).
 TEST(UnitRpcBatching, BatchesRunInTheOrderTheirRequestsArrived) {
   constexpr int64_t kCallers = 8, kEach = 3000;
-  static std::vector<int64_t>* seen = new std::vector<int64_t>;  // appended by the function only (batches never overlap)
+  static std::vector<int64_t>* seen =
+      new std::vector<int64_t>;  // appended by the function only (batches never overlap)
   rpc::register_batched_function<int64_t, int64_t>(
       "unit_batched_order", {.max_batch = 3, .max_delay = std::chrono::microseconds(1)}, [](std::vector<int64_t> xs) {
         seen->insert(seen->end(), xs.begin(), xs.end());

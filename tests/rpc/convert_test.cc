@@ -1,12 +1,12 @@
-#include "rpc/convert.h"
+#include "tandem/rpc/convert.h"
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
 #include <functional>
 
-#include "rpc/errors.h"
-#include "rpc/registry.h"
+#include "tandem/rpc/errors.h"
+#include "tandem/rpc/registry.h"
 #include "tests/common/test_env.h"
 
 namespace tandem::rpc {

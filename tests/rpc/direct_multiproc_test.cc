@@ -10,8 +10,8 @@
 #include <cstring>
 
 #include "absl/strings/str_split.h"
-#include "rpc/detail/direct.h"
-#include "rpc/store.h"
+#include "tandem/rpc/detail/direct.h"
+#include "tandem/rpc/store.h"
 #include "tests/common/rpc_fixture.h"
 
 namespace tandem::test {

@@ -1,4 +1,4 @@
-#include "rpc/future.h"
+#include "tandem/rpc/future.h"
 
 #include <gtest/gtest.h>
 

@@ -23,7 +23,8 @@ TEST_F(HostFaults, LinkCutMidCallFailsAtItsDeadlineAndTheHealedLinkServesAgain) 
   EXPECT_THAT(std::string(s.message()), HasSubstr("sleep_ms"));
   EXPECT_LT(since(t0), milliseconds(2500) + scaled(milliseconds(2000)));
   // New calls over the cut link fail at their deadline too; the other host is unaffected.
-  EXPECT_EQ(rpc::rpc_async("worker1", "whoami", milliseconds(500)).status().code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_EQ(rpc::rpc_async("worker1", "whoami", milliseconds(500)).status().code(),
+            absl::StatusCode::kDeadlineExceeded);
   EXPECT_EQ(rpc::rpc_sync<std::string>("worker2", "whoami"), "worker2");
   // The partition heals: calls go through again (TCP retransmits on the same connection), and the job ends cleanly.
   host_fault("heal", 1);

@@ -45,7 +45,7 @@ TEST(MultiprocHarness, AWorkerPastItsWaitIsKilled) {
   const auto t0 = std::chrono::steady_clock::now();
   EXPECT_EQ(stuck.wait(milliseconds(200)), -1);
   EXPECT_LT(std::chrono::steady_clock::now() - t0, scaled(milliseconds(200 + 5000)));  // not the 60 s sleep
-  EXPECT_NE(::kill(stuck.pid(), 0), 0);  // reaped: no such process
+  EXPECT_NE(::kill(stuck.pid(), 0), 0);                                                // reaped: no such process
   Process next({self_exe(), "--worker", "harness_probe"}, {});
   EXPECT_EQ(exit_code(next.wait(milliseconds(30000))), 7) << next.output();
 }

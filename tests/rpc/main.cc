@@ -14,9 +14,9 @@
 
 #include <torch/jit.h>
 
-#include "rpc/batching.h"
-#include "rpc/extension.h"
-#include "rpc/script.h"
+#include "tandem/rpc/batching.h"
+#include "tandem/rpc/extension.h"
+#include "tandem/rpc/script.h"
 #include "tests/common/spawner.h"
 #include "tests/common/test_env.h"
 

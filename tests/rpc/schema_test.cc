@@ -5,13 +5,13 @@
 
 #include "absl/strings/str_cat.h"
 #include "proto/tandem_rpc.grpc.pb.h"
-#include "rpc/detail/agent.h"
-#include "rpc/detail/auth.h"
-#include "rpc/detail/direct.h"
-#include "rpc/detail/net.h"
-#include "rpc/detail/version.h"
-#include "rpc/store.h"
-#include "sync/sync.h"
+#include "tandem/rpc/detail/agent.h"
+#include "tandem/rpc/detail/auth.h"
+#include "tandem/rpc/detail/direct.h"
+#include "tandem/rpc/detail/net.h"
+#include "tandem/rpc/detail/version.h"
+#include "tandem/rpc/store.h"
+#include "tandem/sync/sync.h"
 
 namespace tandem::rpc {
 namespace {

@@ -1,5 +1,5 @@
 // The rendezvous store in one process: its server on an ephemeral loopback port, clients with and without the token.
-#include "rpc/store.h"
+#include "tandem/rpc/store.h"
 
 #include <grpcpp/impl/codegen/service_type.h>
 
@@ -8,8 +8,8 @@
 
 #include <thread>
 
-#include "rpc/detail/auth.h"
-#include "rpc/detail/net.h"
+#include "tandem/rpc/detail/auth.h"
+#include "tandem/rpc/detail/net.h"
 
 namespace tandem::rpc {
 namespace {

@@ -1,5 +1,5 @@
 // The frame codec in one process: every dtype bit-exact, views, containers, fragmented frames, and frames that lie.
-#include "rpc/detail/wire.h"
+#include "tandem/rpc/detail/wire.h"
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>

@@ -1,7 +1,7 @@
 // The wire form of a remote reference (proto/tandem_rpc.proto: RRefDescriptor) is validated before any protocol work.
 #include <gtest/gtest.h>
 
-#include "rref/detail/descriptor.h"
+#include "tandem/rref/detail/descriptor.h"
 
 namespace tandem::rref {
 namespace {

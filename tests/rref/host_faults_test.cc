@@ -5,7 +5,7 @@
 #include <future>
 #include <thread>
 
-#include "rref/rref.h"
+#include "tandem/rref/rref.h"
 #include "tests/common/host_faults.h"
 
 namespace tandem::test {

@@ -6,10 +6,10 @@
 #include <iostream>
 #include <mutex>
 
-#include "rref/rref.h"
+#include "tandem/rref/rref.h"
+#include "tests/common/spawner.h"
 #include "tests/common/test_env.h"
 #include "tests/rref/rref_test_functions.h"
-#include "tests/common/spawner.h"
 
 namespace tandem::test {
 namespace {

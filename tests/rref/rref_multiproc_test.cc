@@ -4,7 +4,7 @@
 
 #include <thread>
 
-#include "rref/rref.h"
+#include "tandem/rref/rref.h"
 #include "tests/common/rpc_fixture.h"
 
 namespace tandem::test {

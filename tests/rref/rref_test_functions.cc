@@ -5,7 +5,7 @@
 #include <mutex>
 #include <vector>
 
-#include "rref/rref.h"
+#include "tandem/rref/rref.h"
 
 namespace tandem::test {
 namespace {

@@ -2,7 +2,7 @@
 // TSan sees the orderings they create: a counter guarded by MutexLock and a value handed over by a Notification or a
 // CondVar are not reported, while the same counter unguarded is (each case runs in a child process, so a report, which
 // ends the process under halt_on_error, is the child's exit status and its output).
-#include "sync/sync.h"
+#include "tandem/sync/sync.h"
 
 #include <gtest/gtest.h>
 #include <sys/wait.h>
