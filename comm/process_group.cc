@@ -34,6 +34,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "tandem/comm/detail/shm.h"
+#include "tandem/log/log.h"
+#include "tandem/metrics/metrics.h"
+#include "tandem/profile/profile.h"
 #include "tandem/rpc/errors.h"
 #include "tandem/rpc/extension.h"
 #include "tandem/rpc/rpc.h"
@@ -534,6 +537,7 @@ class GlooGroup final : public ProcessGroup {
     std::vector<int64_t> fingerprint;  // what debug mode compares across ranks (kFingerprint values)
     std::function<void(uint32_t tag)> run;
     rpc::Future done;
+    int64_t bytes = 0;  // of the tensor that characterises it (for the log)
   };
 
   // An operation's fingerprint: its name, its parameter (root, reduce op), and the dtype and shape of the tensor that
@@ -589,7 +593,8 @@ class GlooGroup final : public ProcessGroup {
     const int64_t ahead_and_this = ++pending_;
     const milliseconds per_op = options_.debug ? 2 * options_.timeout : options_.timeout;
     rpc::Future done(absl::Now() + absl::FromChrono(ahead_and_this * per_op + kPingTimeout));
-    queue_.push_back(Op{what, fingerprint(what, characteristic, param), std::move(run), done});
+    const int64_t bytes = characteristic.defined() ? static_cast<int64_t>(characteristic.nbytes()) : 0;
+    queue_.push_back(Op{what, fingerprint(what, characteristic, param), std::move(run), done, bytes});
     return done;
   }
 
@@ -629,10 +634,20 @@ class GlooGroup final : public ProcessGroup {
         }
       }
       deadline_ = Clock::now() + options_.timeout;
+      TANDEM_LOG(kDebug, "comm") << "process group '" << name_ << "' (rank " << rank_ << " of " << size_
+                                 << "): " << op.what << " of " << op.bytes << " bytes over " << transport();
       op.run(++tag);
+      metrics::collective_recorder(name_, op.what, transport()).record(Clock::now() - start, true, op.bytes, 0);
+      if (profile::active()) {
+        profile::report_steady(
+            absl::StrCat("comm:", op.what, "(group ", name_, ", ", op.bytes, " bytes, ", transport(), ")"), start,
+            Clock::now());
+      }
       op.done.set_value(c10::IValue());
     } catch (...) {
       mark_broken(failure(prefix, start));
+      metrics::collective_recorder(name_, op.what, transport()).record(Clock::now() - start, false, op.bytes, 0);
+      TANDEM_LOG(kWarn, "comm") << broken().message();
       op.done.set_error(broken());
     }
   }
@@ -766,6 +781,9 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(const std::string& name, std:
     StoreAdapter store(rpc::job_store(), absl::StrCat("comm/", name, "/"), options.timeout);
     ctx->connectFullMesh(store, device);
     std::unique_ptr<detail::ShmGroup> shm = shared_memory(ctx, name, rank, ranks, options);
+    TANDEM_LOG(kDebug, "comm") << "process group '" << name << "' ready: ranks " << absl::StrJoin(ranks, ",")
+                               << ", this one " << rank << ", collectives over " << (shm ? "shared memory" : "gloo")
+                               << (options.debug ? " (debug mode)" : "");
     return std::make_shared<GlooGroup>(name, rank, size, std::move(ctx), options, ranks, std::move(shm));
   } catch (...) {
     // The store's errors (tandem::Error) keep their code; Gloo's connection failures are classified by facts.

@@ -14,6 +14,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "tandem/profile/profile.h"
 
 namespace tandem::ddp::detail {
 
@@ -333,11 +334,21 @@ rpc::Future Reducer::reduce(const at::Tensor& flat) {
 
 void Reducer::launch_ready() {
   while (next_launch < buckets.size() && buckets[next_launch].pending == 0) {
+    const size_t index = next_launch;
     Bucket& b = buckets[next_launch++];
+    const auto launched = std::chrono::steady_clock::now();
     try {
       b.work = reduce(b.flat);
     } catch (const std::exception& e) {
       b.work = rpc::Future::failed(absl::InternalError(absl::StrCat("the communication hook threw: ", e.what())));
+    }
+    if (profile::active()) {
+      b.work.add_callback([index, launched, bytes = b.flat.nbytes()](const rpc::Future&) {
+        if (profile::active()) {
+          profile::report_steady(absl::StrCat("ddp:bucket#", index, "(", bytes, " bytes)"), launched,
+                                 std::chrono::steady_clock::now());
+        }
+      });
     }
   }
 }

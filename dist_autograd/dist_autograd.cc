@@ -21,6 +21,9 @@
 #include "proto/tandem_rpc.pb.h"
 #include "tandem/dist_autograd/detail/gradients.h"
 #include "tandem/dist_autograd/detail/trace.h"
+#include "tandem/log/log.h"
+#include "tandem/metrics/metrics.h"
+#include "tandem/profile/profile.h"
 #include "tandem/rpc/detail/ids.h"
 #include "tandem/rpc/detail/note_batcher.h"
 #include "tandem/rpc/errors.h"
@@ -97,10 +100,15 @@ class Container {
     return it == contexts_.end() ? nullptr : it->second;
   }
   std::shared_ptr<Context> get_or_create(int64_t id) {
-    MutexLock lock(&mu_);
-    auto& c = contexts_[id];
-    if (!c) c = std::make_shared<Context>(id);
-    return c;
+    std::shared_ptr<Context> made;
+    {
+      MutexLock lock(&mu_);
+      auto& c = contexts_[id];
+      if (c) return c;
+      made = c = std::make_shared<Context>(id);
+    }
+    TANDEM_LOG(kDebug, "dist_autograd") << "context " << id << " created";
+    return made;
   }
   std::shared_ptr<Context> take(int64_t id) {
     MutexLock lock(&mu_);
@@ -384,7 +392,17 @@ rpc::Future on_grad(int64_t context_id, int64_t send_id, std::vector<int64_t> in
     if (!fresh) return it->second;
     it->second = work;
   }
+  const auto started = std::chrono::steady_clock::now();
   rpc::Future done = run_local(ctx, roots, grads, std::chrono::milliseconds(0), /*may_block=*/false);
+  if (profile::active()) {
+    const rpc::CallContext* call = rpc::current_call();
+    done.add_callback([started, context_id, from = call ? call->caller_name : std::string("?")](const rpc::Future&) {
+      if (profile::active()) {
+        profile::report_steady(absl::StrCat("dist_autograd:remote_backward#", context_id, "(from ", from, ")"), started,
+                               std::chrono::steady_clock::now());
+      }
+    });
+  }
   rpc::forward(done, work);
   return work;
 }
@@ -411,6 +429,9 @@ rpc::Future release_on(int64_t context_id, int except) {
     MutexLock lock(&ctx->mu);
     workers = ctx->workers;
   }
+  TANDEM_LOG(kDebug, "dist_autograd") << "context " << context_id << " released"
+                                      << (except >= 0 ? " (asked by rank " + std::to_string(except) + ")" : "")
+                                      << "; telling " << workers.size() << " workers it reached";
   const int self = rpc::detail::self_rank_or(0);
   std::vector<rpc::Future> released;
   for (int w : workers) {
@@ -430,6 +451,7 @@ bool install() {
     return rpc::when_all(released);
   });
   rpc::add_stop_hook([] { Container::get().clear(); });
+  metrics::set_gauge("tandem_dist_autograd_contexts", [] { return static_cast<double>(Container::get().size()); });
   return true;
 }
 
@@ -473,12 +495,18 @@ void backward(int64_t context_id, const std::vector<at::Tensor>& roots, bool /*r
     edges.push_back(torch::autograd::impl::gradient_edge(r));
     grads.push_back(at::ones_like(r));
   }
+  TANDEM_LOG(kDebug, "dist_autograd") << "backward of context " << context_id << " from " << roots.size() << " roots";
+  const auto started = std::chrono::steady_clock::now();
   rpc::Future done = run_local(ctx, edges, grads, timeout, /*may_block=*/true);
   // Each hop has its RPC deadline; this bounds the whole pass as well.
   const auto wait = timeout.count() > 0 ? timeout : rpc::default_timeout();
   if (!done.wait_for(wait)) {
     throw RpcError(absl::DeadlineExceededError(
         absl::StrCat("distributed backward of context ", context_id, " did not finish within ", wait.count(), " ms")));
+  }
+  if (profile::active()) {
+    profile::report_steady(absl::StrCat("dist_autograd:backward#", context_id), started,
+                           std::chrono::steady_clock::now());
   }
   throw_if_error(done.status());
 }

@@ -2,6 +2,7 @@
 #include <grpcpp/impl/codegen/service_type.h>
 
 #include "absl/strings/str_cat.h"
+#include "tandem/log/log.h"
 #include "tandem/rpc/detail/agent.h"
 #include "tandem/rpc/detail/direct_transport.h"
 #include "tandem/rpc/detail/fault_transport.h"
@@ -54,6 +55,12 @@ absl::Status Agent::shutdown(bool graceful) {
   }
   // How long threads may take to finish what they run once stopped: a fixed share of the shutdown timeout, so a
   // worker that is shut down never waits on a function that does not return for longer than the user allowed.
+  if (result.ok()) {
+    TANDEM_LOG(kInfo, "rpc") << (graceful ? "left the job (graceful shutdown)"
+                                          : "left the job (shutdown without waiting)");
+  } else {
+    TANDEM_LOG(kWarn, "rpc") << result.message();
+  }
   const auto grace = std::min(options_.shutdown_timeout, std::chrono::milliseconds(graceful ? 2000 : 500));
   stop(grace);
   return result;

@@ -1,6 +1,7 @@
 // Outgoing calls of the agent (rpc/detail/agent.h): encode, send on the peer's route, decode the reply.
 #include "absl/strings/str_cat.h"
 #include "proto/tandem_rpc.pb.h"
+#include "tandem/profile/profile.h"
 #include "tandem/rpc/detail/agent.h"
 #include "tandem/rpc/detail/wire.h"
 #include "tandem/rpc/errors.h"
@@ -123,6 +124,12 @@ absl::StatusOr<c10::IValue> Agent::parse_reply(const grpc::ByteBuffer& frame_byt
   return std::move((*values)[0]);
 }
 
+void Agent::profile_call(const char* kind, const std::string& function, int peer,
+                         std::chrono::steady_clock::time_point start) const {
+  profile::report_steady(absl::StrCat(kind, function, "(", name_, " -> ", peers_[peer].info.name, ")"), start,
+                         std::chrono::steady_clock::now());
+}
+
 void Agent::count_call(int peer) {
   if (peers_[peer].transport == direct_route_ && direct_route_) {
     ++direct_calls_;
@@ -143,6 +150,7 @@ absl::StatusOr<Agent::Outgoing> Agent::start_call(const To& to, const std::strin
   auto peer = resolve(to);
   if (!peer.ok()) return error_with(peer.status(), absl::StrCat("rpc calling '", function, "': "));
   Outgoing out;
+  out.start = std::chrono::steady_clock::now();
   out.peer = *peer;
   out.timeout = timeout.count() <= 0 ? options_.rpc_timeout : timeout;
   out.deadline = absl::Now() + absl::FromChrono(out.timeout);
@@ -151,6 +159,11 @@ absl::StatusOr<Agent::Outgoing> Agent::start_call(const To& to, const std::strin
       encode_request(*peer, function, args, by_reference_ok && out.route->by_reference(*peer), referenced, oneway);
   if (!frame.ok()) return error_with(frame.status(), describe(*peer, function));
   out.frame = std::move(*frame);
+  out.sent_bytes = static_cast<int64_t>(out.frame.Length());
+  if (referenced) {
+    for (const auto& t : *referenced) out.sent_bytes += static_cast<int64_t>(t.nbytes());
+  }
+  out.recorder = &metrics::call_recorder(peers_[*peer].info.name, function, "out");
   args.clear();
   {
     MutexLock lock(&mu_);
@@ -170,12 +183,16 @@ Future Agent::call(const To& to, const std::string& function, std::vector<c10::I
   const int p = out->peer;
   timeout = out->timeout;
   out->route->call(p, function, std::move(out->frame), out->deadline,
-                   [this, future, p, function, timeout, referenced](absl::StatusOr<grpc::ByteBuffer> reply) {
+                   [this, future, p, function, timeout, referenced, start = out->start, sent = out->sent_bytes,
+                    recorder = out->recorder](absl::StatusOr<grpc::ByteBuffer> reply) {
                      referenced->clear();  // the request's tensors are released before the caller's callbacks run
                      std::vector<Future> wait;
                      absl::StatusOr<c10::IValue> result =
                          reply.ok() ? parse_reply(*reply, p, describe(p, function), &wait)
                                     : absl::StatusOr<c10::IValue>(call_error(reply.status(), p, function, timeout));
+                     recorder->record(std::chrono::steady_clock::now() - start, result.ok(), sent,
+                                      reply.ok() ? static_cast<int64_t>(reply->Length()) : 0);
+                     if (profile::active()) profile_call("rpc_async#", function, p, start);
                      call_done();
                      deliver(future, std::move(result), std::move(wait));
                    });
@@ -192,7 +209,8 @@ Future Agent::send(const To& to, const std::string& function, std::vector<c10::I
   Future future(out->deadline);
   const int p = out->peer;
   timeout = out->timeout;
-  DoneFn done = [this, future, p, function, timeout, referenced](absl::StatusOr<grpc::ByteBuffer> sent) {
+  DoneFn done = [this, future, p, function, timeout, referenced, start = out->start, bytes = out->sent_bytes,
+                 recorder = out->recorder](absl::StatusOr<grpc::ByteBuffer> sent) {
     referenced->clear();
     // A transport that waited for the callee's answer (gRPC, or a call carrying tensors by reference) has it here: an
     // error in it is this call's (the callee could not tell it was one-way: a request it could not read).
@@ -202,6 +220,9 @@ Future Agent::send(const To& to, const std::string& function, std::vector<c10::I
       absl::StatusOr<wire::Frame> frame = absl::UnknownError("not parsed");
       status = reply_status(*sent, describe(p, function), &response, &frame);
     }
+    recorder->record(std::chrono::steady_clock::now() - start, status.ok(), bytes,
+                     sent.ok() ? static_cast<int64_t>(sent->Length()) : 0);
+    if (profile::active()) profile_call("rpc_send#", function, p, start);
     call_done();
     deliver(future, status.ok() ? absl::StatusOr<c10::IValue>(c10::IValue()) : absl::StatusOr<c10::IValue>(status), {});
   };
@@ -227,6 +248,9 @@ Future Agent::call_and_wait(const To& to, const std::string& function, std::vect
   absl::StatusOr<c10::IValue> result =
       reply.ok() ? parse_reply(*reply, peer, describe(peer, function), &wait)
                  : absl::StatusOr<c10::IValue>(call_error(reply.status(), peer, function, timeout));
+  out->recorder->record(std::chrono::steady_clock::now() - out->start, result.ok(), out->sent_bytes,
+                        reply.ok() ? static_cast<int64_t>(reply->Length()) : 0);
+  if (profile::active()) profile_call("rpc_sync#", function, peer, out->start);
   call_done();
   Future done(deadline);
   deliver(done, std::move(result), std::move(wait));

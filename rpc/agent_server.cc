@@ -3,6 +3,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "proto/tandem_rpc.pb.h"
+#include "tandem/log/log.h"
+#include "tandem/profile/profile.h"
 #include "tandem/rpc/detail/agent.h"
 #include "tandem/rpc/detail/wire.h"
 #include "tandem/rpc/errors.h"
@@ -118,6 +120,7 @@ void Agent::run(const std::shared_ptr<InCall>& call, const std::string& function
     if (CallTracer* tracer = call_tracer()) trace_scope = tracer->enter(call->trace_state);
   }
   Future result;
+  profile::OnThisThread profiled;  // the function's operators go into a running profile
   try {
     result = handler(std::move(args));
   } catch (...) {
@@ -154,6 +157,7 @@ void Agent::reply(const std::shared_ptr<InCall>& call, const Future& result) {
 }
 
 void Agent::reply_error(const std::shared_ptr<InCall>& call, const absl::Status& error) {
+  call->failed = true;
   if (call->in.oneway || call->oneway) {  // no reply carries the failure: it is counted and told here
     note_oneway_failure(*call, error);
     return finish_oneway(call);
@@ -167,9 +171,10 @@ void Agent::reply_error(const std::shared_ptr<InCall>& call, const absl::Status&
 
 void Agent::note_oneway_failure(const InCall& call, const absl::Status& error) {
   ++oneway_failures_;
-  std::fprintf(stderr, "tandem: worker '%s': one-way call '%s' from worker '%s' failed: %s\n", name_.c_str(),
-               call.function.empty() ? "(not parsed)" : call.function.c_str(),
-               call.caller_name.empty() ? "(unknown)" : call.caller_name.c_str(), std::string(error.message()).c_str());
+  // No caller waits for a one-way call's reply: its failure is logged here, or nowhere.
+  TANDEM_LOG(kError, "rpc") << "one-way call '" << (call.function.empty() ? "(not parsed)" : call.function)
+                            << "' from worker '" << (call.caller_name.empty() ? "(unknown)" : call.caller_name)
+                            << "' failed: " << error.message();
 }
 
 void Agent::finish_oneway(const std::shared_ptr<InCall>& call) {
@@ -185,7 +190,17 @@ void Agent::finish_once(const std::shared_ptr<InCall>& call, const absl::Status&
     call->finished = true;
     // A one-way frame's reply writes nothing: a failure given here (the worker stopping) is told here.
     if (call->in.oneway && !status.ok()) note_oneway_failure(*call, status);
+    const int64_t request_bytes = static_cast<int64_t>(call->in.request.Length());
+    const int64_t reply_bytes = reply ? static_cast<int64_t>(reply->Length()) : 0;
     call->in.reply(reply, status);
+    metrics::call_recorder(call->caller_name.empty() ? "(unknown)" : call->caller_name,
+                           call->function.empty() ? "(not parsed)" : call->function, "in")
+        .record(std::chrono::steady_clock::now() - call->start, status.ok() && !call->failed, reply_bytes,
+                request_bytes);
+    if (profile::active()) {
+      profile::report_steady(absl::StrCat("rpc_serve#", call->function, "(", call->caller_name, " -> ", name_, ")"),
+                             call->start, std::chrono::steady_clock::now());
+    }
   }
   MutexLock lock(&mu_);
   in_calls_.erase(call.get());

@@ -10,6 +10,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "proto/tandem_rpc.pb.h"
+#include "tandem/log/log.h"
 #include "tandem/rpc/detail/agent.h"
 #include "tandem/rpc/detail/auth.h"
 #include "tandem/rpc/detail/direct_transport.h"
@@ -157,6 +158,8 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::start(const std::string& name, int
   if (!tls.ok()) return error_with(tls.status(), absl::StrCat("worker '", name, "': "));
   RpcOptions resolved = options;
   resolved.tls = *tls;
+  tandem::log::reload_from_env();
+  tandem::log::set_worker(name);
   std::unique_ptr<Agent> agent(new Agent(name, rank, world_size, resolved));
   auto secret = resolve_secret(options, world_size);
   if (!secret.ok()) return secret.status();
@@ -198,10 +201,15 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::start(const std::string& name, int
                rank == 0 && s.code() == absl::StatusCode::kUnavailable ? "(is the master port already in use?) " : ""));
   }
   const std::string master = net::join_host_port(master_addr, rank == 0 ? port : master_port);
+  TANDEM_LOG(kDebug, "rendezvous") << "rank " << rank << " of " << world_size << ": serving on " << listen << " (port "
+                                   << port << "), master " << master << (resolved.tls ? ", TLS" : "");
   if (auto s = agent->rendezvous(master, net::join_host_port(host, port)); !s.ok()) {
     agent->stop(std::chrono::milliseconds(1000));  // nothing ran yet: only the transports' threads unwind
-    return error_with(s, absl::StrCat("init_rpc of worker '", name, "' (rank ", rank, "): "));
+    s = error_with(s, absl::StrCat("init_rpc of worker '", name, "' (rank ", rank, "): "));
+    TANDEM_LOG(kWarn, "rendezvous") << s.message();
+    return s;
   }
+  TANDEM_LOG(kInfo, "rpc") << "joined the job as rank " << rank << " of " << world_size << " (master " << master << ")";
   return agent;
 }
 
@@ -259,6 +267,7 @@ absl::Status Agent::rendezvous(const std::string& master, const std::string& adv
   Store* init_store = store_.get();
 
   const std::string my_key = absl::StrCat("worker/", rank_);
+  TANDEM_LOG(kDebug, "rendezvous") << "contacting the master's store at " << master;
   auto taken = first_contact->add("name/" + name_, 1);
   if (!taken.ok()) return error_with(taken.status(), absl::StrCat("cannot reach the master at ", master, ": "));
   if (*taken != 1) {
@@ -277,6 +286,9 @@ absl::Status Agent::rendezvous(const std::string& master, const std::string& adv
   if (direct_) me.set_tcp_address(direct_->tcp_address());
   me.set_pid(getpid());
   if (auto s = init_store->set(my_key, worker_record(me)); !s.ok()) return s;
+  TANDEM_LOG(kDebug, "rendezvous") << "published " << my_key << " (gRPC " << advertised
+                                   << (direct_ ? ", direct " + direct_->address() : std::string()) << "); waiting for "
+                                   << world_size_ << " workers";
 
   std::vector<int> all(world_size_);
   for (int r = 0; r < world_size_; ++r) all[r] = r;
@@ -314,6 +326,10 @@ absl::Status Agent::rendezvous(const std::string& master, const std::string& adv
     if (auto s = grpc_route_->add_peer(a, deadline); !s.ok()) return s;
     peers_[a.rank].transport = grpc_route_;
     if (direct_route_ && direct_route_->add_peer(a, deadline).ok()) peers_[a.rank].transport = direct_route_;
+    TANDEM_LOG(kDebug, "rpc") << "route to " << a.name << " (rank " << a.rank
+                              << "): " << (peers_[a.rank].transport == direct_route_ ? "direct channel" : "gRPC")
+                              << " (" << (a.same_host ? "same host" : "other host") << ", gRPC " << a.grpc_address
+                              << ")";
   }
   return absl::OkStatus();
 }

@@ -19,6 +19,7 @@
 #include "tandem/sync/sync.h"
 
 #include "tandem/cluster/environment.h"
+#include "tandem/metrics/metrics.h"
 
 namespace tandem::rpc {
 namespace {
@@ -81,14 +82,38 @@ WorkerInfo worker_info(const To& to) {
 
 }  // namespace
 
+namespace {
+
+// RpcOptions::metrics_file, else TANDEM_METRICS_FILE; the interval likewise (10 s when neither says).
+void start_metrics_writer(const RpcOptions& options, const std::string& name, int rank) {
+  std::string path = options.metrics_file;
+  if (path.empty()) {
+    const char* env = std::getenv("TANDEM_METRICS_FILE");
+    path = env ? env : "";
+  }
+  if (path.empty()) return;
+  std::chrono::milliseconds interval = options.metrics_interval;
+  if (interval.count() <= 0) {
+    int64_t ms = 0;
+    const char* env = std::getenv("TANDEM_METRICS_INTERVAL_MS");
+    interval = env && absl::SimpleAtoi(env, &ms) && ms > 0 ? std::chrono::milliseconds(ms) : std::chrono::seconds(10);
+  }
+  metrics::start_writer(path, interval, name, rank);
+}
+
+}  // namespace
+
 void init_rpc(const std::string& name, int rank, int world_size, RpcOptions options) {
   MutexLock lock(&g_mu);
   if (g_agent) throw RpcError(absl::FailedPreconditionError("init_rpc: RPC is already initialized"));
+  metrics::set_worker(name);
+  profile::set_worker(name, rank);
   auto agent = Agent::start(name, rank, world_size, options);
   throw_if_error(agent.status());
   g_agent = std::shared_ptr<Agent>(std::move(*agent));
   detail::set_self_rank(rank);  // before set_ready: the first calls served may use it
   g_agent->set_ready();
+  start_metrics_writer(options, name, rank);
   static bool registered = (std::atexit(at_exit_shutdown), true);
   (void)registered;
 }
@@ -116,6 +141,7 @@ void shutdown(bool graceful) {
   }
   dispose(agent);
   for (const auto& hook : detail::stop_hooks()) hook();
+  metrics::stop_writer();  // after the last write of this job's figures
   throw_if_error(s);
 }
 

@@ -89,6 +89,12 @@ struct RpcOptions {
   // then costs no thread wake-up (tens of microseconds on a VM). It spends at most this much CPU per call. 0: never.
   std::chrono::microseconds sync_spin{50};
 
+  // A file this worker keeps its metrics in (metrics/metrics.h; Prometheus text format), rewritten every
+  // metrics_interval and at shutdown; "{worker}" and "{rank}" in it are replaced. Empty: TANDEM_METRICS_FILE, else
+  // none. metrics_interval 0: TANDEM_METRICS_INTERVAL_MS, else 10 s.
+  std::string metrics_file;
+  std::chrono::milliseconds metrics_interval{0};
+
   // For tests: faults injected into the messages this worker sends (rpc/fault_injection.h). Empty: none.
   std::vector<FaultRule> faults;
 };

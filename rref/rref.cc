@@ -13,6 +13,8 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
 #include "proto/tandem_rpc.pb.h"
+#include "tandem/log/log.h"
+#include "tandem/metrics/metrics.h"
 #include "tandem/rpc/detail/ids.h"
 #include "tandem/rpc/detail/note_batcher.h"
 #include "tandem/rpc/errors.h"
@@ -269,6 +271,7 @@ class Context {
   void maybe_free_locked(std::unordered_map<int64_t, OwnerEntry>::iterator it, std::vector<rpc::Future>* freed)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (!it->second.forks.empty() || it->second.local_handles != 0) return;
+    TANDEM_LOG(kDebug, "rref") << "rref " << it->first << ": no reference left anywhere, value freed";
     freed->push_back(std::move(it->second.value));
     owners_.erase(it);
   }
@@ -326,7 +329,11 @@ class Context {
       }
       mu_.Lock();
       std::vector<rpc::Future> freed;
-      for (int h : dead) drop_holder_locked(h, &freed);
+      for (int h : dead) {
+        TANDEM_LOG(kWarn, "rref") << "rank " << h
+                                  << " does not answer: dropping the references it held to this owner's values";
+        drop_holder_locked(h, &freed);
+      }
       if (!freed.empty()) {  // values are destroyed without mu_ (see maybe_free_locked)
         mu_.Unlock();
         freed.clear();
@@ -429,6 +436,8 @@ absl::StatusOr<c10::IValue> decode(const std::string& data, int from, std::vecto
   auto user = c10::make_intrusive<RRefImpl>(w.owner(), w.rref_id(), w.fork_id(), false, false, ctx.generation());
   ctx.hold_pending_user(user);  // G1: it cannot be deleted before the owner knows it
   const int64_t fork = w.fork_id();
+  TANDEM_LOG(kDebug, "rref") << "rref " << w.rref_id() << " received from rank " << from << " as fork " << fork
+                             << ": registering it with its owner, rank " << w.owner();
   rpc::Future registered = rpc::call(w.owner(), "__tandem.rref.fork", {c10::IValue(w.rref_id()), c10::IValue(fork)});
   rpc::Future confirmed = user->confirmed_;
   registered.add_callback([confirmed, fork, from](const rpc::Future& r) {
@@ -452,6 +461,8 @@ rpc::Future on_create(std::vector<c10::IValue>&& args) {
   const std::string function = args[2].toStringRef();
   std::vector<c10::IValue> fargs(args[3].toListRef().begin(), args[3].toListRef().end());
   const auto* call = rpc::current_call();
+  TANDEM_LOG(kDebug, "rref") << "rref " << rref_id << " created here by rank " << (call ? call->caller_rank : -1)
+                             << " (fork " << fork_id << "), value from '" << function << "'";
   rpc::Future value = Context::get().create_entry(rref_id, fork_id, call ? call->caller_rank : -1);
   rpc::Handler handler = rpc::find_function(function);
   if (!handler) {
@@ -474,6 +485,8 @@ rpc::Future on_fetch(std::vector<c10::IValue>&& args) {  // rref, how long to wa
 
 rpc::Future on_fork(std::vector<c10::IValue>&& args) {
   const auto* call = rpc::current_call();
+  TANDEM_LOG(kDebug, "rref") << "rref " << arg_int(args, 0) << ": fork " << arg_int(args, 1) << " held by rank "
+                             << (call ? call->caller_rank : -1);
   auto s = Context::get().add_fork(arg_int(args, 0), arg_int(args, 1), call ? call->caller_rank : -1);
   return s.ok() ? rpc::Future::ready(c10::IValue()) : rpc::Future::failed(s);
 }
@@ -570,6 +583,13 @@ bool install() {
                                        [](std::vector<c10::IValue>&&) { return rpc::Future::ready(c10::IValue()); }));
   rpc::add_shutdown_hook([](absl::Time deadline) { return Context::get().drain(deadline); });
   rpc::add_stop_hook([] { Context::get().reset(); });
+  metrics::set_gauge("tandem_rrefs_owned", [] { return static_cast<double>(Context::get().stats().owned_values); });
+  metrics::set_gauge("tandem_rref_forks_known", [] { return static_cast<double>(Context::get().stats().known_forks); });
+  metrics::set_gauge("tandem_rref_user_refs", [] { return static_cast<double>(Context::get().stats().user_refs); });
+  metrics::set_gauge("tandem_rref_pending", [] {
+    const Stats s = Context::get().stats();
+    return static_cast<double>(s.pending_children + s.pending_confirmations);
+  });
   return true;
 }
 
@@ -599,6 +619,8 @@ RRefImpl::~RRefImpl() {
   if (generation_ != ctx.generation()) return;  // its job is over
   // G1: the owner learns of every deletion. A user whose creation failed may still be known to the owner (the reply
   // was lost, not the request): deletes are idempotent, so it is sent anyway.
+  TANDEM_LOG(kDebug, "rref") << "rref " << rref_id_ << ": fork " << fork_id_ << " deleted, telling its owner, rank "
+                             << owner_;
   ctx.batcher.add(owner_, kDelete, {rref_id_, fork_id_});
 }
 
@@ -769,7 +791,14 @@ RRef remote_call(const rpc::To& to, const std::string& function, std::vector<c10
       rpc::call(owner, "__tandem.rref.create",
                 {c10::IValue(rref_id), c10::IValue(fork_id), c10::IValue(function), c10::IValue(list)}, timeout);
   rpc::Future confirmed = user->confirmed_;
-  created.add_callback([confirmed, fork_id](const rpc::Future& r) {
+  TANDEM_LOG(kDebug, "rref") << "rref " << rref_id << " (fork " << fork_id << "): creating it on rank " << owner
+                             << " from '" << function << "'";
+  created.add_callback([confirmed, fork_id, rref_id](const rpc::Future& r) {
+    if (r.status().ok()) {
+      TANDEM_LOG(kDebug, "rref") << "rref " << rref_id << ": its owner confirmed fork " << fork_id;
+    } else {
+      TANDEM_LOG(kDebug, "rref") << "rref " << rref_id << ": creation failed: " << r.status().message();
+    }
     confirmed.set_status(r.status());
     detail::Context::get().release_pending_user(fork_id);
   });

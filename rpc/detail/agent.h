@@ -33,6 +33,8 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "proto/tandem_rpc.pb.h"
+#include "tandem/metrics/metrics.h"
+#include "tandem/profile/profile.h"
 #include "tandem/rpc/detail/direct_transport.h"
 #include "tandem/rpc/detail/fault_transport.h"
 #include "tandem/rpc/detail/grpc_transport.h"
@@ -89,7 +91,9 @@ class Agent {
     bool traced = false;   // the request carried a call tracer's attachment
     std::string function;  // once the request is parsed (a one-way call's failure names it)
     std::string caller_name;
-    bool oneway = false;                // the request says so (rpc::send), whichever transport brought it
+    bool oneway = false;  // the request says so (rpc::send), whichever transport brought it
+    bool failed = false;  // answered with an error (for the metrics)
+    std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
     std::shared_ptr<void> trace_state;  // what the tracer keeps for this call
     Mutex mu;                           // makes "send the reply" one step against a concurrent stop()
     bool finished ABSL_GUARDED_BY(mu) = false;
@@ -164,7 +168,13 @@ class Agent {
     absl::Time deadline;
     Transport* route = nullptr;
     grpc::ByteBuffer frame;
+    std::chrono::steady_clock::time_point start;  // for the call's metrics
+    int64_t sent_bytes = 0;                       // the frame and the tensors read by reference
+    metrics::Recorder* recorder = nullptr;
   };
+  // A profile's range for a call from `start` to now, named like PyTorch's: kind ("rpc_sync#"), function, the route.
+  void profile_call(const char* kind, const std::string& function, int peer,
+                    std::chrono::steady_clock::time_point start) const;
   absl::StatusOr<Outgoing> start_call(const To& to, const std::string& function, std::vector<c10::IValue>& args,
                                       std::chrono::milliseconds timeout, bool by_reference_ok, bool oneway,
                                       std::vector<at::Tensor>* referenced);

@@ -2,6 +2,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "proto/tandem_rpc.pb.h"
+#include "tandem/log/log.h"
 #include "tandem/rpc/detail/wire.h"
 
 namespace tandem::rpc::detail {
@@ -49,6 +50,8 @@ absl::Status DirectTransport::add_peer(const PeerAddress& address, absl::Time de
     p->address = route;
     auto conn = async_conn(*p, deadline);
     if (!conn.ok()) {
+      TANDEM_LOG(kDebug, "rpc") << "direct channel to " << address.name << " at " << route
+                                << " not connected: " << conn.status().message();
       // A peer that refuses our token or speaks another version is not a route problem: say so at init.
       if (conn.status().code() == absl::StatusCode::kUnauthenticated ||
           conn.status().code() == absl::StatusCode::kFailedPrecondition) {
@@ -58,6 +61,8 @@ absl::Status DirectTransport::add_peer(const PeerAddress& address, absl::Time de
       continue;
     }
     p->cma_ok = (*conn)->cma_ok;
+    TANDEM_LOG(kDebug, "rpc") << "direct channel to " << address.name << " connected at " << route
+                              << ((*conn)->cma_ok ? " (bulk by cross-memory copy)" : "");
     MutexLock lock(&peers_mu_);
     peers_[address.rank] = std::move(p);
     return absl::OkStatus();
@@ -239,6 +244,10 @@ void DirectTransport::on_lost(const direct::Conn* conn, const absl::Status& why)
     }
   }
   const absl::Status cause = why.code() == absl::StatusCode::kCancelled ? why : absl::UnavailableError(why.message());
+  if (!lost.empty() || why.code() != absl::StatusCode::kCancelled) {
+    TANDEM_LOG(kDebug, "rpc") << "direct connection lost (" << why.message() << "), failing " << lost.size()
+                              << " calls on it";
+  }
   for (uint64_t id : lost) complete(id, cause);
 }
 
