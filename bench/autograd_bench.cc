@@ -17,6 +17,7 @@
 #include "tandem/dist_autograd/dist_autograd.h"
 #include "tandem/dist_optim/dist_optim.h"
 #include "tandem/rref/rref.h"
+#include "tools/flags.h"
 
 namespace rpc = tandem::rpc;
 namespace rref = tandem::rref;
@@ -73,11 +74,13 @@ void run(int64_t d, int64_t batch, int iters, std::vector<double>* dist, std::ve
 
 int main(int argc, char** argv) {
   int small = 3000, large = 200;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string f = argv[i];
-    if (f == "--small") small = std::atoi(argv[i + 1]);
-    else if (f == "--large") large = std::atoi(argv[i + 1]);
-  }
+  CLI::App app{
+      "Distributed autograd's overhead against local autograd (small and large models), with PyTorch's in "
+      "bench/peer_autograd.py",
+      "autograd_bench"};
+  app.add_option("--small", small, "iterations of the small model");
+  app.add_option("--large", large, "iterations of the large model");
+  tandem::tools::parse_flags(app, argc, argv);
   at::set_num_threads(1);
   rpc::register_function("make_layer", [](int64_t d) { g_remote = make_layer(d); });
   rpc::register_function("layer_params", [] {

@@ -15,6 +15,7 @@
 #include "bench/common.h"
 #include "tandem/comm/process_group.h"
 #include "tandem/rpc/rpc.h"
+#include "tools/flags.h"
 
 namespace bench = tandem::bench;
 namespace comm = tandem::comm;
@@ -38,9 +39,9 @@ double time_op(comm::ProcessGroup& pg, int iters, const std::function<rpc::Futur
 
 int main(int argc, char** argv) {
   int iters = 20;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    if (std::string(argv[i]) == "--iters") iters = std::atoi(argv[i + 1]);
-  }
+  CLI::App app{"Collectives' bus bandwidth and latency (allreduce, broadcast, allgather, ...)", "collectives_bench"};
+  app.add_option("--iters", iters, "64 MiB iterations (smaller sizes run 10x or 100x more)");
+  tandem::tools::parse_flags(app, argc, argv);
   at::set_num_threads(1);
   rpc::init_rpc();
   // The default group (shared memory when both ranks are on this host, Gloo otherwise: its transport is reported) and

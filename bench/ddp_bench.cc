@@ -20,6 +20,7 @@
 #include "tandem/comm/process_group.h"
 #include "tandem/ddp/ddp.h"
 #include "tandem/rpc/rpc.h"
+#include "tools/flags.h"
 
 namespace bench = tandem::bench;
 namespace comm = tandem::comm;
@@ -50,11 +51,10 @@ double time_iters(int iters, Step step) {
 
 int main(int argc, char** argv) {
   int iters = 30, sweep = 1;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string f = argv[i];
-    if (f == "--iters") iters = std::atoi(argv[i + 1]);
-    else if (f == "--sweep") sweep = std::atoi(argv[i + 1]);
-  }
+  CLI::App app{"DDP's iteration time and weak scaling on a CNN", "ddp_bench"};
+  app.add_option("--iters", iters, "timed iterations per configuration, after 3 warm-up");
+  app.add_option("--sweep", sweep, "1: also the bucket-size configurations (1, 5, 100, 1000 MiB)");
+  tandem::tools::parse_flags(app, argc, argv);
   at::set_num_threads(1);
   rpc::init_rpc();
   auto pg = comm::ProcessGroup::create("ddp_bench", {}, {.timeout = std::chrono::minutes(5)});

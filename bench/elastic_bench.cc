@@ -24,6 +24,7 @@
 #include "tandem/comm/process_group.h"
 #include "tandem/ddp/ddp.h"
 #include "tandem/rpc/rpc.h"
+#include "tools/flags.h"
 
 namespace comm = tandem::comm;
 namespace ddp = tandem::ddp;
@@ -47,12 +48,12 @@ int main(int argc, char** argv) {
   int64_t steps = 400;
   int step_ms = 10;
   std::string dir = "/tmp/tandem-elastic-bench";
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string f = argv[i];
-    if (f == "--steps") steps = std::atoll(argv[i + 1]);
-    else if (f == "--step-ms") step_ms = std::atoi(argv[i + 1]);
-    else if (f == "--checkpoint-dir") dir = argv[i + 1];
-  }
+  CLI::App app{"One worker of the elastic-training benchmark (bench/elastic_driver.py starts and kills them)",
+               "elastic_bench"};
+  app.add_option("--steps", steps, "training steps");
+  app.add_option("--step-ms", step_ms, "compute time of a step");
+  app.add_option("--checkpoint-dir", dir, "where checkpoints go");
+  tandem::tools::parse_flags(app, argc, argv);
   const char* restart_env = std::getenv("TORCHELASTIC_RESTART_COUNT");
   const int restart = restart_env ? std::atoi(restart_env) : 0;
   std::printf("{\"event\":\"start\",\"restart\":%d,\"step\":-1,\"t\":%.6f}\n", restart, started);

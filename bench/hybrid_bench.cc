@@ -16,6 +16,7 @@
 #include "examples/hybrid/hybrid.h"
 #include "tandem/rpc/registry.h"
 #include "tandem/rpc/rpc.h"
+#include "tools/flags.h"
 
 namespace rpc = tandem::rpc;
 namespace rref = tandem::rref;
@@ -46,9 +47,9 @@ double run_trainer(c10::IValue embedding, int64_t iters) {
 
 int main(int argc, char** argv) {
   int64_t iters = 50;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    if (std::string(argv[i]) == "--iters") iters = std::atoll(argv[i + 1]);
-  }
+  CLI::App app{"Hybrid DDP + parameter-server iteration time", "hybrid_bench"};
+  app.add_option("--iters", iters, "timed iterations");
+  tandem::tools::parse_flags(app, argc, argv);
   at::set_num_threads(1);
   hybrid::register_modules();
   rpc::register_function("bench.run_trainer", run_trainer);

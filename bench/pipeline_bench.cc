@@ -40,6 +40,7 @@
 #include "tandem/dist_optim/dist_optim.h"
 #include "tandem/nn/remote_module.h"
 #include "tandem/pipeline/pipeline.h"
+#include "tools/flags.h"
 
 namespace rpc = tandem::rpc;
 namespace bench = tandem::bench;
@@ -234,13 +235,12 @@ int main(int argc, char** argv) {
   int steps = 10;
   int64_t tf_ms = 10, tb_ms = 20;
   std::string parts = "small,large,bubble";
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string f = argv[i];
-    if (f == "--steps") steps = std::atoi(argv[i + 1]);
-    else if (f == "--tf-ms") tf_ms = std::atoll(argv[i + 1]);
-    else if (f == "--tb-ms") tb_ms = std::atoll(argv[i + 1]);
-    else if (f == "--parts") parts = argv[i + 1];
-  }
+  CLI::App app{"Pipeline step times (GPipe, 1F1B, interleaved), control overhead and bubble", "pipeline_bench"};
+  app.add_option("--steps", steps, "timed steps per case");
+  app.add_option("--tf-ms", tf_ms, "forward time of a stage (bubble part)");
+  app.add_option("--tb-ms", tb_ms, "backward time of a stage (bubble part)");
+  app.add_option("--parts", parts, "which parts to run: small, large, bubble (comma-separated)");
+  tandem::tools::parse_flags(app, argc, argv);
   auto part = [&](const std::string& name) { return ("," + parts + ",").find("," + name + ",") != std::string::npos; };
   at::set_num_threads(1);
   at::manual_seed(0);

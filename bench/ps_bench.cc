@@ -33,6 +33,7 @@
 #include "examples/parameter_server/server.h"
 #include "tandem/dist_autograd/dist_autograd.h"
 #include "tandem/rpc/rpc.h"
+#include "tools/flags.h"
 
 namespace rpc = tandem::rpc;
 namespace bench = tandem::bench;
@@ -101,9 +102,9 @@ std::pair<double, double> local_limit(int steps) {
 
 int main(int argc, char** argv) {
   int steps = 2000;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    if (std::string(argv[i]) == "--steps") steps = std::atoi(argv[i + 1]);
-  }
+  CLI::App app{"Parameter-server training throughput, its phases and the machine's limit", "ps_bench"};
+  app.add_option("--steps", steps, "timed steps");
+  tandem::tools::parse_flags(app, argc, argv);
   at::set_num_threads(1);
   examples::register_parameter_server();
   rpc::register_function("bench.rate", [](double rate, std::vector<double> phases, double cpu_us) {

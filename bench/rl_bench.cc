@@ -21,6 +21,7 @@
 #include "bench/common.h"
 #include "examples/rl/agent.h"
 #include "tandem/rpc/rpc.h"
+#include "tools/flags.h"
 
 namespace rpc = tandem::rpc;
 namespace rref = tandem::rref;
@@ -85,13 +86,12 @@ std::pair<int64_t, bool> solve(uint64_t seed, int64_t max_episodes) {
 int main(int argc, char** argv) {
   int rounds = 20, steps = 100, seeds = 5;
   int64_t max_episodes = 3000;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string f = argv[i];
-    if (f == "--rounds") rounds = std::atoi(argv[i + 1]);
-    else if (f == "--steps") steps = std::atoi(argv[i + 1]);
-    else if (f == "--solve-seeds") seeds = std::atoi(argv[i + 1]);
-    else if (f == "--max-episodes") max_episodes = std::atoll(argv[i + 1]);
-  }
+  CLI::App app{"RL observer/agent rounds and CartPole solves", "rl_bench"};
+  app.add_option("--rounds", rounds, "timed rounds");
+  app.add_option("--steps", steps, "environment steps per round");
+  app.add_option("--solve-seeds", seeds, "seeds solved for the episodes figure");
+  app.add_option("--max-episodes", max_episodes, "give up on a seed after this many episodes");
+  tandem::tools::parse_flags(app, argc, argv);
   at::set_num_threads(1);
   rl::register_rl();
   rpc::RpcOptions options;

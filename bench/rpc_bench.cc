@@ -22,6 +22,7 @@
 
 #include "bench/common.h"
 #include "tandem/rpc/rpc.h"
+#include "tools/flags.h"
 
 namespace rpc = tandem::rpc;
 namespace bench = tandem::bench;
@@ -95,16 +96,14 @@ bool emit_floors(int small, int bulk, int mib) {
 int main(int argc, char** argv) {
   int small = 5000, bulk = 20, calls = 50000, mib = 64, kib = 0;
   int64_t bulk_min_bytes = -1;  // -1: the library's default
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string f = argv[i];
-    const int v = std::atoi(argv[i + 1]);
-    if (f == "--small") small = v;
-    else if (f == "--bulk") bulk = v;
-    else if (f == "--async") calls = v;
-    else if (f == "--bulk-mib") mib = v;
-    else if (f == "--bulk-kib") kib = v;
-    else if (f == "--bulk-min-bytes") bulk_min_bytes = std::atoll(argv[i + 1]);
-  }
+  CLI::App app{"RPC round trips, bulk transfers and calls in flight", "rpc_bench"};
+  app.add_option("--small", small, "small round trips");
+  app.add_option("--bulk", bulk, "bulk transfers");
+  app.add_option("--async", calls, "tiny calls, 128 in flight");
+  app.add_option("--bulk-mib", mib, "bulk tensor size in MiB");
+  app.add_option("--bulk-kib", kib, "bulk tensor size in KiB (wins over --bulk-mib when > 0)");
+  app.add_option("--bulk-min-bytes", bulk_min_bytes, "RpcOptions::bulk_min_bytes (-1: the library's default)");
+  tandem::tools::parse_flags(app, argc, argv);
   // The floors first, on rank 0, before init_rpc starts any thread (the child is forked).
   // TANDEM_BENCH_FLOORS=0 skips them (bench/run.sh hosts, whose floor is a TCP ping-pong between the hosts).
   const char* floors = std::getenv("TANDEM_BENCH_FLOORS");

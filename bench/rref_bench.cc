@@ -14,6 +14,7 @@
 
 #include "bench/common.h"
 #include "tandem/rref/rref.h"
+#include "tools/flags.h"
 
 namespace rpc = tandem::rpc;
 namespace rref = tandem::rref;
@@ -21,12 +22,10 @@ namespace bench = tandem::bench;
 
 int main(int argc, char** argv) {
   int small = 3000, churn = 20000;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string f = argv[i];
-    const int v = std::atoi(argv[i + 1]);
-    if (f == "--small") small = v;
-    else if (f == "--churn") churn = v;
-  }
+  CLI::App app{"RRef creation, fetch and reference churn", "rref_bench"};
+  app.add_option("--small", small, "remote() + to_here() round trips");
+  app.add_option("--churn", churn, "references created and dropped");
+  tandem::tools::parse_flags(app, argc, argv);
   at::set_num_threads(1);
   rpc::register_function("add1", [](at::Tensor x) { return x + 1; });
   rpc::register_function("touch", [](c10::IValue r) { return rref::RRef::from_ivalue(r).owner(); });

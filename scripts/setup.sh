@@ -15,6 +15,7 @@ pkgs=(
   dataset-fashion-mnist zlib1g-dev               # the examples read its gzipped IDX files
   etcd-server                                    # the elastic rendezvous's etcd backend (tests start their own)
   slurm-wlm munge                                # tests/cluster runs jobs under a real one-node SLURM it starts
+  libcli11-dev                                   # command lines: the launcher, the examples, the benchmarks
 )
 pkgs+=("$@")
 missing=()

@@ -60,6 +60,8 @@
 
 #include <grpc/support/log.h>
 
+#include <CLI/CLI.hpp>
+
 #include "absl/strings/str_split.h"
 #include "tandem/cluster/environment.h"
 #include "tandem/elastic/rendezvous.h"
@@ -125,18 +127,37 @@ int parse_int(const std::string& flag, const std::string& v) {
   usage("bad value for " + flag + ": '" + v + "'");
 }
 
-// Every flag tandem-run takes (torchrun's spelling, with '-').
-const char* const kFlags[] = {"--nproc-per-node", "--nnodes",       "--rdzv-backend", "--rdzv-endpoint",
-                              "--rdzv-conf",      "--local-addr",   "--standby",      "--monitor-interval",
-                              "--node-rank",      "--master-addr",  "--master-port",  "--secret-file",
-                              "--grace-seconds",  "--max-restarts", "--rdzv-id"};
+// Every flag tandem-run takes (torchrun's spelling, with '-'; '_' is accepted too), with what --help says of it.
+struct Flag {
+  const char* name;
+  const char* help;
+  const char* fallback;  // what applies when neither the command line nor the environment gives it
+};
+const Flag kFlagHelp[] = {
+    {"--nproc-per-node", "workers on this node: a number, or auto/cpu (one per CPU)", "1"},
+    {"--nnodes", "nodes: N, or MIN:MAX for an elastic job (needs --rdzv-backend)", "1"},
+    {"--rdzv-backend", "static, or an elastic rendezvous: c10d (a store one launcher serves) or etcd", "static"},
+    {"--rdzv-endpoint", "HOST:PORT of the rendezvous store", ""},
+    {"--rdzv-conf", "k=v,... (join_timeout, last_call_timeout, keep_alive_interval, keep_alive_max_attempt)", ""},
+    {"--local-addr", "this node's address as other nodes reach it", "(found)"},
+    {"--standby", "1: keep a warm standby process per worker for restarts (Tandem programs only)", "1"},
+    {"--monitor-interval", "seconds between checks of the workers and the rendezvous", "0.1"},
+    {"--node-rank", "this node's rank (static jobs)", "0"},
+    {"--master-addr", "rank 0's node (static jobs)", "127.0.0.1"},
+    {"--master-port", "the job's store port on the master (static jobs of several nodes)", "(free port)"},
+    {"--secret-file", "a file holding the job's shared secret (or TANDEM_SECRET; one node: generated)", ""},
+    {"--grace-seconds", "seconds between SIGTERM and SIGKILL when stopping workers", "5"},
+    {"--max-restarts", "restarts of the worker group after a failure (elastic jobs)", "0"},
+    {"--rdzv-id", "the job's id, the same on every node", "none"},
+};
 
 // Fills the flags the command line left out from the environment: torchrun's PET_<FLAG> variables first (Kubeflow
 // sets them), then the cluster's own (SLURM when srun started us, a PyTorchJob's in a Kubernetes pod:
 // cluster/environment.h). Says on stderr what it took, so a job's log shows where its shape came from.
 void defaults_from_environment(std::map<std::string, std::string>* flags) {
   std::string taken;
-  for (const char* flag : kFlags) {
+  for (const Flag& f : kFlagHelp) {
+    const char* flag = f.name;
     if (flags->count(flag)) continue;
     if (auto v = tandem::cluster::pet_default(flag)) {
       (*flags)[flag] = *v;
@@ -169,30 +190,37 @@ int parse_nproc(const std::string& value) {
 
 Options parse(int argc, char** argv) {
   Options o;
-  std::map<std::string, std::string> flags;
-  int i = 1;
-  for (; i < argc; ++i) {
-    std::string a = argv[i];
-    if (a == "--") {
-      ++i;
-      break;
-    }
-    if (a.rfind("--", 0) != 0) break;
-    std::string value;
-    if (auto eq = a.find('='); eq != std::string::npos) {
-      value = a.substr(eq + 1);
-      a = a.substr(0, eq);
-    } else {
-      if (i + 1 >= argc) usage("missing value for " + a);
-      value = argv[++i];
-    }
-    for (auto& c : a) c = c == '_' ? '-' : c;  // torchrun spells them with underscores
-    if (std::find_if(std::begin(kFlags), std::end(kFlags), [&](const char* f) { return a == f; }) == std::end(kFlags)) {
-      usage("unknown option " + a);
-    }
-    flags[a] = value;
+  // The flags as given (CLI11), before the program and its arguments: the first argument that is not a flag, or
+  // whatever follows "--", and everything after it belongs to the program.
+  CLI::App app{
+      "Starts the workers of a Tandem job on this node, torchrun-style; flags not given come from torchrun's "
+      "PET_* variables, then SLURM's or a PyTorchJob's (docs/deploy.md)",
+      "tandem-run"};
+  app.prefix_command();
+  app.footer(
+      "Static:  tandem-run --nproc-per-node N [--nnodes M --node-rank R --master-addr A --master-port P] [--] program "
+      "args...\nElastic: tandem-run --nproc-per-node N --nnodes MIN:MAX --rdzv-backend c10d|etcd --rdzv-endpoint "
+      "HOST:PORT --rdzv-id ID [--] program args...");
+  std::map<std::string, std::string> given;
+  std::vector<CLI::Option*> options;
+  for (const Flag& f : kFlagHelp) {
+    std::string names = f.name;
+    std::string underscored = names.substr(2);  // torchrun spells them with '_' too
+    std::replace(underscored.begin(), underscored.end(), '-', '_');
+    if ("--" + underscored != names) names += ",--" + underscored;
+    options.push_back(app.add_option(names, given[f.name], f.help)->default_str(f.fallback));
   }
-  for (; i < argc; ++i) o.command.push_back(argv[i]);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    std::exit(app.exit(e) == 0 ? 0 : 2);
+  }
+  std::map<std::string, std::string> flags;
+  for (size_t k = 0; k < options.size(); ++k) {
+    if (options[k]->count() > 0) flags[kFlagHelp[k].name] = given[kFlagHelp[k].name];
+  }
+  o.command = app.remaining();
+  if (!o.command.empty() && o.command.front() == "--") o.command.erase(o.command.begin());
   defaults_from_environment(&flags);
   for (const auto& [a, value] : flags) {
     if (a == "--nproc-per-node") o.nproc = parse_nproc(value);

@@ -31,6 +31,7 @@
 #include "tandem/ddp/sampler.h"
 #include "tandem/ddp/zero.h"
 #include "tandem/rpc/rpc.h"
+#include "tools/flags.h"
 
 using namespace tandem;
 
@@ -49,18 +50,18 @@ struct Args {
 
 Args parse(int argc, char** argv) {
   Args a;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string k = argv[i], v = argv[i + 1];
-    if (k == "--epochs") a.epochs = std::stoi(v);
-    else if (k == "--lr") a.lr = std::stod(v);
-    else if (k == "--batch") a.batch = std::stoi(v);
-    else if (k == "--zero") a.zero = v == "1";
-    else if (k == "--limit") a.limit = std::stoll(v);
-    else if (k == "--min-accuracy") a.min_accuracy = std::stod(v);
-    else if (k == "--checkpoint-dir") a.checkpoint_dir = v;
-    else if (k == "--checkpoint-every") a.checkpoint_every = std::max<int64_t>(1, std::stoll(v));
-    else throw std::invalid_argument("unknown option " + k);
-  }
+  CLI::App app{"Data-parallel training of a CNN on Fashion-MNIST, one rank per process (start it with tandem-run)",
+               "ddp_train"};
+  app.add_option("--epochs", a.epochs, "epochs to train");
+  app.add_option("--lr", a.lr, "Adam's step size");
+  app.add_option("--batch", a.batch, "images per step on each rank")->check(CLI::PositiveNumber);
+  app.add_option("--zero", a.zero, "1: ZeRO-1, each rank keeps a shard of the optimizer state");
+  app.add_option("--limit", a.limit, "train on at most this many images in all (0: all 60,000)");
+  app.add_option("--min-accuracy", a.min_accuracy,
+                 "stop once an epoch's test accuracy reaches it; exit 1 if none does");
+  app.add_option("--checkpoint-dir", a.checkpoint_dir, "write checkpoints here and resume from the newest ('': none)");
+  app.add_option("--checkpoint-every", a.checkpoint_every, "steps between checkpoints")->check(CLI::PositiveNumber);
+  tools::parse_flags(app, argc, argv);
   return a;
 }
 

@@ -24,6 +24,7 @@
 #include "tandem/ddp/sampler.h"
 #include "tandem/rpc/registry.h"
 #include "tandem/rpc/rpc.h"
+#include "tools/flags.h"
 
 using namespace tandem;
 namespace hybrid = tandem::examples::hybrid;
@@ -95,15 +96,16 @@ struct Args {
 
 Args parse(int argc, char** argv) {
   Args a;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string k = argv[i], v = argv[i + 1];
-    if (k == "--epochs") a.epochs = std::stoll(v);
-    else if (k == "--lr") a.lr = std::stod(v);
-    else if (k == "--batch") a.batch = std::stoll(v);
-    else if (k == "--limit") a.limit = std::stoll(v);
-    else if (k == "--min-accuracy") a.min_accuracy = std::stod(v);
-    else throw std::invalid_argument("unknown option " + k);
-  }
+  CLI::App app{
+      "Hybrid parallelism on Fashion-MNIST: DDP trainers and a parameter server holding the embedding (start it with "
+      "tandem-run)",
+      "hybrid_train"};
+  app.add_option("--epochs", a.epochs, "epochs to train");
+  app.add_option("--lr", a.lr, "SGD's step size");
+  app.add_option("--batch", a.batch, "images per step on each trainer")->check(CLI::PositiveNumber);
+  app.add_option("--limit", a.limit, "train on at most this many images (0: all 60,000)");
+  app.add_option("--min-accuracy", a.min_accuracy, "exit 1 unless the test accuracy reaches it");
+  tools::parse_flags(app, argc, argv);
   return a;
 }
 

@@ -33,6 +33,7 @@
 #include "tandem/dist_autograd/dist_autograd.h"
 #include "tandem/dist_optim/dist_optim.h"
 #include "tandem/rpc/rpc.h"
+#include "tools/flags.h"
 
 using namespace tandem;
 
@@ -51,19 +52,21 @@ struct Args {
 
 Args parse(int argc, char** argv) {
   Args a;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string k = argv[i], v = argv[i + 1];
-    if (k == "--epochs") a.epochs = std::stoi(v);
-    else if (k == "--batch") a.batch = std::stoi(v);
-    else if (k == "--mode") a.mode = v;
-    else if (k == "--limit") a.limit = std::stoll(v);
-    else if (k == "--lr") a.lr = std::stod(v);
-    else if (k == "--min-accuracy") a.min_accuracy = std::stod(v);
-    else if (k == "--checkpoint-dir") a.checkpoint_dir = v;
-    else if (k == "--checkpoint-every") a.checkpoint_every = std::max<int64_t>(1, std::stoll(v));
-    else throw std::invalid_argument("unknown option " + k);
-  }
-  if (a.mode != "sync" && a.mode != "async") throw std::invalid_argument("--mode is sync or async");
+  CLI::App app{
+      "Parameter-server training on Fashion-MNIST: rank 0 serves the model, the others train (start it with "
+      "tandem-run)",
+      "parameter_server"};
+  app.add_option("--epochs", a.epochs, "epochs to train");
+  app.add_option("--batch", a.batch, "images per step on each trainer")->check(CLI::PositiveNumber);
+  app.add_option("--mode", a.mode, "sync: the server steps once per round; async: trainers update it on their own")
+      ->check(CLI::IsMember({"sync", "async"}));
+  app.add_option("--limit", a.limit, "train on at most this many images per trainer (0: the whole shard)");
+  app.add_option("--lr", a.lr, "Adam's step size (the server's optimizer in sync mode, each trainer's in async mode)");
+  app.add_option("--min-accuracy", a.min_accuracy,
+                 "exit 1 if the final test accuracy is lower; sync mode: stop once an epoch reaches it");
+  app.add_option("--checkpoint-dir", a.checkpoint_dir, "write checkpoints here and resume from the newest ('': none)");
+  app.add_option("--checkpoint-every", a.checkpoint_every, "rounds between checkpoints")->check(CLI::PositiveNumber);
+  tools::parse_flags(app, argc, argv);
   return a;
 }
 

@@ -24,6 +24,7 @@
 #include "tandem/nn/remote_module.h"
 #include "tandem/pipeline/pipeline.h"
 #include "tandem/rpc/rpc.h"
+#include "tools/flags.h"
 
 using namespace tandem;
 
@@ -43,19 +44,21 @@ struct Args {
 
 Args parse(int argc, char** argv) {
   Args a;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string k = argv[i], v = argv[i + 1];
-    if (k == "--epochs") a.epochs = std::stoi(v);
-    else if (k == "--lr") a.lr = std::stod(v);
-    else if (k == "--batch") a.batch = std::stoi(v);
-    else if (k == "--microbatches") a.microbatches = std::stoi(v);
-    else if (k == "--schedule") a.schedule = v;
-    else if (k == "--timeline") a.timeline = v;
-    else if (k == "--checkpoint") a.checkpoint = v == "1";
-    else if (k == "--limit") a.limit = std::stoll(v);
-    else if (k == "--min-accuracy") a.min_accuracy = std::stod(v);
-    else throw std::invalid_argument("unknown option " + k);
-  }
+  CLI::App app{
+      "Pipeline-parallel training on Fashion-MNIST: rank 0 drives, the other ranks hold the stages (start it with "
+      "tandem-run)",
+      "pipeline_train"};
+  app.add_option("--epochs", a.epochs, "epochs to train");
+  app.add_option("--lr", a.lr, "Adam's step size");
+  app.add_option("--batch", a.batch, "images per step")->check(CLI::PositiveNumber);
+  app.add_option("--microbatches", a.microbatches, "micro-batches per step")->check(CLI::PositiveNumber);
+  app.add_option("--schedule", a.schedule, "gpipe, 1f1b or interleaved");
+  app.add_option("--timeline", a.timeline, "write one step's timeline to <this>.svg and <this>.json ('': none)");
+  app.add_option("--checkpoint", a.checkpoint, "1: recompute activations in backward instead of keeping them");
+  app.add_option("--limit", a.limit, "train on at most this many images (0: all 60,000)");
+  app.add_option("--min-accuracy", a.min_accuracy,
+                 "stop once an epoch's test accuracy reaches it; exit 1 if none does");
+  tools::parse_flags(app, argc, argv);
   return a;
 }
 

@@ -19,6 +19,7 @@
 
 #include "examples/rl/agent.h"
 #include "tandem/rpc/rpc.h"
+#include "tools/flags.h"
 
 using namespace tandem;
 namespace rl = tandem::examples::rl;
@@ -36,16 +37,15 @@ struct Args {
 
 Args parse(int argc, char** argv) {
   Args a;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string k = argv[i], v = argv[i + 1];
-    if (k == "--batched") a.batched = v == "1";
-    else if (k == "--seed") a.seed = std::stoull(v);
-    else if (k == "--max-episodes") a.max_episodes = std::stoll(v);
-    else if (k == "--target") a.target = std::stod(v);
-    else if (k == "--skip-dead") a.skip_dead = v == "1";
-    else if (k == "--lr") a.lr = std::stod(v);
-    else throw std::invalid_argument("unknown option " + k);
-  }
+  CLI::App app{"REINFORCE on CartPole: rank 0 is the agent, the other ranks observers (start it with tandem-run)",
+               "rl_train"};
+  app.add_option("--batched", a.batched, "1: the agent asks every observer's action in one batched call");
+  app.add_option("--seed", a.seed, "seed of the environments and the policy");
+  app.add_option("--max-episodes", a.max_episodes, "give up (exit 1) after this many episodes");
+  app.add_option("--target", a.target, "stop when the running reward passes it");
+  app.add_option("--skip-dead", a.skip_dead, "1: carry on without an observer that died");
+  app.add_option("--lr", a.lr, "Adam's step size");
+  tools::parse_flags(app, argc, argv);
   return a;
 }
 
