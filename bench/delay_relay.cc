@@ -43,6 +43,8 @@
 #include <utility>
 #include <vector>
 
+#include "tools/flags.h"
+
 namespace {
 
 // The nftables rule lets packets with this mark pass: those of the relay's own connections.
@@ -392,40 +394,22 @@ void Relay::arm_timer() {
   armed_ns_ = at;
 }
 
-[[noreturn]] void usage(int code) {
-  std::fprintf(code ? stderr : stdout,
-               "usage: delay_relay [--port P] [--delay-us N] [--bind ADDR] [--verbose]\n"
-               "  A transparent TCP proxy (run it behind an nftables redirect; see the top of bench/delay_relay.cc)\n"
-               "  that releases each chunk it reads --delay-us microseconds later, in both directions.\n"
-               "  --port P      port to listen on (default 0: a free one); the first line on stdout is \"port P\"\n"
-               "  --delay-us N  one-way delay added to every byte (default 1000)\n"
-               "  --bind ADDR   address to listen on (default 127.0.0.1, where a redirect from the output hook leads)\n"
-               "  --verbose     one line on stderr per connection opened, closed or failed\n");
-  std::exit(code);
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
   long port = 0, delay_us = 1000;
   std::string bind_addr = "127.0.0.1";
   bool verbose = false;
-  for (int i = 1; i < argc; ++i) {
-    const std::string flag = argv[i];
-    if (flag == "--help" || flag == "-h") usage(0);
-    if (flag == "--verbose") {
-      verbose = true;
-      continue;
-    }
-    if (i + 1 >= argc) usage(2);
-    const char* value = argv[++i];
-    char* end = nullptr;
-    if (flag == "--port") port = std::strtol(value, &end, 10);
-    else if (flag == "--delay-us") delay_us = std::strtol(value, &end, 10);
-    else if (flag == "--bind") bind_addr = value;
-    else usage(2);
-    if (end && (*end || port < 0 || port > 65535 || delay_us < 0)) usage(2);
-  }
+  CLI::App app{
+      "A transparent TCP proxy (run it behind an nftables redirect; see the top of bench/delay_relay.cc) that "
+      "releases each chunk it reads --delay-us microseconds later, in both directions.",
+      "delay_relay"};
+  app.add_option("--port", port, "port to listen on (0: a free one); the first line on stdout is \"port P\"")
+      ->check(CLI::Range(0, 65535));
+  app.add_option("--delay-us", delay_us, "one-way delay added to every byte")->check(CLI::Range(0L, 60000000L));
+  app.add_option("--bind", bind_addr, "address to listen on (where a redirect from the output hook leads)");
+  app.add_flag("--verbose", verbose, "one line on stderr per connection opened, closed or failed");
+  tandem::tools::parse_flags(app, argc, argv);
   signal(SIGPIPE, SIG_IGN);
   prctl(PR_SET_TIMERSLACK, 1UL);  // wake at the release time, not up to 50 us later
   if (rlimit files; getrlimit(RLIMIT_NOFILE, &files) == 0) {
@@ -439,7 +423,10 @@ int main(int argc, char** argv) {
   addr.sin_port = htons(static_cast<uint16_t>(port));
   socklen_t len = sizeof addr;
   set_int_option(listener, SOL_SOCKET, SO_REUSEADDR, 1);
-  if (inet_pton(AF_INET, bind_addr.c_str(), &addr.sin_addr) != 1) usage(2);
+  if (inet_pton(AF_INET, bind_addr.c_str(), &addr.sin_addr) != 1) {
+    std::fprintf(stderr, "delay_relay: --bind %s is not an IPv4 address\n", bind_addr.c_str());
+    return 2;
+  }
   if (bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 || listen(listener, 1024) != 0 ||
       getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
     std::fprintf(stderr, "delay_relay: cannot listen on %s:%ld: %s\n", bind_addr.c_str(), port, std::strerror(errno));

@@ -33,6 +33,8 @@
 #include <thread>
 #include <vector>
 
+#include "tools/flags.h"
+
 namespace {
 
 [[noreturn]] void die(const std::string& what) {
@@ -184,56 +186,31 @@ int client(const std::string& host, int port, long iters, long size, long reply,
   return 0;
 }
 
-[[noreturn]] void usage(int code) {
-  std::fprintf(code ? stderr : stdout,
-               "usage: tcp_pingpong server [--port P] [--bind ADDR]\n"
-               "       tcp_pingpong client --host H --port P [--iters N] [--size B] [--reply R] [--warmup W]\n"
-               "                           [--chunk C]\n"
-               "  server: prints \"port P\" (--port 0, the default: a free port), answers each B-byte message with R\n"
-               "          bytes; --bind defaults to 0.0.0.0\n"
-               "  client: W untimed (default 200), then N timed round trips (default 5000) of B bytes (default 1)\n"
-               "          answered with R (default B); prints one JSON line: the median round trip\n"
-               "          (hosts_raw_tcp_rtt_p50_us) and p99, or with R < B the median B / round trip\n"
-               "          (hosts_raw_tcp_bulk_GBps); --chunk: at most C bytes per send (default 0: the whole\n"
-               "          message)\n");
-  std::exit(code);
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc < 2) usage(2);
-  const std::string role = argv[1];
-  if (role == "--help" || role == "-h") usage(0);
-  if (role != "server" && role != "client") usage(2);
+  CLI::App app{"Raw TCP ping-pong, the floor beside the hosts benchmarks' figures", "tcp_pingpong"};
+  app.require_subcommand(1);
+  long server_port = 0, port = 0, iters = 5000, size = 1, reply = 0, warmup = 200, chunk = 0;
   std::string host, bind_addr = "0.0.0.0";
-  long port = role == "server" ? 0 : -1, iters = 5000, size = 1, reply = 0, warmup = 200, chunk = 0;
-  for (int i = 2; i < argc; ++i) {
-    const std::string flag = argv[i];
-    if (flag == "--help" || flag == "-h") usage(0);
-    if (i + 1 >= argc) usage(2);
-    const char* value = argv[++i];
-    long* number = flag == "--port"     ? &port
-                   : flag == "--iters"  ? &iters
-                   : flag == "--size"   ? &size
-                   : flag == "--reply"  ? &reply
-                   : flag == "--warmup" ? &warmup
-                   : flag == "--chunk"  ? &chunk
-                                        : nullptr;
-    if (flag == "--host") host = value;
-    else if (flag == "--bind") bind_addr = value;
-    else if (!number) usage(2);
-    if (number) {
-      char* end = nullptr;
-      *number = std::strtol(value, &end, 10);
-      if (*end || *number < 0) usage(2);
-    }
-  }
-  if (port > 65535) usage(2);
-  if (role == "server") return server(static_cast<int>(port), bind_addr);
+  CLI::App* serve =
+      app.add_subcommand("server", "answers each message with the size the client asks; prints \"port P\"");
+  serve->add_option("--port", server_port, "port to listen on (0: a free one)")->check(CLI::Range(0, 65535));
+  serve->add_option("--bind", bind_addr, "address to listen on");
+  CLI::App* ask = app.add_subcommand(
+      "client",
+      "W untimed, then N timed round trips of B bytes answered with R; prints one JSON line: the median round trip "
+      "(hosts_raw_tcp_rtt_p50_us) and p99, or with R < B the median B / round trip (hosts_raw_tcp_bulk_GBps)");
+  ask->add_option("--host", host, "the server's address")->required();
+  ask->add_option("--port", port, "the server's port")->required()->check(CLI::Range(1, 65535));
+  ask->add_option("--iters", iters, "timed round trips (N)")->check(CLI::PositiveNumber);
+  ask->add_option("--size", size, "bytes per message (B)")->check(CLI::Range(1L, 1L << 32));
+  ask->add_option("--reply", reply, "bytes per answer (R; 0: B)")->check(CLI::Range(0L, 1L << 32));
+  ask->add_option("--warmup", warmup, "untimed round trips first (W)")->check(CLI::NonNegativeNumber);
+  ask->add_option("--chunk", chunk, "at most this many bytes per send (0: the whole message)")
+      ->check(CLI::NonNegativeNumber);
+  tandem::tools::parse_flags(app, argc, argv);
+  if (serve->parsed()) return server(static_cast<int>(server_port), bind_addr);
   if (reply == 0) reply = size;
-  if (host.empty() || port <= 0 || port > 65535 || iters < 1 || size < 1 || size > (1L << 32) || reply > (1L << 32)) {
-    usage(2);
-  }
   return client(host, static_cast<int>(port), iters, size, reply, warmup, chunk);
 }

@@ -15,10 +15,16 @@
 
 namespace tandem::tools {
 
-inline void parse_flags(CLI::App& app, int argc, const char* const* argv) {
+// What --help shows for each option taking a value: its value before parsing (subcommands' options too).
+inline void capture_defaults(CLI::App& app) {
   for (CLI::Option* option : app.get_options()) {
-    if (option->get_expected_min() > 0) option->capture_default_str();  // what --help shows: the value before parsing
+    if (option->get_expected_min() > 0) option->capture_default_str();
   }
+  for (CLI::App* sub : app.get_subcommands([](CLI::App*) { return true; })) capture_defaults(*sub);
+}
+
+inline void parse_flags(CLI::App& app, int argc, const char* const* argv) {
+  capture_defaults(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
