@@ -616,19 +616,29 @@ class GlooGroup final : public ProcessGroup {
   }
   bool work_or_stop() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopping_ || !queue_.empty(); }
 
+  // The path `what` takes: the common collectives over shared memory when the group has it, the rest over Gloo.
+  const char* transport_of(const std::string& what) const {
+    const bool common = what == "allreduce" || what == "reduce_scatter" || what == "broadcast" || what == "allgather" ||
+                        what == "barrier";
+    return shm_ && common ? "shared_memory" : "gloo";
+  }
+
   // Runs one operation on the group's thread and completes its future.
   void run_op(Op& op, uint32_t& tag) {
     const std::string prefix =
         absl::StrCat("process group '", name_, "' (rank ", rank_, " of ", size_, "), ", op.what, ": ");
+    const Clock::time_point start = Clock::now();
+    metrics::Recorder& recorder = metrics::collective_recorder(name_, op.what, transport_of(op.what));
     if (absl::Status b = broken(); !b.ok()) {
+      recorder.record(Clock::now() - start, false, op.bytes, 0);
       op.done.set_error(failed_earlier(prefix, b));
       return;
     }
-    const Clock::time_point start = Clock::now();
     try {
       if (options_.debug) {
         if (absl::Status same = check_same(op, ++tag); !same.ok()) {
           mark_broken(absl::Status(same.code(), prefix + std::string(same.message())));
+          recorder.record(Clock::now() - start, false, op.bytes, 0);
           op.done.set_error(broken());
           return;
         }
@@ -637,16 +647,16 @@ class GlooGroup final : public ProcessGroup {
       TANDEM_LOG(kDebug, "comm") << "process group '" << name_ << "' (rank " << rank_ << " of " << size_
                                  << "): " << op.what << " of " << op.bytes << " bytes over " << transport();
       op.run(++tag);
-      metrics::collective_recorder(name_, op.what, transport()).record(Clock::now() - start, true, op.bytes, 0);
+      recorder.record(Clock::now() - start, true, op.bytes, 0);
       if (profile::active()) {
         profile::report_steady(
-            absl::StrCat("comm:", op.what, "(group ", name_, ", ", op.bytes, " bytes, ", transport(), ")"), start,
-            Clock::now());
+            absl::StrCat("comm:", op.what, "(group ", name_, ", ", op.bytes, " bytes, ", transport_of(op.what), ")"),
+            start, Clock::now());
       }
       op.done.set_value(c10::IValue());
     } catch (...) {
       mark_broken(failure(prefix, start));
-      metrics::collective_recorder(name_, op.what, transport()).record(Clock::now() - start, false, op.bytes, 0);
+      recorder.record(Clock::now() - start, false, op.bytes, 0);
       TANDEM_LOG(kWarn, "comm") << broken().message();
       op.done.set_error(broken());
     }

@@ -3,7 +3,7 @@
 //
 //   TANDEM_LOG_LEVEL=error|warn|info|debug   (default warn: quiet unless something is wrong)
 //   TANDEM_LOG(kDebug, "rref") << "fork of " << id << " confirmed by " << owner;
-//     -> I20261125 19:20:01.123456 4242 rref.cc:210] [tandem worker1 rref] fork of 0:17 confirmed by worker0
+//     -> I20261125 19:20:01.123456 4242 rref.cc:210] [tandem worker1 rref debug] fork of 17 confirmed by worker0
 //
 // error: a failure Tandem cannot report to a caller (a one-way call's error, a background thread's). warn: something
 // is wrong and may explain a slow or failing job (a peer gone, a retry, a late rank). info: a worker's life (joined,
@@ -31,7 +31,8 @@ const char* level_name(Level level);
 // a level leaves the default (warn) and says so in one warn line.
 Level level();
 void set_level(Level level);
-// Re-reads TANDEM_LOG_LEVEL (rpc::init_rpc calls it, so a level given to a worker's environment holds there).
+// Re-reads TANDEM_LOG_LEVEL (rpc::init_rpc calls it when the variable is set, so a level given to a worker's
+// environment holds there; set_level() before init_rpc holds otherwise).
 void reload_from_env();
 
 // The worker named on every line ("" before rpc::init_rpc; rpc sets it when the worker joins a job).

@@ -234,8 +234,22 @@ struct Writer {
   std::thread thread;
 };
 
-Mutex g_writer_mu;
-std::unique_ptr<Writer> g_writer ABSL_GUARDED_BY(g_writer_mu);
+// start_writer and stop_writer one at a time (g_start_stop_mu), and the writer they share. Never destroyed: a program
+// that exits without rpc::shutdown must not destroy a running thread (rpc's exit handler stops it first).
+Mutex g_start_stop_mu;
+Writer* g_writer ABSL_GUARDED_BY(g_start_stop_mu) = nullptr;
+
+void stop_locked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(g_start_stop_mu) {
+  std::unique_ptr<Writer> w(g_writer);
+  g_writer = nullptr;
+  if (!w) return;
+  {
+    MutexLock lock(&w->mu);
+    w->stop = true;
+    w->cv.Signal();
+  }
+  w->thread.join();
+}
 
 void write_file(const std::string& path) {
   const std::string tmp = absl::StrCat(path, ".tmp.", getpid());
@@ -257,7 +271,8 @@ void write_file(const std::string& path) {
 
 void start_writer(const std::string& path_pattern, std::chrono::milliseconds interval, const std::string& worker,
                   int rank) {
-  stop_writer();
+  MutexLock serial(&g_start_stop_mu);
+  stop_locked();
   const std::string path = absl::StrReplaceAll(path_pattern, {{"{worker}", worker}, {"{rank}", std::to_string(rank)}});
   const auto every = std::max(interval, std::chrono::milliseconds(10));
   auto w = std::make_unique<Writer>();
@@ -274,23 +289,12 @@ void start_writer(const std::string& path_pattern, std::chrono::milliseconds int
     }
   });
   TANDEM_LOG(kInfo, "metrics") << "writing metrics to " << path << " every " << every.count() << " ms";
-  MutexLock lock(&g_writer_mu);
-  g_writer = std::move(w);
+  g_writer = w.release();
 }
 
 void stop_writer() {
-  std::unique_ptr<Writer> w;
-  {
-    MutexLock lock(&g_writer_mu);
-    w = std::move(g_writer);
-  }
-  if (!w) return;
-  {
-    MutexLock lock(&w->mu);
-    w->stop = true;
-    w->cv.Signal();
-  }
-  w->thread.join();
+  MutexLock serial(&g_start_stop_mu);
+  stop_locked();
 }
 
 }  // namespace tandem::metrics

@@ -9,11 +9,12 @@
 //
 //   TANDEM_METRICS_FILE=/var/lib/node_exporter/{worker}.prom TANDEM_METRICS_INTERVAL_MS=5000   (or RpcOptions)
 //
-// Latencies are kept in a histogram of 128 logarithmic buckets (4 per power of two, 1 µs to 71 minutes): a percentile
-// is its bucket's upper bound, so within 19% above the true value. Counts are since the process started (Prometheus
-// counters); a worker that restarts starts them again, as Prometheus expects.
+// Latencies are kept in a histogram of 128 logarithmic buckets (4 per power of two, 1 µs to about an hour): a
+// percentile is its bucket's upper bound, so within 19% above the true value. Counts are since the process started
+// (Prometheus counters); a worker that restarts starts them again, as Prometheus expects.
 //
-// Thread-safety: every function may be called from any thread; recording is lock-free once a series exists.
+// Thread-safety: every function may be called from any thread. Recording into a series is lock-free (relaxed atomics);
+// finding it (call_recorder, once per call on each side) takes the registry's lock for one map lookup.
 #pragma once
 
 #include <array>
@@ -67,7 +68,7 @@ std::string prometheus_text(const Snapshot& s);
 // Writes prometheus_text(snapshot()) to `path` every `interval` (atomically: a temporary file, then rename), and once
 // more at stop_writer(). "{worker}" and "{rank}" in the path are replaced by the worker's name and rank. Replaces a
 // writer started before. rpc::init_rpc starts one from RpcOptions::metrics_file or TANDEM_METRICS_FILE and stops it at
-// shutdown. Errors writing the file are logged (warn), never thrown.
+// shutdown, or at exit when the program ends without shutdown. Errors writing the file are logged (warn), never thrown.
 void start_writer(const std::string& path, std::chrono::milliseconds interval, const std::string& worker, int rank);
 void stop_writer();
 

@@ -60,10 +60,13 @@ void Agent::handle(std::shared_ptr<InCall> call) {
     return reply_error(call, absl::InvalidArgumentError(absl::StrCat("malformed message: caller rank ",
                                                                      request.caller_rank(), " is not in the job")));
   }
-  call->caller = request.caller_rank();
-  call->function = request.function();
-  call->caller_name = request.caller_name();
-  call->oneway = request.oneway();
+  {
+    MutexLock call_lock(&call->mu);  // a stop() on another thread may finish the call meanwhile, reading them
+    call->caller = request.caller_rank();
+    call->function = request.function();
+    call->caller_name = request.caller_name();
+    call->oneway = request.oneway();
+  }
   std::vector<Future> wait;
   CallTracer* tracer = request.trace().empty() ? nullptr : call_tracer();
   std::vector<at::Tensor> wire_tensors;
@@ -141,7 +144,10 @@ void Agent::run(const std::shared_ptr<InCall>& call, const std::string& function
 void Agent::reply(const std::shared_ptr<InCall>& call, const Future& result) {
   absl::Status status = result.status();  // completed: does not wait
   if (!status.ok()) return reply_error(call, status);
-  if (call->in.oneway || call->oneway) return finish_oneway(call);  // nobody waits for the result
+  if (call->in.oneway || call->oneway) {  // nobody waits for the result
+    if (acknowledged_early(*call)) record_served(*call, true, 0);
+    return finish_oneway(call);
+  }
   tandem::wire::Response response;
   wire::Encoder encoder(0, call->caller);
   if (auto s = encoder.encode({result.value()}, response.mutable_result()); !s.ok()) {
@@ -157,9 +163,13 @@ void Agent::reply(const std::shared_ptr<InCall>& call, const Future& result) {
 }
 
 void Agent::reply_error(const std::shared_ptr<InCall>& call, const absl::Status& error) {
-  call->failed = true;
+  {
+    MutexLock call_lock(&call->mu);
+    call->failed = true;
+  }
   if (call->in.oneway || call->oneway) {  // no reply carries the failure: it is counted and told here
     note_oneway_failure(*call, error);
+    if (acknowledged_early(*call)) record_served(*call, false, 0);
     return finish_oneway(call);
   }
   tandem::wire::Response response;
@@ -183,25 +193,44 @@ void Agent::finish_oneway(const std::shared_ptr<InCall>& call) {
   finish_once(call, absl::OkStatus(), call->in.oneway ? nullptr : &frame);
 }
 
+bool Agent::acknowledged_early(const InCall& call) { return call.oneway && !call.in.oneway; }
+
+void Agent::record_served(const InCall& call, bool ok, int64_t reply_bytes) const {
+  record_served(call.caller_name, call.function, call, ok, reply_bytes);
+}
+
+void Agent::record_served(const std::string& caller, const std::string& function, const InCall& call, bool ok,
+                          int64_t reply_bytes) const {
+  metrics::call_recorder(caller.empty() ? "(unknown)" : caller, function.empty() ? "(not parsed)" : function, "in")
+      .record(std::chrono::steady_clock::now() - call.start, ok, reply_bytes,
+              static_cast<int64_t>(call.in.request.Length()));
+  if (profile::active()) {
+    profile::report_steady(absl::StrCat("rpc_serve#", function, "(", caller, " -> ", name_, ")"), call.start,
+                           std::chrono::steady_clock::now());
+  }
+}
+
 void Agent::finish_once(const std::shared_ptr<InCall>& call, const absl::Status& status, grpc::ByteBuffer* reply) {
+  bool record = false, ok = false;
+  int64_t reply_bytes = 0;
+  std::string caller, function;  // copied under the lock: a handle() on another thread may still be writing them
   {
     MutexLock call_lock(&call->mu);
     if (call->finished) return;
     call->finished = true;
     // A one-way frame's reply writes nothing: a failure given here (the worker stopping) is told here.
     if (call->in.oneway && !status.ok()) note_oneway_failure(*call, status);
-    const int64_t request_bytes = static_cast<int64_t>(call->in.request.Length());
-    const int64_t reply_bytes = reply ? static_cast<int64_t>(reply->Length()) : 0;
-    call->in.reply(reply, status);
-    metrics::call_recorder(call->caller_name.empty() ? "(unknown)" : call->caller_name,
-                           call->function.empty() ? "(not parsed)" : call->function, "in")
-        .record(std::chrono::steady_clock::now() - call->start, status.ok() && !call->failed, reply_bytes,
-                request_bytes);
-    if (profile::active()) {
-      profile::report_steady(absl::StrCat("rpc_serve#", call->function, "(", call->caller_name, " -> ", name_, ")"),
-                             call->start, std::chrono::steady_clock::now());
+    // A one-way call acknowledged before its function ran is recorded when the function ends (reply, reply_error).
+    record = !acknowledged_early(*call);
+    ok = status.ok() && !call->failed;
+    reply_bytes = reply ? static_cast<int64_t>(reply->Length()) : 0;
+    if (record) {
+      caller = call->caller_name;
+      function = call->function;
     }
+    call->in.reply(reply, status);
   }
+  if (record) record_served(caller, function, *call, ok, reply_bytes);
   MutexLock lock(&mu_);
   in_calls_.erase(call.get());
 }

@@ -158,7 +158,7 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::start(const std::string& name, int
   if (!tls.ok()) return error_with(tls.status(), absl::StrCat("worker '", name, "': "));
   RpcOptions resolved = options;
   resolved.tls = *tls;
-  tandem::log::reload_from_env();
+  if (std::getenv("TANDEM_LOG_LEVEL")) tandem::log::reload_from_env();  // else a level set in code stays
   tandem::log::set_worker(name);
   std::unique_ptr<Agent> agent(new Agent(name, rank, world_size, resolved));
   auto secret = resolve_secret(options, world_size);

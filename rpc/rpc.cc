@@ -71,6 +71,7 @@ void at_exit_shutdown() {
     dispose(agent);
     for (const auto& hook : detail::stop_hooks()) hook();
   }
+  metrics::stop_writer();  // its last write, and no thread left running into the exit
 }
 
 WorkerInfo worker_info(const To& to) {

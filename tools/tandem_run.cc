@@ -208,7 +208,9 @@ Options parse(int argc, char** argv) {
     std::string underscored = names.substr(2);  // torchrun spells them with '_' too
     std::replace(underscored.begin(), underscored.end(), '-', '_');
     if ("--" + underscored != names) names += ",--" + underscored;
-    options.push_back(app.add_option(names, given[f.name], f.help)->default_str(f.fallback));
+    options.push_back(app.add_option(names, given[f.name], f.help)
+                          ->default_str(f.fallback)
+                          ->multi_option_policy(CLI::MultiOptionPolicy::TakeLast));  // the last one wins
   }
   try {
     app.parse(argc, argv);
@@ -220,7 +222,12 @@ Options parse(int argc, char** argv) {
     if (options[k]->count() > 0) flags[kFlagHelp[k].name] = given[kFlagHelp[k].name];
   }
   o.command = app.remaining();
-  if (!o.command.empty() && o.command.front() == "--") o.command.erase(o.command.begin());
+  if (!o.command.empty() && o.command.front() == "--") {
+    o.command.erase(o.command.begin());
+  } else if (!o.command.empty() && o.command.front().rfind("-", 0) == 0) {
+    // prefix_command() leaves an unknown flag in front of the program: it is a mistake, not the program's name.
+    usage("unknown option " + o.command.front());
+  }
   defaults_from_environment(&flags);
   for (const auto& [a, value] : flags) {
     if (a == "--nproc-per-node") o.nproc = parse_nproc(value);

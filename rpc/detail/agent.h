@@ -149,6 +149,13 @@ class Agent {
   void reply(const std::shared_ptr<InCall>& call, const Future& result);
   void reply_error(const std::shared_ptr<InCall>& call, const absl::Status& error);
   // Answers the call unless it already was, first moving `reply` (if any) into it.
+  // A one-way call whose transport needed an answer (gRPC, tensors read by reference) was answered once its arguments
+  // were read, before its function ran.
+  static bool acknowledged_early(const InCall& call);
+  // The served call's metrics and profile range ("in"), from its arrival to now.
+  void record_served(const InCall& call, bool ok, int64_t reply_bytes) const;
+  void record_served(const std::string& caller, const std::string& function, const InCall& call, bool ok,
+                     int64_t reply_bytes) const;
   void finish_once(const std::shared_ptr<InCall>& call, const absl::Status& status, grpc::ByteBuffer* reply = nullptr);
   // A one-way call's end: no result goes back (an empty Response where the transport needs an answer).
   void finish_oneway(const std::shared_ptr<InCall>& call);

@@ -28,10 +28,12 @@ const metrics::CallSeries* find_call(const metrics::Snapshot& s, const std::stri
 }
 
 TEST(UnitMetrics, CountsBytesErrorsAndPercentilesWithinABucket) {
-  auto& r = metrics::call_recorder("unit-peer", "unit.f", "out");
+  static int run = 0;  // a series of its own on each run (--gtest_repeat): the registry lives as long as the process
+  const std::string peer = "unit-peer-" + std::to_string(run++);
+  auto& r = metrics::call_recorder(peer, "unit.f", "out");
   for (int us = 1; us <= 1000; ++us) r.record(microseconds(us), us % 100 != 0, 10, 20);
   const metrics::Snapshot s = metrics::snapshot();
-  const metrics::CallSeries* c = find_call(s, "unit-peer", "unit.f", "out");
+  const metrics::CallSeries* c = find_call(s, peer, "unit.f", "out");
   ASSERT_NE(c, nullptr);
   EXPECT_EQ(c->calls, 1000);
   EXPECT_EQ(c->errors, 10);
