@@ -645,7 +645,7 @@ class GlooGroup final : public ProcessGroup {
       }
       deadline_ = Clock::now() + options_.timeout;
       TANDEM_LOG(kDebug, "comm") << "process group '" << name_ << "' (rank " << rank_ << " of " << size_
-                                 << "): " << op.what << " of " << op.bytes << " bytes over " << transport();
+                                 << "): " << op.what << " of " << op.bytes << " bytes over " << transport_of(op.what);
       op.run(++tag);
       recorder.record(Clock::now() - start, true, op.bytes, 0);
       if (profile::active()) {
