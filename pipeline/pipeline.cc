@@ -107,6 +107,24 @@ struct Pipeline::State {
     return xs;
   }
 
+  // The plans of a step of m micro-batches: the schedule's, or the user's once checked.
+  std::vector<std::vector<Action>> plans_for(const PipelineOptions& opts, int m) const {
+    if (opts.schedule != Schedule::kCustom) {
+      return make_plans(opts.schedule, stage_worker, static_cast<int>(workers.size()), m);
+    }
+    const std::string what = absl::StrCat("the custom schedule's plans for ", m, " micro-batches: ");
+    if (opts.plans.size() != workers.size()) {
+      fail(absl::StatusCode::kInvalidArgument, absl::StrCat(what, opts.plans.size(), " plans for ", workers.size(),
+                                                            " workers (one per worker, in stage order)"));
+    }
+    try {
+      (void)simulate(opts.plans, stage_worker, m, 1, 2);
+    } catch (const Error& e) {
+      fail(e.code(), what + std::string(e.status().message()));
+    }
+    return opts.plans;
+  }
+
   double step(const std::vector<c10::IValue>& inputs, const std::vector<bool>& replicate, const at::Tensor& target) {
     MutexLock step_lock(&step_mu);
     const PipelineOptions opts = current_options();  // this step's: set_record_timeline() applies to the next
@@ -117,7 +135,7 @@ struct Pipeline::State {
     std::vector<c10::IValue> first_inputs;  // stage 0's micro-batches, each its arguments as a tuple
     for (const auto& x : xs) first_inputs.emplace_back(c10::ivalue::Tuple::create(x));
     auto& plan = plans[m];
-    if (plan.empty()) plan = make_plans(opts.schedule, stage_worker, static_cast<int>(workers.size()), m);
+    if (plan.empty()) plan = plans_for(opts, m);
     const int64_t step_id = next_step++;
     std::vector<int64_t> ranks(stage_rank.begin(), stage_rank.end());
     const std::vector<int64_t> flags{opts.checkpoint, opts.gradients == GradientsTo::kDotGrad, opts.record_timeline,

@@ -106,6 +106,10 @@ struct PipelineOptions {
   // default): RpcOptions::rpc_timeout, resolved when the pipeline is created (options() then shows it).
   std::chrono::milliseconds timeout{0};
   bool record_timeline = false;  // every action's start and end, for write_chrome_trace / write_svg
+  // Schedule::kCustom: each worker's plan for n_microbatches micro-batches (schedule.h; in code, or parse_plans_csv).
+  // plans[w] is the w-th worker in stage order (stage 0's worker is 0, the next worker a stage names is 1, ...). A step
+  // checks them first (simulate()) and fails naming the first bad action.
+  std::vector<std::vector<Action>> plans;
 };
 
 struct StepStats {

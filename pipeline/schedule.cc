@@ -6,7 +6,11 @@
 #include <tuple>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "tandem/rpc/errors.h"
 
 namespace tandem::pipeline {
@@ -15,7 +19,10 @@ Schedule schedule_from_name(const std::string& name) {
   if (name == "gpipe") return Schedule::kGPipe;
   if (name == "1f1b") return Schedule::k1F1B;
   if (name == "interleaved") return Schedule::kInterleaved1F1B;
-  throw_error(absl::InvalidArgumentError("unknown pipeline schedule '" + name + "' (known: gpipe, 1f1b, interleaved)"));
+  if (name == "looped_bfs") return Schedule::kLoopedBFS;
+  if (name == "custom") return Schedule::kCustom;
+  throw_error(absl::InvalidArgumentError("unknown pipeline schedule '" + name +
+                                         "' (known: gpipe, 1f1b, interleaved, looped_bfs, custom)"));
 }
 
 std::string schedule_name(Schedule schedule) {
@@ -26,9 +33,15 @@ std::string schedule_name(Schedule schedule) {
       return "1f1b";
     case Schedule::kInterleaved1F1B:
       return "interleaved";
+    case Schedule::kLoopedBFS:
+      return "looped_bfs";
+    case Schedule::kCustom:
+      return "custom";
   }
   return "?";
 }
+
+std::string action_name(const Action& a) { return absl::StrCat(a.stage, a.backward ? "B" : "F", a.microbatch); }
 
 namespace {
 
@@ -101,19 +114,31 @@ absl::StatusOr<double> run_simulation(const std::vector<std::vector<Action>>& pl
   if (absl::Status s = check_placement(stage_worker, static_cast<int>(plans.size()), m); !s.ok()) return s;
   std::vector<std::vector<int>> seen(p, std::vector<int>(2 * m, 0));
   for (size_t w = 0; w < plans.size(); ++w) {
-    for (const Action& a : plans[w]) {
-      if (a.stage < 0 || a.stage >= p || a.microbatch < 0 || a.microbatch >= m || stage_worker[a.stage] != int(w)) {
+    for (size_t i = 0; i < plans[w].size(); ++i) {
+      const Action& a = plans[w][i];
+      const std::string what = absl::StrCat("action ", i, " of worker ", w, " (", action_name(a), ")");
+      if (a.stage < 0 || a.stage >= p) {
+        return absl::InvalidArgumentError(absl::StrCat(what, ": there is no stage ", a.stage, " (", p, " stages)"));
+      }
+      if (a.microbatch < 0 || a.microbatch >= m) {
         return absl::InvalidArgumentError(
-            absl::StrCat("plan of worker ", w, " holds an action of another worker or none"));
+            absl::StrCat(what, ": there is no micro-batch ", a.microbatch, " (", m, " micro-batches)"));
+      }
+      if (stage_worker[a.stage] != static_cast<int>(w)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(what, ": stage ", a.stage, " is placed on worker ", stage_worker[a.stage]));
       }
       if (seen[a.stage][2 * a.microbatch + a.backward]++) {
-        return absl::InvalidArgumentError("an action is planned twice");
+        return absl::InvalidArgumentError(absl::StrCat(what, ": planned twice"));
       }
     }
   }
-  for (const auto& s : seen) {
-    for (int c : s) {
-      if (c != 1) return absl::InvalidArgumentError("an action is missing from the plans");
+  for (int s = 0; s < p; ++s) {
+    for (int c = 0; c < 2 * m; ++c) {
+      if (seen[s][c] != 1) {
+        return absl::InvalidArgumentError(absl::StrCat("action ", action_name(Action{s, c / 2, c % 2 == 1}),
+                                                       " is in no plan (worker ", stage_worker[s], "'s)"));
+      }
     }
   }
   Times times(p, m);
@@ -135,7 +160,14 @@ absl::StatusOr<double> run_simulation(const std::vector<std::vector<Action>>& pl
     }
   }
   for (size_t w = 0; w < plans.size(); ++w) {
-    if (next[w] != plans[w].size()) return absl::InvalidArgumentError(absl::StrCat("the plans deadlock on worker ", w));
+    if (next[w] == plans[w].size()) continue;
+    const Action& a = plans[w][next[w]];
+    const Action needs = !a.backward                                ? Action{a.stage - 1, a.microbatch, false}
+                         : times.f[a.stage][a.microbatch] == kNever ? Action{a.stage, a.microbatch, false}
+                                                                    : Action{a.stage + 1, a.microbatch, true};
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the plans deadlock: worker ", w, " waits forever at its action ", next[w], " (", action_name(a), ") for ",
+        action_name(needs), ", which worker ", stage_worker[needs.stage], " plans after an action that cannot run"));
   }
   return makespan;
 }
@@ -156,6 +188,21 @@ std::vector<std::vector<Action>> make_plans(Schedule schedule, const std::vector
   int v = 1;
   for (const auto& h : hosted) v = std::max(v, static_cast<int>(h.size()));
   const int P = n_workers;
+  if (schedule == Schedule::kCustom) {
+    throw_error(absl::InvalidArgumentError("a custom schedule's plans are the user's (PipelineOptions::plans)"));
+  }
+  if (schedule == Schedule::kLoopedBFS) {
+    std::vector<std::vector<Action>> plans(n_workers);
+    for (int w = 0; w < n_workers; ++w) {
+      for (int s : hosted[w]) {
+        for (int i = 0; i < m; ++i) plans[w].push_back(Action{s, i, false});
+      }
+      for (auto s = hosted[w].rbegin(); s != hosted[w].rend(); ++s) {
+        for (int i = m - 1; i >= 0; --i) plans[w].push_back(Action{*s, i, true});
+      }
+    }
+    return plans;
+  }
   if (schedule == Schedule::kInterleaved1F1B) {
     auto plans = megatron_plans(hosted, m);
     // Checked by simulation: should this order ever deadlock (not seen; a safety net), the simulated order is used.
@@ -177,6 +224,9 @@ std::vector<std::vector<Action>> make_plans(Schedule schedule, const std::vector
         return live_stage[s] >= p - s;
       case Schedule::kInterleaved1F1B:
         return live_worker[w] >= 2 * (P - w - 1) + (v - 1) * P + 1;
+      case Schedule::kLoopedBFS:
+      case Schedule::kCustom:
+        return false;  // made above
     }
     return false;
   };
@@ -260,6 +310,51 @@ double simulate(const std::vector<std::vector<Action>>& plans, const std::vector
   absl::StatusOr<double> makespan = run_simulation(plans, stage_worker, m, t_f, t_b);
   throw_if_error(makespan.status());
   return *makespan;
+}
+
+std::vector<std::vector<Action>> parse_plans_csv(const std::string& text) {
+  std::vector<std::vector<Action>> plans;
+  int line_no = 0;
+  for (absl::string_view line : absl::StrSplit(text, '\n')) {
+    ++line_no;
+    line = absl::StripAsciiWhitespace(line);
+    if (!line.empty() && line.front() == '#') continue;
+    std::vector<Action>& plan = plans.emplace_back();
+    int cell_no = 0;
+    for (absl::string_view cell : absl::StrSplit(line, ',')) {
+      ++cell_no;
+      cell = absl::StripAsciiWhitespace(cell);
+      if (cell.empty()) continue;
+      const std::string where = absl::StrCat("plan line ", line_no, ", cell ", cell_no, ": '", cell, "'");
+      const size_t kind = cell.find_first_not_of("0123456789");
+      int stage = -1, microbatch = -1;
+      if (kind != absl::string_view::npos && kind > 0 && kind + 1 < cell.size() &&
+          (cell[kind] == 'I' || cell[kind] == 'W')) {
+        throw_error(absl::InvalidArgumentError(absl::StrCat(
+            where,
+            " is a zero-bubble action (I: input gradient, W: weight gradient); Tandem runs full backwards (B)")));
+      }
+      if (kind == absl::string_view::npos || kind == 0 || kind + 1 >= cell.size() ||
+          (cell[kind] != 'F' && cell[kind] != 'B') || !absl::SimpleAtoi(cell.substr(0, kind), &stage) ||
+          cell.substr(kind + 1).find_first_not_of("0123456789") != absl::string_view::npos ||
+          !absl::SimpleAtoi(cell.substr(kind + 1), &microbatch)) {
+        throw_error(absl::InvalidArgumentError(
+            absl::StrCat(where, " is not an action (<stage>F<micro-batch> or <stage>B<micro-batch>, e.g. 1B3)")));
+      }
+      plan.push_back(Action{stage, microbatch, cell[kind] == 'B'});
+    }
+  }
+  while (!plans.empty() && plans.back().empty()) plans.pop_back();  // trailing newlines
+  return plans;
+}
+
+std::string plans_csv(const std::vector<std::vector<Action>>& plans) {
+  std::string out;
+  for (const auto& plan : plans) {
+    absl::StrAppend(&out, absl::StrJoin(plan, ",", [](std::string* o, const Action& a) { o->append(action_name(a)); }),
+                    "\n");
+  }
+  return out;
 }
 
 }  // namespace tandem::pipeline

@@ -1,7 +1,8 @@
 // Pipeline-parallel training on Fashion-MNIST: the CNN cut into 3 stages on 3 workers, driven by a fourth.
 //
 //   build/tandem-run --nproc-per-node 4 build/pipeline_train [--epochs 4] [--lr 0.002] [--batch 64]
-//        [--microbatches 4] [--schedule 1f1b|gpipe|interleaved] [--timeline pipeline_timeline] [--checkpoint 1]
+//        [--microbatches 4] [--schedule 1f1b|gpipe|interleaved|looped_bfs|custom --plans FILE]
+//        [--timeline pipeline_timeline] [--checkpoint 1]
 //        [--min-accuracy A]
 //
 // Rank 0 (the driver) cuts the CNN (the other examples' model) into stages of balanced measured time, places stage k
@@ -14,6 +15,8 @@
 
 #include <chrono>
 #include <cstdio>
+#include <fstream>
+#include <iterator>
 #include <string>
 
 #include "examples/data/allocator.h"
@@ -36,6 +39,7 @@ struct Args {
   int batch = 64;
   int microbatches = 4;
   std::string schedule = "1f1b";
+  std::string plans;                           // --schedule custom: each worker's plan, CSV (pipeline::parse_plans_csv)
   std::string timeline = "pipeline_timeline";  // "" writes none
   bool checkpoint = false;
   int64_t limit = 0;        // train on at most this many images (0: all 60,000); for smoke tests
@@ -52,7 +56,10 @@ Args parse(int argc, char** argv) {
   app.add_option("--lr", a.lr, "Adam's step size");
   app.add_option("--batch", a.batch, "images per step")->check(CLI::PositiveNumber);
   app.add_option("--microbatches", a.microbatches, "micro-batches per step")->check(CLI::PositiveNumber);
-  app.add_option("--schedule", a.schedule, "gpipe, 1f1b or interleaved");
+  app.add_option("--schedule", a.schedule, "gpipe, 1f1b, interleaved, looped_bfs, or custom (with --plans)");
+  app.add_option("--plans", a.plans,
+                 "custom schedule: a CSV file, line w worker w's actions in order (0F0,0F1,0B0,...: stage, F or B, "
+                 "micro-batch)");
   app.add_option("--timeline", a.timeline, "write one step's timeline to <this>.svg and <this>.json ('': none)");
   app.add_option("--checkpoint", a.checkpoint, "1: recompute activations in backward instead of keeping them");
   app.add_option("--limit", a.limit, "train on at most this many images (0: all 60,000)");
@@ -82,6 +89,11 @@ int drive(const Args& args) {
   for (int r = 1; r <= n_stages; ++r) workers.emplace_back(r);
   pipeline::PipelineOptions options;
   options.schedule = pipeline::schedule_from_name(args.schedule);
+  if (options.schedule == pipeline::Schedule::kCustom) {
+    std::ifstream in(args.plans);
+    if (args.plans.empty() || !in) throw std::invalid_argument("--schedule custom needs --plans FILE (readable)");
+    options.plans = pipeline::parse_plans_csv(std::string(std::istreambuf_iterator<char>(in), {}));
+  }
   options.n_microbatches = args.microbatches;
   options.loss = "cross_entropy";
   options.checkpoint = args.checkpoint;

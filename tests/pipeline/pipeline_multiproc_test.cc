@@ -79,12 +79,17 @@ std::vector<rpc::To> stage_workers(int n) {
 // goes to each stage worker once: the later steps run the plan it holds. With `by_layers` the model is "pipe_layers",
 // built stage by stage (Pipeline::from_layers).
 std::string follow_one_process(Schedule schedule, int stages, int workers, int m, bool checkpoint,
-                               pipeline::GradientsTo to = pipeline::GradientsTo::kContext, bool by_layers = false) {
+                               pipeline::GradientsTo to = pipeline::GradientsTo::kContext, bool by_layers = false,
+                               std::vector<std::vector<pipeline::Action>> plans = {}) {
   std::ostringstream where;
   where << pipeline::schedule_name(schedule) << ", " << stages << " stages on " << workers << " workers, m " << m
         << (checkpoint ? ", checkpointing" : "") << (by_layers ? ", built by layers" : "") << ": ";
-  const pipeline::PipelineOptions options{
-      .schedule = schedule, .n_microbatches = m, .loss = "mse", .gradients = to, .checkpoint = checkpoint};
+  const pipeline::PipelineOptions options{.schedule = schedule,
+                                          .n_microbatches = m,
+                                          .loss = "mse",
+                                          .gradients = to,
+                                          .checkpoint = checkpoint,
+                                          .plans = std::move(plans)};
   auto pipe = by_layers ? Pipeline::from_layers("pipe_layers", stage_workers(workers), {.n_stages = stages}, options)
                         : Pipeline::from_sequential("pipe_mlp", {kLayers, kWidth, kSeed}, stage_workers(workers),
                                                     {.n_stages = stages}, options);
@@ -149,17 +154,39 @@ class MultiprocPipelineEquivalence : public MultiprocRpc,
 TEST_P(MultiprocPipelineEquivalence, LossGradientsAndStepsEqualTheUnsplitModel) {
   const auto& [name, stages] = GetParam();
   const Schedule schedule = pipeline::schedule_from_name(name);
-  const int workers = schedule == Schedule::kInterleaved1F1B ? 2 : stages;
+  const bool several_per_worker = schedule == Schedule::kInterleaved1F1B || schedule == Schedule::kLoopedBFS;
+  const int workers = several_per_worker ? 2 : stages;
   start({.world_size = workers + 1});
   for (int m : {1, 3, 8}) EXPECT_EQ(follow_one_process(schedule, stages, workers, m, false), "");
 }
 
 INSTANTIATE_TEST_SUITE_P(MultiprocPipeline, MultiprocPipelineEquivalence,
-                         ::testing::Combine(::testing::Values("gpipe", "1f1b", "interleaved"),
+                         ::testing::Combine(::testing::Values("gpipe", "1f1b", "interleaved", "looped_bfs"),
                                             ::testing::Values(2, 3, 4)),
                          [](const auto& info) {
                            return std::get<0>(info.param) + "_" + std::to_string(std::get<1>(info.param)) + "_stages";
                          });
+
+// A schedule a user writes (PipelineOptions::plans, here from CSV): 3 stages on 2 workers (stage 2 back on worker 0),
+// an order no built-in schedule makes; it equals one process. Plans with a mistake fail the step, naming it.
+TEST_F(MultiprocPipeline, CustomPlansRunAndEqualTheUnsplitModelAndMistakesAreNamed) {
+  start({.world_size = 3});
+  const auto plans = pipeline::parse_plans_csv(
+      "0F0,0F1,2F0,0F2,2B0,2F1,0B0,2B1,2F2,0B1,2B2,0B2\n"
+      "1F0,1F1,1B0,1F2,1B1,1B2\n");
+  EXPECT_EQ(follow_one_process(Schedule::kCustom, 3, 2, 3, false, pipeline::GradientsTo::kContext, false, plans), "");
+  try {
+    follow_one_process(Schedule::kCustom, 3, 2, 3, false, pipeline::GradientsTo::kContext, false,
+                       pipeline::parse_plans_csv("0F0,0F1,0F2,2F0,2F1,2F2,2B0,2B1,2B2,0B0,0B1\n"
+                                                 "1F0,1F1,1F2,1B0,1B1,1B2\n"));
+    ADD_FAILURE() << "plans without 0B2 ran";
+  } catch (const RpcError& e) {
+    EXPECT_NE(std::string(e.what()).find("the custom schedule's plans for 3 micro-batches: action 0B2 is in no plan"),
+              std::string::npos)
+        << e.what();
+    EXPECT_EQ(e.code(), absl::StatusCode::kInvalidArgument);
+  }
+}
 
 // A model registered by its layers (Pipeline::from_layers): each stage worker builds only its range, and the
 // pipeline still equals one process on the whole model (built from the same factory in one piece).
