@@ -3,8 +3,9 @@
 // decoded.
 //
 // Input: [selector byte][slice size byte][frame bytes]. The selector picks Request or Response, whether by-reference
-// tensors may be read, and whether the message is traced; the slice size splits the frame into slices as a network
-// would (so that copies across slices and unaligned tensors are reached).
+// tensors may be read, whether the message is traced, and whether it comes from a client outside the job; the slice
+// size splits the frame into slices as a network would (so that copies across slices and unaligned tensors are
+// reached).
 #include <unistd.h>
 
 #include <cstdint>
@@ -57,6 +58,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   origin.wait = &wait;
   if (selector & 2) origin.cma_pid = getpid();  // by-reference tensors are read from this very process
   if (selector & 4) origin.tensors = &traced;
+  if (selector & 8) origin.from_client = true;  // a client outside the job: extension values refused
   origin.max_referenced_bytes = uint64_t{1} << 24;
   if (selector & 1) {
     tandem::wire::Response response;

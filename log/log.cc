@@ -9,6 +9,7 @@
 #include <fstream>
 #include <memory>
 #include <mutex>
+#include <set>
 
 namespace tandem::log {
 namespace detail {
@@ -114,7 +115,11 @@ void set_level(Level level) { detail::g_level.store(static_cast<int>(level), std
 void reload_from_env() { detail::load_level(); }
 
 void set_worker(const std::string& name) {
-  detail::g_worker.store(new std::string(name), std::memory_order_release);  // never freed: see g_worker
+  // Every name published stays reachable here and is never freed (see g_worker); a name set again is not copied again.
+  static std::mutex mu;
+  static auto* names = new std::set<std::string>;
+  std::lock_guard<std::mutex> lock(mu);
+  detail::g_worker.store(&*names->insert(name).first, std::memory_order_release);
 }
 
 }  // namespace tandem::log

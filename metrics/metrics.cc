@@ -8,6 +8,7 @@
 #include <sstream>
 #include <thread>
 #include <tuple>
+#include <type_traits>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
@@ -41,11 +42,14 @@ int bucket_of(int64_t ns) {
 }
 double upper_us(int bucket) { return std::exp2(bucket / 4.0); }
 
-Recorder& find_or_make(std::map<std::tuple<std::string, std::string, std::string>, std::unique_ptr<Recorder>>& map,
-                       std::tuple<std::string, std::string, std::string> key) {
-  auto& slot = map[std::move(key)];
-  if (!slot) slot = std::make_unique<Recorder>();
-  return *slot;
+using Key = std::tuple<std::string, std::string, std::string>;
+
+// The series of `key`, made at first use; the entry's key and series stay where they are (a map node is never moved).
+using Series = std::map<Key, std::unique_ptr<Recorder>>;
+Series::value_type& find_or_make(Series& map, Key key) {
+  auto& entry = *map.try_emplace(std::move(key)).first;
+  if (!entry.second) entry.second = std::make_unique<Recorder>();
+  return entry;
 }
 
 }  // namespace
@@ -200,15 +204,34 @@ std::string prometheus_text(const Snapshot& s) {
 }
 
 Recorder& call_recorder(const std::string& peer, const std::string& function, const char* direction) {
+  // Each thread remembers the series it found last, one per hash slot: a call finds its series without the registry's
+  // lock and without copying its names. An entry points at the registry's own key and series, which are never freed,
+  // and is trivially destructible: a thread's cache is gone before the process's exit handlers run, and calls finished
+  // there (rpc's at-exit shutdown) must not meet a destroyed one.
+  struct Entry {
+    const Key* key;
+    Recorder* recorder;
+  };
+  constexpr size_t kSlots = 64;
+  static_assert(std::is_trivially_destructible_v<Entry>);
+  thread_local Entry cache[kSlots] = {};
+  const size_t h = (std::hash<std::string>()(peer) * 31 + std::hash<std::string>()(function)) * 2 +
+                   static_cast<unsigned char>(direction[0]);
+  Entry& e = cache[h % kSlots];
+  if (e.key && std::get<0>(*e.key) == peer && std::get<1>(*e.key) == function && std::get<2>(*e.key) == direction) {
+    return *e.recorder;
+  }
   auto& reg = Registry::get();
   MutexLock lock(&reg.mu);
-  return find_or_make(reg.calls, {peer, function, direction});
+  auto& [key, series] = find_or_make(reg.calls, {peer, function, direction});
+  e = Entry{&key, series.get()};
+  return *series;
 }
 
 Recorder& collective_recorder(const std::string& group, const std::string& op, const std::string& transport) {
   auto& reg = Registry::get();
   MutexLock lock(&reg.mu);
-  return find_or_make(reg.collectives, {group, op, transport});
+  return *find_or_make(reg.collectives, {group, op, transport}).second;
 }
 
 void set_gauge(const std::string& name, std::function<double()> read) {

@@ -14,7 +14,8 @@
 // (Prometheus counters); a worker that restarts starts them again, as Prometheus expects.
 //
 // Thread-safety: every function may be called from any thread. Recording into a series is lock-free (relaxed atomics);
-// finding it (call_recorder, once per call on each side) takes the registry's lock for one map lookup.
+// finding it (call_recorder, once per call on each side) looks in a per-thread cache first, and takes the registry's
+// lock for one map lookup only the first time a thread meets a series (or when another series took its cache slot).
 #pragma once
 
 #include <array>

@@ -124,10 +124,15 @@ absl::StatusOr<c10::IValue> Agent::parse_reply(const grpc::ByteBuffer& frame_byt
   return std::move((*values)[0]);
 }
 
-void Agent::profile_call(const char* kind, const std::string& function, int peer,
-                         std::chrono::steady_clock::time_point start) const {
-  profile::report_steady(absl::StrCat(kind, function, "(", name_, " -> ", peers_[peer].info.name, ")"), start,
-                         std::chrono::steady_clock::now());
+void Agent::call_finished(const CallRecord& r, bool ok, int64_t received_bytes) {
+  const auto now = std::chrono::steady_clock::now();
+  r.recorder->record(now - r.start, ok, r.sent_bytes, received_bytes);
+  if (profile::active()) {
+    profile::report_steady(absl::StrCat(r.kind, r.function, "(", name_, " -> ", peers_[r.peer].info.name, ")"), r.start,
+                           now);
+  }
+  MutexLock lock(&mu_);
+  --outstanding_;
 }
 
 void Agent::count_call(int peer) {
@@ -138,20 +143,17 @@ void Agent::count_call(int peer) {
   }
 }
 
-void Agent::call_done() {
-  MutexLock lock(&mu_);
-  --outstanding_;
-}
-
 absl::StatusOr<Agent::Outgoing> Agent::start_call(const To& to, const std::string& function,
                                                   std::vector<c10::IValue>& args, std::chrono::milliseconds timeout,
                                                   bool by_reference_ok, bool oneway,
-                                                  std::vector<at::Tensor>* referenced) {
+                                                  std::vector<at::Tensor>* referenced, const char* kind) {
   auto peer = resolve(to);
   if (!peer.ok()) return error_with(peer.status(), absl::StrCat("rpc calling '", function, "': "));
   Outgoing out;
-  out.start = std::chrono::steady_clock::now();
-  out.peer = *peer;
+  out.record.start = std::chrono::steady_clock::now();
+  out.record.kind = kind;
+  out.record.function = function;
+  out.record.peer = *peer;
   out.timeout = timeout.count() <= 0 ? options_.rpc_timeout : timeout;
   out.deadline = absl::Now() + absl::FromChrono(out.timeout);
   out.route = peers_[*peer].transport;
@@ -159,11 +161,11 @@ absl::StatusOr<Agent::Outgoing> Agent::start_call(const To& to, const std::strin
       encode_request(*peer, function, args, by_reference_ok && out.route->by_reference(*peer), referenced, oneway);
   if (!frame.ok()) return error_with(frame.status(), describe(*peer, function));
   out.frame = std::move(*frame);
-  out.sent_bytes = static_cast<int64_t>(out.frame.Length());
+  out.record.sent_bytes = static_cast<int64_t>(out.frame.Length());
   if (referenced) {
-    for (const auto& t : *referenced) out.sent_bytes += static_cast<int64_t>(t.nbytes());
+    for (const auto& t : *referenced) out.record.sent_bytes += static_cast<int64_t>(t.nbytes());
   }
-  out.recorder = &metrics::call_recorder(peers_[*peer].info.name, function, "out");
+  out.record.recorder = &metrics::call_recorder(peers_[*peer].info.name, function, "out");
   args.clear();
   {
     MutexLock lock(&mu_);
@@ -177,25 +179,24 @@ absl::StatusOr<Agent::Outgoing> Agent::start_call(const To& to, const std::strin
 Future Agent::call(const To& to, const std::string& function, std::vector<c10::IValue> args,
                    std::chrono::milliseconds timeout) {
   auto referenced = std::make_shared<std::vector<at::Tensor>>();  // read by the callee from our memory until the reply
-  auto out = start_call(to, function, args, timeout, /*by_reference_ok=*/true, /*oneway=*/false, referenced.get());
+  auto out = start_call(to, function, args, timeout, /*by_reference_ok=*/true, /*oneway=*/false, referenced.get(),
+                        "rpc_async#");
   if (!out.ok()) return Future::failed(out.status());
   Future future(out->deadline);
-  const int p = out->peer;
+  const int p = out->record.peer;
   timeout = out->timeout;
-  out->route->call(p, function, std::move(out->frame), out->deadline,
-                   [this, future, p, function, timeout, referenced, start = out->start, sent = out->sent_bytes,
-                    recorder = out->recorder](absl::StatusOr<grpc::ByteBuffer> reply) {
-                     referenced->clear();  // the request's tensors are released before the caller's callbacks run
-                     std::vector<Future> wait;
-                     absl::StatusOr<c10::IValue> result =
-                         reply.ok() ? parse_reply(*reply, p, describe(p, function), &wait)
-                                    : absl::StatusOr<c10::IValue>(call_error(reply.status(), p, function, timeout));
-                     recorder->record(std::chrono::steady_clock::now() - start, result.ok(), sent,
-                                      reply.ok() ? static_cast<int64_t>(reply->Length()) : 0);
-                     if (profile::active()) profile_call("rpc_async#", function, p, start);
-                     call_done();
-                     deliver(future, std::move(result), std::move(wait));
-                   });
+  out->route->call(
+      p, function, std::move(out->frame), out->deadline,
+      [this, future, p, timeout, referenced, record = std::move(out->record)](absl::StatusOr<grpc::ByteBuffer> reply) {
+        referenced->clear();  // the request's tensors are released before the caller's callbacks run
+        std::vector<Future> wait;
+        const std::string& function = record.function;
+        absl::StatusOr<c10::IValue> result =
+            reply.ok() ? parse_reply(*reply, p, describe(p, function), &wait)
+                       : absl::StatusOr<c10::IValue>(call_error(reply.status(), p, function, timeout));
+        call_finished(record, result.ok(), reply.ok() ? static_cast<int64_t>(reply->Length()) : 0);
+        deliver(future, std::move(result), std::move(wait));
+      });
   return future;
 }
 
@@ -204,14 +205,16 @@ Future Agent::send(const To& to, const std::string& function, std::vector<c10::I
   // Tensors large enough for the same-host bulk path go by reference: the callee reads them from our memory, so the
   // request is then a call whose (empty) answer says when they may go.
   auto referenced = std::make_shared<std::vector<at::Tensor>>();
-  auto out = start_call(to, function, args, timeout, /*by_reference_ok=*/true, /*oneway=*/true, referenced.get());
+  auto out =
+      start_call(to, function, args, timeout, /*by_reference_ok=*/true, /*oneway=*/true, referenced.get(), "rpc_send#");
   if (!out.ok()) return Future::failed(out.status());
   Future future(out->deadline);
-  const int p = out->peer;
+  const int p = out->record.peer;
   timeout = out->timeout;
-  DoneFn done = [this, future, p, function, timeout, referenced, start = out->start, bytes = out->sent_bytes,
-                 recorder = out->recorder](absl::StatusOr<grpc::ByteBuffer> sent) {
+  DoneFn done = [this, future, p, timeout, referenced,
+                 record = std::move(out->record)](absl::StatusOr<grpc::ByteBuffer> sent) {
     referenced->clear();
+    const std::string& function = record.function;
     // A transport that waited for the callee's answer (gRPC, or a call carrying tensors by reference) has it here: an
     // error in it is this call's (the callee could not tell it was one-way: a request it could not read).
     absl::Status status = sent.ok() ? absl::OkStatus() : call_error(sent.status(), p, function, timeout);
@@ -220,10 +223,7 @@ Future Agent::send(const To& to, const std::string& function, std::vector<c10::I
       absl::StatusOr<wire::Frame> frame = absl::UnknownError("not parsed");
       status = reply_status(*sent, describe(p, function), &response, &frame);
     }
-    recorder->record(std::chrono::steady_clock::now() - start, status.ok(), bytes,
-                     sent.ok() ? static_cast<int64_t>(sent->Length()) : 0);
-    if (profile::active()) profile_call("rpc_send#", function, p, start);
-    call_done();
+    call_finished(record, status.ok(), sent.ok() ? static_cast<int64_t>(sent->Length()) : 0);
     deliver(future, status.ok() ? absl::StatusOr<c10::IValue>(c10::IValue()) : absl::StatusOr<c10::IValue>(status), {});
   };
   if (referenced->empty()) {
@@ -237,9 +237,10 @@ Future Agent::send(const To& to, const std::string& function, std::vector<c10::I
 Future Agent::call_and_wait(const To& to, const std::string& function, std::vector<c10::IValue> args,
                             std::chrono::milliseconds timeout) {
   std::vector<at::Tensor> referenced;  // alive until the reply: the callee reads them from our memory
-  auto out = start_call(to, function, args, timeout, /*by_reference_ok=*/true, /*oneway=*/false, &referenced);
+  auto out =
+      start_call(to, function, args, timeout, /*by_reference_ok=*/true, /*oneway=*/false, &referenced, "rpc_sync#");
   if (!out.ok()) return Future::failed(out.status());
-  const int peer = out->peer;
+  const int peer = out->record.peer;
   const absl::Time deadline = out->deadline;
   timeout = out->timeout;
   auto reply = out->route->call_sync(peer, function, std::move(out->frame), deadline, options_.sync_spin);
@@ -248,10 +249,7 @@ Future Agent::call_and_wait(const To& to, const std::string& function, std::vect
   absl::StatusOr<c10::IValue> result =
       reply.ok() ? parse_reply(*reply, peer, describe(peer, function), &wait)
                  : absl::StatusOr<c10::IValue>(call_error(reply.status(), peer, function, timeout));
-  out->recorder->record(std::chrono::steady_clock::now() - out->start, result.ok(), out->sent_bytes,
-                        reply.ok() ? static_cast<int64_t>(reply->Length()) : 0);
-  if (profile::active()) profile_call("rpc_sync#", function, peer, out->start);
-  call_done();
+  call_finished(out->record, result.ok(), reply.ok() ? static_cast<int64_t>(reply->Length()) : 0);
   Future done(deadline);
   deliver(done, std::move(result), std::move(wait));
   if (!done.wait_for(absl::ToChronoMilliseconds(deadline - absl::Now()))) {

@@ -1,6 +1,7 @@
 // Incoming calls of the agent (rpc/detail/agent.h): decode the request, run the registered function, reply once.
 #include <cstdio>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "proto/tandem_rpc.pb.h"
 #include "tandem/log/log.h"
@@ -15,6 +16,8 @@ namespace detail {
 namespace {
 
 thread_local const CallContext* t_current_call = nullptr;
+// A client's name labels its calls in logs and metrics: bounded, as a worker's is (rendezvous.cc's name pattern).
+constexpr size_t kMaxClientName = 128;
 
 }  // namespace
 
@@ -56,9 +59,34 @@ void Agent::handle(std::shared_ptr<InCall> call) {
   tandem::wire::Request request;
   auto frame = wire::Frame::parse(call->in.request, &request);
   if (!frame.ok()) return reply_error(call, frame.status());
-  if (request.caller_rank() < 0 || request.caller_rank() >= world_size_) {
+  // A client is whoever authenticated with a client's token (it can call as nothing else), or a caller of the job
+  // that chose to call as one.
+  const bool client = call->in.from_client || request.caller_rank() == kClientRank;
+  if (call->in.from_client && request.caller_rank() != kClientRank) {
+    return reply_error(
+        call, absl::PermissionDeniedError(absl::StrCat("a client outside the job calls as caller rank ", kClientRank,
+                                                       ", not as rank ", request.caller_rank())));
+  }
+  if (!client && (request.caller_rank() < 0 || request.caller_rank() >= world_size_)) {
     return reply_error(call, absl::InvalidArgumentError(absl::StrCat("malformed message: caller rank ",
                                                                      request.caller_rank(), " is not in the job")));
+  }
+  // Checked before the call's fields are kept: a refused client's name and function label no metrics series.
+  if (client) {  // authenticated, but not a rank: only the job's own functions, with plain values
+    if (request.caller_name().empty() || request.caller_name().size() > kMaxClientName) {
+      return reply_error(
+          call, absl::InvalidArgumentError(absl::StrCat("malformed message: a client's name has 1 to ", kMaxClientName,
+                                                        " bytes, not ", request.caller_name().size())));
+    }
+    if (absl::StartsWith(request.function(), "__tandem.")) {
+      return reply_error(call, absl::PermissionDeniedError(absl::StrCat(
+                                   "'", request.function(), "' is internal to Tandem: a client outside the job ",
+                                   "calls only the functions the job registered")));
+    }
+    if (!request.trace().empty()) {
+      return reply_error(
+          call, absl::FailedPreconditionError("a client outside the job cannot take part in distributed autograd"));
+    }
   }
   {
     MutexLock call_lock(&call->mu);  // a stop() on another thread may finish the call meanwhile, reading them
@@ -75,7 +103,7 @@ void Agent::handle(std::shared_ptr<InCall> call) {
   try {
     args =
         frame->decode(request.args(), {call->in.cma_pid, request.caller_rank(), &wait, tracer ? &wire_tensors : nullptr,
-                                       static_cast<uint64_t>(options_.max_message_bytes)});
+                                       static_cast<uint64_t>(options_.max_message_bytes), client});
     if (args.ok() && tracer) {
       auto state = tracer->request_in(request.caller_rank(), request.trace(), wire_tensors);
       if (!state.ok()) return reply_error(call, state.status());
@@ -113,6 +141,10 @@ void Agent::run(const std::shared_ptr<InCall>& call, const std::string& function
                 const std::string& caller_name) {
   Handler handler = find_function(function);
   if (!handler) {
+    {
+      MutexLock call_lock(&call->mu);
+      call->function = "(not registered)";  // the metrics label: a caller's typos make no series of their own
+    }
     return reply_error(call, absl::NotFoundError(absl::StrCat("no function named '", function,
                                                               "' is registered on worker '", name_, "'")));
   }

@@ -28,10 +28,15 @@
 
 namespace tandem::rpc {
 
+// The caller rank of a client outside the job (clients/python): it authenticates with the job's secret like a worker,
+// but has no rank. It may call only registered functions that are not Tandem's own (`__tandem.*`), and sends and
+// receives no extension values (remote references) and no distributed autograd context.
+constexpr int kClientRank = -1;
+
 // Who is calling: valid on the thread that runs a registered function, for the synchronous part of its execution.
 struct CallContext {
   std::string caller_name;
-  int caller_rank = -1;
+  int caller_rank = -1;  // kClientRank for a client outside the job
   std::string function;
 };
 // The context of the call running on this thread; nullptr outside a registered function.

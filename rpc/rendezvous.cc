@@ -164,6 +164,7 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::start(const std::string& name, int
   auto secret = resolve_secret(options, world_size);
   if (!secret.ok()) return secret.status();
   agent->token_ = auth::derive_token(*secret);
+  agent->client_token_ = auth::derive_client_token(*secret);
 
   std::string master_addr = options.master_addr.empty() ? getenv_or("MASTER_ADDR") : options.master_addr;
   int master_port = options.master_port;
@@ -224,9 +225,10 @@ absl::Status Agent::start_transports(const std::string& listen, const std::strin
     faults_ = std::make_unique<FaultInjector>(options_.faults, name_);
     handler = faults_->wrap_incoming(std::move(handler));
   }
-  if (rank_ == 0) store_service_ = make_store_service(token_);
+  if (rank_ == 0) store_service_ = make_store_service(token_, client_token_);
   GrpcTransport::Options grpc_options;
   grpc_options.token = token_;
+  grpc_options.client_token = client_token_;
   grpc_options.listen = listen;
   grpc_options.tls = options_.tls ? &*options_.tls : nullptr;
   grpc_options.max_message_bytes = options_.max_message_bytes;

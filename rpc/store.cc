@@ -26,11 +26,12 @@ namespace pb = tandem::wire;
 
 class StoreService final : public pb::Store::CallbackService {
  public:
-  explicit StoreService(std::string token) : token_(std::move(token)) {}
+  StoreService(std::string token, std::string client_token)
+      : token_(std::move(token)), client_token_(std::move(client_token)) {}
 
   grpc::ServerUnaryReactor* Set(grpc::CallbackServerContext* ctx, const pb::StoreSetRequest* req,
                                 pb::StoreEmpty*) override {
-    if (auto* rejected = reject_unauthenticated(ctx)) return rejected;
+    if (auto* rejected = reject_unauthenticated(ctx, /*write=*/true)) return rejected;
     auto* r = ctx->DefaultReactor();
     std::vector<Waiter*> ready;
     {
@@ -45,7 +46,7 @@ class StoreService final : public pb::Store::CallbackService {
 
   grpc::ServerUnaryReactor* Add(grpc::CallbackServerContext* ctx, const pb::StoreAddRequest* req,
                                 pb::StoreCount* resp) override {
-    if (auto* rejected = reject_unauthenticated(ctx)) return rejected;
+    if (auto* rejected = reject_unauthenticated(ctx, /*write=*/true)) return rejected;
     auto* r = ctx->DefaultReactor();
     std::vector<Waiter*> ready;
     grpc::Status status = grpc::Status::OK;
@@ -96,7 +97,7 @@ class StoreService final : public pb::Store::CallbackService {
 
   grpc::ServerUnaryReactor* Delete(grpc::CallbackServerContext* ctx, const pb::StoreKey* req,
                                    pb::StoreEmpty*) override {
-    if (auto* rejected = reject_unauthenticated(ctx)) return rejected;
+    if (auto* rejected = reject_unauthenticated(ctx, /*write=*/true)) return rejected;
     auto* r = ctx->DefaultReactor();
     {
       MutexLock lock(&mu_);
@@ -109,9 +110,13 @@ class StoreService final : public pb::Store::CallbackService {
  private:
   using Fill = std::function<void(const std::map<std::string, std::string>&)>;
 
-  // A finished reactor when the caller lacks the job token, else nullptr.
-  grpc::ServerUnaryReactor* reject_unauthenticated(grpc::CallbackServerContext* ctx) {
-    absl::Status s = auth::check(ctx, token_);
+  // A finished reactor when the caller lacks the job token (a client's token reads only), else nullptr.
+  grpc::ServerUnaryReactor* reject_unauthenticated(grpc::CallbackServerContext* ctx, bool write = false) {
+    auto caller = auth::check_caller(ctx, token_, client_token_);
+    absl::Status s = caller.status();
+    if (s.ok() && write && *caller == auth::Caller::kClient) {
+      s = absl::PermissionDeniedError("a client outside the job reads the job's store but does not write it");
+    }
     if (s.ok()) return nullptr;
     auto* r = ctx->DefaultReactor();
     r->Finish(net::to_grpc(s));
@@ -185,6 +190,7 @@ class StoreService final : public pb::Store::CallbackService {
   }
 
   const std::string token_;
+  const std::string client_token_;  // empty: no client may read
   Mutex mu_;
   std::map<std::string, std::string> data_ ABSL_GUARDED_BY(mu_);
   std::list<Waiter*> waiters_ ABSL_GUARDED_BY(mu_);
@@ -284,8 +290,8 @@ std::unique_ptr<Store> connect_store(std::shared_ptr<grpc::Channel> channel, std
   return std::make_unique<StoreClient>(std::move(channel), std::move(token), wait_for_ready, op_timeout);
 }
 
-std::unique_ptr<grpc::Service> make_store_service(std::string token) {
-  return std::make_unique<StoreService>(std::move(token));
+std::unique_ptr<grpc::Service> make_store_service(std::string token, std::string client_token) {
+  return std::make_unique<StoreService>(std::move(token), std::move(client_token));
 }
 
 namespace {

@@ -41,8 +41,10 @@ class Store {
 std::unique_ptr<Store> connect_store(std::shared_ptr<grpc::Channel> channel, std::string token, bool wait_for_ready,
                                      std::chrono::milliseconds op_timeout = std::chrono::seconds(30));
 
-// The service rank 0 adds to its gRPC server. Calls without `token` are rejected with UNAUTHENTICATED.
-std::unique_ptr<grpc::Service> make_store_service(std::string token);
+// The service rank 0 adds to its gRPC server. Calls without `token` are rejected with UNAUTHENTICATED; a call with
+// `client_token` (a client outside the job, when not empty) may read (get, wait, check) and gets PERMISSION_DENIED
+// for set, add and delete.
+std::unique_ptr<grpc::Service> make_store_service(std::string token, std::string client_token = "");
 
 // A store served on its own, outside any agent: the launchers' elastic rendezvous (elastic/). It listens on
 // `address` ("host:port"; port 0 picks one) until destroyed, and accepts calls carrying the token derived from

@@ -46,6 +46,8 @@ struct Incoming {
   // A one-way request (Transport::send): nobody waits for its reply, and `reply` writes none (the agent still calls
   // it once, and reports a failure of the function itself).
   bool oneway = false;
+  // The caller authenticated with a client's token (rpc/detail/auth.h): it may only call as a client (caller rank -1).
+  bool from_client = false;
   ReplyFn reply;
   // Closes the connection the request came on (fault injection); with `partial`, first writes half of that reply
   // frame where the transport can. gRPC cannot close its connection from a handler: it answers UNAVAILABLE instead.

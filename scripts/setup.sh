@@ -16,6 +16,7 @@ pkgs=(
   etcd-server                                    # the elastic rendezvous's etcd backend (tests start their own)
   slurm-wlm munge                                # tests/cluster runs jobs under a real one-node SLURM it starts
   libcli11-dev                                   # command lines: the launcher, the examples, the benchmarks
+  python3-grpcio python3-protobuf python3-numpy  # the Python client (clients/python) and its tests
 )
 pkgs+=("$@")
 missing=()

@@ -166,25 +166,31 @@ class Agent {
   absl::StatusOr<grpc::ByteBuffer> encode_request(int peer, const std::string& function,
                                                   const std::vector<c10::IValue>& args, bool by_reference,
                                                   std::vector<at::Tensor>* referenced, bool oneway = false);
-  // What an outgoing call or send starts with: the peer resolved, the request encoded (tensors by reference where
-  // `by_reference_ok` and the route allows it), the call counted as outstanding (call_done() ends it). Errors name
-  // the call.
-  struct Outgoing {
+  // What the end of an outgoing call reports: its metrics series, profile range and start.
+  struct CallRecord {
     int peer = -1;
-    std::chrono::milliseconds timeout{0};
-    absl::Time deadline;
-    Transport* route = nullptr;
-    grpc::ByteBuffer frame;
+    std::string function;
+    const char* kind = "";                        // its profile range's prefix, as PyTorch names them ("rpc_sync#")
     std::chrono::steady_clock::time_point start;  // for the call's metrics
     int64_t sent_bytes = 0;                       // the frame and the tensors read by reference
     metrics::Recorder* recorder = nullptr;
   };
-  // A profile's range for a call from `start` to now, named like PyTorch's: kind ("rpc_sync#"), function, the route.
-  void profile_call(const char* kind, const std::string& function, int peer,
-                    std::chrono::steady_clock::time_point start) const;
+  // What an outgoing call or send starts with: the peer resolved, the request encoded (tensors by reference where
+  // `by_reference_ok` and the route allows it), the call counted as outstanding (call_finished() ends it). Errors
+  // name the call.
+  struct Outgoing {
+    std::chrono::milliseconds timeout{0};
+    absl::Time deadline;
+    Transport* route = nullptr;
+    grpc::ByteBuffer frame;
+    CallRecord record;
+  };
+  // Every outgoing call's end, whichever path it took: its metrics, its profile range (`record.start` to now, named
+  // kind, function and route) and the count of outstanding calls.
+  void call_finished(const CallRecord& record, bool ok, int64_t received_bytes);
   absl::StatusOr<Outgoing> start_call(const To& to, const std::string& function, std::vector<c10::IValue>& args,
                                       std::chrono::milliseconds timeout, bool by_reference_ok, bool oneway,
-                                      std::vector<at::Tensor>* referenced);
+                                      std::vector<at::Tensor>* referenced, const char* kind);
   // The value of a reply frame from `peer`; `wait` receives the futures value codecs need completed before it is used.
   absl::StatusOr<c10::IValue> parse_reply(const grpc::ByteBuffer& frame, int peer, const std::string& prefix,
                                           std::vector<Future>* wait) const;
@@ -195,7 +201,6 @@ class Agent {
                           std::chrono::milliseconds timeout);
   std::string describe(int peer, const std::string& function) const;
   void count_call(int peer);
-  void call_done();
 
   // agent.cc
   absl::Status drain_outgoing(absl::Time deadline);
@@ -207,6 +212,7 @@ class Agent {
   const int world_size_;
   const RpcOptions options_;
   std::string token_;
+  std::string client_token_;  // a client outside the job's (auth::derive_client_token)
 
   std::unique_ptr<grpc::Service> store_service_;  // rank 0 only; outlives the gRPC transport
   std::unique_ptr<Store> store_;

@@ -36,12 +36,14 @@ std::string hmac_hex(const std::string& key, const std::string& data) {
 
 std::string derive_token(const std::string& secret) { return hmac_hex(secret, "tandem-auth-v1"); }
 
+std::string derive_client_token(const std::string& secret) { return hmac_hex(secret, "tandem-client-v1"); }
+
 std::string tcp_proof(const std::string& token, const std::string& role, const std::string& challenge,
                       const std::string& client_nonce, int rank) {
   return hmac_hex(token, absl::StrCat("tandem-tcp-v1|", role, "|", challenge, "|", client_nonce, "|", rank));
 }
 
-bool equal(const std::string& a, const std::string& b) {
+bool equal(absl::string_view a, absl::string_view b) {
   return a.size() == b.size() && !a.empty() && CRYPTO_memcmp(a.data(), b.data(), a.size()) == 0;
 }
 
@@ -51,12 +53,21 @@ void add_credentials(grpc::ClientContext* ctx, const std::string& token) {
 }
 
 absl::Status check(const grpc::CallbackServerContext* ctx, const std::string& token) {
+  return check_caller(ctx, token, "").status();
+}
+
+absl::StatusOr<Caller> check_caller(const grpc::CallbackServerContext* ctx, const std::string& token,
+                                    const std::string& client_token) {
   const auto& md = ctx->client_metadata();
   auto it = md.find(kAuthMetadataKey);
   if (it == md.end()) return absl::UnauthenticatedError("no job token: the caller is not part of this job");
-  const auto& got = it->second;
-  if (got.size() != token.size() || CRYPTO_memcmp(got.data(), token.data(), token.size()) != 0) {
-    return absl::UnauthenticatedError("wrong job token: the caller does not share this job's secret");
+  const absl::string_view got(it->second.data(), it->second.size());  // gRPC's bytes, not copied
+  Caller caller = Caller::kWorker;
+  if (!equal(got, token)) {
+    if (client_token.empty() || !equal(got, client_token)) {
+      return absl::UnauthenticatedError("wrong job token: the caller does not share this job's secret");
+    }
+    caller = Caller::kClient;
   }
   auto version = md.find(kWireVersionMetadataKey);
   const std::string theirs = version == md.end() ? "" : std::string(version->second.data(), version->second.size());
@@ -65,7 +76,7 @@ absl::Status check(const grpc::CallbackServerContext* ctx, const std::string& to
         "the caller speaks Tandem wire version ", theirs.empty() ? "1 (a build from before wire versioning)" : theirs,
         ", this worker version ", kWireVersion, ": every worker of a job must run the same Tandem release"));
   }
-  return absl::OkStatus();
+  return caller;
 }
 
 std::string random_secret() {

@@ -47,11 +47,13 @@ GrpcTransport::~GrpcTransport() { stop(std::chrono::milliseconds(1000)); }
 grpc::ServerUnaryReactor* GrpcTransport::accept(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* request,
                                                 grpc::ByteBuffer* response) {
   auto* reactor = ctx->DefaultReactor();
-  if (auto s = auth::check(ctx, options_.token); !s.ok()) {
-    reactor->Finish(net::to_grpc(s));
+  auto caller = auth::check_caller(ctx, options_.token, options_.client_token);
+  if (!caller.ok()) {
+    reactor->Finish(net::to_grpc(caller.status()));
     return reactor;
   }
   Incoming in;
+  in.from_client = *caller == auth::Caller::kClient;
   in.request = *request;  // shares gRPC's slices (reference-counted), no copy of bytes
   in.reply = [reactor, response](grpc::ByteBuffer* reply, const absl::Status& status) {
     if (reply) response->Swap(reply);

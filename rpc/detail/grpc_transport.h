@@ -25,8 +25,9 @@ namespace tandem::rpc::detail {
 class GrpcTransport final : public Transport {
  public:
   struct Options {
-    std::string token;   // the job's authentication token (rpc/detail/auth.h)
-    std::string listen;  // host:port to bind (port 0: any)
+    std::string token;         // the job's authentication token (rpc/detail/auth.h)
+    std::string client_token;  // also accepted, for calls from clients outside the job (empty: none)
+    std::string listen;        // host:port to bind (port 0: any)
     const TlsOptions* tls = nullptr;
     int64_t max_message_bytes = 0;
     grpc::Service* store = nullptr;  // also served (rank 0: the job's store); must outlive the transport

@@ -5,7 +5,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
 #include <sys/uio.h>
-#include <torch/csrc/jit/mobile/type_parser.h>
+#include <torch/csrc/jit/frontend/script_type_parser.h>
 
 #include <cerrno>
 #include <cstring>
@@ -55,7 +55,9 @@ c10::TypePtr parse_type(const std::string& annotation) {
   if (it != cache->end()) return it->second;
   c10::TypePtr type;
   try {  // LibTorch's parser reports an unknown annotation only by throwing
-    type = c10::parseType(annotation);
+    // TorchScript's own parser gives the static types ("int" is IntType): a List[int] arrives as an IntList, which
+    // typed consumers (TorchScript functions, IValue::isIntList) take. (The mobile parser gave DynamicType.)
+    type = torch::jit::ScriptTypeParser().parseType(annotation);
   } catch (const std::exception&) {
     type = nullptr;  // unknown annotation: fall back to Any below
   }
@@ -100,8 +102,10 @@ absl::Status Encoder::encode_tensor(const at::Tensor& t, Payload* payload, uint3
       return absl::OkStatus();
     }
   }
-  // A view sends only the bytes it views; a non-contiguous one is packed first (one copy on the sender).
-  at::Tensor c = t.is_contiguous() ? t : t.contiguous();
+  // A view sends only the bytes it views; a non-contiguous one is packed first (one copy on the sender). A lazily
+  // conjugated or negated view (t.conj(), t._neg_view()) sends its values, not the bytes under its bit.
+  at::Tensor c = t.is_conj() || t.is_neg() ? t.resolve_conj().resolve_neg() : t;
+  if (!c.is_contiguous()) c = c.contiguous();
   TensorMeta* meta = payload->add_tensors();
   meta->set_dtype(static_cast<int>(c.scalar_type()));
   for (int64_t s : c.sizes()) meta->add_sizes(s);
@@ -163,6 +167,10 @@ absl::Status Encoder::encode_value(const c10::IValue& v, Value* out, Payload* pa
       if (auto s = encode_value(entry.value(), d->add_values(), payload, depth + 1); !s.ok()) return s;
     }
   } else if (const ValueCodec* codec = detail::find_codec(v)) {
+    if (to_ < 0) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("a value of kind '", codec->kind, "' cannot be sent to a client outside the job"));
+    }
     auto data = codec->encode(v, to_);
     if (!data.ok()) return data.status();
     out->mutable_ext()->set_kind(codec->kind);
@@ -396,6 +404,10 @@ absl::StatusOr<c10::IValue> Frame::decode_value(const Value& v, const Payload& p
       return c10::IValue(std::move(dict));
     }
     case Value::kExt: {
+      if (origin.from_client) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("a value of kind '", v.ext().kind(), "' cannot come from a client outside the job"));
+      }
       const ValueCodec* codec = detail::find_codec(v.ext().kind());
       if (!codec) {
         return absl::InvalidArgumentError(

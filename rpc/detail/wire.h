@@ -34,7 +34,8 @@ class Encoder {
  public:
   // Tensors of at least `by_reference_min_bytes` bytes (0: none) are sent by reference (TensorMeta.by_reference): the
   // caller must keep referenced() alive until the receiver has read them, i.e. until the call completes.
-  // `to`: the rank the message goes to, for value codecs (rpc/extension.h); -1 when unknown.
+  // `to`: the rank the message goes to, for value codecs (rpc/extension.h); -1 (kClientRank) for a client outside the
+  // job or a message without values: a value that needs a codec is refused.
   explicit Encoder(uint64_t by_reference_min_bytes = 0, int to = -1)
       : by_reference_min_bytes_(by_reference_min_bytes), to_(to) {}
   std::vector<at::Tensor>& referenced() { return referenced_; }
@@ -73,6 +74,7 @@ class Frame {
     // (undefined for one no value refers to), and no tensor is made to require grad (the tracer decides).
     std::vector<at::Tensor>* tensors = nullptr;
     uint64_t max_referenced_bytes = 0;  // bound on a tensor read by reference (the message limit); 0: none
+    bool from_client = false;           // a client outside the job sent it: extension values are refused
   };
   // Decodes the values of `payload`, validating every tensor against the frame.
   absl::StatusOr<std::vector<c10::IValue>> decode(const tandem::wire::Payload& payload, const Origin& origin) const;

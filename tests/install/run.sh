@@ -4,7 +4,7 @@
 #   bash tests/install/run.sh <build dir> deb      `cpack -G DEB`, then `dpkg -i` (root only; exits 77, skipped,
 #                                                  otherwise), removed again (`dpkg -r`) at the end
 # Either way it checks the installed tree (headers under include/tandem/<module>/, no detail/ header, the package
-# files, tandem-run), then configures, builds and runs tests/install/consumer against it: two workers started by the
+# files, tandem-run, the Python client), then configures, builds and runs tests/install/consumer against it: two workers started by the
 # installed tandem-run call each other and fetch an RRef.
 set -euo pipefail
 build="$(cd "$1" && pwd)"
@@ -62,4 +62,11 @@ if grep -rlF -e "$src" -e "$build" "$work/consumer/CMakeFiles" --include='flags.
 fi
 timeout 120 "$prefix/bin/tandem-run" --nproc-per-node 2 "$work/consumer/consumer" | tee "$work/run.log"
 [ "$(grep -c ' scale .* rref 10$' "$work/run.log")" = 2 ] || { echo "install: both workers should report" >&2; exit 1; }
+# The Python client is installed where Debian's python3 finds system packages, and imports from there.
+py_env=(env)
+if [ "$how" = prefix ]; then py_env=(env PYTHONPATH="$prefix/lib/python3/dist-packages"); fi
+"${py_env[@]}" /usr/bin/python3 -c "
+import sys, tandem_client
+want = '$prefix/lib/python3/dist-packages/tandem_client/'
+sys.exit(0 if tandem_client.__file__.startswith(want) else 'install: tandem_client imported from ' + tandem_client.__file__)"
 echo "install: a project outside the tree built and ran against Tandem installed in $prefix ($how)"

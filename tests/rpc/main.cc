@@ -51,6 +51,19 @@ rpc::Future gather_sum(int64_t n, at::Tensor x) {
   return mine;
 }
 
+// A value's TorchScript type as it arrived ("List[int]", "Dict[str, Tensor]"), tensors as "Tensor[<dtype>]".
+std::string describe(const c10::IValue& v) {
+  if (v.isTensor()) return "Tensor[" + std::string(c10::toString(v.toTensor().scalar_type())) + "]";
+  return v.type()->annotation_str();
+}
+
+// FNV-1a of `n` bytes: the Python client's tests compute the same over what they sent.
+int64_t fnv1a(const void* data, size_t n) {
+  uint64_t h = 14695981039346656037ull;
+  for (size_t i = 0; i < n; ++i) h = (h ^ static_cast<const uint8_t*>(data)[i]) * 1099511628211ull;
+  return static_cast<int64_t>(h);
+}
+
 int run_worker(const std::string& scenario) {
   // What the harness gave this worker (MultiprocHarness): how it was started, two variables, an exit code of 7.
   if (scenario == "harness_probe") {
@@ -141,11 +154,29 @@ void register_test_functions() {
   rpc::register_function("bump", [] { return ++bumps; });
   rpc::register_function("bump_tensor", [](at::Tensor t) { return t.numel() > 0 ? ++bumps : bumps.load(); });
   rpc::register_function("bumps", [] { return bumps.load(); });
+  rpc::register_function("bump_any", [](c10::IValue) { return ++bumps; });  // counts a call whatever its argument
   rpc::register_function("oneway_failures", [] { return rpc::transport_stats().oneway_failures; });
   rpc::register_function("throw_error", [](std::string msg) -> int64_t { throw std::runtime_error(msg); });
   rpc::register_function("nested_add",
                          [](std::string to, at::Tensor x) { return rpc::rpc_sync<at::Tensor>(to, "add", x, x); });
   rpc::register_function("gather_sum", gather_sum);
+  // For the Python client's tests (tests/rpc/python/): how a value arrived here, a tensor's bytes as this side sees
+  // them, a tensor made here, and who called.
+  rpc::register_function("describe", [](c10::IValue v) { return describe(v); });
+  rpc::register_function("digest", [](at::Tensor t) {
+    const at::Tensor c = t.contiguous();
+    return std::make_tuple(std::string(c10::toString(c.scalar_type())), c.sizes().vec(),
+                           fnv1a(c.data_ptr(), c.nbytes()));
+  });
+  rpc::register_function("pattern", [](int64_t dtype, std::vector<int64_t> sizes) {
+    at::Tensor t = at::empty(sizes, at::TensorOptions().dtype(static_cast<c10::ScalarType>(dtype)));
+    auto* bytes = static_cast<uint8_t*>(t.data_ptr());
+    const bool is_bool = t.scalar_type() == at::kBool;
+    for (size_t i = 0; i < t.nbytes(); ++i) bytes[i] = is_bool ? i % 3 == 0 : static_cast<uint8_t>(i * 31 + 7);
+    return t;
+  });
+  rpc::register_function("make_device", [] { return c10::IValue(c10::Device("cpu")); });  // a value of a codec's kind
+  rpc::register_function("caller_rank", [] { return static_cast<int64_t>(rpc::current_call()->caller_rank); });
   // Batched: each caller gets (the batch's sum, the batch's size); a negative request makes the function throw.
   rpc::register_batched_function<int64_t, std::tuple<int64_t, int64_t>>(
       "batched_sum", {.max_batch = 3, .max_delay = std::chrono::milliseconds(200)}, [](std::vector<int64_t> xs) {

@@ -45,6 +45,20 @@ TEST(UnitWire, EveryDtypeRoundTripsBitExact) {
   }
 }
 
+// A conjugate or negative view (a bit on the tensor, its bytes unchanged) arrives as the values it stands for; a list
+// typed "int" on the wire arrives as an IntList (a static type, not LibTorch's DynamicType).
+TEST(UnitWire, LazyConjugateAndNegativeViewsSendTheirValuesAndListsKeepTheirType) {
+  at::Tensor z = at::complex(at::arange(4, at::kFloat), at::ones({4}));
+  at::Tensor x = at::arange(4, at::kDouble);
+  ASSERT_TRUE(z.conj().is_conj());
+  ASSERT_TRUE(x._neg_view().is_neg());
+  auto out = round_trip({z.conj(), x._neg_view(), c10::IValue(std::vector<int64_t>{1, 2})});
+  EXPECT_TRUE(bit_equal(out[0].toTensor(), z.conj().resolve_conj()));
+  EXPECT_TRUE(out[0].toTensor().equal(at::complex(at::arange(4, at::kFloat), -at::ones({4}))));
+  EXPECT_TRUE(out[1].toTensor().equal(-x));
+  EXPECT_TRUE(out[2].isIntList()) << out[2].type()->str();
+}
+
 TEST(UnitWire, ViewsSendOnlyTheirBytes) {
   at::Tensor base = at::arange(1000, at::kFloat).reshape({10, 100});
   at::Tensor strided = base.t().slice(0, 0, 50, 3);  // non-contiguous
