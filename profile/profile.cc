@@ -7,6 +7,7 @@
 
 #include <cstdio>
 #include <fstream>
+#include <limits>
 #include <optional>
 #include <thread>
 
@@ -35,15 +36,14 @@ struct Captured {
 };
 Captured g_captured;
 std::atomic<int64_t> g_inside{0};  // OnThisThread objects alive that count
+// When the running profile started, in steady-clock ticks: set after g_active, and the largest value until then, so
+// that a range that began before the start is never taken (an OnThisThread then did not record its operators).
+std::atomic<int64_t> g_since{std::numeric_limits<int64_t>::max()};
 
 Mutex g_mu;  // start/stop, and the worker's name
 std::string g_worker ABSL_GUARDED_BY(g_mu) = "worker";
 int g_rank ABSL_GUARDED_BY(g_mu) = 0;
 bool g_started ABSL_GUARDED_BY(g_mu) = false;
-
-int64_t epoch_us(std::chrono::system_clock::time_point t) {
-  return std::chrono::duration_cast<std::chrono::microseconds>(t.time_since_epoch()).count();
-}
 
 std::string json_string(const std::string& s) {
   std::string out = "\"";
@@ -92,24 +92,20 @@ OnThisThread::~OnThisThread() {
   if (counted_) g_inside.fetch_sub(1);
 }
 
-void report(const std::string& name, std::chrono::system_clock::time_point start,
-            std::chrono::system_clock::time_point end) {
-  OnThisThread here;
-  if (!here.recording()) return;
-  ap::reportBackendEventToActiveKinetoProfiler(epoch_us(start), epoch_us(end), -1, at::RecordScope::USER_SCOPE, name,
-                                               "tandem");
-}
-
 void report_steady(const std::string& name, std::chrono::steady_clock::time_point start,
                    std::chrono::steady_clock::time_point end) {
+  OnThisThread here;
+  if (!here.recording() || start.time_since_epoch().count() < g_since.load()) return;
   const auto offset = std::chrono::system_clock::now().time_since_epoch() -
                       std::chrono::duration_cast<std::chrono::system_clock::duration>(
                           std::chrono::steady_clock::now().time_since_epoch());
-  auto to_system = [&](std::chrono::steady_clock::time_point t) {
-    return std::chrono::system_clock::time_point(
-        std::chrono::duration_cast<std::chrono::system_clock::duration>(t.time_since_epoch()) + offset);
+  auto epoch_us = [&](std::chrono::steady_clock::time_point t) {
+    return std::chrono::duration_cast<std::chrono::microseconds>(
+               std::chrono::duration_cast<std::chrono::system_clock::duration>(t.time_since_epoch()) + offset)
+        .count();
   };
-  report(name, to_system(start), to_system(end));
+  ap::reportBackendEventToActiveKinetoProfiler(epoch_us(start), epoch_us(end), -1, at::RecordScope::USER_SCOPE, name,
+                                               "tandem");
 }
 
 void set_worker(const std::string& name, int rank) {
@@ -127,7 +123,9 @@ void start() {
   g_captured.callbacks = at::get_record_function_tls_();
   g_captured.owner = std::this_thread::get_id();
   g_started = true;
+  g_since.store(std::numeric_limits<int64_t>::max());
   detail::g_active.store(true);
+  g_since.store(std::chrono::steady_clock::now().time_since_epoch().count());
 }
 
 int64_t stop(const std::string& pattern, std::chrono::milliseconds wait) {

@@ -63,10 +63,9 @@ class OnThisThread {
   std::unique_ptr<Saved> saved_;  // the thread's own profiler state, restored at the end
 };
 
-// A finished range [start, end) named `name`, when a profile runs (call it only then: build names after active()).
-void report(const std::string& name, std::chrono::system_clock::time_point start,
-            std::chrono::system_clock::time_point end);
-// The same with steady-clock times (converted to the epoch through the clocks' offset now).
+// A finished range [start, end) named `name`, with steady-clock times (written at the epoch's times), when a profile
+// runs (call it only then: build names after active()). A range that began before the running profile started is
+// left out, as its operators are: the profile holds what happened inside it, whole.
 void report_steady(const std::string& name, std::chrono::steady_clock::time_point start,
                    std::chrono::steady_clock::time_point end);
 

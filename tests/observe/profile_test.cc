@@ -35,7 +35,7 @@ std::vector<Event> events_of(const std::string& text) {
   std::string line;
   std::getline(in, line);
   EXPECT_EQ(line, "{\"traceEvents\":[");
-  const std::regex meta(R"(\{"ph":"M","name":"process_name","pid":\d+,"tid":0,"args":\{"name":"worker\d"\}\},?)");
+  const std::regex meta(R"(\{"ph":"M","name":"process_name","pid":\d+,"tid":0,"args":\{"name":"worker\d*"\}\},?)");
   const std::regex event(
       R"re(\{"ph":"X","cat":"([^"]*)","name":"((?:[^"\\]|\\.)*)","pid":\d+,"tid":(\d+),"ts":(\d+),"dur":(\d+)\},?)re");
   std::vector<Event> out;
@@ -69,6 +69,24 @@ TEST(UnitProfile, StopWithoutStartAndASecondStartAreErrors) {
   const std::string dir = make_temp_dir();
   EXPECT_GE(profile::stop(dir + "/t.json"), 0);
   EXPECT_FALSE(profile::active());
+  std::system(("rm -rf " + dir).c_str());
+}
+
+// A range is in the profile only when it began inside it, as the operators it covers are (a call served across the
+// start would show as a range with nothing inside).
+TEST(UnitProfile, ARangeThatBeganBeforeTheStartIsLeftOut) {
+  const auto before = std::chrono::steady_clock::now();
+  profile::start();
+  const auto inside = std::chrono::steady_clock::now();
+  profile::report_steady("began_before", before, std::chrono::steady_clock::now());
+  profile::report_steady("began_inside", inside, std::chrono::steady_clock::now());
+  const std::string dir = make_temp_dir();
+  profile::stop(dir + "/t.json");
+  const std::string text = trace_file(dir + "/t.json");
+  const std::vector<Event> events = events_of(text);
+  EXPECT_EQ(named(events, "began_before"), nullptr) << text;
+  ASSERT_NE(named(events, "began_inside"), nullptr) << text;
+  EXPECT_EQ(named(events, "began_inside")->cat, "tandem");
   std::system(("rm -rf " + dir).c_str());
 }
 
