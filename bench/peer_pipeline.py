@@ -12,7 +12,7 @@ configuration for it: TensorPipe defaults (or TCP forced) with 16 RPC threads, a
 - pipeline_bubble_ratio: 4 stages on w1..w4 whose forward sleeps --tf-ms and whose backward sleeps --tb-ms (a scalar
   weight gives the optimizer something to step), m 8, input 16x8; median step time over the ideal (m+p-1)(tf+tb).
 
-  python3 bench/peer_pipeline.py default|tcp [--steps N --tf-ms N --tb-ms N --parts small,large,bubble]
+  python3 bench/peer_pipeline.py default|tcp [--steps N --tf-ms N --tb-ms N --tw-ms N --parts small,large,bubble]
 """
 import threading
 import time
@@ -138,4 +138,6 @@ def run(rank, port, args):
 
 
 if __name__ == "__main__":
-    peer_main(__file__, run, 5, {"--steps": 10, "--tf-ms": 10, "--tb-ms": 20, "--parts": "small,large,bubble"})
+    # --tw-ms is Tandem's (the weights' share of a split backward): PyTorch's RPC pipeline runs full backwards only.
+    peer_main(__file__, run, 5,
+              {"--steps": 10, "--tf-ms": 20, "--tb-ms": 40, "--tw-ms": 20, "--parts": "small,large,bubble"})

@@ -17,9 +17,20 @@
 //                                ping-pong of 128 B over a Unix socket between two processes, measured first. With 2
 //                                stages in 1F1B each micro-batch waits for one activation and one gradient in turn, so
 //                                the control overhead per micro-batch cannot go below twice that floor.
-//   pipeline_bubble_ratio        4 stages on workers 1-4, m = 8, each forward sleeping tf and each backward tb (so the
-//                                figure does not depend on cores): step / ideal, ideal = (m + p - 1)(tf + tb).
-// Flags: --steps N (timed steps per figure, after 2 warm-up steps), --tf-ms, --tb-ms, --parts (of
+//   pipeline_bubble_ratio        4 workers (1-4), m = 8, each forward sleeping tf and each backward tb, of which tw for
+//                                the weights' gradient (so the figure does not depend on cores), for GPipe, 1F1B,
+//                                ZB-H1 (4 stages) and ZBV (8 stages of half the cost, in a V): step / the schedule's
+//                                own makespan at these costs (simulate(); (m + p - 1)(tf + tb) for GPipe and 1F1B).
+//   pipeline_bubble_fraction     the same steps: the paper's bubble rate, median over the steps of the workers' idle
+//                                over busy time in the step's timeline (p x its span, first action's start to last
+//                                action's end, minus the actions' measured time, over that time: the schedule without
+//                                the plan's sending, the end's agreement and the optimizer; whole_step_fraction beside
+//                                it is (step - m (tf
+//                                + tb)) / (m (tf + tb)), the whole step against nominal work), against "theory": (p -
+//                                1) / m for GPipe and 1F1B, (p - 1) / 3m for ZB-H1 (tf = tw = tb - tw), ZBV's simulated
+//                                one. TANDEM_BENCH_SVG_DIR=<dir> writes each schedule's last step there
+//                                (bubble_<name>.svg and .json, a Chrome trace).
+// Flags: --steps N (timed steps per figure, after 2 warm-up steps), --tf-ms, --tb-ms, --tw-ms, --parts (of
 // small,large,bubble; default all).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -30,6 +41,7 @@
 #include <torch/optim/sgd.h>
 
 #include <cstdlib>
+#include <limits>
 #include <map>
 #include <string>
 #include <thread>
@@ -53,29 +65,45 @@ torch::nn::Sequential mlp_stage(int64_t d) {
   return torch::nn::Sequential(torch::nn::Linear(d, d), torch::nn::ReLU(), torch::nn::Linear(d, d), torch::nn::ReLU());
 }
 
-// Identity whose backward sleeps.
-struct SleepBackward : torch::autograd::Function<SleepBackward> {
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, int64_t tb_us) {
-    ctx->saved_data["tb"] = tb_us;
-    return x.clone();
+// x * weight, whose backward sleeps tb: ti for the input's gradient and tw for the weight's, each only when the
+// engine asks for it, so that a split backward's I sleeps ti and its W tw. A first stage's input needs no gradient:
+// its backward sleeps both (a full backward, or the W that then runs it whole), as the stage would compute both.
+struct SleepMul : torch::autograd::Function<SleepMul> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                            int64_t ti_us, int64_t tw_us) {
+    ctx->save_for_backward({x, weight});
+    ctx->saved_data["ti"] = ti_us;
+    ctx->saved_data["tw"] = tw_us;
+    ctx->saved_data["input_needs_grad"] = x.requires_grad();
+    return x * weight;
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list g) {
-    std::this_thread::sleep_for(std::chrono::microseconds(ctx->saved_data["tb"].toInt()));
-    return {g[0], at::Tensor()};
+    const auto saved = ctx->get_saved_variables();
+    at::Tensor gx, gw;
+    if (ctx->needs_input_grad(0) || !ctx->saved_data["input_needs_grad"].toBool()) {
+      std::this_thread::sleep_for(std::chrono::microseconds(ctx->saved_data["ti"].toInt()));
+      if (ctx->needs_input_grad(0)) gx = g[0] * saved[1];
+    }
+    if (ctx->needs_input_grad(1)) {
+      std::this_thread::sleep_for(std::chrono::microseconds(ctx->saved_data["tw"].toInt()));
+      gw = (g[0] * saved[0]).sum();
+    }
+    return {gx, gw, at::Tensor(), at::Tensor()};
   }
 };
 
-// A stage whose forward takes tf and backward tb, with one parameter for the optimizer.
+// A stage whose forward takes tf and backward tb (of which tw for the weight's gradient), with one parameter for the
+// optimizer.
 struct SleepStage : torch::nn::Module {
-  SleepStage(int64_t tf_us, int64_t tb_us) : tf_us(tf_us), tb_us(tb_us) {
+  SleepStage(int64_t tf_us, int64_t tb_us, int64_t tw_us) : tf_us(tf_us), tb_us(tb_us), tw_us(tw_us) {
     weight = register_parameter("weight", at::ones({}));
   }
   at::Tensor forward(const at::Tensor& x) {
     std::this_thread::sleep_for(std::chrono::microseconds(tf_us));
-    return SleepBackward::apply(x * weight, tb_us);
+    return SleepMul::apply(x, weight, tb_us - tw_us, tw_us);
   }
-  int64_t tf_us, tb_us;
+  int64_t tf_us, tb_us, tw_us;
   at::Tensor weight;
 };
 
@@ -99,11 +127,15 @@ std::string str(const std::string& s) { return "\"" + s + "\""; }
 
 // Delivery times (see pipeline_p2p_delivery_us) in a step's timeline.
 std::vector<double> deliveries(const std::vector<pipeline::TimelineEvent>& events) {
+  // By (stage, micro-batch, whether it sends a gradient): F sends an activation, B and I a gradient; W sends nothing.
   std::map<std::tuple<int, int, bool>, const pipeline::TimelineEvent*> by_action;
+  auto grad = [](const pipeline::TimelineEvent& e) {
+    return e.kind == pipeline::Kind::kBackward || e.kind == pipeline::Kind::kInput;
+  };
   std::map<int, std::vector<const pipeline::TimelineEvent*>> by_stage;  // in start order (events come sorted)
   int n = 0;
   for (const auto& e : events) {
-    by_action[{e.stage, e.microbatch, e.backward}] = &e;
+    if (e.kind != pipeline::Kind::kWeight) by_action[{e.stage, e.microbatch, grad(e)}] = &e;
     by_stage[e.stage].push_back(&e);
     n = std::max(n, e.stage + 1);
   }
@@ -111,9 +143,10 @@ std::vector<double> deliveries(const std::vector<pipeline::TimelineEvent>& event
   for (const auto& [stage, list] : by_stage) {
     for (size_t k = 1; k < list.size(); ++k) {
       const auto& e = *list[k];
-      const int from = e.backward ? stage + 1 : stage - 1;
+      if (e.kind == pipeline::Kind::kWeight) continue;  // waits for nothing from another stage
+      const int from = grad(e) ? stage + 1 : stage - 1;
       if (from < 0 || from >= n) continue;
-      auto sender = by_action.find({from, e.microbatch, e.backward});
+      auto sender = by_action.find({from, e.microbatch, grad(e)});
       if (sender == by_action.end()) continue;
       const int64_t sent = sender->second->end_us;
       if (list[k - 1]->end_us <= sent) out.push_back(static_cast<double>(e.start_us - sent));
@@ -160,7 +193,9 @@ void step_time(const std::string& size, int64_t d, int64_t batch, int steps) {
     if (m == 1) m1_ms = ms;
     // What the schedule alone would take with the last step's measured costs of the slowest stage.
     std::vector<double> f(2, 0), b(2, 0);
-    for (const auto& e : pipe.last_timeline()) (e.backward ? b : f)[e.stage] += (e.end_us - e.start_us) / 1000.0 / m;
+    for (const auto& e : pipe.last_timeline()) {
+      (e.kind == pipeline::Kind::kForward ? f : b)[e.stage] += (e.end_us - e.start_us) / 1000.0 / m;
+    }
     const std::vector<int> placement{0, 1};
     const double ideal =
         pipeline::simulate(pipeline::make_plans(options.schedule, placement, 2, m), placement, m, f, b);
@@ -199,33 +234,81 @@ void step_time(const std::string& size, int64_t d, int64_t batch, int steps) {
   }
 }
 
-void bubble(int steps, int64_t tf_ms, int64_t tb_ms) {
+// The bubble of each schedule on p = 4 workers, m = 8, with sleeping stages: the step against the schedule's own
+// makespan at these costs (simulate(): what the schedule promises) and the bubble fraction (step - m (tf + tb)) /
+// (m (tf + tb)) against the schedule's formula: (p - 1) / m for GPipe and 1F1B, (p - 1) / 3m for ZB-H1 when tf = tw =
+// tb - tw (the paper's F = B = W). ZBV runs 8 stages of half the cost each, two per worker in a V.
+void bubble(int steps, int64_t tf_ms, int64_t tb_ms, int64_t tw_ms) {
   const int p = 4, m = 8;
-  for (auto schedule : {pipeline::Schedule::kGPipe, pipeline::Schedule::k1F1B}) {
+  for (auto schedule : {pipeline::Schedule::kGPipe, pipeline::Schedule::k1F1B, pipeline::Schedule::kZeroBubbleH1,
+                        pipeline::Schedule::kZeroBubbleV}) {
+    const bool v = schedule == pipeline::Schedule::kZeroBubbleV;
+    const int n_stages = v ? 2 * p : p;
+    const int64_t scale_us = v ? 500 : 1000;  // a ZBV stage is half a worker's share
     pipeline::PipelineOptions options;
     options.schedule = schedule;
     options.n_microbatches = m;
     options.loss = "bench_sum";
+    options.record_timeline = true;
     std::vector<pipeline::StageSpec> stages;
-    for (int s = 0; s < p; ++s) stages.push_back({s + 1, "bench_sleep_stage", {tf_ms * 1000, tb_ms * 1000}});
+    std::vector<int> placement;
+    for (int s = 0; s < n_stages; ++s) {
+      const int w = s < p ? s : 2 * p - 1 - s;
+      placement.push_back(w);
+      stages.push_back({w + 1, "bench_sleep_stage", {tf_ms * scale_us, tb_ms * scale_us, tw_ms * scale_us}});
+    }
     auto pipe = pipeline::Pipeline::create(stages, options);
     tandem::dist_optim::DistributedOptimizer opt("sgd", pipe.parameter_rrefs(), {{"lr", 0.0}});
     at::Tensor x = at::randn({16, 8}), y = at::zeros({16, 8});
+    // The bubble of each step's timeline, as the paper counts it: the workers' idle time over their busy time within
+    // the schedule's span (the first action's start to the last one's end on any worker; one host, one clock): the
+    // step without sending the plans, agreeing on its end and the optimizer's step. Measured busy time, not the
+    // nominal m (tf + tb): a sleep overshoots by a little, which is work done, not bubble.
+    std::vector<double> fractions, spans, busy_per_worker;
     const double ms = median_ms(steps, [&] {
       dist_autograd::ContextGuard ctx;
       pipe.step(x, y);
       opt.step(ctx.id());
+      int64_t first = std::numeric_limits<int64_t>::max(), last = 0;
+      double busy = 0;
+      for (const auto& e : pipe.last_timeline()) {
+        first = std::min(first, e.start_us), last = std::max(last, e.end_us);
+        busy += static_cast<double>(e.end_us - e.start_us) / 1000;
+      }
+      const double span = static_cast<double>(last - first) / 1000;
+      fractions.push_back((span * p - busy) / busy), spans.push_back(span), busy_per_worker.push_back(busy / p);
     });
-    const double ideal = static_cast<double>((m + p - 1) * (tf_ms + tb_ms));
+    // The timed steps' (median_ms runs 2 warm-up steps first).
+    for (auto* v : {&fractions, &spans, &busy_per_worker}) v->erase(v->begin(), v->begin() + 2);
+    const double unit = static_cast<double>(scale_us) / 1000;
+    const std::vector<double> f(n_stages, tf_ms * unit), b(n_stages, tb_ms * unit), w(n_stages, tw_ms * unit);
+    const double ideal = pipeline::simulate(pipeline::make_plans(schedule, placement, p, m), placement, m, f, b, w);
+    const double work = static_cast<double>(m * (tf_ms + tb_ms));
+    const double theory = schedule == pipeline::Schedule::kZeroBubbleH1 ? (p - 1) / (3.0 * m)
+                          : v                                           ? (ideal - work) / work
+                                                                        : (p - 1) / static_cast<double>(m);
+    const std::string name = pipeline::schedule_name(schedule);
+    if (std::getenv("TANDEM_BENCH_SVG_DIR")) {
+      const std::string base = std::string(std::getenv("TANDEM_BENCH_SVG_DIR")) + "/bubble_" + name;
+      pipe.write_svg(base + ".svg");
+      pipe.write_chrome_trace(base + ".json");
+    }
+    const std::string cond = fields({{"processes", "5"},
+                                     {"schedule", str(name)},
+                                     {"p", std::to_string(p)},
+                                     {"stages", std::to_string(n_stages)},
+                                     {"m", std::to_string(m)},
+                                     {"tf_ms", std::to_string(tf_ms)},
+                                     {"tb_ms", std::to_string(tb_ms)},
+                                     {"tw_ms", std::to_string(tw_ms)},
+                                     {"step_ms", std::to_string(ms)}});
     bench::emit("pipeline", "pipeline_bubble_ratio", ms / ideal, "x",
-                fields({{"processes", "5"},
-                        {"schedule", str(pipeline::schedule_name(schedule))},
-                        {"p", "4"},
-                        {"m", "8"},
-                        {"tf_ms", std::to_string(tf_ms)},
-                        {"tb_ms", std::to_string(tb_ms)},
-                        {"step_ms", std::to_string(ms)},
-                        {"ideal_ms", std::to_string(ideal)}}));
+                cond + ",\"schedule_makespan_ms\":" + std::to_string(ideal));
+    bench::emit("pipeline", "pipeline_bubble_fraction", bench::median(fractions), "x",
+                cond + ",\"span_ms\":" + std::to_string(bench::median(spans)) +
+                    ",\"busy_ms_per_worker\":" + std::to_string(bench::median(busy_per_worker)) +
+                    ",\"nominal_work_ms\":" + std::to_string(work) + ",\"theory\":" + std::to_string(theory) +
+                    ",\"whole_step_fraction\":" + std::to_string((ms - work) / work));
   }
 }
 
@@ -233,12 +316,13 @@ void bubble(int steps, int64_t tf_ms, int64_t tb_ms) {
 
 int main(int argc, char** argv) {
   int steps = 10;
-  int64_t tf_ms = 10, tb_ms = 20;
+  int64_t tf_ms = 20, tb_ms = 40, tw_ms = 20;
   std::string parts = "small,large,bubble";
   CLI::App app{"Pipeline step times (GPipe, 1F1B, interleaved), control overhead and bubble", "pipeline_bench"};
   app.add_option("--steps", steps, "timed steps per case");
   app.add_option("--tf-ms", tf_ms, "forward time of a stage (bubble part)");
   app.add_option("--tb-ms", tb_ms, "backward time of a stage (bubble part)");
+  app.add_option("--tw-ms", tw_ms, "of which the weights' gradient (a split backward's W; bubble part)");
   app.add_option("--parts", parts, "which parts to run: small, large, bubble (comma-separated)");
   tandem::tools::parse_flags(app, argc, argv);
   auto part = [&](const std::string& name) { return ("," + parts + ",").find("," + name + ",") != std::string::npos; };
@@ -248,8 +332,9 @@ int main(int argc, char** argv) {
     at::manual_seed(d);
     return mlp_stage(d);
   });
-  tandem::nn::register_module("bench_sleep_stage",
-                              [](int64_t tf_us, int64_t tb_us) { return std::make_shared<SleepStage>(tf_us, tb_us); });
+  tandem::nn::register_module("bench_sleep_stage", [](int64_t tf_us, int64_t tb_us, int64_t tw_us) {
+    return std::make_shared<SleepStage>(tf_us, tb_us, tw_us);
+  });
   pipeline::register_loss("bench_sum", [](const at::Tensor& out, const at::Tensor&) { return out.sum(); });
   const char* rank = std::getenv("RANK");
   if (rank && std::string(rank) == "0") {  // before any thread starts: the floor forks a child
@@ -266,7 +351,7 @@ int main(int argc, char** argv) {
   if (rpc::get_worker_info().id == 0) {
     if (part("small")) step_time("small", 256, 128, steps);
     if (part("large")) step_time("large", 1024, 1024, steps);
-    if (part("bubble")) bubble(steps, tf_ms, tb_ms);
+    if (part("bubble")) bubble(steps, tf_ms, tb_ms, tw_ms);
   }
   rpc::shutdown();
   return 0;

@@ -147,7 +147,8 @@ struct Pipeline::State {
       const bool held = plan_held.count({w, m}) > 0;
       std::vector<int64_t> actions, plan_ranks;
       if (!held) {
-        for (const Action& a : plan[w]) actions.insert(actions.end(), {a.stage, a.microbatch, a.backward});
+        for (const Action& a : plan[w])
+          actions.insert(actions.end(), {a.stage, a.microbatch, static_cast<int64_t>(a.kind)});
         plan_ranks = ranks;
       }
       const bool first = stage_worker.front() == static_cast<int>(w), last = stage_worker.back() == static_cast<int>(w);
@@ -180,8 +181,9 @@ struct Pipeline::State {
       }
       auto ev = rpc::from_ivalue<std::vector<int64_t>>(reply->elements()[2]);
       for (size_t i = 0; i + 4 < ev.size(); i += 5) {
-        events.push_back(TimelineEvent{static_cast<int>(ev[i]), workers[w], static_cast<int>(ev[i + 1]), ev[i + 2] != 0,
-                                       ev[i + 3], ev[i + 4]});
+        if (ev[i + 2] < 0 || ev[i + 2] > 3) continue;  // not a kind this driver knows
+        events.push_back(TimelineEvent{static_cast<int>(ev[i]), workers[w], static_cast<int>(ev[i + 1]),
+                                       static_cast<Kind>(ev[i + 2]), ev[i + 3], ev[i + 4]});
       }
     }
     std::sort(events.begin(), events.end(), [](const auto& a, const auto& b) { return a.start_us < b.start_us; });
@@ -302,12 +304,22 @@ Pipeline Pipeline::create(std::vector<StageSpec> stages, PipelineOptions options
 }
 
 namespace {
-// The stages of a balanced cut of `weights` into n_stages, round-robin over `workers`; `make` makes the spec of one.
+// The stages of a balanced cut of `weights` into n_stages, round-robin over `workers` (for ZBV in a V: stage k on
+// worker k, then back from the last worker, 2P - 1 - k); `make` makes the spec of one.
 std::vector<StageSpec> cut_into_stages(const std::vector<double>& weights, const std::vector<rpc::To>& workers,
-                                       int n_stages, const std::function<StageSpec(rpc::To, int64_t, int64_t)>& make) {
+                                       int n_stages, Schedule schedule,
+                                       const std::function<StageSpec(rpc::To, int64_t, int64_t)>& make) {
+  const int P = static_cast<int>(workers.size());
+  if (schedule == Schedule::kZeroBubbleV && n_stages != 2 * P) {
+    fail(absl::StatusCode::kInvalidArgument, absl::StrCat("zbv places two stages on each worker in a V: ", P,
+                                                          " workers take ", 2 * P, " stages, not ", n_stages));
+  }
   const std::vector<std::pair<int64_t, int64_t>> cut = balanced_cut(weights, n_stages);
   std::vector<StageSpec> stages;
-  for (int k = 0; k < n_stages; ++k) stages.push_back(make(workers[k % workers.size()], cut[k].first, cut[k].second));
+  for (int k = 0; k < n_stages; ++k) {
+    const int w = schedule == Schedule::kZeroBubbleV && k >= P ? 2 * P - 1 - k : k % P;
+    stages.push_back(make(workers[w], cut[k].first, cut[k].second));
+  }
   return stages;
 }
 }  // namespace
@@ -323,7 +335,7 @@ Pipeline Pipeline::from_sequential(const std::string& factory, std::vector<c10::
   }
   if (!std::dynamic_pointer_cast<torch::nn::SequentialImpl>(model.module))
     fail(absl::StatusCode::kInvalidArgument, "factory '" + factory + "' does not return a torch::nn::Sequential");
-  return create(cut_into_stages(layer_weights(model.module, partition), workers, partition.n_stages,
+  return create(cut_into_stages(layer_weights(model.module, partition), workers, partition.n_stages, options.schedule,
                                 [&](rpc::To worker, int64_t begin, int64_t end) {
                                   return StageSpec{worker, factory, args, begin, end};
                                 }),
@@ -333,7 +345,7 @@ Pipeline Pipeline::from_sequential(const std::string& factory, std::vector<c10::
 Pipeline Pipeline::from_layers(const std::string& layers, const std::vector<rpc::To>& workers,
                                PartitionOptions partition, PipelineOptions options) {
   if (workers.empty()) fail(absl::StatusCode::kInvalidArgument, "from_layers needs at least one worker");
-  return create(cut_into_stages(layer_weights(layers, partition), workers, partition.n_stages,
+  return create(cut_into_stages(layer_weights(layers, partition), workers, partition.n_stages, options.schedule,
                                 [&](rpc::To worker, int64_t begin, int64_t end) {
                                   StageSpec spec{worker};
                                   spec.layers = layers;

@@ -1,5 +1,6 @@
 // Pipeline parallelism: a model cut into stages on several workers, micro-batches flowing through them by a schedule
-// (GPipe, 1F1B, interleaved 1F1B), the gradients left where DistributedOptimizer finds them.
+// (GPipe, 1F1B, interleaved 1F1B, looped BFS, zero-bubble ZB-H1 and ZBV, or plans a user writes), the gradients left
+// where DistributedOptimizer finds them.
 //
 //   // every worker, before init_rpc: the model's factory (deterministic: seed it, or load weights)
 //   nn::register_module("net", [] { torch::manual_seed(0); return torch::nn::Sequential(...); });
@@ -21,7 +22,8 @@
 // forward waits for its activation from the previous stage, sends its output straight to the next stage's worker (not
 // through the driver), and keeps what its backward needs (only the stage input with checkpointing, which recomputes the
 // forward in backward); a backward waits for the gradient from the next stage, computes this stage's gradients with
-// LibTorch's engine, sends the input's gradient to the previous stage, and frees the micro-batch's activations. The
+// LibTorch's engine, sends the input's gradient to the previous stage, and frees the micro-batch's activations (a
+// zero-bubble schedule splits it: I computes and sends the input's gradient, W later the weights' and frees them). The
 // last stage weighs each micro-batch's loss by its share of the batch (n_i / N; PyTorch's scale_grads when they are
 // equal), so the loss and the gradients are the whole batch's. Each worker runs a pipeline's plans on one thread of its
 // own for that pipeline, in step order (the run of step n + 1 never starts before step n's has ended there), and holds
@@ -115,8 +117,9 @@ struct PipelineOptions {
 struct StepStats {
   double loss = 0;
   double step_ms = 0;                     // on the driver, from sending the plans to the last reply
-  std::vector<double> busy_ms;            // per stage: time spent in its forwards and backwards
+  std::vector<double> busy_ms;            // per stage: time spent in its forwards and backwards (B, I, W)
   std::vector<int64_t> peak_activations;  // per stage: most micro-batches whose activations were alive at once
+                                          // (from F to B, or to W for a split backward)
   // Per stage: its worker process's peak resident memory so far (VmHWM, KiB) when its part of the step ended; -1 where
   // the system does not tell. Stages of one worker show the same figure.
   std::vector<int64_t> peak_memory_kib;
@@ -134,7 +137,8 @@ class Pipeline {
   // (unknown worker, unknown factory, a layer range outside the Sequential).
   static Pipeline create(std::vector<StageSpec> stages, PipelineOptions options = {});
   // Builds factory(args...) here (it must return a torch::nn::Sequential), cuts it into balanced stages and builds
-  // them on `workers`: stage k on workers[k % workers.size()] (with more stages than workers: interleaved stages).
+  // them on `workers`: stage k on workers[k % workers.size()] (with more stages than workers: interleaved stages;
+  // with Schedule::kZeroBubbleV, 2P stages on P workers in a V: stage k on worker k, then 2P - 1 - k).
   // Every stage worker builds the whole model too and keeps its layers: from_layers builds only what each needs.
   static Pipeline from_sequential(const std::string& factory, std::vector<c10::IValue> args,
                                   const std::vector<rpc::To>& workers, PartitionOptions partition,

@@ -2,6 +2,7 @@
 #include "tandem/pipeline/schedule.h"
 
 #include <algorithm>
+#include <cstring>
 #include <limits>
 #include <tuple>
 
@@ -20,9 +21,11 @@ Schedule schedule_from_name(const std::string& name) {
   if (name == "1f1b") return Schedule::k1F1B;
   if (name == "interleaved") return Schedule::kInterleaved1F1B;
   if (name == "looped_bfs") return Schedule::kLoopedBFS;
+  if (name == "zbh1") return Schedule::kZeroBubbleH1;
+  if (name == "zbv") return Schedule::kZeroBubbleV;
   if (name == "custom") return Schedule::kCustom;
   throw_error(absl::InvalidArgumentError("unknown pipeline schedule '" + name +
-                                         "' (known: gpipe, 1f1b, interleaved, looped_bfs, custom)"));
+                                         "' (known: gpipe, 1f1b, interleaved, looped_bfs, zbh1, zbv, custom)"));
 }
 
 std::string schedule_name(Schedule schedule) {
@@ -35,13 +38,24 @@ std::string schedule_name(Schedule schedule) {
       return "interleaved";
     case Schedule::kLoopedBFS:
       return "looped_bfs";
+    case Schedule::kZeroBubbleH1:
+      return "zbh1";
+    case Schedule::kZeroBubbleV:
+      return "zbv";
     case Schedule::kCustom:
       return "custom";
   }
   return "?";
 }
 
-std::string action_name(const Action& a) { return absl::StrCat(a.stage, a.backward ? "B" : "F", a.microbatch); }
+namespace {
+constexpr char kLetters[] = "FBIW";  // by Kind
+bool sends_gradient(Kind k) { return k == Kind::kBackward || k == Kind::kInput; }
+}  // namespace
+
+std::string action_name(const Action& a) {
+  return absl::StrCat(a.stage, std::string(1, kLetters[static_cast<int>(a.kind)]), a.microbatch);
+}
 
 namespace {
 
@@ -61,17 +75,31 @@ absl::Status check_placement(const std::vector<int>& stage_worker, int n_workers
   return absl::OkStatus();
 }
 
-// Completion times of every forward and backward; kNever until done.
+// Completion times of every forward, input gradient (B or I) and W; kNever until done.
 struct Times {
-  Times(int p, int m) : f(p, std::vector<double>(m, kNever)), b(p, std::vector<double>(m, kNever)) {}
-  std::vector<std::vector<double>> f, b;
+  Times(int p, int m)
+      : f(p, std::vector<double>(m, kNever)),
+        g(p, std::vector<double>(m, kNever)),
+        w(p, std::vector<double>(m, kNever)) {}
+  std::vector<std::vector<double>> f, g, w;
   // When the action's inputs are there (kNever if not yet known).
   double ready_at(const Action& a, int p) const {
-    if (!a.backward) return a.stage == 0 ? 0 : f[a.stage - 1][a.microbatch];
-    const double own = f[a.stage][a.microbatch];
-    return a.stage == p - 1 ? own : std::max(own, b[a.stage + 1][a.microbatch]);
+    switch (a.kind) {
+      case Kind::kForward:
+        return a.stage == 0 ? 0 : f[a.stage - 1][a.microbatch];
+      case Kind::kWeight:
+        return g[a.stage][a.microbatch];
+      default: {
+        const double own = f[a.stage][a.microbatch];
+        return a.stage == p - 1 ? own : std::max(own, g[a.stage + 1][a.microbatch]);
+      }
+    }
   }
-  double& done(const Action& a) { return a.backward ? b[a.stage][a.microbatch] : f[a.stage][a.microbatch]; }
+  void set_done(const Action& a, double t) {
+    if (a.kind == Kind::kForward) f[a.stage][a.microbatch] = t;
+    if (sends_gradient(a.kind)) g[a.stage][a.microbatch] = t;
+    if (a.kind == Kind::kBackward || a.kind == Kind::kWeight) w[a.stage][a.microbatch] = t;
+  }
 };
 
 // Megatron's interleaved order (arXiv 2104.04473) when every worker holds the same number v of stages: forwards in
@@ -88,8 +116,8 @@ std::vector<std::vector<Action>> megatron_plans(const std::vector<std::vector<in
     for (int g = 0; g * P < m; ++g) {
       for (int c = 0; c < v; ++c) {
         for (int j = 0; j < P && g * P + j < m; ++j) {
-          fwd.push_back(Action{hosted[r][c], g * P + j, false});
-          bwd.push_back(Action{hosted[r][v - 1 - c], g * P + j, true});
+          fwd.push_back(Action{hosted[r][c], g * P + j, Kind::kForward});
+          bwd.push_back(Action{hosted[r][v - 1 - c], g * P + j, Kind::kBackward});
         }
       }
     }
@@ -106,13 +134,15 @@ std::vector<std::vector<Action>> megatron_plans(const std::vector<std::vector<in
 // missing, planned twice or on the wrong worker, or an order that deadlocks).
 absl::StatusOr<double> run_simulation(const std::vector<std::vector<Action>>& plans,
                                       const std::vector<int>& stage_worker, int m, const std::vector<double>& t_f,
-                                      const std::vector<double>& t_b) {
+                                      const std::vector<double>& t_b, const std::vector<double>& t_w) {
   const int p = static_cast<int>(stage_worker.size());
-  if (t_f.size() != stage_worker.size() || t_b.size() != stage_worker.size()) {
-    return absl::InvalidArgumentError("simulate: one forward and one backward cost per stage");
+  if (t_f.size() != stage_worker.size() || t_b.size() != stage_worker.size() ||
+      (!t_w.empty() && t_w.size() != stage_worker.size())) {
+    return absl::InvalidArgumentError("simulate: one forward, one backward (and one W) cost per stage");
   }
   if (absl::Status s = check_placement(stage_worker, static_cast<int>(plans.size()), m); !s.ok()) return s;
-  std::vector<std::vector<int>> seen(p, std::vector<int>(2 * m, 0));
+  // seen[s][4 i + kind]: how often each action is planned.
+  std::vector<std::vector<int>> seen(p, std::vector<int>(4 * m, 0));
   for (size_t w = 0; w < plans.size(); ++w) {
     for (size_t i = 0; i < plans[w].size(); ++i) {
       const Action& a = plans[w][i];
@@ -128,19 +158,48 @@ absl::StatusOr<double> run_simulation(const std::vector<std::vector<Action>>& pl
         return absl::InvalidArgumentError(
             absl::StrCat(what, ": stage ", a.stage, " is placed on worker ", stage_worker[a.stage]));
       }
-      if (seen[a.stage][2 * a.microbatch + a.backward]++) {
+      if (seen[a.stage][4 * a.microbatch + static_cast<int>(a.kind)]++) {
         return absl::InvalidArgumentError(absl::StrCat(what, ": planned twice"));
       }
     }
   }
   for (int s = 0; s < p; ++s) {
-    for (int c = 0; c < 2 * m; ++c) {
-      if (seen[s][c] != 1) {
-        return absl::InvalidArgumentError(absl::StrCat("action ", action_name(Action{s, c / 2, c % 2 == 1}),
-                                                       " is in no plan (worker ", stage_worker[s], "'s)"));
+    for (int i = 0; i < m; ++i) {
+      const int* k = &seen[s][4 * i];
+      auto name = [&](Kind kind) { return action_name(Action{s, i, kind}); };
+      auto missing = [&](const std::string& what, const char* why) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("action ", what, " is in no plan (worker ", stage_worker[s], "'s)", why));
+      };
+      if (!k[0]) return missing(name(Kind::kForward), "");
+      if (k[1] && (k[2] || k[3])) {
+        return absl::InvalidArgumentError(absl::StrCat("micro-batch ", i, " of stage ", s, " has a full backward (",
+                                                       name(Kind::kBackward), ") and a split one (I or W) in worker ",
+                                                       stage_worker[s], "'s plan: one or the other"));
       }
+      if (!k[1] && !k[2] && !k[3]) {
+        return missing(absl::StrCat(name(Kind::kBackward), " (or its halves ", name(Kind::kInput), " and ",
+                                    name(Kind::kWeight), ")"),
+                       "");
+      }
+      if (k[2] && !k[3]) return missing(name(Kind::kWeight), ": a split backward needs its W after its I");
+      if (k[3] && !k[2]) return missing(name(Kind::kInput), ": a split backward needs its I before its W");
     }
   }
+  auto cost = [&](const Action& a) {
+    const double w = t_w.empty() ? t_b[a.stage] / 2 : t_w[a.stage];
+    switch (a.kind) {
+      case Kind::kForward:
+        return t_f[a.stage];
+      case Kind::kBackward:
+        return t_b[a.stage];
+      case Kind::kInput:
+        return t_b[a.stage] - w;
+      case Kind::kWeight:
+        return w;
+    }
+    return 0.0;
+  };
   Times times(p, m);
   std::vector<size_t> next(plans.size(), 0);
   std::vector<double> free_at(plans.size(), 0);
@@ -152,8 +211,9 @@ absl::StatusOr<double> run_simulation(const std::vector<std::vector<Action>>& pl
         const Action& a = plans[w][next[w]];
         const double ready = times.ready_at(a, p);
         if (ready == kNever) break;
-        const double end = std::max(ready, free_at[w]) + (a.backward ? t_b[a.stage] : t_f[a.stage]);
-        times.done(a) = free_at[w] = end;
+        const double end = std::max(ready, free_at[w]) + cost(a);
+        times.set_done(a, end);
+        free_at[w] = end;
         makespan = std::max(makespan, end);
         ++next[w], progress = true;
       }
@@ -162,14 +222,85 @@ absl::StatusOr<double> run_simulation(const std::vector<std::vector<Action>>& pl
   for (size_t w = 0; w < plans.size(); ++w) {
     if (next[w] == plans[w].size()) continue;
     const Action& a = plans[w][next[w]];
-    const Action needs = !a.backward                                ? Action{a.stage - 1, a.microbatch, false}
-                         : times.f[a.stage][a.microbatch] == kNever ? Action{a.stage, a.microbatch, false}
-                                                                    : Action{a.stage + 1, a.microbatch, true};
+    Action needs;
+    if (a.kind == Kind::kForward) {
+      needs = Action{a.stage - 1, a.microbatch, Kind::kForward};
+    } else if (a.kind == Kind::kWeight) {
+      needs = Action{a.stage, a.microbatch, Kind::kInput};
+    } else if (times.f[a.stage][a.microbatch] == kNever) {
+      needs = Action{a.stage, a.microbatch, Kind::kForward};
+    } else {
+      const bool split = seen[a.stage + 1][4 * a.microbatch + static_cast<int>(Kind::kInput)] > 0;
+      needs = Action{a.stage + 1, a.microbatch, split ? Kind::kInput : Kind::kBackward};
+    }
     return absl::InvalidArgumentError(absl::StrCat(
         "the plans deadlock: worker ", w, " waits forever at its action ", next[w], " (", action_name(a), ") for ",
         action_name(needs), ", which worker ", stage_worker[needs.stage], " plans after an action that cannot run"));
   }
   return makespan;
+}
+
+// ZB-H1 (schedule.h) on one stage per worker: worker r runs p - 1 - r warm-up forwards, then a forward and an I
+// alternately, each I followed by the W of the micro-batch r behind it once there is one, then the remaining Is (each
+// followed by its W as before) and the remaining Ws. PyTorch's ScheduleInterleavedZeroBubble makes the same order
+// with one stage per worker.
+std::vector<std::vector<Action>> zero_bubble_h1_plans(int p, int m) {
+  std::vector<std::vector<Action>> plans(p);
+  for (int r = 0; r < p; ++r) {
+    std::vector<Action>& plan = plans[r];
+    int f = 0, i = 0, w = 0;
+    auto input_then_weight = [&] {
+      plan.push_back(Action{r, i++, Kind::kInput});
+      if (i > r) plan.push_back(Action{r, w++, Kind::kWeight});
+    };
+    while (f < std::min(p - 1 - r, m)) plan.push_back(Action{r, f++, Kind::kForward});
+    while (f < m) {
+      plan.push_back(Action{r, f++, Kind::kForward});
+      input_then_weight();
+    }
+    while (i < m) input_then_weight();
+    while (w < m) plan.push_back(Action{r, w++, Kind::kWeight});
+  }
+  return plans;
+}
+
+// ZBV (schedule.h) on P workers, stages r and 2P - 1 - r on worker r (chunks a and b), PyTorch's
+// ScheduleZBVZeroBubble order: with n = max(m, 2P - 1) micro-batches, 2 (P - r) - 1 forwards of a; r times F of b
+// and F of a; P - r times F, I, W of b; then, while a forward is left, F, I, W of a and F, I, W of b; r times I of
+// a and I of b; P - r times I of a with the next W of a; the remaining Ws of b, then of a. The actions of
+// micro-batches from m on are dropped. Under F = I = W = 1 per stage its makespan is 6m + P - 1 once m >= 2P - 1
+// (checked by simulation in the tests; from about 1.5 P on), the work 6m on every worker; a worker holds at most 2P
+// stage activations, which are P of a stage twice the size: 1F1B's stage 0 on the same model and workers.
+std::vector<std::vector<Action>> zero_bubble_v_plans(int P, int m) {
+  const int n = std::max(m, 2 * P - 1);
+  std::vector<std::vector<Action>> plans(P);
+  for (int r = 0; r < P; ++r) {
+    const int a = r, b = 2 * P - 1 - r;
+    int f0 = 0, f1 = 0, i0 = 0, i1 = 0;
+    std::vector<Action> ops;
+    auto add = [&](int stage, int& counter, Kind kind) { ops.push_back(Action{stage, counter++, kind}); };
+    for (int k = 0; k < 2 * (P - r) - 1; ++k) add(a, f0, Kind::kForward);
+    for (int k = 0; k < r; ++k) add(b, f1, Kind::kForward), add(a, f0, Kind::kForward);
+    for (int k = 0; k < P - r; ++k) {
+      add(b, f1, Kind::kForward);
+      ops.push_back(Action{b, i1, Kind::kInput}), add(b, i1, Kind::kWeight);
+    }
+    while (f1 < f0 || f0 < n) {
+      if (f0 < n) add(a, f0, Kind::kForward);
+      ops.push_back(Action{a, i0, Kind::kInput}), add(a, i0, Kind::kWeight);
+      add(b, f1, Kind::kForward);
+      ops.push_back(Action{b, i1, Kind::kInput}), add(b, i1, Kind::kWeight);
+    }
+    int w0 = i0, w1 = i1;
+    for (int k = 0; k < r; ++k) add(a, i0, Kind::kInput), add(b, i1, Kind::kInput);
+    for (int k = 0; k < P - r; ++k) add(a, i0, Kind::kInput), add(a, w0, Kind::kWeight);
+    while (w1 < i1) add(b, w1, Kind::kWeight);
+    while (w0 < i0) add(a, w0, Kind::kWeight);
+    for (const Action& x : ops) {
+      if (x.microbatch < m) plans[r].push_back(x);
+    }
+  }
+  return plans;
 }
 
 }  // namespace
@@ -191,14 +322,34 @@ std::vector<std::vector<Action>> make_plans(Schedule schedule, const std::vector
   if (schedule == Schedule::kCustom) {
     throw_error(absl::InvalidArgumentError("a custom schedule's plans are the user's (PipelineOptions::plans)"));
   }
+  if (schedule == Schedule::kZeroBubbleH1) {
+    for (int s = 0; s < p; ++s) {
+      if (stage_worker[s] != s || n_workers != p) {
+        throw_error(absl::InvalidArgumentError(absl::StrCat("zbh1 runs one stage per worker, stage s on worker s (", p,
+                                                            " stages on ", n_workers, " workers)")));
+      }
+    }
+    return zero_bubble_h1_plans(p, m);
+  }
+  if (schedule == Schedule::kZeroBubbleV) {
+    for (int s = 0; s < p; ++s) {
+      if (p != 2 * n_workers || stage_worker[s] != (s < n_workers ? s : p - 1 - s)) {
+        throw_error(absl::InvalidArgumentError(
+            absl::StrCat("zbv runs two stages per worker in a V: 2P stages on P workers, stage s on worker s and "
+                         "stage 2P - 1 - s on worker s (",
+                         p, " stages on ", n_workers, " workers, stage ", s, " on worker ", stage_worker[s], ")")));
+      }
+    }
+    return zero_bubble_v_plans(n_workers, m);
+  }
   if (schedule == Schedule::kLoopedBFS) {
     std::vector<std::vector<Action>> plans(n_workers);
     for (int w = 0; w < n_workers; ++w) {
       for (int s : hosted[w]) {
-        for (int i = 0; i < m; ++i) plans[w].push_back(Action{s, i, false});
+        for (int i = 0; i < m; ++i) plans[w].push_back(Action{s, i, Kind::kForward});
       }
       for (auto s = hosted[w].rbegin(); s != hosted[w].rend(); ++s) {
-        for (int i = m - 1; i >= 0; --i) plans[w].push_back(Action{*s, i, true});
+        for (int i = m - 1; i >= 0; --i) plans[w].push_back(Action{*s, i, Kind::kBackward});
       }
     }
     return plans;
@@ -207,7 +358,7 @@ std::vector<std::vector<Action>> make_plans(Schedule schedule, const std::vector
     auto plans = megatron_plans(hosted, m);
     // Checked by simulation: should this order ever deadlock (not seen; a safety net), the simulated order is used.
     if (!plans.empty() &&
-        run_simulation(plans, stage_worker, m, std::vector<double>(p, t_f), std::vector<double>(p, t_b)).ok()) {
+        run_simulation(plans, stage_worker, m, std::vector<double>(p, t_f), std::vector<double>(p, t_b), {}).ok()) {
       return plans;
     }
   }
@@ -225,6 +376,8 @@ std::vector<std::vector<Action>> make_plans(Schedule schedule, const std::vector
       case Schedule::kInterleaved1F1B:
         return live_worker[w] >= 2 * (P - w - 1) + (v - 1) * P + 1;
       case Schedule::kLoopedBFS:
+      case Schedule::kZeroBubbleH1:
+      case Schedule::kZeroBubbleV:
       case Schedule::kCustom:
         return false;  // made above
     }
@@ -233,10 +386,10 @@ std::vector<std::vector<Action>> make_plans(Schedule schedule, const std::vector
   // Priority keys (smaller first).
   auto key = [&](const Action& a) {
     if (schedule == Schedule::kInterleaved1F1B) {
-      const int c = a.backward ? v - 1 - chunk[a.stage] : chunk[a.stage];
+      const int c = a.kind == Kind::kBackward ? v - 1 - chunk[a.stage] : chunk[a.stage];
       return std::make_tuple(a.microbatch / P, c, a.microbatch % P);
     }
-    return std::make_tuple(a.microbatch, a.backward ? -a.stage : a.stage, 0);
+    return std::make_tuple(a.microbatch, a.kind == Kind::kBackward ? -a.stage : a.stage, 0);
   };
   auto choose = [&](int w, double t, bool relax, Action* out) {
     bool have_f = false, have_b = false;
@@ -244,13 +397,13 @@ std::vector<std::vector<Action>> make_plans(Schedule schedule, const std::vector
     for (int s : hosted[w]) {
       for (int i = 0; i < m; ++i) {
         if (!started_f[s][i]) {
-          Action a{s, i, false};
+          Action a{s, i, Kind::kForward};
           if (times.ready_at(a, p) <= t && (relax || !capped(s)) && (!have_f || key(a) < key(best_f))) {
             best_f = a, have_f = true;
           }
         }
         if (!started_b[s][i]) {
-          Action a{s, i, true};
+          Action a{s, i, Kind::kBackward};
           if (times.ready_at(a, p) <= t && (!have_b || key(a) < key(best_b))) best_b = a, have_b = true;
         }
       }
@@ -272,11 +425,12 @@ std::vector<std::vector<Action>> make_plans(Schedule schedule, const std::vector
         Action a;
         if (free_at[w] > t || !choose(w, t, relax != 0, &a)) continue;
         plans[w].push_back(a);
-        const double end = t + (a.backward ? t_b : t_f);
+        const bool backward = a.kind == Kind::kBackward;
+        const double end = t + (backward ? t_b : t_f);
         free_at[w] = end;
-        times.done(a) = end;
-        (a.backward ? started_b : started_f)[a.stage][a.microbatch] = 1;
-        const int d = a.backward ? -1 : 1;
+        times.set_done(a, end);
+        (backward ? started_b : started_f)[a.stage][a.microbatch] = 1;
+        const int d = backward ? -1 : 1;
         live_stage[a.stage] += d;
         live_worker[stage_worker[a.stage]] += d;
         --remaining, started = true;
@@ -306,10 +460,22 @@ double simulate(const std::vector<std::vector<Action>>& plans, const std::vector
 }
 
 double simulate(const std::vector<std::vector<Action>>& plans, const std::vector<int>& stage_worker, int m,
-                const std::vector<double>& t_f, const std::vector<double>& t_b) {
-  absl::StatusOr<double> makespan = run_simulation(plans, stage_worker, m, t_f, t_b);
+                const std::vector<double>& t_f, const std::vector<double>& t_b, const std::vector<double>& t_w) {
+  absl::StatusOr<double> makespan = run_simulation(plans, stage_worker, m, t_f, t_b, t_w);
   throw_if_error(makespan.status());
   return *makespan;
+}
+
+std::vector<int> peak_in_flight(const std::vector<std::vector<Action>>& plans, int n_stages) {
+  std::vector<int> live(n_stages, 0), peak(n_stages, 0);
+  for (const auto& plan : plans) {
+    for (const Action& a : plan) {
+      if (a.stage < 0 || a.stage >= n_stages) continue;
+      if (a.kind == Kind::kForward) peak[a.stage] = std::max(peak[a.stage], ++live[a.stage]);
+      if (a.kind == Kind::kBackward || a.kind == Kind::kWeight) --live[a.stage];
+    }
+  }
+  return peak;
 }
 
 std::vector<std::vector<Action>> parse_plans_csv(const std::string& text) {
@@ -328,20 +494,16 @@ std::vector<std::vector<Action>> parse_plans_csv(const std::string& text) {
       const std::string where = absl::StrCat("plan line ", line_no, ", cell ", cell_no, ": '", cell, "'");
       const size_t kind = cell.find_first_not_of("0123456789");
       int stage = -1, microbatch = -1;
-      if (kind != absl::string_view::npos && kind > 0 && kind + 1 < cell.size() &&
-          (cell[kind] == 'I' || cell[kind] == 'W')) {
-        throw_error(absl::InvalidArgumentError(absl::StrCat(
-            where,
-            " is a zero-bubble action (I: input gradient, W: weight gradient); Tandem runs full backwards (B)")));
-      }
-      if (kind == absl::string_view::npos || kind == 0 || kind + 1 >= cell.size() ||
-          (cell[kind] != 'F' && cell[kind] != 'B') || !absl::SimpleAtoi(cell.substr(0, kind), &stage) ||
+      const char* letter = kind == absl::string_view::npos ? nullptr : std::strchr(kLetters, cell[kind]);
+      if (kind == absl::string_view::npos || kind == 0 || kind + 1 >= cell.size() || letter == nullptr ||
+          cell[kind] == '\0' || !absl::SimpleAtoi(cell.substr(0, kind), &stage) ||
           cell.substr(kind + 1).find_first_not_of("0123456789") != absl::string_view::npos ||
           !absl::SimpleAtoi(cell.substr(kind + 1), &microbatch)) {
-        throw_error(absl::InvalidArgumentError(
-            absl::StrCat(where, " is not an action (<stage>F<micro-batch> or <stage>B<micro-batch>, e.g. 1B3)")));
+        throw_error(absl::InvalidArgumentError(absl::StrCat(
+            where,
+            " is not an action (<stage><F|B|I|W><micro-batch>, e.g. 1B3; B a full backward, I and W its halves)")));
       }
-      plan.push_back(Action{stage, microbatch, cell[kind] == 'B'});
+      plan.push_back(Action{stage, microbatch, static_cast<Kind>(letter - kLetters)});
     }
   }
   while (!plans.empty() && plans.back().empty()) plans.pop_back();  // trailing newlines

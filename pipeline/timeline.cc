@@ -28,6 +28,21 @@ int64_t first_start(const std::vector<TimelineEvent>& events) {
 
 }  // namespace
 
+namespace {
+struct KindStyle {
+  const char* letter;
+  const char* name;    // the Chrome trace's category
+  const char* legend;  // the picture's
+  const char* fill;
+};
+// By Kind: F, B, I, W.
+constexpr KindStyle kStyles[] = {{"F", "forward", "forward", "#3f7fbf"},
+                                 {"B", "backward", "backward", "#4c9a5b"},
+                                 {"I", "backward_input", "input gradient", "#e08a2c"},
+                                 {"W", "backward_weight", "weight gradient", "#8e5ab5"}};
+const KindStyle& kind_of(const TimelineEvent& e) { return kStyles[static_cast<int>(e.kind)]; }
+}  // namespace
+
 std::string chrome_trace_json(const std::vector<TimelineEvent>& events) {
   const int64_t t0 = first_start(events);
   std::string out = "{\"traceEvents\":[\n";
@@ -43,9 +58,9 @@ std::string chrome_trace_json(const std::vector<TimelineEvent>& events) {
   }
   for (size_t i = 0; i < events.size(); ++i) {
     const auto& e = events[i];
-    absl::StrAppend(&out, "{\"name\":\"", e.backward ? "B" : "F", e.microbatch, "\",\"cat\":\"",
-                    e.backward ? "backward" : "forward", "\",\"ph\":\"X\",\"pid\":", e.worker, ",\"tid\":", e.stage,
-                    ",\"ts\":", e.start_us - t0, ",\"dur\":", std::max<int64_t>(1, e.end_us - e.start_us),
+    absl::StrAppend(&out, "{\"name\":\"", kind_of(e).letter, e.microbatch, "\",\"cat\":\"", kind_of(e).name,
+                    "\",\"ph\":\"X\",\"pid\":", e.worker, ",\"tid\":", e.stage, ",\"ts\":", e.start_us - t0,
+                    ",\"dur\":", std::max<int64_t>(1, e.end_us - e.start_us),
                     ",\"args\":{\"microbatch\":", e.microbatch, ",\"stage\":", e.stage, "}}",
                     i + 1 < events.size() ? ",\n" : "\n");
   }
@@ -75,15 +90,15 @@ std::string schedule_svg(const std::vector<TimelineEvent>& events, int n_stages,
     const double x = left + static_cast<double>(e.start_us - t0) * scale;
     const double w = std::max(1.0, static_cast<double>(e.end_us - e.start_us) * scale);
     const double y = top + row * e.stage;
-    const char* fill = e.backward ? "#4c9a5b" : "#3f7fbf";
+    const char* fill = kind_of(e).fill;
     absl::StrAppendFormat(&svg,
                           "<rect x=\"%.2f\" y=\"%.1f\" width=\"%.2f\" height=\"%.1f\" fill=\"%s\" stroke=\"white\" "
                           "stroke-width=\"0.5\"><title>%s%d on worker %d: %.3f ms</title></rect>\n",
-                          x, y, w, row - 6, fill, e.backward ? "B" : "F", e.microbatch, e.worker,
+                          x, y, w, row - 6, fill, kind_of(e).letter, e.microbatch, e.worker,
                           static_cast<double>(e.end_us - e.start_us) / 1000.0);
     if (w >= 14) {
       absl::StrAppendFormat(&svg, "<text x=\"%.2f\" y=\"%.1f\" fill=\"white\" text-anchor=\"middle\">%s%d</text>\n",
-                            x + w / 2, y + row / 2, e.backward ? "B" : "F", e.microbatch);
+                            x + w / 2, y + row / 2, kind_of(e).letter, e.microbatch);
     }
   }
   const double axis = top + row * n_stages + 6;
@@ -95,13 +110,21 @@ std::string schedule_svg(const std::vector<TimelineEvent>& events, int n_stages,
     absl::StrAppendFormat(&svg, "<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\">%.1f ms</text>\n", x, axis + 18,
                           total_ms * k / 4);
   }
-  absl::StrAppendFormat(
-      &svg,
-      "<rect x=\"%.0f\" y=\"%.1f\" width=\"12\" height=\"12\" fill=\"#3f7fbf\"/><text x=\"%.0f\" "
-      "y=\"%.1f\">forward (micro-batch)</text>\n<rect x=\"%.0f\" y=\"%.1f\" width=\"12\" height=\"12\" "
-      "fill=\"#4c9a5b\"/><text x=\"%.0f\" y=\"%.1f\">backward</text>\n<text x=\"%.0f\" y=\"%.1f\" "
-      "fill=\"#666\">grey: idle (the bubble)</text>\n",
-      left, axis + 28, left + 16, axis + 38, left + 180, axis + 28, left + 196, axis + 38, left + 300, axis + 38);
+  // The legend: the kinds this step ran, then the bubble.
+  double lx = left;
+  for (int k = 0; k < 4; ++k) {
+    const KindStyle& style = kStyles[k];
+    if (std::none_of(events.begin(), events.end(), [&](const auto& e) { return static_cast<int>(e.kind) == k; })) {
+      continue;
+    }
+    absl::StrAppendFormat(&svg,
+                          "<rect x=\"%.0f\" y=\"%.1f\" width=\"12\" height=\"12\" fill=\"%s\"/><text x=\"%.0f\" "
+                          "y=\"%.1f\">%s %s</text>\n",
+                          lx, axis + 28, style.fill, lx + 16, axis + 38, style.letter, style.legend);
+    lx += 190;
+  }
+  absl::StrAppendFormat(&svg, "<text x=\"%.0f\" y=\"%.1f\" fill=\"#666\">grey: idle (the bubble)</text>\n", lx,
+                        axis + 38);
   svg += "</svg>\n";
   return svg;
 }

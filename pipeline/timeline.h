@@ -1,5 +1,6 @@
-// A pipeline step's timeline (every forward and backward with its start and end) and its pictures: a Chrome trace
-// (Perfetto, chrome://tracing) and a self-contained SVG of the schedule, one row per stage, gaps being the bubbles.
+// A pipeline step's timeline (every forward and backward, or its halves I and W, with its start and end) and its
+// pictures: a Chrome trace (Perfetto, chrome://tracing) and a self-contained SVG of the schedule, one row per stage,
+// gaps being the bubbles.
 //
 // Thread-safety: pure functions.
 #pragma once
@@ -8,11 +9,13 @@
 #include <string>
 #include <vector>
 
+#include "tandem/pipeline/schedule.h"
+
 namespace tandem::pipeline {
 
 struct TimelineEvent {
   int stage = 0, worker = 0, microbatch = 0;
-  bool backward = false;
+  Kind kind = Kind::kForward;        // F, B, or a split backward's I and W
   int64_t start_us = 0, end_us = 0;  // system clock, microseconds
 };
 

@@ -1,16 +1,17 @@
 // Pipeline-parallel training on Fashion-MNIST: the CNN cut into 3 stages on 3 workers, driven by a fourth.
 //
 //   build/tandem-run --nproc-per-node 4 build/pipeline_train [--epochs 4] [--lr 0.002] [--batch 64]
-//        [--microbatches 4] [--schedule 1f1b|gpipe|interleaved|looped_bfs|custom --plans FILE]
+//        [--microbatches 4] [--schedule 1f1b|gpipe|interleaved|looped_bfs|zbh1|zbv|custom --plans FILE]
 //        [--timeline pipeline_timeline] [--checkpoint 1]
 //        [--min-accuracy A]
 //
 // Rank 0 (the driver) cuts the CNN (the other examples' model) into stages of balanced measured time, places stage k
-// on worker k+1, and trains with Adam through DistributedOptimizer: each batch goes through pipe.step() (micro-batches
-// by the schedule, activations from stage to stage), then opt.step(). It prints progress every 100 steps, per epoch
-// the loss, images/s and test accuracy (inference through the pipeline), and writes one step's timeline as
-// <timeline>.svg (the schedule as a picture) and <timeline>.json (a Chrome trace for Perfetto). With --min-accuracy it
-// stops after the first epoch whose test accuracy reaches A, and exits 1 if none of the --epochs does.
+// on worker k+1 (zbv: two stages per worker, in a V), and trains with Adam through DistributedOptimizer: each batch
+// goes through pipe.step() (micro-batches by the schedule, activations from stage to stage), then opt.step(). It prints
+// progress every 100 steps, per epoch the loss, images/s and test accuracy (inference through the pipeline), and writes
+// one step's timeline as <timeline>.svg (the schedule as a picture) and <timeline>.json (a Chrome trace for Perfetto).
+// With --min-accuracy it stops after the first epoch whose test accuracy reaches A, and exits 1 if none of the --epochs
+// does.
 #include <torch/torch.h>
 
 #include <chrono>
@@ -56,10 +57,11 @@ Args parse(int argc, char** argv) {
   app.add_option("--lr", a.lr, "Adam's step size");
   app.add_option("--batch", a.batch, "images per step")->check(CLI::PositiveNumber);
   app.add_option("--microbatches", a.microbatches, "micro-batches per step")->check(CLI::PositiveNumber);
-  app.add_option("--schedule", a.schedule, "gpipe, 1f1b, interleaved, looped_bfs, or custom (with --plans)");
+  app.add_option("--schedule", a.schedule,
+                 "gpipe, 1f1b, interleaved, looped_bfs, zbh1, zbv (zero bubble), or custom (with --plans)");
   app.add_option("--plans", a.plans,
-                 "custom schedule: a CSV file, line w worker w's actions in order (0F0,0F1,0B0,...: stage, F or B, "
-                 "micro-batch)");
+                 "custom schedule: a CSV file, line w worker w's actions in order (0F0,0F1,0I0,0W0,0B1,...: stage, "
+                 "F, B, or a split backward's I and W, micro-batch)");
   app.add_option("--timeline", a.timeline, "write one step's timeline to <this>.svg and <this>.json ('': none)");
   app.add_option("--checkpoint", a.checkpoint, "1: recompute activations in backward instead of keeping them");
   app.add_option("--limit", a.limit, "train on at most this many images (0: all 60,000)");
@@ -79,14 +81,15 @@ double evaluate(pipeline::Pipeline& pipe, const examples::Dataset& test) {
 }
 
 int drive(const Args& args) {
-  const int n_stages = static_cast<int>(rpc::get_all_worker_infos().size()) - 1;
-  if (n_stages < 1) throw std::invalid_argument("needs a driver and at least one stage worker (--nproc-per-node 4)");
+  const int n_workers = static_cast<int>(rpc::get_all_worker_infos().size()) - 1;
+  if (n_workers < 1) throw std::invalid_argument("needs a driver and at least one stage worker (--nproc-per-node 4)");
+  const int n_stages = args.schedule == "zbv" ? 2 * n_workers : n_workers;
   examples::Dataset data = examples::load_fashion_mnist("train");
   examples::Dataset test = examples::load_fashion_mnist("t10k");
   const int64_t n = args.limit > 0 ? std::min(args.limit, data.images.size(0)) : data.images.size(0);
 
   std::vector<rpc::To> workers;
-  for (int r = 1; r <= n_stages; ++r) workers.emplace_back(r);
+  for (int r = 1; r <= n_workers; ++r) workers.emplace_back(r);
   pipeline::PipelineOptions options;
   options.schedule = pipeline::schedule_from_name(args.schedule);
   if (options.schedule == pipeline::Schedule::kCustom) {

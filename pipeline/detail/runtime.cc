@@ -34,6 +34,8 @@ namespace tandem::pipeline {
 namespace detail {
 namespace {
 
+constexpr const char* kKindNames[] = {"forward", "backward", "backward (input gradient)", "backward (weight gradient)"};
+
 // Runs one pipeline's work on this worker, one task at a time in the order queued: a step's plan, an inference
 // micro-batch. So the run of step n + 1 never starts before the run of step n has ended here, and nothing of a
 // pipeline runs on an RPC server thread. stop() runs what is queued (those tasks fail fast: their pipeline is gone)
@@ -229,7 +231,8 @@ struct Plan {
 
 struct StageRun {
   std::shared_ptr<Stage> stage;
-  std::map<int, Live> live;  // by micro-batch: from its forward to its backward
+  std::map<int, Live> live;                            // by micro-batch: from its forward to its backward (B or I)
+  std::map<int, std::shared_ptr<WeightWork>> pending;  // by micro-batch: from its I to its W (its graph)
   int64_t peak = 0, busy_us = 0;
   std::vector<at::Tensor> grads;  // per Stage::params: the step's sums
 };
@@ -241,7 +244,7 @@ class Run {
     for (int r : p_.kept->stage_rank) stage_names_.push_back(rpc::get_worker_info(r).name);
   }
 
-  // Returns (loss, [stage, peak, busy_us]..., [stage, mb, backward, start_us, end_us]..., this process's peak resident
+  // Returns (loss, [stage, peak, busy_us]..., [stage, mb, kind, start_us, end_us]..., this process's peak resident
   // memory in KiB).
   c10::IValue execute() {
     const int n = static_cast<int>(p_.kept->stage_rank.size());
@@ -251,7 +254,18 @@ class Run {
       StageRun& run = stage_run(a.stage);
       compute_start_ = compute_end_ = 0;
       try {
-        a.backward ? backward(run, a, n) : forward(run, a, n, loss, batch);
+        switch (a.kind) {
+          case Kind::kForward:
+            forward(run, a, n, loss, batch);
+            break;
+          case Kind::kBackward:
+          case Kind::kInput:
+            backward(run, a, n);
+            break;
+          case Kind::kWeight:
+            weight(run, a);
+            break;
+        }
       } catch (...) {
         const absl::Status thrown = status_from_current_exception();
         throw_error(thrown.code(), a, thrown.message());
@@ -259,7 +273,7 @@ class Run {
       // Busy time and the timeline count computing only, not the wait for the action's input nor its send.
       const int64_t end = compute_end_ > 0 ? compute_end_ : now_us(), start = compute_start_;
       run.busy_us += end - start;
-      if (p_.record) events_.insert(events_.end(), {a.stage, a.microbatch, a.backward, start, end});
+      if (p_.record) events_.insert(events_.end(), {a.stage, a.microbatch, static_cast<int64_t>(a.kind), start, end});
     }
     for (auto& f : sends_) {
       if (!f.wait_for(remaining()))
@@ -372,7 +386,7 @@ class Run {
   [[noreturn]] void throw_error(absl::StatusCode code, const Action& a, absl::string_view cause) {
     throw RpcError(
         absl::Status(code, absl::StrCat("stage ", a.stage, " on worker '", self_name(), "', micro-batch ", a.microbatch,
-                                        ", ", a.backward ? "backward" : "forward", ": ", cause)));
+                                        ", ", kKindNames[static_cast<int>(a.kind)], ": ", cause)));
   }
 
   c10::IValue receive(int stage, int mb, bool grad) {
@@ -417,7 +431,7 @@ class Run {
       send(a.stage + 1, a.microbatch, false, map_tensors(out, [](const at::Tensor& t) { return t.detach(); }));
     }
     run.live[a.microbatch] = std::move(live);
-    run.peak = std::max(run.peak, static_cast<int64_t>(run.live.size()));
+    run.peak = std::max(run.peak, static_cast<int64_t>(run.live.size() + run.pending.size()));
   }
 
   void backward(StageRun& run, const Action& a, int n) {
@@ -429,10 +443,29 @@ class Run {
     c10::IValue grad_out;
     if (!last) grad_out = receive(a.stage, a.microbatch, true);
     compute_start_ = now_us();
-    MicrobatchGradients g =
-        backward_microbatch(*run.stage, std::move(live), grad_out, a.stage == 0, last, !last && p_.checkpoint);
-    accumulate(run.grads, std::move(g.params));
-    if (a.stage > 0) send(a.stage - 1, a.microbatch, true, std::move(g.input));
+    c10::IValue input_grad;
+    if (a.kind == Kind::kInput) {
+      InputGradients g =
+          backward_input(*run.stage, std::move(live), grad_out, a.stage == 0, last, !last && p_.checkpoint);
+      run.pending[a.microbatch] = std::move(g.work);
+      input_grad = std::move(g.input);
+    } else {
+      MicrobatchGradients g =
+          backward_microbatch(*run.stage, std::move(live), grad_out, a.stage == 0, last, !last && p_.checkpoint);
+      accumulate(run.grads, std::move(g.params));
+      input_grad = std::move(g.input);
+    }
+    if (a.stage > 0) send(a.stage - 1, a.microbatch, true, std::move(input_grad));
+  }
+
+  // W: the weights' gradients of a micro-batch whose I ran; its graph goes with it.
+  void weight(StageRun& run, const Action& a) {
+    auto it = run.pending.find(a.microbatch);
+    if (it == run.pending.end()) tandem::throw_error(absl::InternalError("W before its I"));
+    std::shared_ptr<WeightWork> work = std::move(it->second);
+    run.pending.erase(it);
+    compute_start_ = now_us();
+    accumulate(run.grads, backward_weight(*run.stage, std::move(work)));
   }
 
   Plan p_;
@@ -462,8 +495,11 @@ std::shared_ptr<const CachedPlan> plan_of(int64_t pipe, int64_t m, const std::ve
   auto plan = std::make_shared<CachedPlan>();
   if (actions.size() % 3 != 0) throw_error(absl::InvalidArgumentError("malformed pipeline plan"));
   for (size_t i = 0; i < actions.size(); i += 3) {
+    if (actions[i + 2] < 0 || actions[i + 2] > 3) {
+      throw_error(absl::InvalidArgumentError("malformed pipeline plan: an action of no known kind"));
+    }
     plan->actions.push_back(
-        Action{static_cast<int>(actions[i]), static_cast<int>(actions[i + 1]), actions[i + 2] != 0});
+        Action{static_cast<int>(actions[i]), static_cast<int>(actions[i + 1]), static_cast<Kind>(actions[i + 2])});
   }
   for (int64_t r : stage_rank) plan->stage_rank.push_back(static_cast<int>(r));
   for (const Action& a : plan->actions) {

@@ -1,14 +1,22 @@
 #include "tandem/pipeline/detail/stage.h"
 
 #include <ATen/ATen.h>
+#include <ATen/core/LegacyTypeDispatch.h>
 #include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/accumulate_grad.h>
 #include <torch/csrc/jit/serialization/import.h>
 #include <torch/nn/modules/container/sequential.h>
 
+#include <algorithm>
+#include <functional>
 #include <limits>
 #include <map>
 #include <mutex>
 #include <string>
+#include <unordered_map>
+#include <unordered_set>
 
 #include "absl/base/attributes.h"
 #include "absl/base/thread_annotations.h"
@@ -77,8 +85,11 @@ c10::IValue recompute(Stage& stage, const Live& live, std::vector<at::Tensor>* k
     throw;
   }
 }
+// Below autograd's in-place tracking, as BatchNorm's kernel updates its running statistics: their version counters
+// stay, so a graph that saved these buffers still takes them (a split backward's W runs after this).
 void put_back(Stage& stage, const std::vector<at::Tensor>& kept) {
   at::NoGradGuard no_grad;
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
   for (size_t i = 0; i < kept.size(); ++i) {
     if (kept[i].defined() && !at::equal(stage.buffers[i], kept[i])) stage.buffers[i].copy_(kept[i]);
   }
@@ -234,60 +245,304 @@ std::vector<at::Tensor> gradients_of(const c10::IValue& g, const std::vector<at:
 }
 }  // namespace
 
-MicrobatchGradients backward_microbatch(Stage& stage, Live live, const c10::IValue& grad_output, bool first, bool last,
-                                        bool recompute_forward) {
-  std::vector<at::Tensor> kept;  // with checkpointing: the buffers as the first forward left them
-  struct PutBack {
-    Stage& stage;
-    const std::vector<at::Tensor>& kept;
-    ~PutBack() { put_back(stage, kept); }
-  } put_back_after{stage, kept};  // after the backward below (or its error): its graph may hold them
-  const c10::IValue output = recompute_forward ? recompute(stage, live, &kept) : live.output;
-  // The roots: the output's tensors that have a graph and a gradient (on the last stage, the loss alone).
-  std::vector<at::Tensor> roots, root_grads;
+namespace {
+
+// The roots of a micro-batch's backward: the output's tensors that have a graph and a gradient (on the last stage, the
+// loss alone), and the input's tensors (none on the first stage).
+struct Roots {
+  std::vector<at::Tensor> tensors, grads, inputs;
+};
+Roots roots_of(const c10::IValue& output, const Live& live, const c10::IValue& grad_output, bool first, bool last) {
+  Roots r;
   const std::vector<at::Tensor> outs = tensors_of(output);
   if (last) {
     for (const auto& t : outs) {
-      if (t.requires_grad()) roots.push_back(t);
+      if (t.requires_grad()) r.tensors.push_back(t);
     }
   } else {
     const std::vector<at::Tensor> received = gradients_of(grad_output, outs);
     for (size_t i = 0; i < outs.size(); ++i) {
-      if (outs[i].requires_grad() && received[i].defined()) roots.push_back(outs[i]), root_grads.push_back(received[i]);
+      if (outs[i].requires_grad() && received[i].defined())
+        r.tensors.push_back(outs[i]), r.grads.push_back(received[i]);
     }
   }
-  const std::vector<at::Tensor> inputs = first ? std::vector<at::Tensor>{} : tensors_of(live.input);
+  if (!first) r.inputs = tensors_of(live.input);
+  return r;
+}
+
+// The message for the previous stage (MicrobatchGradients::input) from `grads`, one per input tensor.
+c10::IValue input_message(const Live& live, const std::vector<at::Tensor>& inputs,
+                          const std::vector<at::Tensor>& grads) {
+  if (live.input.size() == 1 && live.input[0].isTensor()) {
+    return grads[0].defined() ? grads[0] : at::zeros_like(inputs[0]);
+  }
+  c10::impl::GenericList list(c10::AnyType::get());
+  for (const auto& g : grads) list.push_back(g.defined() ? c10::IValue(g) : c10::IValue());
+  return list;
+}
+
+// The recompute's buffers go back once the backward is done (or failed): its graph may hold them.
+struct PutBack {
+  Stage& stage;
+  std::vector<at::Tensor> kept;
+  ~PutBack() { put_back(stage, kept); }
+};
+
+// The full backward from `r`: the gradients of the parameters and of the input's tensors.
+void full_backward(const Stage& stage, const Roots& r, std::vector<at::Tensor>* params,
+                   std::vector<at::Tensor>* inputs) {
   std::vector<at::Tensor> wrt = stage.params;
   std::vector<size_t> input_at;  // for each tensor of the input: its place in wrt, or max() when it has no gradient
-  for (const auto& t : inputs) {
+  for (const auto& t : r.inputs) {
     input_at.push_back(t.requires_grad() ? wrt.size() : std::numeric_limits<size_t>::max());
     if (t.requires_grad()) wrt.push_back(t);
   }
   std::vector<at::Tensor> grads;
-  if (!wrt.empty() && !roots.empty()) {
-    grads = torch::autograd::grad(roots, wrt, root_grads, /*retain_graph=*/false, /*create_graph=*/false,
+  if (!wrt.empty() && !r.tensors.empty()) {
+    grads = torch::autograd::grad(r.tensors, wrt, r.grads, /*retain_graph=*/false, /*create_graph=*/false,
                                   /*allow_unused=*/true);
   } else {
     grads.resize(wrt.size());
   }
+  inputs->clear();
+  for (size_t k : input_at) inputs->push_back(k < grads.size() ? grads[k] : at::Tensor());
+  grads.resize(stage.params.size());
+  *params = std::move(grads);
+}
+
+}  // namespace
+
+MicrobatchGradients backward_microbatch(Stage& stage, Live live, const c10::IValue& grad_output, bool first, bool last,
+                                        bool recompute_forward) {
+  PutBack put_back_after{stage, {}};
+  const c10::IValue output = recompute_forward ? recompute(stage, live, &put_back_after.kept) : live.output;
+  const Roots r = roots_of(output, live, grad_output, first, last);
   MicrobatchGradients out;
-  if (!first) {
-    auto grad_of = [&](size_t k) { return input_at[k] < grads.size() ? grads[input_at[k]] : at::Tensor(); };
-    if (live.input.size() == 1 && live.input[0].isTensor()) {
-      at::Tensor g = grad_of(0);
-      out.input = g.defined() ? g : at::zeros_like(inputs[0]);
-    } else {
-      c10::impl::GenericList list(c10::AnyType::get());
-      for (size_t k = 0; k < inputs.size(); ++k) {
-        at::Tensor g = grad_of(k);
-        list.push_back(g.defined() ? c10::IValue(g) : c10::IValue());
+  std::vector<at::Tensor> input_grads;
+  full_backward(stage, r, &out.params, &input_grads);
+  if (!first) out.input = input_message(live, r.inputs, input_grads);
+  return out;
+}
+
+// ---- the zero-bubble split (stage.h)
+
+namespace {
+using torch::autograd::Edge;
+using torch::autograd::Node;
+
+// Keeps what reaches a node in I: the gradients of its forward's outputs.
+struct Capture : torch::autograd::FunctionPreHook {
+  explicit Capture(std::shared_ptr<std::vector<at::Tensor>> into) : into(std::move(into)) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& grads) override {
+    *into = grads;
+    return grads;
+  }
+  std::shared_ptr<std::vector<at::Tensor>> into;
+};
+}  // namespace
+
+struct WeightWork {
+  Live live;  // the input's tensors: their graph lives until W
+  Roots roots;
+  bool split = false;
+  bool whole_in_w = false;       // the first stage: W runs the whole backward
+  std::vector<at::Tensor> done;  // not split: the parameters' gradients, computed by I (or, first stage, by W)
+  struct Group {
+    std::vector<std::shared_ptr<Node>> nodes;                        // where the parameters' paths join the input's
+    std::vector<std::shared_ptr<std::vector<at::Tensor>>> captured;  // what reached each of them in I
+    std::vector<size_t> params;                                      // indices into Stage::params
+    std::vector<Edge> outputs;                                       // their gradient edges
+  };
+  std::vector<Group> groups;
+};
+
+bool split(const WeightWork& work) { return work.split; }
+
+namespace {
+
+// The groups of W for the graph from `r` (see stage.h); false when this graph is not split.
+bool plan_weights(const Stage& stage, const Roots& r, WeightWork* work) {
+  std::unordered_set<const Node*> input_nodes, root_nodes;
+  for (const auto& t : r.inputs) {
+    if (!t.requires_grad()) continue;
+    if (auto acc = torch::autograd::impl::try_get_grad_accumulator(t)) input_nodes.insert(acc.get());
+  }
+  if (input_nodes.empty()) return false;
+  // Every node the backward can reach, whether it leads to the input, and who points to it (iterative: graphs of
+  // deep stages are deep).
+  std::unordered_map<const Node*, std::shared_ptr<Node>> nodes;
+  std::unordered_map<const Node*, bool> reaches;
+  std::unordered_map<const Node*, std::vector<const Node*>> parents;
+  std::vector<std::pair<Node*, size_t>> stack;
+  for (const auto& t : r.tensors) {
+    const std::shared_ptr<Node>& fn = t.grad_fn();
+    if (!fn) return false;  // a parameter returned as it is: no graph to split
+    root_nodes.insert(fn.get());
+    if (nodes.emplace(fn.get(), fn).second) stack.emplace_back(fn.get(), 0);
+    while (!stack.empty()) {
+      auto& [n, k] = stack.back();
+      if (k < n->num_outputs()) {
+        const Edge& e = n->next_edge(k++);
+        if (!e.function) continue;
+        parents[e.function.get()].push_back(n);
+        if (nodes.emplace(e.function.get(), e.function).second) stack.emplace_back(e.function.get(), 0);
+        continue;
       }
-      out.input = std::move(list);
+      bool yes = input_nodes.count(n) > 0;
+      for (const Edge& e : n->next_edges()) yes = yes || (e.function && reaches[e.function.get()]);
+      reaches[n] = yes;
+      stack.pop_back();
     }
   }
-  grads.resize(stage.params.size());
-  out.params = std::move(grads);
+  // Each parameter's joining nodes: going up from its accumulator, the first nodes that lead to the input.
+  std::vector<std::vector<const Node*>> joins(stage.params.size());
+  std::unordered_map<const Node*, size_t> owner;  // joining node -> a parameter's index (union-find below)
+  std::vector<size_t> group_of(stage.params.size());
+  for (size_t j = 0; j < group_of.size(); ++j) group_of[j] = j;
+  std::function<size_t(size_t)> find = [&](size_t j) { return group_of[j] == j ? j : group_of[j] = find(group_of[j]); };
+  for (size_t j = 0; j < stage.params.size(); ++j) {
+    auto acc = torch::autograd::impl::try_get_grad_accumulator(stage.params[j]);
+    if (!acc || !nodes.count(acc.get())) continue;  // not in this graph: no gradient
+    std::unordered_set<const Node*> seen{acc.get()};
+    std::vector<const Node*> todo{acc.get()};
+    while (!todo.empty()) {
+      const Node* n = todo.back();
+      todo.pop_back();
+      if (root_nodes.count(n)) return false;  // a root whose gradient reaches the parameter without the input's path
+      for (const Node* up : parents[n]) {
+        if (!seen.insert(up).second) continue;
+        if (reaches[up]) {
+          joins[j].push_back(up);
+          auto [it, fresh] = owner.emplace(up, j);
+          if (!fresh) group_of[find(j)] = find(it->second);
+        } else {
+          todo.push_back(up);
+        }
+      }
+    }
+  }
+  std::map<size_t, WeightWork::Group> groups;
+  std::map<size_t, std::unordered_set<const Node*>> group_nodes;
+  for (size_t j = 0; j < joins.size(); ++j) {
+    if (joins[j].empty()) continue;
+    WeightWork::Group& g = groups[find(j)];
+    g.params.push_back(j);
+    g.outputs.push_back(torch::autograd::impl::gradient_edge(stage.params[j]));
+    for (const Node* n : joins[j]) {
+      if (group_nodes[find(j)].insert(n).second) g.nodes.push_back(nodes.at(n));
+    }
+  }
+  // W runs a group from its joining nodes to its parameters: a joining node behind another of the same group (a
+  // parameter used twice along the input's path) would run twice. Such graphs are not split.
+  for (const auto& [id, members] : group_nodes) {
+    for (const Node* from : members) {
+      std::unordered_set<const Node*> seen{from};
+      std::vector<const Node*> todo{from};
+      while (!todo.empty()) {
+        const Node* n = todo.back();
+        todo.pop_back();
+        for (const Edge& e : n->next_edges()) {
+          const Node* c = e.function.get();
+          if (!c || !reaches[c] || !seen.insert(c).second) continue;
+          if (members.count(c)) return false;
+          todo.push_back(c);
+        }
+      }
+    }
+  }
+  for (auto& [id, g] : groups) {
+    for (const auto& n : g.nodes) {
+      g.captured.push_back(std::make_shared<std::vector<at::Tensor>>());
+      n->add_pre_hook(std::make_unique<Capture>(g.captured.back()));
+    }
+    work->groups.push_back(std::move(g));
+  }
+  return true;
+}
+
+// Takes this split's hooks off the graph's nodes.
+void remove_captures(WeightWork* work) {
+  for (auto& g : work->groups) {
+    for (size_t i = 0; i < g.nodes.size(); ++i) {
+      auto& hooks = g.nodes[i]->pre_hooks();
+      hooks.erase(std::remove_if(hooks.begin(), hooks.end(),
+                                 [&](const std::unique_ptr<torch::autograd::FunctionPreHook>& h) {
+                                   auto* c = dynamic_cast<Capture*>(h.get());
+                                   return c && c->into == g.captured[i];
+                                 }),
+                  hooks.end());
+    }
+  }
+}
+
+}  // namespace
+
+InputGradients backward_input(Stage& stage, Live live, const c10::IValue& grad_output, bool first, bool last,
+                              bool recompute_forward) {
+  auto work = std::make_shared<WeightWork>();
+  InputGradients out;
+  {
+    PutBack put_back_after{stage, {}};  // after I: a later forward updates the buffers again
+    const c10::IValue output = recompute_forward ? recompute(stage, live, &put_back_after.kept) : live.output;
+    work->roots = roots_of(output, live, grad_output, first, last);
+    const Roots& r = work->roots;
+    std::vector<at::Tensor> input_grads;
+    if (first) {
+      work->whole_in_w = true;  // no input gradient: the whole backward is W's
+    } else if (!stage.params.empty() && !r.tensors.empty() && plan_weights(stage, r, work.get())) {
+      work->split = true;
+      std::vector<at::Tensor> wrt;
+      std::vector<size_t> input_at;
+      for (const auto& t : r.inputs) {
+        input_at.push_back(t.requires_grad() ? wrt.size() : std::numeric_limits<size_t>::max());
+        if (t.requires_grad()) wrt.push_back(t);
+      }
+      std::vector<at::Tensor> grads;
+      try {
+        grads = torch::autograd::grad(r.tensors, wrt, r.grads, /*retain_graph=*/true, /*create_graph=*/false,
+                                      /*allow_unused=*/true);
+      } catch (...) {
+        remove_captures(work.get());
+        throw;
+      }
+      remove_captures(work.get());
+      for (size_t k : input_at) input_grads.push_back(k < grads.size() ? grads[k] : at::Tensor());
+    } else {
+      work->groups.clear();
+      full_backward(stage, r, &work->done, &input_grads);
+    }
+    if (!first) out.input = input_message(live, r.inputs, input_grads);
+  }
+  work->live = std::move(live);
+  out.work = std::move(work);
   return out;
+}
+
+std::vector<at::Tensor> backward_weight(Stage& stage, std::shared_ptr<WeightWork> work) {
+  if (!work->split) {
+    if (work->whole_in_w) {
+      std::vector<at::Tensor> none;
+      full_backward(stage, work->roots, &work->done, &none);
+    }
+    return std::move(work->done);
+  }
+  std::vector<at::Tensor> grads(stage.params.size());
+  for (const auto& g : work->groups) {
+    torch::autograd::edge_list roots;
+    torch::autograd::variable_list root_grads;
+    for (size_t i = 0; i < g.nodes.size(); ++i) {
+      const std::vector<at::Tensor>& got = *g.captured[i];
+      for (size_t k = 0; k < got.size(); ++k) {
+        if (got[k].defined()) roots.emplace_back(g.nodes[i], static_cast<uint32_t>(k)), root_grads.push_back(got[k]);
+      }
+    }
+    if (roots.empty()) continue;  // nothing reached this group's nodes: no gradient
+    torch::autograd::variable_list out = torch::autograd::Engine::get_default_engine().execute(
+        roots, root_grads, /*keep_graph=*/true, /*create_graph=*/false, /*accumulate_grad=*/false, g.outputs);
+    for (size_t i = 0; i < g.params.size() && i < out.size(); ++i) grads[g.params[i]] = std::move(out[i]);
+  }
+  work.reset();  // the graph goes with the work
+  return grads;
 }
 
 void accumulate(std::vector<at::Tensor>& sums, std::vector<at::Tensor>&& grads) {

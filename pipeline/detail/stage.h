@@ -76,6 +76,28 @@ struct MicrobatchGradients {
 MicrobatchGradients backward_microbatch(Stage& stage, Live live, const c10::IValue& grad_output, bool first, bool last,
                                         bool recompute);
 
+// The zero-bubble split of a backward (Qi et al., "Zero Bubble Pipeline Parallelism"): backward_input (I) computes
+// only the input's gradient, for the previous stage, and leaves in a WeightWork what backward_weight (W) needs to
+// compute the parameters' gradients later, without running the input's part again. I keeps the micro-batch's graph;
+// W frees it. How: before I, the graph is searched for the nodes where paths from parameters join the path to the
+// input (PyTorch's pipelining finds the same "intermediates"); I captures the gradients arriving there, and W runs
+// the engine from those nodes to the parameters only, one group of parameters sharing such nodes at a time. A graph
+// where that would count a gradient twice (one joining node behind another of its group), an output that does not
+// depend on the input, or the first stage (no input gradient) has all its backward run by I (then W only hands its
+// result over) or, on the first stage, by W.
+struct WeightWork;
+struct InputGradients {
+  c10::IValue input;                 // as MicrobatchGradients::input
+  std::shared_ptr<WeightWork> work;  // for backward_weight
+};
+// I: as backward_microbatch for the input's gradient. Same arguments and errors.
+InputGradients backward_input(Stage& stage, Live live, const c10::IValue& grad_output, bool first, bool last,
+                              bool recompute);
+// W: the parameters' gradients (per Stage::params, undefined where none) of the micro-batch whose I left `work`.
+std::vector<at::Tensor> backward_weight(Stage& stage, std::shared_ptr<WeightWork> work);
+// Whether backward_input split this micro-batch's backward (W computes the weights' part): for tests and the timeline.
+bool split(const WeightWork& work);
+
 // Adds `grads` into `sums` (per parameter), taking a gradient tensor over when nothing else holds it.
 void accumulate(std::vector<at::Tensor>& sums, std::vector<at::Tensor>&& grads);
 

@@ -9,6 +9,7 @@ namespace tandem::rpc {
 // 1: the schema before versioning (hand-made rendezvous, hello, RRef and autograd encodings). 2: all of them in proto/.
 // 3: the pipeline's micro-batches are argument tuples, its activations and gradients structured values; the direct
 // channel's one-way request (kind 6). 4: a pipeline step's workers tell each other they finished (done), no commit.
-constexpr uint32_t kWireVersion = 4;
+// 5: a pipeline plan's actions carry a kind (F, B, I, W: the zero-bubble split), not a backward flag.
+constexpr uint32_t kWireVersion = 5;
 
 }  // namespace tandem::rpc

@@ -155,17 +155,21 @@ TEST_P(MultiprocPipelineEquivalence, LossGradientsAndStepsEqualTheUnsplitModel) 
   const auto& [name, stages] = GetParam();
   const Schedule schedule = pipeline::schedule_from_name(name);
   const bool several_per_worker = schedule == Schedule::kInterleaved1F1B || schedule == Schedule::kLoopedBFS;
-  const int workers = several_per_worker ? 2 : stages;
+  const int workers = schedule == Schedule::kZeroBubbleV ? stages / 2 : several_per_worker ? 2 : stages;
   start({.world_size = workers + 1});
   for (int m : {1, 3, 8}) EXPECT_EQ(follow_one_process(schedule, stages, workers, m, false), "");
 }
 
+auto equivalence_name = [](const auto& info) {
+  return std::get<0>(info.param) + "_" + std::to_string(std::get<1>(info.param)) + "_stages";
+};
 INSTANTIATE_TEST_SUITE_P(MultiprocPipeline, MultiprocPipelineEquivalence,
-                         ::testing::Combine(::testing::Values("gpipe", "1f1b", "interleaved", "looped_bfs"),
+                         ::testing::Combine(::testing::Values("gpipe", "1f1b", "interleaved", "looped_bfs", "zbh1"),
                                             ::testing::Values(2, 3, 4)),
-                         [](const auto& info) {
-                           return std::get<0>(info.param) + "_" + std::to_string(std::get<1>(info.param)) + "_stages";
-                         });
+                         equivalence_name);
+// ZBV: two stages per worker in a V (1, 2 and 3 workers).
+INSTANTIATE_TEST_SUITE_P(MultiprocPipelineV, MultiprocPipelineEquivalence,
+                         ::testing::Combine(::testing::Values("zbv"), ::testing::Values(2, 4, 6)), equivalence_name);
 
 // A schedule a user writes (PipelineOptions::plans, here from CSV): 3 stages on 2 workers (stage 2 back on worker 0),
 // an order no built-in schedule makes; it equals one process. Plans with a mistake fail the step, naming it.
@@ -175,13 +179,19 @@ TEST_F(MultiprocPipeline, CustomPlansRunAndEqualTheUnsplitModelAndMistakesAreNam
       "0F0,0F1,2F0,0F2,2B0,2F1,0B0,2B1,2F2,0B1,2B2,0B2\n"
       "1F0,1F1,1B0,1F2,1B1,1B2\n");
   EXPECT_EQ(follow_one_process(Schedule::kCustom, 3, 2, 3, false, pipeline::GradientsTo::kContext, false, plans), "");
+  // Split backwards mixed with full ones: I sends the gradient on, W comes later (some after the next forwards).
+  const auto split = pipeline::parse_plans_csv(
+      "0F0,0F1,2F0,0F2,2I0,2F1,0B0,2I1,2W0,2F2,0I1,2B2,0W1,2W1,0I2,0W2\n"
+      "1F0,1F1,1I0,1F2,1B1,1W0,1I2,1W2\n");
+  EXPECT_EQ(follow_one_process(Schedule::kCustom, 3, 2, 3, false, pipeline::GradientsTo::kContext, false, split), "");
   try {
     follow_one_process(Schedule::kCustom, 3, 2, 3, false, pipeline::GradientsTo::kContext, false,
                        pipeline::parse_plans_csv("0F0,0F1,0F2,2F0,2F1,2F2,2B0,2B1,2B2,0B0,0B1\n"
                                                  "1F0,1F1,1F2,1B0,1B1,1B2\n"));
     ADD_FAILURE() << "plans without 0B2 ran";
   } catch (const RpcError& e) {
-    EXPECT_NE(std::string(e.what()).find("the custom schedule's plans for 3 micro-batches: action 0B2 is in no plan"),
+    EXPECT_NE(std::string(e.what()).find("the custom schedule's plans for 3 micro-batches: action 0B2 (or its halves "
+                                         "0I2 and 0W2) is in no plan"),
               std::string::npos)
         << e.what();
     EXPECT_EQ(e.code(), absl::StatusCode::kInvalidArgument);
@@ -272,6 +282,8 @@ TEST_F(MultiprocPipeline, CheckpointingAndDotGradGiveTheSameGradients) {
   start({.world_size = 4});
   EXPECT_EQ(follow_one_process(Schedule::k1F1B, 3, 3, 3, true), "");
   EXPECT_EQ(follow_one_process(Schedule::k1F1B, 3, 3, 4, false, pipeline::GradientsTo::kDotGrad), "");
+  EXPECT_EQ(follow_one_process(Schedule::kZeroBubbleH1, 3, 3, 3, true), "");  // the recompute in I, W later
+  EXPECT_EQ(follow_one_process(Schedule::kZeroBubbleH1, 3, 3, 4, false, pipeline::GradientsTo::kDotGrad), "");
 }
 
 // A TorchScript stage (saved here, loaded by its worker) followed by layers of a registered Sequential: the loss and
@@ -511,8 +523,8 @@ TEST_F(MultiprocPipeline, CheckpointingKeepsDropoutMasksAndRunningStatistics) {
     double loss = 0;
     std::vector<std::vector<at::Tensor>> grads, buffers;
   };
-  auto train = [&](bool checkpoint) {
-    auto pipe = Pipeline::create(dropout_bn_stages(), {.schedule = Schedule::k1F1B,
+  auto train = [&](bool checkpoint, Schedule schedule) {
+    auto pipe = Pipeline::create(dropout_bn_stages(), {.schedule = schedule,
                                                        .n_microbatches = 4,
                                                        .loss = "mse",
                                                        .gradients = pipeline::GradientsTo::kDotGrad,
@@ -528,11 +540,17 @@ TEST_F(MultiprocPipeline, CheckpointingKeepsDropoutMasksAndRunningStatistics) {
     }
     return r;
   };
-  const Result off = train(false), on = train(true);
-  EXPECT_NEAR(on.loss, off.loss, 1e-12 * std::abs(off.loss));
-  for (int s = 0; s < 3; ++s) {
-    EXPECT_LE(relative_diff(on.grads[s], off.grads[s]), 1e-12) << "stage " << s << "'s gradients";
-    EXPECT_LE(relative_diff(on.buffers[s], off.buffers[s]), 1e-12) << "stage " << s << "'s buffers";
+  const Result off = train(false, Schedule::k1F1B);
+  // With checkpointing, and with ZB-H1's split backwards (a stage's forwards run in the same order: the same masks).
+  for (const auto& [checkpoint, schedule] : std::vector<std::pair<bool, Schedule>>{
+           {true, Schedule::k1F1B}, {false, Schedule::kZeroBubbleH1}, {true, Schedule::kZeroBubbleH1}}) {
+    const Result on = train(checkpoint, schedule);
+    const std::string what = pipeline::schedule_name(schedule) + (checkpoint ? ", checkpointing" : "");
+    EXPECT_NEAR(on.loss, off.loss, 1e-12 * std::abs(off.loss)) << what;
+    for (int s = 0; s < 3; ++s) {
+      EXPECT_LE(relative_diff(on.grads[s], off.grads[s]), 1e-12) << what << ": stage " << s << "'s gradients";
+      EXPECT_LE(relative_diff(on.buffers[s], off.buffers[s]), 1e-12) << what << ": stage " << s << "'s buffers";
+    }
   }
   ASSERT_EQ(off.buffers[1].size(), 3u);                      // running mean, running variance, batches tracked
   EXPECT_EQ(off.buffers[1][2].item<double>(), 4.0);          // one update per micro-batch
