@@ -36,6 +36,7 @@ using detail::kForward;
 using detail::kRelease;
 using detail::kReplyMargin;
 using detail::kRun;
+using detail::kTie;
 using detail::merge_batch;
 using detail::sizes_of;
 using detail::split_batch;
@@ -152,9 +153,18 @@ struct Pipeline::State {
         plan_ranks = ranks;
       }
       const bool first = stage_worker.front() == static_cast<int>(w), last = stage_worker.back() == static_cast<int>(w);
-      replies.push_back(rpc::rpc_async(
-          workers[w], kRun, id, step_id, actions, plan_ranks, sizes, first ? first_inputs : std::vector<c10::IValue>{},
-          last ? ys : std::vector<at::Tensor>{}, held ? std::string() : opts.loss, flags, opts.timeout + kReplyMargin));
+      std::vector<int64_t> ties;  // with the plan: (tie, copy, stage) and the name of every tied copy
+      std::vector<std::string> tie_names;
+      for (size_t t = 0; t < opts.tied.size() && !held; ++t) {
+        for (size_t c = 0; c < opts.tied[t].copies.size(); ++c) {
+          ties.insert(ties.end(), {static_cast<int64_t>(t), static_cast<int64_t>(c), opts.tied[t].copies[c].first});
+          tie_names.push_back(opts.tied[t].copies[c].second);
+        }
+      }
+      replies.push_back(rpc::rpc_async(workers[w], kRun, id, step_id, actions, plan_ranks, sizes,
+                                       first ? first_inputs : std::vector<c10::IValue>{},
+                                       last ? ys : std::vector<at::Tensor>{}, held ? std::string() : opts.loss, flags,
+                                       ties, tie_names, opts.timeout + kReplyMargin));
     }
     wait_all(opts, replies, step_id);
     for (size_t w = 0; w < workers.size(); ++w) plan_held.insert({w, m});
@@ -258,6 +268,23 @@ Pipeline Pipeline::create(std::vector<StageSpec> stages, PipelineOptions options
   detail::ensure_runtime();
   if (stages.empty()) fail(absl::StatusCode::kInvalidArgument, "a pipeline needs at least one stage");
   if (options.timeout.count() <= 0) options.timeout = rpc::default_timeout();
+  for (size_t t = 0; t < options.tied.size(); ++t) {
+    const auto& copies = options.tied[t].copies;
+    if (copies.size() < 2) {
+      fail(absl::StatusCode::kInvalidArgument,
+           absl::StrCat("tied parameter ", t, " has ", copies.size(), " copies: a tie needs at least two"));
+    }
+    for (size_t c = 0; c < copies.size(); ++c) {
+      if (copies[c].first < 0 || copies[c].first >= static_cast<int>(stages.size())) {
+        fail(absl::StatusCode::kInvalidArgument, absl::StrCat("copy ", c, " of tied parameter ", t, " names stage ",
+                                                              copies[c].first, " of ", stages.size()));
+      }
+      if (std::count(copies.begin(), copies.end(), copies[c]) > 1) {
+        fail(absl::StatusCode::kInvalidArgument,
+             absl::StrCat("tied parameter ", t, " names stage ", copies[c].first, "'s '", copies[c].second, "' twice"));
+      }
+    }
+  }
   auto st = std::make_shared<State>(options);
   st->id = rpc::detail::next_global_id(rpc::get_worker_info().id);
   std::vector<rpc::Future> built;
@@ -299,6 +326,22 @@ Pipeline Pipeline::create(std::vector<StageSpec> stages, PipelineOptions options
   }
   for (auto& b : built) {
     for (const auto& r : b.value().toTupleRef().elements()) st->params.push_back(rref::RRef::from_ivalue(r));
+  }
+  // Tied copies start from the first copy's values (each copy's name and shape checked on its worker).
+  for (const auto& tie : options.tied) {
+    auto call = [&](const std::pair<int, std::string>& copy, c10::IValue value) {
+      rpc::Future f = rpc::call(st->stage_rank[copy.first], kTie,
+                                {c10::IValue(st->id), c10::IValue(static_cast<int64_t>(copy.first)),
+                                 c10::IValue(copy.second), std::move(value)},
+                                options.timeout);
+      if (!f.status().ok()) {
+        fail(f.status().code(),
+             absl::StrCat("tying stage ", copy.first, "'s '", copy.second, "': ", f.status().message()));
+      }
+      return f.value();
+    };
+    const c10::IValue first = call(tie.copies[0], c10::IValue());
+    for (size_t c = 1; c < tie.copies.size(); ++c) call(tie.copies[c], first);
   }
   return Pipeline(std::move(st));
 }

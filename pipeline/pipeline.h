@@ -47,7 +47,8 @@
 // step leaves no gradient anywhere: no context on any worker, .grad unchanged. Except when the failure comes after
 // every worker said that it finished its run: a worker that dies or loses its connection then, a word of finishing
 // lost between two workers, or a reply lost on its way to the driver fail a step whose gradients were delivered on
-// some or all workers (docs/pipeline.md, "Errors and deadlines").
+// some or all workers (docs/pipeline.md, "Errors and deadlines"). At creation, a bad tie (PipelineOptions::tied):
+// INVALID_ARGUMENT naming it.
 //
 // Thread-safety: one step or forward() at a time per Pipeline (each waits for the other); several pipelines may share
 // workers.
@@ -93,6 +94,16 @@ struct StageSpec {
 
 enum class GradientsTo { kContext, kDotGrad };
 
+// A parameter several stages share (an embedding used by the first stage and, transposed, by the last): its copies,
+// each a stage and the parameter's name in that stage's module (named_parameters(): "weight", "0.weight", ...). At
+// creation every copy takes the first copy's values; each step sums the copies' gradients (in copy order, so every
+// copy gets the same tensor, bit for bit) before they go to the context or .grad, so the copies stay equal as long as
+// one optimizer steps them alike (DistributedOptimizer over parameter_rrefs(), which lists every copy). The sum rides
+// on the words the stage workers exchange at the end of a step: no extra message.
+struct TiedParameter {
+  std::vector<std::pair<int, std::string>> copies;
+};
+
 struct PipelineOptions {
   Schedule schedule = Schedule::k1F1B;
   int n_microbatches = 4;
@@ -112,6 +123,10 @@ struct PipelineOptions {
   // plans[w] is the w-th worker in stage order (stage 0's worker is 0, the next worker a stage names is 1, ...). A step
   // checks them first (simulate()) and fails naming the first bad action.
   std::vector<std::vector<Action>> plans;
+  // Parameters shared by stages (above). Creation fails (INVALID_ARGUMENT) for a tie of fewer than two copies, a stage
+  // out of range, a copy named twice, a name the stage's module does not have (the error lists the names it has) or
+  // copies of different shapes or types.
+  std::vector<TiedParameter> tied;
 };
 
 struct StepStats {

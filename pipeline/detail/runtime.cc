@@ -2,6 +2,7 @@
 #include "tandem/pipeline/detail/runtime.h"
 
 #include <ATen/ATen.h>
+#include <torch/nn/module.h>
 
 #include <algorithm>
 #include <atomic>
@@ -16,6 +17,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/time/time.h"
 #include "tandem/dist_autograd/dist_autograd.h"
 #include "tandem/pipeline/detail/common.h"
@@ -86,11 +88,20 @@ class Executor {
   std::thread thread_;  // last: starts once the members above exist
 };
 
+// One copy of a tied parameter (PipelineOptions::tied): copy `copy` of tie `tie` is parameter `name` of stage
+// `stage`; `param` is its index in that stage's Stage::params when the stage is on this worker (else -1).
+struct TieCopy {
+  int tie = 0, copy = 0, stage = 0;
+  std::string name;
+  int param = -1;
+};
+
 // A plan as the driver sent it once for a number of micro-batches: later steps of that shape name it.
 struct CachedPlan {
   std::vector<Action> actions;
   std::vector<int> stage_rank;
   std::string loss;
+  std::vector<TieCopy> ties;  // every copy of every tied parameter, in tie then copy order
 };
 
 // What this worker holds of one pipeline.
@@ -138,6 +149,28 @@ std::shared_ptr<Stage> find_stage(int64_t pipe, int stage) {
     auto st = e->stages.find(stage);
     return st == e->stages.end() ? nullptr : st->second;
   });
+}
+
+// The index in Stage::params of parameter `name` (its name in the stage module's named_parameters()) of a stage held
+// here. Throws INVALID_ARGUMENT naming the stage, the worker and the names it has.
+int tied_parameter_index(int64_t pipe, int stage, const std::string& name) {
+  auto s = find_stage(pipe, stage);
+  if (!s) throw_error(absl::NotFoundError(absl::StrCat("pipeline ", pipe, " has no stage ", stage, " here")));
+  std::vector<std::string> names;
+  for (const auto& item : s->module->named_parameters()) {
+    if (item.key() != name) {
+      names.push_back(item.key());
+      continue;
+    }
+    for (size_t j = 0; j < s->params.size(); ++j) {
+      if (s->params[j].unsafeGetTensorImpl() == item.value().unsafeGetTensorImpl()) return static_cast<int>(j);
+    }
+    throw_error(absl::InvalidArgumentError(absl::StrCat("tied parameter '", name, "' of stage ", stage, " on worker '",
+                                                        self_name(), "' does not require gradients")));
+  }
+  throw_error(
+      absl::InvalidArgumentError(absl::StrCat("stage ", stage, " on worker '", self_name(), "' has no parameter '",
+                                              name, "' to tie (it has: ", absl::StrJoin(names, ", "), ")")));
 }
 std::shared_ptr<Executor> executor_of(int64_t pipe) {
   return with_pipe(pipe, [](PipeEntry* e) { return e ? e->executor : nullptr; });
@@ -305,15 +338,79 @@ class Run {
     }
     std::set<int> others(p_.kept->stage_rank.begin(), p_.kept->stage_rank.end());
     others.erase(self_);
+    // The word carries this worker's gradients of the tied copies whose ties have a copy on the receiver.
     for (int w : others) {
-      watch(rpc::rpc_oneway(w, kDone, p_.pipe, p_.step, int64_t{self_}, remaining() + kReplyMargin / 2), w,
-            /*stage=*/-1);
+      std::vector<int64_t> which;
+      std::vector<at::Tensor> grads;
+      for (const TieCopy& c : p_.kept->ties) {
+        if (c.param < 0 || !tie_held_by(c.tie, w)) continue;
+        which.insert(which.end(), {c.tie, c.copy});
+        grads.push_back(tied_gradient(c));
+      }
+      watch(rpc::rpc_oneway(w, kDone, p_.pipe, p_.step, int64_t{self_}, std::move(which), std::move(grads),
+                            remaining() + kReplyMargin / 2),
+            w, /*stage=*/-1);
     }
+    std::map<std::pair<int, int>, at::Tensor> received;  // by (tie, copy)
     for (int w : others) {
       auto got = Mailbox::get().take(MailKey{p_.pipe, p_.step, finished_key(w), 0, false}, deadline_ + kReplyMargin / 2,
                                      absl::StrCat("worker '", name_of(w), "' to finish its run"));
       throw_if_error(got.status());
+      if (got->isTuple() && got->toTupleRef().elements().size() == 2) {
+        const auto which = got->toTupleRef().elements()[0].toIntVector();
+        const auto grads = got->toTupleRef().elements()[1].toTensorVector();
+        for (size_t k = 0; k + 1 < which.size() && k / 2 < grads.size(); k += 2) {
+          received[{static_cast<int>(which[k]), static_cast<int>(which[k + 1])}] = grads[k / 2];
+        }
+      }
     }
+    sum_tied_gradients(received);
+  }
+
+  bool tie_held_by(int tie, int rank) const {
+    for (const TieCopy& c : p_.kept->ties) {
+      if (c.tie == tie && p_.kept->stage_rank[c.stage] == rank) return true;
+    }
+    return false;
+  }
+
+  // This step's gradient of a copy held here (zeros when the step gave it none).
+  at::Tensor tied_gradient(const TieCopy& c) {
+    StageRun& run = stage_run(c.stage);
+    const at::Tensor& g = run.grads[c.param];
+    return g.defined() ? g : at::zeros_like(run.stage->params[c.param]);
+  }
+
+  // Every copy held here of a tied parameter gets the sum of all its copies' gradients, added in copy order on every
+  // worker: the same tensor bit for bit, so that the copies, stepped alike, stay equal.
+  void sum_tied_gradients(const std::map<std::pair<int, int>, at::Tensor>& received) {
+    std::map<int, at::Tensor> sums;
+    for (const TieCopy& c : p_.kept->ties) {  // tie by tie, copy by copy
+      if (!held_here(c.tie)) continue;
+      at::Tensor g;
+      if (c.param >= 0) {
+        g = tied_gradient(c);
+      } else {
+        auto it = received.find({c.tie, c.copy});
+        if (it == received.end()) {
+          tandem::throw_error(absl::InternalError(
+              absl::StrCat("no gradient came for copy ", c.copy, " (stage ", c.stage, ") of tied parameter ", c.tie)));
+        }
+        g = it->second;
+      }
+      auto [sum, fresh] = sums.emplace(c.tie, at::Tensor());
+      sum->second = fresh ? g.clone() : sum->second.add(g);
+    }
+    for (const TieCopy& c : p_.kept->ties) {
+      if (c.param >= 0) stage_run(c.stage).grads[c.param] = sums.at(c.tie).clone();
+    }
+  }
+
+  bool held_here(int tie) const {
+    for (const TieCopy& c : p_.kept->ties) {
+      if (c.tie == tie && c.param >= 0) return true;
+    }
+    return false;
   }
 
   // Adds the step's gradients to the caller's distributed autograd context here, or to the parameters' .grad.
@@ -483,7 +580,8 @@ class Run {
 // The plan of `m` micro-batches: the one sent (cached for the following steps of that shape), or, when none came,
 // the one cached.
 std::shared_ptr<const CachedPlan> plan_of(int64_t pipe, int64_t m, const std::vector<int64_t>& actions,
-                                          const std::vector<int64_t>& stage_rank, std::string loss) {
+                                          const std::vector<int64_t>& stage_rank, std::string loss,
+                                          const std::vector<int64_t>& ties, const std::vector<std::string>& tie_names) {
   if (actions.empty()) {
     auto cached = find_plan(pipe, m);
     if (!cached) {
@@ -508,6 +606,17 @@ std::shared_ptr<const CachedPlan> plan_of(int64_t pipe, int64_t m, const std::ve
     }
   }
   plan->loss = std::move(loss);
+  if (ties.size() != 3 * tie_names.size()) throw_error(absl::InvalidArgumentError("malformed pipeline plan: ties"));
+  const int self = rpc::get_worker_info().id;
+  for (size_t k = 0; k < tie_names.size(); ++k) {
+    TieCopy c{static_cast<int>(ties[3 * k]), static_cast<int>(ties[3 * k + 1]), static_cast<int>(ties[3 * k + 2]),
+              tie_names[k]};
+    if (c.stage < 0 || c.stage >= static_cast<int>(plan->stage_rank.size())) {
+      throw_error(absl::InvalidArgumentError("malformed pipeline plan: a tie names no stage"));
+    }
+    if (plan->stage_rank[c.stage] == self) c.param = tied_parameter_index(pipe, c.stage, c.name);
+    plan->ties.push_back(std::move(c));
+  }
   if (!cache_plan(pipe, m, plan)) {
     throw_error(absl::NotFoundError(
         absl::StrCat("pipeline ", pipe, " has no stage on worker '", self_name(), "' (released?)")));
@@ -517,11 +626,12 @@ std::shared_ptr<const CachedPlan> plan_of(int64_t pipe, int64_t m, const std::ve
 
 rpc::Future on_run(int64_t pipe, int64_t step, std::vector<int64_t> actions, std::vector<int64_t> stage_rank,
                    std::vector<int64_t> sizes, std::vector<c10::IValue> inputs, std::vector<at::Tensor> targets,
-                   std::string loss, std::vector<int64_t> flags) {
+                   std::string loss, std::vector<int64_t> flags, std::vector<int64_t> ties,
+                   std::vector<std::string> tie_names) {
   Plan plan;
   plan.pipe = pipe, plan.step = step;
   if (flags.size() != 4 || sizes.empty()) throw_error(absl::InvalidArgumentError("malformed pipeline plan"));
-  plan.kept = plan_of(pipe, static_cast<int64_t>(sizes.size()), actions, stage_rank, std::move(loss));
+  plan.kept = plan_of(pipe, static_cast<int64_t>(sizes.size()), actions, stage_rank, std::move(loss), ties, tie_names);
   plan.sizes = std::move(sizes);
   for (auto& x : inputs) {
     if (!x.isTuple()) throw_error(absl::InvalidArgumentError("malformed pipeline plan: a micro-batch is not a tuple"));
@@ -651,13 +761,37 @@ bool install() {
     return rpc::Future::ready(c10::ivalue::Tuple::create(std::move(refs)));
   }));
   rpc::register_function(kRun, on_run);
-  rpc::register_function(kDone, [](int64_t pipe, int64_t step, int64_t from) {
+  rpc::register_function(kDone, [](int64_t pipe, int64_t step, int64_t from, std::vector<int64_t> tied,
+                                   std::vector<at::Tensor> tied_grads) {
     const rpc::CallContext* call = rpc::current_call();
     if (!call || call->caller_rank != from) {
       throw_error(absl::InvalidArgumentError(
           absl::StrCat("malformed pipeline message: worker ", from, "'s end of a run sent by another worker")));
     }
-    Mailbox::get().put(MailKey{pipe, step, finished_key(static_cast<int>(from)), 0, false}, c10::IValue());
+    if (tied.size() != 2 * tied_grads.size()) {
+      throw_error(absl::InvalidArgumentError("malformed pipeline message: tied gradients"));
+    }
+    Mailbox::get().put(MailKey{pipe, step, finished_key(static_cast<int>(from)), 0, false},
+                       c10::ivalue::Tuple::create({c10::IValue(std::move(tied)), c10::IValue(std::move(tied_grads))}));
+  });
+  rpc::register_function(kTie, [](int64_t pipe, int64_t stage, std::string name, c10::IValue value) -> c10::IValue {
+    auto s = find_stage(pipe, static_cast<int>(stage));
+    if (!s) {
+      throw_error(absl::NotFoundError(
+          absl::StrCat("pipeline ", pipe, " has no stage ", stage, " on worker '", self_name(), "'")));
+    }
+    at::Tensor param = s->params.at(tied_parameter_index(pipe, static_cast<int>(stage), name));
+    if (value.isNone()) return param.detach().clone();
+    const at::Tensor v = value.toTensor();
+    if (v.sizes() != param.sizes() || v.scalar_type() != param.scalar_type()) {
+      throw_error(absl::InvalidArgumentError(absl::StrCat("tied parameter '", name, "' of stage ", stage,
+                                                          " on worker '", self_name(), "' is ", param.toString(), " [",
+                                                          absl::StrJoin(param.sizes(), ", "), "], its first copy ",
+                                                          v.toString(), " [", absl::StrJoin(v.sizes(), ", "), "]")));
+    }
+    at::NoGradGuard no_grad;
+    param.copy_(v);
+    return c10::IValue();
   });
   rpc::register_function(kForward, on_forward);
   rpc::register_function(kPing, [] {});

@@ -198,6 +198,72 @@ TEST_F(MultiprocPipeline, CustomPlansRunAndEqualTheUnsplitModelAndMistakesAreNam
   }
 }
 
+// Tied parameters: stage 0's and stage 2's Linear weights are one parameter W (as an embedding the first and the last
+// stage share), stage 1 between them. The copies start equal (the first's values), each step gives both the sum of
+// W's two uses' gradients, and after 3 SGD steps with momentum both copies equal each other bit for bit and one
+// process's model applying W twice (float64, 1e-10); with 1F1B and with ZB-H1's split backwards. A name the stage does
+// not have fails the creation, listing the names it has.
+TEST_F(MultiprocPipeline, TiedParametersGetTheSumOfTheirGradientsAndStayEqual) {
+  start({.world_size = 4});
+  for (auto schedule : {Schedule::k1F1B, Schedule::kZeroBubbleH1}) {
+    SCOPED_TRACE(pipeline::schedule_name(schedule));
+    auto pipe = Pipeline::create({{1, "pipe_linear", {kWidth, kWidth}},
+                                  {2, "pipe_mlp", {int64_t{1}, kWidth, int64_t{2}}},
+                                  {3, "pipe_linear", {kWidth, kWidth}}},
+                                 {.schedule = schedule,
+                                  .n_microbatches = 3,
+                                  .loss = "mse",
+                                  .tied = {pipeline::TiedParameter{{{0, "weight"}, {2, "weight"}}}}});
+    std::vector<std::vector<at::Tensor>> start_params;
+    for (int st = 0; st < 3; ++st) {
+      start_params.push_back(
+          rpc::rpc_sync<std::vector<at::Tensor>>(pipe.stage_worker(st), "pipe_params", pipe.id(), st));
+    }
+    ASSERT_TRUE(torch::equal(start_params[0][0], start_params[2][0]));  // the second copy took the first's values
+    // One process: W, b0; W1, b1; W again, b2.
+    auto leaf = [](const at::Tensor& t) { return t.clone().requires_grad_(); };
+    at::Tensor W = leaf(start_params[0][0]), b0 = leaf(start_params[0][1]), W1 = leaf(start_params[1][0]),
+               b1 = leaf(start_params[1][1]), b2 = leaf(start_params[2][1]);
+    torch::optim::SGD ref_opt({W, b0, W1, b1, b2}, torch::optim::SGDOptions(0.1).momentum(0.9));
+    dist_optim::DistributedOptimizer opt("sgd", pipe.parameter_rrefs(), {{"lr", 0.1}, {"momentum", 0.9}});
+    for (int step = 0; step < 3; ++step) {
+      auto [x, y] = batch(6, step);
+      ref_opt.zero_grad();
+      const at::Tensor h = torch::tanh(torch::linear(torch::linear(x, W, b0), W1, b1));
+      at::Tensor ref_loss = torch::mse_loss(torch::linear(h, W, b2), y);
+      ref_loss.backward();
+      dist_autograd::ContextGuard ctx;
+      EXPECT_NEAR(pipe.step(x, y), ref_loss.item<double>(), 1e-10 * ref_loss.item<double>());
+      const std::vector<std::vector<at::Tensor>> want{
+          {W.grad(), b0.grad()}, {W1.grad(), b1.grad()}, {W.grad(), b2.grad()}};
+      for (int st = 0; st < 3; ++st) {
+        auto grads =
+            rpc::rpc_sync<std::vector<at::Tensor>>(pipe.stage_worker(st), "pipe_grads", pipe.id(), st, ctx.id());
+        EXPECT_LE(relative_diff(grads, want[st]), 1e-10) << "step " << step << ", stage " << st;
+      }
+      opt.step(ctx.id());
+      ref_opt.step();
+    }
+    std::vector<std::vector<at::Tensor>> end;
+    for (int st = 0; st < 3; ++st) {
+      end.push_back(rpc::rpc_sync<std::vector<at::Tensor>>(pipe.stage_worker(st), "pipe_params", pipe.id(), st));
+    }
+    EXPECT_TRUE(torch::equal(end[0][0], end[2][0])) << "the copies drifted apart";
+    EXPECT_LE(relative_diff({end[0][0], end[0][1], end[1][0], end[1][1], end[2][1]}, {W, b0, W1, b1, b2}), 1e-10);
+  }
+  try {
+    Pipeline::create({{1, "pipe_linear", {kWidth, kWidth}}, {2, "pipe_linear", {kWidth, kWidth}}},
+                     {.tied = {pipeline::TiedParameter{{{0, "weight"}, {1, "wieght"}}}}});
+    ADD_FAILURE() << "a tie of an unknown name was made";
+  } catch (const RpcError& e) {
+    EXPECT_EQ(e.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(std::string(e.what()).find("stage 1 on worker 'worker2' has no parameter 'wieght' to tie (it has: "
+                                         "weight, bias)"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
 // A model registered by its layers (Pipeline::from_layers): each stage worker builds only its range, and the
 // pipeline still equals one process on the whole model (built from the same factory in one piece).
 TEST_F(MultiprocPipeline, AModelBuiltByLayersEqualsTheUnsplitModel) {
