@@ -33,6 +33,7 @@ using detail::kAbort;
 using detail::kCreate;
 using detail::kErrorGrace;
 using detail::kForward;
+using detail::kGroup;
 using detail::kRelease;
 using detail::kReplyMargin;
 using detail::kRun;
@@ -128,10 +129,28 @@ struct Pipeline::State {
 
   double step(const std::vector<c10::IValue>& inputs, const std::vector<bool>& replicate, const at::Tensor& target) {
     MutexLock step_lock(&step_mu);
+    Started started = begin_step(inputs, replicate, target, 0);
+    return end_step(started);
+  }
+
+  // A step sent to every worker, not yet answered.
+  struct Started {
+    PipelineOptions opts;
+    int m = 0;
+    int64_t step_id = 0;
+    std::vector<int64_t> sizes;
+    Clock::time_point t0;
+    std::vector<rpc::Future> replies;
+  };
+
+  // Splits the batch and sends every worker its part of the step. `total_rows` > 0: a replica's step, whose losses
+  // are shares of a batch of that many rows.
+  Started begin_step(const std::vector<c10::IValue>& inputs, const std::vector<bool>& replicate,
+                     const at::Tensor& target, int64_t total_rows) ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu) {
     const PipelineOptions opts = current_options();  // this step's: set_record_timeline() applies to the next
     std::vector<at::Tensor> ys;
     const std::vector<detail::Args> xs = split_step(opts, inputs, replicate, target, &ys);
-    const int m = opts.n_microbatches, n = static_cast<int>(stage_rank.size());
+    const int m = opts.n_microbatches;
     const std::vector<int64_t> sizes = sizes_of(ys);
     std::vector<c10::IValue> first_inputs;  // stage 0's micro-batches, each its arguments as a tuple
     for (const auto& x : xs) first_inputs.emplace_back(c10::ivalue::Tuple::create(x));
@@ -139,8 +158,9 @@ struct Pipeline::State {
     if (plan.empty()) plan = plans_for(opts, m);
     const int64_t step_id = next_step++;
     std::vector<int64_t> ranks(stage_rank.begin(), stage_rank.end());
-    const std::vector<int64_t> flags{opts.checkpoint, opts.gradients == GradientsTo::kDotGrad, opts.record_timeline,
-                                     opts.timeout.count()};
+    std::vector<int64_t> flags{opts.checkpoint, opts.gradients == GradientsTo::kDotGrad, opts.record_timeline,
+                               opts.timeout.count()};
+    if (total_rows > 0) flags.push_back(total_rows);
     const auto t0 = Clock::now();
     std::vector<rpc::Future> replies;
     for (size_t w = 0; w < workers.size(); ++w) {
@@ -166,7 +186,17 @@ struct Pipeline::State {
                                        last ? ys : std::vector<at::Tensor>{}, held ? std::string() : opts.loss, flags,
                                        ties, tie_names, opts.timeout + kReplyMargin));
     }
-    wait_all(opts, replies, step_id);
+    return Started{opts, m, step_id, sizes, t0, std::move(replies)};
+  }
+
+  // Waits for the workers' replies; returns the step's loss. Throws as step() does.
+  double end_step(Started& started) ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu) {
+    const PipelineOptions& opts = started.opts;
+    const int m = started.m, n = static_cast<int>(stage_rank.size());
+    const std::vector<int64_t>& sizes = started.sizes;
+    const std::vector<rpc::Future>& replies = started.replies;
+    const auto t0 = started.t0;
+    wait_all(opts, replies, started.step_id);
     for (size_t w = 0; w < workers.size(); ++w) plan_held.insert({w, m});
     StepStats step_stats;
     step_stats.step_ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
@@ -468,6 +498,98 @@ StepStats Pipeline::last_stats() const {
 std::vector<TimelineEvent> Pipeline::last_timeline() const {
   MutexLock lock(&state_->mu);
   return state_->timeline;
+}
+
+// ---- replicated pipelines
+
+ReplicatedPipeline ReplicatedPipeline::create(std::vector<std::vector<StageSpec>> replicas, PipelineOptions options) {
+  if (replicas.empty()) fail(absl::StatusCode::kInvalidArgument, "a replicated pipeline needs at least one replica");
+  for (size_t r = 1; r < replicas.size(); ++r) {
+    if (replicas[r].size() != replicas[0].size()) {
+      fail(absl::StatusCode::kInvalidArgument,
+           absl::StrCat("replica ", r, " has ", replicas[r].size(), " stages, replica 0 ", replicas[0].size()));
+    }
+  }
+  if (options.timeout.count() <= 0) options.timeout = rpc::default_timeout();
+  ReplicatedPipeline out;
+  for (auto& stages : replicas) out.replicas_.push_back(Pipeline::create(std::move(stages), options));
+  if (out.replicas_.size() == 1) return out;
+  // One group per stage: its worker in every replica. Created by all of them at once (a collective), each member then
+  // taking replica 0's parameters.
+  std::vector<rpc::Future> made;
+  std::vector<std::string> what;
+  for (size_t s = 0; s < out.replicas_[0].state_->stage_rank.size(); ++s) {
+    std::vector<int64_t> ranks;
+    for (const auto& p : out.replicas_) {
+      const int rank = p.state_->stage_rank[s];
+      if (std::find(ranks.begin(), ranks.end(), rank) != ranks.end()) {
+        fail(absl::StatusCode::kInvalidArgument,
+             absl::StrCat("stage ", s, " of two replicas is on one worker ('", rpc::get_worker_info(rank).name,
+                          "'): each replica's stages need workers of their own"));
+      }
+      ranks.push_back(rank);
+    }
+    const std::string name = absl::StrCat("__tandem.pipeline.", out.replicas_[0].id(), ".stage", s);
+    for (size_t r = 0; r < out.replicas_.size(); ++r) {
+      made.push_back(rpc::call(static_cast<int>(ranks[r]), kGroup,
+                               {c10::IValue(out.replicas_[r].id()), c10::IValue(static_cast<int64_t>(s)),
+                                c10::IValue(name), c10::IValue(ranks)},
+                               options.timeout));
+      what.push_back(absl::StrCat("stage ", s, " of replica ", r, " (worker '",
+                                  rpc::get_worker_info(static_cast<int>(ranks[r])).name, "')"));
+    }
+  }
+  for (size_t k = 0; k < made.size(); ++k) {
+    if (!made[k].status().ok()) {
+      fail(made[k].status().code(),
+           absl::StrCat("joining the replicas of ", what[k], " failed: ", made[k].status().message()));
+    }
+  }
+  return out;
+}
+
+double ReplicatedPipeline::step(const at::Tensor& input, const at::Tensor& target) {
+  const int64_t R = static_cast<int64_t>(replicas_.size());
+  const int64_t rows = input.dim() > 0 ? input.size(0) : 0;
+  const int64_t m = replicas_[0].state_->current_options().n_microbatches;
+  if (rows < R * m) {
+    fail(absl::StatusCode::kInvalidArgument, absl::StrCat("a batch of ", rows, " rows cannot give ", R, " replicas ", m,
+                                                          " micro-batches of at least one row each"));
+  }
+  if (target.dim() == 0 || target.size(0) != rows) {
+    fail(absl::StatusCode::kInvalidArgument, "the target's rows differ from the input's");
+  }
+  const std::vector<at::Tensor> xs = at::tensor_split(input, R), ys = at::tensor_split(target, R);
+  std::vector<std::unique_ptr<MutexLock>> locks;
+  for (auto& p : replicas_) locks.push_back(std::make_unique<MutexLock>(&p.state_->step_mu));
+  std::vector<Pipeline::State::Started> started;
+  for (int64_t r = 0; r < R; ++r) {
+    // Only the first replica's inputs can be refused here (the checks above hold for all): nothing is running yet.
+    started.push_back(replicas_[r].state_->begin_step({c10::IValue(xs[r])}, {}, ys[r], rows));
+  }
+  double loss = 0;
+  std::vector<std::string> errors;
+  absl::StatusCode code = absl::StatusCode::kOk;
+  for (int64_t r = 0; r < R; ++r) {
+    try {
+      loss += replicas_[r].state_->end_step(started[r]);
+    } catch (const Error& e) {
+      if (code == absl::StatusCode::kOk) code = e.code();
+      errors.push_back(absl::StrCat("replica ", r, ": ", e.status().message()));
+    }
+  }
+  if (!errors.empty()) {
+    fail(code, absl::StrCat("step of the replicated pipeline failed: ", absl::StrJoin(errors, " | ")));
+  }
+  return loss;
+}
+
+std::vector<rref::RRef> ReplicatedPipeline::parameter_rrefs() const {
+  std::vector<rref::RRef> out;
+  for (const auto& p : replicas_) {
+    for (const auto& r : p.parameter_rrefs()) out.push_back(r);
+  }
+  return out;
 }
 
 }  // namespace tandem::pipeline

@@ -210,8 +210,40 @@ class Pipeline {
   struct State;
 
  private:
+  friend class ReplicatedPipeline;
   explicit Pipeline(std::shared_ptr<State> state) : state_(std::move(state)) {}
   std::shared_ptr<State> state_;  // released on the workers when the last copy goes
+};
+
+// R replicas of one pipeline: data parallelism across pipelines (Megatron's and DeepSpeed's "3D" without tensor
+// parallelism). replicas[r] are replica r's stages, each replica's on workers of its own, the same model in each (the
+// same factories and cuts; at creation every replica takes replica 0's parameters). step() splits the batch into R
+// shares (tensor_split), runs every replica's step at once, and each micro-batch's loss is weighted by its share of the
+// whole batch, so the sum of a stage's gradients over its replicas is the whole batch's. That sum runs on each stage's
+// workers over a process group of them (comm/, one per stage, one bucket per stage), started as soon as that stage's
+// last backward (or W) is done on each, while the rest of the drain runs; every replica's copy then gets it. Step all
+// copies with one DistributedOptimizer over parameter_rrefs() and they stay equal.
+//
+// Errors: create() as Pipeline::create, and INVALID_ARGUMENT for replicas of different stage counts or one worker
+// holding the same stage of two replicas. step(): INVALID_ARGUMENT for a batch of fewer than R x n_microbatches rows;
+// when a replica fails (a stage throws, a worker dies), every replica's step fails, naming each replica's error; the
+// replicas' groups may then be broken (their errors say so): make a new ReplicatedPipeline.
+//
+// Thread-safety: one step at a time.
+class ReplicatedPipeline {
+ public:
+  static ReplicatedPipeline create(std::vector<std::vector<StageSpec>> replicas, PipelineOptions options = {});
+  // One training step on the whole batch (inside a dist_autograd::ContextGuard, or with GradientsTo::kDotGrad).
+  // Returns the batch's loss.
+  double step(const at::Tensor& input, const at::Tensor& target);
+  // Every replica's parameters (each stage's copies get the same gradient).
+  std::vector<rref::RRef> parameter_rrefs() const;
+  int num_replicas() const { return static_cast<int>(replicas_.size()); }
+  Pipeline& replica(int r) { return replicas_.at(r); }
+
+ private:
+  ReplicatedPipeline() = default;
+  std::vector<Pipeline> replicas_;
 };
 
 }  // namespace tandem::pipeline

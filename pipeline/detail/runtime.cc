@@ -19,6 +19,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/time.h"
+#include "tandem/comm/process_group.h"
 #include "tandem/dist_autograd/dist_autograd.h"
 #include "tandem/pipeline/detail/common.h"
 #include "tandem/pipeline/detail/p2p.h"
@@ -109,6 +110,9 @@ struct PipeEntry {
   std::map<int64_t, std::shared_ptr<const CachedPlan>> plans;  // by number of micro-batches
   int driver = -1;  // the rank that created it: when it dies, the pipeline goes
   std::map<int, std::shared_ptr<Stage>> stages;
+  // Replicated pipelines: per stage, the group of the workers holding that stage in every replica (its gradients are
+  // summed over it each step).
+  std::map<int, std::shared_ptr<comm::ProcessGroup>> replica_groups;
   std::shared_ptr<Executor> executor;
 };
 
@@ -171,6 +175,13 @@ int tied_parameter_index(int64_t pipe, int stage, const std::string& name) {
   throw_error(
       absl::InvalidArgumentError(absl::StrCat("stage ", stage, " on worker '", self_name(), "' has no parameter '",
                                               name, "' to tie (it has: ", absl::StrJoin(names, ", "), ")")));
+}
+std::shared_ptr<comm::ProcessGroup> replica_group(int64_t pipe, int stage) {
+  return with_pipe(pipe, [stage](PipeEntry* e) -> std::shared_ptr<comm::ProcessGroup> {
+    if (!e) return nullptr;
+    auto g = e->replica_groups.find(stage);
+    return g == e->replica_groups.end() ? nullptr : g->second;
+  });
 }
 std::shared_ptr<Executor> executor_of(int64_t pipe) {
   return with_pipe(pipe, [](PipeEntry* e) { return e ? e->executor : nullptr; });
@@ -258,6 +269,7 @@ struct Plan {
   std::vector<Args> inputs;         // stage 0's micro-batches, each its arguments (else empty)
   std::vector<at::Tensor> targets;  // the last stage's targets (else empty)
   bool checkpoint = false, to_grad = false, record = false;
+  int64_t total_rows = 0;  // a replica's step: the whole batch's rows, which each micro-batch's loss is a share of
   std::chrono::milliseconds timeout{0};
   int64_t context = -1;
 };
@@ -281,9 +293,17 @@ class Run {
   // memory in KiB).
   c10::IValue execute() {
     const int n = static_cast<int>(p_.kept->stage_rank.size());
-    const int64_t batch = std::accumulate(p_.sizes.begin(), p_.sizes.end(), int64_t{0});
+    const int64_t batch =
+        p_.total_rows > 0 ? p_.total_rows : std::accumulate(p_.sizes.begin(), p_.sizes.end(), int64_t{0});
     const LossFn loss = find_loss_if_last(n);
-    for (const Action& a : p_.kept->actions) {
+    // Replicated: each stage's gradients are summed across the replicas as soon as its last B or W here is done.
+    std::map<int, size_t> last_gradient_action;
+    for (size_t k = 0; k < p_.kept->actions.size(); ++k) {
+      const Action& a = p_.kept->actions[k];
+      if (a.kind == Kind::kBackward || a.kind == Kind::kWeight) last_gradient_action[a.stage] = k;
+    }
+    for (size_t k = 0; k < p_.kept->actions.size(); ++k) {
+      const Action& a = p_.kept->actions[k];
       StageRun& run = stage_run(a.stage);
       compute_start_ = compute_end_ = 0;
       try {
@@ -307,7 +327,9 @@ class Run {
       const int64_t end = compute_end_ > 0 ? compute_end_ : now_us(), start = compute_start_;
       run.busy_us += end - start;
       if (p_.record) events_.insert(events_.end(), {a.stage, a.microbatch, static_cast<int64_t>(a.kind), start, end});
+      if (last_gradient_action[a.stage] == k) reduce_across_replicas(a.stage, run);
     }
+    finish_reductions();
     for (auto& f : sends_) {
       if (!f.wait_for(remaining()))
         throw RpcError(absl::DeadlineExceededError("a message to the next stage did not complete"));
@@ -365,6 +387,46 @@ class Run {
       }
     }
     sum_tied_gradients(received);
+  }
+
+  // Replicated pipelines: starts the sum of this stage's gradients over its replicas (one bucket: every gradient,
+  // flattened), while the rest of the plan runs.
+  void reduce_across_replicas(int stage, StageRun& run) {
+    std::shared_ptr<comm::ProcessGroup> group = replica_group(p_.pipe, stage);
+    if (!group) return;
+    std::vector<at::Tensor> flat;
+    for (size_t j = 0; j < run.grads.size(); ++j) {
+      flat.push_back((run.grads[j].defined() ? run.grads[j] : at::zeros_like(run.stage->params[j])).reshape({-1}));
+    }
+    Reduction r{stage, flat.empty() ? at::Tensor() : at::cat(flat)};
+    if (r.bucket.defined()) r.done = group->allreduce(r.bucket, comm::ReduceOp::kSum);
+    reductions_.push_back(std::move(r));
+  }
+  // Waits for them (within the step's deadline) and puts the sums back in place of this replica's gradients.
+  void finish_reductions() {
+    for (Reduction& r : reductions_) {
+      if (!r.bucket.defined()) continue;
+      if (!r.done.wait_for(remaining())) {
+        throw RpcError(absl::DeadlineExceededError(
+            absl::StrCat("stage ", r.stage, " on worker '", self_name(),
+                         "': summing its gradients across the replicas did not "
+                         "finish within the step's deadline (a replica's worker for this stage did not take part)")));
+      }
+      if (!r.done.status().ok()) {
+        throw RpcError(absl::Status(
+            r.done.status().code(),
+            absl::StrCat("stage ", r.stage, " on worker '", self_name(),
+                         "': summing its gradients across the replicas failed: ", r.done.status().message())));
+      }
+      StageRun& run = stage_run(r.stage);
+      int64_t at = 0;
+      for (size_t j = 0; j < run.grads.size(); ++j) {
+        const at::Tensor& p = run.stage->params[j];
+        run.grads[j] = r.bucket.narrow(0, at, p.numel()).view(p.sizes()).clone();
+        at += p.numel();
+      }
+    }
+    reductions_.clear();
   }
 
   bool tie_held_by(int tie, int rank) const {
@@ -571,6 +633,12 @@ class Run {
   std::vector<std::string> stage_names_;
   std::map<int, StageRun> runs_;
   std::vector<rpc::Future> sends_;
+  struct Reduction {
+    int stage = 0;
+    at::Tensor bucket;
+    rpc::Future done;
+  };
+  std::vector<Reduction> reductions_;
   std::vector<int64_t> events_;
   double loss_ = 0;
   int64_t compute_start_ = 0;  // when the current action had its input and began computing
@@ -630,7 +698,10 @@ rpc::Future on_run(int64_t pipe, int64_t step, std::vector<int64_t> actions, std
                    std::vector<std::string> tie_names) {
   Plan plan;
   plan.pipe = pipe, plan.step = step;
-  if (flags.size() != 4 || sizes.empty()) throw_error(absl::InvalidArgumentError("malformed pipeline plan"));
+  if ((flags.size() != 4 && flags.size() != 5) || sizes.empty()) {
+    throw_error(absl::InvalidArgumentError("malformed pipeline plan"));
+  }
+  if (flags.size() == 5) plan.total_rows = flags[4];
   plan.kept = plan_of(pipe, static_cast<int64_t>(sizes.size()), actions, stage_rank, std::move(loss), ties, tie_names);
   plan.sizes = std::move(sizes);
   for (auto& x : inputs) {
@@ -792,6 +863,26 @@ bool install() {
     at::NoGradGuard no_grad;
     param.copy_(v);
     return c10::IValue();
+  });
+  rpc::register_function(kGroup, [](int64_t pipe, int64_t stage, std::string name, std::vector<int64_t> ranks) {
+    auto held = find_stage(pipe, static_cast<int>(stage));
+    if (!held || ranks.empty()) {
+      throw_error(absl::NotFoundError(
+          absl::StrCat("pipeline ", pipe, " has no stage ", stage, " on worker '", self_name(), "'")));
+    }
+    std::vector<int> members(ranks.begin(), ranks.end());
+    auto group = comm::ProcessGroup::create(name, members);
+    // Every replica starts from replica 0's parameters (ranks[0]'s; the group numbers its ranks in sorted order).
+    std::sort(members.begin(), members.end());
+    const int root = static_cast<int>(std::find(members.begin(), members.end(), ranks[0]) - members.begin());
+    for (const auto& p : held->params) {
+      at::Tensor t = p.detach();
+      comm::wait(group->broadcast(t, root));
+    }
+    with_pipe(pipe, [&](PipeEntry* e) {
+      if (e) e->replica_groups[static_cast<int>(stage)] = group;
+      return 0;
+    });
   });
   rpc::register_function(kForward, on_forward);
   rpc::register_function(kPing, [] {});

@@ -264,6 +264,83 @@ TEST_F(MultiprocPipeline, TiedParametersGetTheSumOfTheirGradientsAndStayEqual) {
   }
 }
 
+// Pipeline x data parallelism: 2 replicas of a 2-stage pipeline on 4 workers. The batch's two shares (uneven) go
+// through both replicas at once; each stage's gradients are summed over its replicas, the sum starting at that stage's
+// last backward (or W). The loss, every gradient of every replica's stages and, after 3 SGD steps with momentum, every
+// copy of every parameter equal one process on the whole batch (float64, 1e-10), with 1F1B and ZB-H1, m = 1 and 3.
+TEST_F(MultiprocPipeline, ReplicatedPipelinesEqualOneProcessOnTheWholeBatch) {
+  start({.world_size = 5});
+  for (auto schedule : {Schedule::k1F1B, Schedule::kZeroBubbleH1}) {
+    for (int m : {1, 3}) {
+      SCOPED_TRACE(pipeline::schedule_name(schedule) + ", m " + std::to_string(m));
+      std::vector<std::vector<pipeline::StageSpec>> replicas;
+      for (int r = 0; r < 2; ++r) {
+        replicas.push_back({{1 + 2 * r, "pipe_mlp", {kLayers, kWidth, kSeed}, 0, kLayers},
+                            {2 + 2 * r, "pipe_mlp", {kLayers, kWidth, kSeed}, kLayers, 2 * kLayers}});
+      }
+      auto pipe = pipeline::ReplicatedPipeline::create(replicas, {.schedule = schedule, .n_microbatches = m});
+      ASSERT_EQ(pipe.num_replicas(), 2);
+      auto ref = make_pipe_mlp(kLayers, kWidth, kSeed);
+      torch::optim::SGD ref_opt(ref->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+      dist_optim::DistributedOptimizer opt("sgd", pipe.parameter_rrefs(), {{"lr", 0.1}, {"momentum", 0.9}});
+      for (int step = 0; step < 3; ++step) {
+        auto [x, y] = batch(4 * m + 1, step);  // shares of 2m + 1 and 2m rows
+        ref_opt.zero_grad();
+        at::Tensor ref_loss = torch::mse_loss(ref->forward(x), y);
+        ref_loss.backward();
+        dist_autograd::ContextGuard ctx;
+        EXPECT_NEAR(pipe.step(x, y), ref_loss.item<double>(), 1e-10 * ref_loss.item<double>());
+        for (int r = 0; r < 2; ++r) {
+          Pipeline& p = pipe.replica(r);
+          for (int st = 0; st < 2; ++st) {
+            auto grads = rpc::rpc_sync<std::vector<at::Tensor>>(p.stage_worker(st), "pipe_grads", p.id(), st, ctx.id());
+            EXPECT_LE(relative_diff(grads, layers_of(ref, p.stage_layers(st), true)), 1e-10)
+                << "step " << step << ", replica " << r << ", stage " << st;
+          }
+        }
+        opt.step(ctx.id());
+        ref_opt.step();
+      }
+      for (int r = 0; r < 2; ++r) {
+        Pipeline& p = pipe.replica(r);
+        for (int st = 0; st < 2; ++st) {
+          auto params = rpc::rpc_sync<std::vector<at::Tensor>>(p.stage_worker(st), "pipe_params", p.id(), st);
+          EXPECT_LE(relative_diff(params, layers_of(ref, p.stage_layers(st), false)), 1e-10)
+              << "replica " << r << ", stage " << st;
+        }
+      }
+    }
+  }
+}
+
+// A replica whose stage worker dies fails the step of every replica, within the step's timeout: the dead worker's
+// replica names it, and the other replica's stage that waited to sum its gradients with it says so.
+TEST_F(MultiprocPipeline, AReplicaThatDiesFailsTheStepOfEveryReplicaNamingIt) {
+  start({.world_size = 5});
+  expect_clean_children_ = false;
+  auto pipe =
+      pipeline::ReplicatedPipeline::create({{{1, "pipe_faulty", {int64_t{0}}}, {2, "pipe_faulty", {int64_t{0}}}},
+                                            {{3, "pipe_faulty", {int64_t{0}}}, {4, "pipe_faulty", {int64_t{2}}}}},
+                                           {.n_microbatches = 2, .timeout = std::chrono::milliseconds(8000)});
+  at::Tensor x = at::ones({8, 4}, at::kDouble), y = at::zeros({8, 4}, at::kDouble);
+  x[6][0] = 999;  // replica 1's micro-batch 1 kills worker4 (its stage 1)
+  const auto t0 = Clock::now();
+  try {
+    dist_autograd::ContextGuard ctx;
+    pipe.step(x, y);
+    ADD_FAILURE() << "a dead replica did not fail the step";
+  } catch (const RpcError& e) {
+    EXPECT_THAT(e.what(), ::testing::HasSubstr("replica 1: "));
+    EXPECT_THAT(e.what(), ::testing::HasSubstr("worker 'worker4' (stage 1)"));
+    EXPECT_THAT(e.what(), ::testing::HasSubstr("replica 0: "));
+    EXPECT_THAT(e.what(), ::testing::HasSubstr("summing its gradients across the replicas"));
+  }
+  EXPECT_LT(Clock::now() - t0, milliseconds(8000) + scaled(milliseconds(5000)));
+  rpc::shutdown(false);
+  auto codes = job_->wait_children(milliseconds(30000));
+  EXPECT_EQ(codes.back(), 9);
+}
+
 // A model registered by its layers (Pipeline::from_layers): each stage worker builds only its range, and the
 // pipeline still equals one process on the whole model (built from the same factory in one piece).
 TEST_F(MultiprocPipeline, AModelBuiltByLayersEqualsTheUnsplitModel) {
