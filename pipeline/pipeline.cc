@@ -548,6 +548,30 @@ ReplicatedPipeline ReplicatedPipeline::create(std::vector<std::vector<StageSpec>
   return out;
 }
 
+ReplicatedPipeline ReplicatedPipeline::from_sequential(const std::string& factory, std::vector<c10::IValue> args,
+                                                       const std::vector<std::vector<rpc::To>>& workers,
+                                                       PartitionOptions partition, PipelineOptions options) {
+  if (workers.empty() || workers[0].empty()) {
+    fail(absl::StatusCode::kInvalidArgument, "from_sequential needs at least one replica with one worker");
+  }
+  nn::detail::Instance model;
+  {
+    MutexLock build_lock(&detail::build_mutex());
+    model = nn::detail::make_instance(factory, std::vector<c10::IValue>(args));
+  }
+  if (!std::dynamic_pointer_cast<torch::nn::SequentialImpl>(model.module))
+    fail(absl::StatusCode::kInvalidArgument, "factory '" + factory + "' does not return a torch::nn::Sequential");
+  const std::vector<double> weights = layer_weights(model.module, partition);
+  std::vector<std::vector<StageSpec>> replicas;
+  for (const auto& replica_workers : workers) {
+    replicas.push_back(cut_into_stages(weights, replica_workers, partition.n_stages, options.schedule,
+                                       [&](rpc::To worker, int64_t begin, int64_t end) {
+                                         return StageSpec{worker, factory, args, begin, end};
+                                       }));
+  }
+  return create(std::move(replicas), std::move(options));
+}
+
 double ReplicatedPipeline::step(const at::Tensor& input, const at::Tensor& target) {
   const int64_t R = static_cast<int64_t>(replicas_.size());
   const int64_t rows = input.dim() > 0 ? input.size(0) : 0;
@@ -566,6 +590,43 @@ double ReplicatedPipeline::step(const at::Tensor& input, const at::Tensor& targe
   for (int64_t r = 0; r < R; ++r) {
     // Only the first replica's inputs can be refused here (the checks above hold for all): nothing is running yet.
     started.push_back(replicas_[r].state_->begin_step({c10::IValue(xs[r])}, {}, ys[r], rows));
+  }
+  // The first failure in any replica abandons every replica's step at once: a stage worker of another replica would
+  // otherwise wait until the deadline for a sum its failed peer never joins.
+  struct Watch {
+    Mutex mu;
+    size_t left ABSL_GUARDED_BY(mu) = 0;
+    bool failed ABSL_GUARDED_BY(mu) = false;
+    bool settled() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { return failed || left == 0; }
+  };
+  auto watch = std::make_shared<Watch>();
+  {
+    MutexLock lock(&watch->mu);
+    for (const auto& s : started) watch->left += s.replies.size();
+  }
+  for (const auto& s : started) {
+    for (const auto& f : s.replies) {
+      f.add_callback([watch](const rpc::Future& done) {
+        MutexLock lock(&watch->mu);
+        --watch->left;
+        watch->failed |= !done.status().ok();
+      });
+    }
+  }
+  bool failed = false;
+  {
+    MutexLock lock(&watch->mu);
+    watch->mu.AwaitWithTimeout(Condition(watch.get(), &Watch::settled),
+                               absl::FromChrono(started[0].opts.timeout + kReplyMargin));
+    failed = watch->failed;
+  }
+  if (failed) {
+    for (int64_t r = 0; r < R; ++r) {
+      for (int w : replicas_[r].state_->workers) {
+        (void)rpc::rpc_async(w, kAbort, replicas_[r].id(), started[r].step_id, std::string("another replica failed"),
+                             kErrorGrace);
+      }
+    }
   }
   double loss = 0;
   std::vector<std::string> errors;

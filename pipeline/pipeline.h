@@ -226,13 +226,19 @@ class Pipeline {
 //
 // Errors: create() as Pipeline::create, and INVALID_ARGUMENT for replicas of different stage counts or one worker
 // holding the same stage of two replicas. step(): INVALID_ARGUMENT for a batch of fewer than R x n_microbatches rows;
-// when a replica fails (a stage throws, a worker dies), every replica's step fails, naming each replica's error; the
-// replicas' groups may then be broken (their errors say so): make a new ReplicatedPipeline.
+// when a replica fails (a stage throws, a message is lost), every replica's step fails at once, naming each replica's
+// error, and the next step works; after a worker died its stage's group is broken (the errors say so): make a new
+// ReplicatedPipeline.
 //
 // Thread-safety: one step at a time.
 class ReplicatedPipeline {
  public:
   static ReplicatedPipeline create(std::vector<std::vector<StageSpec>> replicas, PipelineOptions options = {});
+  // Pipeline::from_sequential's cut (made once, here) with replica r's stages on workers[r], placed on them as
+  // from_sequential places them.
+  static ReplicatedPipeline from_sequential(const std::string& factory, std::vector<c10::IValue> args,
+                                            const std::vector<std::vector<rpc::To>>& workers,
+                                            PartitionOptions partition, PipelineOptions options = {});
   // One training step on the whole batch (inside a dist_autograd::ContextGuard, or with GradientsTo::kDotGrad).
   // Returns the batch's loss.
   double step(const at::Tensor& input, const at::Tensor& target);

@@ -2,16 +2,17 @@
 //
 //   build/tandem-run --nproc-per-node 4 build/pipeline_train [--epochs 4] [--lr 0.002] [--batch 64]
 //        [--microbatches 4] [--schedule 1f1b|gpipe|interleaved|looped_bfs|zbh1|zbv|custom --plans FILE]
-//        [--timeline pipeline_timeline] [--checkpoint 1]
+//        [--timeline pipeline_timeline] [--checkpoint 1] [--replicas 1]
 //        [--min-accuracy A]
 //
 // Rank 0 (the driver) cuts the CNN (the other examples' model) into stages of balanced measured time, places stage k
-// on worker k+1 (zbv: two stages per worker, in a V), and trains with Adam through DistributedOptimizer: each batch
-// goes through pipe.step() (micro-batches by the schedule, activations from stage to stage), then opt.step(). It prints
-// progress every 100 steps, per epoch the loss, images/s and test accuracy (inference through the pipeline), and writes
-// one step's timeline as <timeline>.svg (the schedule as a picture) and <timeline>.json (a Chrome trace for Perfetto).
-// With --min-accuracy it stops after the first epoch whose test accuracy reaches A, and exits 1 if none of the --epochs
-// does.
+// on worker k+1 (zbv: two stages per worker, in a V; with --replicas R, R copies of the pipeline on R groups of the
+// workers, each stepping a share of every batch, their stages' gradients summed across the copies), and trains with
+// Adam through DistributedOptimizer: each batch goes through pipe.step() (micro-batches by the schedule, activations
+// from stage to stage), then opt.step(). It prints progress every 100 steps, per epoch the loss, images/s and test
+// accuracy (inference through the pipeline), and writes one step's timeline as <timeline>.svg (the schedule as a
+// picture) and <timeline>.json (a Chrome trace for Perfetto). With --min-accuracy it stops after the first epoch whose
+// test accuracy reaches A, and exits 1 if none of the --epochs does.
 #include <torch/torch.h>
 
 #include <chrono>
@@ -43,6 +44,7 @@ struct Args {
   std::string plans;                           // --schedule custom: each worker's plan, CSV (pipeline::parse_plans_csv)
   std::string timeline = "pipeline_timeline";  // "" writes none
   bool checkpoint = false;
+  int replicas = 1;
   int64_t limit = 0;        // train on at most this many images (0: all 60,000); for smoke tests
   double min_accuracy = 0;  // stop once an epoch's test accuracy reaches it; exit 1 if none does
 };
@@ -64,6 +66,8 @@ Args parse(int argc, char** argv) {
                  "F, B, or a split backward's I and W, micro-batch)");
   app.add_option("--timeline", a.timeline, "write one step's timeline to <this>.svg and <this>.json ('': none)");
   app.add_option("--checkpoint", a.checkpoint, "1: recompute activations in backward instead of keeping them");
+  app.add_option("--replicas", a.replicas, "copies of the pipeline, each on its share of the workers (data parallel)")
+      ->check(CLI::PositiveNumber);
   app.add_option("--limit", a.limit, "train on at most this many images (0: all 60,000)");
   app.add_option("--min-accuracy", a.min_accuracy,
                  "stop once an epoch's test accuracy reaches it; exit 1 if none does");
@@ -83,13 +87,17 @@ double evaluate(pipeline::Pipeline& pipe, const examples::Dataset& test) {
 int drive(const Args& args) {
   const int n_workers = static_cast<int>(rpc::get_all_worker_infos().size()) - 1;
   if (n_workers < 1) throw std::invalid_argument("needs a driver and at least one stage worker (--nproc-per-node 4)");
-  const int n_stages = args.schedule == "zbv" ? 2 * n_workers : n_workers;
+  if (n_workers % args.replicas != 0) {
+    throw std::invalid_argument("--replicas must divide the stage workers (" + std::to_string(n_workers) + ")");
+  }
+  const int per_replica = n_workers / args.replicas;
+  const int n_stages = args.schedule == "zbv" ? 2 * per_replica : per_replica;
   examples::Dataset data = examples::load_fashion_mnist("train");
   examples::Dataset test = examples::load_fashion_mnist("t10k");
   const int64_t n = args.limit > 0 ? std::min(args.limit, data.images.size(0)) : data.images.size(0);
 
-  std::vector<rpc::To> workers;
-  for (int r = 1; r <= n_workers; ++r) workers.emplace_back(r);
+  std::vector<std::vector<rpc::To>> workers(args.replicas);  // replica r: workers r * per_replica + 1, ...
+  for (int r = 1; r <= n_workers; ++r) workers[(r - 1) / per_replica].emplace_back(r);
   pipeline::PipelineOptions options;
   options.schedule = pipeline::schedule_from_name(args.schedule);
   if (options.schedule == pipeline::Schedule::kCustom) {
@@ -100,9 +108,11 @@ int drive(const Args& args) {
   options.n_microbatches = args.microbatches;
   options.loss = "cross_entropy";
   options.checkpoint = args.checkpoint;
-  auto pipe = pipeline::Pipeline::from_sequential(
+  auto replicated = pipeline::ReplicatedPipeline::from_sequential(
       "fashion_cnn", {}, workers,
       {.n_stages = n_stages, .by = pipeline::Partition::kTime, .sample = data.images.slice(0, 0, args.batch)}, options);
+  pipeline::Pipeline& pipe = replicated.replica(0);  // its timeline and, for the test set, its forward
+  if (args.replicas > 1) std::printf("%d replicas; replica 0: ", args.replicas);
   std::printf("pipeline: %d stages (layers", n_stages);
   for (int s = 0; s < n_stages; ++s) {
     auto [b, e] = pipe.stage_layers(s);
@@ -112,7 +122,7 @@ int drive(const Args& args) {
   std::printf(", %s, batch %d in %d micro-batches, %lld training images, %d epochs, Adam lr %g\n",
               args.schedule.c_str(), args.batch, args.microbatches, static_cast<long long>(n), args.epochs, args.lr);
   std::fflush(stdout);
-  dist_optim::DistributedOptimizer opt("adam", pipe.parameter_rrefs(), {{"lr", args.lr}});
+  dist_optim::DistributedOptimizer opt("adam", replicated.parameter_rrefs(), {{"lr", args.lr}});
 
   torch::manual_seed(42);
   const int64_t steps = (n + args.batch - 1) / args.batch;
@@ -123,13 +133,13 @@ int drive(const Args& args) {
     double loss_sum = 0;
     for (int64_t step = 0; step < steps; ++step) {
       at::Tensor idx = order.slice(0, step * args.batch, std::min(n, (step + 1) * args.batch));
-      if (idx.size(0) < args.microbatches) continue;  // a last batch too small to split
+      if (idx.size(0) < args.microbatches * args.replicas) continue;  // a last batch too small to split
       at::Tensor x = data.images.index_select(0, idx), y = data.labels.index_select(0, idx);
       const bool picture = epoch == 1 && step == 10 && !args.timeline.empty();
       if (picture) pipe.set_record_timeline(true);
       {
         dist_autograd::ContextGuard ctx;
-        loss_sum += pipe.step(x, y);
+        loss_sum += replicated.step(x, y);
         opt.step(ctx.id());
       }
       if (picture) {

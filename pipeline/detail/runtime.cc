@@ -321,13 +321,16 @@ class Run {
         }
       } catch (...) {
         const absl::Status thrown = status_from_current_exception();
+        reduce_failed();  // a replicated stage still takes part in its sums, with zeros
         throw_error(thrown.code(), a, thrown.message());
       }
       // Busy time and the timeline count computing only, not the wait for the action's input nor its send.
       const int64_t end = compute_end_ > 0 ? compute_end_ : now_us(), start = compute_start_;
       run.busy_us += end - start;
       if (p_.record) events_.insert(events_.end(), {a.stage, a.microbatch, static_cast<int64_t>(a.kind), start, end});
-      if (last_gradient_action[a.stage] == k) reduce_across_replicas(a.stage, run);
+      if (auto last = last_gradient_action.find(a.stage); last != last_gradient_action.end() && last->second == k) {
+        reduce_across_replicas(a.stage, true);
+      }
     }
     finish_reductions();
     for (auto& f : sends_) {
@@ -390,39 +393,67 @@ class Run {
   }
 
   // Replicated pipelines: starts the sum of this stage's gradients over its replicas (one bucket: every gradient,
-  // flattened), while the rest of the plan runs.
-  void reduce_across_replicas(int stage, StageRun& run) {
+  // flattened), while the rest of the plan runs. The bucket ends with a flag: 1 from a replica whose stage has its
+  // gradients, 0 from one whose run failed first, which still takes part, with zeros, so that the group's collectives
+  // stay matched and the next step can use it. A flag sum below the group's size: some replica failed this step, and
+  // nobody uses the sum.
+  void reduce_across_replicas(int stage, bool ok) {
+    if (reduced_.count(stage)) return;
     std::shared_ptr<comm::ProcessGroup> group = replica_group(p_.pipe, stage);
     if (!group) return;
+    reduced_.insert(stage);
+    StageRun& run = stage_run(stage);
+    const at::ScalarType dtype = run.stage->params.empty() ? at::kFloat : run.stage->params[0].scalar_type();
     std::vector<at::Tensor> flat;
     for (size_t j = 0; j < run.grads.size(); ++j) {
-      flat.push_back((run.grads[j].defined() ? run.grads[j] : at::zeros_like(run.stage->params[j])).reshape({-1}));
+      const at::Tensor& p = run.stage->params[j];
+      flat.push_back(ok && run.grads[j].defined() ? run.grads[j].reshape({-1}).to(dtype)
+                                                  : at::zeros({p.numel()}, p.options().dtype(dtype)));
     }
-    Reduction r{stage, flat.empty() ? at::Tensor() : at::cat(flat)};
-    if (r.bucket.defined()) r.done = group->allreduce(r.bucket, comm::ReduceOp::kSum);
-    reductions_.push_back(std::move(r));
+    flat.push_back(at::full({1}, ok ? 1.0 : 0.0, at::TensorOptions().dtype(dtype)));
+    Reduction r{stage, at::cat(flat), rpc::Future(), group->size()};
+    r.done = group->allreduce(r.bucket, comm::ReduceOp::kSum);
+    r.done.add_callback([bucket = r.bucket](const rpc::Future&) {});  // alive until the group is done with it
+    if (ok) reductions_.push_back(std::move(r));
+  }
+  // Every local stage of a replicated pipeline whose sum has not started takes part with zeros (a failed run).
+  void reduce_failed() noexcept {
+    try {
+      for (const Action& a : p_.kept->actions) reduce_across_replicas(a.stage, false);
+    } catch (...) {  // the run's own error is what the driver hears
+    }
   }
   // Waits for them (within the step's deadline) and puts the sums back in place of this replica's gradients.
   void finish_reductions() {
     for (Reduction& r : reductions_) {
-      if (!r.bucket.defined()) continue;
-      if (!r.done.wait_for(remaining())) {
+      const std::string stage_here = absl::StrCat("stage ", r.stage, " on worker '", self_name(), "'");
+      // In slices, so that a step abandoned meanwhile (another replica failed) ends this wait at once.
+      while (!r.done.wait_for(std::min(remaining(), std::chrono::milliseconds(20)))) {
+        if (Mailbox::get().aborted(p_.pipe, p_.step)) {
+          throw RpcError(absl::AbortedError(absl::StrCat(stage_here,
+                                                         ": abandoned while summing its gradients across the "
+                                                         "replicas: another stage or replica failed")));
+        }
+        if (Clock::now() < deadline_) continue;
         throw RpcError(absl::DeadlineExceededError(
-            absl::StrCat("stage ", r.stage, " on worker '", self_name(),
-                         "': summing its gradients across the replicas did not "
-                         "finish within the step's deadline (a replica's worker for this stage did not take part)")));
+            absl::StrCat(stage_here,
+                         ": summing its gradients across the replicas did not finish within the step's deadline (a "
+                         "replica's worker for this stage did not take part)")));
       }
       if (!r.done.status().ok()) {
-        throw RpcError(absl::Status(
-            r.done.status().code(),
-            absl::StrCat("stage ", r.stage, " on worker '", self_name(),
-                         "': summing its gradients across the replicas failed: ", r.done.status().message())));
+        throw RpcError(absl::Status(r.done.status().code(),
+                                    absl::StrCat(stage_here, ": summing its gradients across the replicas failed: ",
+                                                 r.done.status().message())));
+      }
+      if (r.bucket[-1].item<double>() < r.replicas - 0.5) {
+        throw RpcError(
+            absl::AbortedError(absl::StrCat(stage_here, ": another replica's run of this stage failed this step")));
       }
       StageRun& run = stage_run(r.stage);
       int64_t at = 0;
       for (size_t j = 0; j < run.grads.size(); ++j) {
         const at::Tensor& p = run.stage->params[j];
-        run.grads[j] = r.bucket.narrow(0, at, p.numel()).view(p.sizes()).clone();
+        run.grads[j] = r.bucket.narrow(0, at, p.numel()).view(p.sizes()).to(p.scalar_type()).clone();
         at += p.numel();
       }
     }
@@ -637,8 +668,10 @@ class Run {
     int stage = 0;
     at::Tensor bucket;
     rpc::Future done;
+    int replicas = 0;
   };
   std::vector<Reduction> reductions_;
+  std::set<int> reduced_;  // stages whose sum across the replicas started
   std::vector<int64_t> events_;
   double loss_ = 0;
   int64_t compute_start_ = 0;  // when the current action had its input and began computing

@@ -313,6 +313,35 @@ TEST_F(MultiprocPipeline, ReplicatedPipelinesEqualOneProcessOnTheWholeBatch) {
   }
 }
 
+// A replica whose stage throws fails every replica's step at once, long before the step's timeout: the driver
+// abandons every replica's step at the first failure, and the other replica's stage workers waiting to sum their
+// gradients with the failed one stop waiting. The failed replica's stages still take part in the sums (with zeros and
+// a flag that says so), so the next step works.
+TEST_F(MultiprocPipeline, AReplicaThatFailsAbandonsEveryReplicasStepAtOnce) {
+  start({.world_size = 5});
+  auto pipe =
+      pipeline::ReplicatedPipeline::create({{{1, "pipe_faulty", {int64_t{0}}}, {2, "pipe_faulty", {int64_t{0}}}},
+                                            {{3, "pipe_faulty", {int64_t{1}}}, {4, "pipe_faulty", {int64_t{0}}}}},
+                                           {.n_microbatches = 2, .timeout = std::chrono::milliseconds(30000)});
+  at::Tensor x = at::ones({8, 4}, at::kDouble), y = at::zeros({8, 4}, at::kDouble);
+  x[6][0] = 999;  // replica 1's micro-batch 1: its stage 0 throws
+  const auto t0 = Clock::now();
+  try {
+    dist_autograd::ContextGuard ctx;
+    pipe.step(x, y);
+    ADD_FAILURE() << "a failed replica did not fail the step";
+  } catch (const RpcError& e) {
+    EXPECT_THAT(e.what(), ::testing::HasSubstr("replica 1: "));
+    EXPECT_THAT(e.what(), ::testing::HasSubstr("a marked row reached the faulty stage"));
+    EXPECT_THAT(e.what(), ::testing::HasSubstr("replica 0: "));
+  }
+  EXPECT_LT(Clock::now() - t0, scaled(milliseconds(6000)));  // the timeout is 30 s
+  // The failed replica's stages took part in the sums with zeros: the groups stay matched, and the next step works.
+  x[6][0] = 1;
+  dist_autograd::ContextGuard ctx;
+  EXPECT_NEAR(pipe.step(x, y), 1.0, 1e-12);  // identity stages: mse(ones, zeros)
+}
+
 // A replica whose stage worker dies fails the step of every replica, within the step's timeout: the dead worker's
 // replica names it, and the other replica's stage that waited to sum its gradients with it says so.
 TEST_F(MultiprocPipeline, AReplicaThatDiesFailsTheStepOfEveryReplicaNamingIt) {
