@@ -52,6 +52,7 @@ struct Pipeline::State {
   std::vector<int> workers;       // distinct ranks, in order of first stage
   std::vector<int> stage_worker;  // per stage: index into workers
   std::vector<rref::RRef> params;
+  bool replica = false;  // one of a ReplicatedPipeline's (R > 1): only it steps this
 
   Mutex step_mu;                                                                   // one step at a time
   std::map<int, std::vector<std::vector<Action>>> plans ABSL_GUARDED_BY(step_mu);  // by number of micro-batches
@@ -129,6 +130,12 @@ struct Pipeline::State {
 
   double step(const std::vector<c10::IValue>& inputs, const std::vector<bool>& replicate, const at::Tensor& target) {
     MutexLock step_lock(&step_mu);
+    if (replica) {
+      fail(absl::StatusCode::kFailedPrecondition,
+           absl::StrCat("pipeline ", id,
+                        " is a replica of a ReplicatedPipeline: step it through that (its stages sum "
+                        "their gradients with the other replicas' every step)"));
+    }
     Started started = begin_step(inputs, replicate, target, 0);
     return end_step(started);
   }
@@ -397,10 +404,10 @@ std::vector<StageSpec> cut_into_stages(const std::vector<double>& weights, const
 }
 }  // namespace
 
-Pipeline Pipeline::from_sequential(const std::string& factory, std::vector<c10::IValue> args,
-                                   const std::vector<rpc::To>& workers, PartitionOptions partition,
-                                   PipelineOptions options) {
-  if (workers.empty()) fail(absl::StatusCode::kInvalidArgument, "from_sequential needs at least one worker");
+namespace {
+// Builds factory(args...) here, which must return a torch::nn::Sequential, and weighs its layers for the cut.
+std::vector<double> sequential_weights(const std::string& factory, const std::vector<c10::IValue>& args,
+                                       const PartitionOptions& partition) {
   nn::detail::Instance model;
   {
     MutexLock build_lock(&detail::build_mutex());  // no stage of another pipeline is built here meanwhile
@@ -408,11 +415,20 @@ Pipeline Pipeline::from_sequential(const std::string& factory, std::vector<c10::
   }
   if (!std::dynamic_pointer_cast<torch::nn::SequentialImpl>(model.module))
     fail(absl::StatusCode::kInvalidArgument, "factory '" + factory + "' does not return a torch::nn::Sequential");
-  return create(cut_into_stages(layer_weights(model.module, partition), workers, partition.n_stages, options.schedule,
-                                [&](rpc::To worker, int64_t begin, int64_t end) {
-                                  return StageSpec{worker, factory, args, begin, end};
-                                }),
-                options);
+  return layer_weights(model.module, partition);
+}
+}  // namespace
+
+Pipeline Pipeline::from_sequential(const std::string& factory, std::vector<c10::IValue> args,
+                                   const std::vector<rpc::To>& workers, PartitionOptions partition,
+                                   PipelineOptions options) {
+  if (workers.empty()) fail(absl::StatusCode::kInvalidArgument, "from_sequential needs at least one worker");
+  return create(
+      cut_into_stages(sequential_weights(factory, args, partition), workers, partition.n_stages, options.schedule,
+                      [&](rpc::To worker, int64_t begin, int64_t end) {
+                        return StageSpec{worker, factory, args, begin, end};
+                      }),
+      options);
 }
 
 Pipeline Pipeline::from_layers(const std::string& layers, const std::vector<rpc::To>& workers,
@@ -514,6 +530,7 @@ ReplicatedPipeline ReplicatedPipeline::create(std::vector<std::vector<StageSpec>
   ReplicatedPipeline out;
   for (auto& stages : replicas) out.replicas_.push_back(Pipeline::create(std::move(stages), options));
   if (out.replicas_.size() == 1) return out;
+  for (auto& p : out.replicas_) p.state_->replica = true;
   // One group per stage: its worker in every replica. Created by all of them at once (a collective), each member then
   // taking replica 0's parameters.
   std::vector<rpc::Future> made;
@@ -531,10 +548,11 @@ ReplicatedPipeline ReplicatedPipeline::create(std::vector<std::vector<StageSpec>
     }
     const std::string name = absl::StrCat("__tandem.pipeline.", out.replicas_[0].id(), ".stage", s);
     for (size_t r = 0; r < out.replicas_.size(); ++r) {
-      made.push_back(rpc::call(static_cast<int>(ranks[r]), kGroup,
-                               {c10::IValue(out.replicas_[r].id()), c10::IValue(static_cast<int64_t>(s)),
-                                c10::IValue(name), c10::IValue(ranks)},
-                               options.timeout));
+      made.push_back(
+          rpc::call(static_cast<int>(ranks[r]), kGroup,
+                    {c10::IValue(out.replicas_[r].id()), c10::IValue(static_cast<int64_t>(s)), c10::IValue(name),
+                     c10::IValue(ranks), c10::IValue(static_cast<int64_t>(options.timeout.count()))},
+                    options.timeout));
       what.push_back(absl::StrCat("stage ", s, " of replica ", r, " (worker '",
                                   rpc::get_worker_info(static_cast<int>(ranks[r])).name, "')"));
     }
@@ -554,14 +572,7 @@ ReplicatedPipeline ReplicatedPipeline::from_sequential(const std::string& factor
   if (workers.empty() || workers[0].empty()) {
     fail(absl::StatusCode::kInvalidArgument, "from_sequential needs at least one replica with one worker");
   }
-  nn::detail::Instance model;
-  {
-    MutexLock build_lock(&detail::build_mutex());
-    model = nn::detail::make_instance(factory, std::vector<c10::IValue>(args));
-  }
-  if (!std::dynamic_pointer_cast<torch::nn::SequentialImpl>(model.module))
-    fail(absl::StatusCode::kInvalidArgument, "factory '" + factory + "' does not return a torch::nn::Sequential");
-  const std::vector<double> weights = layer_weights(model.module, partition);
+  const std::vector<double> weights = sequential_weights(factory, args, partition);
   std::vector<std::vector<StageSpec>> replicas;
   for (const auto& replica_workers : workers) {
     replicas.push_back(cut_into_stages(weights, replica_workers, partition.n_stages, options.schedule,
@@ -623,8 +634,8 @@ double ReplicatedPipeline::step(const at::Tensor& input, const at::Tensor& targe
   if (failed) {
     for (int64_t r = 0; r < R; ++r) {
       for (int w : replicas_[r].state_->workers) {
-        (void)rpc::rpc_async(w, kAbort, replicas_[r].id(), started[r].step_id, std::string("another replica failed"),
-                             kErrorGrace);
+        (void)rpc::rpc_async(w, kAbort, replicas_[r].id(), started[r].step_id,
+                             std::string("another stage or replica failed"), kErrorGrace);
       }
     }
   }

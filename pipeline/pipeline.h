@@ -228,7 +228,9 @@ class Pipeline {
 // holding the same stage of two replicas. step(): INVALID_ARGUMENT for a batch of fewer than R x n_microbatches rows;
 // when a replica fails (a stage throws, a message is lost), every replica's step fails at once, naming each replica's
 // error, and the next step works; after a worker died its stage's group is broken (the errors say so): make a new
-// ReplicatedPipeline.
+// ReplicatedPipeline. As with one pipeline, a failure after a replica's workers agreed that they finished (a worker
+// dying then, a reply lost) fails a step whose gradients some replicas delivered. replica(r) is for its stages,
+// timeline and forward(); its own step() is refused (FAILED_PRECONDITION).
 //
 // Thread-safety: one step at a time.
 class ReplicatedPipeline {

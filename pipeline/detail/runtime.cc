@@ -329,7 +329,13 @@ class Run {
       run.busy_us += end - start;
       if (p_.record) events_.insert(events_.end(), {a.stage, a.microbatch, static_cast<int64_t>(a.kind), start, end});
       if (auto last = last_gradient_action.find(a.stage); last != last_gradient_action.end() && last->second == k) {
-        reduce_across_replicas(a.stage, true);
+        try {
+          reduce_across_replicas(a.stage, true);
+        } catch (...) {
+          const absl::Status thrown = status_from_current_exception();
+          reduce_failed();
+          throw_error(thrown.code(), a, absl::StrCat("starting the sum across the replicas: ", thrown.message()));
+        }
       }
     }
     finish_reductions();
@@ -393,61 +399,81 @@ class Run {
   }
 
   // Replicated pipelines: starts the sum of this stage's gradients over its replicas (one bucket: every gradient,
-  // flattened), while the rest of the plan runs. The bucket ends with a flag: 1 from a replica whose stage has its
-  // gradients, 0 from one whose run failed first, which still takes part, with zeros, so that the group's collectives
-  // stay matched and the next step can use it. A flag sum below the group's size: some replica failed this step, and
-  // nobody uses the sum.
+  // flattened, in the widest of the parameters' types), while the rest of the plan runs. Beside it a control sum of
+  // two doubles: a flag, 1 from a replica whose stage has its gradients and 0 from one whose run failed first (which
+  // still takes part, with zeros, so that the group's collectives stay matched and the next step can use it), and the
+  // step's number. A flag sum below the group's size: some replica failed this step, and nobody uses the sum; a step
+  // sum other than the group's size times this step: the group's collectives are out of step (a replica missed one).
   void reduce_across_replicas(int stage, bool ok) {
     if (reduced_.count(stage)) return;
     std::shared_ptr<comm::ProcessGroup> group = replica_group(p_.pipe, stage);
     if (!group) return;
     reduced_.insert(stage);
     StageRun& run = stage_run(stage);
-    const at::ScalarType dtype = run.stage->params.empty() ? at::kFloat : run.stage->params[0].scalar_type();
+    at::ScalarType dtype = run.stage->params.empty() ? at::kFloat : run.stage->params[0].scalar_type();
+    for (const auto& p : run.stage->params) dtype = c10::promoteTypes(dtype, p.scalar_type());
     std::vector<at::Tensor> flat;
     for (size_t j = 0; j < run.grads.size(); ++j) {
       const at::Tensor& p = run.stage->params[j];
       flat.push_back(ok && run.grads[j].defined() ? run.grads[j].reshape({-1}).to(dtype)
                                                   : at::zeros({p.numel()}, p.options().dtype(dtype)));
     }
-    flat.push_back(at::full({1}, ok ? 1.0 : 0.0, at::TensorOptions().dtype(dtype)));
-    Reduction r{stage, at::cat(flat), rpc::Future(), group->size()};
-    r.done = group->allreduce(r.bucket, comm::ReduceOp::kSum);
-    r.done.add_callback([bucket = r.bucket](const rpc::Future&) {});  // alive until the group is done with it
+    Reduction r;
+    r.stage = stage, r.replicas = group->size();
+    r.control = at::tensor({ok ? 1.0 : 0.0, static_cast<double>(p_.step)}, at::kDouble);
+    r.control_done = group->allreduce(r.control, comm::ReduceOp::kSum);
+    r.control_done.add_callback([t = r.control](const rpc::Future&) {});  // alive until the group is done with it
+    if (!flat.empty()) {
+      r.bucket = at::cat(flat);
+      r.done = group->allreduce(r.bucket, comm::ReduceOp::kSum);
+      r.done.add_callback([t = r.bucket](const rpc::Future&) {});
+    }
     if (ok) reductions_.push_back(std::move(r));
   }
   // Every local stage of a replicated pipeline whose sum has not started takes part with zeros (a failed run).
   void reduce_failed() noexcept {
-    try {
-      for (const Action& a : p_.kept->actions) reduce_across_replicas(a.stage, false);
-    } catch (...) {  // the run's own error is what the driver hears
+    for (const Action& a : p_.kept->actions) {
+      try {
+        reduce_across_replicas(a.stage, false);
+      } catch (...) {  // the run's own error is what the driver hears
+      }
     }
   }
-  // Waits for them (within the step's deadline) and puts the sums back in place of this replica's gradients.
+  // Waits (within the step's deadline, and no longer once the step is abandoned) for one of the sums.
+  void wait_reduction(const rpc::Future& f, const std::string& stage_here) {
+    // In slices, so that a step abandoned meanwhile (another replica failed) ends this wait at once.
+    while (!f.wait_for(std::min(remaining(), std::chrono::milliseconds(20)))) {
+      if (Mailbox::get().aborted(p_.pipe, p_.step)) {
+        throw RpcError(absl::AbortedError(absl::StrCat(
+            stage_here,
+            ": abandoned while summing its gradients across the replicas: another stage or replica failed")));
+      }
+      if (Clock::now() < deadline_) continue;
+      throw RpcError(absl::DeadlineExceededError(
+          absl::StrCat(stage_here,
+                       ": summing its gradients across the replicas did not finish within the step's deadline (a "
+                       "replica's worker for this stage did not take part)")));
+    }
+    if (!f.status().ok()) {
+      throw RpcError(absl::Status(
+          f.status().code(),
+          absl::StrCat(stage_here, ": summing its gradients across the replicas failed: ", f.status().message())));
+    }
+  }
+  // Waits for the sums and puts them in place of this replica's gradients.
   void finish_reductions() {
     for (Reduction& r : reductions_) {
       const std::string stage_here = absl::StrCat("stage ", r.stage, " on worker '", self_name(), "'");
-      // In slices, so that a step abandoned meanwhile (another replica failed) ends this wait at once.
-      while (!r.done.wait_for(std::min(remaining(), std::chrono::milliseconds(20)))) {
-        if (Mailbox::get().aborted(p_.pipe, p_.step)) {
-          throw RpcError(absl::AbortedError(absl::StrCat(stage_here,
-                                                         ": abandoned while summing its gradients across the "
-                                                         "replicas: another stage or replica failed")));
-        }
-        if (Clock::now() < deadline_) continue;
-        throw RpcError(absl::DeadlineExceededError(
-            absl::StrCat(stage_here,
-                         ": summing its gradients across the replicas did not finish within the step's deadline (a "
-                         "replica's worker for this stage did not take part)")));
-      }
-      if (!r.done.status().ok()) {
-        throw RpcError(absl::Status(r.done.status().code(),
-                                    absl::StrCat(stage_here, ": summing its gradients across the replicas failed: ",
-                                                 r.done.status().message())));
-      }
-      if (r.bucket[-1].item<double>() < r.replicas - 0.5) {
+      wait_reduction(r.control_done, stage_here);
+      if (r.bucket.defined()) wait_reduction(r.done, stage_here);
+      if (r.control[0].item<double>() < r.replicas - 0.5) {
         throw RpcError(
             absl::AbortedError(absl::StrCat(stage_here, ": another replica's run of this stage failed this step")));
+      }
+      if (r.control[1].item<double>() != static_cast<double>(r.replicas) * static_cast<double>(p_.step)) {
+        throw RpcError(absl::FailedPreconditionError(absl::StrCat(
+            stage_here, ": the sums across the replicas are out of step (a replica's worker missed one at step ",
+            p_.step, "): make a new ReplicatedPipeline")));
       }
       StageRun& run = stage_run(r.stage);
       int64_t at = 0;
@@ -479,7 +505,7 @@ class Run {
   void sum_tied_gradients(const std::map<std::pair<int, int>, at::Tensor>& received) {
     std::map<int, at::Tensor> sums;
     for (const TieCopy& c : p_.kept->ties) {  // tie by tie, copy by copy
-      if (!held_here(c.tie)) continue;
+      if (!tie_held_by(c.tie, self_)) continue;
       at::Tensor g;
       if (c.param >= 0) {
         g = tied_gradient(c);
@@ -497,13 +523,6 @@ class Run {
     for (const TieCopy& c : p_.kept->ties) {
       if (c.param >= 0) stage_run(c.stage).grads[c.param] = sums.at(c.tie).clone();
     }
-  }
-
-  bool held_here(int tie) const {
-    for (const TieCopy& c : p_.kept->ties) {
-      if (c.tie == tie && c.param >= 0) return true;
-    }
-    return false;
   }
 
   // Adds the step's gradients to the caller's distributed autograd context here, or to the parameters' .grad.
@@ -666,9 +685,9 @@ class Run {
   std::vector<rpc::Future> sends_;
   struct Reduction {
     int stage = 0;
-    at::Tensor bucket;
-    rpc::Future done;
     int replicas = 0;
+    at::Tensor bucket, control;
+    rpc::Future done, control_done;
   };
   std::vector<Reduction> reductions_;
   std::set<int> reduced_;  // stages whose sum across the replicas started
@@ -897,26 +916,30 @@ bool install() {
     param.copy_(v);
     return c10::IValue();
   });
-  rpc::register_function(kGroup, [](int64_t pipe, int64_t stage, std::string name, std::vector<int64_t> ranks) {
-    auto held = find_stage(pipe, static_cast<int>(stage));
-    if (!held || ranks.empty()) {
-      throw_error(absl::NotFoundError(
-          absl::StrCat("pipeline ", pipe, " has no stage ", stage, " on worker '", self_name(), "'")));
-    }
-    std::vector<int> members(ranks.begin(), ranks.end());
-    auto group = comm::ProcessGroup::create(name, members);
-    // Every replica starts from replica 0's parameters (ranks[0]'s; the group numbers its ranks in sorted order).
-    std::sort(members.begin(), members.end());
-    const int root = static_cast<int>(std::find(members.begin(), members.end(), ranks[0]) - members.begin());
-    for (const auto& p : held->params) {
-      at::Tensor t = p.detach();
-      comm::wait(group->broadcast(t, root));
-    }
-    with_pipe(pipe, [&](PipeEntry* e) {
-      if (e) e->replica_groups[static_cast<int>(stage)] = group;
-      return 0;
-    });
-  });
+  rpc::register_function(
+      kGroup, [](int64_t pipe, int64_t stage, std::string name, std::vector<int64_t> ranks, int64_t timeout_ms) {
+        auto held = find_stage(pipe, static_cast<int>(stage));
+        if (!held || ranks.empty()) {
+          throw_error(absl::NotFoundError(
+              absl::StrCat("pipeline ", pipe, " has no stage ", stage, " on worker '", self_name(), "'")));
+        }
+        std::vector<int> members(ranks.begin(), ranks.end());
+        // Its operations wait as long as the pipeline's steps may take.
+        comm::ProcessGroupOptions group_options;
+        group_options.timeout = std::chrono::milliseconds(std::max<int64_t>(1, timeout_ms));
+        auto group = comm::ProcessGroup::create(name, members, group_options);
+        // Every replica starts from replica 0's parameters (ranks[0]'s; the group numbers its ranks in sorted order).
+        std::sort(members.begin(), members.end());
+        const int root = static_cast<int>(std::find(members.begin(), members.end(), ranks[0]) - members.begin());
+        for (const auto& p : held->params) {
+          at::Tensor t = p.detach();
+          comm::wait(group->broadcast(t, root));
+        }
+        with_pipe(pipe, [&](PipeEntry* e) {
+          if (e) e->replica_groups[static_cast<int>(stage)] = group;
+          return 0;
+        });
+      });
   rpc::register_function(kForward, on_forward);
   rpc::register_function(kPing, [] {});
   rpc::register_function(kAct, [](int64_t pipe, int64_t step, int64_t stage, int64_t mb, bool grad, c10::IValue t) {

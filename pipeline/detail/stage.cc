@@ -288,15 +288,28 @@ struct PutBack {
   ~PutBack() { put_back(stage, kept); }
 };
 
+// Appends the input's tensors that require gradients to `wrt`; returns, for each tensor of the input, its place there,
+// or max() when it has no gradient.
+std::vector<size_t> append_inputs(const std::vector<at::Tensor>& inputs, std::vector<at::Tensor>* wrt) {
+  std::vector<size_t> places;
+  for (const auto& t : inputs) {
+    places.push_back(t.requires_grad() ? wrt->size() : std::numeric_limits<size_t>::max());
+    if (t.requires_grad()) wrt->push_back(t);
+  }
+  return places;
+}
+// The input's gradients (per tensor; undefined where none) from the engine's `grads` over `wrt`.
+std::vector<at::Tensor> input_gradients(const std::vector<at::Tensor>& grads, const std::vector<size_t>& input_at) {
+  std::vector<at::Tensor> out;
+  for (size_t k : input_at) out.push_back(k < grads.size() ? grads[k] : at::Tensor());
+  return out;
+}
+
 // The full backward from `r`: the gradients of the parameters and of the input's tensors.
 void full_backward(const Stage& stage, const Roots& r, std::vector<at::Tensor>* params,
                    std::vector<at::Tensor>* inputs) {
   std::vector<at::Tensor> wrt = stage.params;
-  std::vector<size_t> input_at;  // for each tensor of the input: its place in wrt, or max() when it has no gradient
-  for (const auto& t : r.inputs) {
-    input_at.push_back(t.requires_grad() ? wrt.size() : std::numeric_limits<size_t>::max());
-    if (t.requires_grad()) wrt.push_back(t);
-  }
+  const std::vector<size_t> input_at = append_inputs(r.inputs, &wrt);
   std::vector<at::Tensor> grads;
   if (!wrt.empty() && !r.tensors.empty()) {
     grads = torch::autograd::grad(r.tensors, wrt, r.grads, /*retain_graph=*/false, /*create_graph=*/false,
@@ -304,8 +317,7 @@ void full_backward(const Stage& stage, const Roots& r, std::vector<at::Tensor>* 
   } else {
     grads.resize(wrt.size());
   }
-  inputs->clear();
-  for (size_t k : input_at) inputs->push_back(k < grads.size() ? grads[k] : at::Tensor());
+  *inputs = input_gradients(grads, input_at);
   grads.resize(stage.params.size());
   *params = std::move(grads);
 }
@@ -450,6 +462,13 @@ bool plan_weights(const Stage& stage, const Roots& r, WeightWork* work) {
       }
     }
   }
+  // W runs a joining node again: a hook on it (Tensor::register_hook on its output, a retain_grad) would run twice
+  // and, if it changes the gradient, change it twice. Such graphs are not split either.
+  for (const auto& [id, g] : groups) {
+    for (const auto& n : g.nodes) {
+      if (!n->pre_hooks().empty() || !n->post_hooks().empty()) return false;
+    }
+  }
   for (auto& [id, g] : groups) {
     for (const auto& n : g.nodes) {
       g.captured.push_back(std::make_shared<std::vector<at::Tensor>>());
@@ -492,11 +511,7 @@ InputGradients backward_input(Stage& stage, Live live, const c10::IValue& grad_o
     } else if (!stage.params.empty() && !r.tensors.empty() && plan_weights(stage, r, work.get())) {
       work->split = true;
       std::vector<at::Tensor> wrt;
-      std::vector<size_t> input_at;
-      for (const auto& t : r.inputs) {
-        input_at.push_back(t.requires_grad() ? wrt.size() : std::numeric_limits<size_t>::max());
-        if (t.requires_grad()) wrt.push_back(t);
-      }
+      const std::vector<size_t> input_at = append_inputs(r.inputs, &wrt);
       std::vector<at::Tensor> grads;
       try {
         grads = torch::autograd::grad(r.tensors, wrt, r.grads, /*retain_graph=*/true, /*create_graph=*/false,
@@ -506,7 +521,7 @@ InputGradients backward_input(Stage& stage, Live live, const c10::IValue& grad_o
         throw;
       }
       remove_captures(work.get());
-      for (size_t k : input_at) input_grads.push_back(k < grads.size() ? grads[k] : at::Tensor());
+      input_grads = input_gradients(grads, input_at);
     } else {
       work->groups.clear();
       full_backward(stage, r, &work->done, &input_grads);

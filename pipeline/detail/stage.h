@@ -82,9 +82,9 @@ MicrobatchGradients backward_microbatch(Stage& stage, Live live, const c10::IVal
 // W frees it. How: before I, the graph is searched for the nodes where paths from parameters join the path to the
 // input (PyTorch's pipelining finds the same "intermediates"); I captures the gradients arriving there, and W runs
 // the engine from those nodes to the parameters only, one group of parameters sharing such nodes at a time. A graph
-// where that would count a gradient twice (one joining node behind another of its group), an output that does not
-// depend on the input, or the first stage (no input gradient) has all its backward run by I (then W only hands its
-// result over) or, on the first stage, by W.
+// where that would count a gradient twice (one joining node behind another of its group), a joining node with a hook
+// (it would run twice), an output that does not depend on the input, or the first stage (no input gradient) has all
+// its backward run by I (then W only hands its result over) or, on the first stage, by W.
 struct WeightWork;
 struct InputGradients {
   c10::IValue input;                 // as MicrobatchGradients::input

@@ -275,8 +275,10 @@ TEST_F(MultiprocPipeline, ReplicatedPipelinesEqualOneProcessOnTheWholeBatch) {
       SCOPED_TRACE(pipeline::schedule_name(schedule) + ", m " + std::to_string(m));
       std::vector<std::vector<pipeline::StageSpec>> replicas;
       for (int r = 0; r < 2; ++r) {
-        replicas.push_back({{1 + 2 * r, "pipe_mlp", {kLayers, kWidth, kSeed}, 0, kLayers},
-                            {2 + 2 * r, "pipe_mlp", {kLayers, kWidth, kSeed}, kLayers, 2 * kLayers}});
+        // Replica 1 built from another seed: it takes replica 0's parameters at creation.
+        const int64_t seed = kSeed + r;
+        replicas.push_back({{1 + 2 * r, "pipe_mlp", {kLayers, kWidth, seed}, 0, kLayers},
+                            {2 + 2 * r, "pipe_mlp", {kLayers, kWidth, seed}, kLayers, 2 * kLayers}});
       }
       auto pipe = pipeline::ReplicatedPipeline::create(replicas, {.schedule = schedule, .n_microbatches = m});
       ASSERT_EQ(pipe.num_replicas(), 2);
@@ -336,10 +338,24 @@ TEST_F(MultiprocPipeline, AReplicaThatFailsAbandonsEveryReplicasStepAtOnce) {
     EXPECT_THAT(e.what(), ::testing::HasSubstr("replica 0: "));
   }
   EXPECT_LT(Clock::now() - t0, scaled(milliseconds(6000)));  // the timeout is 30 s
-  // The failed replica's stages took part in the sums with zeros: the groups stay matched, and the next step works.
+  // The failed replica's stages took part in the sums with zeros: the groups stay matched, and the next step works,
+  // every stage's gradients the whole batch's (one process: two identity Linears, MSE against zeros).
   x[6][0] = 1;
+  at::Tensor W1 = at::eye(4, at::kDouble).requires_grad_(), b1 = at::zeros({4}, at::kDouble).requires_grad_(),
+             W2 = at::eye(4, at::kDouble).requires_grad_(), b2 = at::zeros({4}, at::kDouble).requires_grad_();
+  torch::mse_loss(torch::linear(torch::linear(x, W1, b1), W2, b2), y).backward();
   dist_autograd::ContextGuard ctx;
-  EXPECT_NEAR(pipe.step(x, y), 1.0, 1e-12);  // identity stages: mse(ones, zeros)
+  EXPECT_NEAR(pipe.step(x, y), 1.0, 1e-12);  // mse(ones, zeros)
+  const std::vector<std::vector<at::Tensor>> want{{W1.grad(), b1.grad()}, {W2.grad(), b2.grad()}};
+  for (int r = 0; r < 2; ++r) {
+    for (int st = 0; st < 2; ++st) {
+      Pipeline& p = pipe.replica(r);
+      auto grads = rpc::rpc_sync<std::vector<at::Tensor>>(p.stage_worker(st), "pipe_grads", p.id(), st, ctx.id());
+      EXPECT_LE(relative_diff(grads, want[st]), 1e-12) << "replica " << r << ", stage " << st;
+    }
+  }
+  // A replica's own step() would wait for sums its peers never join: refused.
+  EXPECT_THROW(pipe.replica(0).step(x, y), RpcError);
 }
 
 // A replica whose stage worker dies fails the step of every replica, within the step's timeout: the dead worker's

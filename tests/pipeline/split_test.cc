@@ -135,6 +135,24 @@ TEST(UnitPipelineSplit, AParameterUsedTwiceAlongThePathIsNotSplitAndStaysExact) 
   expect_same(full, split);
 }
 
+// A hook on a joining node's output (here one that halves the gradient, as a gradient-scaling layer does): W would
+// run the node, and its hook, again. Such a graph is not split, and the hook runs once.
+TEST(UnitPipelineSplit, AHookOnAJoiningNodeIsNotRunTwice) {
+  torch::manual_seed(5);
+  torch::nn::Linear lin(4, 4);
+  lin->to(torch::kFloat64);
+  auto stage = stage_of(lin.ptr(), [lin](Args a) mutable -> c10::IValue {
+    at::Tensor y = lin->forward(a[0].toTensor());
+    y.register_hook([](const at::Tensor& g) { return g * 0.5; });
+    return torch::tanh(y);
+  });
+  const Args x{torch::randn({3, 4}, torch::kFloat64)};
+  const c10::IValue g = torch::randn({3, 4}, torch::kFloat64);
+  const Grads full = run(*stage, x, false, false, g, false), split = run(*stage, x, false, false, g, true);
+  EXPECT_FALSE(split.split);
+  expect_same(full, split);
+}
+
 // W computes the weights' part only: the input's path (here a costly function before the first weight) runs in I,
 // once, and not again in W.
 TEST(UnitPipelineSplit, WDoesNotRunTheInputsPathAgain) {
