@@ -30,8 +30,20 @@
 //                                1) / m for GPipe and 1F1B, (p - 1) / 3m for ZB-H1 (tf = tw = tb - tw), ZBV's simulated
 //                                one. TANDEM_BENCH_SVG_DIR=<dir> writes each schedule's last step there
 //                                (bubble_<name>.svg and .json, a Chrome trace).
+//   pipeline_replicated_step_ms  2 replicas x 2 stages (workers 1-2 and 3-4) of the "large" model, batch 1024, 4
+//                                micro-batches per replica, 1F1B and ZB-H1, a step as above (the optimizer steps
+//                                every copy); beside it (replicas 1) one 2-stage pipeline on workers 1-2 with the whole
+//                                batch in 8 micro-batches of the same size. On 2 cores the replicas share the cores:
+//                                the figure shows what replication costs there, not a speed-up.
+//   pipeline_reduction_hidden_share the same steps: of the time the stages' sums across the replicas took (each from
+//                                when the last replica's stage began it (its last B or W ended) to when the last one
+//                                had it; from the replicas' timelines, one host, one clock), the share that ran while
+//                                some action of some replica was still computing: 1 - exposed / total, exposed being
+//                                the part after the step's last action ended. Median over the steps; its line carries
+//                                the sums' mean time and the exposed time per step. TANDEM_BENCH_SVG_DIR: replica 0's
+//                                last step as replicated_<schedule>.svg.
 // Flags: --steps N (timed steps per figure, after 2 warm-up steps), --tf-ms, --tb-ms, --tw-ms, --parts (of
-// small,large,bubble; default all).
+// small,large,bubble,replicated; default all).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -312,18 +324,103 @@ void bubble(int steps, int64_t tf_ms, int64_t tb_ms, int64_t tw_ms) {
   }
 }
 
+// Two replicas of a 2-stage pipeline against one pipeline on the whole batch, and the share of the replicas'
+// gradient sums that the drain hides.
+void replicated(int steps) {
+  const int64_t d = 1024, batch = 1024, m = 4;
+  auto gen = at::detail::createCPUGenerator(0);
+  at::Tensor x = at::randn({batch, d}, gen), y = at::randn({batch, d}, gen);
+  for (auto schedule : {pipeline::Schedule::k1F1B, pipeline::Schedule::kZeroBubbleH1}) {
+    const std::string name = pipeline::schedule_name(schedule);
+    pipeline::PipelineOptions options;
+    options.schedule = schedule;
+    auto cond = [&](int replicas, int64_t micro) {
+      return fields({{"processes", std::to_string(1 + 2 * replicas)},
+                     {"intra_op_threads", "1"},
+                     {"size", str("large")},
+                     {"schedule", str(name)},
+                     {"replicas", std::to_string(replicas)},
+                     {"stages", "2"},
+                     {"m", std::to_string(micro)},
+                     {"dim", std::to_string(d)},
+                     {"batch", std::to_string(batch)},
+                     {"steps", std::to_string(steps)}});
+    };
+    // One pipeline on the whole batch, micro-batches of the same size.
+    options.n_microbatches = 2 * m;
+    auto one = pipeline::Pipeline::create({{1, "bench_mlp_stage", {d}}, {2, "bench_mlp_stage", {d}}}, options);
+    tandem::dist_optim::DistributedOptimizer one_opt("sgd", one.parameter_rrefs(), {{"lr", 0.01}});
+    const double one_ms = median_ms(steps, [&] {
+      dist_autograd::ContextGuard ctx;
+      one.step(x, y);
+      one_opt.step(ctx.id());
+    });
+    bench::emit("pipeline", "pipeline_replicated_step_ms", one_ms, "ms", cond(1, 2 * m));
+    options.n_microbatches = m;
+    options.record_timeline = true;
+    auto pipe = pipeline::ReplicatedPipeline::create({{{1, "bench_mlp_stage", {d}}, {2, "bench_mlp_stage", {d}}},
+                                                      {{3, "bench_mlp_stage", {d}}, {4, "bench_mlp_stage", {d}}}},
+                                                     options);
+    tandem::dist_optim::DistributedOptimizer opt("sgd", pipe.parameter_rrefs(), {{"lr", 0.01}});
+    std::vector<double> hidden, sum_ms, exposed_ms;
+    const double ms = median_ms(steps, [&] {
+      dist_autograd::ContextGuard ctx;
+      pipe.step(x, y);
+      opt.step(ctx.id());
+      // Per stage, its sum over the replicas: from when the last replica joined it (until then there is nothing to
+      // sum: waiting for a slower replica is not the sum's time) to when the last one had it.
+      std::map<int, std::pair<int64_t, int64_t>> sums;
+      int64_t last = 0;  // the step's last action's end, on any replica
+      for (int r = 0; r < pipe.num_replicas(); ++r) {
+        for (const auto& e : pipe.replica(r).last_timeline()) {
+          if (e.kind == pipeline::Kind::kReduce) {
+            auto [it, fresh] = sums.emplace(e.stage, std::make_pair(e.start_us, e.end_us));
+            it->second = {std::max(it->second.first, e.start_us), std::max(it->second.second, e.end_us)};
+          } else {
+            last = std::max(last, e.end_us);
+          }
+        }
+      }
+      double total = 0, exposed = 0;
+      for (const auto& [stage, sum] : sums) {
+        const auto [start, end] = sum;
+        total += static_cast<double>(end - start) / 1000;
+        exposed += static_cast<double>(std::max<int64_t>(0, end - std::max(start, last))) / 1000;
+      }
+      if (sums.empty() || total <= 0) return;
+      hidden.push_back(1 - exposed / total), sum_ms.push_back(total / sums.size()), exposed_ms.push_back(exposed);
+    });
+    if (hidden.size() > 2) {  // the timed steps' (median_ms runs 2 warm-up steps first)
+      for (auto* v : {&hidden, &sum_ms, &exposed_ms}) v->erase(v->begin(), v->begin() + 2);
+    }
+    bench::emit("pipeline", "pipeline_replicated_step_ms", ms, "ms",
+                cond(2, m) + ",\"vs_one_replica\":" + std::to_string(ms / one_ms));
+    if (hidden.empty()) {
+      std::fprintf(stderr, "pipeline_bench: the replicated steps' timelines held no sum across the replicas\n");
+      continue;
+    }
+    bench::emit("pipeline", "pipeline_reduction_hidden_share", bench::median(hidden), "x",
+                cond(2, m) + ",\"sum_ms_mean\":" + std::to_string(bench::median(sum_ms)) +
+                    ",\"exposed_ms_per_step\":" + std::to_string(bench::median(exposed_ms)) +
+                    ",\"bucket_mib_per_stage\":" + std::to_string(2.0 * (d * d + d) * 4 / (1 << 20)));
+    if (std::getenv("TANDEM_BENCH_SVG_DIR")) {
+      pipe.replica(0).write_svg(std::string(std::getenv("TANDEM_BENCH_SVG_DIR")) + "/replicated_" + name + ".svg");
+    }
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   int steps = 10;
   int64_t tf_ms = 20, tb_ms = 40, tw_ms = 20;
-  std::string parts = "small,large,bubble";
+  std::string parts = "small,large,bubble,replicated";
   CLI::App app{"Pipeline step times (GPipe, 1F1B, interleaved), control overhead and bubble", "pipeline_bench"};
   app.add_option("--steps", steps, "timed steps per case");
   app.add_option("--tf-ms", tf_ms, "forward time of a stage (bubble part)");
   app.add_option("--tb-ms", tb_ms, "backward time of a stage (bubble part)");
   app.add_option("--tw-ms", tw_ms, "of which the weights' gradient (a split backward's W; bubble part)");
-  app.add_option("--parts", parts, "which parts to run: small, large, bubble (comma-separated)");
+  app.add_option("--parts", parts, "which parts to run: small, large, bubble, replicated (comma-separated)");
   tandem::tools::parse_flags(app, argc, argv);
   auto part = [&](const std::string& name) { return ("," + parts + ",").find("," + name + ",") != std::string::npos; };
   at::set_num_threads(1);
@@ -352,6 +449,7 @@ int main(int argc, char** argv) {
     if (part("small")) step_time("small", 256, 128, steps);
     if (part("large")) step_time("large", 1024, 1024, steps);
     if (part("bubble")) bubble(steps, tf_ms, tb_ms, tw_ms);
+    if (part("replicated")) replicated(steps);
   }
   rpc::shutdown();
   return 0;

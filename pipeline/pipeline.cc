@@ -228,7 +228,7 @@ struct Pipeline::State {
       }
       auto ev = rpc::from_ivalue<std::vector<int64_t>>(reply->elements()[2]);
       for (size_t i = 0; i + 4 < ev.size(); i += 5) {
-        if (ev[i + 2] < 0 || ev[i + 2] > 3) continue;  // not a kind this driver knows
+        if (ev[i + 2] < 0 || ev[i + 2] > static_cast<int>(Kind::kReduce)) continue;  // not a kind this driver knows
         events.push_back(TimelineEvent{static_cast<int>(ev[i]), workers[w], static_cast<int>(ev[i + 1]),
                                        static_cast<Kind>(ev[i + 2]), ev[i + 3], ev[i + 4]});
       }

@@ -49,7 +49,8 @@ std::string schedule_name(Schedule schedule) {
 }
 
 namespace {
-constexpr char kLetters[] = "FBIW";  // by Kind
+constexpr char kLetters[] = "FBIWR";     // by Kind
+constexpr char kPlanLetters[] = "FBIW";  // the kinds a plan holds
 bool sends_gradient(Kind k) { return k == Kind::kBackward || k == Kind::kInput; }
 }  // namespace
 
@@ -158,6 +159,9 @@ absl::StatusOr<double> run_simulation(const std::vector<std::vector<Action>>& pl
         return absl::InvalidArgumentError(
             absl::StrCat(what, ": stage ", a.stage, " is placed on worker ", stage_worker[a.stage]));
       }
+      if (a.kind == Kind::kReduce) {
+        return absl::InvalidArgumentError(absl::StrCat(what, ": a sum across replicas is not an action of a plan"));
+      }
       if (seen[a.stage][4 * a.microbatch + static_cast<int>(a.kind)]++) {
         return absl::InvalidArgumentError(absl::StrCat(what, ": planned twice"));
       }
@@ -197,6 +201,8 @@ absl::StatusOr<double> run_simulation(const std::vector<std::vector<Action>>& pl
         return t_b[a.stage] - w;
       case Kind::kWeight:
         return w;
+      case Kind::kReduce:  // refused above
+        break;
     }
     return 0.0;
   };
@@ -494,7 +500,7 @@ std::vector<std::vector<Action>> parse_plans_csv(const std::string& text) {
       const std::string where = absl::StrCat("plan line ", line_no, ", cell ", cell_no, ": '", cell, "'");
       const size_t kind = cell.find_first_not_of("0123456789");
       int stage = -1, microbatch = -1;
-      const char* letter = kind == absl::string_view::npos ? nullptr : std::strchr(kLetters, cell[kind]);
+      const char* letter = kind == absl::string_view::npos ? nullptr : std::strchr(kPlanLetters, cell[kind]);
       if (kind == absl::string_view::npos || kind == 0 || kind + 1 >= cell.size() || letter == nullptr ||
           cell[kind] == '\0' || !absl::SimpleAtoi(cell.substr(0, kind), &stage) ||
           cell.substr(kind + 1).find_first_not_of("0123456789") != absl::string_view::npos ||
@@ -503,7 +509,7 @@ std::vector<std::vector<Action>> parse_plans_csv(const std::string& text) {
             where,
             " is not an action (<stage><F|B|I|W><micro-batch>, e.g. 1B3; B a full backward, I and W its halves)")));
       }
-      plan.push_back(Action{stage, microbatch, static_cast<Kind>(letter - kLetters)});
+      plan.push_back(Action{stage, microbatch, static_cast<Kind>(letter - kPlanLetters)});
     }
   }
   while (!plans.empty() && plans.back().empty()) plans.pop_back();  // trailing newlines

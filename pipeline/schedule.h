@@ -50,7 +50,9 @@ std::string schedule_name(Schedule schedule);
 
 // What an action computes: a forward (F), a full backward (B), or the two halves of a split backward: the input's
 // gradient (I, what the previous stage waits for) and the weights' gradients (W, which waits only for its own I).
-enum class Kind : int8_t { kForward, kBackward, kInput, kWeight };
+// kReduce is never in a plan: in a timeline, a replicated stage's sum of its gradients across the replicas (from its
+// start to its end, while the rest of the plan runs).
+enum class Kind : int8_t { kForward, kBackward, kInput, kWeight, kReduce };
 
 struct Action {
   int stage = 0;

@@ -35,12 +35,18 @@ struct KindStyle {
   const char* legend;  // the picture's
   const char* fill;
 };
-// By Kind: F, B, I, W.
+// By Kind: F, B, I, W, and a replicated stage's sum across the replicas.
 constexpr KindStyle kStyles[] = {{"F", "forward", "forward", "#3f7fbf"},
                                  {"B", "backward", "backward", "#4c9a5b"},
                                  {"I", "backward_input", "input gradient", "#e08a2c"},
-                                 {"W", "backward_weight", "weight gradient", "#8e5ab5"}};
+                                 {"W", "backward_weight", "weight gradient", "#8e5ab5"},
+                                 {"R", "allreduce", "sum across replicas", "#b03a2e"}};
+constexpr int kKinds = sizeof(kStyles) / sizeof(kStyles[0]);
 const KindStyle& kind_of(const TimelineEvent& e) { return kStyles[static_cast<int>(e.kind)]; }
+// "F3", "W0"; a sum across replicas is "sum" (it covers every micro-batch).
+std::string label(const TimelineEvent& e) {
+  return e.kind == Kind::kReduce ? std::string("sum") : absl::StrCat(kind_of(e).letter, e.microbatch);
+}
 }  // namespace
 
 std::string chrome_trace_json(const std::vector<TimelineEvent>& events) {
@@ -58,11 +64,10 @@ std::string chrome_trace_json(const std::vector<TimelineEvent>& events) {
   }
   for (size_t i = 0; i < events.size(); ++i) {
     const auto& e = events[i];
-    absl::StrAppend(&out, "{\"name\":\"", kind_of(e).letter, e.microbatch, "\",\"cat\":\"", kind_of(e).name,
-                    "\",\"ph\":\"X\",\"pid\":", e.worker, ",\"tid\":", e.stage, ",\"ts\":", e.start_us - t0,
-                    ",\"dur\":", std::max<int64_t>(1, e.end_us - e.start_us),
-                    ",\"args\":{\"microbatch\":", e.microbatch, ",\"stage\":", e.stage, "}}",
-                    i + 1 < events.size() ? ",\n" : "\n");
+    absl::StrAppend(
+        &out, "{\"name\":\"", label(e), "\",\"cat\":\"", kind_of(e).name, "\",\"ph\":\"X\",\"pid\":", e.worker,
+        ",\"tid\":", e.stage, ",\"ts\":", e.start_us - t0, ",\"dur\":", std::max<int64_t>(1, e.end_us - e.start_us),
+        ",\"args\":{\"microbatch\":", e.microbatch, ",\"stage\":", e.stage, "}}", i + 1 < events.size() ? ",\n" : "\n");
   }
   out += "],\"displayTimeUnit\":\"ms\"}\n";
   return out;
@@ -93,12 +98,12 @@ std::string schedule_svg(const std::vector<TimelineEvent>& events, int n_stages,
     const char* fill = kind_of(e).fill;
     absl::StrAppendFormat(&svg,
                           "<rect x=\"%.2f\" y=\"%.1f\" width=\"%.2f\" height=\"%.1f\" fill=\"%s\" stroke=\"white\" "
-                          "stroke-width=\"0.5\"><title>%s%d on worker %d: %.3f ms</title></rect>\n",
-                          x, y, w, row - 6, fill, kind_of(e).letter, e.microbatch, e.worker,
+                          "stroke-width=\"0.5\"><title>%s on worker %d: %.3f ms</title></rect>\n",
+                          x, y, w, row - 6, fill, label(e), e.worker,
                           static_cast<double>(e.end_us - e.start_us) / 1000.0);
     if (w >= 14) {
-      absl::StrAppendFormat(&svg, "<text x=\"%.2f\" y=\"%.1f\" fill=\"white\" text-anchor=\"middle\">%s%d</text>\n",
-                            x + w / 2, y + row / 2, kind_of(e).letter, e.microbatch);
+      absl::StrAppendFormat(&svg, "<text x=\"%.2f\" y=\"%.1f\" fill=\"white\" text-anchor=\"middle\">%s</text>\n",
+                            x + w / 2, y + row / 2, label(e));
     }
   }
   const double axis = top + row * n_stages + 6;
@@ -112,7 +117,7 @@ std::string schedule_svg(const std::vector<TimelineEvent>& events, int n_stages,
   }
   // The legend: the kinds this step ran, then the bubble.
   double lx = left;
-  for (int k = 0; k < 4; ++k) {
+  for (int k = 0; k < kKinds; ++k) {
     const KindStyle& style = kStyles[k];
     if (std::none_of(events.begin(), events.end(), [&](const auto& e) { return static_cast<int>(e.kind) == k; })) {
       continue;
@@ -121,7 +126,7 @@ std::string schedule_svg(const std::vector<TimelineEvent>& events, int n_stages,
                           "<rect x=\"%.0f\" y=\"%.1f\" width=\"12\" height=\"12\" fill=\"%s\"/><text x=\"%.0f\" "
                           "y=\"%.1f\">%s %s</text>\n",
                           lx, axis + 28, style.fill, lx + 16, axis + 38, style.letter, style.legend);
-    lx += 190;
+    lx += 160;
   }
   absl::StrAppendFormat(&svg, "<text x=\"%.0f\" y=\"%.1f\" fill=\"#666\">grey: idle (the bubble)</text>\n", lx,
                         axis + 38);

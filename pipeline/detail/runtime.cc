@@ -318,6 +318,8 @@ class Run {
           case Kind::kWeight:
             weight(run, a);
             break;
+          case Kind::kReduce:  // never in a plan (refused when it came)
+            break;
         }
       } catch (...) {
         const absl::Status thrown = status_from_current_exception();
@@ -419,7 +421,7 @@ class Run {
                                                   : at::zeros({p.numel()}, p.options().dtype(dtype)));
     }
     Reduction r;
-    r.stage = stage, r.replicas = group->size();
+    r.stage = stage, r.replicas = group->size(), r.start_us = now_us();
     r.control = at::tensor({ok ? 1.0 : 0.0, static_cast<double>(p_.step)}, at::kDouble);
     r.control_done = group->allreduce(r.control, comm::ReduceOp::kSum);
     r.control_done.add_callback([t = r.control](const rpc::Future&) {});  // alive until the group is done with it
@@ -428,6 +430,9 @@ class Run {
       r.done = group->allreduce(r.bucket, comm::ReduceOp::kSum);
       r.done.add_callback([t = r.bucket](const rpc::Future&) {});
     }
+    (r.bucket.defined() ? r.done : r.control_done).add_callback([end = r.end_us](const rpc::Future&) {
+      end->store(now_us());
+    });
     if (ok) reductions_.push_back(std::move(r));
   }
   // Every local stage of a replicated pipeline whose sum has not started takes part with zeros (a failed run).
@@ -474,6 +479,11 @@ class Run {
         throw RpcError(absl::FailedPreconditionError(absl::StrCat(
             stage_here, ": the sums across the replicas are out of step (a replica's worker missed one at step ",
             p_.step, "): make a new ReplicatedPipeline")));
+      }
+      if (p_.record) {  // in the timeline: from its start to its end (or to now, if its callback has not run yet)
+        const int64_t end = r.end_us->load();
+        events_.insert(events_.end(),
+                       {r.stage, 0, static_cast<int64_t>(Kind::kReduce), r.start_us, end > 0 ? end : now_us()});
       }
       StageRun& run = stage_run(r.stage);
       int64_t at = 0;
@@ -686,6 +696,8 @@ class Run {
   struct Reduction {
     int stage = 0;
     int replicas = 0;
+    int64_t start_us = 0;
+    std::shared_ptr<std::atomic<int64_t>> end_us = std::make_shared<std::atomic<int64_t>>(0);  // set when it ends
     at::Tensor bucket, control;
     rpc::Future done, control_done;
   };

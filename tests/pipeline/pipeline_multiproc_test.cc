@@ -280,7 +280,8 @@ TEST_F(MultiprocPipeline, ReplicatedPipelinesEqualOneProcessOnTheWholeBatch) {
         replicas.push_back({{1 + 2 * r, "pipe_mlp", {kLayers, kWidth, seed}, 0, kLayers},
                             {2 + 2 * r, "pipe_mlp", {kLayers, kWidth, seed}, kLayers, 2 * kLayers}});
       }
-      auto pipe = pipeline::ReplicatedPipeline::create(replicas, {.schedule = schedule, .n_microbatches = m});
+      auto pipe = pipeline::ReplicatedPipeline::create(
+          replicas, {.schedule = schedule, .n_microbatches = m, .record_timeline = true});
       ASSERT_EQ(pipe.num_replicas(), 2);
       auto ref = make_pipe_mlp(kLayers, kWidth, kSeed);
       torch::optim::SGD ref_opt(ref->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
@@ -302,6 +303,23 @@ TEST_F(MultiprocPipeline, ReplicatedPipelinesEqualOneProcessOnTheWholeBatch) {
         }
         opt.step(ctx.id());
         ref_opt.step();
+      }
+      // Each replica's timeline shows each stage's sum across the replicas once, begun when its last B or W ended.
+      for (int r = 0; r < 2; ++r) {
+        std::map<int, int64_t> last_gradient_end;
+        std::map<int, std::vector<pipeline::TimelineEvent>> sums;
+        for (const auto& e : pipe.replica(r).last_timeline()) {
+          if (e.kind == pipeline::Kind::kReduce) {
+            sums[e.stage].push_back(e);
+          } else if (e.kind == pipeline::Kind::kBackward || e.kind == pipeline::Kind::kWeight) {
+            last_gradient_end[e.stage] = std::max(last_gradient_end[e.stage], e.end_us);
+          }
+        }
+        for (int st = 0; st < 2; ++st) {
+          ASSERT_EQ(sums[st].size(), 1u) << "replica " << r << ", stage " << st;
+          EXPECT_GE(sums[st][0].start_us, last_gradient_end[st]) << "replica " << r << ", stage " << st;
+          EXPECT_GE(sums[st][0].end_us, sums[st][0].start_us);
+        }
       }
       for (int r = 0; r < 2; ++r) {
         Pipeline& p = pipe.replica(r);

@@ -206,6 +206,13 @@ TEST(UnitPipelineSchedule, CustomPlansFromCsvAndTheirMistakesNamed) {
             "action 4 of worker 1 (1F2): there is no micro-batch 2 (2 micro-batches)");
   EXPECT_EQ(sim_error("0F0,0F1,0B0,0B1,1F0\n1B0,1F1,1B1"), "action 4 of worker 0 (1F0): stage 1 is placed on worker 1");
   EXPECT_EQ(sim_error("0F0,0F1,0B0,0B1,0F1\n1F0,1B0,1F1,1B1"), "action 4 of worker 0 (0F1): planned twice");
+  EXPECT_NE(parse_error("0F0,0R0"), "no error");  // a sum across replicas is a timeline's, never a plan's
+  try {
+    simulate({{{0, 0, F}, {0, 0, B}, {0, 0, Kind::kReduce}}}, {0}, 1, 1, 2);
+    ADD_FAILURE() << "a plan holding a sum across replicas was taken";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.status().message(), "action 2 of worker 0 (0R0): a sum across replicas is not an action of a plan");
+  }
   EXPECT_EQ(sim_error("0F0,0F1,0B0\n1F0,1B0,1F1,1B1"),
             "action 0B1 (or its halves 0I1 and 0W1) is in no plan (worker 0's)");
   // Split backwards: I then W, each once, never beside a full B of the same micro-batch; W waits for its I only.
