@@ -1,0 +1,259 @@
+// Fully sharded data parallelism: see fsdp.h.
+#include "tandem/fsdp/fsdp.h"
+
+#include <ATen/ATen.h>
+#include <ATen/native/Resize.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/nn/modules/container/sequential.h>
+
+#include <algorithm>
+#include <mutex>
+
+#include "absl/strings/str_cat.h"
+#include "tandem/rpc/errors.h"
+
+namespace tandem::fsdp {
+namespace {
+
+// The memory of a unit's gathered buffer, released and taken again while the parameters' views (and the tensors
+// autograd saved from them) keep pointing at its storage, as PyTorch's FSDP does with storage().resize_().
+void release(const at::Tensor& t) {
+  c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
+  if (s->nbytes() != 0) at::native::resize_bytes_cpu(s, 0);
+}
+void take(const at::Tensor& t) {
+  c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
+  const size_t want = static_cast<size_t>(t.numel()) * t.element_size();
+  if (s->nbytes() != want) at::native::resize_bytes_cpu(s, want);
+}
+
+enum class Held { kReleased, kGathering, kGathered };
+
+struct Unit {
+  size_t child = 0;  // its index in the Sequential
+  std::vector<at::Tensor> params;
+  std::vector<std::string> names;
+  std::vector<int64_t> offset;
+  int64_t total = 0, shard_size = 0;
+  at::Tensor full;   // {W S}: the parameters are views of it; its memory is released between uses
+  at::Tensor shard;  // {S}: this rank's, a leaf for the optimizer
+  Held held = Held::kReleased;
+  rpc::Future gather;
+  // This backward's reduce-scatter.
+  bool reduced = false;
+  at::Tensor reduce_in, reduce_out;
+  rpc::Future reduce;
+};
+
+}  // namespace
+
+struct FullyShardedDataParallel::State {
+  torch::nn::Sequential model{nullptr};
+  std::shared_ptr<comm::ProcessGroup> group;
+  FsdpOptions options;
+  std::vector<Unit> units;  // the children with parameters, in order
+  std::vector<int> unit_of_child;
+  bool sync = true;
+  bool in_backward = false;  // the final callback is queued
+  int64_t gathered_elements = 0;
+  int64_t peak_gathered = 0;
+  std::mutex mu;  // the hooks run on autograd's thread
+
+  int world() const { return group->size(); }
+
+  void start_gather(Unit& u) {
+    if (u.held != Held::kReleased) return;
+    take(u.full);
+    gathered_elements += u.full.numel();
+    peak_gathered = std::max(peak_gathered, gathered_elements);
+    u.gather = group->allgather(u.full, u.shard.detach());
+    u.held = Held::kGathering;
+  }
+  void gathered(Unit& u) {
+    start_gather(u);
+    if (u.held == Held::kGathering) {
+      comm::wait(u.gather);
+      u.held = Held::kGathered;
+    }
+  }
+  void reshard(Unit& u) {
+    if (u.held == Held::kReleased) return;
+    if (u.held == Held::kGathering) comm::wait(u.gather);  // the group still writes into it
+    release(u.full);
+    gathered_elements -= u.full.numel();
+    u.held = Held::kReleased;
+  }
+
+  // Unit k's backward is over (the unit before it began its own, or backward ended): its gradients are averaged into
+  // the shards (or, under no_sync, kept in .grad), and its buffer is released.
+  void reduce(Unit& u) {
+    if (u.reduced) return;
+    u.reduced = true;
+    reshard(u);
+    if (!sync) return;
+    at::NoGradGuard no_grad;
+    u.reduce_in = at::zeros({world() * u.shard_size}, u.shard.options().requires_grad(false));
+    for (size_t i = 0; i < u.params.size(); ++i) {
+      at::Tensor& g = u.params[i].mutable_grad();
+      if (!g.defined()) continue;  // unused here: zeros
+      u.reduce_in.narrow(0, u.offset[i], u.params[i].numel()).copy_(g.reshape({-1}));
+      g.reset();
+    }
+    u.reduce_out = at::empty({u.shard_size}, u.reduce_in.options());
+    u.reduce = group->reduce_scatter(u.reduce_out, u.reduce_in, comm::ReduceOp::kAvg);
+  }
+
+  // Before unit j's backward (a hook on its output): the unit after it is done; unit j's parameters are gathered
+  // again, and the unit before it starts gathering.
+  void pre_backward(int j) {
+    std::lock_guard<std::mutex> lock(mu);
+    if (!in_backward) {
+      in_backward = true;
+      torch::autograd::Engine::get_default_engine().queue_callback([this] { end_backward(); });
+    }
+    for (int k = static_cast<int>(units.size()) - 1; k > j; --k) reduce(units[k]);
+    gathered(units[j]);
+    if (options.prefetch && j > 0) start_gather(units[j - 1]);
+  }
+
+  // At the end of backward: the units whose reduction has not started (the first one, and any whose output got no
+  // gradient) start it, in the same order on every rank; then every shard gets its average.
+  void end_backward() {
+    std::lock_guard<std::mutex> lock(mu);
+    in_backward = false;
+    for (int k = static_cast<int>(units.size()) - 1; k >= 0; --k) reduce(units[k]);
+    for (Unit& u : units) {
+      u.reduced = false;
+      if (!u.reduce_in.defined()) continue;
+      comm::wait(u.reduce);
+      at::NoGradGuard no_grad;
+      at::Tensor& g = u.shard.mutable_grad();
+      if (g.defined()) {
+        g.add_(u.reduce_out);
+      } else {
+        g = u.reduce_out;
+      }
+      u.reduce_in = at::Tensor(), u.reduce_out = at::Tensor();
+    }
+  }
+};
+
+FullyShardedDataParallel::FullyShardedDataParallel(torch::nn::Sequential model,
+                                                   std::shared_ptr<comm::ProcessGroup> group, FsdpOptions options)
+    : state_(std::make_shared<State>()) {
+  if (!model || model->size() == 0) throw_error(absl::InvalidArgumentError("fsdp: an empty model"));
+  if (!group) throw_error(absl::InvalidArgumentError("fsdp: no process group"));
+  State& s = *state_;
+  s.model = model;
+  s.group = std::move(group);
+  s.options = options;
+  const int world = s.world(), rank = s.group->rank();
+  at::NoGradGuard no_grad;
+  if (options.sync_module_states) {
+    for (auto& b : model->buffers()) comm::wait(s.group->broadcast(b, 0));
+  }
+  s.unit_of_child.assign(model->size(), -1);
+  for (size_t c = 0; c < model->size(); ++c) {
+    auto named = model->ptr(c)->named_parameters();
+    if (named.is_empty()) continue;
+    Unit u;
+    u.child = c;
+    for (const auto& item : named) {
+      const at::Tensor& p = item.value();
+      if (!u.params.empty() && (p.scalar_type() != u.params[0].scalar_type() || p.device() != u.params[0].device())) {
+        throw_error(absl::InvalidArgumentError(
+            absl::StrCat("fsdp: unit ", c, "'s parameters differ in dtype or device (", item.key(), ")")));
+      }
+      u.params.push_back(p);
+      u.names.push_back(absl::StrCat(c, ".", item.key()));
+      u.offset.push_back(u.total);
+      u.total += p.numel();
+    }
+    u.shard_size = (u.total + world - 1) / world;
+    const auto topts = u.params[0].options().requires_grad(false);
+    at::Tensor flat = at::zeros({world * u.shard_size}, topts);
+    for (size_t i = 0; i < u.params.size(); ++i) {
+      flat.narrow(0, u.offset[i], u.params[i].numel()).copy_(u.params[i].detach().reshape({-1}));
+    }
+    if (options.sync_module_states) comm::wait(s.group->broadcast(flat, 0));
+    u.shard = flat.narrow(0, rank * u.shard_size, u.shard_size).clone().requires_grad_(true);
+    u.full = at::empty({world * u.shard_size}, topts);
+    for (size_t i = 0; i < u.params.size(); ++i) {
+      u.params[i].set_data(u.full.narrow(0, u.offset[i], u.params[i].numel()).view(u.params[i].sizes()));
+    }
+    release(u.full);
+    s.unit_of_child[c] = static_cast<int>(s.units.size());
+    s.units.push_back(std::move(u));
+  }
+}
+
+FullyShardedDataParallel::~FullyShardedDataParallel() = default;
+
+at::Tensor FullyShardedDataParallel::forward(const at::Tensor& input) {
+  State& s = *state_;
+  std::lock_guard<std::mutex> lock(s.mu);
+  const bool grad = at::GradMode::is_enabled();
+  // A new forward: what an earlier one left gathered may be stale (the optimizer stepped the shards since).
+  for (Unit& u : s.units) s.reshard(u), u.reduced = false;
+  at::Tensor x = input;
+  size_t c = 0;
+  for (auto it = s.model->begin(); it != s.model->end(); ++it, ++c) {
+    const int k = s.unit_of_child[c];
+    if (k < 0) {
+      x = it->forward(x);
+      continue;
+    }
+    Unit& u = s.units[k];
+    s.gathered(u);
+    if (s.options.prefetch && k + 1 < static_cast<int>(s.units.size())) s.start_gather(s.units[k + 1]);
+    x = it->forward(x);
+    if (!grad || s.options.reshard_after_forward) s.reshard(u);
+    if (grad && x.requires_grad()) {
+      std::weak_ptr<State> weak = state_;
+      x.register_hook([weak, k](const at::Tensor&) {
+        if (auto state = weak.lock()) state->pre_backward(k);
+      });
+    }
+  }
+  return x;
+}
+
+std::vector<at::Tensor> FullyShardedDataParallel::parameters() const {
+  std::vector<at::Tensor> out;
+  for (const Unit& u : state_->units) out.push_back(u.shard);
+  return out;
+}
+
+void FullyShardedDataParallel::set_requires_gradient_sync(bool sync) {
+  std::lock_guard<std::mutex> lock(state_->mu);
+  state_->sync = sync;
+}
+
+std::vector<std::pair<std::string, at::Tensor>> FullyShardedDataParallel::full_parameters() const {
+  State& s = *state_;
+  std::lock_guard<std::mutex> lock(s.mu);
+  at::NoGradGuard no_grad;
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (const Unit& u : s.units) {
+    at::Tensor whole = at::empty({s.world() * u.shard_size}, u.shard.options().requires_grad(false));
+    comm::wait(s.group->allgather(whole, u.shard.detach()));
+    for (size_t i = 0; i < u.params.size(); ++i) {
+      out.emplace_back(u.names[i], whole.narrow(0, u.offset[i], u.params[i].numel()).view(u.params[i].sizes()).clone());
+    }
+  }
+  return out;
+}
+
+FullyShardedDataParallel::Stats FullyShardedDataParallel::stats() const {
+  const State& s = *state_;
+  Stats out;
+  out.units = static_cast<int64_t>(s.units.size());
+  for (const Unit& u : s.units) {
+    out.shard_elements += u.shard_size;
+    out.largest_unit_elements = std::max(out.largest_unit_elements, u.full.numel());
+  }
+  out.peak_gathered_elements = s.peak_gathered;
+  return out;
+}
+
+}  // namespace tandem::fsdp

@@ -1,0 +1,94 @@
+// Fully sharded data parallelism (ZeRO-3; PyTorch's FullyShardedDataParallel) over a torch::nn::Sequential.
+//
+//   auto pg = comm::ProcessGroup::create("fsdp");                      // every rank, after rpc::init_rpc
+//   fsdp::FullyShardedDataParallel model(make_sequential(), pg);       // rank 0's parameters, sharded
+//   torch::optim::Adam opt(model.parameters(), 1e-3);                  // this rank's shards only
+//   for (auto& batch : *loader) {                                      // each rank its own rows
+//     opt.zero_grad();
+//     torch::mse_loss(model.forward(batch.data), batch.target).backward();  // shard gradients averaged over ranks
+//     opt.step();
+//   }
+//
+// How: each child of the Sequential that has parameters is a unit. A unit's parameters are flattened in order into one
+// buffer of N elements, padded to W x S (S = ceil(N / W), W the group's size); rank r keeps elements [r S, (r + 1) S)
+// as a leaf tensor (parameters()), and the module's own parameters become views of a unit buffer whose memory is
+// released between uses. Before a unit's forward its shards are all-gathered into that buffer (the next unit's gather
+// is started while this one computes: prefetch); after it the memory is released again (reshard_after_forward). In
+// backward, a hook on each unit's output gathers its parameters again just before the unit's backward (and starts the
+// previous unit's gather); when the unit before it begins its backward, this unit's gradients are reduce-scattered
+// (averaged) into the shards' .grad, overlapping the rest of backward, and its buffer released. Every rank issues the
+// same collectives in the same order, whichever parameters got gradients: a parameter without one (unused on this
+// rank) contributes zeros. Peak parameter memory per rank: its shards, plus about two units gathered at once.
+//
+// Contract:
+// - Every rank builds the same architecture and calls forward and backward the same number of times, each backward
+//   after its forward (as DDP). The gradient is the average over the ranks of each rank's loss gradient.
+// - The Sequential's parameters must not be used outside forward() after wrapping: their memory is released between
+//   uses (full_parameters() gathers them). Its buffers are not sharded; with sync_module_states every rank takes rank
+//   0's at construction.
+// - set_requires_gradient_sync(false) (PyTorch's no_sync): backwards keep the unsharded gradients in the module's
+//   parameters' .grad and add to them; the next synchronised backward reduces their sum.
+// - Errors: INVALID_ARGUMENT at construction for an empty model or a unit whose parameters differ in dtype or device;
+//   the group's errors (a dead rank, a timeout) come out of forward() or backward() as tandem::Error naming the group
+//   and the operation.
+// - Not thread-safe: one thread drives forward and backward.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "tandem/comm/process_group.h"
+
+namespace torch::nn {
+class Sequential;
+}
+
+namespace tandem::fsdp {
+
+struct FsdpOptions {
+  // Release each unit's gathered parameters after its forward and gather them again for its backward (ZeRO-3). Off:
+  // keep them from its forward to its backward (ZeRO-2's memory for parameters: less traffic, more memory).
+  bool reshard_after_forward = true;
+  // Start gathering the next unit's parameters while the current one computes (forward and backward).
+  bool prefetch = true;
+  // At construction every rank takes rank 0's parameters and buffers (a broadcast).
+  bool sync_module_states = true;
+};
+
+class FullyShardedDataParallel {
+ public:
+  // Collective. Throws tandem::Error (see above).
+  FullyShardedDataParallel(torch::nn::Sequential model, std::shared_ptr<comm::ProcessGroup> group,
+                           FsdpOptions options = {});
+  ~FullyShardedDataParallel();
+  FullyShardedDataParallel(const FullyShardedDataParallel&) = delete;
+  FullyShardedDataParallel& operator=(const FullyShardedDataParallel&) = delete;
+
+  // Collective: every rank calls it with its own rows.
+  at::Tensor forward(const at::Tensor& input);
+  // This rank's shard of each unit (leaf tensors, one per unit with parameters): give them to the optimizer.
+  std::vector<at::Tensor> parameters() const;
+  void set_requires_gradient_sync(bool sync);
+
+  // Collective: every parameter of the model, gathered, under its name in the Sequential ("0.weight"), in order.
+  std::vector<std::pair<std::string, at::Tensor>> full_parameters() const;
+
+  struct Stats {
+    int64_t units = 0;
+    int64_t shard_elements = 0;  // this rank's, every unit's shard (padding included)
+    int64_t largest_unit_elements = 0;
+    int64_t peak_gathered_elements = 0;  // most parameter elements gathered at once so far
+  };
+  Stats stats() const;
+
+  struct State;
+
+ private:
+  std::shared_ptr<State> state_;
+};
+
+}  // namespace tandem::fsdp

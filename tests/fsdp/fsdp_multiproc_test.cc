@@ -1,0 +1,29 @@
+// Fully sharded data parallelism across real processes: rank 0 is the test process; every rank runs the same scenario.
+#include <gtest/gtest.h>
+
+#include "tests/common/scenario_fixture.h"
+
+namespace tandem::test {
+namespace {
+
+// W ranks, each on its rows, follow one process that sums the ranks' losses over W (float64, Adam or SGD, 3 steps):
+// every parameter within 1e-10 after every step. The model has units of uneven sizes (not divisible by 2 or 3), a
+// nested Sequential unit, a unit with a parameter used on rank 0 only and one used nowhere, and parameterless layers.
+class MultiprocFsdpEquivalence : public MultiprocScenario,
+                                 public ::testing::WithParamInterface<std::tuple<std::string, int>> {};
+
+TEST_P(MultiprocFsdpEquivalence, FollowsOneProcess) {
+  const auto& [variant, world] = GetParam();
+  start({.world_size = world});
+  EXPECT_EQ(everywhere(world, "equivalence/" + variant), "");
+}
+
+INSTANTIATE_TEST_SUITE_P(MultiprocFsdp, MultiprocFsdpEquivalence,
+                         ::testing::Combine(::testing::Values("reshard", "keep", "no_prefetch", "no_sync", "sgd"),
+                                            ::testing::Values(2, 3)),
+                         [](const auto& info) {
+                           return std::get<0>(info.param) + "_on_" + std::to_string(std::get<1>(info.param));
+                         });
+
+}  // namespace
+}  // namespace tandem::test
