@@ -6,6 +6,8 @@
 #include <torch/csrc/autograd/engine.h>
 #include <torch/nn/modules/container/sequential.h>
 
+#include <malloc.h>
+
 #include <algorithm>
 #include <mutex>
 
@@ -92,10 +94,12 @@ struct FullyShardedDataParallel::State {
     reshard(u);
     if (!sync) return;
     at::NoGradGuard no_grad;
+    // Autograd's gradients are tensors of their own (one they computed is taken, not copied, by the accumulator);
+    // each is copied into the buffer and dropped at once. Unused here: zeros.
     u.reduce_in = at::zeros({world() * u.shard_size}, u.shard.options().requires_grad(false));
     for (size_t i = 0; i < u.params.size(); ++i) {
       at::Tensor& g = u.params[i].mutable_grad();
-      if (!g.defined()) continue;  // unused here: zeros
+      if (!g.defined()) continue;
       u.reduce_in.narrow(0, u.offset[i], u.params[i].numel()).copy_(g.reshape({-1}));
       g.reset();
     }
@@ -103,14 +107,30 @@ struct FullyShardedDataParallel::State {
     u.reduce = group->reduce_scatter(u.reduce_out, u.reduce_in, comm::ReduceOp::kAvg);
   }
 
-  // Before unit j's backward (a hook on its output): the unit after it is done; unit j's parameters are gathered
-  // again, and the unit before it starts gathering.
+  // A reduction's average lands in its shard's .grad (added to what is there), and its buffers go.
+  void finish(Unit& u) {
+    if (!u.reduce_out.defined()) return;  // no reduction started
+    comm::wait(u.reduce);
+    at::NoGradGuard no_grad;
+    at::Tensor& g = u.shard.mutable_grad();
+    if (g.defined()) {
+      g.add_(u.reduce_out);
+    } else {
+      g = u.reduce_out;
+    }
+    u.reduce_in = at::Tensor(), u.reduce_out = at::Tensor();
+  }
+
+  // Before unit j's backward (a hook on its output): the units after it are done: the reductions started earlier
+  // (which ran while the unit after j computed) are finished, theirs start; unit j's parameters are gathered again,
+  // and the unit before it starts gathering. At most two reductions' buffers are alive at once.
   void pre_backward(int j) {
     std::lock_guard<std::mutex> lock(mu);
     if (!in_backward) {
       in_backward = true;
       torch::autograd::Engine::get_default_engine().queue_callback([this] { end_backward(); });
     }
+    for (Unit& u : units) finish(u);
     for (int k = static_cast<int>(units.size()) - 1; k > j; --k) reduce(units[k]);
     gathered(units[j]);
     if (options.prefetch && j > 0) start_gather(units[j - 1]);
@@ -122,19 +142,7 @@ struct FullyShardedDataParallel::State {
     std::lock_guard<std::mutex> lock(mu);
     in_backward = false;
     for (int k = static_cast<int>(units.size()) - 1; k >= 0; --k) reduce(units[k]);
-    for (Unit& u : units) {
-      u.reduced = false;
-      if (!u.reduce_in.defined()) continue;
-      comm::wait(u.reduce);
-      at::NoGradGuard no_grad;
-      at::Tensor& g = u.shard.mutable_grad();
-      if (g.defined()) {
-        g.add_(u.reduce_out);
-      } else {
-        g = u.reduce_out;
-      }
-      u.reduce_in = at::Tensor(), u.reduce_out = at::Tensor();
-    }
+    for (Unit& u : units) finish(u), u.reduced = false;
   }
 };
 
@@ -148,6 +156,7 @@ FullyShardedDataParallel::FullyShardedDataParallel(torch::nn::Sequential model,
   s.group = std::move(group);
   s.options = options;
   const int world = s.world(), rank = s.group->rank();
+  if (options.return_freed_memory) mallopt(M_MMAP_THRESHOLD, 1 << 20);
   at::NoGradGuard no_grad;
   if (options.sync_module_states) {
     for (auto& b : model->buffers()) comm::wait(s.group->broadcast(b, 0));

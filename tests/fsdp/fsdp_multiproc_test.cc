@@ -6,6 +6,8 @@
 namespace tandem::test {
 namespace {
 
+using MultiprocFsdp = MultiprocScenario;
+
 // W ranks, each on its rows, follow one process that sums the ranks' losses over W (float64, Adam or SGD, 3 steps):
 // every parameter within 1e-10 after every step. The model has units of uneven sizes (not divisible by 2 or 3), a
 // nested Sequential unit, a unit with a parameter used on rank 0 only and one used nowhere, and parameterless layers.
@@ -24,6 +26,16 @@ INSTANTIATE_TEST_SUITE_P(MultiprocFsdp, MultiprocFsdpEquivalence,
                          [](const auto& info) {
                            return std::get<0>(info.param) + "_on_" + std::to_string(std::get<1>(info.param));
                          });
+
+// A model whose unsharded state does not fit a per-process cap trains fully sharded on 3 ranks within it (a real
+// memory cgroup per rank; each rank prints its peak).
+TEST_F(MultiprocFsdp, AModelWhoseStateExceedsTheCapTrainsShardedWithinIt) {
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+  GTEST_SKIP() << "a sanitizer's shadow memory and quarantine are charged to the cap";
+#endif
+  start({.world_size = 3});
+  EXPECT_EQ(everywhere(3, "memory"), "");
+}
 
 }  // namespace
 }  // namespace tandem::test

@@ -3,7 +3,14 @@
 // of their losses; after every step every gathered parameter must equal the reference's.
 #include "tests/fsdp/scenarios.h"
 
+#include <sys/stat.h>
 #include <torch/torch.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
 
 #include "absl/strings/str_cat.h"
 #include "tandem/comm/process_group.h"
@@ -125,7 +132,88 @@ std::string equivalence(const std::string& variant) {
   return "";
 }
 
+// A memory cgroup (v1) this process joins: what it allocates from then on is charged to it, and above `cap` bytes the
+// kernel's OOM killer ends the process. Pages it held before joining stay charged where they were.
+class MemoryCap {
+ public:
+  explicit MemoryCap(int64_t cap) : dir_(absl::StrCat(kRoot, "/tandem_fsdp_", getpid())) {
+    ::rmdir(dir_.c_str());  // a previous run's, if this pid's process died inside it
+    if (::mkdir(dir_.c_str(), 0755) != 0) {
+      error_ = absl::StrCat("cannot make the memory cgroup ", dir_,
+                            " (cgroup v1's memory controller, as root): ", std::strerror(errno));
+      return;
+    }
+    if (!write("memory.limit_in_bytes", std::to_string(cap)) || !write("cgroup.procs", std::to_string(getpid()))) {
+      error_ = absl::StrCat("cannot cap ", dir_, " at ", cap, " bytes and join it");
+    }
+  }
+  ~MemoryCap() {
+    std::ofstream(std::string(kRoot) + "/cgroup.procs") << getpid() << std::flush;
+    write("memory.force_empty", "0");
+    ::rmdir(dir_.c_str());
+  }
+  const std::string& error() const { return error_; }
+  int64_t peak() const {  // the most charged at once since joining
+    std::ifstream in(dir_ + "/memory.max_usage_in_bytes");
+    int64_t bytes = -1;
+    in >> bytes;
+    return bytes;
+  }
+
+ private:
+  static constexpr const char* kRoot = "/sys/fs/cgroup/memory";
+  bool write(const std::string& file, const std::string& value) const {
+    std::ofstream out(dir_ + "/" + file);
+    out << value << std::flush;
+    return static_cast<bool>(out);
+  }
+  std::string dir_, error_;
+};
+
+// An MLP whose parameters, gradients and Adam's two moments (4 x 96 MiB) do not fit a 256 MiB cap trains fully
+// sharded on 3 ranks within it: each rank builds, wraps and trains the model inside a memory cgroup capped at 256 MiB
+// (the kernel would end it above), and reports its peak.
+std::string memory() {
+  const int world = static_cast<int>(rpc::get_all_worker_infos().size());
+  const int rank = rpc::get_worker_info().id;
+  constexpr int64_t kWidth = 2048, kLayers = 6, kMiB = 1 << 20, kCap = 256 * kMiB;
+  auto group = comm::ProcessGroup::create("fsdp_memory");
+  MemoryCap cap(kCap);
+  if (!cap.error().empty()) return cap.error();
+  torch::manual_seed(3);
+  torch::nn::Sequential seq;
+  for (int64_t l = 0; l < kLayers; ++l) {
+    seq->push_back(torch::nn::Linear(kWidth, kWidth));
+    seq->push_back(torch::nn::ReLU());
+  }
+  const int64_t param_bytes = kLayers * (kWidth * kWidth + kWidth) * 4;
+  fsdp::FullyShardedDataParallel model(seq, group);
+  torch::optim::Adam opt(model.parameters(), torch::optim::AdamOptions(1e-4));
+  auto gen = at::detail::createCPUGenerator(50 + rank);
+  const at::Tensor x = at::randn({32, kWidth}, gen), y = at::randn({32, kWidth}, gen);
+  double first = 0, last = 0;
+  for (int step = 0; step < 4; ++step) {
+    opt.zero_grad();
+    at::Tensor loss = torch::mse_loss(model.forward(x), y);
+    loss.backward();
+    opt.step();
+    (step == 0 ? first : last) = loss.item<double>();
+  }
+  const int64_t peak = cap.peak();
+  std::fprintf(stderr,
+               "fsdp memory: rank %d of %d: peak %.1f MiB charged within a %.0f MiB cap; unsharded, the model state "
+               "(parameters, gradients, Adam's two moments) is %.1f MiB, sharded %.1f MiB; largest unit %.1f MiB\n",
+               rank, world, static_cast<double>(peak) / kMiB, static_cast<double>(kCap) / kMiB,
+               4.0 * param_bytes / kMiB, 4.0 * param_bytes / world / kMiB,
+               static_cast<double>(model.stats().largest_unit_elements) * 4 / kMiB);
+  if (4 * param_bytes <= kCap) return "the unsharded model state would fit the cap: the test shows nothing";
+  if (peak <= 0 || peak > kCap) return absl::StrCat("peak ", peak, " bytes");
+  if (!(last < first)) return absl::StrCat("the loss did not fall: ", first, " then ", last);
+  return "";
+}
+
 std::string run(const std::string& name) {
+  if (name == "memory") return memory();
   if (name.rfind("equivalence/", 0) == 0) return equivalence(name.substr(12));
   return "unknown scenario " + name;
 }
