@@ -17,6 +17,7 @@
 #include <string>
 
 #include "bench/common.h"
+#include "bench/mlp.h"
 #include "tandem/comm/process_group.h"
 #include "tandem/ddp/ddp.h"
 #include "tandem/rpc/rpc.h"
@@ -28,12 +29,6 @@ namespace ddp = tandem::ddp;
 namespace rpc = tandem::rpc;
 
 namespace {
-
-torch::nn::Sequential make_model() {
-  torch::manual_seed(0);
-  return torch::nn::Sequential(torch::nn::Linear(1024, 2048), torch::nn::ReLU(), torch::nn::Linear(2048, 2048),
-                               torch::nn::ReLU(), torch::nn::Linear(2048, 1024));
-}
 
 // Median milliseconds of `iters` iterations of `step` (after 3 warm-up ones).
 template <typename Step>
@@ -67,7 +62,7 @@ int main(int argc, char** argv) {
 
   double local_ms = 0;
   if (report) {
-    auto model = make_model();
+    auto model = bench::ddp_mlp();
     torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.01));
     local_ms = time_iters(iters, [&] {
       opt.zero_grad();
@@ -82,7 +77,7 @@ int main(int argc, char** argv) {
                                                {25, false}};  // (bucket cap in MiB, gradient_as_bucket_view)
   if (sweep) configs.insert(configs.end(), {{1, true}, {5, true}, {100, true}, {1000, true}});
   for (auto [cap, view] : configs) {
-    auto model = make_model();
+    auto model = bench::ddp_mlp();
     ddp::DistributedDataParallel<torch::nn::SequentialImpl> net(
         model.ptr(), pg, {.bucket_cap_bytes = static_cast<size_t>(cap) << 20, .gradient_as_bucket_view = view});
     torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.01));

@@ -5,7 +5,8 @@
 # Flags are passed to both sides (e.g. --small 1000 --bulk 5 --async 10000). ROUNDS=N repeats both sides N times,
 # interleaved (this VM's speed drifts between runs); `bench/summarize.py` gives medians and ratios of the lines.
 # Benchmarks: rpc, rref, autograd, ps (peer: torch.distributed.rpc, default and TCP); collectives, ddp (peer: the Gloo
-# process group, in its only configuration); pipeline, rl, hybrid (peers: PyTorch's RPC pipeline, RL and DDP+RPC
+# process group, in its only configuration); fsdp (Tandem's DDP, ZeRO-2 and fully sharded; peer: DDP, and DDP with
+# ZeroRedundancyOptimizer); pipeline, rl, hybrid (peers: PyTorch's RPC pipeline, RL and DDP+RPC
 # tutorials' designs, TensorPipe defaults; hybrid also with TCP forced); elastic (peer: torchrun, the same DDP job
 # restarted after a worker's SIGKILL; bench/elastic_driver.py); hosts (rpc and collectives between two test hosts,
 # then small round trips with 1 ms added each way, against raw TCP: see hosts_bench below; exits 77 when this machine
@@ -244,6 +245,13 @@ case "$name" in
   collectives) PEER_MODES=default bench collectives_bench 2 peer_collectives.py "$@" ;;
   ddp) PEER_MODES=default bench ddp_bench 2 peer_ddp.py "$@" ;;
   pipeline) PEER_MODES=default bench pipeline_bench 5 peer_pipeline.py "$@" ;;
+  fsdp)
+    # One configuration per run, so that each one's peak memory is its own (bench/fsdp_bench.cc, bench/peer_fsdp.py).
+    cmake --build build -j"$cores" --target fsdp_bench tandem-run >&2
+    for mode in ddp zero2 full; do
+      build/tandem-run --nproc-per-node 2 build/fsdp_bench --mode "$mode" "$@" | sed -n 's/^\[rank0\]: {/{/p'
+    done
+    for mode in ddp zero1; do "$PY" bench/peer_fsdp.py default --config "$mode" "$@"; done ;;
   rl) PEER_MODES=default bench rl_bench 11 peer_rl.py "$@" ;;
   hybrid) bench hybrid_bench 4 peer_hybrid.py "$@" ;;
   bulk-threshold)
@@ -272,7 +280,7 @@ case "$name" in
     ;;
   hosts) hosts_bench "$@" ;;
   *)
-    echo "bench: unknown benchmark '$name' (known: rpc, rref, autograd, ps, collectives, ddp, pipeline, rl, hybrid," \
+    echo "bench: unknown benchmark '$name' (known: rpc, rref, autograd, ps, collectives, ddp, fsdp, pipeline, rl, hybrid," \
       "elastic, hosts, bulk-threshold)" >&2
     exit 2
     ;;

@@ -1,4 +1,5 @@
-// Fully sharded data parallelism (ZeRO-3; PyTorch's FullyShardedDataParallel) over a torch::nn::Sequential.
+// Fully sharded data parallelism (ZeRO-3; PyTorch's FullyShardedDataParallel), and ZeRO-2, over a
+// torch::nn::Sequential.
 //
 //   auto pg = comm::ProcessGroup::create("fsdp");                      // every rank, after rpc::init_rpc
 //   fsdp::FullyShardedDataParallel model(make_sequential(), pg);       // rank 0's parameters, sharded
@@ -24,13 +25,15 @@
 // - Every rank builds the same architecture and calls forward and backward the same number of times, each backward
 //   after its forward (as DDP). The gradient is the average over the ranks of each rank's loss gradient.
 // - The Sequential's parameters must not be used outside forward() after wrapping: their memory is released between
-//   uses (full_parameters() gathers them). Its buffers are not sharded; with sync_module_states every rank takes rank
-//   0's at construction.
+//   uses (full_parameters() gathers them); under ZeRO-2 they hold the values of the last forward. Its buffers are not
+//   sharded; with sync_module_states every rank takes rank 0's at construction.
 // - set_requires_gradient_sync(false) (PyTorch's no_sync): backwards keep the unsharded gradients in the module's
 //   parameters' .grad and add to them; the next synchronised backward reduces their sum.
 // - Errors: INVALID_ARGUMENT at construction for an empty model or a unit whose parameters differ in dtype or device;
 //   the group's errors (a dead rank, a timeout) come out of forward() or backward() as tandem::Error naming the group
 //   and the operation.
+// - Memory: the released buffers are unmapped at once, and each backward ends with malloc_trim(0) (process-wide: the
+//   heap's free pages go back to the system; docs/fsdp.md, "Memory").
 // - Not thread-safe: one thread drives forward and backward.
 #pragma once
 
@@ -49,19 +52,25 @@ class Sequential;
 
 namespace tandem::fsdp {
 
+enum class Sharding {
+  // ZeRO-3 (PyTorch's FULL_SHARD, or SHARD_GRAD_OP with reshard_after_forward off): parameters, gradients and
+  // optimizer state sharded; a unit's parameters exist whole only around its forward and backward.
+  kFull,
+  // ZeRO-2: gradients and optimizer state sharded, every parameter kept whole on every rank (DDP's parameter memory):
+  // the gradients are reduce-scattered into the shards during backward, the optimizer steps the shards, and the next
+  // forward gathers each unit's updated parameters into its buffer (prefetched a unit ahead) before using it.
+  kGradientsAndOptimizer,
+};
+
 struct FsdpOptions {
-  // Release each unit's gathered parameters after its forward and gather them again for its backward (ZeRO-3). Off:
-  // keep them from its forward to its backward (ZeRO-2's memory for parameters: less traffic, more memory).
+  Sharding sharding = Sharding::kFull;
+  // kFull: release each unit's gathered parameters after its forward and gather them again for its backward. Off: keep
+  // them from its forward to the end of its backward (PyTorch's SHARD_GRAD_OP: less traffic, more memory).
   bool reshard_after_forward = true;
   // Start gathering the next unit's parameters while the current one computes (forward and backward).
   bool prefetch = true;
   // At construction every rank takes rank 0's parameters and buffers (a broadcast).
   bool sync_module_states = true;
-  // Process-wide, at construction: glibc's mmap threshold is fixed at 1 MiB (mallopt(M_MMAP_THRESHOLD)), so that
-  // the large buffers released every step go back to the system. Otherwise glibc raises the threshold after the first
-  // such release and serves the next ones from a heap it does not shrink: the memory sharding saves stays taken (the
-  // memory test measured 481 MiB against 209 MiB). The cost: each large allocation of the process maps fresh pages.
-  bool return_freed_memory = true;
 };
 
 class FullyShardedDataParallel {

@@ -20,12 +20,11 @@ TEST_P(MultiprocFsdpEquivalence, FollowsOneProcess) {
   EXPECT_EQ(everywhere(world, "equivalence/" + variant), "");
 }
 
-INSTANTIATE_TEST_SUITE_P(MultiprocFsdp, MultiprocFsdpEquivalence,
-                         ::testing::Combine(::testing::Values("reshard", "keep", "no_prefetch", "no_sync", "sgd"),
-                                            ::testing::Values(2, 3)),
-                         [](const auto& info) {
-                           return std::get<0>(info.param) + "_on_" + std::to_string(std::get<1>(info.param));
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    MultiprocFsdp, MultiprocFsdpEquivalence,
+    ::testing::Combine(::testing::Values("reshard", "keep", "no_prefetch", "no_sync", "sgd", "zero2"),
+                       ::testing::Values(2, 3)),
+    [](const auto& info) { return std::get<0>(info.param) + "_on_" + std::to_string(std::get<1>(info.param)); });
 
 // A model whose unsharded state does not fit a per-process cap trains fully sharded on 3 ranks within it (a real
 // memory cgroup per rank; each rank prints its peak).

@@ -3,6 +3,7 @@
 // of their losses; after every step every gathered parameter must equal the reference's.
 #include "tests/fsdp/scenarios.h"
 
+#include <dirent.h>
 #include <sys/stat.h>
 #include <torch/torch.h>
 #include <unistd.h>
@@ -11,6 +12,8 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <numeric>
+#include <set>
 
 #include "absl/strings/str_cat.h"
 #include "tandem/comm/process_group.h"
@@ -74,6 +77,8 @@ std::string equivalence(const std::string& variant) {
   fsdp::FsdpOptions options;
   options.reshard_after_forward = variant != "keep";
   options.prefetch = variant != "no_prefetch";
+  const bool zero2 = variant == "zero2";
+  if (zero2) options.sharding = fsdp::Sharding::kGradientsAndOptimizer;
   torch::nn::Sequential sharded_model = make_model();
   fsdp::FullyShardedDataParallel model(sharded_model, group, options);
   torch::nn::Sequential ref = make_model();
@@ -86,12 +91,22 @@ std::string equivalence(const std::string& variant) {
   auto opt_ptr = make_opt(model.parameters()), ref_opt_ptr = make_opt(ref->parameters());
   torch::optim::Optimizer &opt = *opt_ptr, &ref_opt = *ref_opt_ptr;
   // Between uses the model's parameters hold no memory; with reshard_after_forward, not even between a forward and
-  // its backward.
-  auto held = [&] {
+  // its backward. Under ZeRO-2 they hold it from the first forward on.
+  auto held = [&] {  // the bytes of the parameters' storages (a unit's parameters share one)
+    std::set<const void*> seen;
     int64_t bytes = 0;
-    for (const auto& p : sharded_model->parameters()) bytes += static_cast<int64_t>(p.storage().nbytes());
+    for (const auto& p : sharded_model->parameters()) {
+      if (seen.insert(p.storage().unsafeGetStorageImpl()).second) bytes += static_cast<int64_t>(p.storage().nbytes());
+    }
     return bytes;
   };
+  // Each unit's parameters, padded to a multiple of W, in doubles.
+  std::vector<int64_t> unit_bytes;
+  for (int64_t n : {kIn * kHidden + kHidden, (kHidden * 11 + 11) + (11 * kHidden + kHidden),
+                    2 * (kHidden * kHidden + kHidden) + (2 * 2 + 2), kHidden * kOut + kOut}) {
+    unit_bytes.push_back((n + world - 1) / world * world * 8);
+  }
+  const int64_t all_units = std::accumulate(unit_bytes.begin(), unit_bytes.end(), int64_t{0});
   if (held() != 0) return absl::StrCat("after construction the parameters hold ", held(), " bytes");
   const int micro = variant == "no_sync" ? 3 : 1;
   for (int step = 0; step < 3; ++step) {
@@ -101,11 +116,12 @@ std::string equivalence(const std::string& variant) {
       auto [x, y] = data(step * micro + k, world);
       model.set_requires_gradient_sync(k == micro - 1);
       at::Tensor loss = rank_loss([&](const at::Tensor& in) { return model.forward(in); }, sharded_model, rank, x, y);
-      if ((held() == 0) != options.reshard_after_forward) {
+      // Resharding, only the last unit stays gathered, for the backward it begins; otherwise every unit is.
+      if (held() != (options.reshard_after_forward && !zero2 ? unit_bytes.back() : all_units)) {
         return absl::StrCat("after forward the parameters hold ", held(), " bytes");
       }
       loss.backward();
-      if (held() != 0) return absl::StrCat("after backward the parameters hold ", held(), " bytes");
+      if ((held() != 0) != zero2) return absl::StrCat("after backward the parameters hold ", held(), " bytes");
       at::Tensor total = at::zeros({}, at::kDouble);
       for (int r = 0; r < world; ++r) {
         total = total + rank_loss([&](const at::Tensor& in) { return ref->forward(in); }, ref, r, x, y);
@@ -137,7 +153,7 @@ std::string equivalence(const std::string& variant) {
 class MemoryCap {
  public:
   explicit MemoryCap(int64_t cap) : dir_(absl::StrCat(kRoot, "/tandem_fsdp_", getpid())) {
-    ::rmdir(dir_.c_str());  // a previous run's, if this pid's process died inside it
+    remove_abandoned();
     if (::mkdir(dir_.c_str(), 0755) != 0) {
       error_ = absl::StrCat("cannot make the memory cgroup ", dir_,
                             " (cgroup v1's memory controller, as root): ", std::strerror(errno));
@@ -162,6 +178,19 @@ class MemoryCap {
 
  private:
   static constexpr const char* kRoot = "/sys/fs/cgroup/memory";
+  // Earlier runs' cgroups whose process died inside them (the OOM killer's): none of their processes is left.
+  static void remove_abandoned() {
+    DIR* root = ::opendir(kRoot);
+    if (root == nullptr) return;
+    while (const dirent* e = ::readdir(root)) {
+      const std::string name = e->d_name;
+      if (name.rfind("tandem_fsdp_", 0) != 0) continue;
+      std::ifstream procs(std::string(kRoot) + "/" + name + "/cgroup.procs");
+      std::string pid;
+      if (procs && !(procs >> pid)) ::rmdir((std::string(kRoot) + "/" + name).c_str());
+    }
+    ::closedir(root);
+  }
   bool write(const std::string& file, const std::string& value) const {
     std::ofstream out(dir_ + "/" + file);
     out << value << std::flush;
@@ -170,13 +199,13 @@ class MemoryCap {
   std::string dir_, error_;
 };
 
-// An MLP whose parameters, gradients and Adam's two moments (4 x 96 MiB) do not fit a 256 MiB cap trains fully
-// sharded on 3 ranks within it: each rank builds, wraps and trains the model inside a memory cgroup capped at 256 MiB
+// An MLP whose parameters, gradients and Adam's two moments (4 x 128 MiB) do not fit a 400 MiB cap trains fully
+// sharded on 3 ranks within it: each rank builds, wraps and trains the model inside a memory cgroup capped at 400 MiB
 // (the kernel would end it above), and reports its peak.
 std::string memory() {
   const int world = static_cast<int>(rpc::get_all_worker_infos().size());
   const int rank = rpc::get_worker_info().id;
-  constexpr int64_t kWidth = 2048, kLayers = 6, kMiB = 1 << 20, kCap = 256 * kMiB;
+  constexpr int64_t kWidth = 2048, kLayers = 8, kMiB = 1 << 20, kCap = 400 * kMiB;
   auto group = comm::ProcessGroup::create("fsdp_memory");
   MemoryCap cap(kCap);
   if (!cap.error().empty()) return cap.error();

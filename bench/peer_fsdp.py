@@ -1,0 +1,68 @@
+"""bench/run.sh fsdp -- the PyTorch peer: the workload of bench/fsdp_bench.cc (the DDP benchmark's MLP, Adam, batch 64
+per rank, 2 ranks, one intra-op thread each) on torch.nn.parallel.DistributedDataParallel over Gloo, with Adam
+(--config ddp) or with torch.distributed.optim.ZeroRedundancyOptimizer(Adam) (--config zero1: optimizer state sharded).
+PyTorch 1.13's FullyShardedDataParallel does not import under Debian 12's Python 3.11 (a dataclass ValueError in
+torch.distributed._shard.sharded_tensor.metadata), so ZeRO-1 is the most PyTorch shards here. Peak memory as Tandem's
+side measures it: rank 0's VmHWM over the timed iterations (reset through /proc/self/clear_refs) above its VmRSS
+before the model was built.
+
+  python3 bench/peer_fsdp.py default --config ddp|zero1 [--iters N]
+"""
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from peer_common import emit, main as peer_main, median_time
+
+
+def status_kib(field):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return -1
+
+
+def run(rank, port, args):
+    torch.set_num_threads(1)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    x, y = torch.randn(64, 1024), torch.randn(64, 1024)
+    before = status_kib("VmRSS")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 2048),
+                                torch.nn.ReLU(), torch.nn.Linear(2048, 1024))
+    params = sum(p.numel() for p in model.parameters())
+    net = DDP(model)
+    if args.config == "zero1":
+        opt = ZeroRedundancyOptimizer(net.parameters(), optimizer_class=torch.optim.Adam, lr=1e-4)
+    else:
+        opt = torch.optim.Adam(net.parameters(), lr=1e-4)
+
+    def step():
+        opt.zero_grad()
+        F.mse_loss(net(x), y).backward()
+        opt.step()
+    for _ in range(3):
+        step()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    ms = median_time(args.iters, 0, step, scale=1e3)
+    peak = (status_kib("VmHWM") - before) / 1024
+    dist.barrier()
+    if rank == 0:
+        mib = 4 / (1 << 20)
+        state = 4 * params * mib if args.config == "ddp" else (2 * params + 2 * params / 2) * mib
+        cond = dict(processes=2, model="mlp1024-2048-2048-1024", params=params, optimizer="adam", batch_per_rank=64,
+                    mode=args.config, iters=args.iters)
+        emit("fsdp", "torch", "fsdp_iter_ms", ms, "ms", **cond)
+        emit("fsdp", "torch", "fsdp_peak_mib", peak, "MiB", model_state_mib=round(state, 3), **cond)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    peer_main(__file__, run, 2, {"--iters": 20, "--config": "ddp"})
