@@ -252,8 +252,14 @@ at::Tensor FullyShardedDataParallel::forward(const at::Tensor& input) {
   State& s = *state_;
   std::lock_guard<std::mutex> lock(s.mu);
   const bool grad = at::GradMode::is_enabled();
-  // A new forward: what an earlier one left gathered may be stale (the optimizer stepped the shards since).
-  for (Unit& u : s.units) s.reshard(u), u.reduced = false;
+  // A new forward: what an earlier one left gathered may be stale (the optimizer stepped the shards since). A backward
+  // that failed (a collective's error came out of it) left its reductions behind: they are dropped.
+  s.in_backward = false;
+  for (Unit& u : s.units) {
+    s.reshard(u);
+    u.reduced = false;
+    u.reduce_in = at::Tensor(), u.reduce_out = at::Tensor();
+  }
   at::Tensor x = input;
   size_t c = 0;
   for (auto it = s.model->begin(); it != s.model->end(); ++it, ++c) {

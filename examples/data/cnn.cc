@@ -22,9 +22,11 @@ int accuracy_exit_code(double accuracy, double min_accuracy) {
   return 1;
 }
 
-uint64_t parameters_hash(torch::nn::Module& model) {
+uint64_t parameters_hash(torch::nn::Module& model) { return tensors_hash(model.parameters()); }
+
+uint64_t tensors_hash(const std::vector<at::Tensor>& tensors) {
   uint64_t h = 1469598103934665603ull;
-  for (const auto& p : model.parameters()) {
+  for (const auto& p : tensors) {
     const at::Tensor c = p.detach().contiguous();
     const auto* bytes = static_cast<const unsigned char*>(c.data_ptr());
     for (size_t i = 0; i < c.nbytes(); ++i) h = (h ^ bytes[i]) * 1099511628211ull;

@@ -4,6 +4,7 @@
 #include <torch/nn/modules/container/sequential.h>
 
 #include <cstdint>
+#include <vector>
 
 namespace tandem::examples {
 
@@ -15,5 +16,7 @@ int accuracy_exit_code(double accuracy, double min_accuracy);
 
 // FNV-1a over the bytes of every parameter: equal for two runs exactly when their parameters are equal to the bit.
 uint64_t parameters_hash(torch::nn::Module& model);
+// The same over tensors, in order.
+uint64_t tensors_hash(const std::vector<at::Tensor>& tensors);
 
 }  // namespace tandem::examples

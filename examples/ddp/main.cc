@@ -2,7 +2,7 @@
 // its own shard (DistributedSampler); gradients are averaged across the ranks during backward.
 //
 //   build/tandem-run --nproc-per-node 2 build/ddp_train [--epochs 4] [--lr 0.002] [--batch 64] [--zero 1]
-//                    [--checkpoint-dir D [--checkpoint-every 50]] [--min-accuracy A]
+//                    [--shard full|zero2] [--checkpoint-dir D [--checkpoint-every 50]] [--min-accuracy A]
 //
 // With --min-accuracy the run stops after the first epoch whose test accuracy reaches A (every rank gets the same
 // accuracy, so all stop together), and exits 1 if no epoch does.
@@ -12,7 +12,9 @@
 // the bit. Rank 0 prints a hash of the final parameters, so two runs can be compared.
 //
 // Model: 2 conv + pooling + FC (the parameter-server example's CNN). Adam; with --zero 1 its state is sharded across
-// the ranks (ZeroRedundancyOptimizer). Rank 0 prints progress, and after every epoch the loss, the images per second
+// the ranks (ZeroRedundancyOptimizer). With --shard full the model is fully sharded instead of replicated
+// (fsdp::FullyShardedDataParallel: each layer's parameters, gradients and Adam state split across the ranks, gathered
+// around each layer's use), with --shard zero2 its gradients and Adam state only (no checkpoints with either yet). Rank 0 prints progress, and after every epoch the loss, the images per second
 // of all ranks together and the test accuracy (each rank scores half the test set; the counts are summed).
 #include <torch/torch.h>
 
@@ -30,6 +32,7 @@
 #include "tandem/ddp/ddp.h"
 #include "tandem/ddp/sampler.h"
 #include "tandem/ddp/zero.h"
+#include "tandem/fsdp/fsdp.h"
 #include "tandem/rpc/rpc.h"
 #include "tools/flags.h"
 
@@ -42,6 +45,7 @@ struct Args {
   double lr = 2e-3;
   int batch = 64;  // per rank
   bool zero = false;
+  std::string shard;  // "", "full" or "zero2"
   int64_t limit = 0;        // train on at most this many images in all (0: all 60,000); for smoke tests
   double min_accuracy = 0;  // stop once an epoch's test accuracy reaches it; exit 1 if none does
   std::string checkpoint_dir;
@@ -56,25 +60,35 @@ Args parse(int argc, char** argv) {
   app.add_option("--lr", a.lr, "Adam's step size");
   app.add_option("--batch", a.batch, "images per step on each rank")->check(CLI::PositiveNumber);
   app.add_option("--zero", a.zero, "1: ZeRO-1, each rank keeps a shard of the optimizer state");
+  app.add_option("--shard", a.shard, "full: fully sharded (ZeRO-3); zero2: gradients and optimizer state sharded")
+      ->check(CLI::IsMember({"", "full", "zero2"}));
   app.add_option("--limit", a.limit, "train on at most this many images in all (0: all 60,000)");
   app.add_option("--min-accuracy", a.min_accuracy,
                  "stop once an epoch's test accuracy reaches it; exit 1 if none does");
   app.add_option("--checkpoint-dir", a.checkpoint_dir, "write checkpoints here and resume from the newest ('': none)");
   app.add_option("--checkpoint-every", a.checkpoint_every, "steps between checkpoints")->check(CLI::PositiveNumber);
   tools::parse_flags(app, argc, argv);
+  if (!a.shard.empty() && (a.zero || !a.checkpoint_dir.empty())) {
+    throw std::invalid_argument("--shard takes neither --zero (it shards the optimizer state itself) nor --checkpoint-dir");
+  }
   return a;
 }
 
 // FNV-1a over the parameters' bytes: equal hashes, equal parameters (to the bit, in practice).
-// Test accuracy over all ranks: rank r scores every size()-th test image from r; the counts are summed.
-double evaluate(torch::nn::Sequential& model, const examples::Dataset& test, comm::ProcessGroup& pg) {
+// Test accuracy over all ranks: rank r scores every size()-th test image from r; the counts are summed. Sharded, the
+// forward is collective: every rank runs the same number of chunks (the last ones may be short or empty).
+double evaluate(torch::nn::Sequential& model, fsdp::FullyShardedDataParallel* sharded, const examples::Dataset& test,
+                comm::ProcessGroup& pg) {
   torch::NoGradGuard no_grad;
   model->eval();
   at::Tensor idx = at::arange(pg.rank(), test.images.size(0), pg.size());
+  const int64_t most = (test.images.size(0) + pg.size() - 1) / pg.size();  // rank 0's rows, the most of any
+  const int64_t chunks = (most + 999) / 1000;
   int64_t correct = 0;
-  for (int64_t i = 0; i < idx.size(0); i += 1000) {
-    at::Tensor part = idx.slice(0, i, i + 1000);
-    at::Tensor pred = model->forward(test.images.index_select(0, part)).argmax(1);
+  for (int64_t c = 0; c < chunks; ++c) {
+    at::Tensor part = idx.slice(0, std::min(c * 1000, idx.size(0)), std::min((c + 1) * 1000, idx.size(0)));
+    at::Tensor x = test.images.index_select(0, part);
+    at::Tensor pred = (sharded ? sharded->forward(x) : model->forward(x)).argmax(1);
     correct += pred.eq(test.labels.index_select(0, part)).sum().item<int64_t>();
   }
   model->train();
@@ -92,10 +106,21 @@ int train(const Args& args) {
 
   torch::manual_seed(pg->rank());  // different on purpose: DDP starts every rank from rank 0's parameters
   auto model = examples::fashion_mnist_cnn();
-  ddp::DistributedDataParallel<torch::nn::SequentialImpl> net(model.ptr(), pg);
+  std::unique_ptr<ddp::DistributedDataParallel<torch::nn::SequentialImpl>> replicated;
+  std::unique_ptr<fsdp::FullyShardedDataParallel> sharded;
+  if (args.shard.empty()) {
+    replicated = std::make_unique<ddp::DistributedDataParallel<torch::nn::SequentialImpl>>(model.ptr(), pg);
+  } else {
+    fsdp::FsdpOptions options;  // rank 0's parameters too (sync_module_states)
+    if (args.shard == "zero2") options.sharding = fsdp::Sharding::kGradientsAndOptimizer;
+    sharded = std::make_unique<fsdp::FullyShardedDataParallel>(model, pg, options);
+  }
+  auto forward = [&](const at::Tensor& x) { return sharded ? sharded->forward(x) : replicated->forward(x); };
   std::unique_ptr<torch::optim::Optimizer> adam;
   std::unique_ptr<ddp::ZeroRedundancyOptimizer> zero;
-  if (args.zero) {
+  if (sharded) {
+    adam = std::make_unique<torch::optim::Adam>(sharded->parameters(), torch::optim::AdamOptions(args.lr));
+  } else if (args.zero) {
     zero = std::make_unique<ddp::ZeroRedundancyOptimizer>(model->parameters(), pg, [&](std::vector<at::Tensor> shard) {
       return std::make_unique<torch::optim::Adam>(shard, torch::optim::AdamOptions(args.lr));
     });
@@ -105,8 +130,12 @@ int train(const Args& args) {
   ddp::DistributedSampler sampler(static_cast<size_t>(n), *pg, {.shuffle = true, .seed = 42});
   const int64_t steps = static_cast<int64_t>((sampler.size() + args.batch - 1) / args.batch);
   if (lead) {
+    const char* how = args.shard == "full"    ? " (fully sharded)"
+                      : args.shard == "zero2" ? " (ZeRO-2: gradients and Adam state sharded)"
+                      : args.zero             ? " (ZeRO-sharded)"
+                                              : "";
     std::printf("ddp: %d ranks, batch %d per rank, %lld training images, %d epochs, Adam lr %g%s\n", pg->size(),
-                args.batch, static_cast<long long>(n), args.epochs, args.lr, args.zero ? " (ZeRO-sharded)" : "");
+                args.batch, static_cast<long long>(n), args.epochs, args.lr, how);
     std::fflush(stdout);
   }
   // Where the run is: saved with the model, the optimizer and the sampler's position, so a restart carries on from
@@ -152,7 +181,7 @@ int train(const Args& args) {
       at::Tensor idx = at::tensor(std::vector<int64_t>(batch->begin(), batch->end()), at::kLong);
       at::Tensor x = data.images.index_select(0, idx), y = data.labels.index_select(0, idx);
       zero ? zero->zero_grad() : adam->zero_grad();
-      at::Tensor loss = torch::nn::functional::cross_entropy(net.forward(x), y);
+      at::Tensor loss = torch::nn::functional::cross_entropy(forward(x), y);
       loss.backward();
       if (zero) zero->step();
       else adam->step();
@@ -168,7 +197,7 @@ int train(const Args& args) {
     const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     at::Tensor mean_loss = at::tensor({loss_sum.item<double>() / std::max<int64_t>(1, steps)}, at::kDouble);
     comm::wait(pg->allreduce(mean_loss, comm::ReduceOp::kAvg));
-    accuracy = evaluate(model, test, *pg);
+    accuracy = evaluate(model, sharded.get(), test, *pg);
     if (lead) {
       std::printf("epoch %lld/%d  %.0f images/s (all ranks)  loss %.4f  test accuracy %.4f\n",
                   static_cast<long long>(epoch), args.epochs, sampler.size() * pg->size() / secs,
@@ -184,8 +213,17 @@ int train(const Args& args) {
       break;
     }
   }
+  // Sharded, the parameters exist whole only when gathered (collective).
+  uint64_t hash = 0;
+  if (sharded) {
+    std::vector<at::Tensor> whole;
+    for (auto& [name, value] : sharded->full_parameters()) whole.push_back(value);
+    hash = examples::tensors_hash(whole);
+  } else {
+    hash = examples::parameters_hash(*model);
+  }
   if (lead) {
-    std::printf("final parameters: %016llx\n", static_cast<unsigned long long>(examples::parameters_hash(*model)));
+    std::printf("final parameters: %016llx\n", static_cast<unsigned long long>(hash));
     std::fflush(stdout);
   }
   return lead ? examples::accuracy_exit_code(accuracy, args.min_accuracy) : 0;

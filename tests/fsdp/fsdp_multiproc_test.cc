@@ -36,5 +36,14 @@ TEST_F(MultiprocFsdp, AModelWhoseStateExceedsTheCapTrainsShardedWithinIt) {
   EXPECT_EQ(everywhere(3, "memory"), "");
 }
 
+// A rank that dies makes the others' next step fail within the group's timeout, naming the group and the operation:
+// between steps (their forward's gather fails) and after its forward (their backward's collectives fail).
+TEST_F(MultiprocFsdp, AKilledRankBetweenStepsFailsTheOthersNextForward) {
+  expect_last_rank_killed(3, "killed/between");
+}
+TEST_F(MultiprocFsdp, AKilledRankBeforeItsBackwardFailsTheOthersBackward) {
+  expect_last_rank_killed(3, "killed/backward");
+}
+
 }  // namespace
 }  // namespace tandem::test

@@ -4,12 +4,14 @@
 #include "tests/fsdp/scenarios.h"
 
 #include <dirent.h>
+#include <signal.h>
 #include <sys/stat.h>
 #include <torch/torch.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <numeric>
@@ -160,7 +162,7 @@ class MemoryCap {
       return;
     }
     if (!write("memory.limit_in_bytes", std::to_string(cap)) || !write("cgroup.procs", std::to_string(getpid()))) {
-      error_ = absl::StrCat("cannot cap ", dir_, " at ", cap, " bytes and join it");
+      error_ = absl::StrCat("cannot cap ", dir_, " at ", cap, " bytes and join it: ", std::strerror(errno));
     }
   }
   ~MemoryCap() {
@@ -178,16 +180,17 @@ class MemoryCap {
 
  private:
   static constexpr const char* kRoot = "/sys/fs/cgroup/memory";
-  // Earlier runs' cgroups whose process died inside them (the OOM killer's): none of their processes is left.
+  // Earlier runs' cgroups whose process died inside them (the OOM killer's): named after a process that no longer
+  // exists. (Not "no process inside": another rank may have made its own and not joined it yet.)
   static void remove_abandoned() {
     DIR* root = ::opendir(kRoot);
     if (root == nullptr) return;
+    const std::string prefix = "tandem_fsdp_";
     while (const dirent* e = ::readdir(root)) {
       const std::string name = e->d_name;
-      if (name.rfind("tandem_fsdp_", 0) != 0) continue;
-      std::ifstream procs(std::string(kRoot) + "/" + name + "/cgroup.procs");
-      std::string pid;
-      if (procs && !(procs >> pid)) ::rmdir((std::string(kRoot) + "/" + name).c_str());
+      if (name.rfind(prefix, 0) != 0) continue;
+      const pid_t pid = static_cast<pid_t>(std::atoi(name.c_str() + prefix.size()));
+      if (pid > 0 && ::kill(pid, 0) != 0 && errno == ESRCH) ::rmdir((std::string(kRoot) + "/" + name).c_str());
     }
     ::closedir(root);
   }
@@ -208,7 +211,12 @@ std::string memory() {
   constexpr int64_t kWidth = 2048, kLayers = 8, kMiB = 1 << 20, kCap = 400 * kMiB;
   auto group = comm::ProcessGroup::create("fsdp_memory");
   MemoryCap cap(kCap);
+  // Every rank goes on only if every rank is capped (one returning alone would leave the others waiting in the
+  // model's collectives).
+  at::Tensor capped = at::tensor({cap.error().empty() ? 1.0 : 0.0}, at::kDouble);
+  comm::wait(group->allreduce(capped, comm::ReduceOp::kMin));
   if (!cap.error().empty()) return cap.error();
+  if (capped.item<double>() < 1) return "another rank could not join its memory cgroup";
   torch::manual_seed(3);
   torch::nn::Sequential seq;
   for (int64_t l = 0; l < kLayers; ++l) {
@@ -241,8 +249,36 @@ std::string memory() {
   return "";
 }
 
+// The last rank dies between two steps ("between") or after a forward, before its backward ("backward"): the others'
+// next forward or backward fails within the group's timeout, naming the group and the operation.
+std::string killed(const std::string& when) {
+  const int world = static_cast<int>(rpc::get_all_worker_infos().size());
+  const int rank = rpc::get_worker_info().id;
+  auto group = comm::ProcessGroup::create("fsdp_dead", {}, {.timeout = std::chrono::milliseconds(3000)});
+  torch::nn::Sequential seq = make_model();
+  fsdp::FullyShardedDataParallel model(seq, group);
+  auto [x, y] = data(0, world);
+  rank_loss([&](const at::Tensor& in) { return model.forward(in); }, seq, rank, x, y).backward();
+  const bool last = rank == world - 1;
+  try {
+    if (when == "between" && last) ::_exit(9);
+    at::Tensor loss = rank_loss([&](const at::Tensor& in) { return model.forward(in); }, seq, rank, x, y);
+    if (last) ::_exit(9);
+    loss.backward();
+    return "a step succeeded without the dead rank";
+  } catch (const std::exception& e) {
+    const std::string m = e.what();
+    if (m.find("process group 'fsdp_dead'") == std::string::npos ||
+        (m.find("allgather") == std::string::npos && m.find("reduce_scatter") == std::string::npos)) {
+      return "the error does not name the group and the operation: " + m;
+    }
+  }
+  return "";
+}
+
 std::string run(const std::string& name) {
   if (name == "memory") return memory();
+  if (name.rfind("killed/", 0) == 0) return killed(name.substr(7));
   if (name.rfind("equivalence/", 0) == 0) return equivalence(name.substr(12));
   return "unknown scenario " + name;
 }
