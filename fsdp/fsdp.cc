@@ -66,7 +66,6 @@ void take(const at::Tensor& t) {
 enum class Held { kReleased, kGathering, kGathered };
 
 struct Unit {
-  size_t child = 0;  // its index in the Sequential
   std::vector<at::Tensor> params;
   std::vector<std::string> names;
   std::vector<int64_t> offset;
@@ -80,6 +79,11 @@ struct Unit {
   bool reduced = false;
   at::Tensor reduce_in, reduce_out;
   rpc::Future reduce;
+
+  // Parameter i's elements in a flat tensor of the unit's layout (its buffer, a gathered copy, a gradient buffer).
+  at::Tensor flat_part(const at::Tensor& flat, size_t i) const { return flat.narrow(0, offset[i], params[i].numel()); }
+  // The same, shaped as the parameter.
+  at::Tensor part(const at::Tensor& flat, size_t i) const { return flat_part(flat, i).view(params[i].sizes()); }
 };
 
 }  // namespace
@@ -147,7 +151,7 @@ struct FullyShardedDataParallel::State {
     for (size_t i = 0; i < u.params.size(); ++i) {
       at::Tensor& g = u.params[i].mutable_grad();
       if (!g.defined()) continue;
-      u.reduce_in.narrow(0, u.offset[i], u.params[i].numel()).copy_(g.reshape({-1}));
+      u.flat_part(u.reduce_in, i).copy_(g.reshape({-1}));
       g.reset();
     }
     u.reduce_out = shard_grad_defined(u) ? mapped_zeros(u.shard_size, u.reduce_in.options())
@@ -216,7 +220,6 @@ FullyShardedDataParallel::FullyShardedDataParallel(torch::nn::Sequential model,
     auto named = model->ptr(c)->named_parameters();
     if (named.is_empty()) continue;
     Unit u;
-    u.child = c;
     for (const auto& item : named) {
       const at::Tensor& p = item.value();
       if (!u.params.empty() && (p.scalar_type() != u.params[0].scalar_type() || p.device() != u.params[0].device())) {
@@ -232,13 +235,13 @@ FullyShardedDataParallel::FullyShardedDataParallel(torch::nn::Sequential model,
     const auto topts = u.params[0].options().requires_grad(false);
     at::Tensor flat = at::zeros({world * u.shard_size}, topts);
     for (size_t i = 0; i < u.params.size(); ++i) {
-      flat.narrow(0, u.offset[i], u.params[i].numel()).copy_(u.params[i].detach().reshape({-1}));
+      u.flat_part(flat, i).copy_(u.params[i].detach().reshape({-1}));
     }
     if (options.sync_module_states) comm::wait(s.group->broadcast(flat, 0));
     u.shard = flat.narrow(0, rank * u.shard_size, u.shard_size).clone().requires_grad_(true);
     u.full = mapped_zeros(world * u.shard_size, topts);
     for (size_t i = 0; i < u.params.size(); ++i) {
-      u.params[i].set_data(u.full.narrow(0, u.offset[i], u.params[i].numel()).view(u.params[i].sizes()));
+      u.params[i].set_data(u.part(u.full, i));
     }
     release(u.full);
     s.unit_of_child[c] = static_cast<int>(s.units.size());
@@ -305,7 +308,7 @@ std::vector<std::pair<std::string, at::Tensor>> FullyShardedDataParallel::full_p
     at::Tensor whole = at::empty({s.world() * u.shard_size}, u.shard.options().requires_grad(false));
     comm::wait(s.group->allgather(whole, u.shard.detach()));
     for (size_t i = 0; i < u.params.size(); ++i) {
-      out.emplace_back(u.names[i], whole.narrow(0, u.offset[i], u.params[i].numel()).view(u.params[i].sizes()).clone());
+      out.emplace_back(u.names[i], u.part(whole, i).clone());
     }
   }
   return out;
