@@ -14,6 +14,7 @@
 #include <cerrno>
 #include <cstring>
 #include <limits>
+#include <map>
 #include <set>
 
 #include "absl/status/statusor.h"
@@ -24,6 +25,7 @@
 #include "tandem/comm/process_group.h"
 #include "tandem/ddp/sampler.h"
 #include "tandem/ddp/zero.h"
+#include "tandem/fsdp/fsdp.h"
 #include "tandem/rpc/errors.h"
 
 namespace tandem::checkpoint {
@@ -62,33 +64,47 @@ void copy_checked(const std::string& what, const at::Tensor& saved, at::Tensor& 
 
 // A module's parameters and buffers by their qualified names ("fc1.weight"): two lists, as archive keys may not hold
 // dots.
-void save_module(torch::nn::Module& module, torch::serialize::OutputArchive& archive) {
+using Named = std::vector<std::pair<std::string, at::Tensor>>;
+
+// Named tensors as two lists, as archive keys may not hold every character a name does.
+void save_named(const Named& named, torch::serialize::OutputArchive& archive) {
   c10::List<std::string> names;
   c10::List<at::Tensor> tensors;
-  for (const auto& p : module.named_parameters(/*recurse=*/true)) {
-    names.push_back(p.key());
-    tensors.push_back(p.value().detach());
-  }
-  for (const auto& b : module.named_buffers(/*recurse=*/true)) {
-    names.push_back("buffer:" + b.key());
-    tensors.push_back(b.value().detach());
+  for (const auto& [name, t] : named) {
+    names.push_back(name);
+    tensors.push_back(t.detach());
   }
   archive.write("names", c10::IValue(names));
   archive.write("tensors", c10::IValue(tensors));
 }
 
-void load_module(const std::string& item, torch::nn::Module& module, torch::serialize::InputArchive& archive) {
+Named read_named(const std::string& item, torch::serialize::InputArchive& archive) {
   c10::IValue names_value, tensors_value;
   archive.read("names", names_value);
   archive.read("tensors", tensors_value);
   if (!names_value.isList() || !tensors_value.isTensorList()) {
     throw_error(absl::InvalidArgumentError(absl::StrCat("'", item, "' is not a module's state in the checkpoint")));
   }
-  std::map<std::string, at::Tensor> saved;
   const auto names = names_value.toListRef();
   const auto tensors = tensors_value.toTensorList();
   if (names.size() != tensors.size()) throw_error(absl::InvalidArgumentError("malformed module state"));
-  for (size_t i = 0; i < names.size(); ++i) saved[names[i].toStringRef()] = tensors.get(i);
+  Named out;
+  for (size_t i = 0; i < names.size(); ++i) out.emplace_back(names[i].toStringRef(), tensors.get(i));
+  return out;
+}
+
+// A module's parameters and buffers by their qualified names ("fc1.weight"; a buffer's prefixed "buffer:").
+constexpr const char* kBuffer = "buffer:";
+void save_module(torch::nn::Module& module, torch::serialize::OutputArchive& archive) {
+  Named named;
+  for (const auto& p : module.named_parameters(/*recurse=*/true)) named.emplace_back(p.key(), p.value());
+  for (const auto& b : module.named_buffers(/*recurse=*/true)) named.emplace_back(kBuffer + b.key(), b.value());
+  save_named(named, archive);
+}
+
+void load_module(const std::string& item, torch::nn::Module& module, torch::serialize::InputArchive& archive) {
+  std::map<std::string, at::Tensor> saved;
+  for (auto& [name, t] : read_named(item, archive)) saved[name] = t;
   auto restore = [&](const std::string& key, at::Tensor target) {
     auto it = saved.find(key);
     if (it == saved.end()) {
@@ -98,11 +114,84 @@ void load_module(const std::string& item, torch::nn::Module& module, torch::seri
     saved.erase(it);
   };
   for (auto& p : module.named_parameters(true)) restore(p.key(), p.value());
-  for (auto& b : module.named_buffers(true)) restore("buffer:" + b.key(), b.value());
+  for (auto& b : module.named_buffers(true)) restore(kBuffer + b.key(), b.value());
   if (!saved.empty()) {
     throw_error(absl::InvalidArgumentError(
         absl::StrCat("the checkpoint's '", item, "' has '", saved.begin()->first, "', which the module does not")));
   }
+}
+
+// A fully sharded model's full state, in the module format.
+void save_fsdp_full(const fsdp::FullyShardedDataParallel& model, torch::serialize::OutputArchive& archive) {
+  Named named = model.full_parameters();
+  for (const auto& b : model.named_buffers()) named.emplace_back(kBuffer + b.first, b.second);
+  save_named(named, archive);
+}
+void load_fsdp_full(const std::string& item, fsdp::FullyShardedDataParallel& model,
+                    torch::serialize::InputArchive& archive) {
+  Named dict = read_named(item, archive);
+  for (auto& [name, t] : dict) {
+    if (absl::StartsWith(name, kBuffer)) name = name.substr(std::strlen(kBuffer));
+  }
+  model.load_full_state_dict(dict);
+}
+
+// A fully sharded model's sharded state: this rank's pieces, with their offsets and the parameters' shapes.
+void save_fsdp_sharded(const fsdp::FullyShardedDataParallel& model, torch::serialize::OutputArchive& archive) {
+  const auto dict = model.sharded_state_dict();
+  archive.write("world_size", at::tensor(dict.world_size), /*is_buffer=*/true);
+  archive.write("rank", at::tensor(dict.rank), /*is_buffer=*/true);
+  c10::List<std::string> names;
+  c10::List<at::Tensor> shapes, values;
+  std::vector<int64_t> offsets;
+  for (const auto& p : dict.pieces) {
+    names.push_back(p.name);
+    shapes.push_back(at::tensor(p.shape, at::kLong));
+    offsets.push_back(p.offset);
+    values.push_back(p.values);
+  }
+  archive.write("names", c10::IValue(names));
+  archive.write("shapes", c10::IValue(shapes));
+  archive.write("offsets", at::tensor(offsets, at::kLong), /*is_buffer=*/true);
+  archive.write("values", c10::IValue(values));
+  torch::serialize::OutputArchive buffers;
+  save_named(dict.buffers, buffers);
+  archive.write("buffers", buffers);
+}
+fsdp::FullyShardedDataParallel::ShardedStateDict read_fsdp_sharded(const std::string& item,
+                                                                   torch::serialize::InputArchive& archive) {
+  fsdp::FullyShardedDataParallel::ShardedStateDict dict;
+  at::Tensor world, rank, offsets;
+  archive.read("world_size", world, /*is_buffer=*/true);
+  archive.read("rank", rank, /*is_buffer=*/true);
+  archive.read("offsets", offsets, /*is_buffer=*/true);
+  c10::IValue names_value, shapes_value, values_value;
+  archive.read("names", names_value);
+  archive.read("shapes", shapes_value);
+  archive.read("values", values_value);
+  const bool lists = names_value.isList() && shapes_value.isTensorList() && values_value.isTensorList();
+  if (!lists || world.numel() != 1 || rank.numel() != 1 || offsets.dim() != 1 || offsets.scalar_type() != at::kLong) {
+    throw_error(absl::InvalidArgumentError(absl::StrCat("'", item, "' is not a fully sharded model's state")));
+  }
+  const auto names = names_value.toListRef();
+  const auto shapes = shapes_value.toTensorList();
+  const auto values = values_value.toTensorList();
+  if (shapes.size() != names.size() || values.size() != names.size() ||
+      offsets.numel() != static_cast<int64_t>(names.size())) {
+    throw_error(absl::InvalidArgumentError(absl::StrCat("'", item, "': malformed fully sharded state")));
+  }
+  dict.world_size = world.item<int64_t>();
+  dict.rank = rank.item<int64_t>();
+  for (size_t i = 0; i < names.size(); ++i) {
+    const at::Tensor shape = shapes.get(i).to(at::kLong).contiguous();
+    dict.pieces.push_back({names[i].toStringRef(),
+                           std::vector<int64_t>(shape.data_ptr<int64_t>(), shape.data_ptr<int64_t>() + shape.numel()),
+                           offsets[static_cast<int64_t>(i)].item<int64_t>(), values.get(i)});
+  }
+  torch::serialize::InputArchive buffers;
+  archive.read("buffers", buffers);
+  dict.buffers = read_named(item, buffers);
+  return dict;
 }
 
 // Runs a LibTorch load, whose checks throw c10::Error, as tandem::Error naming the item.
@@ -156,6 +245,17 @@ State& State::add(const std::string& name, ddp::ZeroRedundancyOptimizer& zero, Z
   return add(
       name, [&zero](torch::serialize::OutputArchive& a) { zero.save(a); },
       [&zero](torch::serialize::InputArchive& a) { zero.load(a); });
+}
+
+State& State::add(const std::string& name, fsdp::FullyShardedDataParallel& model, Fsdp how) {
+  if (how == Fsdp::kFull) {
+    return add(
+        name, [&model](torch::serialize::OutputArchive& a) { save_fsdp_full(model, a); },
+        [&model, name](torch::serialize::InputArchive& a) { load_fsdp_full(name, model, a); });
+  }
+  return add(
+      name, [&model](torch::serialize::OutputArchive& a) { save_fsdp_sharded(model, a); },
+      [&model, name](torch::serialize::InputArchive& a) { model.load_sharded_state_dict(read_fsdp_sharded(name, a)); });
 }
 
 State& State::add(const std::string& name, ddp::DistributedSampler& sampler) {
@@ -458,6 +558,21 @@ std::optional<int64_t> Checkpointer::restore(State& state, comm::ProcessGroup* g
     }
     bound = agreed - 1;
   }
+}
+
+std::vector<std::pair<std::string, at::Tensor>> consolidate_fsdp(const std::string& dir, int64_t step,
+                                                                 const std::string& item) {
+  std::vector<fsdp::FullyShardedDataParallel::ShardedStateDict> ranks;
+  int64_t world = 1;
+  for (int64_t r = 0; r < world; ++r) {
+    State state;
+    state.add(
+        item, [](torch::serialize::OutputArchive&) {},
+        [&](torch::serialize::InputArchive& a) { ranks.push_back(read_fsdp_sharded(item, a)); });
+    Checkpointer(dir, static_cast<int>(r)).load(step, state);
+    if (r == 0) world = ranks[0].world_size;
+  }
+  return fsdp::FullyShardedDataParallel::consolidate(ranks);
 }
 
 }  // namespace tandem::checkpoint

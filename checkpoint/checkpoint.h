@@ -57,6 +57,9 @@ namespace tandem::ddp {
 class DistributedSampler;
 class ZeroRedundancyOptimizer;
 }  // namespace tandem::ddp
+namespace tandem::fsdp {
+class FullyShardedDataParallel;
+}
 
 namespace tandem::checkpoint {
 
@@ -78,6 +81,13 @@ class State {
   // rank's gathered (kConsolidated: resumes with any world size, with Layout::kReplicated; save() is then collective).
   enum class Zero { kSharded, kConsolidated };
   State& add(const std::string& name, ddp::ZeroRedundancyOptimizer& zero, Zero how = Zero::kSharded);
+  // A fully sharded model (fsdp/fsdp.h). kSharded: this rank's part of each parameter, with its offset (save and load
+  // are not collective, nothing is gathered; the job resuming must have the saving job's world size, with
+  // Layout::kPerRank — or consolidate_fsdp() the files). kFull: every parameter gathered and every buffer, in the
+  // format of add(name, Module&), so that a plain Sequential of the same architecture loads it and this loads a plain
+  // module's (save() is collective; with Layout::kReplicated a job of any world size resumes from rank 0's file).
+  enum class Fsdp { kSharded, kFull };
+  State& add(const std::string& name, fsdp::FullyShardedDataParallel& model, Fsdp how = Fsdp::kSharded);
   State& add(const std::string& name, ddp::DistributedSampler& sampler);  // epoch and position
   State& add(const std::string& name, at::Tensor& tensor);    // restored in place when defined (shape, dtype checked)
   State& add(const std::string& name, int64_t& counter);      // a step, an epoch
@@ -143,5 +153,13 @@ class Checkpointer {
   int rank_;
   CheckpointOptions options_;
 };
+
+// The full state (parameters and buffers by name, as a plain module has them) of a fully sharded model that every rank
+// of a job saved as item `item` (State::Fsdp::kSharded) of checkpoint `step` in `dir`: each rank's file read and the
+// pieces put back together, in one process and with no group. Load it into a plain module, or into a fully sharded
+// model of any world size (FullyShardedDataParallel::load_full_state_dict). Errors: as load(), and INVALID_ARGUMENT
+// when the ranks' files do not fit together.
+std::vector<std::pair<std::string, at::Tensor>> consolidate_fsdp(const std::string& dir, int64_t step,
+                                                                 const std::string& item);
 
 }  // namespace tandem::checkpoint

@@ -10,6 +10,7 @@
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <map>
 #include <mutex>
 #include <new>
 
@@ -311,6 +312,174 @@ std::vector<std::pair<std::string, at::Tensor>> FullyShardedDataParallel::full_p
       out.emplace_back(u.names[i], u.part(whole, i).clone());
     }
   }
+  return out;
+}
+
+namespace {
+
+std::string shape_of(at::IntArrayRef sizes) {
+  std::string out = "[";
+  for (size_t i = 0; i < sizes.size(); ++i) absl::StrAppend(&out, i ? ", " : "", sizes[i]);
+  return out + "]";
+}
+
+// Whether a state dict's entry fits the model's tensor: INVALID_ARGUMENT naming it when not.
+void check_entry(const std::string& name, const at::Tensor& given, const at::Tensor& target) {
+  if (given.defined() && given.sizes() == target.sizes() && given.scalar_type() == target.scalar_type()) return;
+  throw_error(absl::InvalidArgumentError(
+      absl::StrCat("fsdp: state dict entry '", name, "' is ",
+                   given.defined() ? shape_of(given.sizes()) + " " + c10::toString(given.scalar_type()) : "undefined",
+                   " but the model's is ", shape_of(target.sizes()), " ", c10::toString(target.scalar_type()))));
+}
+
+}  // namespace
+
+FullyShardedDataParallel::StateDict FullyShardedDataParallel::full_state_dict() const {
+  StateDict out = full_parameters();
+  for (auto& b : named_buffers()) out.push_back(std::move(b));
+  return out;
+}
+
+FullyShardedDataParallel::StateDict FullyShardedDataParallel::named_buffers() const {
+  StateDict out;
+  for (const auto& b : state_->model->named_buffers(/*recurse=*/true)) out.emplace_back(b.key(), b.value().clone());
+  return out;
+}
+
+void FullyShardedDataParallel::load_full_state_dict(const StateDict& dict) {
+  State& s = *state_;
+  std::lock_guard<std::mutex> lock(s.mu);
+  at::NoGradGuard no_grad;
+  std::map<std::string, const at::Tensor*> given;
+  for (const auto& [name, t] : dict) given[name] = &t;
+  auto take_entry = [&](const std::string& name) {
+    auto it = given.find(name);
+    if (it == given.end())
+      throw_error(absl::InvalidArgumentError(absl::StrCat("fsdp: state dict has no '", name, "'")));
+    const at::Tensor* t = it->second;
+    given.erase(it);
+    return *t;
+  };
+  // Checked whole before anything changes, so that a bad dict leaves the model as it was.
+  std::vector<std::pair<at::Tensor, at::Tensor>> copies;  // (given, target)
+  const int64_t rank = s.group->rank();
+  for (Unit& u : s.units) {
+    const int64_t lo = rank * u.shard_size, hi = lo + u.shard_size;
+    for (size_t i = 0; i < u.params.size(); ++i) {
+      const at::Tensor t = take_entry(u.names[i]);
+      check_entry(u.names[i], t, u.params[i]);
+      const int64_t begin = std::max(lo, u.offset[i]), end = std::min(hi, u.offset[i] + u.params[i].numel());
+      if (begin >= end) continue;
+      copies.emplace_back(t.reshape({-1}).narrow(0, begin - u.offset[i], end - begin),
+                          u.shard.detach().narrow(0, begin - lo, end - begin));
+    }
+  }
+  for (const auto& b : s.model->named_buffers(/*recurse=*/true)) {
+    copies.emplace_back(take_entry(b.key()), b.value());
+    check_entry(b.key(), copies.back().first, b.value());
+  }
+  if (!given.empty()) {
+    throw_error(absl::InvalidArgumentError(
+        absl::StrCat("fsdp: state dict entry '", given.begin()->first, "' is not in the model")));
+  }
+  for (Unit& u : s.units) s.reshard(u);  // what was gathered is stale now
+  for (auto& [from, to] : copies) to.copy_(from);
+}
+
+FullyShardedDataParallel::ShardedStateDict FullyShardedDataParallel::sharded_state_dict() const {
+  const State& s = *state_;
+  ShardedStateDict out;
+  out.world_size = s.world();
+  out.rank = s.group->rank();
+  for (const Unit& u : s.units) {
+    const int64_t lo = out.rank * u.shard_size, hi = lo + u.shard_size;
+    for (size_t i = 0; i < u.params.size(); ++i) {
+      const int64_t begin = std::clamp(u.offset[i], lo, hi);
+      const int64_t end = std::clamp(u.offset[i] + u.params[i].numel(), lo, hi);
+      // A parameter outside this rank's range: an empty piece at offset 0.
+      out.pieces.push_back({u.names[i], u.params[i].sizes().vec(), end > begin ? begin - u.offset[i] : 0,
+                            u.shard.detach().narrow(0, begin - lo, end - begin).clone()});
+    }
+  }
+  out.buffers = named_buffers();
+  return out;
+}
+
+void FullyShardedDataParallel::load_sharded_state_dict(const ShardedStateDict& dict) {
+  const ShardedStateDict mine = sharded_state_dict();  // this rank's layout
+  if (dict.world_size != mine.world_size) {
+    throw_error(absl::FailedPreconditionError(
+        absl::StrCat("fsdp: the sharded state dict was saved by ", dict.world_size, " ranks; this job has ",
+                     mine.world_size, ": consolidate() the ranks' dicts and load_full_state_dict() instead")));
+  }
+  if (dict.rank != mine.rank || dict.pieces.size() != mine.pieces.size()) {
+    throw_error(absl::InvalidArgumentError(absl::StrCat("fsdp: the sharded state dict is rank ", dict.rank, "'s, of ",
+                                                        dict.pieces.size(), " parameters; this is rank ", mine.rank,
+                                                        " of a model of ", mine.pieces.size())));
+  }
+  for (size_t i = 0; i < mine.pieces.size(); ++i) {
+    const Piece &a = dict.pieces[i], &b = mine.pieces[i];
+    if (a.name != b.name || a.shape != b.shape || a.offset != b.offset) {
+      throw_error(absl::InvalidArgumentError(absl::StrCat("fsdp: sharded state dict piece ", i, " is '", a.name, "' ",
+                                                          shape_of(a.shape), " at ", a.offset, "; the model's is '",
+                                                          b.name, "' ", shape_of(b.shape), " at ", b.offset)));
+    }
+  }
+  // The same layout: put back together and loaded as a full dict would be, with this rank's parts only.
+  StateDict full;
+  for (const Piece& p : dict.pieces) {
+    int64_t numel = 1;
+    for (int64_t d : p.shape) numel *= d;
+    at::Tensor whole = at::zeros({numel}, p.values.options());
+    whole.narrow(0, p.offset, p.values.numel()).copy_(p.values);
+    full.emplace_back(p.name, whole.view(p.shape));
+  }
+  for (const auto& b : dict.buffers) full.push_back(b);
+  load_full_state_dict(full);
+}
+
+FullyShardedDataParallel::StateDict FullyShardedDataParallel::consolidate(const std::vector<ShardedStateDict>& ranks) {
+  if (ranks.empty()) throw_error(absl::InvalidArgumentError("fsdp: consolidate() of no sharded state dict"));
+  const ShardedStateDict& first = ranks[0];
+  std::vector<bool> seen(static_cast<size_t>(std::max<int64_t>(first.world_size, 0)));
+  for (const ShardedStateDict& d : ranks) {
+    if (d.pieces.size() != first.pieces.size() || d.world_size != first.world_size) {
+      throw_error(absl::InvalidArgumentError("fsdp: consolidate() of sharded state dicts of different models or jobs"));
+    }
+    if (d.rank < 0 || d.rank >= d.world_size || seen[static_cast<size_t>(d.rank)]) {
+      throw_error(absl::InvalidArgumentError(
+          absl::StrCat("fsdp: consolidate(): rank ", d.rank, " of ", d.world_size, " is out of range or given twice")));
+    }
+    seen[static_cast<size_t>(d.rank)] = true;
+  }
+  if (static_cast<int64_t>(ranks.size()) != first.world_size) {
+    throw_error(absl::InvalidArgumentError(absl::StrCat(
+        "fsdp: consolidate() of ", ranks.size(), " sharded state dicts; the job had ", first.world_size, " ranks")));
+  }
+  StateDict out;
+  for (size_t i = 0; i < first.pieces.size(); ++i) {
+    const Piece& p = first.pieces[i];
+    int64_t numel = 1;
+    for (int64_t d : p.shape) numel *= d;
+    at::Tensor whole = at::empty({numel}, p.values.options());
+    int64_t covered = 0;
+    for (const ShardedStateDict& d : ranks) {
+      const Piece& q = d.pieces[i];
+      if (q.name != p.name || q.shape != p.shape || q.offset < 0 || q.offset + q.values.numel() > numel ||
+          q.values.scalar_type() != p.values.scalar_type()) {
+        throw_error(absl::InvalidArgumentError(
+            absl::StrCat("fsdp: consolidate(): rank ", d.rank, "'s piece ", i, " ('", q.name, "') does not fit")));
+      }
+      whole.narrow(0, q.offset, q.values.numel()).copy_(q.values.reshape({-1}));
+      covered += q.values.numel();
+    }
+    if (covered != numel) {
+      throw_error(absl::InvalidArgumentError(absl::StrCat("fsdp: consolidate(): the pieces of '", p.name, "' cover ",
+                                                          covered, " of its ", numel, " elements")));
+    }
+    out.emplace_back(p.name, whole.view(p.shape));
+  }
+  for (const auto& b : first.buffers) out.push_back(b);
   return out;
 }
 

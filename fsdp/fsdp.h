@@ -91,6 +91,43 @@ class FullyShardedDataParallel {
   // Collective: every parameter of the model, gathered, under its name in the Sequential ("0.weight"), in order.
   std::vector<std::pair<std::string, at::Tensor>> full_parameters() const;
 
+  // State dicts (checkpoint/checkpoint.h saves either form through checkpoint::State::add).
+  using StateDict = std::vector<std::pair<std::string, at::Tensor>>;
+  // The full state: every parameter (gathered) and buffer under its name in the Sequential, in its order: what a plain
+  // Sequential of the same architecture holds. Collective (every rank gathers every unit).
+  StateDict full_state_dict() const;
+  // The Sequential's buffers (not sharded: every rank holds them), by name. Not collective.
+  StateDict named_buffers() const;
+  // Loads a full state dict (from full_state_dict(), a plain Sequential's named parameters and buffers, or
+  // consolidate()): each rank takes its shard of each parameter. Not collective; every rank is given the same dict.
+  // INVALID_ARGUMENT naming the entry when one is missing, unknown, or of another shape or dtype.
+  void load_full_state_dict(const StateDict& dict);
+
+  // This rank's part of each parameter, as PyTorch's sharded state dict keeps a local shard with its offset: the
+  // elements [offset, offset + numel) of the flattened parameter. Self-describing: consolidate() puts the ranks' dicts
+  // back together without a group, for any number of ranks.
+  struct Piece {
+    std::string name;
+    std::vector<int64_t> shape;  // the whole parameter's
+    int64_t offset = 0;          // into the flattened parameter
+    at::Tensor values;           // 1-D, possibly empty
+  };
+  struct ShardedStateDict {
+    int64_t world_size = 0;
+    int64_t rank = 0;
+    std::vector<Piece> pieces;  // every parameter, in order
+    StateDict buffers;          // the same on every rank
+  };
+  // Not collective: copies of this rank's shards, nothing gathered.
+  ShardedStateDict sharded_state_dict() const;
+  // Loads this rank's own part of a sharded state dict saved by a job of the same world size (FAILED_PRECONDITION
+  // otherwise: consolidate() the ranks' dicts and load_full_state_dict() instead); INVALID_ARGUMENT when a piece does
+  // not match this model's. Not collective.
+  void load_sharded_state_dict(const ShardedStateDict& dict);
+  // The full state dict of every rank's sharded one (each rank's, in any order). INVALID_ARGUMENT when they do not
+  // cover every parameter exactly (a rank missing, dicts of different jobs).
+  static StateDict consolidate(const std::vector<ShardedStateDict>& ranks);
+
   struct Stats {
     int64_t units = 0;
     int64_t shard_elements = 0;  // this rank's, every unit's shard (padding included)

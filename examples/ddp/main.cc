@@ -14,8 +14,9 @@
 // Model: 2 conv + pooling + FC (the parameter-server example's CNN). Adam; with --zero 1 its state is sharded across
 // the ranks (ZeroRedundancyOptimizer). With --shard full the model is fully sharded instead of replicated
 // (fsdp::FullyShardedDataParallel: each layer's parameters, gradients and Adam state split across the ranks, gathered
-// around each layer's use), with --shard zero2 its gradients and Adam state only (no checkpoints with either yet). Rank 0 prints progress, and after every epoch the loss, the images per second
-// of all ranks together and the test accuracy (each rank scores half the test set; the counts are summed).
+// around each layer's use), with --shard zero2 its gradients and Adam state only; either saves each rank's shards in
+// its checkpoints. Rank 0 prints progress, and after every epoch the loss, the images per second of all ranks
+// together and the test accuracy (each rank scores half the test set; the counts are summed).
 #include <torch/torch.h>
 
 #include <chrono>
@@ -45,7 +46,7 @@ struct Args {
   double lr = 2e-3;
   int batch = 64;  // per rank
   bool zero = false;
-  std::string shard;  // "", "full" or "zero2"
+  std::string shard;        // "", "full" or "zero2"
   int64_t limit = 0;        // train on at most this many images in all (0: all 60,000); for smoke tests
   double min_accuracy = 0;  // stop once an epoch's test accuracy reaches it; exit 1 if none does
   std::string checkpoint_dir;
@@ -68,8 +69,8 @@ Args parse(int argc, char** argv) {
   app.add_option("--checkpoint-dir", a.checkpoint_dir, "write checkpoints here and resume from the newest ('': none)");
   app.add_option("--checkpoint-every", a.checkpoint_every, "steps between checkpoints")->check(CLI::PositiveNumber);
   tools::parse_flags(app, argc, argv);
-  if (!a.shard.empty() && (a.zero || !a.checkpoint_dir.empty())) {
-    throw std::invalid_argument("--shard takes neither --zero (it shards the optimizer state itself) nor --checkpoint-dir");
+  if (!a.shard.empty() && a.zero) {
+    throw std::invalid_argument("--shard does not take --zero (it shards the optimizer state itself)");
   }
   return a;
 }
@@ -147,7 +148,11 @@ int train(const Args& args) {
   bool mid_epoch = false;
   if (!args.checkpoint_dir.empty()) {
     ckpt = std::make_unique<checkpoint::Checkpointer>(args.checkpoint_dir, pg->rank());
-    state.add("model", *model);
+    if (sharded) {
+      state.add("model", *sharded);  // this rank's shards (checkpoint::State::Fsdp::kSharded)
+    } else {
+      state.add("model", *model);
+    }
     if (zero) {
       state.add("optimizer", *zero);
     } else {
@@ -156,8 +161,9 @@ int train(const Args& args) {
     state.add("sampler", sampler).add("epoch", epoch).add("global_step", global_step).add("step", step);
     state.add("loss_sum", loss_sum);
     // DDP state is the same on every rank: all read rank 0's files, so a job re-formed with another world size resumes
-    // too (the sampler re-derives each rank's share). ZeRO's shards are per rank: the same world size only.
-    const auto layout = zero ? checkpoint::Layout::kPerRank : checkpoint::Layout::kReplicated;
+    // too (the sampler re-derives each rank's share). ZeRO's and fully sharded models' shards are per rank: the same
+    // world size only.
+    const auto layout = zero || sharded ? checkpoint::Layout::kPerRank : checkpoint::Layout::kReplicated;
     if (auto resumed = ckpt->restore(state, pg.get(), layout)) {
       mid_epoch = true;
       const char* restart = std::getenv("TORCHELASTIC_RESTART_COUNT");

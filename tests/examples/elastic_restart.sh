@@ -3,6 +3,8 @@
 #   elastic_restart.sh resume <tandem-run> <ddp_train>
 #     Rank 1 is SIGKILLed mid-epoch; the job restarts once (TORCHELASTIC_RESTART_COUNT=1), resumes from its last
 #     checkpoint, and ends with parameters bit-identical to an uninterrupted run (the example prints their hash).
+#   elastic_restart.sh resume-sharded <tandem-run> <ddp_train>
+#     The same with the model fully sharded (--shard full).
 #   elastic_restart.sh ps <tandem-run> <parameter_server>
 #     The same with the parameter-server example (synchronous mode, a server and 2 trainers): trainer 2 is SIGKILLed;
 #     the server resumes from its checkpoint, the trainers from its round, and the parameters end bit-identical.
@@ -89,7 +91,11 @@ if [ "$mode" = ps ]; then
   exit 0
 fi
 
-# 20 steps per epoch and rank; once rank 1 has saved step 12 (epoch 1 of 2), it is SIGKILLed.
-kill_and_resume 2 1 step-000000000012/rank-1.ckpt "$3" --epochs 2 --limit 1280 --batch 32 --checkpoint-every 4
+# 20 steps per epoch and rank; once rank 1 has saved step 12 (epoch 1 of 2), it is SIGKILLed. resume-sharded: the
+# model fully sharded (--shard full), each rank's shards and Adam state in its checkpoints.
+extra=()
+[ "$mode" = resume-sharded ] && extra=(--shard full)
+kill_and_resume 2 1 step-000000000012/rank-1.ckpt "$3" --epochs 2 --limit 1280 --batch 32 --checkpoint-every 4 \
+  "${extra[@]}"
 grep -q "ddp: resumed from step [0-9]* (epoch 1, restart 1)" "$dir/killed.log" || fail "the job did not resume mid-epoch"
 grep "resumed from" "$dir/killed.log"

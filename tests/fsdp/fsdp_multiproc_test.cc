@@ -1,6 +1,9 @@
 // Fully sharded data parallelism across real processes: rank 0 is the test process; every rank runs the same scenario.
 #include <gtest/gtest.h>
 
+#include <filesystem>
+
+#include "tests/common/multiproc.h"
 #include "tests/common/scenario_fixture.h"
 
 namespace tandem::test {
@@ -34,6 +37,15 @@ TEST_F(MultiprocFsdp, AModelWhoseStateExceedsTheCapTrainsShardedWithinIt) {
 #endif
   start({.world_size = 3});
   EXPECT_EQ(everywhere(3, "memory"), "");
+}
+
+// Checkpoints, sharded and full: a pair of ranks resumes bit-exact from its sharded one; 3 ranks resume from its full
+// one; the shards consolidated in one process and a plain Sequential loading the full one equal the pair's model.
+TEST_F(MultiprocFsdp, CheckpointsResumeShardedAndFullAndLoadIntoAPlainModule) {
+  start({.world_size = 3});
+  const std::string dir = make_temp_dir();
+  EXPECT_EQ(everywhere(3, "checkpoints|" + dir), "");
+  std::filesystem::remove_all(dir);
 }
 
 // A rank that dies makes the others' next step fail within the group's timeout, naming the group and the operation:

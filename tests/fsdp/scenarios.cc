@@ -18,8 +18,10 @@
 #include <set>
 
 #include "absl/strings/str_cat.h"
+#include "tandem/checkpoint/checkpoint.h"
 #include "tandem/comm/process_group.h"
 #include "tandem/fsdp/fsdp.h"
+#include "tandem/rpc/errors.h"
 #include "tandem/rpc/rpc.h"
 #include "tests/common/scenario.h"
 
@@ -276,7 +278,150 @@ std::string killed(const std::string& when) {
   return "";
 }
 
+// Whether two state dicts hold the same names, in the same order, with equal values; "" when they do.
+std::string same_state(const fsdp::FullyShardedDataParallel::StateDict& got,
+                       const fsdp::FullyShardedDataParallel::StateDict& want, const std::string& what) {
+  if (got.size() != want.size()) return absl::StrCat(what, ": ", got.size(), " entries, not ", want.size());
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (got[i].first != want[i].first) return absl::StrCat(what, ": '", got[i].first, "' where '", want[i].first, "'");
+    if (!got[i].second.equal(want[i].second)) return absl::StrCat(what, ": '", got[i].first, "' differs");
+  }
+  return "";
+}
+
+// Checkpoints of a fully sharded model, in both forms, on 3 ranks. Ranks 0 and 1 train a pair's model 2 steps and save
+// it sharded (with its Adam state) and full. The pair resumes from the sharded one bit-exact (a further step equals
+// the original's); the 3 ranks resume from the full one (another world size), and refuse the pair's sharded one; the
+// pair's shards consolidated in one process, and the full checkpoint loaded into a plain Sequential, equal the
+// pair's model.
+std::string checkpoints(const std::string& dir) {
+  const int rank = rpc::get_worker_info().id;
+  auto make = [] {
+    torch::nn::Sequential seq = make_model();
+    seq->push_back(torch::nn::BatchNorm1d(torch::nn::BatchNorm1dOptions(kOut)));  // buffers too
+    seq->to(at::kDouble);
+    return seq;
+  };
+  auto perturbed = [&] {  // not the saved values
+    torch::nn::Sequential seq = make();
+    at::NoGradGuard no_grad;
+    for (auto& p : seq->parameters()) p.add_(1.0);
+    return seq;
+  };
+  auto train_step = [&](fsdp::FullyShardedDataParallel& model, torch::nn::Sequential& seq, torch::optim::Optimizer& opt,
+                        int64_t step) {
+    auto [x, y] = data(step, 2);
+    opt.zero_grad();
+    rank_loss([&](const at::Tensor& in) { return model.forward(in); }, seq, rank, x, y).backward();
+    opt.step();
+  };
+  auto adam = [](fsdp::FullyShardedDataParallel& model) {
+    return torch::optim::Adam(model.parameters(), torch::optim::AdamOptions(0.01));
+  };
+  const std::string sharded_dir = dir + "/sharded", full_dir = dir + "/full";
+  using StateDict = fsdp::FullyShardedDataParallel::StateDict;
+  StateDict saved, after;  // the pair's model at the save, and one step later
+  // The pair's part; its failure is told to rank 2 below, which would otherwise wait for the pair in vain.
+  auto pair_part = [&]() -> std::string {
+    auto pair = comm::ProcessGroup::create("fsdp_ckpt_pair", {0, 1});
+    torch::nn::Sequential seq = make();
+    fsdp::FullyShardedDataParallel model(seq, pair);
+    torch::optim::Adam opt = adam(model);
+    train_step(model, seq, opt, 0);
+    train_step(model, seq, opt, 1);
+    {  // the same buffers on both ranks (each tracked its own rows' statistics)
+      at::NoGradGuard no_grad;
+      for (auto& b : seq->buffers()) b.copy_(at::arange(b.numel()).view_as(b).to(b.scalar_type()));
+    }
+    checkpoint::State sharded_state, full_state;
+    sharded_state.add("model", model).add("optimizer", opt);
+    full_state.add("model", model, checkpoint::State::Fsdp::kFull);
+    checkpoint::Checkpointer(sharded_dir, rank).save(2, sharded_state);
+    checkpoint::Checkpointer(full_dir, rank).save(2, full_state);  // collective over the pair
+    saved = model.full_state_dict();
+    train_step(model, seq, opt, 2);
+    after = model.full_state_dict();
+
+    torch::nn::Sequential seq2 = perturbed();
+    fsdp::FullyShardedDataParallel resumed(seq2, pair);
+    torch::optim::Adam opt2 = adam(resumed);
+    checkpoint::State state;
+    state.add("model", resumed).add("optimizer", opt2);
+    const auto step = checkpoint::Checkpointer(sharded_dir, rank).restore(state, pair.get());
+    if (!step || *step != 2) return "the pair resumed from " + (step ? std::to_string(*step) : "nothing");
+    if (auto e = same_state(resumed.full_state_dict(), saved, "resumed from the sharded checkpoint"); !e.empty()) {
+      return e;
+    }
+    train_step(resumed, seq2, opt2, 2);
+    return same_state(resumed.full_state_dict(), after, "a step after resuming");
+  };
+  const std::string pair_error = rank < 2 ? pair_part() : "";
+
+  auto all = comm::ProcessGroup::create("fsdp_ckpt_all");
+  at::Tensor failed = at::tensor({pair_error.empty() ? 0.0 : 1.0}, at::kDouble);
+  comm::wait(all->allreduce(failed, comm::ReduceOp::kMax));
+  if (failed.item<double>() > 0) return rank < 2 ? pair_error : "";
+  torch::nn::Sequential seq3 = perturbed();
+  fsdp::FullyShardedDataParallel three(seq3, all);
+  checkpoint::State state;
+  state.add("model", three, checkpoint::State::Fsdp::kFull);
+  const auto step = checkpoint::Checkpointer(full_dir, rank).restore(state, all.get(), checkpoint::Layout::kReplicated);
+  if (!step || *step != 2) return "the 3 ranks resumed from " + (step ? std::to_string(*step) : "nothing");
+  // The pair's model, as every rank can know it: the plain Sequential loaded from the full checkpoint of rank 0.
+  torch::nn::Sequential plain = make();
+  checkpoint::State plain_state;
+  plain_state.add("model", *plain);
+  checkpoint::Checkpointer(full_dir, 0).load(2, plain_state);
+  StateDict plain_dict;
+  for (const auto& p : plain->named_parameters()) plain_dict.emplace_back(p.key(), p.value().detach());
+  for (const auto& b : plain->named_buffers()) plain_dict.emplace_back(b.key(), b.value());
+  if (rank < 2) {
+    if (auto e = same_state(plain_dict, saved, "a plain Sequential loaded from the full checkpoint"); !e.empty()) {
+      return e;
+    }
+  }
+  if (auto e = same_state(three.full_state_dict(), plain_dict, "3 ranks resumed from the full checkpoint");
+      !e.empty()) {
+    return e;
+  }
+  const StateDict consolidated = checkpoint::consolidate_fsdp(sharded_dir, 2, "model");
+  if (auto e = same_state(consolidated, plain_dict, "the sharded checkpoint consolidated"); !e.empty()) return e;
+  torch::nn::Sequential seq4 = perturbed();
+  fsdp::FullyShardedDataParallel from_consolidated(seq4, all);
+  from_consolidated.load_full_state_dict(consolidated);
+  if (auto e = same_state(from_consolidated.full_state_dict(), plain_dict, "3 ranks loading the consolidated dict");
+      !e.empty()) {
+    return e;
+  }
+  // The pair's sharded checkpoint in a job of 3: refused, saying why.
+  checkpoint::State wrong;
+  wrong.add("model", from_consolidated);
+  try {
+    checkpoint::Checkpointer(sharded_dir, rank % 2).load(2, wrong);
+    return "a sharded checkpoint of 2 ranks loaded into 3";
+  } catch (const Error& e) {
+    if (e.code() != absl::StatusCode::kFailedPrecondition ||
+        std::string(e.what()).find("2 ranks") == std::string::npos) {
+      return std::string("refusing the sharded checkpoint of 2 ranks: ") + e.what();
+    }
+  }
+  // A dict that does not fit is refused, naming the entry, and leaves the model as it was.
+  StateDict bad = consolidated;
+  bad[1].second = bad[1].second.narrow(0, 0, 1);
+  try {
+    from_consolidated.load_full_state_dict(bad);
+    return "a state dict entry of another shape loaded";
+  } catch (const Error& e) {
+    if (e.code() != absl::StatusCode::kInvalidArgument ||
+        std::string(e.what()).find(bad[1].first) == std::string::npos) {
+      return std::string("refusing an entry of another shape: ") + e.what();
+    }
+  }
+  return same_state(from_consolidated.full_state_dict(), plain_dict, "after a refused dict");
+}
+
 std::string run(const std::string& name) {
+  if (name.rfind("checkpoints|", 0) == 0) return checkpoints(name.substr(12));
   if (name == "memory") return memory();
   if (name.rfind("killed/", 0) == 0) return killed(name.substr(7));
   if (name.rfind("equivalence/", 0) == 0) return equivalence(name.substr(12));
