@@ -108,6 +108,14 @@ struct FullyShardedDataParallel::State {
 
   bool zero2() const { return options.sharding == Sharding::kGradientsAndOptimizer; }
 
+  // Mixed precision: the dtype a unit is gathered (computed) in, and the one its gradients are reduced in.
+  at::ScalarType compute_dtype(const Unit& u) const {
+    return options.mixed_precision.param_dtype.value_or(u.shard.scalar_type());
+  }
+  at::ScalarType reduce_dtype(const Unit& u) const {
+    return options.mixed_precision.reduce_dtype.value_or(compute_dtype(u));
+  }
+
   void start_gather(Unit& u) {
     if (u.held != Held::kReleased) return;
     if (!u.memory) {
@@ -116,7 +124,8 @@ struct FullyShardedDataParallel::State {
       gathered_elements += u.full.numel();
       peak_gathered = std::max(peak_gathered, gathered_elements);
     }
-    u.gather = group->allgather(u.full, u.shard.detach());
+    // In the compute dtype: under mixed precision a cast copy of the shard, which the collective holds until done.
+    u.gather = group->allgather(u.full, u.shard.detach().to(compute_dtype(u)));
     u.held = Held::kGathering;
   }
   void gathered(Unit& u) {
@@ -148,15 +157,16 @@ struct FullyShardedDataParallel::State {
     at::NoGradGuard no_grad;
     // Autograd's gradients are tensors of their own (one they computed is taken, not copied, by the accumulator);
     // each is copied into the buffer and dropped at once. Unused here: zeros.
-    u.reduce_in = mapped_zeros(world() * u.shard_size, u.shard.options());
+    const auto reduce_options = u.shard.options().dtype(reduce_dtype(u)).requires_grad(false);
+    u.reduce_in = mapped_zeros(world() * u.shard_size, reduce_options);
     for (size_t i = 0; i < u.params.size(); ++i) {
       at::Tensor& g = u.params[i].mutable_grad();
       if (!g.defined()) continue;
       u.flat_part(u.reduce_in, i).copy_(g.reshape({-1}));
       g.reset();
     }
-    u.reduce_out = shard_grad_defined(u) ? mapped_zeros(u.shard_size, u.reduce_in.options())
-                                         : at::empty({u.shard_size}, u.reduce_in.options());
+    u.reduce_out =
+        shard_grad_defined(u) ? mapped_zeros(u.shard_size, reduce_options) : at::empty({u.shard_size}, reduce_options);
     u.reduce = group->reduce_scatter(u.reduce_out, u.reduce_in, comm::ReduceOp::kAvg);
   }
 
@@ -169,7 +179,7 @@ struct FullyShardedDataParallel::State {
     if (g.defined()) {
       g.add_(u.reduce_out);
     } else {
-      g = u.reduce_out;
+      g = u.reduce_out.to(u.shard.scalar_type());  // mixed precision: into the shard's dtype
     }
     u.reduce_in = at::Tensor(), u.reduce_out = at::Tensor();
   }
@@ -212,6 +222,13 @@ FullyShardedDataParallel::FullyShardedDataParallel(torch::nn::Sequential model,
   s.group = std::move(group);
   s.options = options;
   const int world = s.world(), rank = s.group->rank();
+  const FsdpOptions::MixedPrecision& mp = options.mixed_precision;
+  for (const auto& dtype : {mp.param_dtype, mp.reduce_dtype, mp.output_dtype}) {
+    if (dtype && !at::isFloatingType(*dtype)) {
+      throw_error(absl::InvalidArgumentError(
+          absl::StrCat("fsdp: mixed precision takes floating-point dtypes, not ", c10::toString(*dtype))));
+    }
+  }
   at::NoGradGuard no_grad;
   if (options.sync_module_states) {
     for (auto& b : model->buffers()) comm::wait(s.group->broadcast(b, 0));
@@ -240,7 +257,7 @@ FullyShardedDataParallel::FullyShardedDataParallel(torch::nn::Sequential model,
     }
     if (options.sync_module_states) comm::wait(s.group->broadcast(flat, 0));
     u.shard = flat.narrow(0, rank * u.shard_size, u.shard_size).clone().requires_grad_(true);
-    u.full = mapped_zeros(world * u.shard_size, topts);
+    u.full = mapped_zeros(world * u.shard_size, topts.dtype(mp.param_dtype.value_or(topts.dtype().toScalarType())));
     for (size_t i = 0; i < u.params.size(); ++i) {
       u.params[i].set_data(u.part(u.full, i));
     }
@@ -264,7 +281,8 @@ at::Tensor FullyShardedDataParallel::forward(const at::Tensor& input) {
     u.reduced = false;
     u.reduce_in = at::Tensor(), u.reduce_out = at::Tensor();
   }
-  at::Tensor x = input;
+  const FsdpOptions::MixedPrecision& mp = s.options.mixed_precision;
+  at::Tensor x = mp.param_dtype && input.is_floating_point() ? input.to(*mp.param_dtype) : input;
   size_t c = 0;
   for (auto it = s.model->begin(); it != s.model->end(); ++it, ++c) {
     const int k = s.unit_of_child[c];
@@ -286,6 +304,7 @@ at::Tensor FullyShardedDataParallel::forward(const at::Tensor& input) {
       });
     }
   }
+  if (mp.output_dtype && x.is_floating_point()) x = x.to(*mp.output_dtype);
   return x;
 }
 
@@ -323,13 +342,13 @@ std::string shape_of(at::IntArrayRef sizes) {
   return out + "]";
 }
 
-// Whether a state dict's entry fits the model's tensor: INVALID_ARGUMENT naming it when not.
-void check_entry(const std::string& name, const at::Tensor& given, const at::Tensor& target) {
-  if (given.defined() && given.sizes() == target.sizes() && given.scalar_type() == target.scalar_type()) return;
+// Whether a state dict's entry fits the model's tensor of `sizes` and `dtype`: INVALID_ARGUMENT naming it when not.
+void check_entry(const std::string& name, const at::Tensor& given, at::IntArrayRef sizes, at::ScalarType dtype) {
+  if (given.defined() && given.sizes() == sizes && given.scalar_type() == dtype) return;
   throw_error(absl::InvalidArgumentError(
       absl::StrCat("fsdp: state dict entry '", name, "' is ",
                    given.defined() ? shape_of(given.sizes()) + " " + c10::toString(given.scalar_type()) : "undefined",
-                   " but the model's is ", shape_of(target.sizes()), " ", c10::toString(target.scalar_type()))));
+                   " but the model's is ", shape_of(sizes), " ", c10::toString(dtype))));
 }
 
 }  // namespace
@@ -367,7 +386,7 @@ void FullyShardedDataParallel::load_full_state_dict(const StateDict& dict) {
     const int64_t lo = rank * u.shard_size, hi = lo + u.shard_size;
     for (size_t i = 0; i < u.params.size(); ++i) {
       const at::Tensor t = take_entry(u.names[i]);
-      check_entry(u.names[i], t, u.params[i]);
+      check_entry(u.names[i], t, u.params[i].sizes(), u.shard.scalar_type());  // the shard's: mixed precision
       const int64_t begin = std::max(lo, u.offset[i]), end = std::min(hi, u.offset[i] + u.params[i].numel());
       if (begin >= end) continue;
       copies.emplace_back(t.reshape({-1}).narrow(0, begin - u.offset[i], end - begin),
@@ -376,7 +395,7 @@ void FullyShardedDataParallel::load_full_state_dict(const StateDict& dict) {
   }
   for (const auto& b : s.model->named_buffers(/*recurse=*/true)) {
     copies.emplace_back(take_entry(b.key()), b.value());
-    check_entry(b.key(), copies.back().first, b.value());
+    check_entry(b.key(), copies.back().first, b.value().sizes(), b.value().scalar_type());
   }
   if (!given.empty()) {
     throw_error(absl::InvalidArgumentError(

@@ -29,7 +29,8 @@
 //   sharded; with sync_module_states every rank takes rank 0's at construction.
 // - set_requires_gradient_sync(false) (PyTorch's no_sync): backwards keep the unsharded gradients in the module's
 //   parameters' .grad and add to them; the next synchronised backward reduces their sum.
-// - Errors: INVALID_ARGUMENT at construction for an empty model or a unit whose parameters differ in dtype or device;
+// - Errors: INVALID_ARGUMENT at construction for an empty model, a unit whose parameters differ in dtype or device, or
+//   a mixed-precision dtype that is not floating point;
 //   the group's errors (a dead rank, a timeout) come out of forward() or backward() as tandem::Error naming the group
 //   and the operation.
 // - Memory: the released buffers are unmapped at once, and each backward ends with malloc_trim(0) (process-wide: the
@@ -40,6 +41,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -71,6 +73,19 @@ struct FsdpOptions {
   bool prefetch = true;
   // At construction every rank takes rank 0's parameters and buffers (a broadcast).
   bool sync_module_states = true;
+  // Mixed precision (PyTorch's MixedPrecision): the shards stay in the parameters' dtype (the master copy the
+  // optimizer steps); with param_dtype set, each unit is gathered in it (its shard cast first), so forward and
+  // backward compute in it, and floating-point inputs of forward() are cast to it; gradients are reduced in
+  // reduce_dtype (param_dtype when unset), then cast into the shards' .grad. output_dtype, when set, casts forward()'s
+  // output (for a loss computed against float32 targets). Buffers keep their dtype. On CPU, LibTorch 1.13 computes
+  // matrix products in bfloat16 but not in float16: param_dtype = float16 makes a Linear's forward throw there, while
+  // reduce_dtype = float16 (with float32 parameters) works.
+  struct MixedPrecision {
+    std::optional<at::ScalarType> param_dtype;
+    std::optional<at::ScalarType> reduce_dtype;
+    std::optional<at::ScalarType> output_dtype;
+  };
+  MixedPrecision mixed_precision;
 };
 
 class FullyShardedDataParallel {

@@ -29,6 +29,15 @@ INSTANTIATE_TEST_SUITE_P(
                        ::testing::Values(2, 3)),
     [](const auto& info) { return std::get<0>(info.param) + "_on_" + std::to_string(std::get<1>(info.param)); });
 
+// Mixed precision over float32 shards (bfloat16 gathers, computation and reductions; float16 reductions) on 2 ranks:
+// within what the low precision explains of the float64 reference, and not within float32 rounding of it.
+TEST_F(MultiprocFsdp, MixedPrecisionComputesAndReducesInTheLowDtype) {
+  start({.world_size = 2});
+  EXPECT_EQ(everywhere(2, "mixed/bf16"), "");
+  EXPECT_EQ(everywhere(2, "mixed/reduce_fp16"), "");
+  EXPECT_EQ(everywhere(2, "mixed/fp32"), "");  // the control: float32 throughout stays within its rounding
+}
+
 // A model whose unsharded state does not fit a per-process cap trains fully sharded on 3 ranks within it (a real
 // memory cgroup per rank; each rank prints its peak).
 TEST_F(MultiprocFsdp, AModelWhoseStateExceedsTheCapTrainsShardedWithinIt) {
