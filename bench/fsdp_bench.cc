@@ -77,7 +77,6 @@ int main(int argc, char** argv) {
   } else {
     tandem::fsdp::FsdpOptions options;
     if (mode == "zero2") options.sharding = tandem::fsdp::Sharding::kGradientsAndOptimizer;
-    if (getenv("NOPRE")) options.prefetch = false;
     fsdp = std::make_unique<tandem::fsdp::FullyShardedDataParallel>(model, pg, options);
     trained = fsdp->parameters();
   }

@@ -92,8 +92,9 @@ class ProcessGroup {
   virtual rpc::Future scatter(at::Tensor output, at::Tensor input, int root) = 0;
   // Chunk i of every rank's `input` (size() equal chunks) goes to rank i; `output` receives them in rank order.
   virtual rpc::Future all_to_all(at::Tensor output, at::Tensor input) = 0;
-  // `output` receives chunk rank() of the reduction of every rank's `input` (size() equal chunks, same dtype). Gloo
-  // has no reduce-scatter: this is an allreduce of a copy of `input` (twice the traffic of a dedicated algorithm).
+  // `output` receives chunk rank() of the reduction of every rank's `input` (size() equal chunks, same dtype); it may
+  // be that chunk of `input` itself (in place). Over shared memory each rank reduces its own chunk; Gloo has no
+  // reduce-scatter, so across hosts this is an allreduce of a copy of `input` (twice a dedicated algorithm's traffic).
   virtual rpc::Future reduce_scatter(at::Tensor output, at::Tensor input, ReduceOp op = ReduceOp::kSum) = 0;
   virtual rpc::Future barrier() = 0;
 

@@ -6,11 +6,11 @@
 #include <torch/csrc/autograd/engine.h>
 #include <torch/nn/modules/container/sequential.h>
 
-#include <malloc.h>
 #include <sys/mman.h>
 
 #include <algorithm>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <new>
 
@@ -20,35 +20,80 @@
 namespace tandem::fsdp {
 namespace {
 
-// The buffers released every step (gathered parameters, the gradients being reduced) are mapped and unmapped
-// directly, so that released memory goes back to the system. Through malloc it would stay taken: glibc raises its
-// mmap threshold after the first free of a large block and serves the next ones from a heap it does not shrink (the
-// 6-layer memory test measured 481 MiB instead of 209). Fixing the threshold instead (mallopt) made every large
-// temporary of the process fault in fresh pages: the benchmark's step took 1.8x as long.
-struct Mapping {
-  void* at;
-  size_t bytes;
-};
-void unmap(void* context) {
-  auto* m = static_cast<Mapping*>(context);
-  ::munmap(m->at, m->bytes);
-  delete m;
-}
-struct MappedAllocator final : c10::Allocator {
+// The buffers a step takes and releases (gathered parameters, the gradients being reduced) are mappings of their own,
+// not malloc's: through malloc released memory would stay taken (glibc raises its mmap threshold after the first free
+// of a large block and serves the next ones from a heap it does not shrink: the 6-layer memory test measured 481 MiB
+// instead of 209), and fixing the threshold (mallopt) made every large temporary of the process fault in fresh pages.
+// A released mapping is kept for the next buffer of the same size, up to a bound: fresh pages cost about 0.55 ms per
+// MiB here (faulting and zeroing; 9 ms for a 16 MiB unit), which was most of what a fully sharded step paid beyond
+// DDP's. The pool keeps at most `limit` bytes (FullyShardedDataParallel raises it to twice its largest unit); above
+// it a released mapping is unmapped at once, and a model's destruction unmaps what the pool kept. PyTorch's caching
+// allocator keeps FSDP's blocks on GPUs the same way. Thread-safe: buffers are released on autograd's threads too.
+class BufferPool final : public c10::Allocator {
+ public:
   c10::DataPtr allocate(size_t bytes) const override {
     const c10::Device cpu(c10::DeviceType::CPU);
     if (bytes == 0) return c10::DataPtr(nullptr, cpu);
-    void* at = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
-    if (at == MAP_FAILED) throw std::bad_alloc();
-    return c10::DataPtr(at, new Mapping{at, bytes}, &unmap, cpu);
+    void* at = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (auto it = kept_.find(bytes); it != kept_.end()) {
+        at = it->second;
+        kept_.erase(it);
+        kept_bytes_ -= bytes;
+      }
+    }
+    if (!at) {
+      at = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
+      if (at == MAP_FAILED) throw std::bad_alloc();
+    }
+    return c10::DataPtr(at, new Mapping{at, bytes}, &BufferPool::release, cpu);
   }
-};
-MappedAllocator g_mapped;
+  void raise_limit(size_t limit) {
+    std::lock_guard<std::mutex> lock(mu_);
+    limit_ = std::max(limit_, limit);
+  }
+  // Unmaps what is kept.
+  void trim() {
+    std::multimap<size_t, void*> kept;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      kept.swap(kept_);
+      kept_bytes_ = 0;
+    }
+    for (const auto& [bytes, at] : kept) ::munmap(at, bytes);
+  }
 
-// A flat tensor of `numel` elements in mapped memory: zeros when made (fresh anonymous pages are).
-at::Tensor mapped_zeros(int64_t numel, const at::TensorOptions& options) {
+ private:
+  struct Mapping {
+    void* at;
+    size_t bytes;
+  };
+  static void release(void* context);
+  mutable std::mutex mu_;
+  mutable std::multimap<size_t, void*> kept_;  // by size
+  mutable size_t kept_bytes_ = 0;
+  size_t limit_ = 0;
+};
+BufferPool g_pool;
+
+void BufferPool::release(void* context) {
+  std::unique_ptr<Mapping> m(static_cast<Mapping*>(context));
+  {
+    std::lock_guard<std::mutex> lock(g_pool.mu_);
+    if (g_pool.kept_bytes_ + m->bytes <= g_pool.limit_) {
+      g_pool.kept_.emplace(m->bytes, m->at);
+      g_pool.kept_bytes_ += m->bytes;
+      return;
+    }
+  }
+  ::munmap(m->at, m->bytes);
+}
+
+// A flat tensor of `numel` elements in the pool's memory (not initialised).
+at::Tensor pooled_empty(int64_t numel, const at::TensorOptions& options) {
   const size_t bytes = static_cast<size_t>(numel) * c10::elementSize(c10::typeMetaToScalarType(options.dtype()));
-  c10::Storage storage(c10::Storage::use_byte_size_t(), static_cast<int64_t>(bytes), &g_mapped, /*resizable=*/true);
+  c10::Storage storage(c10::Storage::use_byte_size_t(), static_cast<int64_t>(bytes), &g_pool, /*resizable=*/true);
   return at::empty({0}, options.requires_grad(false)).set_(storage, 0, {numel}, {1});
 }
 
@@ -158,15 +203,21 @@ struct FullyShardedDataParallel::State {
     // Autograd's gradients are tensors of their own (one they computed is taken, not copied, by the accumulator);
     // each is copied into the buffer and dropped at once. Unused here: zeros.
     const auto reduce_options = u.shard.options().dtype(reduce_dtype(u)).requires_grad(false);
-    u.reduce_in = mapped_zeros(world() * u.shard_size, reduce_options);
+    u.reduce_in = pooled_empty(world() * u.shard_size, reduce_options);
     for (size_t i = 0; i < u.params.size(); ++i) {
       at::Tensor& g = u.params[i].mutable_grad();
-      if (!g.defined()) continue;
+      if (!g.defined()) {
+        u.flat_part(u.reduce_in, i).zero_();
+        continue;
+      }
       u.flat_part(u.reduce_in, i).copy_(g.reshape({-1}));
       g.reset();
     }
-    u.reduce_out =
-        shard_grad_defined(u) ? mapped_zeros(u.shard_size, reduce_options) : at::empty({u.shard_size}, reduce_options);
+    u.reduce_in.narrow(0, u.total, u.reduce_in.numel() - u.total).zero_();  // the padding
+    // Added to the shard's gradient: reduced in place, into this rank's own chunk of the buffer. Becoming it: a tensor
+    // of its own, which the gradient keeps.
+    u.reduce_out = shard_grad_defined(u) ? u.reduce_in.narrow(0, group->rank() * u.shard_size, u.shard_size)
+                                         : at::empty({u.shard_size}, reduce_options);
     u.reduce = group->reduce_scatter(u.reduce_out, u.reduce_in, comm::ReduceOp::kAvg);
   }
 
@@ -207,8 +258,8 @@ struct FullyShardedDataParallel::State {
     for (int k = static_cast<int>(units.size()) - 1; k >= 0; --k) reduce(units[k]);
     for (Unit& u : units) finish(u), u.reduced = false;
     // The step's large temporaries (autograd's gradients before they were reduced) went back to malloc's heap, which
-    // keeps them: hand its free pages back to the system, so that what sharding saves is not held there.
-    malloc_trim(0);
+    // keeps them for the next ones. Handing its free pages back here (malloc_trim) lowered the benchmark's peak by
+    // about 10 MiB but made the next step fault them in again: 1.2-1.3x DDP's step against 1.0-1.1x without.
   }
 };
 
@@ -257,17 +308,18 @@ FullyShardedDataParallel::FullyShardedDataParallel(torch::nn::Sequential model,
     }
     if (options.sync_module_states) comm::wait(s.group->broadcast(flat, 0));
     u.shard = flat.narrow(0, rank * u.shard_size, u.shard_size).clone().requires_grad_(true);
-    u.full = mapped_zeros(world * u.shard_size, topts.dtype(mp.param_dtype.value_or(topts.dtype().toScalarType())));
+    u.full = pooled_empty(world * u.shard_size, topts.dtype(mp.param_dtype.value_or(topts.dtype().toScalarType())));
     for (size_t i = 0; i < u.params.size(); ++i) {
       u.params[i].set_data(u.part(u.full, i));
     }
     release(u.full);
     s.unit_of_child[c] = static_cast<int>(s.units.size());
+    g_pool.raise_limit(2 * static_cast<size_t>(u.full.numel()) * u.full.element_size());
     s.units.push_back(std::move(u));
   }
 }
 
-FullyShardedDataParallel::~FullyShardedDataParallel() = default;
+FullyShardedDataParallel::~FullyShardedDataParallel() { g_pool.trim(); }
 
 at::Tensor FullyShardedDataParallel::forward(const at::Tensor& input) {
   State& s = *state_;

@@ -33,8 +33,8 @@
 //   a mixed-precision dtype that is not floating point;
 //   the group's errors (a dead rank, a timeout) come out of forward() or backward() as tandem::Error naming the group
 //   and the operation.
-// - Memory: the released buffers are unmapped at once, and each backward ends with malloc_trim(0) (process-wide: the
-//   heap's free pages go back to the system; docs/fsdp.md, "Memory").
+// - Memory: released buffers are kept for reuse by the next buffer of the same size, up to twice the largest unit's
+//   bytes (process-wide); above that, and when the model is destroyed, they are unmapped (docs/fsdp.md, "Memory").
 // - Not thread-safe: one thread drives forward and backward.
 #pragma once
 
