@@ -83,7 +83,7 @@ Named read_named(const std::string& item, torch::serialize::InputArchive& archiv
   archive.read("names", names_value);
   archive.read("tensors", tensors_value);
   if (!names_value.isList() || !tensors_value.isTensorList()) {
-    throw_error(absl::InvalidArgumentError(absl::StrCat("'", item, "' is not a module's state in the checkpoint")));
+    throw_error(absl::InvalidArgumentError(absl::StrCat("'", item, "' is not named tensors in the checkpoint")));
   }
   const auto names = names_value.toListRef();
   const auto tensors = tensors_value.toTensorList();
@@ -256,6 +256,17 @@ State& State::add(const std::string& name, fsdp::FullyShardedDataParallel& model
   return add(
       name, [&model](torch::serialize::OutputArchive& a) { save_fsdp_sharded(model, a); },
       [&model, name](torch::serialize::InputArchive& a) { model.load_sharded_state_dict(read_fsdp_sharded(name, a)); });
+}
+
+State& State::add(const std::string& name, torch::optim::Optimizer& optimizer, fsdp::FullyShardedDataParallel& model) {
+  return add(
+      name,
+      [&optimizer, &model](torch::serialize::OutputArchive& a) {
+        save_named(model.full_optimizer_state_dict(optimizer), a);
+      },
+      [&optimizer, &model, name](torch::serialize::InputArchive& a) {
+        model.load_full_optimizer_state_dict(optimizer, read_named(name, a));
+      });
 }
 
 State& State::add(const std::string& name, ddp::DistributedSampler& sampler) {

@@ -88,6 +88,10 @@ class State {
   // module's (save() is collective; with Layout::kReplicated a job of any world size resumes from rank 0's file).
   enum class Fsdp { kSharded, kFull };
   State& add(const std::string& name, fsdp::FullyShardedDataParallel& model, Fsdp how = Fsdp::kSharded);
+  // The optimizer of a fully sharded model's shards, gathered (FullyShardedDataParallel::full_optimizer_state_dict:
+  // Adam, AdamW, SGD): save() is collective; with Layout::kReplicated a job of any world size resumes from rank 0's
+  // file, beside the model added with Fsdp::kFull. (add(name, optimizer) alone keeps this rank's shard's state.)
+  State& add(const std::string& name, torch::optim::Optimizer& optimizer, fsdp::FullyShardedDataParallel& model);
   State& add(const std::string& name, ddp::DistributedSampler& sampler);  // epoch and position
   State& add(const std::string& name, at::Tensor& tensor);    // restored in place when defined (shape, dtype checked)
   State& add(const std::string& name, int64_t& counter);      // a step, an epoch

@@ -5,6 +5,9 @@
 #include <ATen/native/Resize.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/nn/modules/container/sequential.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/sgd.h>
 
 #include <sys/mman.h>
 
@@ -507,6 +510,182 @@ void FullyShardedDataParallel::load_sharded_state_dict(const ShardedStateDict& d
   }
   for (const auto& b : dict.buffers) full.push_back(b);
   load_full_state_dict(full);
+}
+
+namespace {
+
+// The optimizers whose per-parameter state full_optimizer_state_dict() knows: their state's tensors by field, and
+// its step.
+struct OptimizerState {
+  std::vector<std::pair<std::string, at::Tensor>> tensors;  // defined ones only
+  int64_t step = 0;
+};
+enum class OptimizerKind { kAdam, kAdamW, kSgd };
+OptimizerKind kind_of(const torch::optim::Optimizer& optimizer) {
+  if (dynamic_cast<const torch::optim::Adam*>(&optimizer)) return OptimizerKind::kAdam;
+  if (dynamic_cast<const torch::optim::AdamW*>(&optimizer)) return OptimizerKind::kAdamW;
+  if (dynamic_cast<const torch::optim::SGD*>(&optimizer)) return OptimizerKind::kSgd;
+  throw_error(absl::UnimplementedError(
+      "fsdp: the optimizer's state can be gathered for Adam, AdamW and SGD only (a sharded checkpoint keeps any "
+      "optimizer's)"));
+}
+template <typename AdamState>
+OptimizerState adam_fields(const AdamState& a) {
+  OptimizerState out;
+  out.step = a.step();
+  for (auto [name, t] : {std::pair<const char*, at::Tensor>{"exp_avg", a.exp_avg()},
+                         {"exp_avg_sq", a.exp_avg_sq()},
+                         {"max_exp_avg_sq", a.max_exp_avg_sq()}}) {
+    if (t.defined()) out.tensors.emplace_back(name, t);
+  }
+  return out;
+}
+OptimizerState fields_of(OptimizerKind kind, const torch::optim::OptimizerParamState& state) {
+  switch (kind) {
+    case OptimizerKind::kAdam:
+      return adam_fields(static_cast<const torch::optim::AdamParamState&>(state));
+    case OptimizerKind::kAdamW:
+      return adam_fields(static_cast<const torch::optim::AdamWParamState&>(state));
+    case OptimizerKind::kSgd: {
+      OptimizerState out;
+      const at::Tensor& m = static_cast<const torch::optim::SGDParamState&>(state).momentum_buffer();
+      if (m.defined()) out.tensors.emplace_back("momentum_buffer", m);
+      return out;
+    }
+  }
+  return {};
+}
+template <typename AdamState>
+std::unique_ptr<torch::optim::OptimizerParamState> adam_state(const OptimizerState& f) {
+  auto a = std::make_unique<AdamState>();
+  a->step(f.step);
+  for (const auto& [name, t] : f.tensors) {
+    if (name == "exp_avg") a->exp_avg(t);
+    if (name == "exp_avg_sq") a->exp_avg_sq(t);
+    if (name == "max_exp_avg_sq") a->max_exp_avg_sq(t);
+  }
+  return a;
+}
+std::unique_ptr<torch::optim::OptimizerParamState> state_of(OptimizerKind kind, const OptimizerState& f) {
+  switch (kind) {
+    case OptimizerKind::kAdam:
+      return adam_state<torch::optim::AdamParamState>(f);
+    case OptimizerKind::kAdamW:
+      return adam_state<torch::optim::AdamWParamState>(f);
+    case OptimizerKind::kSgd: {
+      auto m = std::make_unique<torch::optim::SGDParamState>();
+      if (!f.tensors.empty()) m->momentum_buffer(f.tensors[0].second);
+      return m;
+    }
+  }
+  return nullptr;
+}
+// The fields each kind of optimizer may have (a saved dict's entries are looked up by them).
+std::vector<std::string> possible_fields(OptimizerKind kind) {
+  if (kind == OptimizerKind::kSgd) return {"momentum_buffer"};
+  return {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"};
+}
+std::string state_key(const at::Tensor& t) { return c10::guts::to_string(t.unsafeGetTensorImpl()); }
+
+}  // namespace
+
+FullyShardedDataParallel::StateDict FullyShardedDataParallel::full_optimizer_state_dict(
+    const torch::optim::Optimizer& optimizer) const {
+  State& s = *state_;
+  const OptimizerKind kind = kind_of(optimizer);
+  at::NoGradGuard no_grad;
+  // Which shards have state (none before the first step), agreed by every rank before any gather.
+  const int64_t n = static_cast<int64_t>(s.units.size());
+  at::Tensor has = at::zeros({2 * n}, at::kDouble);
+  std::vector<const torch::optim::OptimizerParamState*> states(s.units.size(), nullptr);
+  for (int64_t k = 0; k < n; ++k) {
+    auto it = optimizer.state().find(state_key(s.units[k].shard));
+    if (it == optimizer.state().end()) continue;
+    states[k] = it->second.get();
+    has[k] = 1.0;
+    has[n + k] = -1.0;
+  }
+  comm::wait(s.group->allreduce(has, comm::ReduceOp::kMax));  // [any has it, -(every one has it)]
+  StateDict out;
+  for (int64_t k = 0; k < n; ++k) {
+    const bool any = has[k].item<double>() > 0, all = has[n + k].item<double>() < 0;
+    if (any != all) {
+      throw_error(absl::FailedPreconditionError(absl::StrCat("fsdp: some ranks' optimizers have state for unit ", k,
+                                                             " and others do not: were they all stepped?")));
+    }
+    if (!any) continue;
+    const Unit& u = s.units[k];
+    const OptimizerState f = fields_of(kind, *states[k]);
+    for (const auto& [field, shard] : f.tensors) {
+      at::Tensor whole = at::empty({s.world() * u.shard_size}, shard.options());
+      comm::wait(s.group->allgather(whole, shard.detach().reshape({-1})));
+      for (size_t i = 0; i < u.params.size(); ++i) {
+        out.emplace_back(absl::StrCat(u.names[i], ".", field), u.part(whole, i).clone());
+      }
+    }
+    if (kind != OptimizerKind::kSgd) {
+      for (size_t i = 0; i < u.params.size(); ++i) out.emplace_back(u.names[i] + ".step", at::tensor(f.step));
+    }
+  }
+  return out;
+}
+
+void FullyShardedDataParallel::load_full_optimizer_state_dict(torch::optim::Optimizer& optimizer,
+                                                              const StateDict& dict) {
+  State& s = *state_;
+  const OptimizerKind kind = kind_of(optimizer);
+  std::map<std::string, at::Tensor> given(dict.begin(), dict.end());
+  const int64_t rank = s.group->rank();
+  // Every unit's state built (and checked) first; the optimizer changes only when all are.
+  std::vector<std::pair<std::string, std::unique_ptr<torch::optim::OptimizerParamState>>> built;
+  for (const Unit& u : s.units) {
+    const int64_t lo = rank * u.shard_size;
+    OptimizerState f;
+    bool any = false;
+    for (const std::string& field : possible_fields(kind)) {
+      at::Tensor shard;
+      for (size_t i = 0; i < u.params.size(); ++i) {
+        const std::string name = absl::StrCat(u.names[i], ".", field);
+        auto it = given.find(name);
+        if (it == given.end()) {
+          if (shard.defined()) throw_error(absl::InvalidArgumentError(absl::StrCat("fsdp: no '", name, "'")));
+          continue;
+        }
+        check_entry(name, it->second, u.params[i].sizes(), u.shard.scalar_type());
+        if (!shard.defined()) {
+          if (i != 0) {
+            throw_error(absl::InvalidArgumentError(
+                absl::StrCat("fsdp: no '", u.names[0], ".", field, "' beside '", name, "'")));
+          }
+          shard = at::zeros({u.shard_size}, u.shard.options().requires_grad(false));
+        }
+        const int64_t begin = std::max(lo, u.offset[i]);
+        const int64_t end = std::min(lo + u.shard_size, u.offset[i] + u.params[i].numel());
+        if (begin < end) {
+          shard.narrow(0, begin - lo, end - begin)
+              .copy_(it->second.reshape({-1}).narrow(0, begin - u.offset[i], end - begin));
+        }
+        given.erase(it);
+      }
+      if (shard.defined()) f.tensors.emplace_back(field, shard), any = true;
+    }
+    for (size_t i = 0; i < u.params.size(); ++i) {
+      auto it = given.find(u.names[i] + ".step");
+      if (it == given.end()) continue;
+      if (it->second.numel() != 1) {
+        throw_error(absl::InvalidArgumentError(absl::StrCat("fsdp: '", it->first, "' is not one number")));
+      }
+      f.step = it->second.item<int64_t>();
+      given.erase(it);
+      any = true;
+    }
+    if (any) built.emplace_back(state_key(u.shard), state_of(kind, f));
+  }
+  if (!given.empty()) {
+    throw_error(absl::InvalidArgumentError(absl::StrCat("fsdp: optimizer state entry '", given.begin()->first,
+                                                        "' is not of this model's parameters or optimizer")));
+  }
+  for (auto& [key, state] : built) optimizer.state()[key] = std::move(state);
 }
 
 FullyShardedDataParallel::StateDict FullyShardedDataParallel::consolidate(const std::vector<ShardedStateDict>& ranks) {

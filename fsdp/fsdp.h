@@ -51,6 +51,9 @@
 namespace torch::nn {
 class Sequential;
 }
+namespace torch::optim {
+class Optimizer;
+}
 
 namespace tandem::fsdp {
 
@@ -139,6 +142,16 @@ class FullyShardedDataParallel {
   // otherwise: consolidate() the ranks' dicts and load_full_state_dict() instead); INVALID_ARGUMENT when a piece does
   // not match this model's. Not collective.
   void load_sharded_state_dict(const ShardedStateDict& dict);
+  // The optimizer's state for this model's shards, gathered (PyTorch's full_optim_state_dict): for every parameter
+  // and every state tensor of it, "<name>.<field>" ("0.weight.exp_avg") shaped as the parameter, and "<name>.step".
+  // A job of any world size loads it. `optimizer` must have been given parameters() (other tensors are ignored).
+  // Adam, AdamW and SGD; others: UNIMPLEMENTED. Collective; FAILED_PRECONDITION when the ranks' optimizers differ in
+  // which shards have state.
+  StateDict full_optimizer_state_dict(const torch::optim::Optimizer& optimizer) const;
+  // Loads such a dict: each rank takes its shard of each state tensor. Not collective. INVALID_ARGUMENT naming the
+  // entry when one is missing or misshapen, or when the dict is of another optimizer's kind.
+  void load_full_optimizer_state_dict(torch::optim::Optimizer& optimizer, const StateDict& dict);
+
   // The full state dict of every rank's sharded one (each rank's, in any order). INVALID_ARGUMENT when they do not
   // cover every parameter exactly (a rank missing, dicts of different jobs).
   static StateDict consolidate(const std::vector<ShardedStateDict>& ranks);

@@ -379,7 +379,7 @@ std::string checkpoints(const std::string& dir) {
   };
   auto train_step = [&](fsdp::FullyShardedDataParallel& model, torch::nn::Sequential& seq, torch::optim::Optimizer& opt,
                         int64_t step) {
-    auto [x, y] = data(step, 2);
+    auto [x, y] = data(step, 3);  // rows for up to 3 ranks
     opt.zero_grad();
     rank_loss([&](const at::Tensor& in) { return model.forward(in); }, seq, rank, x, y).backward();
     opt.step();
@@ -389,7 +389,8 @@ std::string checkpoints(const std::string& dir) {
   };
   const std::string sharded_dir = dir + "/sharded", full_dir = dir + "/full";
   using StateDict = fsdp::FullyShardedDataParallel::StateDict;
-  StateDict saved, after;  // the pair's model at the save, and one step later
+  StateDict saved, after;     // the pair's model at the save, and one step later
+  StateDict saved_optimizer;  // the pair's Adam state at the save, gathered
   // The pair's part; its failure is told to rank 2 below, which would otherwise wait for the pair in vain.
   auto pair_part = [&]() -> std::string {
     auto pair = comm::ProcessGroup::create("fsdp_ckpt_pair", {0, 1});
@@ -404,10 +405,11 @@ std::string checkpoints(const std::string& dir) {
     }
     checkpoint::State sharded_state, full_state;
     sharded_state.add("model", model).add("optimizer", opt);
-    full_state.add("model", model, checkpoint::State::Fsdp::kFull);
+    full_state.add("model", model, checkpoint::State::Fsdp::kFull).add("optimizer", opt, model);
     checkpoint::Checkpointer(sharded_dir, rank).save(2, sharded_state);
     checkpoint::Checkpointer(full_dir, rank).save(2, full_state);  // collective over the pair
     saved = model.full_state_dict();
+    saved_optimizer = model.full_optimizer_state_dict(opt);
     train_step(model, seq, opt, 2);
     after = model.full_state_dict();
 
@@ -432,8 +434,9 @@ std::string checkpoints(const std::string& dir) {
   if (failed.item<double>() > 0) return rank < 2 ? pair_error : "";
   torch::nn::Sequential seq3 = perturbed();
   fsdp::FullyShardedDataParallel three(seq3, all);
+  torch::optim::Adam opt3 = adam(three);
   checkpoint::State state;
-  state.add("model", three, checkpoint::State::Fsdp::kFull);
+  state.add("model", three, checkpoint::State::Fsdp::kFull).add("optimizer", opt3, three);
   const auto step = checkpoint::Checkpointer(full_dir, rank).restore(state, all.get(), checkpoint::Layout::kReplicated);
   if (!step || *step != 2) return "the 3 ranks resumed from " + (step ? std::to_string(*step) : "nothing");
   // The pair's model, as every rank can know it: the plain Sequential loaded from the full checkpoint of rank 0.
@@ -453,6 +456,15 @@ std::string checkpoints(const std::string& dir) {
       !e.empty()) {
     return e;
   }
+  // Their Adam state, resharded over 3, gathered again: the pair's (every rank gathers the same).
+  const StateDict optimizer3 = three.full_optimizer_state_dict(opt3);
+  if (rank < 2) {
+    if (auto e = same_state(optimizer3, saved_optimizer, "3 ranks' Adam state resumed"); !e.empty()) return e;
+    if (saved_optimizer.size() != 3 * plain->parameters().size()) {  // each: exp_avg, exp_avg_sq and step
+      return absl::StrCat("the gathered Adam state has ", saved_optimizer.size(), " entries");
+    }
+  }
+  train_step(three, seq3, opt3, 2);  // it steps with the loaded state
   const StateDict consolidated = checkpoint::consolidate_fsdp(sharded_dir, 2, "model");
   if (auto e = same_state(consolidated, plain_dict, "the sharded checkpoint consolidated"); !e.empty()) return e;
   torch::nn::Sequential seq4 = perturbed();
