@@ -87,7 +87,9 @@ Named read_named(const std::string& item, torch::serialize::InputArchive& archiv
   }
   const auto names = names_value.toListRef();
   const auto tensors = tensors_value.toTensorList();
-  if (names.size() != tensors.size()) throw_error(absl::InvalidArgumentError("malformed module state"));
+  if (names.size() != tensors.size()) {
+    throw_error(absl::InvalidArgumentError(absl::StrCat("'", item, "': malformed named tensors in the checkpoint")));
+  }
   Named out;
   for (size_t i = 0; i < names.size(); ++i) out.emplace_back(names[i].toStringRef(), tensors.get(i));
   return out;

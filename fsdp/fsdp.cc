@@ -17,8 +17,10 @@
 #include <memory>
 #include <mutex>
 #include <new>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
+#include "tandem/log/log.h"
 #include "tandem/rpc/errors.h"
 
 namespace tandem::fsdp {
@@ -79,15 +81,20 @@ class BufferPool final : public c10::Allocator {
   mutable size_t kept_bytes_ = 0;
   size_t limit_ = 0;
 };
-BufferPool g_pool;
+// Never destroyed: a buffer may be released after static destruction began (a tensor a static object holds).
+BufferPool& pool() {
+  static BufferPool* the = new BufferPool;
+  return *the;
+}
 
 void BufferPool::release(void* context) {
   std::unique_ptr<Mapping> m(static_cast<Mapping*>(context));
+  BufferPool& p = pool();
   {
-    std::lock_guard<std::mutex> lock(g_pool.mu_);
-    if (g_pool.kept_bytes_ + m->bytes <= g_pool.limit_) {
-      g_pool.kept_.emplace(m->bytes, m->at);
-      g_pool.kept_bytes_ += m->bytes;
+    std::lock_guard<std::mutex> lock(p.mu_);
+    if (p.kept_bytes_ + m->bytes <= p.limit_) {
+      p.kept_.emplace(m->bytes, m->at);
+      p.kept_bytes_ += m->bytes;
       return;
     }
   }
@@ -97,7 +104,7 @@ void BufferPool::release(void* context) {
 // A flat tensor of `numel` elements in the pool's memory (not initialised).
 at::Tensor pooled_empty(int64_t numel, const at::TensorOptions& options) {
   const size_t bytes = static_cast<size_t>(numel) * c10::elementSize(c10::typeMetaToScalarType(options.dtype()));
-  c10::Storage storage(c10::Storage::use_byte_size_t(), static_cast<int64_t>(bytes), &g_pool, /*resizable=*/true);
+  c10::Storage storage(c10::Storage::use_byte_size_t(), static_cast<int64_t>(bytes), &pool(), /*resizable=*/true);
   return at::empty({0}, options.requires_grad(false)).set_(storage, 0, {numel}, {1});
 }
 
@@ -165,6 +172,23 @@ struct FullyShardedDataParallel::State {
   static bool shard_grad_defined(const Unit& u) { return u.shard.grad().defined(); }
 
   bool zero2() const { return options.sharding == Sharding::kGradientsAndOptimizer; }
+
+  // This rank's piece of every parameter (sharded_state_dict's layout), its values views of the shards.
+  std::vector<Piece> pieces() const {
+    std::vector<Piece> out;
+    const int64_t rank = group->rank();
+    for (const Unit& u : units) {
+      const int64_t lo = rank * u.shard_size, hi = lo + u.shard_size;
+      for (size_t i = 0; i < u.params.size(); ++i) {
+        const int64_t begin = std::clamp(u.offset[i], lo, hi);
+        const int64_t end = std::clamp(u.offset[i] + u.params[i].numel(), lo, hi);
+        // A parameter outside this rank's range: an empty piece at offset 0.
+        out.push_back({u.names[i], u.params[i].sizes().vec(), end > begin ? begin - u.offset[i] : 0,
+                       u.shard.detach().narrow(0, begin - lo, end - begin)});
+      }
+    }
+    return out;
+  }
 
   // Mixed precision: the dtype a unit is gathered (computed) in, and the one its gradients are reduced in.
   at::ScalarType compute_dtype(const Unit& u) const {
@@ -327,12 +351,30 @@ FullyShardedDataParallel::FullyShardedDataParallel(torch::nn::Sequential model,
     }
     release(u.full);
     s.unit_of_child[c] = static_cast<int>(s.units.size());
-    g_pool.raise_limit(2 * static_cast<size_t>(u.full.numel()) * u.full.element_size());
+    pool().raise_limit(2 * static_cast<size_t>(u.full.numel()) * u.full.element_size());
     s.units.push_back(std::move(u));
   }
 }
 
-FullyShardedDataParallel::~FullyShardedDataParallel() { g_pool.trim(); }
+FullyShardedDataParallel::~FullyShardedDataParallel() {
+  // The units' buffers go back (the module's parameters keep their storages, empty, as between uses), after the
+  // collectives still writing into them; then what the pool kept is unmapped.
+  State& s = *state_;
+  std::lock_guard<std::mutex> lock(s.mu);
+  auto settle = [](const rpc::Future& pending) {  // within the group's deadline
+    // Nobody else waits for it now (a prefetch the model will not use, a reduction of a failed backward): logged.
+    if (absl::Status st = pending.status(); !st.ok()) {
+      TANDEM_LOG(kWarn, "fsdp") << "a collective of the destroyed model failed: " << st.message();
+    }
+  };
+  for (Unit& u : s.units) {
+    if (u.held == Held::kGathering) settle(u.gather);
+    if (u.reduce_out.defined()) settle(u.reduce);
+    u.reduce_in = at::Tensor(), u.reduce_out = at::Tensor();
+    release(u.full);
+  }
+  pool().trim();
+}
 
 at::Tensor FullyShardedDataParallel::forward(const at::Tensor& input) {
   State& s = *state_;
@@ -475,51 +517,51 @@ FullyShardedDataParallel::ShardedStateDict FullyShardedDataParallel::sharded_sta
   ShardedStateDict out;
   out.world_size = s.world();
   out.rank = s.group->rank();
-  for (const Unit& u : s.units) {
-    const int64_t lo = out.rank * u.shard_size, hi = lo + u.shard_size;
-    for (size_t i = 0; i < u.params.size(); ++i) {
-      const int64_t begin = std::clamp(u.offset[i], lo, hi);
-      const int64_t end = std::clamp(u.offset[i] + u.params[i].numel(), lo, hi);
-      // A parameter outside this rank's range: an empty piece at offset 0.
-      out.pieces.push_back({u.names[i], u.params[i].sizes().vec(), end > begin ? begin - u.offset[i] : 0,
-                            u.shard.detach().narrow(0, begin - lo, end - begin).clone()});
-    }
-  }
+  out.pieces = s.pieces();
+  for (Piece& p : out.pieces) p.values = p.values.clone();
   out.buffers = named_buffers();
   return out;
 }
 
 void FullyShardedDataParallel::load_sharded_state_dict(const ShardedStateDict& dict) {
-  const ShardedStateDict mine = sharded_state_dict();  // this rank's layout
-  if (dict.world_size != mine.world_size) {
+  State& s = *state_;
+  std::lock_guard<std::mutex> lock(s.mu);
+  at::NoGradGuard no_grad;
+  const std::vector<Piece> mine = s.pieces();  // views of this rank's shards
+  if (dict.world_size != s.world()) {
     throw_error(absl::FailedPreconditionError(
-        absl::StrCat("fsdp: the sharded state dict was saved by ", dict.world_size, " ranks; this job has ",
-                     mine.world_size, ": consolidate() the ranks' dicts and load_full_state_dict() instead")));
+        absl::StrCat("fsdp: the sharded state dict was saved by ", dict.world_size, " ranks; this job has ", s.world(),
+                     ": consolidate() the ranks' dicts and load_full_state_dict() instead")));
   }
-  if (dict.rank != mine.rank || dict.pieces.size() != mine.pieces.size()) {
+  if (dict.rank != s.group->rank() || dict.pieces.size() != mine.size()) {
     throw_error(absl::InvalidArgumentError(absl::StrCat("fsdp: the sharded state dict is rank ", dict.rank, "'s, of ",
-                                                        dict.pieces.size(), " parameters; this is rank ", mine.rank,
-                                                        " of a model of ", mine.pieces.size())));
+                                                        dict.pieces.size(), " parameters; this is rank ",
+                                                        s.group->rank(), " of a model of ", mine.size())));
   }
-  for (size_t i = 0; i < mine.pieces.size(); ++i) {
-    const Piece &a = dict.pieces[i], &b = mine.pieces[i];
+  // Checked whole before anything changes, so that a bad dict leaves the model as it was.
+  for (size_t i = 0; i < mine.size(); ++i) {
+    const Piece &a = dict.pieces[i], &b = mine[i];
     if (a.name != b.name || a.shape != b.shape || a.offset != b.offset) {
       throw_error(absl::InvalidArgumentError(absl::StrCat("fsdp: sharded state dict piece ", i, " is '", a.name, "' ",
                                                           shape_of(a.shape), " at ", a.offset, "; the model's is '",
                                                           b.name, "' ", shape_of(b.shape), " at ", b.offset)));
     }
+    check_entry(a.name + " (this rank's piece)", a.values, b.values.sizes(), b.values.scalar_type());
   }
-  // The same layout: put back together and loaded as a full dict would be, with this rank's parts only.
-  StateDict full;
-  for (const Piece& p : dict.pieces) {
-    int64_t numel = 1;
-    for (int64_t d : p.shape) numel *= d;
-    at::Tensor whole = at::zeros({numel}, p.values.options());
-    whole.narrow(0, p.offset, p.values.numel()).copy_(p.values);
-    full.emplace_back(p.name, whole.view(p.shape));
+  std::map<std::string, at::Tensor> buffers(dict.buffers.begin(), dict.buffers.end());
+  const auto named = s.model->named_buffers(/*recurse=*/true);
+  for (const auto& b : named) {
+    auto it = buffers.find(b.key());
+    if (it == buffers.end())
+      throw_error(absl::InvalidArgumentError(absl::StrCat("fsdp: state dict has no '", b.key(), "'")));
+    check_entry(b.key(), it->second, b.value().sizes(), b.value().scalar_type());
   }
-  for (const auto& b : dict.buffers) full.push_back(b);
-  load_full_state_dict(full);
+  if (buffers.size() != named.size()) {
+    throw_error(absl::InvalidArgumentError("fsdp: the sharded state dict has buffers the model does not"));
+  }
+  for (Unit& u : s.units) s.reshard(u);  // what was gathered is stale now
+  for (size_t i = 0; i < mine.size(); ++i) mine[i].values.copy_(dict.pieces[i].values);
+  for (const auto& b : named) b.value().copy_(buffers[b.key()]);
 }
 
 namespace {
@@ -595,6 +637,16 @@ std::vector<std::string> possible_fields(OptimizerKind kind) {
   if (kind == OptimizerKind::kSgd) return {"momentum_buffer"};
   return {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"};
 }
+// The fields a parameter's state must have, once it has any ("step" included).
+std::vector<std::string> required_fields(OptimizerKind kind, const torch::optim::Optimizer& optimizer) {
+  if (kind == OptimizerKind::kSgd) return {"momentum_buffer"};
+  const bool amsgrad = kind == OptimizerKind::kAdam
+                           ? static_cast<const torch::optim::AdamOptions&>(optimizer.defaults()).amsgrad()
+                           : static_cast<const torch::optim::AdamWOptions&>(optimizer.defaults()).amsgrad();
+  std::vector<std::string> out = {"exp_avg", "exp_avg_sq", "step"};
+  if (amsgrad) out.push_back("max_exp_avg_sq");
+  return out;
+}
 std::string state_key(const at::Tensor& t) { return c10::guts::to_string(t.unsafeGetTensorImpl()); }
 
 }  // namespace
@@ -604,28 +656,36 @@ FullyShardedDataParallel::StateDict FullyShardedDataParallel::full_optimizer_sta
   State& s = *state_;
   const OptimizerKind kind = kind_of(optimizer);
   at::NoGradGuard no_grad;
-  // Which shards have state (none before the first step), agreed by every rank before any gather.
+  // Which shards have state (none before the first step) and which fields it has, agreed by every rank before any
+  // gather: each unit's signature is 0 (no state) or 1 + a bit per field present; [signature, -signature] summed by
+  // max gives every rank the largest and the smallest.
   const int64_t n = static_cast<int64_t>(s.units.size());
-  at::Tensor has = at::zeros({2 * n}, at::kDouble);
-  std::vector<const torch::optim::OptimizerParamState*> states(s.units.size(), nullptr);
+  const std::vector<std::string> fields = possible_fields(kind);
+  at::Tensor signature = at::zeros({2 * n}, at::kDouble);
+  std::vector<std::optional<OptimizerState>> states(s.units.size());
   for (int64_t k = 0; k < n; ++k) {
     auto it = optimizer.state().find(state_key(s.units[k].shard));
     if (it == optimizer.state().end()) continue;
-    states[k] = it->second.get();
-    has[k] = 1.0;
-    has[n + k] = -1.0;
+    states[k] = fields_of(kind, *it->second);
+    double v = 1;
+    for (size_t b = 0; b < fields.size(); ++b) {
+      for (const auto& t : states[k]->tensors) v += t.first == fields[b] ? static_cast<double>(2 << b) : 0.0;
+    }
+    signature[k] = v;
+    signature[n + k] = -v;
   }
-  comm::wait(s.group->allreduce(has, comm::ReduceOp::kMax));  // [any has it, -(every one has it)]
+  comm::wait(s.group->allreduce(signature, comm::ReduceOp::kMax));
   StateDict out;
   for (int64_t k = 0; k < n; ++k) {
-    const bool any = has[k].item<double>() > 0, all = has[n + k].item<double>() < 0;
-    if (any != all) {
-      throw_error(absl::FailedPreconditionError(absl::StrCat("fsdp: some ranks' optimizers have state for unit ", k,
-                                                             " and others do not: were they all stepped?")));
+    const double largest = signature[k].item<double>(), smallest = -signature[n + k].item<double>();
+    if (largest != smallest) {
+      throw_error(absl::FailedPreconditionError(
+          absl::StrCat("fsdp: the ranks' optimizers differ in their state for unit ", k,
+                       smallest == 0 ? " (some have none: were they all stepped?)" : " (its fields differ)")));
     }
-    if (!any) continue;
+    if (largest == 0) continue;
     const Unit& u = s.units[k];
-    const OptimizerState f = fields_of(kind, *states[k]);
+    const OptimizerState& f = *states[k];
     for (const auto& [field, shard] : f.tensors) {
       at::Tensor whole = at::empty({s.world() * u.shard_size}, shard.options());
       comm::wait(s.group->allgather(whole, shard.detach().reshape({-1})));
@@ -651,7 +711,7 @@ void FullyShardedDataParallel::load_full_optimizer_state_dict(torch::optim::Opti
   for (const Unit& u : s.units) {
     const int64_t lo = rank * u.shard_size;
     OptimizerState f;
-    bool any = false;
+    bool any = false, stepped = false;
     for (const std::string& field : possible_fields(kind)) {
       at::Tensor shard;
       for (size_t i = 0; i < u.params.size(); ++i) {
@@ -679,23 +739,49 @@ void FullyShardedDataParallel::load_full_optimizer_state_dict(torch::optim::Opti
       }
       if (shard.defined()) f.tensors.emplace_back(field, shard), any = true;
     }
+    std::string unstepped;  // a parameter of the unit without its step
     for (size_t i = 0; i < u.params.size(); ++i) {
       auto it = given.find(u.names[i] + ".step");
-      if (it == given.end()) continue;
+      if (it == given.end()) {
+        unstepped = u.names[i] + ".step";
+        continue;
+      }
       if (it->second.numel() != 1) {
         throw_error(absl::InvalidArgumentError(absl::StrCat("fsdp: '", it->first, "' is not one number")));
       }
       f.step = it->second.item<int64_t>();
       given.erase(it);
-      any = true;
+      any = stepped = true;
     }
-    if (any) built.emplace_back(state_key(u.shard), state_of(kind, f));
+    if (stepped && !unstepped.empty()) {
+      throw_error(absl::InvalidArgumentError(absl::StrCat("fsdp: the optimizer state has no '", unstepped, "'")));
+    }
+    if (!any) {  // no state: none after loading either
+      built.emplace_back(state_key(u.shard), nullptr);
+      continue;
+    }
+    for (const std::string& field : required_fields(kind, optimizer)) {
+      const bool has = field == "step" ? stepped : std::any_of(f.tensors.begin(), f.tensors.end(), [&](const auto& t) {
+        return t.first == field;
+      });
+      if (!has) {
+        throw_error(absl::InvalidArgumentError(
+            absl::StrCat("fsdp: the optimizer state has '", u.names[0], "' but no '", u.names[0], ".", field, "'")));
+      }
+    }
+    built.emplace_back(state_key(u.shard), state_of(kind, f));
   }
   if (!given.empty()) {
     throw_error(absl::InvalidArgumentError(absl::StrCat("fsdp: optimizer state entry '", given.begin()->first,
                                                         "' is not of this model's parameters or optimizer")));
   }
-  for (auto& [key, state] : built) optimizer.state()[key] = std::move(state);
+  for (auto& [key, state] : built) {
+    if (state) {
+      optimizer.state()[key] = std::move(state);
+    } else {
+      optimizer.state().erase(key);
+    }
+  }
 }
 
 FullyShardedDataParallel::StateDict FullyShardedDataParallel::consolidate(const std::vector<ShardedStateDict>& ranks) {
@@ -720,9 +806,15 @@ FullyShardedDataParallel::StateDict FullyShardedDataParallel::consolidate(const 
   for (size_t i = 0; i < first.pieces.size(); ++i) {
     const Piece& p = first.pieces[i];
     int64_t numel = 1;
-    for (int64_t d : p.shape) numel *= d;
+    for (int64_t d : p.shape) {
+      if (d < 0 || (d > 0 && numel > (int64_t{1} << 40) / d)) {
+        throw_error(absl::InvalidArgumentError(
+            absl::StrCat("fsdp: consolidate(): '", p.name, "' has the shape ", shape_of(p.shape))));
+      }
+      numel *= d;
+    }
     at::Tensor whole = at::empty({numel}, p.values.options());
-    int64_t covered = 0;
+    at::Tensor seen = at::zeros({numel}, at::kBool);  // every element from exactly one piece
     for (const ShardedStateDict& d : ranks) {
       const Piece& q = d.pieces[i];
       if (q.name != p.name || q.shape != p.shape || q.offset < 0 || q.offset + q.values.numel() > numel ||
@@ -730,10 +822,15 @@ FullyShardedDataParallel::StateDict FullyShardedDataParallel::consolidate(const 
         throw_error(absl::InvalidArgumentError(
             absl::StrCat("fsdp: consolidate(): rank ", d.rank, "'s piece ", i, " ('", q.name, "') does not fit")));
       }
+      at::Tensor mark = seen.narrow(0, q.offset, q.values.numel());
+      if (mark.any().item<bool>()) {
+        throw_error(absl::InvalidArgumentError(
+            absl::StrCat("fsdp: consolidate(): rank ", d.rank, "'s piece of '", q.name, "' overlaps another rank's")));
+      }
+      mark.fill_(true);
       whole.narrow(0, q.offset, q.values.numel()).copy_(q.values.reshape({-1}));
-      covered += q.values.numel();
     }
-    if (covered != numel) {
+    if (const int64_t covered = seen.sum().item<int64_t>(); covered != numel) {
       throw_error(absl::InvalidArgumentError(absl::StrCat("fsdp: consolidate(): the pieces of '", p.name, "' cover ",
                                                           covered, " of its ", numel, " elements")));
     }

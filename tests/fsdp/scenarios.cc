@@ -465,6 +465,20 @@ std::string checkpoints(const std::string& dir) {
     }
   }
   train_step(three, seq3, opt3, 2);  // it steps with the loaded state
+  // Optimizer state without a parameter's step is refused, naming what is missing.
+  StateDict partial;
+  for (const auto& entry : optimizer3) {
+    if (entry.first != "0.weight.step") partial.push_back(entry);
+  }
+  try {
+    three.load_full_optimizer_state_dict(opt3, partial);
+    return "optimizer state without a step loaded";
+  } catch (const Error& e) {
+    if (e.code() != absl::StatusCode::kInvalidArgument ||
+        std::string(e.what()).find("0.weight.step") == std::string::npos) {
+      return std::string("refusing optimizer state without a step: ") + e.what();
+    }
+  }
   const StateDict consolidated = checkpoint::consolidate_fsdp(sharded_dir, 2, "model");
   if (auto e = same_state(consolidated, plain_dict, "the sharded checkpoint consolidated"); !e.empty()) return e;
   torch::nn::Sequential seq4 = perturbed();
@@ -488,6 +502,7 @@ std::string checkpoints(const std::string& dir) {
   }
   // A dict that does not fit is refused, naming the entry, and leaves the model as it was.
   StateDict bad = consolidated;
+  for (auto& entry : bad) entry.second = entry.second + 1;  // values the model does not have: a partial load shows
   bad[1].second = bad[1].second.narrow(0, 0, 1);
   try {
     from_consolidated.load_full_state_dict(bad);
