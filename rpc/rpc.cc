@@ -30,8 +30,10 @@ __attribute__((constructor(101))) void standby_hook() { detail::wait_for_activat
 
 using detail::Agent;
 
-Mutex g_mu;
-std::shared_ptr<Agent> g_agent ABSL_GUARDED_BY(g_mu);
+// Never destroyed: a function still running on a leaked agent's thread (a call whose caller gave up) may reach them
+// after main returned and static destruction began; ThreadSanitizer saw that lock race the mutex's destructor.
+Mutex& g_mu = *new Mutex;
+std::shared_ptr<Agent>& g_agent ABSL_GUARDED_BY(g_mu) = *new std::shared_ptr<Agent>;
 
 std::shared_ptr<Agent> current_agent() {
   MutexLock lock(&g_mu);
