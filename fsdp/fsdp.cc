@@ -150,6 +150,17 @@ struct Unit {
   at::Tensor flat_part(const at::Tensor& flat, size_t i) const { return flat.narrow(0, offset[i], params[i].numel()); }
   // The same, shaped as the parameter.
   at::Tensor part(const at::Tensor& flat, size_t i) const { return flat_part(flat, i).view(params[i].sizes()); }
+  // The elements of parameter i that rank r's shard holds: `n` of them, from element `from` of the flattened
+  // parameter, at element `at` of the shard (none, n = 0, for a parameter outside the rank's range).
+  struct Overlap {
+    int64_t from = 0, at = 0, n = 0;
+  };
+  Overlap overlap(size_t i, int64_t rank) const {
+    const int64_t lo = rank * shard_size, hi = lo + shard_size;
+    const int64_t begin = std::clamp(offset[i], lo, hi), end = std::clamp(offset[i] + params[i].numel(), lo, hi);
+    if (end <= begin) return {};
+    return {begin - offset[i], begin - lo, end - begin};
+  }
 };
 
 }  // namespace
@@ -178,13 +189,9 @@ struct FullyShardedDataParallel::State {
     std::vector<Piece> out;
     const int64_t rank = group->rank();
     for (const Unit& u : units) {
-      const int64_t lo = rank * u.shard_size, hi = lo + u.shard_size;
       for (size_t i = 0; i < u.params.size(); ++i) {
-        const int64_t begin = std::clamp(u.offset[i], lo, hi);
-        const int64_t end = std::clamp(u.offset[i] + u.params[i].numel(), lo, hi);
-        // A parameter outside this rank's range: an empty piece at offset 0.
-        out.push_back({u.names[i], u.params[i].sizes().vec(), end > begin ? begin - u.offset[i] : 0,
-                       u.shard.detach().narrow(0, begin - lo, end - begin)});
+        const Unit::Overlap o = u.overlap(i, rank);  // outside this rank's range: an empty piece at offset 0
+        out.push_back({u.names[i], u.params[i].sizes().vec(), o.from, u.shard.detach().narrow(0, o.at, o.n)});
       }
     }
     return out;
@@ -490,14 +497,12 @@ void FullyShardedDataParallel::load_full_state_dict(const StateDict& dict) {
   std::vector<std::pair<at::Tensor, at::Tensor>> copies;  // (given, target)
   const int64_t rank = s.group->rank();
   for (Unit& u : s.units) {
-    const int64_t lo = rank * u.shard_size, hi = lo + u.shard_size;
     for (size_t i = 0; i < u.params.size(); ++i) {
       const at::Tensor t = take_entry(u.names[i]);
       check_entry(u.names[i], t, u.params[i].sizes(), u.shard.scalar_type());  // the shard's: mixed precision
-      const int64_t begin = std::max(lo, u.offset[i]), end = std::min(hi, u.offset[i] + u.params[i].numel());
-      if (begin >= end) continue;
-      copies.emplace_back(t.reshape({-1}).narrow(0, begin - u.offset[i], end - begin),
-                          u.shard.detach().narrow(0, begin - lo, end - begin));
+      const Unit::Overlap o = u.overlap(i, rank);
+      if (o.n == 0) continue;
+      copies.emplace_back(t.reshape({-1}).narrow(0, o.from, o.n), u.shard.detach().narrow(0, o.at, o.n));
     }
   }
   for (const auto& b : s.model->named_buffers(/*recurse=*/true)) {
@@ -709,7 +714,6 @@ void FullyShardedDataParallel::load_full_optimizer_state_dict(torch::optim::Opti
   // Every unit's state built (and checked) first; the optimizer changes only when all are.
   std::vector<std::pair<std::string, std::unique_ptr<torch::optim::OptimizerParamState>>> built;
   for (const Unit& u : s.units) {
-    const int64_t lo = rank * u.shard_size;
     OptimizerState f;
     bool any = false, stepped = false;
     for (const std::string& field : possible_fields(kind)) {
@@ -729,12 +733,8 @@ void FullyShardedDataParallel::load_full_optimizer_state_dict(torch::optim::Opti
           }
           shard = at::zeros({u.shard_size}, u.shard.options().requires_grad(false));
         }
-        const int64_t begin = std::max(lo, u.offset[i]);
-        const int64_t end = std::min(lo + u.shard_size, u.offset[i] + u.params[i].numel());
-        if (begin < end) {
-          shard.narrow(0, begin - lo, end - begin)
-              .copy_(it->second.reshape({-1}).narrow(0, begin - u.offset[i], end - begin));
-        }
+        const Unit::Overlap o = u.overlap(i, rank);
+        if (o.n > 0) shard.narrow(0, o.at, o.n).copy_(it->second.reshape({-1}).narrow(0, o.from, o.n));
         given.erase(it);
       }
       if (shard.defined()) f.tensors.emplace_back(field, shard), any = true;
