@@ -100,8 +100,8 @@ void DirectTransport::call(int rank, const std::string& function, grpc::ByteBuff
     MutexLock lock(&mu_);
     if (stopped_) return done(absl::CancelledError("RPC was shut down on this worker"));
     id = next_id_++;
-    pending_.emplace(id, Pending{std::move(done), conn->get()});
-    deadlines_.emplace(deadline, id);  // run_timer waits on mu_ for the earliest of these
+    // run_timer waits on mu_ for the earliest of these.
+    pending_.emplace(id, Pending{std::move(done), conn->get(), deadlines_.emplace(deadline, id)});
   }
   if (auto s = (*conn)->write(direct::Kind::kRequest, id, request, deadline); !s.ok()) {
     if ((*conn)->broken) (*conn)->shut();  // a half-written message: the channel is done; its calls fail
@@ -230,6 +230,9 @@ void DirectTransport::complete(uint64_t id, absl::StatusOr<grpc::ByteBuffer> rep
     auto it = pending_.find(id);
     if (it == pending_.end()) return;  // timed out or cancelled already: a late reply is dropped
     done = std::move(it->second.done);
+    // A call that completes leaves no deadline behind: at tens of thousands of calls a second with a 60 s timeout,
+    // they would pile up by the million and keep waking the timer.
+    if (it->second.deadline != deadlines_.end()) deadlines_.erase(it->second.deadline);
     pending_.erase(it);
   }
   done(std::move(reply));
@@ -265,7 +268,9 @@ void DirectTransport::run_timer() {
     const bool stopping = stopped_;
     const absl::Time now = absl::Now();
     while (!deadlines_.empty() && deadlines_.begin()->first <= now) {
-      expired.push_back(deadlines_.begin()->second);
+      const uint64_t id = deadlines_.begin()->second;
+      expired.push_back(id);
+      if (auto p = pending_.find(id); p != pending_.end()) p->second.deadline = deadlines_.end();
       deadlines_.erase(deadlines_.begin());
     }
     if (stopping) {

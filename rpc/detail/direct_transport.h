@@ -55,9 +55,11 @@ class DirectTransport final : public Transport {
     std::shared_ptr<direct::Conn> async_conn ABSL_GUARDED_BY(mu);
     std::vector<std::shared_ptr<direct::Conn>> idle_sync ABSL_GUARDED_BY(mu);  // connections of finished rpc_sync calls
   };
+  using Deadlines = std::multimap<absl::Time, uint64_t>;
   struct Pending {
     DoneFn done;
     const direct::Conn* conn = nullptr;
+    Deadlines::iterator deadline;  // its entry in deadlines_, erased with it; deadlines_.end() once the timer took it
   };
 
   DirectTransport(int my_rank, uint64_t max_message_bytes) : my_rank_(my_rank), max_bytes_(max_message_bytes) {}
@@ -83,7 +85,7 @@ class DirectTransport final : public Transport {
   Mutex mu_;
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
   std::map<uint64_t, Pending> pending_ ABSL_GUARDED_BY(mu_);
-  std::multimap<absl::Time, uint64_t> deadlines_ ABSL_GUARDED_BY(mu_);
+  Deadlines deadlines_ ABSL_GUARDED_BY(mu_);  // of the pending calls only
   std::set<std::shared_ptr<direct::Conn>> sync_calls_ ABSL_GUARDED_BY(mu_);  // connections of rpc_sync calls running
   bool stopped_ ABSL_GUARDED_BY(mu_) = false;
 };
