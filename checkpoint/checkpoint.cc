@@ -46,11 +46,7 @@ bool valid_name(const std::string& name) {
                      [](char c) { return std::isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '-'; });
 }
 
-std::string describe(const at::Tensor& t) {
-  std::string shape = "[";
-  for (int64_t i = 0; i < t.dim(); ++i) absl::StrAppend(&shape, i ? ", " : "", t.size(i));
-  return absl::StrCat(shape, "] ", std::string(c10::toString(t.scalar_type())));
-}
+std::string describe(const at::Tensor& t) { return c10::str(t.sizes(), " ", t.scalar_type()); }  // [2, 3] Float
 
 // `saved` into `target` in place, when both have the same shape and dtype.
 void copy_checked(const std::string& what, const at::Tensor& saved, at::Tensor& target) {

@@ -450,11 +450,7 @@ std::vector<std::pair<std::string, at::Tensor>> FullyShardedDataParallel::full_p
 
 namespace {
 
-std::string shape_of(at::IntArrayRef sizes) {
-  std::string out = "[";
-  for (size_t i = 0; i < sizes.size(); ++i) absl::StrAppend(&out, i ? ", " : "", sizes[i]);
-  return out + "]";
-}
+std::string shape_of(at::IntArrayRef sizes) { return c10::str(sizes); }  // [2, 3]
 
 // Whether a state dict's entry fits the model's tensor of `sizes` and `dtype`: INVALID_ARGUMENT naming it when not.
 void check_entry(const std::string& name, const at::Tensor& given, at::IntArrayRef sizes, at::ScalarType dtype) {
@@ -463,6 +459,35 @@ void check_entry(const std::string& name, const at::Tensor& given, at::IntArrayR
       absl::StrCat("fsdp: state dict entry '", name, "' is ",
                    given.defined() ? shape_of(given.sizes()) + " " + c10::toString(given.scalar_type()) : "undefined",
                    " but the model's is ", shape_of(sizes), " ", c10::toString(dtype))));
+}
+
+using Entries = std::map<std::string, const at::Tensor*>;
+
+// Takes entry `name` out of `given`: INVALID_ARGUMENT when it has none.
+at::Tensor take_entry(Entries* given, const std::string& name) {
+  auto it = given->find(name);
+  if (it == given->end()) throw_error(absl::InvalidArgumentError(absl::StrCat("fsdp: state dict has no '", name, "'")));
+  const at::Tensor t = *it->second;
+  given->erase(it);
+  return t;
+}
+
+// Takes every buffer of `model` out of `given`, each checked against the buffer (present, of its shape and dtype):
+// (entry, buffer) pairs, to be copied once the whole dict is checked.
+std::vector<std::pair<at::Tensor, at::Tensor>> take_buffers(const torch::nn::Module& model, Entries* given) {
+  std::vector<std::pair<at::Tensor, at::Tensor>> out;
+  for (const auto& b : model.named_buffers(/*recurse=*/true)) {
+    out.emplace_back(take_entry(given, b.key()), b.value());
+    check_entry(b.key(), out.back().first, b.value().sizes(), b.value().scalar_type());
+  }
+  return out;
+}
+
+// What is left in `given` after the model took its entries: INVALID_ARGUMENT naming the first.
+void refuse_extra(const Entries& given) {
+  if (given.empty()) return;
+  throw_error(absl::InvalidArgumentError(
+      absl::StrCat("fsdp: state dict entry '", given.begin()->first, "' is not in the model")));
 }
 
 }  // namespace
@@ -483,36 +508,22 @@ void FullyShardedDataParallel::load_full_state_dict(const StateDict& dict) {
   State& s = *state_;
   std::lock_guard<std::mutex> lock(s.mu);
   at::NoGradGuard no_grad;
-  std::map<std::string, const at::Tensor*> given;
+  Entries given;
   for (const auto& [name, t] : dict) given[name] = &t;
-  auto take_entry = [&](const std::string& name) {
-    auto it = given.find(name);
-    if (it == given.end())
-      throw_error(absl::InvalidArgumentError(absl::StrCat("fsdp: state dict has no '", name, "'")));
-    const at::Tensor* t = it->second;
-    given.erase(it);
-    return *t;
-  };
   // Checked whole before anything changes, so that a bad dict leaves the model as it was.
   std::vector<std::pair<at::Tensor, at::Tensor>> copies;  // (given, target)
   const int64_t rank = s.group->rank();
   for (Unit& u : s.units) {
     for (size_t i = 0; i < u.params.size(); ++i) {
-      const at::Tensor t = take_entry(u.names[i]);
+      const at::Tensor t = take_entry(&given, u.names[i]);
       check_entry(u.names[i], t, u.params[i].sizes(), u.shard.scalar_type());  // the shard's: mixed precision
       const Unit::Overlap o = u.overlap(i, rank);
       if (o.n == 0) continue;
       copies.emplace_back(t.reshape({-1}).narrow(0, o.from, o.n), u.shard.detach().narrow(0, o.at, o.n));
     }
   }
-  for (const auto& b : s.model->named_buffers(/*recurse=*/true)) {
-    copies.emplace_back(take_entry(b.key()), b.value());
-    check_entry(b.key(), copies.back().first, b.value().sizes(), b.value().scalar_type());
-  }
-  if (!given.empty()) {
-    throw_error(absl::InvalidArgumentError(
-        absl::StrCat("fsdp: state dict entry '", given.begin()->first, "' is not in the model")));
-  }
+  for (auto& c : take_buffers(*s.model, &given)) copies.push_back(std::move(c));
+  refuse_extra(given);
   for (Unit& u : s.units) s.reshard(u);  // what was gathered is stale now
   for (auto& [from, to] : copies) to.copy_(from);
 }
@@ -553,20 +564,13 @@ void FullyShardedDataParallel::load_sharded_state_dict(const ShardedStateDict& d
     }
     check_entry(a.name + " (this rank's piece)", a.values, b.values.sizes(), b.values.scalar_type());
   }
-  std::map<std::string, at::Tensor> buffers(dict.buffers.begin(), dict.buffers.end());
-  const auto named = s.model->named_buffers(/*recurse=*/true);
-  for (const auto& b : named) {
-    auto it = buffers.find(b.key());
-    if (it == buffers.end())
-      throw_error(absl::InvalidArgumentError(absl::StrCat("fsdp: state dict has no '", b.key(), "'")));
-    check_entry(b.key(), it->second, b.value().sizes(), b.value().scalar_type());
-  }
-  if (buffers.size() != named.size()) {
-    throw_error(absl::InvalidArgumentError("fsdp: the sharded state dict has buffers the model does not"));
-  }
+  Entries given;
+  for (const auto& [name, t] : dict.buffers) given[name] = &t;
+  const auto buffers = take_buffers(*s.model, &given);
+  refuse_extra(given);
   for (Unit& u : s.units) s.reshard(u);  // what was gathered is stale now
   for (size_t i = 0; i < mine.size(); ++i) mine[i].values.copy_(dict.pieces[i].values);
-  for (const auto& b : named) b.value().copy_(buffers[b.key()]);
+  for (const auto& [from, to] : buffers) to.copy_(from);
 }
 
 namespace {
