@@ -71,7 +71,7 @@ hosts_bench() {
     exit 77
   fi
   cmake --build build -j"$cores" --target rpc_bench collectives_bench tandem-run delay_relay tcp_pingpong >&2
-  step_timeout="${STEP_TIMEOUT:-900}" delay_us="${DELAY_US:-1000}" hn="bh$$" relays=()
+  step_timeout="${STEP_TIMEOUT:-900}" delay_us="${DELAY_US:-1000}" hn="bh$$"
   tmp="$(mktemp -d)"
   trap 'delay_off; bash scripts/hosts.sh down "$hn"; rm -rf "$tmp"' EXIT
   trap 'exit 130' INT TERM
@@ -213,29 +213,16 @@ wait_listening() {
   note "nothing listens on port $2 in host $1 after 60 s"
   return 1
 }
-# delay_on: DELAY_US added each way to every TCP connection between the hosts. In each host, a delay_relay, and an
-# nftables rule sending the connections it opens to the other host through it (except the relay's own, marked 0x77).
+# delay_on: DELAY_US added each way to every TCP connection between the hosts (scripts/hosts.sh delay: in each host a
+# delay_relay and an nftables redirect of the connections it opens to the other host).
 delay_on() {
   local h
-  for h in 0 1; do
-    serve "$h" build/delay_relay --delay-us "$delay_us"
-    relays+=("$served_pid")
-    in_host "$h" nft -f - <<EOF
-table ip tandem_delay {
-  chain out {
-    type nat hook output priority -100; policy accept;
-    meta mark != 0x77 ip daddr $(bash scripts/hosts.sh addr "$hn" $((1 - h))) ip protocol tcp redirect to :$served_port
-  }
-}
-EOF
-  done
+  for h in 0 1; do bash scripts/hosts.sh delay "$hn" "$h" "$delay_us" build/delay_relay; done
 }
 delay_off() {
-  local h pid
+  local h
   [ -n "${hn:-}" ] || return 0
-  for h in 0 1; do in_host "$h" nft delete table ip tandem_delay 2>/dev/null || true; done
-  for pid in "${relays[@]}"; do halt "$pid"; done
-  relays=()
+  for h in 0 1; do bash scripts/hosts.sh delay "$hn" "$h" off; done
 }
 case "$name" in
   rpc) bench rpc_bench 2 peer_rpc.py "$@" ;;

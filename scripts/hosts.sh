@@ -14,13 +14,19 @@
 #   hosts.sh blackhole NAME I   drops every packet host I sends or receives (nftables rules in its namespace)
 #   hosts.sh kill NAME I        SIGKILLs every process in host I (the kernel resets their connections)
 #   hosts.sh rate NAME I RATE   limits host I's outgoing rate (tc tbf, e.g. 1gbit); RATE "off" removes the limit
+#   hosts.sh delay NAME I US RELAY [J]
+#                               adds US microseconds each way to every TCP connection host I opens from now on to host
+#                               J (default: to every other host): RELAY (build/delay_relay) runs in host I, and an
+#                               nftables rule there redirects those connections through it. Connections already open
+#                               keep their path. US "off" removes the rule and stops the relay, which resets the
+#                               connections that crossed it.
 #   hosts.sh tls DIR            writes DIR/ca.crt, DIR/node.crt and DIR/node.key: one CA, and one certificate valid
 #                               for every host's address (and 127.0.0.1) that each worker presents and checks its peers
 #                               against (TANDEM_TLS_CERT, TANDEM_TLS_KEY, TANDEM_TLS_CA)
 #   hosts.sh check              exits 0 when this machine can make hosts, else prints why
 #
-# NAME must be short and unique per concurrent user (tests use their pid). Delay cannot be added here: this kernel has
-# no netem qdisc; bench/delay_relay adds it in user space.
+# NAME must be short and unique per concurrent user (tests use their pid). Delay is added in user space (`delay`): this
+# kernel has no netem qdisc.
 set -euo pipefail
 
 die() { echo "hosts.sh: $*" >&2; exit 1; }
@@ -92,6 +98,46 @@ EOF
       ip netns exec "$h" tc qdisc replace dev eth0 root tbf rate "$3" burst 256kb latency 100ms
     fi
     ;;
+  delay)
+    name="$1"; i="$2"; us="$3"; h="$(ns "$1" "$2")"
+    relay_pids() {
+      local p
+      for p in $(ip netns pids "$h" 2>/dev/null); do
+        [ "$(cat "/proc/$p/comm" 2>/dev/null)" != delay_relay ] || echo "$p"
+      done
+    }
+    if [ "$us" = off ]; then
+      ip netns exec "$h" nft delete table ip tandem_delay 2>/dev/null || true
+      pids="$(relay_pids)"
+      [ -z "$pids" ] || kill $pids 2>/dev/null || true
+      exit 0
+    fi
+    relay="${4:?usage: hosts.sh delay NAME I US RELAY [J]}"
+    to="ip daddr 10.77.0.0/24 ip daddr != 10.77.0.$((i + 1))"
+    [ -z "${5:-}" ] || to="ip daddr 10.77.0.$(($5 + 1))"
+    [ -z "$(relay_pids)" ] || die "host $i already has a delay (hosts.sh delay $name $i off first)"
+    out="$(mktemp)"
+    # Detached (its own session, no inherited output), so that the caller of this script does not wait for it; `down`
+    # and `delay ... off` stop it.
+    ip netns exec "$h" setsid "$relay" --delay-us "$us" </dev/null >"$out" 2>/dev/null &
+    port=""
+    for ((k = 0; k < 100; k++)); do
+      port="$(sed -n 's/^port \([0-9]*\)$/\1/p' "$out")"
+      [ -z "$port" ] || break
+      sleep 0.1
+    done
+    rm -f "$out"
+    [ -n "$port" ] || die "delay_relay in host $i reported no port within 10 s"
+    # The relay's own connections carry mark 0x77 and pass.
+    ip netns exec "$h" nft -f - <<EOF
+table ip tandem_delay {
+  chain out {
+    type nat hook output priority -100; policy accept;
+    meta mark != 0x77 $to ip protocol tcp redirect to :$port
+  }
+}
+EOF
+    ;;
   tls)
     dir="$1" sans="IP:127.0.0.1"
     for i in $(seq 1 200); do sans+=",IP:10.77.0.$i"; done  # every address `up` gives
@@ -102,5 +148,5 @@ EOF
       openssl x509 -req -in node.csr -CA ca.crt -CAkey ca.key -CAcreateserial -days 2 -extfile ext.cnf -out node.crt
     ) >"$dir/openssl.log" 2>&1 || { cat "$dir/openssl.log" >&2; die "could not make the certificates in $dir"; }
     ;;
-  *) die "usage: hosts.sh up|down|addr|exec|cut|heal|blackhole|kill|rate|tls|check ... (see the header)" ;;
+  *) die "usage: hosts.sh up|down|addr|exec|cut|heal|blackhole|kill|rate|delay|tls|check ... (see the header)" ;;
 esac

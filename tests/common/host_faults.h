@@ -13,17 +13,23 @@ class HostFaults : public MultiprocScenario {
     if (test_hosts().count < 3) GTEST_SKIP() << "runs on 3 test hosts only: bash tests/hosts/run.sh";
   }
   // Whatever a test did to the links (a failed assertion returns early, before its own heal), every link is up and
-  // unlimited again before the job shuts down, and for the next test and the next suites of the same run.
+  // unlimited again before the job shuts down, and undelayed after it (stopping a relay resets the connections through
+  // it), for the next test and the next suites of the same run.
   void TearDown() override {
-    for (int h = 1; h < test_hosts().count; ++h) {
-      try {
-        host_fault("heal", h);
-        host_fault("rate", h, "off");
-      } catch (const std::exception& e) {
-        ADD_FAILURE() << e.what();
+    undo_faults({"heal", "rate"});
+    MultiprocScenario::TearDown();
+    undo_faults({"delay"});
+  }
+  static void undo_faults(std::initializer_list<const char*> ops) {
+    for (int h = 0; h < test_hosts().count; ++h) {
+      for (const char* op : ops) {
+        try {
+          host_fault(op, h, std::string(op) == "heal" ? "" : "off");
+        } catch (const std::exception& e) {
+          ADD_FAILURE() << e.what();
+        }
       }
     }
-    MultiprocScenario::TearDown();
   }
 
  public:  // for a test file's helpers that several of its tests share

@@ -165,6 +165,7 @@ const TestHosts& test_hosts() {
     h.launcher = need("TANDEM_TEST_LAUNCHER");
     h.master_addr = need("TANDEM_TEST_MASTER_ADDR");
     if (const char* v = std::getenv("TANDEM_TEST_HOSTS_SCRIPT")) h.script = v;
+    if (const char* v = std::getenv("TANDEM_TEST_DELAY_RELAY")) h.delay_relay = v;
     return h;
   }();
   return hosts;

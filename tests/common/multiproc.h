@@ -28,11 +28,12 @@ struct TestHosts {
   int count = 0;  // 0: not on test hosts
   std::string launcher;
   std::string master_addr = "127.0.0.1";
-  std::string script;  // scripts/hosts.sh (TANDEM_TEST_HOSTS_SCRIPT), for faults
+  std::string script;       // scripts/hosts.sh (TANDEM_TEST_HOSTS_SCRIPT), for faults
+  std::string delay_relay;  // build/delay_relay (TANDEM_TEST_DELAY_RELAY), for added delay
 };
 const TestHosts& test_hosts();
-// Applies a fault to test host `host`: `scripts/hosts.sh OP NAME HOST [ARG]` with OP cut, heal, blackhole, kill or
-// rate (ARG: a tc rate such as 200mbit, or off). Throws std::runtime_error when not on test hosts or when it fails.
+// Applies a fault to test host `host`: `scripts/hosts.sh OP NAME HOST [ARG]` with OP cut, heal, blackhole, kill,
+// rate (ARG: a tc rate such as 200mbit, or off) or delay (ARG: "US RELAY [J]", or off). Throws std::runtime_error when not on test hosts or when it fails.
 void host_fault(const std::string& op, int host, const std::string& arg = "");
 // The address rank 0 serves the job's store on: 127.0.0.1, or host 0's address on test hosts.
 inline const std::string& job_master_addr() { return test_hosts().master_addr; }

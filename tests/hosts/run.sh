@@ -7,7 +7,8 @@
 #   bash tests/hosts/run.sh suites-grpc BUILD_DIR  the same over gRPC
 #   bash tests/hosts/run.sh suites-tls BUILD_DIR   the same with TLS between all workers
 #   bash tests/hosts/run.sh faults BUILD_DIR       the HostFaults tests: links cut mid-call, mid-fetch, mid-backward
-#                                                  and mid-allreduce, a black-holed host, a killed host, healed links
+#                                                  and mid-allreduce, a black-holed host, a killed host, healed links,
+#                                                  a delayed link
 #   bash tests/hosts/run.sh faults-grpc BUILD_DIR  the same over gRPC
 # Exits 77 (ctest's skip) with the reason when this machine cannot make network namespaces (not root).
 set -euo pipefail
@@ -38,6 +39,7 @@ tmp="$(mktemp -d)"
 trap 'bash "$hosts" down "$name"; rm -rf "$tmp"' EXIT
 bash "$hosts" up "$name" 3
 export TANDEM_TEST_HOSTS="$name:3" TANDEM_TEST_LAUNCHER="$build/tandem-run" TANDEM_TEST_HOSTS_SCRIPT="$hosts"
+export TANDEM_TEST_DELAY_RELAY="$build/delay_relay"
 export TANDEM_TEST_MASTER_ADDR="$(bash "$hosts" addr "$name" 0)" TANDEM_TRANSPORT=auto
 case "$mode" in *-grpc) export TANDEM_TRANSPORT=grpc ;; esac
 if [ "$mode" = suites-tls ]; then

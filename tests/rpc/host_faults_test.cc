@@ -1,5 +1,5 @@
 // RPC across test hosts when the network fails (tests/common/host_faults.h): a link cut in the middle of a call, a
-// black-holed host, a host whose processes are all killed, and partitions that heal.
+// black-holed host, a host whose processes are all killed, partitions that heal, and a link with added delay.
 #include <gmock/gmock.h>
 
 #include <thread>
@@ -69,6 +69,31 @@ TEST_F(HostFaults, HostWhoseProcessesAreKilledFailsPendingCallsLongBeforeTheirDe
   EXPECT_EQ(rpc::rpc_async("worker2", "whoami", milliseconds(20000)).status().code(), absl::StatusCode::kUnavailable);
   EXPECT_EQ(rpc::rpc_sync<std::string>("worker1", "whoami"), "worker1");
   rpc::shutdown(false);
+}
+
+// 20 ms added each way between hosts 0 and 1 (scripts/hosts.sh delay: each host's relay holds every byte of the
+// connections it opens to the other, so every connection between them crosses one relay), set before the job starts so
+// that all its connections cross it: calls to worker1 take at least the added 40 ms and succeed, a deadline shorter
+// than the delay fails at that deadline naming the worker and the call, the link serves again after it (the late
+// reply is dropped), and host 2 is not on the delayed path.
+TEST_F(HostFaults, ADelayedLinkSlowsCallsAndADeadlineShorterThanTheDelayFailsNamingTheCall) {
+  const std::string relay = test_hosts().delay_relay;
+  ASSERT_FALSE(relay.empty()) << "TANDEM_TEST_DELAY_RELAY is not set (tests/hosts/run.sh sets it)";
+  host_fault("delay", 0, "20000 " + relay + " 1");
+  host_fault("delay", 1, "20000 " + relay + " 0");
+  start_on_hosts(milliseconds(5000));
+  for (int i = 0; i < 3; ++i) {
+    const auto t0 = Clock::now();
+    EXPECT_EQ(rpc::rpc_sync<std::string>("worker1", "whoami"), "worker1");
+    EXPECT_GE(since(t0), milliseconds(40));
+  }
+  const auto t0 = Clock::now();
+  const absl::Status s = rpc::rpc_async("worker1", "whoami", milliseconds(25)).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+  EXPECT_THAT(std::string(s.message()), HasSubstr("worker 'worker1' (rank 1) calling 'whoami'"));
+  EXPECT_LT(since(t0), milliseconds(25) + scaled(milliseconds(2000)));
+  EXPECT_EQ(rpc::rpc_sync<std::string>("worker1", "whoami"), "worker1");
+  EXPECT_EQ(rpc::rpc_sync<std::string>("worker2", "whoami"), "worker2");
 }
 
 }  // namespace
