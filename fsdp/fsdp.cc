@@ -463,6 +463,17 @@ void check_entry(const std::string& name, const at::Tensor& given, at::IntArrayR
 
 using Entries = std::map<std::string, const at::Tensor*>;
 
+// A dict's entries by name: INVALID_ARGUMENT when a name comes twice.
+Entries entries_of(const std::vector<std::pair<std::string, at::Tensor>>& dict) {
+  Entries out;
+  for (const auto& [name, t] : dict) {
+    if (!out.emplace(name, &t).second) {
+      throw_error(absl::InvalidArgumentError(absl::StrCat("fsdp: state dict has '", name, "' twice")));
+    }
+  }
+  return out;
+}
+
 // Takes entry `name` out of `given`: INVALID_ARGUMENT when it has none.
 at::Tensor take_entry(Entries* given, const std::string& name) {
   auto it = given->find(name);
@@ -508,8 +519,7 @@ void FullyShardedDataParallel::load_full_state_dict(const StateDict& dict) {
   State& s = *state_;
   std::lock_guard<std::mutex> lock(s.mu);
   at::NoGradGuard no_grad;
-  Entries given;
-  for (const auto& [name, t] : dict) given[name] = &t;
+  Entries given = entries_of(dict);
   // Checked whole before anything changes, so that a bad dict leaves the model as it was.
   std::vector<std::pair<at::Tensor, at::Tensor>> copies;  // (given, target)
   const int64_t rank = s.group->rank();
@@ -564,8 +574,7 @@ void FullyShardedDataParallel::load_sharded_state_dict(const ShardedStateDict& d
     }
     check_entry(a.name + " (this rank's piece)", a.values, b.values.sizes(), b.values.scalar_type());
   }
-  Entries given;
-  for (const auto& [name, t] : dict.buffers) given[name] = &t;
+  Entries given = entries_of(dict.buffers);
   const auto buffers = take_buffers(*s.model, &given);
   refuse_extra(given);
   for (Unit& u : s.units) s.reshard(u);  // what was gathered is stale now

@@ -99,37 +99,53 @@ EOF
     fi
     ;;
   delay)
-    name="$1"; i="$2"; us="$3"; h="$(ns "$1" "$2")"
+    name="$1"; i="$2"; us="${3:?usage: hosts.sh delay NAME I US RELAY [J] | hosts.sh delay NAME I off}"
+    h="$(ns "$1" "$2")"
     relay_pids() {
       local p
       for p in $(ip netns pids "$h" 2>/dev/null); do
         [ "$(cat "/proc/$p/comm" 2>/dev/null)" != delay_relay ] || echo "$p"
       done
     }
+    # Stops the host's relay, and returns once it is gone (its connections reset).
+    stop_relay() {
+      local pids k
+      pids="$(relay_pids)"
+      [ -n "$pids" ] || return 0
+      kill $pids 2>/dev/null || true
+      for ((k = 0; k < 20; k++)); do
+        [ -n "$(relay_pids)" ] || return 0
+        sleep 0.1
+      done
+      kill -9 $(relay_pids) 2>/dev/null || true
+    }
     if [ "$us" = off ]; then
       ip netns exec "$h" nft delete table ip tandem_delay 2>/dev/null || true
-      pids="$(relay_pids)"
-      [ -z "$pids" ] || kill $pids 2>/dev/null || true
+      stop_relay
       exit 0
     fi
     relay="${4:?usage: hosts.sh delay NAME I US RELAY [J]}"
     to="ip daddr 10.77.0.0/24 ip daddr != 10.77.0.$((i + 1))"
     [ -z "${5:-}" ] || to="ip daddr 10.77.0.$(($5 + 1))"
     [ -z "$(relay_pids)" ] || die "host $i already has a delay (hosts.sh delay $name $i off first)"
-    out="$(mktemp)"
+    out="$(mktemp)" err="$(mktemp)"
     # Detached (its own session, no inherited output), so that the caller of this script does not wait for it; `down`
-    # and `delay ... off` stop it.
-    ip netns exec "$h" setsid "$relay" --delay-us "$us" </dev/null >"$out" 2>/dev/null &
-    port=""
+    # and `delay ... off` stop it. Neither ip netns exec nor setsid forks: $! is the relay.
+    ip netns exec "$h" setsid "$relay" --delay-us "$us" </dev/null >"$out" 2>"$err" &
+    relay_pid=$! port=""
     for ((k = 0; k < 100; k++)); do
       port="$(sed -n 's/^port \([0-9]*\)$/\1/p' "$out")"
-      [ -z "$port" ] || break
+      [ -z "$port" ] && kill -0 "$relay_pid" 2>/dev/null || break
       sleep 0.1
     done
-    rm -f "$out"
-    [ -n "$port" ] || die "delay_relay in host $i reported no port within 10 s"
+    why="$(cat "$err")"
+    rm -f "$out" "$err"
+    if [ -z "$port" ]; then
+      kill -9 "$relay_pid" 2>/dev/null || true
+      die "delay_relay in host $i reported no port${why:+: $why}"
+    fi
     # The relay's own connections carry mark 0x77 and pass.
-    ip netns exec "$h" nft -f - <<EOF
+    if ! ip netns exec "$h" nft -f - <<EOF
 table ip tandem_delay {
   chain out {
     type nat hook output priority -100; policy accept;
@@ -137,6 +153,10 @@ table ip tandem_delay {
   }
 }
 EOF
+    then
+      stop_relay
+      die "could not add the delay's nftables rule in host $i"
+    fi
     ;;
   tls)
     dir="$1" sans="IP:127.0.0.1"

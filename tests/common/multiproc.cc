@@ -12,6 +12,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <fstream>
 #include <memory>
@@ -174,7 +175,14 @@ const TestHosts& test_hosts() {
 void host_fault(const std::string& op, int host, const std::string& arg) {
   const TestHosts& h = test_hosts();
   if (h.count == 0 || h.script.empty()) throw std::runtime_error("host_fault: not on test hosts");
-  const std::string cmd = "bash '" + h.script + "' " + op + " " + h.name + " " + std::to_string(host) + " " + arg;
+  // `arg`'s words (separated by spaces; none holds a quote) each single-quoted, as the script's path is.
+  std::string quoted;
+  for (size_t from = 0; from < arg.size();) {
+    const size_t to = std::min(arg.find(' ', from), arg.size());
+    if (to > from) quoted += " '" + arg.substr(from, to - from) + "'";
+    from = to + 1;
+  }
+  const std::string cmd = "bash '" + h.script + "' " + op + " " + h.name + " " + std::to_string(host) + quoted;
   if (std::system(cmd.c_str()) != 0) throw std::runtime_error("host_fault failed: " + cmd);
 }
 

@@ -33,7 +33,8 @@ struct TestHosts {
 };
 const TestHosts& test_hosts();
 // Applies a fault to test host `host`: `scripts/hosts.sh OP NAME HOST [ARG]` with OP cut, heal, blackhole, kill,
-// rate (ARG: a tc rate such as 200mbit, or off) or delay (ARG: "US RELAY [J]", or off). Throws std::runtime_error when not on test hosts or when it fails.
+// rate (ARG: a tc rate such as 200mbit, or off) or delay (ARG: "US RELAY [J]", or off); ARG's words are separated by
+// spaces. Throws std::runtime_error when not on test hosts or when it fails.
 void host_fault(const std::string& op, int host, const std::string& arg = "");
 // The address rank 0 serves the job's store on: 127.0.0.1, or host 0's address on test hosts.
 inline const std::string& job_master_addr() { return test_hosts().master_addr; }
