@@ -68,6 +68,52 @@ inline std::vector<double> unix_pingpong_rtts_us(int iters, size_t bytes = 128) 
   return rtt;
 }
 
+// One-way latencies of `bytes` over a Unix stream socket to a child process (forked for it: call before any thread
+// starts) asleep in read, while this process keeps its core busy for `busy_us` after each send, as a pipeline stage
+// computes on after sending an activation: the child must be woken on the other core. Each message carries its send
+// time (steady_clock is the machine's, the same in both processes); the child answers with the latency, read after the
+// busy time. After 100 warm-up messages. Empty when the machine refuses the socket or the fork.
+inline std::vector<double> unix_wake_latencies_us(int iters, double busy_us, size_t bytes = 128) {
+  std::vector<double> lat;
+  int sv[2];
+  if (iters <= 0 || bytes < 2 * sizeof(double) || socketpair(AF_UNIX, SOCK_STREAM, 0, sv) != 0) return lat;
+  std::vector<char> msg(bytes, 'w');
+  const pid_t child = fork();
+  if (child == 0) {
+    close(sv[0]);
+    double header[2];
+    while (full_io(sv[1], msg.data(), bytes, false)) {
+      std::copy(msg.data(), msg.data() + sizeof header, reinterpret_cast<char*>(header));
+      if (header[1] < 0) break;  // the end
+      const double us = now_us() - header[0];
+      if (!full_io(sv[1], const_cast<double*>(&us), sizeof us, true)) break;
+    }
+    _exit(0);
+  }
+  close(sv[1]);
+  bool ok = child > 0;
+  for (int i = 0; i < iters + 100 && ok; ++i) {
+    const double header[2] = {now_us(), 1};
+    std::copy(reinterpret_cast<const char*>(header), reinterpret_cast<const char*>(header) + sizeof header,
+              msg.data());
+    ok = full_io(sv[0], msg.data(), bytes, true);
+    volatile double sink = 0;
+    for (const double t0 = now_us(); now_us() - t0 < busy_us;) sink = sink + 1;  // computing meanwhile
+    double us = 0;
+    ok = ok && full_io(sv[0], &us, sizeof us, false);
+    if (ok && i >= 100) lat.push_back(us);
+  }
+  if (child > 0) {
+    const double end[2] = {0, -1};
+    std::copy(reinterpret_cast<const char*>(end), reinterpret_cast<const char*>(end) + sizeof end, msg.data());
+    full_io(sv[0], msg.data(), bytes, true);
+    waitpid(child, nullptr, 0);
+  }
+  close(sv[0]);
+  if (!ok) lat.clear();
+  return lat;
+}
+
 // One result line: {"bench":..,"impl":"tandem","metric":..,"value":..,"unit":..,<extra>}; `extra` is ready JSON
 // members without braces ("\"iters\":1000"), or empty.
 inline void emit_as(const std::string& impl, const std::string& bench, const std::string& metric, double value,

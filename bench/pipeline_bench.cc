@@ -14,9 +14,13 @@
 //                                previous action ended before the sender's did): a message's delivery (socket, decode,
 //                                the hand-off to the stage's thread), over 5 more steps at each m. Beside it
 //                                (impl "floor") pipeline_p2p_floor_us: half the median round trip of a blocking
-//                                ping-pong of 128 B over a Unix socket between two processes, measured first. With 2
-//                                stages in 1F1B each micro-batch waits for one activation and one gradient in turn, so
-//                                the control overhead per micro-batch cannot go below twice that floor.
+//                                ping-pong of 128 B over a Unix socket between two processes, measured first (the
+//                                two processes take turns on one core: no wake-up of another core is in it). And
+//                                pipeline_p2p_wake_floor_us: the median one-way latency of 128 B to a process asleep
+//                                in read while the sender computes on for 300 us, as a stage does after sending (the
+//                                sleeper is woken on the other core). With 2 stages in 1F1B each micro-batch waits for
+//                                one activation and one gradient in turn, so the control overhead per micro-batch
+//                                cannot go below twice that: printed as pipeline_control_overhead_us's floor line.
 //   pipeline_bubble_ratio        4 workers (1-4), m = 8, each forward sleeping tf and each backward tb, of which tw for
 //                                the weights' gradient (so the figure does not depend on cores), for GPipe, 1F1B,
 //                                ZB-H1 (4 stages) and ZBV (8 stages of half the cost, in a V): step / the schedule's
@@ -72,6 +76,9 @@ namespace pipeline = tandem::pipeline;
 namespace dist_autograd = tandem::dist_autograd;
 
 namespace {
+
+// The median one-way latency to a process asleep while the sender computes (measured first, on rank 0), or 0.
+double g_wake_floor_us = 0;
 
 torch::nn::Sequential mlp_stage(int64_t d) {
   return torch::nn::Sequential(torch::nn::Linear(d, d), torch::nn::ReLU(), torch::nn::Linear(d, d), torch::nn::ReLU());
@@ -238,6 +245,11 @@ void step_time(const std::string& size, int64_t d, int64_t batch, int steps) {
       bench::emit("pipeline", "pipeline_p2p_delivery_us", bench::median(delivered), "us",
                   cond + ",\"samples\":" + std::to_string(delivered.size()) +
                       ",\"p90_us\":" + std::to_string(bench::percentile(delivered, 0.9)));
+    }
+    if (g_wake_floor_us > 0) {
+      bench::emit_floor("pipeline", "pipeline_control_overhead_us", 2 * g_wake_floor_us, "us",
+                        cond + ",\"what\":\"two pipeline_p2p_wake_floor_us: each micro-batch waits for an "
+                               "activation and a gradient in turn\"");
     }
     bench::emit("pipeline", "pipeline_control_overhead_us", (step_only - ideal) * 1000 / m, "us",
                 cond + ",\"last_step_ms\":" + std::to_string(step_only) +
@@ -440,6 +452,14 @@ int main(int argc, char** argv) {
       bench::emit_floor("pipeline", "pipeline_p2p_floor_us", bench::median(rtt) / 2, "us",
                         "\"processes\":2,\"what\":\"half a blocking ping-pong of 128 B over a Unix stream socket\","
                         "\"iters\":2000");
+    }
+    const std::vector<double> wakes = bench::unix_wake_latencies_us(1000, 300);
+    if (!wakes.empty()) {
+      g_wake_floor_us = bench::median(wakes);
+      bench::emit_floor("pipeline", "pipeline_p2p_wake_floor_us", g_wake_floor_us, "us",
+                        "\"processes\":2,\"what\":\"one-way 128 B over a Unix stream socket to a process asleep "
+                        "in read while the sender computes on for 300 us\",\"iters\":1000,\"p90_us\":" +
+                            std::to_string(bench::percentile(wakes, 0.9)));
     }
   }
   rpc::RpcOptions options;

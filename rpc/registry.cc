@@ -12,6 +12,7 @@ namespace {
 struct Registry {
   Mutex mu;
   std::map<std::string, Handler> handlers ABSL_GUARDED_BY(mu);
+  std::map<std::string, std::shared_ptr<const MessageHandler>> messages ABSL_GUARDED_BY(mu);
 };
 
 Registry& registry() {
@@ -35,7 +36,25 @@ absl::Status register_handler(const std::string& name, Handler handler) {
 bool unregister_function(const std::string& name) {
   auto& r = registry();
   MutexLock lock(&r.mu);
+  r.messages.erase(name);
   return r.handlers.erase(name) > 0;
+}
+
+absl::Status register_message_handler(const std::string& name, MessageHandler handler) {
+  if (!handler) return absl::InvalidArgumentError(absl::StrCat("cannot register an empty message as '", name, "'"));
+  auto& r = registry();
+  MutexLock lock(&r.mu);
+  if (!r.messages.emplace(name, std::make_shared<const MessageHandler>(std::move(handler))).second) {
+    return absl::AlreadyExistsError(absl::StrCat("a message named '", name, "' is already registered"));
+  }
+  return absl::OkStatus();
+}
+
+std::shared_ptr<const MessageHandler> find_message(const std::string& name) {
+  auto& r = registry();
+  MutexLock lock(&r.mu);
+  auto it = r.messages.find(name);
+  return it == r.messages.end() ? nullptr : it->second;
 }
 
 Handler find_function(const std::string& name) {

@@ -16,6 +16,7 @@
 #include <ATen/core/ivalue.h>
 
 #include <functional>
+#include <memory>
 #include <string>
 #include <tuple>
 #include <type_traits>
@@ -46,10 +47,17 @@ const CallContext* current_call();
 using Handler = std::function<Future(std::vector<c10::IValue>&& args)>;
 
 absl::Status register_handler(const std::string& name, Handler handler);
+// Unregisters a function or a message.
 bool unregister_function(const std::string& name);
 // The handler registered under `name`, or an empty function.
 Handler find_function(const std::string& name);
 std::vector<std::string> registered_functions();
+
+// A message's handler (register_message): it returns nothing and may not wait.
+using MessageHandler = std::function<void(std::vector<c10::IValue>&& args)>;
+absl::Status register_message_handler(const std::string& name, MessageHandler handler);
+// The message handler registered under `name`, or null (also for a function that is not a message).
+std::shared_ptr<const MessageHandler> find_message(const std::string& name);
 
 namespace detail {
 
@@ -95,6 +103,12 @@ Future invoke(F& f, std::vector<c10::IValue>& args, std::tuple<A...>*, std::inde
   }
 }
 
+template <typename F, typename... A, size_t... I>
+void invoke_message(F& f, std::vector<c10::IValue>& args, std::tuple<A...>*, std::index_sequence<I...>) {
+  if (args.size() != sizeof...(A)) arity_error(sizeof...(A), args.size());
+  f(convert_argument<A>(I, args[I])...);
+}
+
 }  // namespace detail
 
 // Registers a function (plain function, function pointer or non-generic lambda) under `name`. Throws RpcError
@@ -106,6 +120,28 @@ void register_function(const std::string& name, F f) {
     return detail::invoke(f, args, static_cast<Args*>(nullptr), std::make_index_sequence<std::tuple_size_v<Args>>{});
   };
   throw_if_error(register_handler(name, std::move(handler)));
+}
+
+// Registers a message: a function returning void that runs briefly and never waits (it may not block: it holds the
+// thread that read it), e.g. a hand-off into a mailbox. It is called as any function (rpc_oneway, and rpc_async or
+// rpc_sync, which reply None), and over every route; but a one-way call of it that the direct channel brings runs
+// inline on the channel's thread with nothing around it: no record of the call, no reply, no per-call metrics series
+// (rpc::transport_stats() counts such messages), no distributed autograd context and no remote references (those
+// calls take the general path). A failure (arguments that do not convert, the function throws) is logged and counted
+// as a one-way failure. current_call() holds the caller while it runs. Throws RpcError (ALREADY_EXISTS) when the name
+// is taken.
+template <typename F>
+void register_message(const std::string& name, F f) {
+  using Args = typename detail::FnTraits<std::decay_t<F>>::Args;
+  static_assert(std::is_void_v<typename detail::FnTraits<std::decay_t<F>>::Result>, "a message returns void");
+  register_function(name, f);
+  MessageHandler handler = [f = std::move(f)](std::vector<c10::IValue>&& args) mutable {
+    detail::invoke_message(f, args, static_cast<Args*>(nullptr), std::make_index_sequence<std::tuple_size_v<Args>>{});
+  };
+  if (absl::Status s = register_message_handler(name, std::move(handler)); !s.ok()) {
+    unregister_function(name);
+    throw_if_error(s);
+  }
 }
 
 }  // namespace tandem::rpc

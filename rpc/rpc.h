@@ -180,6 +180,8 @@ struct TransportStats {
   // One-way calls (send) received by this worker whose function failed or could not run; each is also written to
   // this process's stderr, naming the caller, the function and the cause (nobody waits for its reply).
   int64_t oneway_failures = 0;
+  // One-way calls of messages (register_message) the direct channel brought and this worker ran inline.
+  int64_t inline_messages = 0;
 };
 TransportStats transport_stats();
 

@@ -896,7 +896,7 @@ bool install() {
     return rpc::Future::ready(c10::ivalue::Tuple::create(std::move(refs)));
   }));
   rpc::register_function(kRun, on_run);
-  rpc::register_function(kDone, [](int64_t pipe, int64_t step, int64_t from, std::vector<int64_t> tied,
+  rpc::register_message(kDone, [](int64_t pipe, int64_t step, int64_t from, std::vector<int64_t> tied,
                                    std::vector<at::Tensor> tied_grads) {
     const rpc::CallContext* call = rpc::current_call();
     if (!call || call->caller_rank != from) {
@@ -954,7 +954,7 @@ bool install() {
       });
   rpc::register_function(kForward, on_forward);
   rpc::register_function(kPing, [] {});
-  rpc::register_function(kAct, [](int64_t pipe, int64_t step, int64_t stage, int64_t mb, bool grad, c10::IValue t) {
+  rpc::register_message(kAct, [](int64_t pipe, int64_t step, int64_t stage, int64_t mb, bool grad, c10::IValue t) {
     Mailbox::get().put(MailKey{pipe, step, static_cast<int>(stage), static_cast<int>(mb), grad}, std::move(t));
   });
   rpc::register_function(kAbort, [](int64_t pipe, int64_t step, std::string reason) {

@@ -73,7 +73,8 @@ class Agent {
   absl::StatusOr<int> resolve(const To& to) const;
   const char* route(int peer) const { return peers_[peer].transport->kind_for(peer); }
   TransportStats stats() const {
-    return {grpc_calls_.load(), direct_calls_.load(), by_reference_.load(), oneway_failures_.load()};
+    return {grpc_calls_.load(), direct_calls_.load(), by_reference_.load(), oneway_failures_.load(),
+            inline_messages_.load()};
   }
 
   // True when everything outstanding was released (safe to delete).
@@ -143,6 +144,9 @@ class Agent {
 
   // agent_server.cc
   void on_incoming(Incoming in);
+  // A one-way request on the direct channel's thread: runs it here when it is a message (registry.h's
+  // register_message) with no distributed autograd context; false when it takes the general path (handle()).
+  bool serve_message(Incoming& in);
   void handle(std::shared_ptr<InCall> call);
   void run(const std::shared_ptr<InCall>& call, const std::string& function, std::vector<c10::IValue> args,
            const std::string& caller_name);
@@ -232,7 +236,7 @@ class Agent {
   int64_t outstanding_ ABSL_GUARDED_BY(mu_) = 0;  // outgoing calls not completed yet
   std::map<InCall*, std::shared_ptr<InCall>> in_calls_ ABSL_GUARDED_BY(mu_);
   bool stopped_ ABSL_GUARDED_BY(mu_) = false;
-  std::atomic<int64_t> grpc_calls_{0}, direct_calls_{0}, by_reference_{0}, oneway_failures_{0};
+  std::atomic<int64_t> grpc_calls_{0}, direct_calls_{0}, by_reference_{0}, oneway_failures_{0}, inline_messages_{0};
   bool stopped_cleanly_ = false;
   Notification ready_;
 };

@@ -46,7 +46,11 @@ void NoteBatcher::queue(int to, const std::string& function, std::initializer_li
     if (waiter) p.waiters.push_back(*waiter);
     if (options_.policy == Policy::kEveryDelay) {
       if (!thread_.joinable() && !stopping_) thread_ = std::thread([this] { loop(); });
-      if (options_.max_values > 0 && p.values.size() >= options_.max_values) cv_.Signal();
+      // The first note queued starts the thread's flush delay; a full batch ends it.
+      if ((pending_.size() == 1 && p.notes == 1) ||
+          (options_.max_values > 0 && p.values.size() >= options_.max_values)) {
+        cv_.Signal();
+      }
       return;
     }
     if (p.in_flight) return;  // goes when the batch ahead completes
@@ -54,6 +58,14 @@ void NoteBatcher::queue(int to, const std::string& function, std::initializer_li
     batch = take(key, p);
   }
   send(std::move(batch), options_.attempts);
+}
+
+bool NoteBatcher::full_locked() const {
+  if (options_.max_values == 0) return false;
+  for (const auto& [key, p] : pending_) {
+    if (p.values.size() >= options_.max_values) return true;
+  }
+  return false;
 }
 
 NoteBatcher::Batch NoteBatcher::take(const Key& key, Pending& pending) {
@@ -129,7 +141,13 @@ void NoteBatcher::stop() {
 void NoteBatcher::loop() {
   MutexLock lock(&mu_);
   while (!stopping_) {
-    cv_.WaitWithTimeout(&mu_, options_.flush_delay);
+    // Asleep while nothing is queued (an idle worker is not woken every flush_delay); once a note is, its batch goes
+    // a flush_delay later, or at once when a pair's batch is full.
+    if (pending_.empty()) {
+      cv_.Wait(&mu_);
+      continue;
+    }
+    if (!full_locked()) cv_.WaitWithTimeout(&mu_, options_.flush_delay);
     if (pending_.empty()) continue;
     std::vector<Batch> batches = take_all_locked();
     mu_.Unlock();

@@ -36,8 +36,8 @@ class NoteBatcher {
     // A pair's notes go at once when none of its batches is in flight, else together when that batch completes
     // (after its attempts): one message per round trip, however fast notes come.
     kOneInFlight,
-    // A thread of the batcher's own sends every queued note each Options::flush_delay, or at once when a pair holds
-    // Options::max_values values. Batches of one pair may overlap.
+    // A thread of the batcher's own sends every queued note Options::flush_delay after the first of them was queued,
+    // or at once when a pair holds Options::max_values values; it sleeps while nothing is queued. Batches of one pair may overlap.
     kEveryDelay,
   };
 
@@ -87,6 +87,8 @@ class NoteBatcher {
   void queue(int to, const std::string& function, std::initializer_list<int64_t> values, const Future* waiter);
   static Batch take(const Key& key, Pending& pending);
   std::vector<Batch> take_all_locked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // kEveryDelay: some pair's batch holds max_values values.
+  bool full_locked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void send(Batch batch, int attempts);
   void send_next(const Key& key);
   void loop();

@@ -17,6 +17,7 @@
 #include "tandem/rpc/batching.h"
 #include "tandem/rpc/extension.h"
 #include "tandem/rpc/script.h"
+#include "tandem/sync/sync.h"
 #include "tests/common/spawner.h"
 #include "tests/common/test_env.h"
 
@@ -156,6 +157,21 @@ void register_test_functions() {
   rpc::register_function("bumps", [] { return bumps.load(); });
   rpc::register_function("bump_any", [](c10::IValue) { return ++bumps; });  // counts a call whatever its argument
   rpc::register_function("oneway_failures", [] { return rpc::transport_stats().oneway_failures; });
+  // A message (run inline when sent one-way on the direct channel): counts as a bump, and keeps who sent it.
+  static Mutex message_mu;
+  static std::string message_caller;
+  rpc::register_message("bump_message", [](at::Tensor t) {
+    const rpc::CallContext* call = rpc::current_call();
+    MutexLock lock(&message_mu);
+    message_caller = call ? call->caller_name + "/" + std::to_string(call->caller_rank) : "(none)";
+    if (t.numel() > 0) ++bumps;
+  });
+  rpc::register_message("message_throw", [](std::string msg) { throw std::runtime_error(msg); });
+  rpc::register_function("message_caller", [] {
+    MutexLock lock(&message_mu);
+    return message_caller;
+  });
+  rpc::register_function("inline_messages", [] { return rpc::transport_stats().inline_messages; });
   rpc::register_function("throw_error", [](std::string msg) -> int64_t { throw std::runtime_error(msg); });
   rpc::register_function("nested_add",
                          [](std::string to, at::Tensor x) { return rpc::rpc_sync<at::Tensor>(to, "add", x, x); });

@@ -188,6 +188,38 @@ TEST_F(MultiprocRpc, OneWayCallsRunWithoutRepliesAndTheirFailuresStayWithTheCall
   rpc::shutdown(false);  // rank 2 cannot leave gracefully
 }
 
+// Messages (register_message): sent one-way on the direct channel they run inline on its thread, with the caller known
+// and no call record; called otherwise (rpc_sync, or over gRPC) they are functions; their failures are counted and told
+// on the callee, which keeps serving.
+TEST_F(MultiprocRpc, MessagesRunInlineOneWayAndAsFunctionsOtherwise) {
+  start({.world_size = 2});
+  const bool direct = rpc::transport_to(1) == "direct";
+  const int64_t bumps = rpc::rpc_sync<int64_t>("worker1", "bumps");
+  const int64_t inline_before = rpc::rpc_sync<int64_t>("worker1", "inline_messages");
+  std::vector<rpc::Future> sent;
+  for (int i = 0; i < 100; ++i) sent.push_back(rpc::rpc_oneway("worker1", "bump_message", at::ones({1000})));
+  for (auto& f : sent) EXPECT_TRUE(f.status().ok()) << f.status();
+  EXPECT_EQ(poll_for("worker1", "bumps", bumps + 100), bumps + 100);
+  EXPECT_EQ(rpc::rpc_sync<int64_t>("worker1", "inline_messages"), inline_before + (direct ? 100 : 0));
+  EXPECT_EQ(rpc::rpc_sync<std::string>("worker1", "message_caller"), "worker0/0");
+  // Called and answered: None, and not inline.
+  EXPECT_TRUE(rpc::rpc_sync("worker1", "bump_message", at::ones({3})).isNone());
+  EXPECT_EQ(rpc::rpc_sync<int64_t>("worker1", "bumps"), bumps + 101);
+  EXPECT_EQ(rpc::rpc_sync<int64_t>("worker1", "inline_messages"), inline_before + (direct ? 100 : 0));
+  // Arguments that do not convert, and a message that throws: counted and told on the callee.
+  const int64_t failures = rpc::rpc_sync<int64_t>("worker1", "oneway_failures");
+  EXPECT_TRUE(rpc::rpc_oneway("worker1", "bump_message", std::string("not a tensor")).status().ok());
+  EXPECT_TRUE(rpc::rpc_oneway("worker1", "bump_message").status().ok());
+  EXPECT_TRUE(rpc::rpc_oneway("worker1", "message_throw", std::string("boom")).status().ok());
+  EXPECT_EQ(poll_for("worker1", "oneway_failures", failures + 3), failures + 3);
+  EXPECT_EQ(rpc::rpc_sync<int64_t>("worker1", "bumps"), bumps + 101);
+  EXPECT_EQ(rpc::rpc_sync<std::string>("worker1", "whoami"), "worker1");
+  // A name is a function or a message once.
+  EXPECT_THROW(rpc::register_message("bump_message", [](at::Tensor) {}), RpcError);
+  EXPECT_THROW(rpc::register_message("whoami", [] {}), RpcError);
+  rpc::shutdown(true);
+}
+
 TEST_F(MultiprocRpc, UnauthenticatedCallersAreRejected) {
   start({.world_size = 2});
   pb::Request request;
