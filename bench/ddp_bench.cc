@@ -2,6 +2,8 @@
 // Model: MLP 1024-2048-2048-1024 with ReLU (8.4 M parameters), MSE loss, SGD; batch 64 per rank. One iteration:
 // zero_grad, forward, backward (gradients averaged across the ranks, overlapped with backward), step.
 //   local_iter_ms   the same iteration in one process (rank 0 alone, rank 1 waiting): the weak-scaling baseline
+//   ddp_iter_ms, impl "floor": every rank runs its local iteration at the same time, with no communication (rank 0's
+//                   median): what a DDP iteration cannot beat on this machine. weak_scaling_limit = local / that.
 //   ddp_iter_ms     median iteration on rank 0, for bucket caps 25 MiB (the default, reported first), then 1, 5, 100
 //                   and 1000 MiB (the last layer's 8 MiB, then everything at the end of backward: the least overlap),
 //                   with Tandem's default gradient_as_bucket_view = true; 25 MiB also with it false (PyTorch's default)
@@ -70,6 +72,25 @@ int main(int argc, char** argv) {
       opt.step();
     });
     bench::emit("ddp", "local_iter_ms", local_ms, "ms", cond + ",\"processes_running\":1");
+  }
+  comm::wait(pg->barrier());
+  {
+    // The limit of a DDP iteration on this machine: every rank's local iteration at once, with no communication. The
+    // ranks share the machine's cores, caches and memory bandwidth, so this can be slower than one process alone.
+    auto model = bench::ddp_mlp();
+    torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.01));
+    const double together_ms = time_iters(iters, [&] {
+      opt.zero_grad();
+      at::mse_loss(model->forward(x), y).backward();
+      opt.step();
+    });
+    if (report) {
+      bench::emit_floor("ddp", "ddp_iter_ms", together_ms, "ms",
+                        cond + ",\"processes_running\":" + std::to_string(pg->size()) +
+                            ",\"what\":\"every rank's local iteration at the same time, no communication\","
+                            "\"weak_scaling_limit\":" +
+                            std::to_string(local_ms / together_ms));
+    }
   }
   comm::wait(pg->barrier());
 
