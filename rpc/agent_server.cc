@@ -44,9 +44,10 @@ bool has_extension(const tandem::wire::Value& v) {
 
 }  // namespace
 
-bool Agent::serve_message(Incoming& in) {
-  tandem::wire::Request request;
-  auto frame = wire::Frame::parse(in.request, &request);
+bool Agent::serve_message(Incoming& in, Parsed* parsed) {
+  const tandem::wire::Request& request = parsed->request;
+  parsed->frame = wire::Frame::parse(in.request, &parsed->request);
+  const absl::StatusOr<wire::Frame>& frame = parsed->frame;
   // What does not parse, or is not a message for this path, is refused or served by the general path (handle()).
   if (!frame.ok() || !request.trace().empty() || !request.oneway()) return false;
   if (request.caller_rank() < 0 || request.caller_rank() >= world_size_) return false;
@@ -68,6 +69,7 @@ bool Agent::serve_message(Incoming& in) {
     if (!args.ok()) {
       status = args.status();
     } else {
+      ++inline_messages_;  // before the function: what it does may be seen as soon as it runs
       t_current_call = &context;
       (*handler)(std::move(*args));
     }
@@ -75,10 +77,9 @@ bool Agent::serve_message(Incoming& in) {
     status = status_from_current_exception();
   }
   t_current_call = nullptr;
-  ++inline_messages_;
   if (!status.ok()) {
     ++oneway_failures_;
-    TANDEM_LOG(kError, "rpc") << "one-way message '" << request.function() << "' from worker '"
+    TANDEM_LOG(kError, "rpc") << "one-way call '" << request.function() << "' from worker '"
                               << request.caller_name() << "' failed: " << status.message();
   }
   return true;
@@ -86,7 +87,9 @@ bool Agent::serve_message(Incoming& in) {
 
 void Agent::on_incoming(Incoming in) {
   // A message runs here with nothing around it (registry.h's register_message).
-  if (in.oneway && in.on_io_thread && !in.from_client && ready_.HasBeenNotified() && serve_message(in)) return;
+  Parsed parsed;
+  const bool inline_here = in.on_io_thread && ready_.HasBeenNotified();
+  if (inline_here && in.oneway && !in.from_client && serve_message(in, &parsed)) return;
   auto call = std::make_shared<InCall>();
   call->in = std::move(in);
   bool stopped = false;
@@ -101,7 +104,7 @@ void Agent::on_incoming(Incoming in) {
     call->in.reply(nullptr, gone);
     return;
   }
-  if (call->in.on_io_thread && ready_.HasBeenNotified()) return handle(call);  // on this thread: no hand-off
+  if (inline_here) return handle(call, call->in.oneway && !call->in.from_client ? &parsed : nullptr);  // no hand-off
   // A gRPC thread must not block, and a call that arrived before init_rpc returned here waits on the pool (the direct
   // channel's threads are needed for handshakes meanwhile).
   if (!pool_->submit([this, call] { handle(call); })) {
@@ -109,7 +112,7 @@ void Agent::on_incoming(Incoming in) {
   }
 }
 
-void Agent::handle(std::shared_ptr<InCall> call) {
+void Agent::handle(std::shared_ptr<InCall> call, Parsed* parsed) {
   // Peers may call as soon as they know our address, before init_rpc returned here; functions run only after it did.
   if (!ready_.WaitForNotificationWithTimeout(absl::FromChrono(options_.init_timeout))) {
     return reply_error(call, absl::UnavailableError(absl::StrCat("worker '", name_, "' did not finish init_rpc")));
@@ -121,8 +124,13 @@ void Agent::handle(std::shared_ptr<InCall> call) {
   }
   // Replied without mu_: finishing the call takes it (it aborted a worker shutting down, in abseil's deadlock check).
   if (stopped) return reply_error(call, absl::UnavailableError(absl::StrCat("worker '", name_, "' has shut down")));
-  tandem::wire::Request request;
-  auto frame = wire::Frame::parse(call->in.request, &request);
+  Parsed here;
+  if (!parsed) {
+    here.frame = wire::Frame::parse(call->in.request, &here.request);
+    parsed = &here;
+  }
+  const tandem::wire::Request& request = parsed->request;
+  const absl::StatusOr<wire::Frame>& frame = parsed->frame;
   if (!frame.ok()) return reply_error(call, frame.status());
   // A client is whoever authenticated with a client's token (it can call as nothing else), or a caller of the job
   // that chose to call as one.

@@ -40,16 +40,6 @@ bool unregister_function(const std::string& name) {
   return r.handlers.erase(name) > 0;
 }
 
-absl::Status register_message_handler(const std::string& name, MessageHandler handler) {
-  if (!handler) return absl::InvalidArgumentError(absl::StrCat("cannot register an empty message as '", name, "'"));
-  auto& r = registry();
-  MutexLock lock(&r.mu);
-  if (!r.messages.emplace(name, std::make_shared<const MessageHandler>(std::move(handler))).second) {
-    return absl::AlreadyExistsError(absl::StrCat("a message named '", name, "' is already registered"));
-  }
-  return absl::OkStatus();
-}
-
 std::shared_ptr<const MessageHandler> find_message(const std::string& name) {
   auto& r = registry();
   MutexLock lock(&r.mu);
@@ -73,6 +63,21 @@ std::vector<std::string> registered_functions() {
 }
 
 namespace detail {
+
+absl::Status register_message_handlers(const std::string& name, Handler handler, MessageHandler message) {
+  if (name.empty()) return absl::InvalidArgumentError("cannot register a message with an empty name");
+  if (!handler || !message) {
+    return absl::InvalidArgumentError(absl::StrCat("cannot register an empty message as '", name, "'"));
+  }
+  auto& r = registry();
+  MutexLock lock(&r.mu);
+  if (r.handlers.count(name) > 0 || r.messages.count(name) > 0) {
+    return absl::AlreadyExistsError(absl::StrCat("a function named '", name, "' is already registered"));
+  }
+  r.handlers.emplace(name, std::move(handler));
+  r.messages.emplace(name, std::make_shared<const MessageHandler>(std::move(message)));
+  return absl::OkStatus();
+}
 
 void arity_error(size_t expected, size_t got) {
   throw_error(absl::InvalidArgumentError(

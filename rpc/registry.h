@@ -55,7 +55,6 @@ std::vector<std::string> registered_functions();
 
 // A message's handler (register_message): it returns nothing and may not wait.
 using MessageHandler = std::function<void(std::vector<c10::IValue>&& args)>;
-absl::Status register_message_handler(const std::string& name, MessageHandler handler);
 // The message handler registered under `name`, or null (also for a function that is not a message).
 std::shared_ptr<const MessageHandler> find_message(const std::string& name);
 
@@ -103,6 +102,9 @@ Future invoke(F& f, std::vector<c10::IValue>& args, std::tuple<A...>*, std::inde
   }
 }
 
+// Registers `name` as a function (`handler`) and a message (`message`) in one step, or neither.
+absl::Status register_message_handlers(const std::string& name, Handler handler, MessageHandler message);
+
 template <typename F, typename... A, size_t... I>
 void invoke_message(F& f, std::vector<c10::IValue>& args, std::tuple<A...>*, std::index_sequence<I...>) {
   if (args.size() != sizeof...(A)) arity_error(sizeof...(A), args.size());
@@ -122,26 +124,26 @@ void register_function(const std::string& name, F f) {
   throw_if_error(register_handler(name, std::move(handler)));
 }
 
-// Registers a message: a function returning void that runs briefly and never waits (it may not block: it holds the
-// thread that read it), e.g. a hand-off into a mailbox. It is called as any function (rpc_oneway, and rpc_async or
-// rpc_sync, which reply None), and over every route; but a one-way call of it that the direct channel brings runs
-// inline on the channel's thread with nothing around it: no record of the call, no reply, no per-call metrics series
-// (rpc::transport_stats() counts such messages), no distributed autograd context and no remote references (those
-// calls take the general path). A failure (arguments that do not convert, the function throws) is logged and counted
-// as a one-way failure. current_call() holds the caller while it runs. Throws RpcError (ALREADY_EXISTS) when the name
-// is taken.
+// Registers a message: a function returning void that runs briefly and never waits (it may not block: it may hold
+// the thread that read it), e.g. a hand-off into a mailbox. It is called as any function (rpc_oneway, and rpc_async
+// or rpc_sync, which reply None), over every route. But a one-way call of it from a rank of the job that the direct
+// channel brings (same host or TCP) runs inline on the channel's thread with nothing around it: no record of the call,
+// no reply, no per-call metrics series or profile range (rpc::transport_stats().inline_messages counts them). Such a
+// call with a distributed autograd context or remote references, one whose tensors were large enough to be read from
+// the sender's memory (it needs an answer), and one from a client outside the job take the general path. A failure
+// (arguments that do not convert, the function throws) is logged and counted as a one-way failure either way.
+// current_call() holds the caller while it runs. Throws RpcError (ALREADY_EXISTS) when the name is taken.
 template <typename F>
 void register_message(const std::string& name, F f) {
   using Args = typename detail::FnTraits<std::decay_t<F>>::Args;
   static_assert(std::is_void_v<typename detail::FnTraits<std::decay_t<F>>::Result>, "a message returns void");
-  register_function(name, f);
-  MessageHandler handler = [f = std::move(f)](std::vector<c10::IValue>&& args) mutable {
+  Handler handler = [f](std::vector<c10::IValue>&& args) mutable -> Future {
+    return detail::invoke(f, args, static_cast<Args*>(nullptr), std::make_index_sequence<std::tuple_size_v<Args>>{});
+  };
+  MessageHandler message = [f = std::move(f)](std::vector<c10::IValue>&& args) mutable {
     detail::invoke_message(f, args, static_cast<Args*>(nullptr), std::make_index_sequence<std::tuple_size_v<Args>>{});
   };
-  if (absl::Status s = register_message_handler(name, std::move(handler)); !s.ok()) {
-    unregister_function(name);
-    throw_if_error(s);
-  }
+  throw_if_error(detail::register_message_handlers(name, std::move(handler), std::move(message)));
 }
 
 }  // namespace tandem::rpc

@@ -39,6 +39,7 @@
 #include "tandem/rpc/detail/fault_transport.h"
 #include "tandem/rpc/detail/grpc_transport.h"
 #include "tandem/rpc/detail/thread_pool.h"
+#include "tandem/rpc/detail/wire.h"
 #include "tandem/rpc/rpc.h"
 #include "tandem/rpc/store.h"
 #include "tandem/rpc/transport.h"
@@ -143,11 +144,18 @@ class Agent {
   absl::Status rendezvous(const std::string& master, const std::string& advertised);
 
   // agent_server.cc
+  // A request's header and frame, parsed once.
+  struct Parsed {
+    tandem::wire::Request request;
+    absl::StatusOr<wire::Frame> frame = absl::UnknownError("not parsed");
+  };
   void on_incoming(Incoming in);
   // A one-way request on the direct channel's thread: runs it here when it is a message (registry.h's
-  // register_message) with no distributed autograd context; false when it takes the general path (handle()).
-  bool serve_message(Incoming& in);
-  void handle(std::shared_ptr<InCall> call);
+  // register_message) from a rank of the job with no distributed autograd context and no remote references; false
+  // when it takes the general path (handle()), with what was parsed of it in `parsed`.
+  bool serve_message(Incoming& in, Parsed* parsed);
+  // `parsed`: the request as serve_message parsed it on this thread, or null.
+  void handle(std::shared_ptr<InCall> call, Parsed* parsed = nullptr);
   void run(const std::shared_ptr<InCall>& call, const std::string& function, std::vector<c10::IValue> args,
            const std::string& caller_name);
   void reply(const std::shared_ptr<InCall>& call, const Future& result);

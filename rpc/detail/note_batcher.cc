@@ -9,6 +9,9 @@ namespace tandem::rpc::detail {
 namespace {
 
 // The call never reached the function, or its reply never came back: the batch may be sent again.
+// How long the kEveryDelay thread sleeps at most while nothing is queued (it is woken when something is).
+constexpr absl::Duration kIdleCheck = absl::Seconds(1);
+
 bool lost(const absl::Status& s) {
   return s.code() == absl::StatusCode::kDeadlineExceeded || s.code() == absl::StatusCode::kUnavailable;
 }
@@ -144,7 +147,7 @@ void NoteBatcher::loop() {
     // Asleep while nothing is queued (an idle worker is not woken every flush_delay); once a note is, its batch goes
     // a flush_delay later, or at once when a pair's batch is full.
     if (pending_.empty()) {
-      cv_.Wait(&mu_);
+      cv_.WaitWithTimeout(&mu_, kIdleCheck);  // woken by the first note or stop(); bounded all the same
       continue;
     }
     if (!full_locked()) cv_.WaitWithTimeout(&mu_, options_.flush_delay);

@@ -96,7 +96,7 @@ class NoteBatcher {
 
   const Options options_;
   Mutex mu_;
-  CondVar cv_;  // kEveryDelay: wakes the thread early (a full batch, stop())
+  CondVar cv_;  // kEveryDelay: wakes the thread (the first note queued, a full batch, stop())
   std::map<Key, Pending> pending_ ABSL_GUARDED_BY(mu_);
   std::thread thread_ ABSL_GUARDED_BY(mu_);  // kEveryDelay: started by the first note
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
