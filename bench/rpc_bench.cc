@@ -9,6 +9,7 @@
 // one intra-op thread, as the PyTorch peer does.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <sched.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <sys/wait.h>
@@ -33,7 +34,8 @@ using bench::full_io;
 
 // The floors of the direct channel's figures, measured between this process and a child forked before any thread
 // starts (the child only reads, writes and exits), on the same kinds of kernel paths the channel uses:
-//   small_rtt_p50_us  a blocking ping-pong of 128 bytes each way over a Unix stream socket (no spinning)
+//   small_rtt_p50_us  a blocking ping-pong of 128 bytes each way over a Unix stream socket (no spinning); beside it
+//                     same_core_us and cross_core_us, the same with both processes pinned to one core and to two
 //   bulk_<M>MiB_GBps  one process_vm_readv of the child's M MiB into a buffer already faulted in
 // Emitted as "impl":"floor". Returns false when the machine refuses either (e.g. no cross-memory reads allowed).
 bool emit_floors(int small, int bulk, int mib) {
@@ -57,16 +59,41 @@ bool emit_floors(int small, int bulk, int mib) {
   if (ok && small > 0) {
     char msg[128];
     std::memset(msg, 'p', sizeof msg);
-    std::vector<double> rtt;
-    for (int i = 0; i < small + 500 && ok; ++i) {
-      const double t0 = bench::now_us();
-      ok = full_io(sv[0], msg, sizeof msg, true) && full_io(sv[0], msg, sizeof msg, false);
-      if (i >= 500) rtt.push_back(bench::now_us() - t0);
+    auto pingpong = [&](int iters) {
+      std::vector<double> rtt;
+      for (int i = 0; i < iters + 500 && ok; ++i) {
+        const double t0 = bench::now_us();
+        ok = full_io(sv[0], msg, sizeof msg, true) && full_io(sv[0], msg, sizeof msg, false);
+        if (i >= 500) rtt.push_back(bench::now_us() - t0);
+      }
+      return rtt.empty() ? 0.0 : bench::median(rtt);
+    };
+    const double floor_us = pingpong(small);
+    // The same with both processes pinned to one core (they take turns: no other core is woken) and to two (every
+    // message wakes the other core): left to the scheduler, the figure above lands on either, run by run. Extra
+    // fields of the floor line; skipped where the machine has one core or refuses the pinning.
+    std::string pinned;
+    cpu_set_t all;
+    if (sysconf(_SC_NPROCESSORS_ONLN) >= 2 && sched_getaffinity(0, sizeof all, &all) == 0) {
+      auto pin = [](pid_t pid, int cpu) {
+        cpu_set_t one;
+        CPU_ZERO(&one);
+        CPU_SET(cpu, &one);
+        return sched_setaffinity(pid, sizeof one, &one) == 0;
+      };
+      if (pin(0, 0) && pin(child, 0)) {
+        const double same = pingpong(small / 2);
+        if (pin(child, 1)) {
+          const double cross = pingpong(small / 2);
+          pinned = ",\"same_core_us\":" + std::to_string(same) + ",\"cross_core_us\":" + std::to_string(cross);
+        }
+      }
+      sched_setaffinity(0, sizeof all, &all);  // this process goes on as rank 0: every core again
     }
     if (ok) {
-      bench::emit_floor("rpc", "small_rtt_p50_us", bench::median(rtt), "us",
+      bench::emit_floor("rpc", "small_rtt_p50_us", floor_us, "us",
                         cond + ",\"what\":\"blocking ping-pong of 128 B over a Unix stream socket\",\"iters\":" +
-                            std::to_string(small));
+                            std::to_string(small) + pinned);
     }
   }
   if (ok && bulk > 0) {
@@ -96,6 +123,7 @@ bool emit_floors(int small, int bulk, int mib) {
 int main(int argc, char** argv) {
   int small = 5000, bulk = 20, calls = 50000, mib = 64, kib = 0;
   int64_t bulk_min_bytes = -1;  // -1: the library's default
+  int64_t sync_spin_us = -1;    // -1: the library's default
   CLI::App app{"RPC round trips, bulk transfers and calls in flight", "rpc_bench"};
   app.add_option("--small", small, "small round trips");
   app.add_option("--bulk", bulk, "bulk transfers");
@@ -103,6 +131,7 @@ int main(int argc, char** argv) {
   app.add_option("--bulk-mib", mib, "bulk tensor size in MiB");
   app.add_option("--bulk-kib", kib, "bulk tensor size in KiB (wins over --bulk-mib when > 0)");
   app.add_option("--bulk-min-bytes", bulk_min_bytes, "RpcOptions::bulk_min_bytes (-1: the library's default)");
+  app.add_option("--sync-spin-us", sync_spin_us, "RpcOptions::sync_spin in microseconds (-1: the library's default)");
   tandem::tools::parse_flags(app, argc, argv);
   // The floors first, on rank 0, before init_rpc starts any thread (the child is forked).
   // TANDEM_BENCH_FLOORS=0 skips them (bench/run.sh hosts, whose floor is a TCP ping-pong between the hosts).
@@ -116,6 +145,7 @@ int main(int argc, char** argv) {
   rpc::register_function("numel", [](at::Tensor a) { return a.numel(); });
   rpc::RpcOptions options;
   if (bulk_min_bytes >= 0) options.bulk_min_bytes = bulk_min_bytes;
+  if (sync_spin_us >= 0) options.sync_spin = std::chrono::microseconds(sync_spin_us);
   rpc::init_rpc(options);
   if (rpc::get_worker_info().id == 0) {
     const std::string cond = "\"processes\":2,\"intra_op_threads\":1";
