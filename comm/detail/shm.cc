@@ -372,22 +372,32 @@ void ShmGroup::allreduce(const at::Tensor& t, ReduceOp op, Clock::time_point dea
   each_round(t.numel(), static_cast<int64_t>(kHalfBytes / es), [&](int64_t at, int64_t m) {
     const size_t bytes = static_cast<size_t>(m) * es;
     at::Tensor out = flat.slice(0, at, at + m);
-    half(rank_, bytes, dtype).copy_(out);
-    meet(deadline);
+    at::Tensor mine = half(rank_, bytes, dtype);
     if (bytes <= kSmallBytes) {
+      mine.copy_(out);
+      meet(deadline);
       reduce_in_rank_order(out, size_, op, [&](int q) { return half(q, bytes, dtype); });
       return;
     }
+    // In shares: rank r reduces share r. Each rank puts in its half only the shares the others reduce, reduces its own
+    // share in place in the tensor (its own values first, then the others' in rank order: the same sums as every rank
+    // gets), puts the result in its half for the others, and copies out only the others' shares.
     auto share = [&](int r) { return std::make_pair(m * r / size_, m * (r + 1) / size_); };
     const auto [lo, hi] = share(rank_);
-    at::Tensor acc = half(rank_, bytes, dtype).slice(0, lo, hi);
+    for (int q = 0; q < size_; ++q) {
+      const auto [a, b] = share(q);
+      if (q != rank_) mine.slice(0, a, b).copy_(out.slice(0, a, b));
+    }
+    meet(deadline);
+    at::Tensor acc = out.slice(0, lo, hi);
     for (int q = 0; q < size_; ++q) {
       if (q != rank_) combine(acc, half(q, bytes, dtype).slice(0, lo, hi), op);
     }
+    mine.slice(0, lo, hi).copy_(acc);
     meet(deadline);
     for (int q = 0; q < size_; ++q) {
       const auto [a, b] = share(q);
-      out.slice(0, a, b).copy_(half(q, bytes, dtype).slice(0, a, b));
+      if (q != rank_) out.slice(0, a, b).copy_(half(q, bytes, dtype).slice(0, a, b));
     }
   });
   if (op == ReduceOp::kAvg) flat.div_(size_);
