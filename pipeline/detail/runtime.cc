@@ -897,7 +897,7 @@ bool install() {
   }));
   rpc::register_function(kRun, on_run);
   rpc::register_message(kDone, [](int64_t pipe, int64_t step, int64_t from, std::vector<int64_t> tied,
-                                   std::vector<at::Tensor> tied_grads) {
+                                  std::vector<at::Tensor> tied_grads) {
     const rpc::CallContext* call = rpc::current_call();
     if (!call || call->caller_rank != from) {
       throw_error(absl::InvalidArgumentError(

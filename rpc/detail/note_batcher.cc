@@ -8,10 +8,10 @@
 namespace tandem::rpc::detail {
 namespace {
 
-// The call never reached the function, or its reply never came back: the batch may be sent again.
 // How long the kEveryDelay thread sleeps at most while nothing is queued (it is woken when something is).
 constexpr absl::Duration kIdleCheck = absl::Seconds(1);
 
+// The call never reached the function, or its reply never came back: the batch may be sent again.
 bool lost(const absl::Status& s) {
   return s.code() == absl::StatusCode::kDeadlineExceeded || s.code() == absl::StatusCode::kUnavailable;
 }

@@ -37,7 +37,8 @@ class NoteBatcher {
     // (after its attempts): one message per round trip, however fast notes come.
     kOneInFlight,
     // A thread of the batcher's own sends every queued note Options::flush_delay after the first of them was queued,
-    // or at once when a pair holds Options::max_values values; it sleeps while nothing is queued. Batches of one pair may overlap.
+    // or at once when a pair holds Options::max_values values; it sleeps while nothing is queued. Batches of one pair
+    // may overlap.
     kEveryDelay,
   };
 
