@@ -377,11 +377,13 @@ void ShmGroup::allreduce(const at::Tensor& t, ReduceOp op, Clock::time_point dea
       mine.copy_(out);
       meet(deadline);
       reduce_in_rank_order(out, size_, op, [&](int q) { return half(q, bytes, dtype); });
+      if (op == ReduceOp::kAvg) out.div_(size_);
       return;
     }
     // In shares: rank r reduces share r. Each rank puts in its half only the shares the others reduce, reduces its own
     // share in place in the tensor (its own values first, then the others' in rank order: the same sums as every rank
-    // gets), puts the result in its half for the others, and copies out only the others' shares.
+    // gets; kAvg divides that sum, as Gloo's path does), puts the result in its half for the others, and copies out only
+    // the others' shares.
     auto share = [&](int r) { return std::make_pair(m * r / size_, m * (r + 1) / size_); };
     const auto [lo, hi] = share(rank_);
     for (int q = 0; q < size_; ++q) {
@@ -393,6 +395,7 @@ void ShmGroup::allreduce(const at::Tensor& t, ReduceOp op, Clock::time_point dea
     for (int q = 0; q < size_; ++q) {
       if (q != rank_) combine(acc, half(q, bytes, dtype).slice(0, lo, hi), op);
     }
+    if (op == ReduceOp::kAvg) acc.div_(size_);  // on the share just reduced: no extra pass over the tensor
     mine.slice(0, lo, hi).copy_(acc);
     meet(deadline);
     for (int q = 0; q < size_; ++q) {
@@ -400,7 +403,6 @@ void ShmGroup::allreduce(const at::Tensor& t, ReduceOp op, Clock::time_point dea
       if (q != rank_) out.slice(0, a, b).copy_(half(q, bytes, dtype).slice(0, a, b));
     }
   });
-  if (op == ReduceOp::kAvg) flat.div_(size_);
 }
 
 void ShmGroup::broadcast(const at::Tensor& t, int root, Clock::time_point deadline) {
