@@ -135,8 +135,8 @@ struct StepStats {
   std::vector<double> busy_ms;            // per stage: time spent in its forwards and backwards (B, I, W)
   std::vector<int64_t> peak_activations;  // per stage: most micro-batches whose activations were alive at once
                                           // (from F to B, or to W for a split backward)
-  // Per stage: its worker process's peak resident memory so far (VmHWM, KiB) when its part of the step ended; -1 where
-  // the system does not tell. Stages of one worker show the same figure.
+  // Per stage: its worker process's peak resident memory so far (getrusage's ru_maxrss: VmHWM, KiB) when its part of
+  // the step ended; -1 where the system does not tell. Stages of one worker show the same figure.
   std::vector<int64_t> peak_memory_kib;
   std::vector<int64_t> microbatch_sizes;
 };

@@ -1,5 +1,6 @@
 #include "tandem/pipeline/detail/common.h"
 
+#include <sys/resource.h>
 #include <torch/nn/module.h>
 
 #include <algorithm>
@@ -37,6 +38,12 @@ int64_t status_kib(const char* field) {
     if (line.rfind(prefix, 0) == 0) return std::strtoll(line.c_str() + prefix.size(), nullptr, 10);
   }
   return -1;
+}
+
+int64_t peak_resident_kib() {
+  rusage usage{};
+  if (getrusage(RUSAGE_SELF, &usage) != 0 || usage.ru_maxrss <= 0) return -1;
+  return usage.ru_maxrss;  // KiB on Linux
 }
 
 double parameter_weight(const torch::nn::Module& layer) {
