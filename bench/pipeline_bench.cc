@@ -261,7 +261,6 @@ void step_time(const std::string& size, int64_t d, int64_t batch, int steps) {
                 cond + ",\"speedup_vs_m1\":" + std::to_string(m1_ms / ms) + ",\"speedup_vs_local\":" +
                     std::to_string(local_ms / ms) + ",\"stage_peak_memory_mib\":[" + peak_mib + "]");
     std::vector<double> delivered;
-    std::vector<double> leads, tails;
     for (int i = 0; i < 7; ++i) {
       dist_autograd::ContextGuard ctx;
       const double called = system_us();
@@ -272,8 +271,12 @@ void step_time(const std::string& size, int64_t d, int64_t batch, int steps) {
         for (double us : deliveries(pipe.last_timeline())) delivered.push_back(us);
       }
       overheads.push_back(overhead(called, returned));
-      leads.push_back(overheads.back().lead_us), tails.push_back(overheads.back().tail_us);
     }
+    auto median_of = [&](double Overhead::*field) {
+      std::vector<double> v;
+      for (const Overhead& o : overheads) v.push_back(o.*field);
+      return bench::median(v);
+    };
     // The step whose overhead is the median of these 7 (one step's figure swings by tens of percent on a VM).
     std::sort(overheads.begin(), overheads.end(), [](const Overhead& x, const Overhead& y) {
       return x.step_ms - x.ideal_ms < y.step_ms - y.ideal_ms;
@@ -294,8 +297,8 @@ void step_time(const std::string& size, int64_t d, int64_t batch, int steps) {
     }
     bench::emit("pipeline", "pipeline_control_overhead_us", (step_only - ideal) * 1000 / m, "us",
                 cond + ",\"median_of_steps\":" + std::to_string(overheads.size()) +
-                    ",\"lead_us\":" + std::to_string(bench::median(leads)) +
-                    ",\"tail_us\":" + std::to_string(bench::median(tails)) +
+                    ",\"lead_us\":" + std::to_string(median_of(&Overhead::lead_us)) +
+                    ",\"tail_us\":" + std::to_string(median_of(&Overhead::tail_us)) +
                     ",\"step_ms\":" + std::to_string(step_only) +
                     ",\"schedule_makespan_ms\":" + std::to_string(ideal) + ",\"stage_busy_ms\":[" +
                     std::to_string(m * (f[0] + b[0])) + "," + std::to_string(m * (f[1] + b[1])) + "]");
