@@ -21,6 +21,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "tandem/sync/futex.h"
 #include "absl/strings/str_split.h"
 #include "tandem/rpc/errors.h"
 #include "tandem/rpc/store.h"
@@ -71,17 +72,6 @@ bool process_stat(int64_t pid, char* state, uint64_t* start_time) {
   if (f.size() < 20 || f[0].empty()) return false;
   *state = f[0][0];
   return absl::SimpleAtoi(f[19], start_time);
-}
-
-void futex_wait(std::atomic<uint32_t>* word, uint32_t expected, Clock::duration for_at_most) {
-  const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(for_at_most).count();
-  if (ns <= 0) return;
-  timespec ts{static_cast<time_t>(ns / 1000000000), static_cast<long>(ns % 1000000000)};
-  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT, expected, &ts, nullptr, 0);
-}
-
-void futex_wake_all(std::atomic<uint32_t>* word) {
-  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
 }
 
 // Removes segments of this pid namespace whose creator is dead: a rank 0 that died between creating a segment and

@@ -1,5 +1,7 @@
 #include "tandem/pipeline/detail/p2p.h"
 
+#include "tandem/pipeline/detail/shm_p2p.h"
+
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 
@@ -27,6 +29,11 @@ bool Mailbox::closed_locked(int64_t pipe, int64_t step) const {
   return aborted_.count({pipe, step}) > 0 || finished_.count({pipe, step}) > 0 || released_.count(pipe) > 0;
 }
 
+void Mailbox::wake(const Slot& slot) {
+  if (slot.waiter) slot.waiter->Signal();
+  if (slot.bell) slot.bell->ring();
+}
+
 template <typename Match>
 void Mailbox::drop_locked(Match match) {
   for (auto it = slots_.begin(); it != slots_.end();) {
@@ -34,7 +41,7 @@ void Mailbox::drop_locked(Match match) {
       ++it;
       continue;
     }
-    if (it->second.waiter) it->second.waiter->Signal();  // it finds its slot gone and says why
+    wake(it->second);  // it finds its slot gone and says why
     it = slots_.erase(it);
   }
 }
@@ -46,7 +53,17 @@ void Mailbox::put(const MailKey& key, c10::IValue value) {
   if (slot.arrived || slot.taken) return;  // a duplicate: the first delivery stands
   slot.value = std::move(value);
   slot.arrived = true;
-  if (slot.waiter) slot.waiter->Signal();
+  wake(slot);
+}
+
+void Mailbox::set_inbox(int64_t pipe, std::shared_ptr<Inbox> inbox) {
+  MutexLock lock(&mu_);
+  if (released_.count(pipe)) return;
+  inboxes_[pipe] = std::move(inbox);
+  // A receive of this pipeline waiting on its own wake-up looks again, and from now on waits on the bell.
+  for (auto& [key, slot] : slots_) {
+    if (key.pipe == pipe && slot.waiter) slot.waiter->Signal();
+  }
 }
 
 absl::StatusOr<c10::IValue> Mailbox::take(const MailKey& key, Clock::time_point deadline, const std::string& what) {
@@ -58,6 +75,7 @@ absl::StatusOr<c10::IValue> Mailbox::take(const MailKey& key, Clock::time_point 
     auto it = slots_.find(key);
     if (it == slots_.end()) return;
     if (it->second.waiter == &wake) it->second.waiter = nullptr;
+    it->second.bell = nullptr;
     if (!it->second.arrived && !it->second.taken && !it->second.waiter) slots_.erase(it);
   };
   for (;;) {
@@ -87,6 +105,7 @@ absl::StatusOr<c10::IValue> Mailbox::take(const MailKey& key, Clock::time_point 
       slot.arrived = false;
       slot.taken = true;  // kept until the step ends here: a second delivery is dropped
       slot.waiter = nullptr;
+      slot.bell = nullptr;
       return t;
     }
     if (Clock::now() >= deadline) {
@@ -94,13 +113,39 @@ absl::StatusOr<c10::IValue> Mailbox::take(const MailKey& key, Clock::time_point 
       return absl::DeadlineExceededError("nothing arrived in time: waited for " + what + " until the step's deadline");
     }
     if (it == slots_.end()) it = slots_.emplace(key, Slot{}).first;
-    if (it->second.waiter && it->second.waiter != &wake) {
+    Inbox* const inbox = inbox_of_locked(key.pipe);
+    if ((it->second.waiter && it->second.waiter != &wake) || (it->second.bell && it->second.bell != inbox)) {
       return absl::InternalError("two receives wait for " + what);
     }
-    it->second.waiter = &wake;
-    wake.WaitWithTimeout(&mu_, absl::FromChrono(deadline - Clock::now()));
-    // Woken by the delivery, by an end of the wait (the slot may be gone then), or by the deadline: look again.
+    if (!inbox) {
+      it->second.waiter = &wake;
+      wake.WaitWithTimeout(&mu_, absl::FromChrono(deadline - Clock::now()));
+      // Woken by the delivery, by an end of the wait (the slot may be gone then), or by the deadline: look again.
+      continue;
+    }
+    // Same-host deliveries: what the rings hold goes into the mailbox, then (if nothing came) a sleep on the bell,
+    // which every sender and every event ending this wait rings. The bell is read before looking: a ring after that
+    // ends the sleep at once.
+    it->second.waiter = nullptr;
+    it->second.bell = inbox;
+    std::shared_ptr<Inbox> hold = inboxes_.at(key.pipe);  // released meanwhile: the bell stays valid
+    const uint32_t seen = hold->bell();
+    mu_.Unlock();
+    std::vector<std::tuple<MailKey, c10::IValue, int>> got;
+    absl::Status drained = hold->drain(&got);
+    for (auto& [k, v, from] : got) put(k, std::move(v));
+    if (drained.ok() && got.empty()) hold->wait(seen, deadline);
+    mu_.Lock();
+    if (!drained.ok()) {
+      forget();
+      return absl::Status(drained.code(), absl::StrCat("waiting for ", what, ": ", drained.message()));
+    }
   }
+}
+
+Inbox* Mailbox::inbox_of_locked(int64_t pipe) const {
+  auto it = inboxes_.find(pipe);
+  return it == inboxes_.end() ? nullptr : it->second.get();
 }
 
 void Mailbox::abort(int64_t pipe, int64_t step, absl::Status reason) {
@@ -130,6 +175,7 @@ void Mailbox::release(int64_t pipe) {
   MutexLock lock(&mu_);
   remember(&released_, &released_order_, pipe, kRemembered);
   drop_locked([&](const MailKey& k) { return k.pipe == pipe; });
+  inboxes_.erase(pipe);
 }
 
 bool Mailbox::aborted(int64_t pipe, int64_t step) {

@@ -1,7 +1,8 @@
 // The mailbox of a stage worker: activations and gradients that other stages sent to this worker's stages, matched
 // by (pipeline, step, stage, micro-batch, direction), and the other workers' word that they finished their run of a
 // step (under a stage below zero, finished_key). Each waiting receive has a wake-up of its own: a delivery wakes
-// the one receive waiting for its key, never every waiter of the process. A message delivered twice is kept once,
+// the one receive waiting for its key, never every waiter of the process (a pipeline with same-host deliveries,
+// shm_p2p.h: its one receiving thread waits on the pipeline's bell instead). A message delivered twice is kept once,
 // and what arrives for a step that ended here, was abandoned, or whose pipeline was released is dropped.
 //
 // Thread-safety: every function may be called from any thread (RPC handlers deliver, executors receive).
@@ -12,6 +13,7 @@
 #include <cstdint>
 #include <deque>
 #include <map>
+#include <memory>
 #include <set>
 #include <string>
 #include <tuple>
@@ -40,6 +42,8 @@ struct MailKey {
 // below zero: no stage's).
 inline int finished_key(int rank) { return -1 - rank; }
 
+class Inbox;  // shm_p2p.h
+
 class Mailbox {
  public:
   static Mailbox& get();  // this process's
@@ -59,6 +63,9 @@ class Mailbox {
   // The pipeline is gone from this worker: its waits end, what is here of it goes, later deliveries are dropped.
   void release(int64_t pipe);
   bool aborted(int64_t pipe, int64_t step);
+  // Same-host deliveries (shm_p2p.h): from now on the receives of `pipe` wait on `inbox`'s bell and take what its
+  // rings hold; every event that ends a wait of `pipe` rings it. Dropped at release(pipe).
+  void set_inbox(int64_t pipe, std::shared_ptr<Inbox> inbox);
 
   // How many messages and waits are held now (tests: nothing is left behind).
   size_t held();
@@ -69,6 +76,7 @@ class Mailbox {
     bool arrived = false;       // value holds the delivery, not yet taken
     bool taken = false;         // delivered and taken: a second delivery is a duplicate
     CondVar* waiter = nullptr;  // the receive waiting for this key
+    Inbox* bell = nullptr;      // or its inbox's bell, when the receive waits on that
   };
   using StepId = std::pair<int64_t, int64_t>;
   Mailbox() = default;
@@ -76,9 +84,12 @@ class Mailbox {
   // Erases the slots matching `match`, waking their waiters.
   template <typename Match>
   void drop_locked(Match match) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  static void wake(const Slot& slot);
+  Inbox* inbox_of_locked(int64_t pipe) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   Mutex mu_;
   std::map<MailKey, Slot> slots_ ABSL_GUARDED_BY(mu_);
+  std::map<int64_t, std::shared_ptr<Inbox>> inboxes_ ABSL_GUARDED_BY(mu_);  // by pipeline
   // Bounded memories (oldest first in each deque) of the steps abandoned (with why), the steps ended and the
   // pipelines released here.
   std::map<StepId, absl::Status> aborted_ ABSL_GUARDED_BY(mu_);

@@ -5,6 +5,7 @@
 #include <torch/nn/module.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <atomic>
 #include <deque>
 #include <map>
@@ -22,7 +23,9 @@
 #include "tandem/comm/process_group.h"
 #include "tandem/dist_autograd/dist_autograd.h"
 #include "tandem/pipeline/detail/common.h"
+#include "tandem/comm/detail/shm.h"
 #include "tandem/pipeline/detail/p2p.h"
+#include "tandem/pipeline/detail/shm_p2p.h"
 #include "tandem/pipeline/detail/stage.h"
 #include "tandem/pipeline/local.h"
 #include "tandem/pipeline/schedule.h"
@@ -114,6 +117,10 @@ struct PipeEntry {
   // summed over it each step).
   std::map<int, std::shared_ptr<comm::ProcessGroup>> replica_groups;
   std::shared_ptr<Executor> executor;
+  // Same-host deliveries (shm_p2p.h): this worker's inbox for the pipeline (made when a peer first asks), and its
+  // outlets into the peers' inboxes by rank, null for a peer that has none for it (another host, or switched off).
+  std::shared_ptr<Inbox> inbox;
+  std::map<int, std::shared_ptr<Outlet>> outlets;
 };
 
 void sweep_loop();
@@ -146,6 +153,15 @@ auto with_pipe(int64_t pipe, F f) {
   MutexLock lock(&s.mu);
   auto it = s.pipes.find(pipe);
   return f(it == s.pipes.end() ? nullptr : &it->second);
+}
+// Same-host deliveries through shared memory (shm_p2p.h) unless TANDEM_PIPELINE_SHM=0 (then every message goes by
+// RPC: for comparing the two, and for tests of the RPC path's failures).
+bool shared_memory_enabled() {
+  static const bool on = [] {
+    const char* v = std::getenv("TANDEM_PIPELINE_SHM");
+    return !(v && std::string(v) == "0");
+  }();
+  return on;
 }
 std::shared_ptr<Stage> find_stage(int64_t pipe, int stage) {
   return with_pipe(pipe, [stage](PipeEntry* e) -> std::shared_ptr<Stage> {
@@ -380,6 +396,10 @@ class Run {
         which.insert(which.end(), {c.tie, c.copy});
         grads.push_back(tied_gradient(c));
       }
+      if (Outlet* o = outlet(w)) {
+        const auto word = c10::ivalue::Tuple::create({c10::IValue(which), c10::IValue(grads)});
+        if (o->send(MailKey{p_.pipe, p_.step, finished_key(self_), 0, false}, word)) continue;
+      }
       watch(rpc::rpc_oneway(w, kDone, p_.pipe, p_.step, int64_t{self_}, std::move(which), std::move(grads),
                             remaining() + kReplyMargin / 2),
             w, /*stage=*/-1);
@@ -575,6 +595,43 @@ class Run {
     sends_.push_back(std::move(f));
   }
 
+  // The outlet into worker `to`'s inbox for this pipeline, or null (messages to it go by RPC). The first run that
+  // sends to `to` asks it for its ring (one call, within the step's deadline); the answer is kept with the pipeline.
+  Outlet* outlet(int to) {
+    if (auto it = outlets_.find(to); it != outlets_.end()) return it->second.get();
+    bool known = false;
+    std::shared_ptr<Outlet> o = with_pipe(p_.pipe, [&](PipeEntry* e) -> std::shared_ptr<Outlet> {
+      if (!e) return nullptr;
+      auto it = e->outlets.find(to);
+      known = it != e->outlets.end();
+      return known ? it->second : nullptr;
+    });
+    if (!known) {
+      o = attach(to);
+      with_pipe(p_.pipe, [&](PipeEntry* e) {
+        if (e) e->outlets[to] = o;
+        return 0;
+      });
+    }
+    return (outlets_[to] = std::move(o)).get();
+  }
+
+  std::shared_ptr<Outlet> attach(int to) {
+    if (!shared_memory_enabled()) return nullptr;
+    try {
+      rpc::Future f = rpc::call_and_wait(to, kAttach, {c10::IValue(p_.pipe), c10::IValue(int64_t{self_}),
+                                                       c10::IValue(comm::detail::host_place())},
+                                         std::min(remaining(), std::chrono::milliseconds(5000)));
+      if (!f.status().ok()) return nullptr;
+      const auto ends = f.value().toIntVector();
+      if (ends.size() != 4) return nullptr;  // another host, or the peer does not take shared memory
+      auto o = Outlet::open(RingEnds{ends[0], ends[1], ends[2], ends[3]});
+      return o.ok() ? std::shared_ptr<Outlet>(std::move(*o)) : nullptr;
+    } catch (const std::exception&) {
+      return nullptr;  // the messages go by RPC, which reports what is wrong with the peer
+    }
+  }
+
   // The name of worker `rank`, which holds a stage of this pipeline.
   const std::string& name_of(int rank) const {
     const std::vector<int>& ranks = p_.kept->stage_rank;
@@ -620,7 +677,9 @@ class Run {
   void send(int stage, int mb, bool grad, c10::IValue t) {
     compute_end_ = now_us();
     const int to = p_.kept->stage_rank[stage];
-    if (to == self_) return Mailbox::get().put(MailKey{p_.pipe, p_.step, stage, mb, grad}, std::move(t));
+    const MailKey key{p_.pipe, p_.step, stage, mb, grad};
+    if (to == self_) return Mailbox::get().put(key, std::move(t));
+    if (Outlet* o = outlet(to); o && o->send(key, t)) return;
     // One-way: no acknowledgement comes back (a lost receiver fails the step by the driver's call to it, or by the
     // receivers' deadlines); the future completes once the message is on its way.
     watch(rpc::rpc_oneway(to, kAct, p_.pipe, p_.step, int64_t{stage}, int64_t{mb}, grad, std::move(t), remaining()), to,
@@ -693,6 +752,7 @@ class Run {
   std::vector<std::string> stage_names_;
   std::map<int, StageRun> runs_;
   std::vector<rpc::Future> sends_;
+  std::map<int, std::shared_ptr<Outlet>> outlets_;  // this run's, by rank: from the pipeline's, or attached now
   struct Reduction {
     int stage = 0;
     int replicas = 0;
@@ -956,6 +1016,24 @@ bool install() {
   rpc::register_function(kPing, [] {});
   rpc::register_message(kAct, [](int64_t pipe, int64_t step, int64_t stage, int64_t mb, bool grad, c10::IValue t) {
     Mailbox::get().put(MailKey{pipe, step, static_cast<int>(stage), static_cast<int>(mb), grad}, std::move(t));
+  });
+  // A peer's request for a ring in this worker's inbox for `pipe`: [pid, bell fd, ring fd, token], or [] where
+  // shared memory is not for it (another host, switched off, the pipeline not held here).
+  rpc::register_function(kAttach, [](int64_t pipe, int64_t from, std::string place) -> c10::IValue {
+    const c10::IValue none(std::vector<int64_t>{});
+    if (!shared_memory_enabled() || place != comm::detail::host_place()) return none;
+    std::shared_ptr<Inbox> inbox;
+    bool made = false;
+    with_pipe(pipe, [&](PipeEntry* e) {
+      if (!e) return 0;
+      if (!e->inbox) e->inbox = std::make_shared<Inbox>(), made = true;
+      inbox = e->inbox;
+      return 0;
+    });
+    if (!inbox) return none;
+    if (made) Mailbox::get().set_inbox(pipe, inbox);
+    const RingEnds ends = inbox->ends_for(static_cast<int>(from));
+    return c10::IValue(std::vector<int64_t>{ends.pid, ends.bell_fd, ends.ring_fd, ends.token});
   });
   rpc::register_function(kAbort, [](int64_t pipe, int64_t step, std::string reason) {
     Mailbox::get().abort(pipe, step, absl::AbortedError(reason));

@@ -673,10 +673,12 @@ TEST_F(MultiprocPipeline, AKilledStageWorkerFailsTheStepWithinTheTimeout) {
 }
 
 // An activation lost between two stage workers (rpc/fault_injection.h): the step fails within its timeout naming the
-// micro-batch, every worker abandons it, and the next step works.
+// micro-batch, every worker abandons it, and the next step works. RPC loses messages; the same-host shared memory
+// does not, so it is switched off here for the messages to go by RPC.
 TEST_F(MultiprocPipeline, ALostActivationFailsTheStepWithinTheTimeoutAndTheNextStepWorks) {
   start({.world_size = 4,
-         .extra_env = {{"TANDEM_TEST_FAULTS", "drop worker1->worker2 request fn=__tandem.pipeline.act nth=2"}}});
+         .extra_env = {{"TANDEM_TEST_FAULTS", "drop worker1->worker2 request fn=__tandem.pipeline.act nth=2"},
+                       {"TANDEM_PIPELINE_SHM", "0"}}});
   auto pipe = Pipeline::create(
       {{1, "pipe_faulty", {int64_t{0}}}, {2, "pipe_faulty", {int64_t{0}}}, {3, "pipe_faulty", {int64_t{0}}}},
       {.n_microbatches = 4, .timeout = std::chrono::milliseconds(3000)});

@@ -1,0 +1,194 @@
+// Same-host deliveries through shared memory (pipeline/detail/shm_p2p.h), in one process: the encoding, a receive
+// woken by the bell, what does not fit, and malformed memory as an error.
+#include <gtest/gtest.h>
+
+#include <ATen/ATen.h>
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstring>
+#include <future>
+#include <random>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "tandem/pipeline/detail/p2p.h"
+#include "tandem/pipeline/detail/shm_p2p.h"
+#include "tests/common/time_scale.h"
+
+namespace tandem::pipeline::detail {
+namespace {
+
+using std::chrono::milliseconds;
+
+Clock::time_point within(milliseconds ms) { return Clock::now() + test::scaled(ms); }
+
+c10::IValue shm_sample() {
+  at::Tensor transposed = at::arange(6, at::kFloat).reshape({2, 3}).t();  // not contiguous
+  at::Tensor wants_grad = at::ones({4}, at::kDouble).requires_grad_();
+  return c10::ivalue::Tuple::create(
+      {c10::IValue(transposed), c10::IValue(int64_t{-7}), c10::IValue(2.5), c10::IValue(std::string("mask")),
+       c10::IValue(true), c10::IValue(), c10::IValue(std::vector<int64_t>{3, 1, 4}),
+       c10::IValue(std::vector<at::Tensor>{wants_grad, at::arange(2) < 1}),
+       c10::ivalue::Tuple::create({c10::IValue(at::zeros({0, 5}, at::kLong)), c10::IValue(at::scalar_tensor(1.5))})});
+}
+
+void expect_sample(const c10::IValue& v) {
+  ASSERT_TRUE(v.isTuple());
+  const auto& e = v.toTupleRef().elements();
+  ASSERT_EQ(e.size(), 9u);
+  EXPECT_TRUE(at::equal(e[0].toTensor(), at::arange(6, at::kFloat).reshape({2, 3}).t()));
+  EXPECT_EQ(e[1].toInt(), -7);
+  EXPECT_EQ(e[2].toDouble(), 2.5);
+  EXPECT_EQ(e[3].toStringRef(), "mask");
+  EXPECT_TRUE(e[4].toBool());
+  EXPECT_TRUE(e[5].isNone());
+  EXPECT_EQ(e[6].toIntVector(), (std::vector<int64_t>{3, 1, 4}));
+  const auto tensors = e[7].toTensorVector();
+  ASSERT_EQ(tensors.size(), 2u);
+  EXPECT_TRUE(tensors[0].requires_grad());
+  EXPECT_TRUE(at::equal(tensors[0].detach(), at::ones({4}, at::kDouble)));
+  EXPECT_TRUE(at::equal(tensors[1], at::arange(2) < 1));
+  const auto& inner = e[8].toTupleRef().elements();
+  EXPECT_EQ(inner[0].toTensor().sizes(), (std::vector<int64_t>{0, 5}));
+  EXPECT_EQ(inner[1].toTensor().dim(), 0);
+  EXPECT_EQ(inner[1].toTensor().item<float>(), 1.5f);
+}
+
+TEST(UnitPipelineShm, TheEncodingCarriesTuplesListsScalarsAndTensorsOfAnyLayout) {
+  const c10::IValue v = shm_sample();
+  const size_t n = encoded_size(v);
+  ASSERT_GT(n, 0u);
+  std::vector<uint8_t> buf(n + 64);
+  uint8_t* at = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t{63});
+  encode(v, at, n);
+  expect_sample(decode(at, n));
+  // What it does not carry: the sender uses RPC instead.
+  c10::Dict<std::string, int64_t> dict;
+  dict.insert("a", 1);
+  EXPECT_EQ(encoded_size(c10::IValue(dict)), 0u);
+}
+
+TEST(UnitPipelineShm, TruncatedOrCorruptedBytesAreAnErrorNeverACrash) {
+  const c10::IValue v = shm_sample();
+  const size_t n = encoded_size(v);
+  std::vector<uint8_t> good(n);
+  encode(v, good.data(), n);
+  for (size_t cut = 0; cut < n; cut += 3) {
+    EXPECT_THROW(decode(good.data(), cut), std::exception) << "cut at " << cut;
+  }
+  std::mt19937 gen(7);
+  int errors = 0;
+  for (int trial = 0; trial < 2000; ++trial) {
+    std::vector<uint8_t> bad = good;
+    for (int k = 0; k < 4; ++k) bad[gen() % n] = static_cast<uint8_t>(gen());
+    try {
+      (void)decode(bad.data(), n);
+    } catch (const std::exception&) {
+      ++errors;
+    }
+  }
+  EXPECT_GT(errors, 0);
+}
+
+TEST(UnitPipelineShm, AReceiveWaitingBeforeTheInboxExistedIsWokenByTheBell) {
+  Mailbox& box = Mailbox::get();
+  const MailKey k{301, 0, 1, 0, false};
+  auto taken = std::async(std::launch::async, [&] { return box.take(k, within(milliseconds(10000)), "m0"); });
+  std::this_thread::sleep_for(milliseconds(30));
+  auto inbox = std::make_shared<Inbox>();
+  box.set_inbox(301, inbox);
+  auto outlet = Outlet::open(inbox->ends_for(5));
+  ASSERT_TRUE(outlet.ok()) << outlet.status();
+  std::this_thread::sleep_for(milliseconds(30));
+  ASSERT_TRUE((*outlet)->send(k, shm_sample()));
+  ASSERT_EQ(taken.wait_for(test::scaled(milliseconds(5000))), std::future_status::ready);
+  auto got = taken.get();
+  ASSERT_TRUE(got.ok()) << got.status();
+  expect_sample(*got);
+  // Another sender's ring, and a receive on the bell from the start.
+  auto second = Outlet::open(inbox->ends_for(6));
+  ASSERT_TRUE(second.ok()) << second.status();
+  const MailKey g{301, 0, 0, 3, true};
+  auto taken2 = std::async(std::launch::async, [&] { return box.take(g, within(milliseconds(10000)), "g3"); });
+  std::this_thread::sleep_for(milliseconds(30));
+  ASSERT_TRUE((*second)->send(g, c10::IValue(at::full({2}, 4.0))));
+  auto got2 = taken2.get();
+  ASSERT_TRUE(got2.ok()) << got2.status();
+  EXPECT_TRUE(at::equal(got2->toTensor(), at::full({2}, 4.0)));
+  box.release(301);
+  EXPECT_EQ(box.held(), 0u);
+}
+
+TEST(UnitPipelineShm, AnAbortWakesAReceiveSleepingOnTheBell) {
+  Mailbox& box = Mailbox::get();
+  auto inbox = std::make_shared<Inbox>();
+  box.set_inbox(302, inbox);
+  auto taken = std::async(std::launch::async, [&] { return box.take({302, 4, 1, 0, false}, within(milliseconds(10000)), "m0"); });
+  std::this_thread::sleep_for(milliseconds(30));
+  box.abort(302, 4, absl::AbortedError("stage 1 failed"));
+  ASSERT_EQ(taken.wait_for(test::scaled(milliseconds(5000))), std::future_status::ready);
+  auto got = taken.get();
+  EXPECT_EQ(got.status().code(), absl::StatusCode::kAborted);
+  EXPECT_NE(got.status().message().find("stage 1 failed"), std::string::npos) << got.status();
+  // The deadline ends a wait on the bell too.
+  auto late = box.take({302, 5, 1, 0, false}, Clock::now() + milliseconds(50), "m0");
+  EXPECT_EQ(late.status().code(), absl::StatusCode::kDeadlineExceeded);
+  box.release(302);
+  EXPECT_EQ(box.held(), 0u);
+}
+
+TEST(UnitPipelineShm, WhatDoesNotFitIsRefusedForRpcAndTheRingIsReusedOnceRead) {
+  Mailbox& box = Mailbox::get();
+  auto inbox = std::make_shared<Inbox>();
+  box.set_inbox(303, inbox);
+  auto outlet = Outlet::open(inbox->ends_for(1));
+  ASSERT_TRUE(outlet.ok()) << outlet.status();
+  const int64_t half = static_cast<int64_t>(Inbox::kRingBytes / 2 / sizeof(float));
+  EXPECT_FALSE((*outlet)->send({303, 0, 1, 0, false}, c10::IValue(at::zeros({half}))));  // larger than half a ring
+  const at::Tensor mib = at::ones({int64_t{1} << 18});                                 // 1 MiB
+  int sent = 0;
+  while ((*outlet)->send({303, 0, 1, sent, false}, c10::IValue(mib))) ++sent;
+  EXPECT_EQ(sent, 3);  // 4 MiB hold three records of 1 MiB and their headers
+  for (int mb = 0; mb < sent; ++mb) {
+    auto got = box.take({303, 0, 1, mb, false}, within(milliseconds(5000)), "m");
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_TRUE(at::equal(got->toTensor(), mib));
+  }
+  for (int mb = sent; mb < sent + 8; ++mb) {  // around the ring's end and over its start again
+    ASSERT_TRUE((*outlet)->send({303, 0, 1, mb, false}, c10::IValue(mib * mb))) << mb;
+    auto got = box.take({303, 0, 1, mb, false}, within(milliseconds(5000)), "m");
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_TRUE(at::equal(got->toTensor(), mib * mb));
+  }
+  box.release(303);
+}
+
+TEST(UnitPipelineShm, MalformedMemoryFailsTheReceiveNamingTheSender) {
+  Mailbox& box = Mailbox::get();
+  auto inbox = std::make_shared<Inbox>();
+  box.set_inbox(304, inbox);
+  const RingEnds ends = inbox->ends_for(2);
+  // A broken sender: a record whose length is not a multiple of 8, published.
+  const std::string path = absl::StrCat("/proc/self/fd/", ends.ring_fd);
+  const int fd = open(path.c_str(), O_RDWR);
+  ASSERT_GE(fd, 0);
+  const size_t bytes = 256 + Inbox::kRingBytes;
+  auto* base = static_cast<uint8_t*>(mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0));
+  close(fd);
+  ASSERT_NE(base, MAP_FAILED);
+  const uint32_t len = 12, kind = 1;
+  std::memcpy(base + 256, &len, 4);
+  std::memcpy(base + 256 + 4, &kind, 4);
+  reinterpret_cast<std::atomic<uint64_t>*>(base + 64)->store(64);  // the tail (RingHeader: after a cache line)
+  auto got = box.take({304, 0, 1, 0, false}, within(milliseconds(2000)), "m0");
+  EXPECT_EQ(got.status().code(), absl::StatusCode::kInvalidArgument) << got.status();
+  EXPECT_NE(got.status().message().find("malformed"), std::string::npos) << got.status();
+  munmap(base, bytes);
+  box.release(304);
+}
+
+}  // namespace
+}  // namespace tandem::pipeline::detail
