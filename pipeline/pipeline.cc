@@ -20,6 +20,7 @@
 #include "tandem/pipeline/detail/common.h"
 #include "tandem/pipeline/detail/microbatch.h"
 #include "tandem/pipeline/detail/runtime.h"
+#include "tandem/pipeline/detail/shm_p2p.h"
 #include "tandem/pipeline/layers.h"
 #include "tandem/rpc/detail/ids.h"
 #include "tandem/rpc/errors.h"
@@ -60,6 +61,10 @@ struct Pipeline::State {
   // of that shape send it no plan.
   std::set<std::pair<size_t, int>> plan_held ABSL_GUARDED_BY(step_mu);
   int64_t next_step ABSL_GUARDED_BY(step_mu) = 0;
+  // Same-host deliveries (detail/shm_p2p.h): by worker index, the driver's outlet into that worker's inbox, null when
+  // it has none (another host, the driver itself, switched off). Stage 0's micro-batches and the last stage's targets
+  // go through it when they fit, so that the plan carries no tensors.
+  std::map<size_t, std::shared_ptr<detail::Outlet>> outlets ABSL_GUARDED_BY(step_mu);
 
   // What other threads read or change while a step runs (options(), last_stats(), set_record_timeline()): held only
   // briefly, so they need not wait for the step. Taken after step_mu when both are held.
@@ -165,9 +170,6 @@ struct Pipeline::State {
     if (plan.empty()) plan = plans_for(opts, m);
     const int64_t step_id = next_step++;
     std::vector<int64_t> ranks(stage_rank.begin(), stage_rank.end());
-    std::vector<int64_t> flags{opts.checkpoint, opts.gradients == GradientsTo::kDotGrad, opts.record_timeline,
-                               opts.timeout.count()};
-    if (total_rows > 0) flags.push_back(total_rows);
     const auto t0 = Clock::now();
     std::vector<rpc::Future> replies;
     for (size_t w = 0; w < workers.size(); ++w) {
@@ -188,12 +190,47 @@ struct Pipeline::State {
           tie_names.push_back(opts.tied[t].copies[c].second);
         }
       }
+      const bool by_ring = (first || last) && send_by_ring(w, opts, step_id, first, first_inputs, last, ys);
+      const std::vector<int64_t> flags{opts.checkpoint, opts.gradients == GradientsTo::kDotGrad,
+                                       opts.record_timeline,  opts.timeout.count(),
+                                       total_rows,      by_ring};
       replies.push_back(rpc::rpc_async(workers[w], kRun, id, step_id, actions, plan_ranks, sizes,
-                                       first ? first_inputs : std::vector<c10::IValue>{},
-                                       last ? ys : std::vector<at::Tensor>{}, held ? std::string() : opts.loss, flags,
-                                       ties, tie_names, opts.timeout + kReplyMargin));
+                                       first && !by_ring ? first_inputs : std::vector<c10::IValue>{},
+                                       last && !by_ring ? ys : std::vector<at::Tensor>{},
+                                       held ? std::string() : opts.loss, flags, ties, tie_names,
+                                       opts.timeout + kReplyMargin));
     }
     return Started{opts, m, step_id, sizes, t0, std::move(replies)};
+  }
+
+  // Writes stage 0's micro-batches (`first`) and the last stage's targets (`last`) into worker w's inbox, keyed as
+  // the runtime takes them (detail/runtime.h); false when they go with the plan instead (no outlet, too large for
+  // the ring, or a value it does not carry: what was written then is dropped with the step there).
+  bool send_by_ring(size_t w, const PipelineOptions& opts, int64_t step_id, bool first,
+                    const std::vector<c10::IValue>& inputs, bool last, const std::vector<at::Tensor>& targets)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu) {
+    auto it = outlets.find(w);
+    if (it == outlets.end()) {
+      std::shared_ptr<detail::Outlet> o;
+      if (workers[w] != rpc::get_worker_info().id) {
+        o = detail::attach_outlet(workers[w], id, std::min(opts.timeout, std::chrono::milliseconds(5000)));
+      }
+      it = outlets.emplace(w, std::move(o)).first;
+    }
+    detail::Outlet* o = it->second.get();
+    if (!o) return false;
+    size_t bytes = 0;
+    for (size_t k = 0; first && k < inputs.size(); ++k) bytes += detail::encoded_size(inputs[k]);
+    for (size_t k = 0; last && k < targets.size(); ++k) bytes += detail::encoded_size(c10::IValue(targets[k]));
+    if (bytes == 0 || bytes > detail::Inbox::kRingBytes / 2) return false;
+    const int n = static_cast<int>(stage_rank.size());
+    for (size_t k = 0; first && k < inputs.size(); ++k) {
+      if (!o->send(detail::input_key(id, step_id, static_cast<int>(k)), inputs[k])) return false;
+    }
+    for (size_t k = 0; last && k < targets.size(); ++k) {
+      if (!o->send(detail::target_key(id, step_id, n, static_cast<int>(k)), c10::IValue(targets[k]))) return false;
+    }
+    return true;
   }
 
   // Waits for the workers' replies; returns the step's loss. Throws as step() does.

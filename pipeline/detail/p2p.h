@@ -38,6 +38,13 @@ struct MailKey {
   }
 };
 
+// Stage 0 receives no activation and the last stage no gradient: under their keys the driver's shared-memory
+// deliveries bring the batch's micro-batches (input_key) and the targets (target_key) when the plan does not.
+inline MailKey input_key(int64_t pipe, int64_t step, int mb) { return MailKey{pipe, step, 0, mb, false}; }
+inline MailKey target_key(int64_t pipe, int64_t step, int n_stages, int mb) {
+  return MailKey{pipe, step, n_stages - 1, mb, true};
+}
+
 // The stage of the key under which worker `rank`'s word that it finished its run of a step arrives (a stage index
 // below zero: no stage's).
 inline int finished_key(int rank) { return -1 - rank; }

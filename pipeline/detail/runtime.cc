@@ -154,15 +154,6 @@ auto with_pipe(int64_t pipe, F f) {
   auto it = s.pipes.find(pipe);
   return f(it == s.pipes.end() ? nullptr : &it->second);
 }
-// Same-host deliveries through shared memory (shm_p2p.h) unless TANDEM_PIPELINE_SHM=0 (then every message goes by
-// RPC: for comparing the two, and for tests of the RPC path's failures).
-bool shared_memory_enabled() {
-  static const bool on = [] {
-    const char* v = std::getenv("TANDEM_PIPELINE_SHM");
-    return !(v && std::string(v) == "0");
-  }();
-  return on;
-}
 std::shared_ptr<Stage> find_stage(int64_t pipe, int stage) {
   return with_pipe(pipe, [stage](PipeEntry* e) -> std::shared_ptr<Stage> {
     if (!e) return nullptr;
@@ -286,6 +277,7 @@ struct Plan {
   std::vector<at::Tensor> targets;  // the last stage's targets (else empty)
   bool checkpoint = false, to_grad = false, record = false;
   int64_t total_rows = 0;  // a replica's step: the whole batch's rows, which each micro-batch's loss is a share of
+  bool by_ring = false;    // inputs and targets are not in the plan: the driver wrote them into this worker's inbox
   std::chrono::milliseconds timeout{0};
   int64_t context = -1;
 };
@@ -607,29 +599,13 @@ class Run {
       return known ? it->second : nullptr;
     });
     if (!known) {
-      o = attach(to);
+      o = attach_outlet(to, p_.pipe, std::min(remaining(), std::chrono::milliseconds(5000)));
       with_pipe(p_.pipe, [&](PipeEntry* e) {
         if (e) e->outlets[to] = o;
         return 0;
       });
     }
     return (outlets_[to] = std::move(o)).get();
-  }
-
-  std::shared_ptr<Outlet> attach(int to) {
-    if (!shared_memory_enabled()) return nullptr;
-    try {
-      rpc::Future f = rpc::call_and_wait(to, kAttach, {c10::IValue(p_.pipe), c10::IValue(int64_t{self_}),
-                                                       c10::IValue(comm::detail::host_place())},
-                                         std::min(remaining(), std::chrono::milliseconds(5000)));
-      if (!f.status().ok()) return nullptr;
-      const auto ends = f.value().toIntVector();
-      if (ends.size() != 4) return nullptr;  // another host, or the peer does not take shared memory
-      auto o = Outlet::open(RingEnds{ends[0], ends[1], ends[2], ends[3]});
-      return o.ok() ? std::shared_ptr<Outlet>(std::move(*o)) : nullptr;
-    } catch (const std::exception&) {
-      return nullptr;  // the messages go by RPC, which reports what is wrong with the peer
-    }
   }
 
   // The name of worker `rank`, which holds a stage of this pipeline.
@@ -674,6 +650,14 @@ class Run {
     return *std::move(got);
   }
 
+  // Micro-batch a.microbatch's input (stage 0) or target (the last stage), written by the driver into this worker's
+  // inbox before it sent the plan.
+  c10::IValue from_driver(const MailKey& key, const char* what, const Action& a) {
+    auto got = Mailbox::get().take(key, deadline_, absl::StrCat("the driver's ", what, " ", a.microbatch));
+    throw_if_error(got.status());
+    return *std::move(got);
+  }
+
   void send(int stage, int mb, bool grad, c10::IValue t) {
     compute_end_ = now_us();
     const int to = p_.kept->stage_rank[stage];
@@ -688,7 +672,9 @@ class Run {
 
   void forward(StageRun& run, const Action& a, int n, const LossFn& loss, int64_t batch) {
     const bool last = a.stage == n - 1;
-    Args x = a.stage == 0 ? p_.inputs.at(a.microbatch) : args_of(receive(a.stage, a.microbatch, false));
+    Args x = a.stage != 0   ? args_of(receive(a.stage, a.microbatch, false))
+             : p_.by_ring ? args_of(from_driver(input_key(p_.pipe, p_.step, a.microbatch), "micro-batch", a))
+                          : p_.inputs.at(a.microbatch);
     compute_start_ = now_us();
     Live live;
     c10::IValue out = forward_microbatch(*run.stage, std::move(x), a.stage == 0, p_.checkpoint && !last, &live);
@@ -698,7 +684,15 @@ class Run {
              absl::StrCat("the last stage returned a ", out.tagKind(), ": it returns one tensor, for the loss"));
       }
       const double share = static_cast<double>(p_.sizes[a.microbatch]) / static_cast<double>(batch);
-      at::Tensor l = loss(out.toTensor(), p_.targets.at(a.microbatch)) * share;
+      at::Tensor target;
+      if (p_.by_ring) {
+        c10::IValue t = from_driver(target_key(p_.pipe, p_.step, n, a.microbatch), "target", a);
+        if (!t.isTensor()) throw_error(absl::StatusCode::kInvalidArgument, a, "the target is not a tensor");
+        target = t.toTensor();
+      } else {
+        target = p_.targets.at(a.microbatch);
+      }
+      at::Tensor l = loss(out.toTensor(), target) * share;
       loss_ += l.item<double>();
       live.output = l;
     } else {
@@ -822,10 +816,9 @@ rpc::Future on_run(int64_t pipe, int64_t step, std::vector<int64_t> actions, std
                    std::vector<std::string> tie_names) {
   Plan plan;
   plan.pipe = pipe, plan.step = step;
-  if ((flags.size() != 4 && flags.size() != 5) || sizes.empty()) {
-    throw_error(absl::InvalidArgumentError("malformed pipeline plan"));
-  }
-  if (flags.size() == 5) plan.total_rows = flags[4];
+  if (flags.size() != 6 || sizes.empty()) throw_error(absl::InvalidArgumentError("malformed pipeline plan"));
+  plan.total_rows = flags[4];
+  plan.by_ring = flags[5] != 0;
   plan.kept = plan_of(pipe, static_cast<int64_t>(sizes.size()), actions, stage_rank, std::move(loss), ties, tie_names);
   plan.sizes = std::move(sizes);
   for (auto& x : inputs) {
