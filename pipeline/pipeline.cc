@@ -65,6 +65,10 @@ struct Pipeline::State {
   // it has none (another host, the driver itself, switched off). Stage 0's micro-batches and the last stage's targets
   // go through it when they fit, so that the plan carries no tensors.
   std::map<size_t, std::shared_ptr<detail::Outlet>> outlets ABSL_GUARDED_BY(step_mu);
+  // The workers on this host write their replies here (detail/runtime.h); made at the first step, null when shared
+  // memory is off.
+  std::shared_ptr<detail::Inbox> replies_inbox ABSL_GUARDED_BY(step_mu);
+  bool replies_inbox_made ABSL_GUARDED_BY(step_mu) = false;
 
   // What other threads read or change while a step runs (options(), last_stats(), set_record_timeline()): held only
   // briefly, so they need not wait for the step. Taken after step_mu when both are held.
@@ -79,6 +83,7 @@ struct Pipeline::State {
   }
 
   ~State() {
+    detail::drop_driver_inbox(id);
     if (!rpc::is_initialized()) return;
     for (int w : workers) (void)rpc::rpc_async(w, kRelease, id);  // best effort, not waited for
   }
@@ -171,6 +176,7 @@ struct Pipeline::State {
     const int64_t step_id = next_step++;
     std::vector<int64_t> ranks(stage_rank.begin(), stage_rank.end());
     const auto t0 = Clock::now();
+    if (!replies_inbox_made) replies_inbox = detail::driver_inbox(id, true), replies_inbox_made = true;
     std::vector<rpc::Future> replies;
     for (size_t w = 0; w < workers.size(); ++w) {
       // The plan goes once per shape (the number of micro-batches); then the worker has it.
@@ -240,7 +246,7 @@ struct Pipeline::State {
     const std::vector<int64_t>& sizes = started.sizes;
     const std::vector<rpc::Future>& replies = started.replies;
     const auto t0 = started.t0;
-    wait_all(opts, replies, started.step_id);
+    const std::vector<c10::IValue> values = wait_all(opts, replies, started.step_id);
     for (size_t w = 0; w < workers.size(); ++w) plan_held.insert({w, m});
     StepStats step_stats;
     step_stats.step_ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
@@ -250,11 +256,11 @@ struct Pipeline::State {
     step_stats.microbatch_sizes = sizes;
     std::vector<TimelineEvent> events;
     for (size_t w = 0; w < workers.size(); ++w) {
-      auto reply = replies[w].value().toTuple();
-      if (reply->elements().size() != 4) {
+      if (!values[w].isTuple() || values[w].toTupleRef().elements().size() != 4) {
         fail(absl::StatusCode::kInternal,
              absl::StrCat("malformed step reply from worker '", rpc::get_worker_info(workers[w]).name, "'"));
       }
+      auto reply = values[w].toTuple();
       step_stats.loss += reply->elements()[0].toDouble();
       auto st = rpc::from_ivalue<std::vector<int64_t>>(reply->elements()[1]);
       const int64_t peak_memory = reply->elements()[3].toInt();  // the worker's: each of its stages shows it
@@ -278,9 +284,57 @@ struct Pipeline::State {
     return loss;
   }
 
-  // Waits for every worker's reply. On the first error, tells every worker to abandon the step, gathers the others'
+  // wait_all's wait when the workers may reply through `bell`'s inbox: true once every worker's reply is in *values;
+  // false on a failure (a call failed; a malformed reply in the inbox, or one announced that is not there:
+  // *ring_error) or at the deadline.
+  template <typename Waiter>
+  bool wait_ring_replies(const std::vector<rpc::Future>& replies, int64_t step_id, Waiter& waiter,
+                         std::vector<c10::IValue>* values, std::string* ring_error, detail::Inbox* bell,
+                         Clock::time_point deadline) {
+    for (;;) {
+      const uint32_t seen = bell->bell();
+      std::vector<std::tuple<detail::MailKey, c10::IValue, int>> got;
+      const absl::Status drained = bell->drain(&got);
+      for (auto& [key, value, from] : got) {
+        if (key.pipe != id || key.step != step_id) continue;  // an earlier step's, which failed
+        auto it = std::find(workers.begin(), workers.end(), from);
+        if (it != workers.end()) (*values)[it - workers.begin()] = std::move(value);
+      }
+      if (!drained.ok()) {
+        *ring_error = absl::StrCat("a step reply in shared memory: ", drained.message());
+        return false;
+      }
+      {
+        MutexLock lock(&waiter.mu);
+        if (waiter.failed) return false;
+      }
+      bool complete = true;
+      for (size_t w = 0; w < replies.size(); ++w) {
+        if (!(*values)[w].isNone()) continue;
+        if (replies[w].completed() && replies[w].status().ok() && !replies[w].value().isNone()) {
+          (*values)[w] = replies[w].value();  // replied by RPC
+        } else {
+          complete = false;
+        }
+      }
+      if (complete) return true;
+      if (Clock::now() >= deadline) {
+        for (size_t w = 0; w < replies.size(); ++w) {
+          if ((*values)[w].isNone() && replies[w].completed() && replies[w].status().ok()) {
+            *ring_error = describe_worker(workers[w]) + ": its reply is not in shared memory";
+          }
+        }
+        return false;
+      }
+      bell->wait(seen, deadline, std::chrono::microseconds(0));  // the driver's core is the stages' meanwhile
+    }
+  }
+
+  // Waits for every worker's reply and returns them: from the call, or from the replies' inbox when the call says
+  // the reply is there (None). On the first error, tells every worker to abandon the step, gathers the others'
   // errors for a moment, and throws one RpcError naming them (the first failure's code).
-  void wait_all(const PipelineOptions& opts, const std::vector<rpc::Future>& replies, int64_t step_id) {
+  std::vector<c10::IValue> wait_all(const PipelineOptions& opts, const std::vector<rpc::Future>& replies,
+                                    int64_t step_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu) {
     struct Waiter {
       explicit Waiter(size_t n) : expected(n) {}
       bool all_done() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { return done == expected; }
@@ -291,18 +345,30 @@ struct Pipeline::State {
       bool failed ABSL_GUARDED_BY(mu) = false;
     };
     auto waiter = std::make_shared<Waiter>(replies.size());
+    std::shared_ptr<detail::Inbox> bell = replies_inbox;
     for (const auto& f : replies) {
-      f.add_callback([waiter](const rpc::Future& done) {
-        MutexLock lock(&waiter->mu);
-        ++waiter->done;
-        waiter->failed |= !done.status().ok();
+      f.add_callback([waiter, bell](const rpc::Future& done) {
+        {
+          MutexLock lock(&waiter->mu);
+          ++waiter->done;
+          waiter->failed |= !done.status().ok();
+        }
+        if (bell) bell->ring();
       });
     }
-    {
+    std::vector<c10::IValue> values(replies.size());
+    std::string ring_error;
+    if (!bell) {
       MutexLock lock(&waiter->mu);
       waiter->mu.AwaitWithTimeout(Condition(waiter.get(), &Waiter::settled),
                                   absl::FromChrono(opts.timeout + kReplyMargin));
-      if (!waiter->failed && waiter->all_done()) return;
+      if (!waiter->failed && waiter->all_done()) {
+        for (size_t w = 0; w < replies.size(); ++w) values[w] = replies[w].value();
+        return values;
+      }
+    } else if (wait_ring_replies(replies, step_id, *waiter, &values, &ring_error, bell.get(),
+                                 Clock::now() + opts.timeout + kReplyMargin)) {
+      return values;
     }
     for (int w : workers) {
       (void)rpc::rpc_async(w, kAbort, id, step_id, std::string("another stage failed"), kErrorGrace);
@@ -330,6 +396,10 @@ struct Pipeline::State {
       }
       if (!coded) code = s.code(), coded = true;
       errors.push_back(line);
+    }
+    if (!ring_error.empty()) {
+      errors.insert(errors.begin(), ring_error);
+      if (!coded) code = absl::StatusCode::kInternal;
     }
     if (errors.empty()) errors.push_back("a worker failed and no other error was reported");
     errors.insert(errors.end(), abandoned.begin(), abandoned.end());

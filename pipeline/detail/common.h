@@ -31,6 +31,7 @@ inline constexpr const char* kPing = "__tandem.pipeline.ping";
 inline constexpr const char* kTie = "__tandem.pipeline.tie";
 inline constexpr const char* kGroup = "__tandem.pipeline.group";
 inline constexpr const char* kAttach = "__tandem.pipeline.attach";
+inline constexpr const char* kAttachReply = "__tandem.pipeline.attach_reply";
 // How often a stage worker checks that the drivers of the pipelines it holds stages of are alive (a driver that died
 // leaves its stages behind otherwise), and how long each check may take.
 inline constexpr std::chrono::milliseconds kDriverCheck{1000};

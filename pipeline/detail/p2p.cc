@@ -134,7 +134,7 @@ absl::StatusOr<c10::IValue> Mailbox::take(const MailKey& key, Clock::time_point 
     std::vector<std::tuple<MailKey, c10::IValue, int>> got;
     absl::Status drained = hold->drain(&got);
     for (auto& [k, v, from] : got) put(k, std::move(v));
-    if (drained.ok() && got.empty()) hold->wait(seen, deadline);
+    if (drained.ok() && got.empty()) hold->wait(seen, deadline, Inbox::spin_time());
     mu_.Lock();
     if (!drained.ok()) {
       forget();

@@ -121,6 +121,9 @@ struct PipeEntry {
   // outlets into the peers' inboxes by rank, null for a peer that has none for it (another host, or switched off).
   std::shared_ptr<Inbox> inbox;
   std::map<int, std::shared_ptr<Outlet>> outlets;
+  // The outlet into the driver's inbox for the replies (runtime.h), once asked for; null: replies go by RPC.
+  std::shared_ptr<Outlet> driver_outlet;
+  bool driver_outlet_known = false;
 };
 
 void sweep_loop();
@@ -154,6 +157,33 @@ auto with_pipe(int64_t pipe, F f) {
   auto it = s.pipes.find(pipe);
   return f(it == s.pipes.end() ? nullptr : &it->second);
 }
+// The outlet for this worker's replies to `driver` about `pipe`: asked for at the first reply, then kept with the
+// pipeline. Null when the replies go by RPC (the driver is this process, another host, switched off).
+std::shared_ptr<Outlet> reply_outlet(int64_t pipe, int driver, std::chrono::milliseconds timeout) {
+  bool known = false;
+  std::shared_ptr<Outlet> o = with_pipe(pipe, [&](PipeEntry* e) -> std::shared_ptr<Outlet> {
+    if (!e) return nullptr;
+    known = e->driver_outlet_known;
+    return e->driver_outlet;
+  });
+  if (known) return o;
+  if (driver != rpc::get_worker_info().id) o = attach_outlet(driver, pipe, timeout, kAttachReply);
+  with_pipe(pipe, [&](PipeEntry* e) {
+    if (e) e->driver_outlet = o, e->driver_outlet_known = true;
+    return 0;
+  });
+  return o;
+}
+
+struct DriverInboxes {
+  Mutex mu;
+  std::map<int64_t, std::shared_ptr<Inbox>> by_pipe ABSL_GUARDED_BY(mu);
+};
+DriverInboxes& driver_inboxes() {
+  static auto* d = new DriverInboxes;  // never destroyed: RPC threads may look up until exit
+  return *d;
+}
+
 std::shared_ptr<Stage> find_stage(int64_t pipe, int stage) {
   return with_pipe(pipe, [stage](PipeEntry* e) -> std::shared_ptr<Stage> {
     if (!e) return nullptr;
@@ -847,13 +877,19 @@ rpc::Future on_run(int64_t pipe, int64_t step, std::vector<int64_t> actions, std
         absl::StrCat("pipeline ", pipe, " has no stage on worker '", self_name(), "' (released?)")));
   }
   rpc::Future result(absl::Now() + absl::FromChrono(plan.timeout + kReplyMargin));
+  const rpc::CallContext* call = rpc::current_call();
+  const int driver = call ? call->caller_rank : -1;
   // On the pipeline's executor: after the run of the previous step has ended here.
-  const bool queued = executor->submit([plan = std::move(plan), result]() mutable {
+  const bool queued = executor->submit([plan = std::move(plan), result, driver]() mutable {
     const int64_t pipe = plan.pipe, step = plan.step;
+    const auto timeout = std::min(plan.timeout, std::chrono::milliseconds(5000));
     try {
       Run run(std::move(plan));
       c10::IValue value = run.execute();
       Mailbox::get().finish(pipe, step);  // a late duplicate of one of its messages is dropped from now on
+      // On one host the reply goes into the driver's inbox, and the call only says it is there (None).
+      std::shared_ptr<Outlet> o = driver >= 0 ? reply_outlet(pipe, driver, timeout) : nullptr;
+      if (o && o->send(MailKey{pipe, step, 0, 0, false}, value)) value = c10::IValue();
       result.set_value(std::move(value));
     } catch (...) {
       result.set_error(status_from_current_exception());
@@ -1028,6 +1064,15 @@ bool install() {
     const RingEnds ends = inbox->ends_for(static_cast<int>(from));
     return c10::IValue(std::vector<int64_t>{ends.pid, ends.bell_fd, ends.ring_fd, ends.token});
   });
+  // A stage worker's request for a ring in this driver's inbox for `pipe`'s replies: as kAttach.
+  rpc::register_function(kAttachReply, [](int64_t pipe, int64_t from, std::string place) -> c10::IValue {
+    const c10::IValue none(std::vector<int64_t>{});
+    if (!shared_memory_enabled() || place != comm::detail::host_place()) return none;
+    std::shared_ptr<Inbox> inbox = driver_inbox(pipe, false);
+    if (!inbox) return none;
+    const RingEnds ends = inbox->ends_for(static_cast<int>(from));
+    return c10::IValue(std::vector<int64_t>{ends.pid, ends.bell_fd, ends.ring_fd, ends.token});
+  });
   rpc::register_function(kAbort, [](int64_t pipe, int64_t step, std::string reason) {
     Mailbox::get().abort(pipe, step, absl::AbortedError(reason));
   });
@@ -1059,6 +1104,25 @@ const bool g_installed = install();
 void ensure_runtime() { (void)g_installed; }
 
 int64_t plans_received() { return g_plans_received.load(); }
+
+std::shared_ptr<Inbox> driver_inbox(int64_t pipe, bool create) {
+  DriverInboxes& d = driver_inboxes();
+  MutexLock lock(&d.mu);
+  auto it = d.by_pipe.find(pipe);
+  if (it != d.by_pipe.end()) return it->second;
+  if (!create || !shared_memory_enabled()) return nullptr;
+  return d.by_pipe[pipe] = std::make_shared<Inbox>();
+}
+
+void drop_driver_inbox(int64_t pipe) {
+  std::shared_ptr<Inbox> gone;  // unmapped outside the lock
+  DriverInboxes& d = driver_inboxes();
+  MutexLock lock(&d.mu);
+  auto it = d.by_pipe.find(pipe);
+  if (it == d.by_pipe.end()) return;
+  gone = std::move(it->second);
+  d.by_pipe.erase(it);
+}
 
 }  // namespace detail
 

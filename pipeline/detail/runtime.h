@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 
 namespace tandem::pipeline::detail {
 
@@ -16,5 +17,13 @@ namespace tandem::pipeline::detail {
 void ensure_runtime();
 // How many plans this process has received from drivers (each is kept for the steps of its shape that follow).
 int64_t plans_received();
+
+class Inbox;  // shm_p2p.h
+// A driver's inbox for its pipeline's replies: the stage workers on its host write each step's reply there
+// (__tandem.pipeline.attach_reply asks for a ring in it) and complete the step's call with None. Made by the first
+// call (`create`); dropped by drop_driver_inbox when the pipeline goes.
+std::shared_ptr<Inbox> driver_inbox(int64_t pipe, bool create);
+void drop_driver_inbox(int64_t pipe);
+
 
 }  // namespace tandem::pipeline::detail

@@ -416,13 +416,17 @@ void Inbox::ring() {
   if (bell_->sleepers.load(std::memory_order_seq_cst) > 0) futex_wake_all(&bell_->value);
 }
 
-void Inbox::wait(uint32_t seen, Clock::time_point until) {
+std::chrono::microseconds Inbox::spin_time() {
   static const int spin_us = [] {
     const char* v = std::getenv("TANDEM_PIPELINE_SPIN_US");
-    return v ? std::atoi(v) : 200;
+    return v ? std::max(0, std::atoi(v)) : 200;
   }();
-  if (spin_us > 0) {
-    const auto end = std::min(until, Clock::now() + std::chrono::microseconds(spin_us));
+  return std::chrono::microseconds(spin_us);
+}
+
+void Inbox::wait(uint32_t seen, Clock::time_point until, std::chrono::microseconds spin) {
+  if (spin.count() > 0) {
+    const auto end = std::min(until, Clock::now() + spin);
     for (int i = 0;; ++i) {
       if (bell_->value.load(std::memory_order_acquire) != seen) return;
       if ((i & 63) == 63 && Clock::now() >= end) break;
@@ -546,10 +550,11 @@ bool shared_memory_enabled() {
   return on;
 }
 
-std::shared_ptr<Outlet> attach_outlet(int to, int64_t pipe, std::chrono::milliseconds timeout) {
+std::shared_ptr<Outlet> attach_outlet(int to, int64_t pipe, std::chrono::milliseconds timeout,
+                                      const char* function) {
   if (!shared_memory_enabled()) return nullptr;
   try {
-    rpc::Future f = rpc::call_and_wait(to, kAttach,
+    rpc::Future f = rpc::call_and_wait(to, function,
                                        {c10::IValue(pipe), c10::IValue(int64_t{rpc::get_worker_info().id}),
                                         c10::IValue(comm::detail::host_place())},
                                        timeout);

@@ -57,10 +57,12 @@ class Inbox {
 
   // The bell: a waiter reads it, looks for its message (the mailbox, then drain()), and sleeps in wait() only if the
   // bell still shows what it read. Every sender and every local event that may end a wait (a delivery by RPC, an
-  // abort, a release) rings it. wait() spins first, up to TANDEM_PIPELINE_SPIN_US (200 µs by default): a sender
-  // that finds nobody asleep needs no futex wake-up (20-30 µs of its time on a VM), and the value is taken at once.
+  // abort, a release) rings it. wait() spins first, up to `spin` (a receiving stage: spin_time(), 200 µs unless
+  // TANDEM_PIPELINE_SPIN_US says otherwise): a sender that finds nobody asleep needs no futex wake-up (20-30 µs of
+  // its time on a VM), and the value is taken at once.
   uint32_t bell() const;
-  void wait(uint32_t seen, Clock::time_point until);
+  void wait(uint32_t seen, Clock::time_point until, std::chrono::microseconds spin);
+  static std::chrono::microseconds spin_time();
   void ring();
 
   struct Ring;  // shm_p2p.cc
@@ -104,7 +106,9 @@ bool shared_memory_enabled();
 // Asks worker `to` for a ring in its inbox for pipeline `pipe` (__tandem.pipeline.attach) and opens it; null when
 // there is none to have (switched off, another host, the pipeline not held there, the call failed: the caller sends
 // by RPC, which reports what is wrong with the peer). Never throws.
-std::shared_ptr<Outlet> attach_outlet(int to, int64_t pipe, std::chrono::milliseconds timeout);
+// `function`: kAttach (a stage worker's inbox) or kAttachReply (a driver's, runtime.h).
+std::shared_ptr<Outlet> attach_outlet(int to, int64_t pipe, std::chrono::milliseconds timeout,
+                                      const char* function = kAttach);
 
 // Tests: the encoding a ring carries, alone. encoded_size: the bytes `value` takes, 0 when it cannot be encoded.
 size_t encoded_size(const c10::IValue& value);
