@@ -1105,6 +1105,32 @@ void ensure_runtime() { (void)g_installed; }
 
 int64_t plans_received() { return g_plans_received.load(); }
 
+bool shared_memory_enabled() {
+  static const bool on = [] {
+    const char* v = std::getenv("TANDEM_PIPELINE_SHM");
+    return !(v && std::string(v) == "0");
+  }();
+  return on;
+}
+
+std::shared_ptr<Outlet> attach_outlet(int to, int64_t pipe, std::chrono::milliseconds timeout,
+                                      const char* function) {
+  if (!shared_memory_enabled()) return nullptr;
+  try {
+    rpc::Future f = rpc::call_and_wait(to, function,
+                                       {c10::IValue(pipe), c10::IValue(int64_t{rpc::get_worker_info().id}),
+                                        c10::IValue(comm::detail::host_place())},
+                                       timeout);
+    if (!f.status().ok()) return nullptr;
+    const auto ends = f.value().toIntVector();
+    if (ends.size() != 4) return nullptr;  // another host, or the peer takes no shared memory
+    auto o = Outlet::open(RingEnds{ends[0], ends[1], ends[2], ends[3]});
+    return o.ok() ? std::shared_ptr<Outlet>(std::move(*o)) : nullptr;
+  } catch (const std::exception&) {
+    return nullptr;
+  }
+}
+
 std::shared_ptr<Inbox> driver_inbox(int64_t pipe, bool create) {
   DriverInboxes& d = driver_inboxes();
   MutexLock lock(&d.mu);

@@ -7,8 +7,11 @@
 // Thread-safety: handlers run on RPC threads; a pipeline's work runs on its executor thread.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
+
+#include "tandem/pipeline/detail/common.h"
 
 namespace tandem::pipeline::detail {
 
@@ -19,6 +22,18 @@ void ensure_runtime();
 int64_t plans_received();
 
 class Inbox;  // shm_p2p.h
+class Outlet;
+// Same-host deliveries are on unless TANDEM_PIPELINE_SHM=0 (then every message goes by RPC: for comparing the two,
+// and for tests of the RPC path's failures).
+bool shared_memory_enabled();
+
+// Asks worker `to` for a ring in its inbox for pipeline `pipe` (__tandem.pipeline.attach) and opens it; null when
+// there is none to have (switched off, another host, the pipeline not held there, the call failed: the caller sends
+// by RPC, which reports what is wrong with the peer). Never throws.
+// `function`: kAttach (a stage worker's inbox) or kAttachReply (a driver's, below).
+std::shared_ptr<Outlet> attach_outlet(int to, int64_t pipe, std::chrono::milliseconds timeout,
+                                      const char* function = kAttach);
+
 // A driver's inbox for its pipeline's replies: the stage workers on its host write each step's reply there
 // (__tandem.pipeline.attach_reply asks for a ring in it) and complete the step's call with None. Made by the first
 // call (`create`); dropped by drop_driver_inbox when the pipeline goes.

@@ -17,7 +17,6 @@
 #include "absl/strings/str_cat.h"
 #include "tandem/sync/futex.h"
 #include "tandem/rpc/errors.h"
-#include "tandem/comm/detail/shm.h"
 #include "tandem/rpc/rpc.h"
 
 namespace tandem::pipeline::detail {
@@ -540,32 +539,6 @@ bool Outlet::send(const MailKey& key, const c10::IValue& value) {
   b->value.fetch_add(1, std::memory_order_seq_cst);
   if (b->sleepers.load(std::memory_order_seq_cst) > 0) futex_wake_all(&b->value);
   return true;
-}
-
-bool shared_memory_enabled() {
-  static const bool on = [] {
-    const char* v = std::getenv("TANDEM_PIPELINE_SHM");
-    return !(v && std::string(v) == "0");
-  }();
-  return on;
-}
-
-std::shared_ptr<Outlet> attach_outlet(int to, int64_t pipe, std::chrono::milliseconds timeout,
-                                      const char* function) {
-  if (!shared_memory_enabled()) return nullptr;
-  try {
-    rpc::Future f = rpc::call_and_wait(to, function,
-                                       {c10::IValue(pipe), c10::IValue(int64_t{rpc::get_worker_info().id}),
-                                        c10::IValue(comm::detail::host_place())},
-                                       timeout);
-    if (!f.status().ok()) return nullptr;
-    const auto ends = f.value().toIntVector();
-    if (ends.size() != 4) return nullptr;  // another host, or the peer takes no shared memory
-    auto o = Outlet::open(RingEnds{ends[0], ends[1], ends[2], ends[3]});
-    return o.ok() ? std::shared_ptr<Outlet>(std::move(*o)) : nullptr;
-  } catch (const std::exception&) {
-    return nullptr;
-  }
 }
 
 size_t encoded_size(const c10::IValue& value) {

@@ -99,17 +99,6 @@ class Outlet {
   size_t ring_bytes_ = 0;
 };
 
-// Same-host deliveries are on unless TANDEM_PIPELINE_SHM=0 (then every message goes by RPC: for comparing the two,
-// and for tests of the RPC path's failures).
-bool shared_memory_enabled();
-
-// Asks worker `to` for a ring in its inbox for pipeline `pipe` (__tandem.pipeline.attach) and opens it; null when
-// there is none to have (switched off, another host, the pipeline not held there, the call failed: the caller sends
-// by RPC, which reports what is wrong with the peer). Never throws.
-// `function`: kAttach (a stage worker's inbox) or kAttachReply (a driver's, runtime.h).
-std::shared_ptr<Outlet> attach_outlet(int to, int64_t pipe, std::chrono::milliseconds timeout,
-                                      const char* function = kAttach);
-
 // Tests: the encoding a ring carries, alone. encoded_size: the bytes `value` takes, 0 when it cannot be encoded.
 size_t encoded_size(const c10::IValue& value);
 void encode(const c10::IValue& value, uint8_t* out, size_t bytes);
