@@ -61,10 +61,6 @@ struct Pipeline::State {
   // of that shape send it no plan.
   std::set<std::pair<size_t, int>> plan_held ABSL_GUARDED_BY(step_mu);
   int64_t next_step ABSL_GUARDED_BY(step_mu) = 0;
-  // Same-host deliveries (detail/shm_p2p.h): by worker index, the driver's outlet into that worker's inbox, null when
-  // it has none (another host, the driver itself, switched off). Stage 0's micro-batches and the last stage's targets
-  // go through it when they fit, so that the plan carries no tensors.
-  std::map<size_t, std::shared_ptr<detail::Outlet>> outlets ABSL_GUARDED_BY(step_mu);
   // The workers on this host write their replies here (detail/runtime.h); made at the first step, null when shared
   // memory is off.
   std::shared_ptr<detail::Inbox> replies_inbox ABSL_GUARDED_BY(step_mu);
@@ -84,6 +80,7 @@ struct Pipeline::State {
 
   ~State() {
     detail::drop_driver_inbox(id);
+    detail::drop_outlets(id);
     if (!rpc::is_initialized()) return;
     for (int w : workers) (void)rpc::rpc_async(w, kRelease, id);  // best effort, not waited for
   }
@@ -215,15 +212,11 @@ struct Pipeline::State {
   bool send_by_ring(size_t w, const PipelineOptions& opts, int64_t step_id, bool first,
                     const std::vector<c10::IValue>& inputs, bool last, const std::vector<at::Tensor>& targets)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu) {
-    auto it = outlets.find(w);
-    if (it == outlets.end()) {
-      std::shared_ptr<detail::Outlet> o;
-      if (workers[w] != rpc::get_worker_info().id) {
-        o = detail::attach_outlet(workers[w], id, std::min(opts.timeout, std::chrono::milliseconds(5000)));
-      }
-      it = outlets.emplace(w, std::move(o)).first;
-    }
-    detail::Outlet* o = it->second.get();
+    // Same-host deliveries (detail/shm_p2p.h): the outlet into worker w's inbox, null when it has none (another
+    // host, the driver itself, switched off).
+    if (workers[w] == rpc::get_worker_info().id) return false;
+    const std::shared_ptr<detail::Outlet> o =
+        detail::attach_outlet(workers[w], id, std::min(opts.timeout, std::chrono::milliseconds(5000)));
     if (!o) return false;
     size_t bytes = 0;
     for (size_t k = 0; first && k < inputs.size(); ++k) bytes += detail::encoded_size(inputs[k]);

@@ -14,6 +14,7 @@
 #include <optional>
 #include <set>
 #include <thread>
+#include <tuple>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
@@ -117,13 +118,8 @@ struct PipeEntry {
   // summed over it each step).
   std::map<int, std::shared_ptr<comm::ProcessGroup>> replica_groups;
   std::shared_ptr<Executor> executor;
-  // Same-host deliveries (shm_p2p.h): this worker's inbox for the pipeline (made when a peer first asks), and its
-  // outlets into the peers' inboxes by rank, null for a peer that has none for it (another host, or switched off).
+  // Same-host deliveries (shm_p2p.h): this worker's inbox for the pipeline (made when a peer first asks).
   std::shared_ptr<Inbox> inbox;
-  std::map<int, std::shared_ptr<Outlet>> outlets;
-  // The outlet into the driver's inbox for the replies (runtime.h), once asked for; null: replies go by RPC.
-  std::shared_ptr<Outlet> driver_outlet;
-  bool driver_outlet_known = false;
 };
 
 void sweep_loop();
@@ -157,22 +153,23 @@ auto with_pipe(int64_t pipe, F f) {
   auto it = s.pipes.find(pipe);
   return f(it == s.pipes.end() ? nullptr : &it->second);
 }
-// The outlet for this worker's replies to `driver` about `pipe`: asked for at the first reply, then kept with the
-// pipeline. Null when the replies go by RPC (the driver is this process, another host, switched off).
+// The outlet for this worker's replies to `driver` about `pipe`; null when the replies go by RPC (the driver is this
+// process, another host, switched off).
 std::shared_ptr<Outlet> reply_outlet(int64_t pipe, int driver, std::chrono::milliseconds timeout) {
-  bool known = false;
-  std::shared_ptr<Outlet> o = with_pipe(pipe, [&](PipeEntry* e) -> std::shared_ptr<Outlet> {
-    if (!e) return nullptr;
-    known = e->driver_outlet_known;
-    return e->driver_outlet;
-  });
-  if (known) return o;
-  if (driver != rpc::get_worker_info().id) o = attach_outlet(driver, pipe, timeout, kAttachReply);
-  with_pipe(pipe, [&](PipeEntry* e) {
-    if (e) e->driver_outlet = o, e->driver_outlet_known = true;
-    return 0;
-  });
-  return o;
+  if (driver == rpc::get_worker_info().id) return nullptr;
+  return attach_outlet(driver, pipe, timeout, kAttachReply);
+}
+
+// This process's outlets by (pipeline, receiving rank, the attach function), null where there is none: one per ring,
+// shared by whoever in the process sends into it (a driver that also holds a stage writes micro-batches where its
+// stage writes activations), so that each ring has one writer object, which serialises its sends.
+struct Outlets {
+  Mutex mu;
+  std::map<std::tuple<int64_t, int, std::string>, std::shared_ptr<Outlet>> by ABSL_GUARDED_BY(mu);
+};
+Outlets& outlets() {
+  static auto* o = new Outlets;  // never destroyed: executors may send until exit
+  return *o;
 }
 
 struct DriverInboxes {
@@ -293,7 +290,7 @@ void release_pipes(const std::vector<int64_t>& pipes) {
       s.pipes.erase(it);
     }
   }
-  for (int64_t pipe : pipes) Mailbox::get().release(pipe);
+  for (int64_t pipe : pipes) Mailbox::get().release(pipe), drop_outlets(pipe);
   for (auto& e : gone) {
     if (e.executor) e.executor->stop();
   }
@@ -621,20 +618,7 @@ class Run {
   // sends to `to` asks it for its ring (one call, within the step's deadline); the answer is kept with the pipeline.
   Outlet* outlet(int to) {
     if (auto it = outlets_.find(to); it != outlets_.end()) return it->second.get();
-    bool known = false;
-    std::shared_ptr<Outlet> o = with_pipe(p_.pipe, [&](PipeEntry* e) -> std::shared_ptr<Outlet> {
-      if (!e) return nullptr;
-      auto it = e->outlets.find(to);
-      known = it != e->outlets.end();
-      return known ? it->second : nullptr;
-    });
-    if (!known) {
-      o = attach_outlet(to, p_.pipe, std::min(remaining(), std::chrono::milliseconds(5000)));
-      with_pipe(p_.pipe, [&](PipeEntry* e) {
-        if (e) e->outlets[to] = o;
-        return 0;
-      });
-    }
+    std::shared_ptr<Outlet> o = attach_outlet(to, p_.pipe, std::min(remaining(), std::chrono::milliseconds(5000)));
     return (outlets_[to] = std::move(o)).get();
   }
 
@@ -776,7 +760,7 @@ class Run {
   std::vector<std::string> stage_names_;
   std::map<int, StageRun> runs_;
   std::vector<rpc::Future> sends_;
-  std::map<int, std::shared_ptr<Outlet>> outlets_;  // this run's, by rank: from the pipeline's, or attached now
+  std::map<int, std::shared_ptr<Outlet>> outlets_;  // this run's, by rank (attach_outlet's)
   struct Reduction {
     int stage = 0;
     int replicas = 0;
@@ -1116,18 +1100,41 @@ bool shared_memory_enabled() {
 std::shared_ptr<Outlet> attach_outlet(int to, int64_t pipe, std::chrono::milliseconds timeout,
                                       const char* function) {
   if (!shared_memory_enabled()) return nullptr;
+  const auto key = std::make_tuple(pipe, to, std::string(function));
+  Outlets& all = outlets();
+  {
+    MutexLock lock(&all.mu);
+    if (auto it = all.by.find(key); it != all.by.end()) return it->second;
+  }
+  std::shared_ptr<Outlet> o;
   try {
     rpc::Future f = rpc::call_and_wait(to, function,
                                        {c10::IValue(pipe), c10::IValue(int64_t{rpc::get_worker_info().id}),
                                         c10::IValue(comm::detail::host_place())},
                                        timeout);
-    if (!f.status().ok()) return nullptr;
-    const auto ends = f.value().toIntVector();
-    if (ends.size() != 4) return nullptr;  // another host, or the peer takes no shared memory
-    auto o = Outlet::open(RingEnds{ends[0], ends[1], ends[2], ends[3]});
-    return o.ok() ? std::shared_ptr<Outlet>(std::move(*o)) : nullptr;
+    const auto ends = f.status().ok() ? f.value().toIntVector() : std::vector<int64_t>{};
+    if (ends.size() == 4) {  // else another host, or the peer takes no shared memory
+      auto opened = Outlet::open(RingEnds{ends[0], ends[1], ends[2], ends[3]});
+      if (opened.ok()) o = std::move(*opened);
+    }
   } catch (const std::exception&) {
-    return nullptr;
+    o = nullptr;  // the messages go by RPC, which reports what is wrong with the peer
+  }
+  MutexLock lock(&all.mu);
+  return all.by.emplace(key, std::move(o)).first->second;  // another thread's, if it came first
+}
+
+void drop_outlets(int64_t pipe) {
+  std::vector<std::shared_ptr<Outlet>> gone;  // unmapped outside the lock
+  Outlets& all = outlets();
+  MutexLock lock(&all.mu);
+  for (auto it = all.by.begin(); it != all.by.end();) {
+    if (std::get<0>(it->first) != pipe) {
+      ++it;
+      continue;
+    }
+    gone.push_back(std::move(it->second));
+    it = all.by.erase(it);
   }
 }
 

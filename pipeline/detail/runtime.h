@@ -27,12 +27,14 @@ class Outlet;
 // and for tests of the RPC path's failures).
 bool shared_memory_enabled();
 
-// Asks worker `to` for a ring in its inbox for pipeline `pipe` (__tandem.pipeline.attach) and opens it; null when
-// there is none to have (switched off, another host, the pipeline not held there, the call failed: the caller sends
-// by RPC, which reports what is wrong with the peer). Never throws.
+// Asks worker `to` for a ring in its inbox for pipeline `pipe` (__tandem.pipeline.attach) and opens it, once per
+// process: every caller gets the same outlet (its sends are serialised), or the same null when there is none to have
+// (switched off, another host, the pipeline not held there, the call failed: the caller sends by RPC, which reports
+// what is wrong with the peer). drop_outlets() forgets a pipeline's. Never throws.
 // `function`: kAttach (a stage worker's inbox) or kAttachReply (a driver's, below).
 std::shared_ptr<Outlet> attach_outlet(int to, int64_t pipe, std::chrono::milliseconds timeout,
                                       const char* function = kAttach);
+void drop_outlets(int64_t pipe);
 
 // A driver's inbox for its pipeline's replies: the stage workers on its host write each step's reply there
 // (__tandem.pipeline.attach_reply asks for a ring in it) and complete the step's call with None. Made by the first

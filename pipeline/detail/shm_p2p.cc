@@ -513,6 +513,7 @@ bool Outlet::send(const MailKey& key, const c10::IValue& value) {
   const uint64_t cap = Inbox::kRingBytes;
   const uint64_t len = align_up(kValueAt + sizer.size(), kAlign);
   if (len > cap / 2) return false;
+  std::lock_guard<std::mutex> lock(send_mu_);
   auto* h = static_cast<RingHeader*>(ring_map_);
   uint8_t* data = static_cast<uint8_t*>(ring_map_) + kRingHeaderBytes;
   uint64_t tail = h->tail.load(std::memory_order_relaxed);

@@ -12,7 +12,8 @@
 // error naming its sender, never a crash.
 //
 // Thread-safety: Inbox::drain() from one thread at a time (the pipeline's executor; others wait); ring(), bell() and
-// ends_for() from any thread. An Outlet's send() from one thread at a time.
+// ends_for() from any thread. An Outlet's send() from any thread (sends are serialised: one ring, one writer); two
+// Outlets of one ring must not send at once (runtime.h's attach_outlet gives each ring one per process).
 #pragma once
 
 #include <ATen/core/ivalue.h>
@@ -94,6 +95,7 @@ class Outlet {
 
  private:
   Outlet() = default;
+  std::mutex send_mu_;
   void* bell_map_ = nullptr;
   void* ring_map_ = nullptr;
   size_t ring_bytes_ = 0;
