@@ -218,17 +218,13 @@ struct Pipeline::State {
     const std::shared_ptr<detail::Outlet> o =
         detail::attach_outlet(workers[w], id, std::min(opts.timeout, std::chrono::milliseconds(5000)));
     if (!o) return false;
-    size_t bytes = 0;
-    for (size_t k = 0; first && k < inputs.size(); ++k) bytes += detail::encoded_size(inputs[k]);
-    for (size_t k = 0; last && k < targets.size(); ++k) bytes += detail::encoded_size(c10::IValue(targets[k]));
+    const c10::IValue all_inputs = first ? c10::IValue(c10::ivalue::Tuple::create(inputs)) : c10::IValue();
+    const c10::IValue all_targets = last ? c10::IValue(targets) : c10::IValue();
+    const size_t bytes = (first ? detail::encoded_size(all_inputs) : 0) + (last ? detail::encoded_size(all_targets) : 0);
     if (bytes == 0 || bytes > detail::Inbox::kRingBytes / 2) return false;
     const int n = static_cast<int>(stage_rank.size());
-    for (size_t k = 0; first && k < inputs.size(); ++k) {
-      if (!o->send(detail::input_key(id, step_id, static_cast<int>(k)), inputs[k])) return false;
-    }
-    for (size_t k = 0; last && k < targets.size(); ++k) {
-      if (!o->send(detail::target_key(id, step_id, n, static_cast<int>(k)), c10::IValue(targets[k]))) return false;
-    }
+    if (first && !o->send(detail::inputs_key(id, step_id), all_inputs)) return false;
+    if (last && !o->send(detail::targets_key(id, step_id, n), all_targets)) return false;
     return true;
   }
 

@@ -38,11 +38,12 @@ struct MailKey {
   }
 };
 
-// Stage 0 receives no activation and the last stage no gradient: under their keys the driver's shared-memory
-// deliveries bring the batch's micro-batches (input_key) and the targets (target_key) when the plan does not.
-inline MailKey input_key(int64_t pipe, int64_t step, int mb) { return MailKey{pipe, step, 0, mb, false}; }
-inline MailKey target_key(int64_t pipe, int64_t step, int n_stages, int mb) {
-  return MailKey{pipe, step, n_stages - 1, mb, true};
+// Stage 0 receives no activation and the last stage no gradient: under their keys (micro-batch -1) the driver's
+// shared-memory deliveries bring, when the plan does not, all of the batch's micro-batches (inputs_key: a tuple of
+// each one's arguments) and all targets (targets_key: a list of tensors), one message each.
+inline MailKey inputs_key(int64_t pipe, int64_t step) { return MailKey{pipe, step, 0, -1, false}; }
+inline MailKey targets_key(int64_t pipe, int64_t step, int n_stages) {
+  return MailKey{pipe, step, n_stages - 1, -1, true};
 }
 
 // The stage of the key under which worker `rank`'s word that it finished its run of a step arrives (a stage index

@@ -664,10 +664,10 @@ class Run {
     return *std::move(got);
   }
 
-  // Micro-batch a.microbatch's input (stage 0) or target (the last stage), written by the driver into this worker's
-  // inbox before it sent the plan.
-  c10::IValue from_driver(const MailKey& key, const char* what, const Action& a) {
-    auto got = Mailbox::get().take(key, deadline_, absl::StrCat("the driver's ", what, " ", a.microbatch));
+  // The step's micro-batches (stage 0) or targets (the last stage), written by the driver into this worker's inbox
+  // before it sent the plan.
+  c10::IValue from_driver(const MailKey& key, const char* what) {
+    auto got = Mailbox::get().take(key, deadline_, absl::StrCat("the driver's ", what));
     throw_if_error(got.status());
     return *std::move(got);
   }
@@ -686,9 +686,17 @@ class Run {
 
   void forward(StageRun& run, const Action& a, int n, const LossFn& loss, int64_t batch) {
     const bool last = a.stage == n - 1;
-    Args x = a.stage != 0   ? args_of(receive(a.stage, a.microbatch, false))
-             : p_.by_ring ? args_of(from_driver(input_key(p_.pipe, p_.step, a.microbatch), "micro-batch", a))
-                          : p_.inputs.at(a.microbatch);
+    if (a.stage == 0 && p_.by_ring && p_.inputs.empty()) {
+      c10::IValue all = from_driver(inputs_key(p_.pipe, p_.step), "micro-batches");
+      if (!all.isTuple() || all.toTupleRef().elements().size() != p_.sizes.size()) {
+        throw_error(absl::StatusCode::kInvalidArgument, a, "the driver's micro-batches are malformed");
+      }
+      for (const c10::IValue& e : all.toTupleRef().elements()) {
+        if (!e.isTuple()) throw_error(absl::StatusCode::kInvalidArgument, a, "a micro-batch is not a tuple");
+        p_.inputs.push_back(args_of(e));
+      }
+    }
+    Args x = a.stage != 0 ? args_of(receive(a.stage, a.microbatch, false)) : p_.inputs.at(a.microbatch);
     compute_start_ = now_us();
     Live live;
     c10::IValue out = forward_microbatch(*run.stage, std::move(x), a.stage == 0, p_.checkpoint && !last, &live);
@@ -698,15 +706,14 @@ class Run {
              absl::StrCat("the last stage returned a ", out.tagKind(), ": it returns one tensor, for the loss"));
       }
       const double share = static_cast<double>(p_.sizes[a.microbatch]) / static_cast<double>(batch);
-      at::Tensor target;
-      if (p_.by_ring) {
-        c10::IValue t = from_driver(target_key(p_.pipe, p_.step, n, a.microbatch), "target", a);
-        if (!t.isTensor()) throw_error(absl::StatusCode::kInvalidArgument, a, "the target is not a tensor");
-        target = t.toTensor();
-      } else {
-        target = p_.targets.at(a.microbatch);
+      if (p_.by_ring && p_.targets.empty()) {
+        c10::IValue all = from_driver(targets_key(p_.pipe, p_.step, n), "targets");
+        if (!all.isTensorList() || all.toTensorList().size() != p_.sizes.size()) {
+          throw_error(absl::StatusCode::kInvalidArgument, a, "the driver's targets are malformed");
+        }
+        p_.targets = all.toTensorVector();
       }
-      at::Tensor l = loss(out.toTensor(), target) * share;
+      at::Tensor l = loss(out.toTensor(), p_.targets.at(a.microbatch)) * share;
       loss_ += l.item<double>();
       live.output = l;
     } else {
