@@ -1151,7 +1151,13 @@ std::shared_ptr<Inbox> driver_inbox(int64_t pipe, bool create) {
   auto it = d.by_pipe.find(pipe);
   if (it != d.by_pipe.end()) return it->second;
   if (!create || !shared_memory_enabled()) return nullptr;
-  return d.by_pipe[pipe] = std::make_shared<Inbox>();
+  std::shared_ptr<Inbox> inbox;
+  try {
+    inbox = std::make_shared<Inbox>();
+  } catch (const std::exception&) {
+    // No shared memory here (memfd refused, out of descriptors): the replies come by RPC. Kept as null.
+  }
+  return d.by_pipe[pipe] = inbox;
 }
 
 void drop_driver_inbox(int64_t pipe) {

@@ -199,7 +199,7 @@ class Reader {
         pad(8);
         const uint64_t n = count(1);
         std::vector<c10::IValue> e;
-        e.reserve(n);
+        e.reserve(std::min<uint64_t>(n, 1024));  // nested tuples must not reserve more than their bytes justify
         for (uint64_t i = 0; i < n; ++i) e.push_back(value(depth + 1));
         return c10::ivalue::Tuple::create(std::move(e));
       }
@@ -228,7 +228,7 @@ class Reader {
         pad(8);
         const uint64_t n = count(8);
         std::vector<at::Tensor> l;
-        l.reserve(n);
+        l.reserve(std::min<uint64_t>(n, 1024));
         for (uint64_t i = 0; i < n; ++i) l.push_back(tensor());
         return c10::IValue(std::move(l));
       }
@@ -257,7 +257,12 @@ class Reader {
     const uint64_t bytes = numel * c10::elementSize(dtype);
     need(bytes);
     at::Tensor t = at::empty(sizes, at::TensorOptions().dtype(dtype));
-    if (bytes > 0) std::memcpy(t.data_ptr(), base_ + pos_, bytes);
+    if (bytes > 0 && dtype == at::kBool) {  // a bool is 0 or 1 in memory: other bytes would be undefined in ATen
+      auto* out = static_cast<uint8_t*>(t.data_ptr());
+      for (uint64_t i = 0; i < bytes; ++i) out[i] = base_[pos_ + i] != 0;
+    } else if (bytes > 0) {
+      std::memcpy(t.data_ptr(), base_ + pos_, bytes);
+    }
     pos_ += bytes;
     if (requires_grad) t.set_requires_grad(true);
     return t;
@@ -300,21 +305,21 @@ static_assert(sizeof(WireKey) == 32);
 constexpr size_t kRecordHeader = 8;                                  // length (u32) and kind (u32)
 constexpr size_t kValueAt = align_up(kRecordHeader + sizeof(WireKey), kAlign);  // the value's offset in a record
 
-// A memfd of `bytes`, mapped and faulted in. Throws RpcError.
+// A memfd of `bytes`, its size sealed (a peer that opens it cannot shrink it under the receiver's reads), mapped and
+// faulted in. Throws RpcError; *fd is -1 then.
 void* make_segment(const char* name, size_t bytes, int* fd) {
-  *fd = static_cast<int>(syscall(SYS_memfd_create, name, MFD_CLOEXEC));
+  *fd = static_cast<int>(syscall(SYS_memfd_create, name, MFD_CLOEXEC | MFD_ALLOW_SEALING));
   if (*fd < 0) throw RpcError(absl::InternalError(errno_text("memfd_create")));
-  if (ftruncate(*fd, static_cast<off_t>(bytes)) != 0) {
-    const std::string e = errno_text("ftruncate");
+  auto fail_with = [fd](const char* what) {
+    const std::string e = errno_text(what);
     close(*fd);
+    *fd = -1;
     throw RpcError(absl::InternalError(e));
-  }
+  };
+  if (ftruncate(*fd, static_cast<off_t>(bytes)) != 0) fail_with("ftruncate");
+  if (fcntl(*fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) fail_with("fcntl F_ADD_SEALS");
   void* base = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, *fd, 0);
-  if (base == MAP_FAILED) {
-    const std::string e = errno_text("mmap");
-    close(*fd);
-    throw RpcError(absl::InternalError(e));
-  }
+  if (base == MAP_FAILED) fail_with("mmap");
   return base;
 }
 
@@ -450,10 +455,12 @@ absl::Status Inbox::drain(std::vector<std::tuple<MailKey, c10::IValue, int>>* ou
       if (tail < head || tail - head > cap) malformed(absl::StrCat("ring positions ", head, " and ", tail));
       while (head < tail) {
         const uint64_t at = head % cap;
+        if (head % 8 != 0 || tail - head < kRecordHeader) malformed(absl::StrCat("ring position ", head));
         uint32_t len = 0, kind = 0;
         std::memcpy(&len, r.data() + at, 4);
         std::memcpy(&kind, r.data() + at + 4, 4);
-        if (len < kRecordHeader || len % 8 != 0 || len > cap - at || len > tail - head) {
+        if (len < kRecordHeader || len % 8 != 0 || len > cap - at || len > tail - head ||
+            (kind == kRecord && len > cap / 2)) {
           malformed(absl::StrCat("a record of ", len, " bytes at ", at));
         }
         if (kind == kRecord) {

@@ -175,6 +175,7 @@ TEST(UnitPipelineShm, MalformedMemoryFailsTheReceiveNamingTheSender) {
   const std::string path = absl::StrCat("/proc/self/fd/", ends.ring_fd);
   const int fd = open(path.c_str(), O_RDWR);
   ASSERT_GE(fd, 0);
+  EXPECT_NE(ftruncate(fd, 0), 0) << "the ring's size is sealed: a peer cannot shrink it under the receiver";
   const size_t bytes = 256 + Inbox::kRingBytes;
   auto* base = static_cast<uint8_t*>(mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0));
   close(fd);
