@@ -61,10 +61,9 @@ struct Pipeline::State {
   // of that shape send it no plan.
   std::set<std::pair<size_t, int>> plan_held ABSL_GUARDED_BY(step_mu);
   int64_t next_step ABSL_GUARDED_BY(step_mu) = 0;
-  // The workers on this host write their replies here (detail/runtime.h); made at the first step, null when shared
-  // memory is off.
+  // The workers on this host write their replies here (detail/runtime.h keeps it for the pipeline, made at the first
+  // step); null when shared memory is off.
   std::shared_ptr<detail::Inbox> replies_inbox ABSL_GUARDED_BY(step_mu);
-  bool replies_inbox_made ABSL_GUARDED_BY(step_mu) = false;
 
   // What other threads read or change while a step runs (options(), last_stats(), set_record_timeline()): held only
   // briefly, so they need not wait for the step. Taken after step_mu when both are held.
@@ -173,7 +172,7 @@ struct Pipeline::State {
     const int64_t step_id = next_step++;
     std::vector<int64_t> ranks(stage_rank.begin(), stage_rank.end());
     const auto t0 = Clock::now();
-    if (!replies_inbox_made) replies_inbox = detail::driver_inbox(id, true), replies_inbox_made = true;
+    replies_inbox = detail::driver_inbox(id, true);
     std::vector<rpc::Future> replies;
     for (size_t w = 0; w < workers.size(); ++w) {
       // The plan goes once per shape (the number of micro-batches); then the worker has it.

@@ -614,8 +614,9 @@ class Run {
     sends_.push_back(std::move(f));
   }
 
-  // The outlet into worker `to`'s inbox for this pipeline, or null (messages to it go by RPC). The first run that
-  // sends to `to` asks it for its ring (one call, within the step's deadline); the answer is kept with the pipeline.
+  // The outlet into worker `to`'s inbox for this pipeline, or null (messages to it go by RPC). The first run in this
+  // process that sends to `to` asks it for its ring (one call, within the step's deadline); attach_outlet keeps the
+  // answer for the process until the pipeline goes, and this run keeps it by rank.
   Outlet* outlet(int to) {
     if (auto it = outlets_.find(to); it != outlets_.end()) return it->second.get();
     std::shared_ptr<Outlet> o = attach_outlet(to, p_.pipe, std::min(remaining(), std::chrono::milliseconds(5000)));
@@ -947,6 +948,14 @@ rpc::Future on_forward(int64_t pipe, int64_t index, std::vector<int64_t> ranks, 
   return result;
 }
 
+// The answer to kAttach and kAttachReply: [pid, bell fd, ring fd, token] of the ring for worker `from` in `inbox`,
+// or [] when there is no inbox for it (the peer then sends by RPC).
+c10::IValue ring_answer(Inbox* inbox, int64_t from) {
+  if (!inbox) return c10::IValue(std::vector<int64_t>{});
+  const RingEnds ends = inbox->ends_for(static_cast<int>(from));
+  return c10::IValue(std::vector<int64_t>{ends.pid, ends.bell_fd, ends.ring_fd, ends.token});
+}
+
 bool install() {
   throw_if_error(rpc::register_handler(kCreate, [](std::vector<c10::IValue>&& a) -> rpc::Future {
     if (a.size() != 8 || !a[0].isInt() || !a[1].isInt() || !a[2].isString() || !a[3].isList() || !a[4].isInt() ||
@@ -1040,8 +1049,7 @@ bool install() {
   // A peer's request for a ring in this worker's inbox for `pipe`: [pid, bell fd, ring fd, token], or [] where
   // shared memory is not for it (another host, switched off, the pipeline not held here).
   rpc::register_function(kAttach, [](int64_t pipe, int64_t from, std::string place) -> c10::IValue {
-    const c10::IValue none(std::vector<int64_t>{});
-    if (!shared_memory_enabled() || place != comm::detail::host_place()) return none;
+    if (!shared_memory_enabled() || place != comm::detail::host_place()) return ring_answer(nullptr, from);
     std::shared_ptr<Inbox> inbox;
     bool made = false;
     with_pipe(pipe, [&](PipeEntry* e) {
@@ -1050,19 +1058,13 @@ bool install() {
       inbox = e->inbox;
       return 0;
     });
-    if (!inbox) return none;
-    if (made) Mailbox::get().set_inbox(pipe, inbox);
-    const RingEnds ends = inbox->ends_for(static_cast<int>(from));
-    return c10::IValue(std::vector<int64_t>{ends.pid, ends.bell_fd, ends.ring_fd, ends.token});
+    if (made && inbox) Mailbox::get().set_inbox(pipe, inbox);
+    return ring_answer(inbox.get(), from);
   });
   // A stage worker's request for a ring in this driver's inbox for `pipe`'s replies: as kAttach.
   rpc::register_function(kAttachReply, [](int64_t pipe, int64_t from, std::string place) -> c10::IValue {
-    const c10::IValue none(std::vector<int64_t>{});
-    if (!shared_memory_enabled() || place != comm::detail::host_place()) return none;
-    std::shared_ptr<Inbox> inbox = driver_inbox(pipe, false);
-    if (!inbox) return none;
-    const RingEnds ends = inbox->ends_for(static_cast<int>(from));
-    return c10::IValue(std::vector<int64_t>{ends.pid, ends.bell_fd, ends.ring_fd, ends.token});
+    if (!shared_memory_enabled() || place != comm::detail::host_place()) return ring_answer(nullptr, from);
+    return ring_answer(driver_inbox(pipe, false).get(), from);
   });
   rpc::register_function(kAbort, [](int64_t pipe, int64_t step, std::string reason) {
     Mailbox::get().abort(pipe, step, absl::AbortedError(reason));

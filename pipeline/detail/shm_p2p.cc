@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <random>
+#include <type_traits>
 
 #include "absl/strings/str_cat.h"
 #include "tandem/sync/futex.h"
@@ -97,24 +98,9 @@ class Writer {
         if (!value(x, depth + 1)) return false;
       return true;
     }
-    if (v.isIntList()) {
-      auto l = v.toIntList();
-      tag(kIntList), pad(8), put<uint64_t>(l.size());
-      for (int64_t x : l) put<int64_t>(x);
-      return true;
-    }
-    if (v.isDoubleList()) {
-      auto l = v.toDoubleList();
-      tag(kDoubleList), pad(8), put<uint64_t>(l.size());
-      for (double x : l) put<double>(x);
-      return true;
-    }
-    if (v.isBoolList()) {
-      auto l = v.toBoolList();
-      tag(kBoolList), pad(8), put<uint64_t>(l.size());
-      for (bool x : l) put<uint8_t>(x);
-      return true;
-    }
+    if (v.isIntList()) return list<int64_t, int64_t>(kIntList, v.toIntList()), true;
+    if (v.isDoubleList()) return list<double, double>(kDoubleList, v.toDoubleList()), true;
+    if (v.isBoolList()) return list<bool, uint8_t>(kBoolList, v.toBoolList()), true;
     if (v.isTensorList()) {
       auto l = v.toTensorList();
       tag(kTensorList), pad(8), put<uint64_t>(l.size());
@@ -126,6 +112,12 @@ class Writer {
   }
 
  private:
+  // A list of scalars: its count, then each element as a `Wire`.
+  template <typename Elem, typename Wire, typename List>
+  void list(Tag t, const List& l) {
+    tag(t), pad(8), put<uint64_t>(l.size());
+    for (Elem x : l) put<Wire>(static_cast<Wire>(x));
+  }
   bool tensor(const at::Tensor& t) {
     if (!t.defined() || t.device().type() != c10::DeviceType::CPU || t.layout() != c10::kStrided ||
         !carried_dtype(t.scalar_type()) || t.dim() > kMaxDims) {
@@ -203,27 +195,12 @@ class Reader {
         for (uint64_t i = 0; i < n; ++i) e.push_back(value(depth + 1));
         return c10::ivalue::Tuple::create(std::move(e));
       }
-      case kIntList: {
-        pad(8);
-        const uint64_t n = count(8);
-        std::vector<int64_t> l(n);
-        for (auto& x : l) x = get<int64_t>();
-        return c10::IValue(std::move(l));
-      }
-      case kDoubleList: {
-        pad(8);
-        const uint64_t n = count(8);
-        std::vector<double> l(n);
-        for (auto& x : l) x = get<double>();
-        return c10::IValue(std::move(l));
-      }
-      case kBoolList: {
-        pad(8);
-        const uint64_t n = count(1);
-        c10::List<bool> l;
-        for (uint64_t i = 0; i < n; ++i) l.push_back(get<uint8_t>() != 0);
-        return c10::IValue(std::move(l));
-      }
+      case kIntList:
+        return list<int64_t, int64_t>();
+      case kDoubleList:
+        return list<double, double>();
+      case kBoolList:
+        return list<bool, uint8_t>();
       case kTensorList: {
         pad(8);
         const uint64_t n = count(8);
@@ -238,6 +215,23 @@ class Reader {
   }
 
  private:
+  // What Writer::list wrote (a bool is any byte but 0: true).
+  template <typename Elem, typename Wire>
+  c10::IValue list() {
+    pad(8);
+    const uint64_t n = count(sizeof(Wire));
+    c10::List<Elem> l;
+    l.reserve(n);
+    for (uint64_t i = 0; i < n; ++i) {
+      const Wire x = get<Wire>();
+      if constexpr (std::is_same_v<Elem, bool>) {
+        l.push_back(x != 0);
+      } else {
+        l.push_back(x);
+      }
+    }
+    return c10::IValue(std::move(l));
+  }
   at::Tensor tensor() {
     const auto dtype = static_cast<at::ScalarType>(get<int8_t>());
     const int dims = get<uint8_t>();
