@@ -581,6 +581,17 @@ int64_t adopt_current_context() {
   return t_context;
 }
 
+void share_context(int64_t context_id, int worker) {
+  auto ctx = Container::get().find(context_id);
+  if (!ctx) {
+    throw RpcError(absl::NotFoundError(
+        absl::StrCat("distributed autograd context ", context_id, " does not exist on worker '", worker_name(), "'")));
+  }
+  ctx->add_worker(worker);
+}
+
+void adopt_context(int64_t context_id, int origin) { Container::get().get_or_create(context_id)->add_worker(origin); }
+
 rpc::Future release_context(int64_t context_id) { return release_on(context_id, -1); }
 
 Stats stats() { return Stats{Container::get().size(), Container::get().failed_releases.load()}; }

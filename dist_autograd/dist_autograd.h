@@ -99,6 +99,14 @@ void add_gradient(int64_t context_id, const at::Tensor& leaf, const at::Tensor& 
 // when this thread serves no call made in a context. Thread-safe.
 int64_t adopt_current_context();
 
+// For work sent to another worker without a call (a pipeline step through shared memory): on the sender,
+// share_context records that `worker` holds a part of the context, so that its release reaches it; on that worker,
+// adopt_context makes the context known here as a call made in it from `origin` would (its gradients may then be
+// added). The sender shares before it sends. Throws tandem::Error: NOT_FOUND when the sender does not know the
+// context. Thread-safe.
+void share_context(int64_t context_id, int worker);
+void adopt_context(int64_t context_id, int origin);
+
 // Releases a context here and, asynchronously, on every worker it touched; the future completes when all did.
 rpc::Future release_context(int64_t context_id);
 

@@ -6,6 +6,10 @@
 #include <ATen/ATen.h>
 #include <torch/nn/modules/container/sequential.h>
 
+#include <poll.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <map>
 #include <optional>
@@ -64,6 +68,10 @@ struct Pipeline::State {
   // The workers on this host write their replies here (detail/runtime.h keeps it for the pipeline, made at the first
   // step); null when shared memory is off.
   std::shared_ptr<detail::Inbox> replies_inbox ABSL_GUARDED_BY(step_mu);
+  // Same-host steps without a call (detail/runtime.h: go_key), per worker index: a worker whose replies came through
+  // replies_inbox, and a pidfd of its process, which tells the wait at once when it exits (-1: none to be had).
+  std::set<size_t> replies_by_ring ABSL_GUARDED_BY(step_mu);
+  std::map<size_t, int> pidfds ABSL_GUARDED_BY(step_mu);
 
   // What other threads read or change while a step runs (options(), last_stats(), set_record_timeline()): held only
   // briefly, so they need not wait for the step. Taken after step_mu when both are held.
@@ -78,6 +86,9 @@ struct Pipeline::State {
   }
 
   ~State() {
+    for (const auto& [w, fd] : pidfds) {
+      if (fd >= 0) close(fd);
+    }
     detail::drop_driver_inbox(id);
     detail::drop_outlets(id);
     if (!rpc::is_initialized()) return;
@@ -153,7 +164,8 @@ struct Pipeline::State {
     int64_t step_id = 0;
     std::vector<int64_t> sizes;
     Clock::time_point t0;
-    std::vector<rpc::Future> replies;
+    std::vector<rpc::Future> replies;  // a direct worker's: never completed
+    std::vector<bool> direct;          // per worker: started without a call (go_key)
   };
 
   // Splits the batch and sends every worker its part of the step. `total_rows` > 0: a replica's step, whose losses
@@ -174,6 +186,7 @@ struct Pipeline::State {
     const auto t0 = Clock::now();
     replies_inbox = detail::driver_inbox(id, true);
     std::vector<rpc::Future> replies;
+    std::vector<bool> direct_workers;
     for (size_t w = 0; w < workers.size(); ++w) {
       // The plan goes once per shape (the number of micro-batches); then the worker has it.
       const bool held = plan_held.count({w, m}) > 0;
@@ -196,13 +209,23 @@ struct Pipeline::State {
       const std::vector<int64_t> flags{opts.checkpoint, opts.gradients == GradientsTo::kDotGrad,
                                        opts.record_timeline,  opts.timeout.count(),
                                        total_rows,      by_ring};
+      // A worker on this host that holds the plan, has its micro-batches or targets (if any) in its inbox and
+      // replied through the driver's inbox before: the step starts there without a call. Not for a replica (its
+      // ReplicatedPipeline watches every replica's calls to abandon them all at the first failure).
+      const bool direct = !replica && held && (by_ring || !(first || last)) && replies_by_ring.count(w) > 0 &&
+                          send_direct(w, opts, step_id, sizes, flags);
+      direct_workers.push_back(direct);
+      if (direct) {
+        replies.emplace_back(absl::Now() + absl::FromChrono(opts.timeout + kReplyMargin));
+        continue;
+      }
       replies.push_back(rpc::rpc_async(workers[w], kRun, id, step_id, actions, plan_ranks, sizes,
                                        first && !by_ring ? first_inputs : std::vector<c10::IValue>{},
                                        last && !by_ring ? ys : std::vector<at::Tensor>{},
                                        held ? std::string() : opts.loss, flags, ties, tie_names,
                                        opts.timeout + kReplyMargin));
     }
-    return Started{opts, m, step_id, sizes, t0, std::move(replies)};
+    return Started{opts, m, step_id, sizes, t0, std::move(replies), std::move(direct_workers)};
   }
 
   // Writes stage 0's micro-batches (`first`) and the last stage's targets (`last`) into worker w's inbox, keyed as
@@ -222,9 +245,30 @@ struct Pipeline::State {
     const size_t bytes = (first ? detail::encoded_size(all_inputs) : 0) + (last ? detail::encoded_size(all_targets) : 0);
     if (bytes == 0 || bytes > detail::Inbox::kRingBytes / 2) return false;
     const int n = static_cast<int>(stage_rank.size());
-    if (first && !o->send(detail::inputs_key(id, step_id), all_inputs)) return false;
-    if (last && !o->send(detail::targets_key(id, step_id, n), all_targets)) return false;
+    // Without a ring of the bell: the run there starts after these (on the call, or the go, sent next) and looks
+    // into the rings before it sleeps; a wake-up now would only take a core from the step's start.
+    if (first && !o->send(detail::inputs_key(id, step_id), all_inputs, false)) return false;
+    if (last && !o->send(detail::targets_key(id, step_id, n), all_targets, false)) return false;
     return true;
+  }
+
+  // Starts the step on worker w without a call: the driver's context is shared with it (its release reaches the
+  // worker), then (sizes, flags, context, this rank) goes into its inbox under detail::go_key. False when it cannot
+  // (no outlet or pidfd for it, the ring full): the call starts it instead.
+  bool send_direct(size_t w, const PipelineOptions& opts, int64_t step_id, const std::vector<int64_t>& sizes,
+                   const std::vector<int64_t>& flags) ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu) {
+    const int self = rpc::get_worker_info().id;
+    if (workers[w] == self || !replies_inbox) return false;
+    const std::shared_ptr<detail::Outlet> o =
+        detail::attach_outlet(workers[w], id, std::min(opts.timeout, std::chrono::milliseconds(5000)));
+    if (!o) return false;
+    auto [fd, fresh] = pidfds.try_emplace(w, -1);
+    if (fresh) fd->second = static_cast<int>(syscall(SYS_pidfd_open, static_cast<pid_t>(o->pid()), 0));
+    if (fd->second < 0) return false;
+    const int64_t context = dist_autograd::current_context();
+    if (opts.gradients == GradientsTo::kContext) dist_autograd::share_context(context, workers[w]);
+    return o->send(detail::go_key(id, step_id), c10::ivalue::Tuple::create({c10::IValue(sizes), c10::IValue(flags),
+                                                                            c10::IValue(context), c10::IValue(self)}));
   }
 
   // Waits for the workers' replies; returns the step's loss. Throws as step() does.
@@ -234,7 +278,7 @@ struct Pipeline::State {
     const std::vector<int64_t>& sizes = started.sizes;
     const std::vector<rpc::Future>& replies = started.replies;
     const auto t0 = started.t0;
-    const std::vector<c10::IValue> values = wait_all(opts, replies, started.step_id);
+    const std::vector<c10::IValue> values = wait_all(opts, started);
     for (size_t w = 0; w < workers.size(); ++w) plan_held.insert({w, m});
     StepStats step_stats;
     step_stats.step_ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
@@ -272,57 +316,61 @@ struct Pipeline::State {
     return loss;
   }
 
-  // wait_all's wait when the workers may reply through `bell`'s inbox: true once every worker's reply is in *values;
-  // false on a failure (a call failed; a malformed reply in the inbox, or one announced that is not there:
-  // *ring_error) or at the deadline.
-  template <typename Waiter>
-  bool wait_ring_replies(const std::vector<rpc::Future>& replies, int64_t step_id, Waiter& waiter,
-                         std::vector<c10::IValue>* values, std::string* ring_error, detail::Inbox* bell,
-                         Clock::time_point deadline) {
-    for (;;) {
-      const uint32_t seen = bell->bell();
-      std::vector<std::tuple<detail::MailKey, c10::IValue, int>> got;
-      const absl::Status drained = bell->drain(&got);
-      for (auto& [key, value, from] : got) {
-        if (key.pipe != id || key.step != step_id) continue;  // an earlier step's, which failed
-        auto it = std::find(workers.begin(), workers.end(), from);
-        if (it != workers.end()) (*values)[it - workers.begin()] = std::move(value);
+  // What the workers' replies came to so far, for wait_all: per worker its reply (None: not yet), or its error when
+  // it was started without a call (an error in the driver's inbox, or its process gone).
+  struct Replies {
+    std::vector<c10::IValue> values;
+    std::vector<absl::Status> direct_errors;
+    std::string ring_error;  // the driver's inbox held something malformed, or a reply announced is not there
+  };
+
+  // Takes what the replies' inbox holds for this step, the calls' replies, and whether each direct worker's process
+  // is still there.
+  void collect(const Started& st, detail::Inbox* bell, Replies* r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu) {
+    std::vector<std::tuple<detail::MailKey, c10::IValue, int>> got;
+    const absl::Status drained = bell->drain(&got);
+    for (auto& [key, value, from] : got) {
+      if (key.pipe != id || key.step != st.step_id) continue;  // an earlier step's, which failed
+      auto it = std::find(workers.begin(), workers.end(), from);
+      if (it == workers.end()) continue;
+      const size_t w = static_cast<size_t>(it - workers.begin());
+      if (value.isTuple() && value.toTupleRef().elements().size() == 3 && value.toTupleRef().elements()[0].isString() &&
+          value.toTupleRef().elements()[0].toStringRef() == detail::kErrorTag) {
+        const auto& e = value.toTupleRef().elements();
+        const int64_t code = e[1].isInt() ? e[1].toInt() : 2;
+        r->direct_errors[w] =
+            absl::Status(code > 0 && code <= 16 ? static_cast<absl::StatusCode>(code) : absl::StatusCode::kUnknown,
+                         e[2].isString() ? e[2].toStringRef() : "(no message)");
+        continue;
       }
-      if (!drained.ok()) {
-        *ring_error = absl::StrCat("a step reply in shared memory: ", drained.message());
-        return false;
-      }
-      {
-        MutexLock lock(&waiter.mu);
-        if (waiter.failed) return false;
-      }
-      bool complete = true;
-      for (size_t w = 0; w < replies.size(); ++w) {
-        if (!(*values)[w].isNone()) continue;
-        if (replies[w].completed() && replies[w].status().ok() && !replies[w].value().isNone()) {
-          (*values)[w] = replies[w].value();  // replied by RPC
-        } else {
-          complete = false;
+      r->values[w] = std::move(value);
+      replies_by_ring.insert(w);
+    }
+    if (!drained.ok() && r->ring_error.empty())
+      r->ring_error = absl::StrCat("a step reply in shared memory: ", drained.message());
+    for (size_t w = 0; w < workers.size(); ++w) {
+      if (!r->values[w].isNone()) continue;
+      if (!st.direct[w]) {
+        if (st.replies[w].completed() && st.replies[w].status().ok() && !st.replies[w].value().isNone()) {
+          r->values[w] = st.replies[w].value();  // replied by RPC
         }
+        continue;
       }
-      if (complete) return true;
-      if (Clock::now() >= deadline) {
-        for (size_t w = 0; w < replies.size(); ++w) {
-          if ((*values)[w].isNone() && replies[w].completed() && replies[w].status().ok()) {
-            *ring_error = describe_worker(workers[w]) + ": its reply is not in shared memory";
-          }
-        }
-        return false;
+      if (!r->direct_errors[w].ok()) continue;
+      pollfd p{pidfds.at(w), POLLIN, 0};
+      if (poll(&p, 1, 0) > 0) {
+        r->direct_errors[w] = absl::UnavailableError("its process exited during the step");
       }
-      bell->wait(seen, deadline, std::chrono::microseconds(0));  // the driver's core is the stages' meanwhile
     }
   }
 
   // Waits for every worker's reply and returns them: from the call, or from the replies' inbox when the call says
-  // the reply is there (None). On the first error, tells every worker to abandon the step, gathers the others'
-  // errors for a moment, and throws one RpcError naming them (the first failure's code).
-  std::vector<c10::IValue> wait_all(const PipelineOptions& opts, const std::vector<rpc::Future>& replies,
-                                    int64_t step_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu) {
+  // the reply is there (None) or the step went without a call. On the first error, tells every worker to abandon the
+  // step, gathers the others' errors for a moment, and throws one RpcError naming them (the first failure's code).
+  std::vector<c10::IValue> wait_all(const PipelineOptions& opts, const Started& st)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu) {
+    const std::vector<rpc::Future>& replies = st.replies;
+    const int64_t step_id = st.step_id;
     struct Waiter {
       explicit Waiter(size_t n) : expected(n) {}
       bool all_done() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { return done == expected; }
@@ -332,10 +380,12 @@ struct Pipeline::State {
       size_t done ABSL_GUARDED_BY(mu) = 0;
       bool failed ABSL_GUARDED_BY(mu) = false;
     };
-    auto waiter = std::make_shared<Waiter>(replies.size());
+    const size_t calls = static_cast<size_t>(std::count(st.direct.begin(), st.direct.end(), false));
+    auto waiter = std::make_shared<Waiter>(calls);
     std::shared_ptr<detail::Inbox> bell = replies_inbox;
-    for (const auto& f : replies) {
-      f.add_callback([waiter, bell](const rpc::Future& done) {
+    for (size_t w = 0; w < replies.size(); ++w) {
+      if (st.direct[w]) continue;
+      replies[w].add_callback([waiter, bell](const rpc::Future& done) {
         {
           MutexLock lock(&waiter->mu);
           ++waiter->done;
@@ -344,26 +394,66 @@ struct Pipeline::State {
         if (bell) bell->ring();
       });
     }
-    std::vector<c10::IValue> values(replies.size());
-    std::string ring_error;
+    Replies r;
+    r.values.resize(replies.size());
+    r.direct_errors.resize(replies.size());
+    const auto deadline = Clock::now() + opts.timeout + kReplyMargin;
+    // With workers started without a call the wait looks again every so often: their processes may exit unheard.
+    const auto slice = std::chrono::milliseconds(10);
+    auto failed = [&] {
+      MutexLock lock(&waiter->mu);
+      return waiter->failed || !r.ring_error.empty() ||
+             std::any_of(r.direct_errors.begin(), r.direct_errors.end(), [](const absl::Status& e) { return !e.ok(); });
+    };
+    auto all_in = [&] {
+      return std::all_of(r.values.begin(), r.values.end(), [](const c10::IValue& v) { return !v.isNone(); });
+    };
     if (!bell) {
       MutexLock lock(&waiter->mu);
       waiter->mu.AwaitWithTimeout(Condition(waiter.get(), &Waiter::settled),
                                   absl::FromChrono(opts.timeout + kReplyMargin));
       if (!waiter->failed && waiter->all_done()) {
-        for (size_t w = 0; w < replies.size(); ++w) values[w] = replies[w].value();
-        return values;
+        for (size_t w = 0; w < replies.size(); ++w) r.values[w] = replies[w].value();
+        return r.values;
       }
-    } else if (wait_ring_replies(replies, step_id, *waiter, &values, &ring_error, bell.get(),
-                                 Clock::now() + opts.timeout + kReplyMargin)) {
-      return values;
+    } else {
+      for (;;) {
+        const uint32_t seen = bell->bell();
+        collect(st, bell.get(), &r);
+        if (failed()) break;
+        if (all_in()) return r.values;
+        if (Clock::now() >= deadline) {
+          for (size_t w = 0; w < replies.size(); ++w) {
+            if (!st.direct[w] && r.values[w].isNone() && replies[w].completed() && replies[w].status().ok()) {
+              r.ring_error = describe_worker(workers[w]) + ": its reply is not in shared memory";
+            }
+          }
+          break;
+        }
+        // The driver's core is the stages' meanwhile: no spin.
+        bell->wait(seen, calls < replies.size() ? std::min(deadline, Clock::now() + slice) : deadline,
+                   std::chrono::microseconds(0));
+      }
     }
     for (int w : workers) {
       (void)rpc::rpc_async(w, kAbort, id, step_id, std::string("another stage failed"), kErrorGrace);
     }
-    {
-      MutexLock lock(&waiter->mu);
-      waiter->mu.AwaitWithTimeout(Condition(waiter.get(), &Waiter::all_done), absl::FromChrono(kErrorGrace));
+    // The others' errors, for a moment: the calls' and, from the workers started without one, the inbox's.
+    const auto grace = Clock::now() + kErrorGrace;
+    for (;;) {
+      const uint32_t seen = bell ? bell->bell() : 0;
+      if (bell) collect(st, bell.get(), &r);
+      bool settled = true;
+      for (size_t w = 0; w < replies.size(); ++w) {
+        settled &= st.direct[w] ? !r.values[w].isNone() || !r.direct_errors[w].ok() : replies[w].completed();
+      }
+      if (settled || Clock::now() >= grace) break;
+      if (bell) {
+        bell->wait(seen, std::min(grace, Clock::now() + slice), std::chrono::microseconds(0));
+      } else {
+        MutexLock lock(&waiter->mu);
+        waiter->mu.AwaitWithTimeout(Condition(waiter.get(), &Waiter::all_done), absl::FromChrono(grace - Clock::now()));
+      }
     }
     // The causes first; then the workers that abandoned the step on our request, which say what they were waiting
     // for (the micro-batch a dead or failed stage held up).
@@ -371,11 +461,19 @@ struct Pipeline::State {
     absl::StatusCode code = absl::StatusCode::kDeadlineExceeded;
     bool coded = false;
     for (size_t w = 0; w < replies.size(); ++w) {
-      if (!replies[w].completed()) {
+      absl::Status s;
+      if (st.direct[w]) {
+        s = r.direct_errors[w];
+        if (s.ok() && r.values[w].isNone()) {
+          errors.push_back(describe_worker(workers[w]) + ": no reply within the step's timeout");
+          continue;
+        }
+      } else if (!replies[w].completed()) {
         errors.push_back(describe_worker(workers[w]) + ": no reply within the step's timeout");
         continue;
+      } else {
+        s = replies[w].status();
       }
-      absl::Status s = replies[w].status();
       if (s.ok()) continue;
       const std::string line = describe_worker(workers[w]) + ": " + std::string(s.message());
       if (s.code() == absl::StatusCode::kAborted) {
@@ -385,8 +483,8 @@ struct Pipeline::State {
       if (!coded) code = s.code(), coded = true;
       errors.push_back(line);
     }
-    if (!ring_error.empty()) {
-      errors.insert(errors.begin(), ring_error);
+    if (!r.ring_error.empty()) {
+      errors.insert(errors.begin(), r.ring_error);
       if (!coded) code = absl::StatusCode::kInternal;
     }
     if (errors.empty()) errors.push_back("a worker failed and no other error was reported");
@@ -706,13 +804,15 @@ double ReplicatedPipeline::step(const at::Tensor& input, const at::Tensor& targe
     bool settled() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { return failed || left == 0; }
   };
   auto watch = std::make_shared<Watch>();
+  // Calls only: a worker started without one (a pipeline of one replica on one host) is watched by end_step.
   {
     MutexLock lock(&watch->mu);
-    for (const auto& s : started) watch->left += s.replies.size();
+    for (const auto& s : started) watch->left += std::count(s.direct.begin(), s.direct.end(), false);
   }
   for (const auto& s : started) {
-    for (const auto& f : s.replies) {
-      f.add_callback([watch](const rpc::Future& done) {
+    for (size_t w = 0; w < s.replies.size(); ++w) {
+      if (s.direct[w]) continue;
+      s.replies[w].add_callback([watch](const rpc::Future& done) {
         MutexLock lock(&watch->mu);
         --watch->left;
         watch->failed |= !done.status().ok();

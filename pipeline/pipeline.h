@@ -31,7 +31,9 @@
 // between them) are the gradients added to the caller's distributed autograd context on each stage's worker (or to
 // the parameters' .grad, by option); then each worker replies. Between processes of one host these messages, stage
 // 0's micro-batches, the last stage's targets and the replies go through shared memory (a ring per sender in each
-// receiver's inbox, a futex to wake it; docs/pipeline.md), elsewhere by RPC. TANDEM_PIPELINE_SHM=0 turns that off.
+// receiver's inbox, a futex to wake it; docs/pipeline.md), elsewhere by RPC; from the second step of a shape on, the
+// step itself goes there too, with no call to the workers of the driver's host (their processes watched through
+// pidfds while the driver waits). TANDEM_PIPELINE_SHM=0 turns that off.
 //
 // Checkpointing (PipelineOptions::checkpoint) gives the same loss, gradients and buffers as without: the recompute in
 // backward starts from the CPU generator's state of the first forward (dropout draws the same mask; the generator then

@@ -38,6 +38,9 @@ inline constexpr std::chrono::milliseconds kDriverCheck{1000};
 // A worker's reply (its own error naming stage and micro-batch) must reach the driver before the driver's own wait
 // on that worker runs out: the RPC carrying a plan gets the step's timeout plus this.
 inline constexpr std::chrono::milliseconds kReplyMargin{2000};
+// A step started without a call (runtime.h: go_key) that failed on a worker: its reply in the driver's inbox is
+// (kErrorTag, status code, message).
+inline constexpr const char* kErrorTag = "__tandem.pipeline.error";
 // After the first failure, how long the driver waits for the other workers' errors (which name, e.g., the
 // micro-batch a dead worker's neighbour could not send) before it reports.
 inline constexpr std::chrono::milliseconds kErrorGrace{2000};

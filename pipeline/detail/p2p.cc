@@ -143,6 +143,32 @@ absl::StatusOr<c10::IValue> Mailbox::take(const MailKey& key, Clock::time_point 
   }
 }
 
+absl::StatusOr<std::optional<std::pair<int64_t, c10::IValue>>> Mailbox::take_go(int64_t pipe) {
+  std::shared_ptr<Inbox> inbox;
+  {
+    MutexLock lock(&mu_);
+    if (auto it = inboxes_.find(pipe); it != inboxes_.end()) inbox = it->second;
+  }
+  if (inbox) {
+    std::vector<std::tuple<MailKey, c10::IValue, int>> got;
+    absl::Status drained = inbox->drain(&got);
+    for (auto& [k, v, from] : got) put(k, std::move(v));
+    if (!drained.ok()) return drained;
+  }
+  MutexLock lock(&mu_);
+  for (auto it = slots_.lower_bound(MailKey{pipe, std::numeric_limits<int64_t>::min(), kGoStage, 0, false});
+       it != slots_.end() && it->first.pipe == pipe; ++it) {
+    Slot& slot = it->second;
+    if (it->first.stage != kGoStage || !slot.arrived) continue;
+    c10::IValue v = std::move(slot.value);
+    slot.value = c10::IValue();
+    slot.arrived = false;
+    slot.taken = true;  // until the step ends here: a second delivery is dropped
+    return std::optional<std::pair<int64_t, c10::IValue>>(std::make_pair(it->first.step, std::move(v)));
+  }
+  return std::optional<std::pair<int64_t, c10::IValue>>();
+}
+
 Inbox* Mailbox::inbox_of_locked(int64_t pipe) const {
   auto it = inboxes_.find(pipe);
   return it == inboxes_.end() ? nullptr : it->second.get();

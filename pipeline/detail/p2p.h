@@ -12,8 +12,10 @@
 
 #include <cstdint>
 #include <deque>
+#include <limits>
 #include <map>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <tuple>
@@ -46,6 +48,11 @@ inline MailKey targets_key(int64_t pipe, int64_t step, int n_stages) {
   return MailKey{pipe, step, n_stages - 1, -1, true};
 }
 
+// A step the driver on this host starts without a call (runtime.cc, run_direct): its value is (sizes, flags as the
+// call's, the driver's distributed autograd context, the driver's rank). Under a stage no worker's word uses.
+constexpr int kGoStage = std::numeric_limits<int>::min();
+inline MailKey go_key(int64_t pipe, int64_t step) { return MailKey{pipe, step, kGoStage, 0, false}; }
+
 // The stage of the key under which worker `rank`'s word that it finished its run of a step arrives (a stage index
 // below zero: no stage's).
 inline int finished_key(int rank) { return -1 - rank; }
@@ -62,6 +69,9 @@ class Mailbox {
   // The value for `key`, or an error: the step was abandoned (its reason), RPC stopped, the pipeline was released,
   // or nothing came by `deadline` (DEADLINE_EXCEEDED). `what` names the message in the error.
   absl::StatusOr<c10::IValue> take(const MailKey& key, Clock::time_point deadline, const std::string& what);
+  // Without waiting: the earliest go (go_key) of `pipe` delivered and not yet taken, as (step, value), after moving
+  // what the pipeline's inbox holds into the mailbox; an error when a ring held a malformed message (as take()).
+  absl::StatusOr<std::optional<std::pair<int64_t, c10::IValue>>> take_go(int64_t pipe);
   // The step is abandoned here: its waits end with `reason`, what is here of it goes, later deliveries are dropped.
   void abort(int64_t pipe, int64_t step, absl::Status reason);
   // The step's run ended here (it succeeded): what is left of it goes, later deliveries (duplicates) are dropped.

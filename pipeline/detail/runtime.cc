@@ -23,6 +23,7 @@
 #include "absl/time/time.h"
 #include "tandem/comm/process_group.h"
 #include "tandem/dist_autograd/dist_autograd.h"
+#include "tandem/log/log.h"
 #include "tandem/pipeline/detail/common.h"
 #include "tandem/comm/detail/shm.h"
 #include "tandem/pipeline/detail/p2p.h"
@@ -43,30 +44,46 @@ namespace {
 
 constexpr const char* kKindNames[] = {"forward", "backward", "backward (input gradient)", "backward (weight gradient)"};
 
+void run_direct(int64_t pipe, int64_t step, const c10::IValue& go);
+
 // Runs one pipeline's work on this worker, one task at a time in the order queued: a step's plan, an inference
 // micro-batch. So the run of step n + 1 never starts before the run of step n has ended here, and nothing of a
 // pipeline runs on an RPC server thread. stop() runs what is queued (those tasks fail fast: their pipeline is gone)
-// and joins the thread.
+// and joins the thread. Once the pipeline has an inbox on this host (set_inbox), the idle executor sleeps on its
+// bell instead (submit() and stop() ring it): a driver on this host may start a step there with no call (go_key,
+// run_direct).
 class Executor {
  public:
-  Executor() : thread_([this] { loop(); }) {}
+  explicit Executor(int64_t pipe) : pipe_(pipe), thread_([this] { loop(); }) {}
   ~Executor() { stop(); }
   Executor(const Executor&) = delete;
   Executor& operator=(const Executor&) = delete;
 
   // False when stopped.
   bool submit(std::function<void()> task) {
-    MutexLock lock(&mu_);
-    if (stopping_) return false;
-    queue_.push_back(std::move(task));
+    std::shared_ptr<Inbox> inbox;
+    {
+      MutexLock lock(&mu_);
+      if (stopping_) return false;
+      queue_.push_back(std::move(task));
+      inbox = inbox_;
+    }
+    if (inbox) inbox->ring();
     return true;
+  }
+  void set_inbox(std::shared_ptr<Inbox> inbox) {
+    MutexLock lock(&mu_);
+    inbox_ = std::move(inbox);
   }
   // Not from the executor's own thread.
   void stop() {
+    std::shared_ptr<Inbox> inbox;
     {
       MutexLock lock(&mu_);
       stopping_ = true;
+      inbox = inbox_;
     }
+    if (inbox) inbox->ring();
     std::call_once(joined_, [this] { thread_.join(); });
   }
 
@@ -74,20 +91,43 @@ class Executor {
   void loop() {
     for (;;) {
       std::function<void()> task;
+      std::shared_ptr<Inbox> inbox;
+      uint32_t seen = 0;
       {
         MutexLock lock(&mu_);
-        auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopping_ || !queue_.empty(); };
+        auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+          return stopping_ || !queue_.empty() || inbox_ != nullptr;
+        };
         mu_.Await(Condition(&ready));
-        if (queue_.empty()) return;  // stopping, and nothing left
-        task = std::move(queue_.front());
-        queue_.pop_front();
+        inbox = inbox_;
+        if (inbox) seen = inbox->bell();  // before looking: a ring after this ends the sleep below at once
+        if (queue_.empty() && stopping_) return;  // stopping, and nothing left
+        if (!queue_.empty()) {
+          task = std::move(queue_.front());
+          queue_.pop_front();
+        }
       }
-      task();  // tasks catch their own errors
+      if (task) {
+        task();  // tasks catch their own errors
+        continue;
+      }
+      auto go = Mailbox::get().take_go(pipe_);
+      if (!go.ok()) {
+        // The ring's unread messages are gone: the runs waiting for them fail at their deadlines, naming them.
+        TANDEM_LOG(kWarn, "pipeline") << "pipeline " << pipe_ << ": " << go.status().message();
+      } else if (go->has_value()) {
+        run_direct(pipe_, (*go)->first, (*go)->second);
+        continue;
+      }
+      // Idle until a task, a message or a stop rings the bell (a bounded sleep: then look again).
+      inbox->wait(seen, Clock::now() + std::chrono::seconds(1), std::chrono::microseconds(0));
     }
   }
 
+  const int64_t pipe_;
   Mutex mu_;
   std::deque<std::function<void()>> queue_ ABSL_GUARDED_BY(mu_);
+  std::shared_ptr<Inbox> inbox_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::once_flag joined_;
   std::thread thread_;  // last: starts once the members above exist
@@ -233,11 +273,12 @@ bool add_stage(int64_t pipe, int index, int driver, std::shared_ptr<Stage> stage
   PipeEntry& e = s.pipes[pipe];
   e.driver = driver;
   e.stages[index] = std::move(stage);
-  if (!e.executor) e.executor = std::make_shared<Executor>();
+  if (!e.executor) e.executor = std::make_shared<Executor>(pipe);
   if (!s.sweeper.joinable()) s.sweeper = std::thread(sweep_loop);
   return true;
 }
 std::atomic<int64_t> g_plans_received{0};
+std::atomic<int64_t> g_direct_runs{0};
 
 // Keeps `plan` for steps of `m` micro-batches; false when the pipeline is not held here.
 bool cache_plan(int64_t pipe, int64_t m, std::shared_ptr<const CachedPlan> plan) {
@@ -832,6 +873,92 @@ std::shared_ptr<const CachedPlan> plan_of(int64_t pipe, int64_t m, const std::ve
   return plan;
 }
 
+// A step the driver started without a call failed here: the error goes into the driver's inbox as the reply,
+// (kErrorTag, code, message). When it cannot, the driver's wait ends at the step's deadline, naming this worker.
+void error_to_driver(int64_t pipe, int64_t step, int driver, const absl::Status& status) {
+  std::shared_ptr<Outlet> o = driver >= 0 ? reply_outlet(pipe, driver, std::chrono::milliseconds(5000)) : nullptr;
+  const auto error =
+      c10::ivalue::Tuple::create({c10::IValue(std::string(kErrorTag)), c10::IValue(static_cast<int64_t>(status.code())),
+                                  c10::IValue(std::string(status.message()))});
+  if (!o || !o->send(MailKey{pipe, step, 0, 0, false}, error)) {
+    TANDEM_LOG(kWarn, "pipeline") << "step " << step << " of pipeline " << pipe
+                                  << " failed here, and the driver's inbox cannot take the error: " << status.message();
+  }
+}
+
+// Runs a step's plan here and answers it: a call's `result` (on one host the reply goes into the driver's inbox and
+// the call answers None), or, for a step the driver started without a call (`result` null), the driver's inbox
+// alone: the reply, or the error as (kErrorTag, code, message).
+void run_and_reply(Plan plan, rpc::Future* result, int driver) {
+  const int64_t pipe = plan.pipe, step = plan.step;
+  const auto timeout = std::min(plan.timeout, std::chrono::milliseconds(5000));
+  absl::Status status;
+  try {
+    Run run(std::move(plan));
+    c10::IValue value = run.execute();
+    Mailbox::get().finish(pipe, step);  // a late duplicate of one of its messages is dropped from now on
+    std::shared_ptr<Outlet> o = driver >= 0 ? reply_outlet(pipe, driver, timeout) : nullptr;
+    if (o && o->send(MailKey{pipe, step, 0, 0, false}, value)) value = c10::IValue();
+    if (result) {
+      result->set_value(std::move(value));
+    } else if (!value.isNone()) {
+      status = absl::InternalError("the step's reply did not fit into the driver's inbox");
+    }
+  } catch (...) {
+    status = status_from_current_exception();
+  }
+  if (status.ok()) return;
+  if (result) {
+    result->set_error(status);
+  } else {
+    error_to_driver(pipe, step, driver, status);
+  }
+  // Whatever else of this step is still on its way here is of no use now.
+  Mailbox::get().abort(pipe, step, status);
+}
+
+// A step the driver on this host started without a call (go_key: (sizes, flags, context, driver), flags as the
+// call's): the plan held here runs now, its gradients go to the driver's context (made known here: the driver added
+// this worker to it, so its release comes here), its reply or error into the driver's inbox. A go this worker cannot
+// use is answered with an error there.
+void run_direct(int64_t pipe, int64_t step, const c10::IValue& go) {
+  int driver = with_pipe(pipe, [](PipeEntry* e) { return e ? e->driver : -1; });
+  Plan plan;
+  plan.pipe = pipe, plan.step = step;
+  try {
+    const auto& e = go.isTuple() ? go.toTupleRef().elements() : std::vector<c10::IValue>{};
+    if (e.size() != 4 || !e[0].isIntList() || !e[1].isIntList() || !e[2].isInt() || !e[3].isInt()) {
+      throw_error(absl::InvalidArgumentError("malformed pipeline step in shared memory"));
+    }
+    driver = static_cast<int>(e[3].toInt());
+    plan.sizes = e[0].toIntVector();
+    const std::vector<int64_t> flags = e[1].toIntVector();
+    if (flags.size() != 6 || plan.sizes.empty()) {
+      throw_error(absl::InvalidArgumentError("malformed pipeline step in shared memory"));
+    }
+    plan.kept = plan_of(pipe, static_cast<int64_t>(plan.sizes.size()), {}, {}, "", {}, {});
+    plan.checkpoint = flags[0] != 0, plan.to_grad = flags[1] != 0, plan.record = flags[2] != 0;
+    plan.timeout = std::chrono::milliseconds(std::max<int64_t>(1, flags[3]));
+    plan.total_rows = flags[4];
+    plan.by_ring = flags[5] != 0;
+    if (!plan.to_grad) {
+      if (Mailbox::get().aborted(pipe, step)) {  // its release may have come already: the context is not made here
+        throw_error(absl::AbortedError(absl::StrCat("step ", step, " of pipeline ", pipe,
+                                                    " was abandoned before it started on worker '", self_name(), "'")));
+      }
+      plan.context = e[2].toInt();
+      dist_autograd::adopt_context(plan.context, driver);
+    }
+  } catch (...) {
+    const absl::Status status = status_from_current_exception();
+    error_to_driver(pipe, step, driver, status);
+    Mailbox::get().abort(pipe, step, status);
+    return;
+  }
+  g_direct_runs.fetch_add(1);
+  run_and_reply(std::move(plan), nullptr, driver);
+}
+
 rpc::Future on_run(int64_t pipe, int64_t step, std::vector<int64_t> actions, std::vector<int64_t> stage_rank,
                    std::vector<int64_t> sizes, std::vector<c10::IValue> inputs, std::vector<at::Tensor> targets,
                    std::string loss, std::vector<int64_t> flags, std::vector<int64_t> ties,
@@ -872,24 +999,8 @@ rpc::Future on_run(int64_t pipe, int64_t step, std::vector<int64_t> actions, std
   const rpc::CallContext* call = rpc::current_call();
   const int driver = call ? call->caller_rank : -1;
   // On the pipeline's executor: after the run of the previous step has ended here.
-  const bool queued = executor->submit([plan = std::move(plan), result, driver]() mutable {
-    const int64_t pipe = plan.pipe, step = plan.step;
-    const auto timeout = std::min(plan.timeout, std::chrono::milliseconds(5000));
-    try {
-      Run run(std::move(plan));
-      c10::IValue value = run.execute();
-      Mailbox::get().finish(pipe, step);  // a late duplicate of one of its messages is dropped from now on
-      // On one host the reply goes into the driver's inbox, and the call only says it is there (None).
-      std::shared_ptr<Outlet> o = driver >= 0 ? reply_outlet(pipe, driver, timeout) : nullptr;
-      if (o && o->send(MailKey{pipe, step, 0, 0, false}, value)) value = c10::IValue();
-      result.set_value(std::move(value));
-    } catch (...) {
-      result.set_error(status_from_current_exception());
-    }
-    if (!result.completed()) result.set_error(absl::InternalError("pipeline run ended without a result"));
-    // Whatever else of this step is still on its way here is of no use now.
-    if (!result.status().ok()) Mailbox::get().abort(pipe, step, result.status());
-  });
+  const bool queued = executor->submit(
+      [plan = std::move(plan), result, driver]() mutable { run_and_reply(std::move(plan), &result, driver); });
   if (!queued) throw_error(absl::AbortedError(absl::StrCat("pipeline ", pipe, " was released on this worker")));
   return result;
 }
@@ -1051,14 +1162,18 @@ bool install() {
   rpc::register_function(kAttach, [](int64_t pipe, int64_t from, std::string place) -> c10::IValue {
     if (!shared_memory_enabled() || place != comm::detail::host_place()) return ring_answer(nullptr, from);
     std::shared_ptr<Inbox> inbox;
+    std::shared_ptr<Executor> executor;
     bool made = false;
     with_pipe(pipe, [&](PipeEntry* e) {
       if (!e) return 0;
       if (!e->inbox) e->inbox = std::make_shared<Inbox>(), made = true;
-      inbox = e->inbox;
+      inbox = e->inbox, executor = e->executor;
       return 0;
     });
-    if (made && inbox) Mailbox::get().set_inbox(pipe, inbox);
+    if (made && inbox) {
+      Mailbox::get().set_inbox(pipe, inbox);
+      if (executor) executor->set_inbox(inbox);  // from now on it sleeps on the bell when idle
+    }
     return ring_answer(inbox.get(), from);
   });
   // A stage worker's request for a ring in this driver's inbox for `pipe`'s replies: as kAttach.
@@ -1097,6 +1212,7 @@ const bool g_installed = install();
 void ensure_runtime() { (void)g_installed; }
 
 int64_t plans_received() { return g_plans_received.load(); }
+int64_t runs_started_directly() { return g_direct_runs.load(); }
 
 bool shared_memory_enabled() {
   static const bool on = [] {

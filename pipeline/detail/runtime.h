@@ -20,6 +20,8 @@ namespace tandem::pipeline::detail {
 void ensure_runtime();
 // How many plans this process has received from drivers (each is kept for the steps of its shape that follow).
 int64_t plans_received();
+// How many step runs a driver on this host started here without a call (go_key).
+int64_t runs_started_directly();
 
 class Inbox;  // shm_p2p.h
 class Outlet;

@@ -462,7 +462,7 @@ absl::Status Inbox::drain(std::vector<std::tuple<MailKey, c10::IValue, int>>* ou
           WireKey k;
           std::memcpy(&k, r.data() + at + kRecordHeader, sizeof k);
           const MailKey key{k.pipe, k.step, k.stage, k.microbatch, k.gradient != 0};
-          if (key.stage < 0 && key.stage != finished_key(r.from)) {
+          if (key.stage < 0 && key.stage != finished_key(r.from) && key.stage != kGoStage) {
             malformed("another worker's end of a run");
           }
           Reader reader(r.data() + at + kValueAt, len - kValueAt);
@@ -494,6 +494,7 @@ absl::StatusOr<std::unique_ptr<Outlet>> Outlet::open(const RingEnds& ends) {
   if (!ring.ok()) return ring.status();
   o->ring_map_ = *ring;
   o->ring_bytes_ = ring_bytes;
+  o->pid_ = ends.pid;
   const auto* b = static_cast<const Inbox::Bell*>(o->bell_map_);
   const auto* h = static_cast<const RingHeader*>(o->ring_map_);
   if (b->magic != kBellMagic || b->token != ends.token || h->magic != kRingMagic || h->token != ends.token ||
@@ -508,7 +509,7 @@ Outlet::~Outlet() {
   if (ring_map_) munmap(ring_map_, ring_bytes_);
 }
 
-bool Outlet::send(const MailKey& key, const c10::IValue& value) {
+bool Outlet::send(const MailKey& key, const c10::IValue& value, bool ring_bell) {
   Writer sizer(nullptr);
   if (!sizer.value(value)) return false;
   const uint64_t cap = Inbox::kRingBytes;
@@ -537,10 +538,14 @@ bool Outlet::send(const MailKey& key, const c10::IValue& value) {
   Writer writer(rec + kValueAt);
   writer.value(value);
   h->tail.store(tail + len, std::memory_order_release);
+  if (ring_bell) ring();
+  return true;
+}
+
+void Outlet::ring() {
   auto* b = static_cast<Inbox::Bell*>(bell_map_);
   b->value.fetch_add(1, std::memory_order_seq_cst);
   if (b->sleepers.load(std::memory_order_seq_cst) > 0) futex_wake_all(&b->value);
-  return true;
 }
 
 size_t encoded_size(const c10::IValue& value) {

@@ -89,16 +89,21 @@ class Outlet {
   Outlet(const Outlet&) = delete;
   Outlet& operator=(const Outlet&) = delete;
 
-  // Writes the message into the ring and rings the receiver's bell. false: nothing was written (too large, the ring
-  // is full, or the value holds something this encoding does not carry): send it by RPC.
-  bool send(const MailKey& key, const c10::IValue& value);
+  // Writes the message into the ring and rings the receiver's bell (unless `ring_bell` is false: then the receiver
+  // finds it when it next looks, or when a later send rings). false: nothing was written (too large, the
+  // ring is full, or the value holds something this encoding does not carry): send it by RPC.
+  bool send(const MailKey& key, const c10::IValue& value, bool ring_bell = true);
+  // The receiving process (RingEnds::pid).
+  int64_t pid() const { return pid_; }
 
  private:
   Outlet() = default;
+  void ring();
   std::mutex send_mu_;
   void* bell_map_ = nullptr;
   void* ring_map_ = nullptr;
   size_t ring_bytes_ = 0;
+  int64_t pid_ = 0;
 };
 
 // Tests: the encoding a ring carries, alone. encoded_size: the bytes `value` takes, 0 when it cannot be encoded.

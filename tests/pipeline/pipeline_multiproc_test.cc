@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <fstream>
+#include <limits>
 #include <sstream>
 #include <thread>
 
@@ -19,6 +20,7 @@
 #include "tandem/pipeline/layers.h"
 #include "tandem/pipeline/pipeline.h"
 #include "tandem/rpc/errors.h"
+#include "tandem/rpc/fault_injection.h"
 #include "tests/common/rpc_fixture.h"
 #include "tests/pipeline/stages.h"
 
@@ -624,6 +626,26 @@ TEST_F(MultiprocPipeline, BadInputIsAClearErrorBeforeAnyWork) {
       "stage 1 on worker 'worker2', micro-batch 0, forward");
 }
 
+// A step (in the caller's context) that must fail within `bound`, its error saying each of `says`.
+void expect_step_fails(Pipeline& pipe, const at::Tensor& x, const at::Tensor& y, const std::vector<std::string>& says,
+                       milliseconds bound) {
+  const auto t0 = Clock::now();
+  try {
+    pipe.step(x, y);
+    ADD_FAILURE() << "the step did not fail";
+  } catch (const RpcError& e) {
+    for (const auto& what : says) EXPECT_THAT(e.what(), ::testing::HasSubstr(what));
+  }
+  EXPECT_LT(Clock::now() - t0, bound);
+}
+// Micro-batch 2 reaches stage 1's faulty module (pipe_faulty, mode 1, on worker2): the step fails naming them, and the
+// others abandon it at once, not at its 20 s timeout (the scaled bound stays below it).
+void expect_the_faulty_stage_fails_the_step(Pipeline& pipe, const at::Tensor& x, const at::Tensor& y) {
+  expect_step_fails(pipe, x, y,
+                    {"stage 1 on worker 'worker2', micro-batch 2, forward", "a marked row reached the faulty stage"},
+                    std::min(scaled(milliseconds(10000)), milliseconds(19000)));
+}
+
 // A stage that throws: step fails naming the stage, the worker and the micro-batch; the next step works.
 TEST_F(MultiprocPipeline, AStageThatThrowsFailsTheStepNamingItAndTheNextStepWorks) {
   start({.world_size = 4});
@@ -632,17 +654,10 @@ TEST_F(MultiprocPipeline, AStageThatThrowsFailsTheStepNamingItAndTheNextStepWork
       {.n_microbatches = 4, .timeout = std::chrono::milliseconds(20000)});
   at::Tensor x = at::ones({8, 4}, at::kDouble), y = at::zeros({8, 4}, at::kDouble);
   x[5][0] = 999;  // micro-batch 2 (rows 4 and 5)
-  const auto t0 = Clock::now();
-  try {
+  {
     dist_autograd::ContextGuard ctx;
-    pipe.step(x, y);
-    ADD_FAILURE() << "a throwing stage did not fail the step";
-  } catch (const RpcError& e) {
-    EXPECT_THAT(e.what(), ::testing::HasSubstr("stage 1 on worker 'worker2', micro-batch 2, forward"));
-    EXPECT_THAT(e.what(), ::testing::HasSubstr("a marked row reached the faulty stage"));
+    expect_the_faulty_stage_fails_the_step(pipe, x, y);
   }
-  // The others abandon the step at once, not at its 20 s timeout: the scaled bound stays below it.
-  EXPECT_LT(Clock::now() - t0, std::min(scaled(milliseconds(10000)), milliseconds(19000)));
   x[5][0] = 1;
   dist_autograd::ContextGuard ctx;
   EXPECT_NEAR(pipe.step(x, y), 1.0, 1e-12);  // identity stages: mean of ones squared
@@ -657,16 +672,11 @@ TEST_F(MultiprocPipeline, AKilledStageWorkerFailsTheStepWithinTheTimeout) {
       {.n_microbatches = 4, .timeout = std::chrono::milliseconds(8000)});
   at::Tensor x = at::ones({8, 4}, at::kDouble), y = at::zeros({8, 4}, at::kDouble);
   x[2][0] = 999;  // micro-batch 1 kills worker3 (stage 2)
-  const auto t0 = Clock::now();
-  try {
+  {
     dist_autograd::ContextGuard ctx;
-    pipe.step(x, y);
-    ADD_FAILURE() << "a dead stage worker did not fail the step";
-  } catch (const RpcError& e) {
-    EXPECT_THAT(e.what(), ::testing::HasSubstr("worker 'worker3' (stage 2)"));
-    EXPECT_THAT(e.what(), ::testing::HasSubstr("micro-batch"));
+    expect_step_fails(pipe, x, y, {"worker 'worker3' (stage 2)", "micro-batch"},
+                      milliseconds(8000) + scaled(milliseconds(5000)));
   }
-  EXPECT_LT(Clock::now() - t0, milliseconds(8000) + scaled(milliseconds(5000)));
   rpc::shutdown(false);
   auto codes = job_->wait_children(milliseconds(30000));
   EXPECT_EQ(codes.back(), 9);
@@ -694,6 +704,104 @@ TEST_F(MultiprocPipeline, ALostActivationFailsTheStepWithinTheTimeoutAndTheNextS
   EXPECT_LT(Clock::now() - t0, milliseconds(3000) + scaled(milliseconds(5000)));
   dist_autograd::ContextGuard ctx;
   EXPECT_NEAR(pipe.step(x, y), 1.0, 1e-12);
+}
+
+std::vector<int64_t> poll_until(const std::vector<int>& ranks, const std::string& fn, int64_t want, milliseconds limit);
+
+// Same host: after the first step (which brings the plans) the driver starts each step on its workers without a
+// call, through their inboxes (the rule below drops every run call after the first step's two, so a call made would
+// fail the step), and the losses, gradients in the driver's context and parameters after 3 optimizer steps still
+// equal one process's.
+TEST_F(MultiprocPipeline, StepsOnOneHostGoWithoutACallAndEqualTheUnsplitModel) {
+  rpc::RpcOptions options = options_from_env();  // the rule applies where the calls are made: here
+  options.faults = *rpc::parse_faults("drop worker0->* request fn=__tandem.pipeline.run nth=3 count=0");
+  start({.world_size = 3}, options);
+  auto pipe = Pipeline::from_sequential("pipe_mlp", {kLayers, kWidth, kSeed}, stage_workers(2), {.n_stages = 2},
+                                        {.n_microbatches = 4, .loss = "mse", .timeout = milliseconds(20000)});
+  auto ref = make_pipe_mlp(kLayers, kWidth, kSeed);
+  torch::optim::SGD ref_opt(ref->parameters(), torch::optim::SGDOptions(0.1));
+  dist_optim::DistributedOptimizer opt("sgd", pipe.parameter_rrefs(), {{"lr", 0.1}});
+  auto direct_runs = [] {
+    return std::vector<int64_t>{rpc::rpc_sync<std::vector<int64_t>>(1, "pipe_plans").at(2),
+                                rpc::rpc_sync<std::vector<int64_t>>(2, "pipe_plans").at(2)};
+  };
+  const std::vector<int64_t> before = direct_runs();
+  for (int step = 0; step < 3; ++step) {
+    auto [x, y] = batch(7, step);
+    ref_opt.zero_grad();
+    at::Tensor ref_loss = torch::mse_loss(ref->forward(x), y);
+    ref_loss.backward();
+    dist_autograd::ContextGuard ctx;
+    EXPECT_NEAR(pipe.step(x, y), ref_loss.item<double>(), 1e-10 * std::abs(ref_loss.item<double>()));
+    for (int s = 0; s < 2; ++s) {
+      auto grads = rpc::rpc_sync<std::vector<at::Tensor>>(pipe.stage_worker(s), "pipe_grads", pipe.id(), s, ctx.id());
+      EXPECT_LE(relative_diff(grads, layers_of(ref, pipe.stage_layers(s), true)), 1e-10) << "step " << step;
+    }
+    opt.step(ctx.id());
+    ref_opt.step();
+  }
+  const std::vector<int64_t> after = direct_runs();
+  EXPECT_EQ(after[0] - before[0], 2);
+  EXPECT_EQ(after[1] - before[1], 2);
+  for (int s = 0; s < 2; ++s) {
+    auto params = rpc::rpc_sync<std::vector<at::Tensor>>(pipe.stage_worker(s), "pipe_params", pipe.id(), s);
+    EXPECT_LE(relative_diff(params, layers_of(ref, pipe.stage_layers(s), false)), 1e-10);
+  }
+  // Every context is released on the workers too (they adopted the driver's without a call).
+  EXPECT_EQ(poll_until({1, 2}, "pipe_contexts", 0, milliseconds(5000)), (std::vector<int64_t>{0, 0}));
+}
+
+// A stage that throws in a step started without a call: its error comes through the driver's inbox, names the stage,
+// worker and micro-batch, leaves no gradient anywhere, and the next step works.
+TEST_F(MultiprocPipeline, AStageThatThrowsInAStepWithoutACallFailsItNamingItAndLeavesNoGradient) {
+  start({.world_size = 4});
+  auto pipe = Pipeline::create(
+      {{1, "pipe_faulty", {int64_t{0}}}, {2, "pipe_faulty", {int64_t{1}}}, {3, "pipe_faulty", {int64_t{0}}}},
+      {.n_microbatches = 4, .timeout = std::chrono::milliseconds(20000)});
+  at::Tensor x = at::ones({8, 4}, at::kDouble), y = at::zeros({8, 4}, at::kDouble);
+  {
+    dist_autograd::ContextGuard ctx;
+    EXPECT_NEAR(pipe.step(x, y), 1.0, 1e-12);  // the plans go with this step's calls
+  }
+  const int64_t direct_before = rpc::rpc_sync<std::vector<int64_t>>(2, "pipe_plans").at(2);
+  x[5][0] = 999;  // micro-batch 2 (rows 4 and 5)
+  {
+    dist_autograd::ContextGuard ctx;
+    expect_the_faulty_stage_fails_the_step(pipe, x, y);
+    EXPECT_EQ(rpc::rpc_sync<std::vector<int64_t>>(2, "pipe_plans").at(2) - direct_before, 1);
+    for (int s = 0; s < 3; ++s) {
+      const auto grads =
+          rpc::rpc_sync<std::vector<at::Tensor>>(pipe.stage_worker(s), "pipe_grads", pipe.id(), s, ctx.id());
+      for (const auto& g : grads) EXPECT_EQ(g.abs().sum().item<double>(), 0) << "stage " << s;
+    }
+  }
+  x[5][0] = 1;
+  dist_autograd::ContextGuard ctx;
+  EXPECT_NEAR(pipe.step(x, y), 1.0, 1e-12);
+}
+
+// A stage worker that dies in a step started without a call (no call of the driver's fails then): the driver sees
+// its process exit and fails the step at once, naming it, long before the step's timeout.
+TEST_F(MultiprocPipeline, AStageWorkerThatDiesInAStepWithoutACallFailsItAtOnce) {
+  start({.world_size = 4});
+  expect_clean_children_ = false;
+  auto pipe = Pipeline::create(
+      {{1, "pipe_faulty", {int64_t{0}}}, {2, "pipe_faulty", {int64_t{0}}}, {3, "pipe_faulty", {int64_t{2}}}},
+      {.n_microbatches = 4, .timeout = std::chrono::milliseconds(30000)});
+  at::Tensor x = at::ones({8, 4}, at::kDouble), y = at::zeros({8, 4}, at::kDouble);
+  {
+    dist_autograd::ContextGuard ctx;
+    EXPECT_NEAR(pipe.step(x, y), 1.0, 1e-12);
+  }
+  x[2][0] = 999;  // micro-batch 1 kills worker3 (stage 2)
+  {
+    dist_autograd::ContextGuard ctx;
+    expect_step_fails(pipe, x, y, {"worker 'worker3' (stage 2): its process exited during the step"},
+                      scaled(milliseconds(10000)));
+  }
+  rpc::shutdown(false);
+  auto codes = job_->wait_children(milliseconds(30000));
+  EXPECT_EQ(codes.back(), 9);
 }
 
 // ---- issue 27: checkpointing, inference, failed steps, stages left behind ----

@@ -202,7 +202,8 @@ void register_pipeline_stages() {
   });
   rpc::register_function("pipe_seed", [](int64_t seed) { torch::manual_seed(seed); });
   rpc::register_function("pipe_plans", [] {
-    return std::vector<int64_t>{pipeline::detail::plans_received(), pipeline::local_plan_count()};
+    return std::vector<int64_t>{pipeline::detail::plans_received(), pipeline::local_plan_count(),
+                                pipeline::detail::runs_started_directly()};
   });
   rpc::register_function("pipe_buffers", [](int64_t pipe, int64_t stage) {
     auto m = pipeline::local_stage(pipe, static_cast<int>(stage));
