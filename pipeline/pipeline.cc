@@ -276,7 +276,6 @@ struct Pipeline::State {
     const PipelineOptions& opts = started.opts;
     const int m = started.m, n = static_cast<int>(stage_rank.size());
     const std::vector<int64_t>& sizes = started.sizes;
-    const std::vector<rpc::Future>& replies = started.replies;
     const auto t0 = started.t0;
     const std::vector<c10::IValue> values = wait_all(opts, started);
     for (size_t w = 0; w < workers.size(); ++w) plan_held.insert({w, m});
@@ -454,6 +453,11 @@ struct Pipeline::State {
         MutexLock lock(&waiter->mu);
         waiter->mu.AwaitWithTimeout(Condition(waiter.get(), &Waiter::all_done), absl::FromChrono(grace - Clock::now()));
       }
+    }
+    // A worker started without a call that gave no reply gets the next step by a call, which says what is wrong
+    // with it (a released pipeline, say) at once.
+    for (size_t w = 0; w < replies.size(); ++w) {
+      if (st.direct[w] && r.values[w].isNone()) replies_by_ring.erase(w);
     }
     // The causes first; then the workers that abandoned the step on our request, which say what they were waiting
     // for (the micro-batch a dead or failed stage held up).
@@ -796,7 +800,7 @@ double ReplicatedPipeline::step(const at::Tensor& input, const at::Tensor& targe
     started.push_back(replicas_[r].state_->begin_step({c10::IValue(xs[r])}, {}, ys[r], rows));
   }
   // The first failure in any replica abandons every replica's step at once: a stage worker of another replica would
-  // otherwise wait until the deadline for a sum its failed peer never joins.
+  // otherwise wait until the deadline for a sum its failed peer never joins. One replica: its own wait does that.
   struct Watch {
     Mutex mu;
     size_t left ABSL_GUARDED_BY(mu) = 0;
@@ -820,7 +824,7 @@ double ReplicatedPipeline::step(const at::Tensor& input, const at::Tensor& targe
     }
   }
   bool failed = false;
-  {
+  if (R > 1) {
     MutexLock lock(&watch->mu);
     watch->mu.AwaitWithTimeout(Condition(watch.get(), &Watch::settled),
                                absl::FromChrono(started[0].opts.timeout + kReplyMargin));

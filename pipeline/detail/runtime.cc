@@ -875,7 +875,7 @@ std::shared_ptr<const CachedPlan> plan_of(int64_t pipe, int64_t m, const std::ve
 
 // A step the driver started without a call failed here: the error goes into the driver's inbox as the reply,
 // (kErrorTag, code, message). When it cannot, the driver's wait ends at the step's deadline, naming this worker.
-void error_to_driver(int64_t pipe, int64_t step, int driver, const absl::Status& status) {
+void error_to_driver(int64_t pipe, int64_t step, int driver, const absl::Status& status) noexcept try {
   std::shared_ptr<Outlet> o = driver >= 0 ? reply_outlet(pipe, driver, std::chrono::milliseconds(5000)) : nullptr;
   const auto error =
       c10::ivalue::Tuple::create({c10::IValue(std::string(kErrorTag)), c10::IValue(static_cast<int64_t>(status.code())),
@@ -884,6 +884,7 @@ void error_to_driver(int64_t pipe, int64_t step, int driver, const absl::Status&
     TANDEM_LOG(kWarn, "pipeline") << "step " << step << " of pipeline " << pipe
                                   << " failed here, and the driver's inbox cannot take the error: " << status.message();
   }
+} catch (...) {  // RPC stopping: the driver's wait ends at its deadline
 }
 
 // Runs a step's plan here and answers it: a call's `result` (on one host the reply goes into the driver's inbox and
