@@ -9,6 +9,7 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include <atomic>
+#include <deque>
 #include <memory>
 #include <set>
 #include <unordered_set>
@@ -99,10 +100,12 @@ class Container {
     auto it = contexts_.find(id);
     return it == contexts_.end() ? nullptr : it->second;
   }
-  std::shared_ptr<Context> get_or_create(int64_t id) {
+  // `unreleased`: null for a context released here lately instead (adopt_context: its release came first).
+  std::shared_ptr<Context> get_or_create(int64_t id, bool unreleased = false) {
     std::shared_ptr<Context> made;
     {
       MutexLock lock(&mu_);
+      if (unreleased && released_.count(id)) return nullptr;
       auto& c = contexts_[id];
       if (c) return c;
       made = c = std::make_shared<Context>(id);
@@ -111,18 +114,28 @@ class Container {
     return made;
   }
   std::shared_ptr<Context> take(int64_t id) {
+    // Remembered only while RPC is up: ids are unique within a job, and a context made before init_rpc has a
+    // provisional rank in its id.
+    const bool remember = rpc::is_initialized();
     MutexLock lock(&mu_);
+    if (remember && released_.insert(id).second) {
+      released_order_.push_back(id);
+      if (released_order_.size() > kRemembered) released_.erase(released_order_.front()), released_order_.pop_front();
+    }
     auto it = contexts_.find(id);
     if (it == contexts_.end()) return nullptr;
     auto c = std::move(it->second);
     contexts_.erase(it);
     return c;
   }
+  // RPC is stopping: every context goes, and the memory of released ones (the next job's ids start again).
   void clear() {
     std::unordered_map<int64_t, std::shared_ptr<Context>> gone;
     {
       MutexLock lock(&mu_);
       gone.swap(contexts_);
+      released_.clear();
+      released_order_.clear();
     }
   }
   int64_t size() {
@@ -134,6 +147,10 @@ class Container {
  private:
   Mutex mu_;
   std::unordered_map<int64_t, std::shared_ptr<Context>> contexts_ ABSL_GUARDED_BY(mu_);
+  // The contexts released here lately (oldest first in the deque), bounded.
+  static constexpr size_t kRemembered = 10000;
+  std::unordered_set<int64_t> released_ ABSL_GUARDED_BY(mu_);
+  std::deque<int64_t> released_order_ ABSL_GUARDED_BY(mu_);
 };
 
 std::string worker_name() {
@@ -548,12 +565,13 @@ void set_gradient(int64_t context_id, const at::Tensor& leaf, at::Tensor grad) {
 
 namespace {
 // The context of the call this thread serves, made known here (its caller's release reaches this worker); null when
-// this thread serves no call made in `context_id`.
+// this thread serves no call made in `context_id`, or the context's release reached this worker already (a late call:
+// brought back, nobody would release it).
 std::shared_ptr<Context> adopt(int64_t context_id) {
   const rpc::CallContext* call = rpc::current_call();
   if (call == nullptr || context_id < 0 || t_context != context_id) return nullptr;
-  auto ctx = Container::get().get_or_create(context_id);
-  ctx->add_worker(call->caller_rank);
+  auto ctx = Container::get().get_or_create(context_id, /*unreleased=*/true);
+  if (ctx) ctx->add_worker(call->caller_rank);
   return ctx;
 }
 }  // namespace
@@ -574,6 +592,10 @@ void add_gradient(int64_t context_id, const at::Tensor& leaf, const at::Tensor& 
 
 int64_t adopt_current_context() {
   if (!adopt(t_context)) {
+    if (rpc::current_call() != nullptr && t_context >= 0) {
+      throw RpcError(absl::NotFoundError(absl::StrCat("distributed autograd context ", t_context,
+                                                      " was released on worker '", worker_name(), "' already")));
+    }
     throw RpcError(absl::FailedPreconditionError(absl::StrCat("adopt_current_context on worker '", worker_name(),
                                                               "': this thread serves no call made in a "
                                                               "distributed autograd context")));
@@ -590,7 +612,14 @@ void share_context(int64_t context_id, int worker) {
   ctx->add_worker(worker);
 }
 
-void adopt_context(int64_t context_id, int origin) { Container::get().get_or_create(context_id)->add_worker(origin); }
+void adopt_context(int64_t context_id, int origin) {
+  auto ctx = Container::get().get_or_create(context_id, /*unreleased=*/true);
+  if (!ctx) {
+    throw RpcError(absl::NotFoundError(absl::StrCat("distributed autograd context ", context_id,
+                                                    " was released on worker '", worker_name(), "' already")));
+  }
+  ctx->add_worker(origin);
+}
 
 rpc::Future release_context(int64_t context_id) { return release_on(context_id, -1); }
 

@@ -95,15 +95,17 @@ void add_gradient(int64_t context_id, const at::Tensor& leaf, const at::Tensor& 
 
 // Makes the context of the call this thread serves (current_context()) known on this worker, as add_gradient does when
 // it must, and returns its id: a thread that serves no call (a pipeline stage's own thread) may then add gradients to
-// it, until its caller releases it, whose release reaches this worker. Throws tandem::Error (FAILED_PRECONDITION)
-// when this thread serves no call made in a context. Thread-safe.
+// it, until its caller releases it, whose release reaches this worker. Throws tandem::Error: FAILED_PRECONDITION when
+// this thread serves no call made in a context; NOT_FOUND when the context's release reached this worker already (a
+// late call). Thread-safe.
 int64_t adopt_current_context();
 
 // For work sent to another worker without a call (a pipeline step through shared memory): on the sender,
 // share_context records that `worker` holds a part of the context, so that its release reaches it; on that worker,
 // adopt_context makes the context known here as a call made in it from `origin` would (its gradients may then be
-// added). The sender shares before it sends. Throws tandem::Error: NOT_FOUND when the sender does not know the
-// context. Thread-safe.
+// added). The sender shares before it sends. Throws tandem::Error (NOT_FOUND): share_context when the sender does
+// not know the context; adopt_context when the context's release reached this worker already (the work came after
+// it: the context is not brought back, nobody would release it). Thread-safe.
 void share_context(int64_t context_id, int worker);
 void adopt_context(int64_t context_id, int origin);
 

@@ -454,8 +454,8 @@ struct Pipeline::State {
         waiter->mu.AwaitWithTimeout(Condition(waiter.get(), &Waiter::all_done), absl::FromChrono(grace - Clock::now()));
       }
     }
-    // A worker started without a call that gave no reply gets the next step by a call, which says what is wrong
-    // with it (a released pipeline, say) at once.
+    // A worker started without a call that gave no reply (or only an error) gets the next step by a call, which
+    // says what is wrong with it (a released pipeline, say) at once.
     for (size_t w = 0; w < replies.size(); ++w) {
       if (st.direct[w] && r.values[w].isNone()) replies_by_ring.erase(w);
     }
@@ -800,31 +800,30 @@ double ReplicatedPipeline::step(const at::Tensor& input, const at::Tensor& targe
     started.push_back(replicas_[r].state_->begin_step({c10::IValue(xs[r])}, {}, ys[r], rows));
   }
   // The first failure in any replica abandons every replica's step at once: a stage worker of another replica would
-  // otherwise wait until the deadline for a sum its failed peer never joins. One replica: its own wait does that.
-  struct Watch {
-    Mutex mu;
-    size_t left ABSL_GUARDED_BY(mu) = 0;
-    bool failed ABSL_GUARDED_BY(mu) = false;
-    bool settled() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { return failed || left == 0; }
-  };
-  auto watch = std::make_shared<Watch>();
-  // Calls only: a worker started without one (a pipeline of one replica on one host) is watched by end_step.
-  {
-    MutexLock lock(&watch->mu);
-    for (const auto& s : started) watch->left += std::count(s.direct.begin(), s.direct.end(), false);
-  }
-  for (const auto& s : started) {
-    for (size_t w = 0; w < s.replies.size(); ++w) {
-      if (s.direct[w]) continue;
-      s.replies[w].add_callback([watch](const rpc::Future& done) {
-        MutexLock lock(&watch->mu);
-        --watch->left;
-        watch->failed |= !done.status().ok();
-      });
-    }
-  }
+  // otherwise wait until the deadline for a sum its failed peer never joins. One replica: its own wait does that (and
+  // only then may its workers have been started without a call: begin_step calls every worker of a replica).
   bool failed = false;
   if (R > 1) {
+    struct Watch {
+      Mutex mu;
+      size_t left ABSL_GUARDED_BY(mu) = 0;
+      bool failed ABSL_GUARDED_BY(mu) = false;
+      bool settled() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { return failed || left == 0; }
+    };
+    auto watch = std::make_shared<Watch>();
+    {
+      MutexLock lock(&watch->mu);
+      for (const auto& s : started) watch->left += s.replies.size();
+    }
+    for (const auto& s : started) {
+      for (const rpc::Future& reply : s.replies) {
+        reply.add_callback([watch](const rpc::Future& done) {
+          MutexLock lock(&watch->mu);
+          --watch->left;
+          watch->failed |= !done.status().ok();
+        });
+      }
+    }
     MutexLock lock(&watch->mu);
     watch->mu.AwaitWithTimeout(Condition(watch.get(), &Watch::settled),
                                absl::FromChrono(started[0].opts.timeout + kReplyMargin));

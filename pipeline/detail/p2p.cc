@@ -2,6 +2,8 @@
 
 #include "tandem/pipeline/detail/shm_p2p.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 
@@ -48,7 +50,12 @@ void Mailbox::drop_locked(Match match) {
 
 void Mailbox::put(const MailKey& key, c10::IValue value) {
   MutexLock lock(&mu_);
-  if (closed_locked(key.pipe, key.step)) return;
+  if (closed_locked(key.pipe, key.step)) {
+    if (auto a = aborted_.find({key.pipe, key.step}); a != aborted_.end() && !released_.count(key.pipe)) {
+      drop_go_locked(key, std::move(value), a->second);
+    }
+    return;
+  }
   Slot& slot = slots_[key];
   if (slot.arrived || slot.taken) return;  // a duplicate: the first delivery stands
   slot.value = std::move(value);
@@ -131,10 +138,9 @@ absl::StatusOr<c10::IValue> Mailbox::take(const MailKey& key, Clock::time_point 
     std::shared_ptr<Inbox> hold = inboxes_.at(key.pipe);  // released meanwhile: the bell stays valid
     const uint32_t seen = hold->bell();
     mu_.Unlock();
-    std::vector<std::tuple<MailKey, c10::IValue, int>> got;
-    absl::Status drained = hold->drain(&got);
-    for (auto& [k, v, from] : got) put(k, std::move(v));
-    if (drained.ok() && got.empty()) hold->wait(seen, deadline, Inbox::spin_time());
+    bool empty = false;
+    absl::Status drained = pump(*hold, &empty);
+    if (drained.ok() && empty) hold->wait(seen, deadline, Inbox::spin_time());
     mu_.Lock();
     if (!drained.ok()) {
       forget();
@@ -143,30 +149,52 @@ absl::StatusOr<c10::IValue> Mailbox::take(const MailKey& key, Clock::time_point 
   }
 }
 
-absl::StatusOr<std::optional<std::pair<int64_t, c10::IValue>>> Mailbox::take_go(int64_t pipe) {
+absl::Status Mailbox::pump(Inbox& inbox, bool* empty) {
+  std::vector<std::tuple<MailKey, c10::IValue, int>> got;
+  absl::Status drained = inbox.drain(&got);
+  for (auto& [k, v, from] : got) put(k, std::move(v));
+  if (empty) *empty = got.empty();
+  return drained;
+}
+
+absl::StatusOr<std::optional<Mailbox::Go>> Mailbox::take_go(int64_t pipe) {
   std::shared_ptr<Inbox> inbox;
   {
     MutexLock lock(&mu_);
     if (auto it = inboxes_.find(pipe); it != inboxes_.end()) inbox = it->second;
   }
   if (inbox) {
-    std::vector<std::tuple<MailKey, c10::IValue, int>> got;
-    absl::Status drained = inbox->drain(&got);
-    for (auto& [k, v, from] : got) put(k, std::move(v));
-    if (!drained.ok()) return drained;
+    if (absl::Status drained = pump(*inbox, nullptr); !drained.ok()) return drained;
   }
   MutexLock lock(&mu_);
+  for (auto it = dropped_goes_.begin(); it != dropped_goes_.end(); ++it) {
+    if (it->pipe != pipe) continue;
+    Go go = std::move(*it);
+    dropped_goes_.erase(it);
+    return std::optional<Go>(std::move(go));
+  }
   for (auto it = slots_.lower_bound(MailKey{pipe, std::numeric_limits<int64_t>::min(), kGoStage, 0, false});
        it != slots_.end() && it->first.pipe == pipe; ++it) {
     Slot& slot = it->second;
     if (it->first.stage != kGoStage || !slot.arrived) continue;
-    c10::IValue v = std::move(slot.value);
+    Go go{pipe, it->first.step, std::move(slot.value), absl::OkStatus()};
     slot.value = c10::IValue();
     slot.arrived = false;
     slot.taken = true;  // until the step ends here: a second delivery is dropped
-    return std::optional<std::pair<int64_t, c10::IValue>>(std::make_pair(it->first.step, std::move(v)));
+    return std::optional<Go>(std::move(go));
   }
-  return std::optional<std::pair<int64_t, c10::IValue>>();
+  return std::optional<Go>();
+}
+
+void Mailbox::drop_go_locked(const MailKey& key, c10::IValue value, const absl::Status& reason) {
+  if (key.stage != kGoStage) return;
+  for (const Go& go : dropped_goes_) {
+    if (go.pipe == key.pipe && go.step == key.step) return;  // a second delivery: answered once
+  }
+  dropped_goes_.push_back(Go{key.pipe, key.step, std::move(value), reason});
+  // Bounded: the driver of one forgotten lists its worker as giving no reply after its grace.
+  if (dropped_goes_.size() > 1000) dropped_goes_.pop_front();
+  if (Inbox* inbox = inbox_of_locked(key.pipe)) inbox->ring();  // the idle executor answers it
 }
 
 Inbox* Mailbox::inbox_of_locked(int64_t pipe) const {
@@ -181,6 +209,10 @@ void Mailbox::abort(int64_t pipe, int64_t step, absl::Status reason) {
     aborted_order_.push_back(id);
     if (aborted_order_.size() > 1000) aborted_.erase(aborted_order_.front()), aborted_order_.pop_front();
   }
+  // A go not taken yet is answered (with the reason) by the pipeline's executor, when it is free.
+  if (auto it = slots_.find(go_key(pipe, step)); it != slots_.end() && it->second.arrived) {
+    drop_go_locked(it->first, std::move(it->second.value), aborted_.at(id));
+  }
   drop_locked([&](const MailKey& k) { return k.pipe == pipe && k.step == step; });
 }
 
@@ -194,6 +226,7 @@ void Mailbox::abort_all(const absl::Status& reason) {
   MutexLock lock(&mu_);
   stopped_ = reason;
   ++epoch_;
+  dropped_goes_.clear();  // RPC is stopping: no answer can go
   drop_locked([](const MailKey&) { return true; });
 }
 
@@ -202,6 +235,9 @@ void Mailbox::release(int64_t pipe) {
   remember(&released_, &released_order_, pipe, kRemembered);
   drop_locked([&](const MailKey& k) { return k.pipe == pipe; });
   inboxes_.erase(pipe);
+  dropped_goes_.erase(
+      std::remove_if(dropped_goes_.begin(), dropped_goes_.end(), [&](const Go& go) { return go.pipe == pipe; }),
+      dropped_goes_.end());
 }
 
 bool Mailbox::aborted(int64_t pipe, int64_t step) {
@@ -211,7 +247,7 @@ bool Mailbox::aborted(int64_t pipe, int64_t step) {
 
 size_t Mailbox::held() {
   MutexLock lock(&mu_);
-  return slots_.size();
+  return slots_.size() + dropped_goes_.size();
 }
 
 }  // namespace tandem::pipeline::detail

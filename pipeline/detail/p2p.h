@@ -3,7 +3,8 @@
 // step (under a stage below zero, finished_key). Each waiting receive has a wake-up of its own: a delivery wakes
 // the one receive waiting for its key, never every waiter of the process (a pipeline with same-host deliveries,
 // shm_p2p.h: its one receiving thread waits on the pipeline's bell instead). A message delivered twice is kept once,
-// and what arrives for a step that ended here, was abandoned, or whose pipeline was released is dropped.
+// and what arrives for a step that ended here, was abandoned, or whose pipeline was released is dropped (but for the
+// driver's word to start a step, go_key: one of an abandoned step is kept for its answer, take_go).
 //
 // Thread-safety: every function may be called from any thread (RPC handlers deliver, executors receive).
 #pragma once
@@ -64,15 +65,25 @@ class Mailbox {
   static Mailbox& get();  // this process's
 
   // Delivers `value` (an activation or a gradient: a tensor, or tuples and lists of values) for `key`; dropped when
-  // `key` was delivered already, or its step ended here, was abandoned, or its pipeline was released.
+  // `key` was delivered already, or its step ended here, was abandoned (a go: kept for take_go), or its pipeline was
+  // released.
   void put(const MailKey& key, c10::IValue value);
   // The value for `key`, or an error: the step was abandoned (its reason), RPC stopped, the pipeline was released,
   // or nothing came by `deadline` (DEADLINE_EXCEEDED). `what` names the message in the error.
   absl::StatusOr<c10::IValue> take(const MailKey& key, Clock::time_point deadline, const std::string& what);
-  // Without waiting: the earliest go (go_key) of `pipe` delivered and not yet taken, as (step, value), after moving
-  // what the pipeline's inbox holds into the mailbox; an error when a ring held a malformed message (as take()).
-  absl::StatusOr<std::optional<std::pair<int64_t, c10::IValue>>> take_go(int64_t pipe);
-  // The step is abandoned here: its waits end with `reason`, what is here of it goes, later deliveries are dropped.
+  // A step the driver started without a call (go_key), and why it must not run: OK, or the reason its step was
+  // abandoned here before the go was taken (the driver is to be answered with it).
+  struct Go {
+    int64_t pipe = 0, step = 0;
+    c10::IValue value;
+    absl::Status dropped;
+  };
+  // Without waiting, after moving what the pipeline's inbox holds into the mailbox: a go of `pipe` dropped untaken
+  // (its step abandoned), else the earliest go delivered and not yet taken, else none; an error when a ring held a
+  // malformed message (as take()).
+  absl::StatusOr<std::optional<Go>> take_go(int64_t pipe);
+  // The step is abandoned here: its waits end with `reason`, what is here of it goes (a go not yet taken is kept
+  // for take_go, with `reason`), later deliveries are dropped (a go kept so too).
   void abort(int64_t pipe, int64_t step, absl::Status reason);
   // The step's run ended here (it succeeded): what is left of it goes, later deliveries (duplicates) are dropped.
   void finish(int64_t pipe, int64_t step);
@@ -85,7 +96,7 @@ class Mailbox {
   // rings hold; every event that ends a wait of `pipe` rings it. Dropped at release(pipe).
   void set_inbox(int64_t pipe, std::shared_ptr<Inbox> inbox);
 
-  // How many messages and waits are held now (tests: nothing is left behind).
+  // How many messages, waits and unanswered goes are held now (tests: nothing is left behind).
   size_t held();
 
  private:
@@ -103,11 +114,18 @@ class Mailbox {
   template <typename Match>
   void drop_locked(Match match) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   static void wake(const Slot& slot);
+  // Moves what `inbox`'s rings hold into the mailbox; `empty` (if given) says whether they held nothing.
+  absl::Status pump(Inbox& inbox, bool* empty) ABSL_LOCKS_EXCLUDED(mu_);
+  // Keeps `value`, a go (else nothing is done) dropped because its step was abandoned, for take_go.
+  void drop_go_locked(const MailKey& key, c10::IValue value, const absl::Status& reason)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   Inbox* inbox_of_locked(int64_t pipe) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   Mutex mu_;
   std::map<MailKey, Slot> slots_ ABSL_GUARDED_BY(mu_);
   std::map<int64_t, std::shared_ptr<Inbox>> inboxes_ ABSL_GUARDED_BY(mu_);  // by pipeline
+  // Goes dropped untaken (abort, put), oldest first, bounded: take_go hands them to the executor to answer.
+  std::deque<Go> dropped_goes_ ABSL_GUARDED_BY(mu_);
   // Bounded memories (oldest first in each deque) of the steps abandoned (with why), the steps ended and the
   // pipelines released here.
   std::map<StepId, absl::Status> aborted_ ABSL_GUARDED_BY(mu_);

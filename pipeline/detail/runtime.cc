@@ -44,7 +44,7 @@ namespace {
 
 constexpr const char* kKindNames[] = {"forward", "backward", "backward (input gradient)", "backward (weight gradient)"};
 
-void run_direct(int64_t pipe, int64_t step, const c10::IValue& go);
+void run_direct(const Mailbox::Go& go);
 
 // Runs one pipeline's work on this worker, one task at a time in the order queued: a step's plan, an inference
 // micro-batch. So the run of step n + 1 never starts before the run of step n has ended here, and nothing of a
@@ -116,7 +116,7 @@ class Executor {
         // The ring's unread messages are gone: the runs waiting for them fail at their deadlines, naming them.
         TANDEM_LOG(kWarn, "pipeline") << "pipeline " << pipe_ << ": " << go.status().message();
       } else if (go->has_value()) {
-        run_direct(pipe_, (*go)->first, (*go)->second);
+        run_direct(**go);
         continue;
       }
       // Idle until a task, a message or a stop rings the bell (a bounded sleep: then look again).
@@ -921,17 +921,23 @@ void run_and_reply(Plan plan, rpc::Future* result, int driver) {
 // A step the driver on this host started without a call (go_key: (sizes, flags, context, driver), flags as the
 // call's): the plan held here runs now, its gradients go to the driver's context (made known here: the driver added
 // this worker to it, so its release comes here), its reply or error into the driver's inbox. A go this worker cannot
-// use is answered with an error there.
-void run_direct(int64_t pipe, int64_t step, const c10::IValue& go) {
+// use, or whose step was abandoned here before it was taken (go.dropped), is answered with an error there.
+void run_direct(const Mailbox::Go& go) {
+  const int64_t pipe = go.pipe, step = go.step;
   int driver = with_pipe(pipe, [](PipeEntry* e) { return e ? e->driver : -1; });
   Plan plan;
   plan.pipe = pipe, plan.step = step;
   try {
-    const auto& e = go.isTuple() ? go.toTupleRef().elements() : std::vector<c10::IValue>{};
+    const auto& e = go.value.isTuple() ? go.value.toTupleRef().elements() : std::vector<c10::IValue>{};
+    if (e.size() == 4 && e[3].isInt()) driver = static_cast<int>(e[3].toInt());
+    if (!go.dropped.ok()) {
+      throw_error(absl::Status(go.dropped.code(), absl::StrCat("step ", step, " of pipeline ", pipe,
+                                                               " was abandoned before it started on worker '",
+                                                               self_name(), "': ", go.dropped.message())));
+    }
     if (e.size() != 4 || !e[0].isIntList() || !e[1].isIntList() || !e[2].isInt() || !e[3].isInt()) {
       throw_error(absl::InvalidArgumentError("malformed pipeline step in shared memory"));
     }
-    driver = static_cast<int>(e[3].toInt());
     plan.sizes = e[0].toIntVector();
     const std::vector<int64_t> flags = e[1].toIntVector();
     if (flags.size() != 6 || plan.sizes.empty()) {

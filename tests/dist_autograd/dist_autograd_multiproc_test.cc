@@ -250,6 +250,28 @@ TEST_F(MultiprocDistAutograd, AnAdoptedContextTakesGradientsFromAnyThreadAndGoes
   EXPECT_EQ(rpc::rpc_sync<int64_t>("worker1", "contexts"), 0);
 }
 
+// Work sent without a call (a pipeline step through shared memory) adopts the sender's context; after the context's
+// release reached this worker, adopting it is NOT_FOUND: it is not brought back for nobody to release.
+TEST_F(MultiprocDistAutograd, AContextAdoptedAfterItsReleaseIsRefused) {
+  start({.world_size = 2});
+  int64_t id = -1;
+  {
+    dist_autograd::ContextGuard ctx;
+    id = ctx.id();
+    dist_autograd::adopt_context(id, 1);  // known here: taken as is
+    EXPECT_EQ(dist_autograd::stats().contexts, 1);
+  }
+  try {
+    dist_autograd::adopt_context(id, 1);
+    ADD_FAILURE() << "a released context was adopted";
+  } catch (const RpcError& e) {
+    EXPECT_EQ(e.code(), absl::StatusCode::kNotFound) << e.what();
+    EXPECT_NE(std::string(e.what()).find("was released"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(dist_autograd::stats().contexts, 0);
+  EXPECT_EQ(wait_no_contexts(2), "");
+}
+
 }  // namespace
 }  // namespace tandem::test
 

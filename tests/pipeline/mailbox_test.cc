@@ -104,6 +104,42 @@ TEST(UnitPipelineMailbox, AReleasedPipelineEndsItsWaitsAndKeepsNothing) {
   EXPECT_EQ(box.held(), 0u);
 }
 
+// A step the driver started without a call whose go was not taken before the step was abandoned here (delivered
+// before the abandon or after it) is kept, with the reason, for the executor to answer the driver with.
+TEST(UnitPipelineMailbox, AGoNotTakenBeforeItsStepWasAbandonedIsKeptWithTheReason) {
+  Mailbox& box = Mailbox::get();
+  box.put(go_key(108, 0), c10::IValue(int64_t{1}));
+  auto first = box.take_go(108);
+  ASSERT_TRUE(first.ok()) << first.status();
+  ASSERT_TRUE(first->has_value());
+  EXPECT_EQ((*first)->step, 0);
+  EXPECT_TRUE((*first)->dropped.ok()) << (*first)->dropped;
+  box.finish(108, 0);
+  box.put(go_key(108, 1), c10::IValue(int64_t{2}));  // here, not taken, when its step is abandoned
+  box.abort(108, 1, absl::AbortedError("another stage failed"));
+  box.abort(108, 2, absl::AbortedError("another stage failed"));
+  box.put(go_key(108, 2), c10::IValue(int64_t{3}));  // comes after its step was abandoned
+  for (int64_t step : {1, 2}) {
+    auto go = box.take_go(108);
+    ASSERT_TRUE(go.ok()) << go.status();
+    ASSERT_TRUE(go->has_value()) << "step " << step;
+    EXPECT_EQ((*go)->step, step);
+    EXPECT_EQ((*go)->value.toInt(), step + 1);
+    EXPECT_EQ((*go)->dropped.code(), absl::StatusCode::kAborted);
+    EXPECT_EQ((*go)->dropped.message(), "another stage failed");
+  }
+  auto none = box.take_go(108);
+  ASSERT_TRUE(none.ok()) << none.status();
+  EXPECT_FALSE(none->has_value());
+  EXPECT_EQ(box.held(), 0u);
+  // A released pipeline's go is not answered: its driver is gone.
+  box.abort(109, 0, absl::AbortedError("another stage failed"));
+  box.put(go_key(109, 0), c10::IValue(int64_t{1}));
+  EXPECT_EQ(box.held(), 1u);
+  box.release(109);
+  EXPECT_EQ(box.held(), 0u);
+}
+
 TEST(UnitPipelineMailbox, StoppingEndsTheWaitsInProgressOnly) {
   Mailbox& box = Mailbox::get();
   auto waiting = std::async(std::launch::async,
