@@ -9,8 +9,8 @@
 //   pipeline_local_step_ms       the same model unsplit, in one process (loss.backward(), torch::optim::SGD).
 //   pipeline_control_overhead_us per micro-batch: (step - the schedule's makespan with each stage's measured mean
 //                                forward and backward times in that step) / m: what the runtime adds beyond the
-//                                schedule itself. The median of 7 steps after the timed ones; its line carries that
-//                                step's time, makespan and stage busy times, and the medians of the 7 steps' lead_us
+//                                schedule itself. The median of 21 steps after the timed ones; its line carries that
+//                                step's time, makespan and stage busy times, and the medians of the 21 steps' lead_us
 //                                (from calling step() to the first action's start: splitting, the plans' sending)
 //                                and tail_us (from the last action's end to step() returning: the workers' agreement
 //                                that they finished, their replies): per step, not per micro-batch.
@@ -261,7 +261,9 @@ void step_time(const std::string& size, int64_t d, int64_t batch, int steps) {
                 cond + ",\"speedup_vs_m1\":" + std::to_string(m1_ms / ms) + ",\"speedup_vs_local\":" +
                     std::to_string(local_ms / ms) + ",\"stage_peak_memory_mib\":[" + peak_mib + "]");
     std::vector<double> delivered;
-    for (int i = 0; i < 7; ++i) {
+    // One step's overhead swings by tens of percent on a VM (7 steps gave 25-60 us run to run on the small model).
+    constexpr int kOverheadSteps = 21;
+    for (int i = 0; i < kOverheadSteps; ++i) {
       dist_autograd::ContextGuard ctx;
       const double called = system_us();
       pipe.step(x, y);
@@ -277,7 +279,7 @@ void step_time(const std::string& size, int64_t d, int64_t batch, int steps) {
       for (const Overhead& o : overheads) v.push_back(o.*field);
       return bench::median(v);
     };
-    // The step whose overhead is the median of these 7 (one step's figure swings by tens of percent on a VM).
+    // The step whose overhead is the median of these.
     std::sort(overheads.begin(), overheads.end(), [](const Overhead& x, const Overhead& y) {
       return x.step_ms - x.ideal_ms < y.step_ms - y.ideal_ms;
     });

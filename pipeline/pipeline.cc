@@ -173,6 +173,7 @@ struct Pipeline::State {
   Started begin_step(const std::vector<c10::IValue>& inputs, const std::vector<bool>& replicate,
                      const at::Tensor& target, int64_t total_rows) ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu) {
     const PipelineOptions opts = current_options();  // this step's: set_record_timeline() applies to the next
+    wake_first_stage(opts);
     std::vector<at::Tensor> ys;
     const std::vector<detail::Args> xs = split_step(opts, inputs, replicate, target, &ys);
     const int m = opts.n_microbatches;
@@ -226,6 +227,20 @@ struct Pipeline::State {
                                        opts.timeout + kReplyMargin));
     }
     return Started{opts, m, step_id, sizes, t0, std::move(replies), std::move(direct_workers)};
+  }
+
+  // When this step will likely start without a call on stage 0's worker (it did so or replied through shared
+  // memory before): rings its bell now, so that its executor's wake-up overlaps the splitting and sending of the step
+  // (runtime.cc: the executor then spins for the step instead of sleeping again).
+  void wake_first_stage(const PipelineOptions& opts) ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu) {
+    const size_t w = static_cast<size_t>(stage_worker.front());
+    if (replica || !replies_inbox || replies_by_ring.count(w) == 0 || plan_held.count({w, opts.n_microbatches}) == 0) {
+      return;
+    }
+    if (workers[w] == rpc::get_worker_info().id) return;
+    const std::shared_ptr<detail::Outlet> o =
+        detail::attach_outlet(workers[w], id, std::min(opts.timeout, std::chrono::milliseconds(5000)));
+    if (o) o->ring();
   }
 
   // Writes stage 0's micro-batches (`first`) and the last stage's targets (`last`) into worker w's inbox, keyed as

@@ -89,6 +89,8 @@ class Executor {
 
  private:
   void loop() {
+    // The last sleep ended on a ring that brought nothing yet: the driver's word that a step starts here soon.
+    bool rung_empty = false;
     for (;;) {
       std::function<void()> task;
       std::shared_ptr<Inbox> inbox;
@@ -109,6 +111,7 @@ class Executor {
       }
       if (task) {
         task();  // tasks catch their own errors
+        rung_empty = false;
         continue;
       }
       auto go = Mailbox::get().take_go(pipe_);
@@ -117,10 +120,14 @@ class Executor {
         TANDEM_LOG(kWarn, "pipeline") << "pipeline " << pipe_ << ": " << go.status().message();
       } else if (go->has_value()) {
         run_direct(**go);
+        rung_empty = false;
         continue;
       }
-      // Idle until a task, a message or a stop rings the bell (a bounded sleep: then look again).
-      inbox->wait(seen, Clock::now() + std::chrono::seconds(1), std::chrono::microseconds(0));
+      // Idle until a task, a message or a stop rings the bell (a bounded sleep: then look again). After a ring that
+      // brought nothing, first a spin: the step the driver announced comes within it, with no futex wake-up.
+      const auto spin = rung_empty ? Inbox::spin_time() : std::chrono::microseconds(0);
+      inbox->wait(seen, Clock::now() + std::chrono::seconds(1), spin);
+      rung_empty = spin.count() == 0 && inbox->bell() != seen;
     }
   }
 

@@ -95,10 +95,12 @@ class Outlet {
   bool send(const MailKey& key, const c10::IValue& value, bool ring_bell = true);
   // The receiving process (RingEnds::pid).
   int64_t pid() const { return pid_; }
+  // Rings the receiver's bell with no message: it wakes (and looks, finding nothing): a driver's word that a step
+  // is about to start there, so that the wake-up overlaps the driver's preparing of it.
+  void ring();
 
  private:
   Outlet() = default;
-  void ring();
   std::mutex send_mu_;
   void* bell_map_ = nullptr;
   void* ring_map_ = nullptr;
