@@ -55,7 +55,9 @@ rpc::Future on_submit(int64_t context_id) {
     for (size_t i = 0; i < s.params.size(); ++i) {
       at::Tensor g = grads[s.params[i]];
       if (!g.defined()) continue;
-      s.sum[i] = s.sum[i].defined() ? s.sum[i].add_(g) : g.clone();
+      // The first trainer's gradient becomes the sum, in place: the context holding it is released after this
+      // round, and nothing reads it meanwhile (a copy of the model's size per round, before).
+      s.sum[i] = s.sum[i].defined() ? s.sum[i].add_(g) : g;
     }
     s.waiting.push_back(done);
     if (static_cast<int>(s.waiting.size()) == s.options.trainers) {
