@@ -1,6 +1,7 @@
 // Shared by Tandem's benchmark programs: timing and the JSON line format of bench/run.sh.
 #pragma once
 
+#include <sched.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -37,6 +38,20 @@ inline bool full_io(int fd, void* p, size_t n, bool writing) {
   return true;
 }
 
+// In a floor's forked child: when this process is bound to one CPU (tandem-run --bind-cores 1), the child moves to the
+// next online CPU, as the peer it stands for (another stage worker) runs on a core of its own.
+inline void away_from_parent() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  const long online = sysconf(_SC_NPROCESSORS_ONLN);
+  if (online < 2 || sched_getaffinity(0, sizeof set, &set) != 0 || CPU_COUNT(&set) != 1) return;
+  int cpu = 0;
+  while (!CPU_ISSET(cpu, &set)) ++cpu;
+  CPU_ZERO(&set);
+  CPU_SET(static_cast<int>((cpu + 1) % online), &set);
+  (void)sched_setaffinity(0, sizeof set, &set);
+}
+
 // Round trips of a blocking ping-pong of `bytes` each way over a Unix stream socket between this process and a child
 // forked for it (call before any thread starts), after 500 warm-up ones: the floor of a message between two processes
 // of one host that sleep while they wait. Empty when the machine refuses the socket or the fork.
@@ -47,6 +62,7 @@ inline std::vector<double> unix_pingpong_rtts_us(int iters, size_t bytes = 128) 
   std::vector<char> msg(bytes, 'p');
   const pid_t child = fork();
   if (child == 0) {
+    away_from_parent();
     close(sv[0]);
     while (full_io(sv[1], msg.data(), bytes, false) && msg[0] != 'q') full_io(sv[1], msg.data(), bytes, true);
     _exit(0);
@@ -80,6 +96,7 @@ inline std::vector<double> unix_wake_latencies_us(int iters, double busy_us, siz
   std::vector<char> msg(bytes, 'w');
   const pid_t child = fork();
   if (child == 0) {
+    away_from_parent();
     close(sv[0]);
     double header[2];
     while (full_io(sv[1], msg.data(), bytes, false)) {

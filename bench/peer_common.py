@@ -48,6 +48,17 @@ def init(rank, world, port, mode):
     return "torch" if mode == "default" else "torch_tcp"
 
 
+def bind_cores(rank, world):
+    """With BIND_CORES=1 (bench/run.sh), what binds rank `rank` of `world` to the CPUs tandem-run --bind-cores 1 would
+    give it: its block of this process's CPUs when there are at least `world`, else CPU rank mod their count."""
+    if os.environ.get("BIND_CORES") != "1":
+        return None
+    cpus = sorted(os.sched_getaffinity(0))
+    n = len(cpus)
+    mine = {cpus[rank % n]} if n < world else set(cpus[rank * n // world:(rank + 1) * n // world])
+    return lambda: os.sched_setaffinity(0, mine)
+
+
 def launch(script, argv, world):
     """Runs `world` copies of `script` with `argv` plus --port and --rank; exits non-zero if any rank fails."""
     with socket.socket() as s:
@@ -55,7 +66,7 @@ def launch(script, argv, world):
         port = s.getsockname()[1]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     base = [sys.executable, script] + argv + ["--port", str(port)]
-    procs = [subprocess.Popen(base + ["--rank", str(r)], env=env) for r in range(world)]
+    procs = [subprocess.Popen(base + ["--rank", str(r)], env=env, preexec_fn=bind_cores(r, world)) for r in range(world)]
     # PyTorch's ranks hang when a peer dies: once one fails, stop the others.
     deadline = time.time() + 1800
     while any(p.poll() is None for p in procs) and time.time() < deadline:

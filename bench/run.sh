@@ -33,13 +33,14 @@ if [ "${BENCH_GLIBC_DEFAULTS:-0}" != 1 ]; then
   export MALLOC_ARENA_MAX=1 MALLOC_MMAP_THRESHOLD_=1073741824 MALLOC_TRIM_THRESHOLD_=1073741824
 fi
 # bench TARGET NPROC PEER_SCRIPT [flags]: Tandem's program on NPROC workers (rank 0's JSON lines), then the peer in
-# PyTorch's default configuration and (unless PEER_MODES says otherwise) with TCP forced.
+# PyTorch's default configuration and (unless PEER_MODES says otherwise) with TCP forced. BIND_CORES=1: every rank of
+# both sides bound to its share of the CPUs (tandem-run --bind-cores 1; the peer's launch in bench/peer_common.py).
 bench() {
   local target="$1" nproc="$2" peer="$3"
   shift 3
   cmake --build build -j"$cores" --target "$target" tandem-run >&2
   for ((round = 1; round <= ${ROUNDS:-1}; round++)); do
-    build/tandem-run --nproc-per-node "$nproc" "build/$target" "$@" | sed -n 's/^\[rank0\]: {/{/p'
+    build/tandem-run ${BIND_CORES:+--bind-cores 1} --nproc-per-node "$nproc" "build/$target" "$@" | sed -n 's/^\[rank0\]: {/{/p'
     for mode in ${PEER_MODES:-default tcp}; do "$PY" "bench/$peer" "$mode" "$@"; done
   done
 }
@@ -231,7 +232,10 @@ case "$name" in
   ps) bench ps_bench 3 peer_ps.py "$@" ;;
   collectives) PEER_MODES=default bench collectives_bench 2 peer_collectives.py "$@" ;;
   ddp) PEER_MODES=default bench ddp_bench 2 peer_ddp.py "$@" ;;
-  pipeline) PEER_MODES=default bench pipeline_bench 5 peer_pipeline.py "$@" ;;
+  # Both sides' ranks bound to the CPUs as tandem-run --bind-cores 1 binds them (bench/peer_common.py does the same):
+  # each stage worker keeps its core's caches (the large model's step, 5 interleaved pairs: 0.745 against 0.785 of one
+  # worker's step unbound).
+  pipeline) PEER_MODES=default BIND_CORES=1 bench pipeline_bench 5 peer_pipeline.py "$@" ;;
   fsdp)
     # One configuration per run, so that each one's peak memory is its own (bench/fsdp_bench.cc, bench/peer_fsdp.py).
     cmake --build build -j"$cores" --target fsdp_bench tandem-run >&2

@@ -3,10 +3,13 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <sched.h>
 #include <signal.h>
 
 #include <chrono>
 #include <cstdlib>
+#include <string>
+#include <vector>
 
 #include "tests/common/multiproc.h"
 
@@ -58,6 +61,43 @@ TEST(MultiprocLauncher, SetsTorchrunEnvironmentAndPrefixesOutput) {
                            "[rank1]: LOCAL_WORLD_SIZE=2", "[rank0]: MASTER_ADDR=127.0.0.1", "[rank1]: SECRET_SET=1"}) {
     EXPECT_NE(out.find(line), std::string::npos) << line << " missing in:\n" << out;
   }
+}
+
+// --bind-cores 1: each local worker on its own share of the launcher's CPUs (here: this test's), equal blocks in order
+// when there are enough, else one CPU each, local rank mod their count; without it, every CPU.
+TEST(MultiprocLauncher, BindCoresGivesEachWorkerItsShareOfTheCpus) {
+  cpu_set_t mine;
+  CPU_ZERO(&mine);
+  ASSERT_EQ(sched_getaffinity(0, sizeof mine, &mine), 0);
+  std::vector<int> allowed;
+  for (int c = 0; c < CPU_SETSIZE; ++c) {
+    if (CPU_ISSET(c, &mine)) allowed.push_back(c);
+  }
+  const int n = static_cast<int>(allowed.size());
+  auto list = [](const std::vector<int>& cpus) {
+    std::string s;
+    for (int c : cpus) s += (s.empty() ? "" : ",") + std::to_string(c);
+    return s;
+  };
+  for (int nproc : {2, n + 1}) {
+    Process p({TANDEM_RUN_PATH, "--nproc-per-node", std::to_string(nproc), "--bind-cores", "1", self_exe(), "--worker",
+               "env_dump"},
+              {});
+    ASSERT_EQ(exit_code(p.wait(milliseconds(30000))), 0) << p.output();
+    for (int r = 0; r < nproc; ++r) {
+      std::vector<int> want;
+      if (n < nproc) {
+        want.push_back(allowed[r % n]);
+      } else {
+        for (int i = r * n / nproc; i < (r + 1) * n / nproc; ++i) want.push_back(allowed[i]);
+      }
+      const std::string line = "[rank" + std::to_string(r) + "]: CPUS=" + list(want) + "\n";
+      EXPECT_THAT(p.output(), HasSubstr(line)) << "nproc " << nproc;
+    }
+  }
+  Process unbound({TANDEM_RUN_PATH, "--nproc-per-node", "2", self_exe(), "--worker", "env_dump"}, {});
+  ASSERT_EQ(exit_code(unbound.wait(milliseconds(30000))), 0) << unbound.output();
+  EXPECT_THAT(unbound.output(), HasSubstr("[rank1]: CPUS=" + list(allowed) + "\n"));
 }
 
 TEST(MultiprocLauncher, MultiNodeNeedsASharedSecret) {

@@ -2,6 +2,7 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <sched.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -82,6 +83,15 @@ int run_worker(const std::string& scenario) {
       std::cout << v << "=" << (std::getenv(v) ? std::getenv(v) : "") << "\n";
     }
     std::cout << "SECRET_SET=" << (std::getenv("TANDEM_SECRET") && *std::getenv("TANDEM_SECRET") ? 1 : 0) << "\n";
+    cpu_set_t cpus;
+    CPU_ZERO(&cpus);
+    std::string list;
+    if (sched_getaffinity(0, sizeof cpus, &cpus) == 0) {
+      for (int c = 0; c < CPU_SETSIZE; ++c) {
+        if (CPU_ISSET(c, &cpus)) list += (list.empty() ? "" : ",") + std::to_string(c);
+      }
+    }
+    std::cout << "CPUS=" << list << "\n";
     return 0;
   }
   if (scenario == "fail_if_rank1") {
