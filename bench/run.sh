@@ -233,7 +233,7 @@ case "$name" in
   collectives) PEER_MODES=default bench collectives_bench 2 peer_collectives.py "$@" ;;
   ddp) PEER_MODES=default bench ddp_bench 2 peer_ddp.py "$@" ;;
   # Both sides' ranks bound to the CPUs as tandem-run --bind-cores 1 binds them (bench/peer_common.py does the same):
-  # each stage worker keeps its core's caches (the large model's step, 5 interleaved pairs: 0.745 against 0.785 of one
+  # each stage worker keeps its core's caches (the large model's step, 4 interleaved pairs: 0.745 against 0.785 of one
   # worker's step unbound).
   pipeline) PEER_MODES=default BIND_CORES=1 bench pipeline_bench 5 peer_pipeline.py "$@" ;;
   fsdp)

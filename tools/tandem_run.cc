@@ -36,9 +36,10 @@
 // spare instead of starting the program again. Other programs are always started afresh.
 //
 // CPU binding (--bind-cores 1; DeepSpeed's --bind_cores_to_rank): each local worker runs on its own share of the CPUs
-// the launcher may use (its affinity mask): local rank i of N on the i-th of N equal blocks when there are at least N
-// CPUs, else on CPU i mod their count. Set before the program starts (a warm standby's threads when it takes over).
-// A process then stays on its core's caches: two stage workers of a pipeline on 2 cores computed 5% faster so.
+// the launcher may use (its affinity mask): local rank i of N on the i-th of N consecutive blocks (sizes differing by
+// at most one) when there are at least N CPUs, else on CPU i mod their count. Set before the program starts (a warm
+// standby's threads when it takes over). A process then stays on its core's caches: two stage workers of a pipeline
+// on 2 cores computed 5% faster so.
 #include <arpa/inet.h>
 #include <dirent.h>
 #include <fcntl.h>
