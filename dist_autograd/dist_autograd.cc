@@ -574,6 +574,12 @@ std::shared_ptr<Context> adopt(int64_t context_id) {
   if (ctx) ctx->add_worker(call->caller_rank);
   return ctx;
 }
+
+// Why a context cannot be adopted here: its release came first.
+absl::Status released_already(int64_t context_id) {
+  return absl::NotFoundError(absl::StrCat("distributed autograd context ", context_id, " was released on worker '",
+                                          worker_name(), "' already"));
+}
 }  // namespace
 
 void add_gradient(int64_t context_id, const at::Tensor& leaf, const at::Tensor& grad) {
@@ -592,10 +598,7 @@ void add_gradient(int64_t context_id, const at::Tensor& leaf, const at::Tensor& 
 
 int64_t adopt_current_context() {
   if (!adopt(t_context)) {
-    if (rpc::current_call() != nullptr && t_context >= 0) {
-      throw RpcError(absl::NotFoundError(absl::StrCat("distributed autograd context ", t_context,
-                                                      " was released on worker '", worker_name(), "' already")));
-    }
+    if (rpc::current_call() != nullptr && t_context >= 0) throw RpcError(released_already(t_context));
     throw RpcError(absl::FailedPreconditionError(absl::StrCat("adopt_current_context on worker '", worker_name(),
                                                               "': this thread serves no call made in a "
                                                               "distributed autograd context")));
@@ -614,10 +617,7 @@ void share_context(int64_t context_id, int worker) {
 
 void adopt_context(int64_t context_id, int origin) {
   auto ctx = Container::get().get_or_create(context_id, /*unreleased=*/true);
-  if (!ctx) {
-    throw RpcError(absl::NotFoundError(absl::StrCat("distributed autograd context ", context_id,
-                                                    " was released on worker '", worker_name(), "' already")));
-  }
+  if (!ctx) throw RpcError(released_already(context_id));
   ctx->add_worker(origin);
 }
 

@@ -237,10 +237,14 @@ struct Pipeline::State {
     if (replica || !replies_inbox || replies_by_ring.count(w) == 0 || plan_held.count({w, opts.n_microbatches}) == 0) {
       return;
     }
-    if (workers[w] == rpc::get_worker_info().id) return;
-    const std::shared_ptr<detail::Outlet> o =
-        detail::attach_outlet(workers[w], id, std::min(opts.timeout, std::chrono::milliseconds(5000)));
-    if (o) o->ring();
+    if (const std::shared_ptr<detail::Outlet> o = outlet_to(w, opts)) o->ring();
+  }
+
+  // Same-host deliveries (detail/shm_p2p.h): the outlet into worker w's inbox, null when it has none (another host,
+  // the driver itself, switched off).
+  std::shared_ptr<detail::Outlet> outlet_to(size_t w, const PipelineOptions& opts) const {
+    if (workers[w] == rpc::get_worker_info().id) return nullptr;
+    return detail::attach_outlet(workers[w], id, std::min(opts.timeout, std::chrono::milliseconds(5000)));
   }
 
   // Writes stage 0's micro-batches (`first`) and the last stage's targets (`last`) into worker w's inbox, keyed as
@@ -249,11 +253,7 @@ struct Pipeline::State {
   bool send_by_ring(size_t w, const PipelineOptions& opts, int64_t step_id, bool first,
                     const std::vector<c10::IValue>& inputs, bool last, const std::vector<at::Tensor>& targets)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu) {
-    // Same-host deliveries (detail/shm_p2p.h): the outlet into worker w's inbox, null when it has none (another
-    // host, the driver itself, switched off).
-    if (workers[w] == rpc::get_worker_info().id) return false;
-    const std::shared_ptr<detail::Outlet> o =
-        detail::attach_outlet(workers[w], id, std::min(opts.timeout, std::chrono::milliseconds(5000)));
+    const std::shared_ptr<detail::Outlet> o = outlet_to(w, opts);
     if (!o) return false;
     const c10::IValue all_inputs = first ? c10::IValue(c10::ivalue::Tuple::create(inputs)) : c10::IValue();
     const c10::IValue all_targets = last ? c10::IValue(targets) : c10::IValue();
@@ -272,18 +272,16 @@ struct Pipeline::State {
   // (no outlet or pidfd for it, the ring full): the call starts it instead.
   bool send_direct(size_t w, const PipelineOptions& opts, int64_t step_id, const std::vector<int64_t>& sizes,
                    const std::vector<int64_t>& flags) ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu) {
-    const int self = rpc::get_worker_info().id;
-    if (workers[w] == self || !replies_inbox) return false;
-    const std::shared_ptr<detail::Outlet> o =
-        detail::attach_outlet(workers[w], id, std::min(opts.timeout, std::chrono::milliseconds(5000)));
+    const std::shared_ptr<detail::Outlet> o = replies_inbox ? outlet_to(w, opts) : nullptr;
     if (!o) return false;
     auto [fd, fresh] = pidfds.try_emplace(w, -1);
     if (fresh) fd->second = static_cast<int>(syscall(SYS_pidfd_open, static_cast<pid_t>(o->pid()), 0));
     if (fd->second < 0) return false;
     const int64_t context = dist_autograd::current_context();
     if (opts.gradients == GradientsTo::kContext) dist_autograd::share_context(context, workers[w]);
-    return o->send(detail::go_key(id, step_id), c10::ivalue::Tuple::create({c10::IValue(sizes), c10::IValue(flags),
-                                                                            c10::IValue(context), c10::IValue(self)}));
+    return o->send(detail::go_key(id, step_id),
+                   c10::ivalue::Tuple::create({c10::IValue(sizes), c10::IValue(flags), c10::IValue(context),
+                                               c10::IValue(rpc::get_worker_info().id)}));
   }
 
   // Waits for the workers' replies; returns the step's loss. Throws as step() does.
