@@ -40,7 +40,7 @@ bench() {
   shift 3
   cmake --build build -j"$cores" --target "$target" tandem-run >&2
   for ((round = 1; round <= ${ROUNDS:-1}; round++)); do
-    build/tandem-run ${BIND_CORES:+--bind-cores 1} --nproc-per-node "$nproc" "build/$target" "$@" | sed -n 's/^\[rank0\]: {/{/p'
+    build/tandem-run $([ "${BIND_CORES:-}" = 1 ] && echo --bind-cores 1) --nproc-per-node "$nproc" "build/$target" "$@" | sed -n 's/^\[rank0\]: {/{/p'
     for mode in ${PEER_MODES:-default tcp}; do "$PY" "bench/$peer" "$mode" "$@"; done
   done
 }

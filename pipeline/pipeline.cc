@@ -72,6 +72,7 @@ struct Pipeline::State {
   // replies_inbox, and a pidfd of its process, which tells the wait at once when it exits (-1: none to be had).
   std::set<size_t> replies_by_ring ABSL_GUARDED_BY(step_mu);
   std::map<size_t, int> pidfds ABSL_GUARDED_BY(step_mu);
+  bool first_went_direct ABSL_GUARDED_BY(step_mu) = false;  // the last step started on stage 0's worker without a call
 
   // What other threads read or change while a step runs (options(), last_stats(), set_record_timeline()): held only
   // briefly, so they need not wait for the step. Taken after step_mu when both are held.
@@ -226,6 +227,7 @@ struct Pipeline::State {
                                        held ? std::string() : opts.loss, flags, ties, tie_names,
                                        opts.timeout + kReplyMargin));
     }
+    first_went_direct = direct_workers[static_cast<size_t>(stage_worker.front())];
     return Started{opts, m, step_id, sizes, t0, std::move(replies), std::move(direct_workers)};
   }
 
@@ -234,7 +236,9 @@ struct Pipeline::State {
   // (runtime.cc: the executor then spins for the step instead of sleeping again).
   void wake_first_stage(const PipelineOptions& opts) ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu) {
     const size_t w = static_cast<size_t>(stage_worker.front());
-    if (replica || !replies_inbox || replies_by_ring.count(w) == 0 || plan_held.count({w, opts.n_microbatches}) == 0) {
+    // Only when the last step went to it without a call (a call wakes it anyway: the inputs too large for the ring).
+    if (replica || !replies_inbox || !first_went_direct || replies_by_ring.count(w) == 0 ||
+        plan_held.count({w, opts.n_microbatches}) == 0) {
       return;
     }
     if (const std::shared_ptr<detail::Outlet> o = outlet_to(w, opts)) o->ring();

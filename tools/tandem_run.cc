@@ -358,9 +358,9 @@ std::vector<std::pair<std::string, std::string>> round_env(int rank, int local, 
           {"TORCHELASTIC_RESTART_COUNT", std::to_string(p.restart)}};
 }
 
-// The CPUs of local worker `local` of `nproc` under --bind-cores: its block of the launcher's allowed CPUs (equal
-// blocks in order, when there are at least nproc), else CPU local mod their count.
-cpu_set_t worker_cpus(int local, int nproc) {
+// The CPUs this launcher may use (its affinity mask, read once: call first in the launcher, before any fork). Empty,
+// and said once, when the mask cannot be read (a machine of more than CPU_SETSIZE CPUs): workers then run unbound.
+const std::vector<int>& launcher_cpus() {
   static const std::vector<int> allowed = [] {
     cpu_set_t set;
     CPU_ZERO(&set);
@@ -369,9 +369,20 @@ cpu_set_t worker_cpus(int local, int nproc) {
       for (int c = 0; c < CPU_SETSIZE; ++c) {
         if (CPU_ISSET(c, &set)) cpus.push_back(c);
       }
+    } else {
+      std::fprintf(stderr, "tandem-run: --bind-cores: cannot read this process's CPUs (%s); workers run unbound\n",
+                   std::strerror(errno));
     }
     return cpus;
   }();
+  return allowed;
+}
+
+// The CPUs of local worker `local` of `nproc` under --bind-cores: its block of the launcher's CPUs (consecutive
+// blocks in order, their sizes differing by at most one, when there are at least nproc), else CPU local mod their
+// count. Allocates nothing (it runs in a forked child).
+cpu_set_t worker_cpus(int local, int nproc) {
+  const std::vector<int>& allowed = launcher_cpus();
   cpu_set_t set;
   CPU_ZERO(&set);
   const int n = static_cast<int>(allowed.size());
@@ -384,26 +395,27 @@ cpu_set_t worker_cpus(int local, int nproc) {
   return set;
 }
 
-// Binds every thread of process `pid` (0: this one, before exec) to worker `local`'s CPUs. Best effort: a worker that
-// cannot be bound runs unbound, and says so.
+// Binds process `pid` (0: this one, a forked child before exec: nothing allocated) or, for a standby, each of its
+// threads to worker `local`'s CPUs. Best effort: a worker that cannot be bound runs unbound, and says so.
 void bind_worker(pid_t pid, int local, const Options& o) {
   if (!o.bind_cores) return;
   const cpu_set_t set = worker_cpus(local, o.nproc);
   if (CPU_COUNT(&set) == 0) return;
-  std::vector<pid_t> threads{pid};
-  if (pid != 0) {  // a standby's threads, started before it took over
-    threads.clear();
-    if (DIR* d = opendir(("/proc/" + std::to_string(pid) + "/task").c_str())) {
-      while (dirent* e = readdir(d)) {
-        if (e->d_name[0] != '.') threads.push_back(static_cast<pid_t>(std::atoi(e->d_name)));
-      }
-      closedir(d);
-    }
-  }
-  for (pid_t t : threads) {
+  auto bind = [&](pid_t t) {
     if (sched_setaffinity(t, sizeof set, &set) != 0) {
       std::fprintf(stderr, "tandem-run: cannot bind local worker %d to its CPUs: %s\n", local, std::strerror(errno));
     }
+  };
+  if (pid == 0) {
+    bind(0);
+    return;
+  }
+  // A standby's threads, started before it took over.
+  if (DIR* d = opendir(("/proc/" + std::to_string(pid) + "/task").c_str())) {
+    while (dirent* e = readdir(d)) {
+      if (e->d_name[0] != '.') bind(static_cast<pid_t>(std::atoi(e->d_name)));
+    }
+    closedir(d);
   }
 }
 
@@ -988,6 +1000,7 @@ int run_elastic(Options& o, std::vector<Standby>* pool) {
 
 int main(int argc, char** argv) {
   Options o = parse(argc, argv);
+  if (o.bind_cores) (void)launcher_cpus();  // read here, before any worker is forked
   install_signal_handlers();
   // Warm standbys only when a restart can use them, and only for Tandem programs (which wait for their variables).
   const bool restarts = o.max_restarts > 0 || o.min_nodes != o.max_nodes;

@@ -56,8 +56,9 @@ rpc::Future on_submit(int64_t context_id) {
       at::Tensor g = grads[s.params[i]];
       if (!g.defined()) continue;
       // The first trainer's gradient becomes the sum, in place: the context holding it is released after this
-      // round, and nothing reads it meanwhile (a copy of the model's size per round, before).
-      s.sum[i] = s.sum[i].defined() ? s.sum[i].add_(g) : g;
+      // round, and nothing reads it meanwhile (a copy of the model's size per round, before). Not a gradient that
+      // another leaf's may share or that is expanded (add_ would write through it): that one is copied.
+      s.sum[i] = s.sum[i].defined() ? s.sum[i].add_(g) : g.is_non_overlapping_and_dense() ? g : g.clone();
     }
     s.waiting.push_back(done);
     if (static_cast<int>(s.waiting.size()) == s.options.trainers) {
