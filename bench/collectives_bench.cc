@@ -3,7 +3,8 @@
 // size, the median time of an allreduce (sum, float32) issued and waited back to back, and the bus bandwidth
 // busbw = 2 (n-1)/n * bytes / time (NCCL-tests' definition; n = 2 gives bytes / time):
 //   allreduce_4B_us, allreduce_1MiB_busbw_GBps, allreduce_64MiB_busbw_GBps, broadcast_64MiB_GBps (bytes / time)
-// and, as "impl":"floor", a plain copy of 64 MiB in the same run.
+// and, as "impl":"floor", a plain copy of 64 MiB in the same run. On shared memory also, as "tandem_shared_tensor",
+// the allreduce of a ProcessGroup::shared_tensor (reduced where it is, no copies in and out; DDP's buckets are ones).
 // Flags: --iters N (64 MiB iterations; smaller sizes run 10× or 100× more).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -70,6 +71,21 @@ int main(int argc, char** argv) {
                    cond + ",\"iters\":" + std::to_string(iters) + ",\"median_ms\":" + std::to_string(t_big / 1e3));
     bench::emit_as(impl, "collectives", "broadcast_64MiB_GBps", big.nbytes() / t_bcast / 1e3, "GB/s",
                    cond + ",\"iters\":" + std::to_string(iters));
+  }
+  if (at::Tensor shared = pg->shared_tensor(big.numel(), at::kFloat); shared.defined()) {
+    shared.fill_(1);
+    at::Tensor shared_mib = shared.narrow(0, 0, mib.numel());
+    const double t_mib = time_op(*pg, iters * 10, [&] { return pg->allreduce(shared_mib); });
+    const double t_big = time_op(*pg, iters, [&] { return pg->allreduce(shared); });
+    if (pg->rank() == 0) {
+      const std::string cond = "\"processes\":" + std::to_string(n) +
+                               ",\"intra_op_threads\":1,\"backend\":\"shared_memory\",\"tensor\":\"shared\"";
+      bench::emit_as("tandem_shared_tensor", "collectives", "allreduce_1MiB_busbw_GBps",
+                     factor * mib.nbytes() / t_mib / 1e3, "GB/s", cond + ",\"iters\":" + std::to_string(iters * 10));
+      bench::emit_as("tandem_shared_tensor", "collectives", "allreduce_64MiB_busbw_GBps",
+                     factor * big.nbytes() / t_big / 1e3, "GB/s",
+                     cond + ",\"iters\":" + std::to_string(iters) + ",\"median_ms\":" + std::to_string(t_big / 1e3));
+    }
   }
   comm::wait(pg->barrier());
   if (pg->rank() == 0) {

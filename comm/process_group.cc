@@ -410,6 +410,22 @@ class GlooGroup final : public ProcessGroup {
     });
   }
 
+  at::Tensor shared_tensor(int64_t numel, at::ScalarType dtype) override {
+    if (numel < 0) {
+      throw_error(
+          absl::InvalidArgumentError(absl::StrCat("process group '", name_, "', shared_tensor: ", numel, " elements")));
+    }
+    if (!supported(dtype)) {
+      throw_error(absl::UnimplementedError(absl::StrCat(
+          "process group '", name_, "', shared_tensor: collectives do not support dtype ", c10::toString(dtype))));
+    }
+    if (!shm_) return at::Tensor();
+    auto out = std::make_shared<at::Tensor>();  // shared with the operation, which may outlive a failed wait
+    wait(submit("shared_tensor", at::empty({0}, at::TensorOptions().dtype(dtype)), numel,
+                [this, out, numel, dtype](uint32_t) { *out = shm_->shared_tensor(numel, dtype, deadline_); }));
+    return *out;
+  }
+
   rpc::Future barrier() override {
     return submit("barrier", at::Tensor(), 0, [this](uint32_t tag) {
       if (shm_) return shm_->barrier(deadline_);
@@ -543,8 +559,8 @@ class GlooGroup final : public ProcessGroup {
   // An operation's fingerprint: its name, its parameter (root, reduce op), and the dtype and shape of the tensor that
   // characterises it (the same on every rank).
   static constexpr size_t kFingerprint = 8;
-  static constexpr const char* kOps[] = {"allreduce", "broadcast",  "allgather", "reduce",        "gather",
-                                         "scatter",   "all_to_all", "barrier",   "reduce_scatter"};
+  static constexpr const char* kOps[] = {"allreduce", "broadcast",  "allgather", "reduce",         "gather",
+                                         "scatter",   "all_to_all", "barrier",   "reduce_scatter", "shared_tensor"};
   static std::vector<int64_t> fingerprint(const std::string& what, const at::Tensor& t, int64_t param) {
     std::vector<int64_t> f(kFingerprint, -1);
     for (size_t i = 0; i < std::size(kOps); ++i) {
@@ -619,7 +635,7 @@ class GlooGroup final : public ProcessGroup {
   // The path `what` takes: the common collectives over shared memory when the group has it, the rest over Gloo.
   const char* transport_of(const std::string& what) const {
     const bool common = what == "allreduce" || what == "reduce_scatter" || what == "broadcast" || what == "allgather" ||
-                        what == "barrier";
+                        what == "barrier" || what == "shared_tensor";
     return shm_ && common ? "shared_memory" : "gloo";
   }
 

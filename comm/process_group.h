@@ -98,6 +98,17 @@ class ProcessGroup {
   virtual rpc::Future reduce_scatter(at::Tensor output, at::Tensor input, ReduceOp op = ReduceOp::kSum) = 0;
   virtual rpc::Future barrier() = 0;
 
+  // A flat tensor of `numel` zeros of `dtype` that every rank of the group maps, when the group runs over shared
+  // memory: allreduce() of it, or of the same slice of it on every rank, copies nothing in or out (each rank reduces
+  // its share reading the others' tensors in place and writes the result into all of them: about half the memory
+  // traffic of a plain tensor's). Collective, in order with the group's operations: every rank calls it with the same
+  // numel and dtype; returns when all have mapped it. An undefined tensor on every rank when the group runs over Gloo,
+  // or when some rank could not map it (a full /dev/shm): use a plain tensor then. Nothing is left in /dev/shm; the
+  // tensor's storage holds the mappings and may outlive the group. An allreduce where some ranks pass a shared tensor
+  // and others a plain one, or other parts of it, fails on every rank (FAILED_PRECONDITION, the group broken).
+  // Throws tandem::Error (INVALID_ARGUMENT, UNIMPLEMENTED for the dtype, or the group's failure).
+  virtual at::Tensor shared_tensor(int64_t numel, at::ScalarType dtype) = 0;
+
   // Point-to-point: `tensor` goes to group rank `dst`, which posts a recv with the same `tag` and the same number of
   // bytes; messages between two ranks with the same tag arrive in the order they were sent. Each has the group's
   // timeout; a failed or timed-out send/recv breaks the group like a failed collective (Gloo closes the connection).

@@ -12,7 +12,8 @@
 //   }
 //
 // How (PyTorch's Reducer, VLDB'20): parameters are grouped into buckets in reverse order of registration (the first
-// bucket capped at first_bucket_bytes, the others at bucket_cap_bytes, one dtype per bucket). An autograd hook on each
+// bucket capped at first_bucket_bytes, the others at bucket_cap_bytes, one dtype per bucket; in shared memory when the
+// group runs over it, see shared_buckets). An autograd hook on each
 // parameter's gradient accumulator copies the gradient into its bucket; when a bucket is complete its asynchronous
 // allreduce starts (buckets start in index order, the same on every rank) and overlaps with the rest of backward. At
 // the end of backward the averaged gradients are written to .grad (or already are, with gradient_as_bucket_view). After
@@ -74,6 +75,11 @@ struct DdpOptions {
   // autograd views, so LibTorch's Optimizer::zero_grad (which detaches them) works; a .grad replaced by the user is
   // copied into the bucket and shared again at the next backward.
   bool gradient_as_bucket_view = true;
+  // Buckets in memory every rank maps, when the group runs over shared memory (ProcessGroup::shared_tensor): the
+  // allreduce then reads the other ranks' buckets where they are and writes the averages into them, dividing as it
+  // reduces (no copies into and out of the group's segment, and no pass of its own over each gradient); about twice
+  // the allreduce's speed. Off, or when the group runs over Gloo: plain buckets, each gradient divided as it lands.
+  bool shared_buckets = true;
   bool rebuild_buckets = true;  // after the first iteration, in the order gradients became ready
   bool uneven_inputs = false;   // ranks may run out of data at different times: see join()
 };

@@ -115,7 +115,12 @@ void Reducer::assign_buckets(const std::vector<size_t>& order) {
       params[i].offset = static_cast<size_t>(n);
       n += params[i].tensor.numel();
     }
-    buckets[b].flat = at::zeros({n}, params[buckets[b].params.front()].tensor.options().requires_grad(false));
+    // In memory every rank maps when the group runs over shared memory: the allreduce then reads the others'
+    // buckets where they are and writes the sums into them (no copies into and out of the group's segment).
+    const at::TensorOptions like = params[buckets[b].params.front()].tensor.options().requires_grad(false);
+    if (options.shared_buckets) buckets[b].flat = group->shared_tensor(n, like.dtype().toScalarType());
+    buckets[b].shared = buckets[b].flat.defined();
+    if (!buckets[b].shared) buckets[b].flat = at::zeros({n}, like);
     buckets[b].pending = buckets[b].params.size();
   }
   if (options.gradient_as_bucket_view) {
@@ -268,7 +273,7 @@ void Reducer::tapped(size_t i, const at::Tensor& grad) {
   }
   at::Tensor s = slice(i);
   if (grad.defined()) {
-    copy_scaled(s, grad);
+    copy_scaled(i, s, grad);
   } else {
     s.zero_();
   }
@@ -312,24 +317,25 @@ void Reducer::land(size_t i) {
   if (!g.defined()) {
     s.zero_();
   } else if (!options.gradient_as_bucket_view || g.data_ptr() != s.data_ptr()) {
-    copy_scaled(s, g);
+    copy_scaled(i, s, g);
     // .grad was replaced (first backward, or set by the user): share the bucket again
     if (options.gradient_as_bucket_view) p.tensor.mutable_grad() = bucket_view(i);
-  } else if (!hook) {
+  } else if (!hook && !reduce_averages(buckets[p.bucket])) {
     s.div_(group->size());
   }
 }
 
-void Reducer::copy_scaled(at::Tensor& slice, const at::Tensor& grad) const {
-  if (hook) {
+void Reducer::copy_scaled(size_t i, at::Tensor& slice, const at::Tensor& grad) const {
+  if (hook || reduce_averages(buckets[params[i].bucket])) {
     slice.copy_(grad.reshape({-1}));
   } else {
     at::div_out(slice, grad.reshape({-1}), at::scalar_tensor(group->size(), slice.options()));
   }
 }
 
-rpc::Future Reducer::reduce(const at::Tensor& flat) {
-  return hook ? hook(*group, flat) : group->allreduce(flat, comm::ReduceOp::kSum);
+rpc::Future Reducer::reduce(const Bucket& b) {
+  if (hook) return hook(*group, b.flat);
+  return group->allreduce(b.flat, reduce_averages(b) ? comm::ReduceOp::kAvg : comm::ReduceOp::kSum);
 }
 
 void Reducer::launch_ready() {
@@ -338,7 +344,7 @@ void Reducer::launch_ready() {
     Bucket& b = buckets[next_launch++];
     const auto launched = std::chrono::steady_clock::now();
     try {
-      b.work = reduce(b.flat);
+      b.work = reduce(b);
     } catch (const std::exception& e) {
       b.work = rpc::Future::failed(absl::InternalError(absl::StrCat("the communication hook threw: ", e.what())));
     }
@@ -446,12 +452,12 @@ void Reducer::reduce_external(const GradientOf& grad_of, const SetAverage& set_a
     for (size_t i : b.params) {
       at::Tensor s = slice(i);
       if (grads[i].defined()) {
-        copy_scaled(s, grads[i]);
+        copy_scaled(i, s, grads[i]);
       } else {
         s.zero_();
       }
     }
-    b.work = reduce(b.flat);
+    b.work = reduce(b);
   }
   write_averages(wait_all(), set_average);
 }
@@ -507,7 +513,7 @@ void Reducer::join() {
     unshare_gradients();
     for (auto& b : buckets) {
       b.flat.zero_();
-      b.work = reduce(b.flat);
+      b.work = reduce(b);
     }
     wait_all();
     finish_iteration();

@@ -18,13 +18,14 @@
 #include <random>
 #include <sstream>
 #include <thread>
+#include <utility>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "tandem/sync/futex.h"
 #include "absl/strings/str_split.h"
 #include "tandem/rpc/errors.h"
 #include "tandem/rpc/store.h"
+#include "tandem/sync/futex.h"
 
 namespace tandem::comm::detail {
 namespace {
@@ -51,6 +52,9 @@ struct alignas(64) RankLine {
   int64_t pid;
   uint64_t start_time;  // /proc/<pid>/stat field 22: tells a reused pid apart
   uint64_t pid_ns;      // inode of /proc/self/ns/pid: pids are comparable only within one namespace
+  // A word for the other ranks to compare after a barrier (ShmGroup::post), by the barrier's parity: a rank is at most
+  // one barrier ahead of another, so it never overwrites the word the other may still be reading.
+  std::atomic<uint64_t> posted[2];
 };
 
 size_t data_offset() { return kPage + kPage; }
@@ -108,7 +112,22 @@ struct ShmGroup::Layout {
   char* slot(int r) { return reinterpret_cast<char*>(this) + data_offset() + static_cast<size_t>(r) * kSlotBytes; }
 };
 static_assert(sizeof(ShmGroup::Layout) <= kPage);
-static_assert(sizeof(RankLine) * kMaxRanks <= kPage);
+static_assert(sizeof(RankLine) == 64 && sizeof(RankLine) * kMaxRanks <= kPage);
+
+// One shared tensor: this rank's segment and its mappings of every other rank's (by rank), each `bytes` long.
+struct ShmGroup::Shared {
+  uint64_t id = 0;
+  size_t bytes = 0;
+  std::vector<char*> base;
+  Shared() = default;
+  Shared(const Shared&) = delete;
+  Shared& operator=(const Shared&) = delete;
+  ~Shared() {
+    for (char* b : base) {
+      if (b != nullptr) munmap(b, bytes);
+    }
+  }
+};
 
 std::string host_place() {
   std::ifstream in("/proc/sys/kernel/random/boot_id");
@@ -312,6 +331,90 @@ void ShmGroup::meet(Clock::time_point deadline) {
   }
 }
 
+void ShmGroup::post(uint64_t word) {
+  layout_->line(rank_)->posted[(met_ + 1) % 2].store(word, std::memory_order_relaxed);  // meet() publishes it
+}
+
+uint64_t ShmGroup::posted(int r) const {
+  return layout_->line(r)->posted[met_ % 2].load(std::memory_order_relaxed);  // after meet()'s acquire
+}
+
+void ShmGroup::check_posted(const char* what) {
+  for (int q = 1; q < size_; ++q) {
+    if (posted(q) != posted(0)) {
+      throw_error(absl::FailedPreconditionError(
+          absl::StrCat(what, ": ", labels_[q], " passed ",
+                       (posted(q) == 0) == (posted(0) == 0) ? "another part of a shared tensor"
+                       : posted(q) == 0                     ? "a plain tensor"
+                                                            : "a shared tensor",
+                       " where ", labels_[0], " passed ", posted(0) == 0 ? "a plain one" : "a shared one",
+                       ": every rank must pass the same part of the same shared tensor, or a plain tensor")));
+    }
+  }
+}
+
+at::Tensor ShmGroup::shared_tensor(int64_t numel, c10::ScalarType dtype, Clock::time_point deadline) {
+  auto s = std::make_shared<Shared>();
+  s->id = ++shared_made_;
+  s->bytes = std::max(kPage, (static_cast<size_t>(numel) * c10::elementSize(dtype) + kPage - 1) / kPage * kPage);
+  s->base.assign(static_cast<size_t>(size_), nullptr);
+  // Named for its creator's process (remove_stale_segments finds it if that process dies before removing it).
+  auto name_of = [&](int r) {
+    const RankLine* l = layout_->line(r);
+    return absl::StrCat("/", kPrefix, l->pid_ns, "-", l->pid, "-", absl::Hex(layout_->nonce), "-t", s->id);
+  };
+  bool created = false;
+  auto map = [&](const std::string& name, int flags) -> char* {
+    const int fd = shm_open(name.c_str(), flags, 0600);
+    if (fd < 0) return nullptr;
+    created = created || (flags & O_CREAT) != 0;
+    struct stat st {};
+    void* b = MAP_FAILED;
+    // Reserved (a full /dev/shm is a refusal here, not a SIGBUS at the first write), or checked to be the one made so.
+    const bool sized = (flags & O_CREAT) ? posix_fallocate(fd, 0, static_cast<off_t>(s->bytes)) == 0
+                                         : fstat(fd, &st) == 0 && static_cast<size_t>(st.st_size) == s->bytes;
+    if (sized) b = mmap(nullptr, s->bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
+    close(fd);
+    return b == MAP_FAILED ? nullptr : static_cast<char*>(b);
+  };
+  struct Unlink {  // this rank's name goes once every rank has mapped it, or when the creation fails
+    std::string name;
+    ~Unlink() {
+      if (!name.empty()) shm_unlink(name.c_str());
+    }
+  } mine{name_of(rank_)};
+  s->base[rank_] = map(mine.name, O_CREAT | O_EXCL | O_RDWR);
+  if (!created) mine.name.clear();  // not ours to remove
+  auto everyone = [&](bool ok) {
+    post(ok ? 1 : 0);
+    meet(deadline);
+    for (int q = 0; q < size_; ++q) ok = ok && posted(q) == 1;
+    return ok;
+  };
+  bool ok = everyone(s->base[rank_] != nullptr);
+  for (int q = 0; q < size_ && ok; ++q) {
+    if (q != rank_) ok = (s->base[q] = map(name_of(q), O_RDWR)) != nullptr;
+  }
+  if (!everyone(ok)) return at::Tensor();
+  for (auto it = shared_.begin(); it != shared_.end();) {
+    it = it->second.expired() ? shared_.erase(it) : std::next(it);
+  }
+  char* const data = s->base[rank_];
+  shared_[reinterpret_cast<uintptr_t>(data)] = s;
+  return at::from_blob(
+      data, {numel}, [s](void*) {}, at::TensorOptions().dtype(dtype));
+}
+
+std::shared_ptr<ShmGroup::Shared> ShmGroup::shared_of(const at::Tensor& t) {
+  const auto p = reinterpret_cast<uintptr_t>(t.data_ptr());
+  auto it = shared_.upper_bound(p);
+  if (it == shared_.begin()) return nullptr;
+  --it;
+  std::shared_ptr<Shared> s = it->second.lock();
+  if (!s || p + t.nbytes() > it->first + s->bytes) return nullptr;
+  return s;
+}
+
 namespace {
 
 // The user's tensor as a plain flat alias of its memory, as Gloo sees it: no autograd (parameters and gradients that
@@ -358,6 +461,22 @@ void ShmGroup::each_round(int64_t n, int64_t per_round, F&& round) {
 void ShmGroup::allreduce(const at::Tensor& t, ReduceOp op, Clock::time_point deadline) {
   const auto dtype = t.scalar_type();
   const size_t es = t.element_size();
+  const std::shared_ptr<Shared> s = t.numel() > 0 ? shared_of(t) : nullptr;
+  if (s) {
+    // Which part of which shared tensor: every rank must pass the same one (checked after the first barrier).
+    uint64_t word = 1469598103934665603ull;
+    for (uint64_t v : {s->id, static_cast<uint64_t>(static_cast<char*>(t.data_ptr()) - s->base[rank_]), t.nbytes()}) {
+      word = (word ^ v) * 1099511628211ull;
+    }
+    post(word | 1);
+    return push_allreduce(*s, t, op, deadline);
+  }
+  post(0);
+  bool first = true;  // the first barrier: check that every rank passed a plain tensor
+  auto meet_first = [&] {
+    meet(deadline);
+    if (std::exchange(first, false)) check_posted("allreduce");
+  };
   at::Tensor flat = raw(t);
   each_round(t.numel(), static_cast<int64_t>(kHalfBytes / es), [&](int64_t at, int64_t m) {
     const size_t bytes = static_cast<size_t>(m) * es;
@@ -365,22 +484,22 @@ void ShmGroup::allreduce(const at::Tensor& t, ReduceOp op, Clock::time_point dea
     at::Tensor mine = half(rank_, bytes, dtype);
     if (bytes <= kSmallBytes) {
       mine.copy_(out);
-      meet(deadline);
+      meet_first();
       reduce_in_rank_order(out, size_, op, [&](int q) { return half(q, bytes, dtype); });
       if (op == ReduceOp::kAvg) out.div_(size_);
       return;
     }
     // In shares: rank r reduces share r. Each rank puts in its half only the shares the others reduce, reduces its own
     // share in place in the tensor (its own values first, then the others' in rank order: the same sums as every rank
-    // gets; kAvg divides that sum, as Gloo's path does), puts the result in its half for the others, and copies out only
-    // the others' shares.
+    // gets; kAvg divides that sum, as Gloo's path does), puts the result in its half for the others, and copies out
+    // only the others' shares.
     auto share = [&](int r) { return std::make_pair(m * r / size_, m * (r + 1) / size_); };
     const auto [lo, hi] = share(rank_);
     for (int q = 0; q < size_; ++q) {
       const auto [a, b] = share(q);
       if (q != rank_) mine.slice(0, a, b).copy_(out.slice(0, a, b));
     }
-    meet(deadline);
+    meet_first();
     at::Tensor acc = out.slice(0, lo, hi);
     for (int q = 0; q < size_; ++q) {
       if (q != rank_) combine(acc, half(q, bytes, dtype).slice(0, lo, hi), op);
@@ -393,6 +512,67 @@ void ShmGroup::allreduce(const at::Tensor& t, ReduceOp op, Clock::time_point dea
       if (q != rank_) out.slice(0, a, b).copy_(half(q, bytes, dtype).slice(0, a, b));
     }
   });
+}
+
+namespace {
+
+// A float or double share [lo, hi) summed (and averaged) into `mine` and written into every other rank's tensor, in
+// blocks small enough to stay in the core's first-level cache between the passes: each value is read from memory once
+// per rank and written once per rank (ATen's three passes over the share read and wrote it three times).
+template <typename T>
+void fused_share(T* mine, const std::vector<char*>& others, int64_t lo, int64_t hi, bool avg, int size) {
+  constexpr int64_t kBlock = 2048;
+  const T divisor = static_cast<T>(size);
+  for (int64_t a = lo; a < hi; a += kBlock) {
+    const int64_t n = std::min(kBlock, hi - a);
+    T* __restrict acc = mine + a;
+    for (char* o : others) {
+      const T* __restrict x = reinterpret_cast<const T*>(o) + a;
+      for (int64_t i = 0; i < n; ++i) acc[i] += x[i];
+    }
+    if (avg) {
+      for (int64_t i = 0; i < n; ++i) acc[i] /= divisor;
+    }
+    for (char* o : others) {
+      T* __restrict y = reinterpret_cast<T*>(o) + a;
+      for (int64_t i = 0; i < n; ++i) y[i] = acc[i];
+    }
+  }
+}
+
+}  // namespace
+
+void ShmGroup::push_allreduce(Shared& s, const at::Tensor& t, ReduceOp op, Clock::time_point deadline) {
+  const size_t offset = static_cast<size_t>(static_cast<char*>(t.data_ptr()) - s.base[rank_]);
+  const int64_t m = t.numel();
+  auto of = [&](int q) { return at::from_blob(s.base[q] + offset, {m}, at::TensorOptions().dtype(t.scalar_type())); };
+  meet(deadline);  // every rank's values are in place
+  check_posted("allreduce");
+  // Rank r reduces share r: its own values first, then the others' in rank order (as the copying path does), and
+  // writes the result into every other rank's tensor.
+  const int64_t lo = m * rank_ / size_, hi = m * (rank_ + 1) / size_;
+  if (hi > lo) {
+    std::vector<char*> others;
+    for (int q = 0; q < size_; ++q) {
+      if (q != rank_) others.push_back(s.base[q] + offset);
+    }
+    const bool sum_or_avg = op == ReduceOp::kSum || op == ReduceOp::kAvg;
+    if (sum_or_avg && t.scalar_type() == at::kFloat) {
+      fused_share<float>(static_cast<float*>(t.data_ptr()), others, lo, hi, op == ReduceOp::kAvg, size_);
+    } else if (sum_or_avg && t.scalar_type() == at::kDouble) {
+      fused_share<double>(static_cast<double*>(t.data_ptr()), others, lo, hi, op == ReduceOp::kAvg, size_);
+    } else {
+      at::Tensor acc = raw(t).slice(0, lo, hi);
+      for (int q = 0; q < size_; ++q) {
+        if (q != rank_) combine(acc, of(q).slice(0, lo, hi), op);
+      }
+      if (op == ReduceOp::kAvg) acc.div_(size_);
+      for (int q = 0; q < size_; ++q) {
+        if (q != rank_) of(q).slice(0, lo, hi).copy_(acc);
+      }
+    }
+  }
+  meet(deadline);  // every share written everywhere; nobody reads this rank's tensor any more
 }
 
 void ShmGroup::broadcast(const at::Tensor& t, int root, Clock::time_point deadline) {

@@ -7,6 +7,12 @@
 // large allreduce, reduces its share into its own slot, meets the others once more and copies the shares out). A half
 // is written again only two rounds later, after a barrier every rank reaches once it has finished reading it.
 //
+// Shared tensors (shared_tensor below): memory each rank maps from every rank, in a segment of its own per tensor.
+// An allreduce of one (or of the same slice of it on every rank) copies nothing in or out: all meet, each rank reduces
+// its share reading the others' tensors where they are and writes the result into every rank's tensor, all meet again.
+// Before the first barrier of every allreduce each rank posts which path it takes (a shared tensor's id, offset and
+// size, or none); after it every rank compares, so ranks that disagree all fail instead of reading garbage.
+//
 // Errors are thrown as tandem::Error: DEADLINE_EXCEEDED naming the ranks that did not arrive by the deadline,
 // UNAVAILABLE naming a rank whose process is gone (seen in /proc without waiting for the deadline, when the ranks
 // share a pid namespace) or that failed an operation the others wait in. After an error the segment is unusable.
@@ -17,6 +23,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -60,12 +67,26 @@ class ShmGroup {
   void reduce_scatter(const at::Tensor& output, const at::Tensor& input, ReduceOp op, Clock::time_point deadline);
   void barrier(Clock::time_point deadline);
 
+  // Collective: a flat zeroed tensor of `numel` elements of `dtype` that every rank maps (each rank creates its own
+  // segment, maps the others' and removes its name once all have mapped). Undefined, on every rank, when some rank
+  // could not create or map its segment (a full /dev/shm): the caller then uses a plain tensor. The storage keeps the
+  // mappings (of the others' tensors too) and may outlive this group.
+  at::Tensor shared_tensor(int64_t numel, c10::ScalarType dtype, Clock::time_point deadline);
+
   struct Layout;  // the segment (shm.cc)
+  struct Shared;  // one shared tensor's mappings (shm.cc)
 
  private:
   ShmGroup(int rank, std::vector<std::string> labels, void* base, size_t bytes, std::string name,
            std::chrono::milliseconds timeout);
   void meet(Clock::time_point deadline);  // the barrier every round ends with
+  // Posts `word` for the next barrier; after it, check_posted(what) fails every rank (FAILED_PRECONDITION naming the
+  // first rank whose word differs from rank 0's) unless all posted the same.
+  void post(uint64_t word);
+  void check_posted(const char* what);
+  uint64_t posted(int r) const;                            // rank r's word for the barrier just passed
+  std::shared_ptr<Shared> shared_of(const at::Tensor& t);  // the shared tensor holding all of t, or null
+  void push_allreduce(Shared& s, const at::Tensor& t, ReduceOp op, Clock::time_point deadline);
   [[noreturn]] void fail(int culprit, int reason, const std::string& message);
   std::string gone_ranks() const;                               // the ranks whose processes ended, or ""
   at::Tensor half(int r, size_t bytes, c10::ScalarType dtype);  // rank r's half of this round, as a tensor
@@ -83,6 +104,9 @@ class ShmGroup {
   std::chrono::milliseconds timeout_{0};  // the group's, for messages
   uint64_t met_ = 0;                      // barriers passed
   uint64_t round_ = 0;                    // rounds started: round_ % 2 is the half in use
+  uint64_t shared_made_ = 0;              // shared tensors created: the next one's id
+  // This rank's shared tensors by address: weak, so a storage's deleter (any thread) touches only its own mappings.
+  std::map<uintptr_t, std::weak_ptr<Shared>> shared_;
 };
 
 }  // namespace tandem::comm::detail

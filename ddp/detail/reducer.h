@@ -36,6 +36,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   struct Bucket {
     std::vector<size_t> params;
     at::Tensor flat;
+    bool shared = false;  // flat is the group's shared tensor (ProcessGroup::shared_tensor)
     size_t pending = 0;
     rpc::Future work;
   };
@@ -43,7 +44,9 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   std::shared_ptr<torch::nn::Module> module;
   std::shared_ptr<comm::ProcessGroup> group;
   DdpOptions options;
-  CommHook hook;  // none: the built-in path (each gradient divided as it lands in its bucket, then a sum allreduce)
+  // None: the built-in path (each gradient divided as it lands in its bucket, then a sum allreduce; in a shared
+  // bucket, the allreduce averages as it reduces instead: no pass of its own over each gradient).
+  CommHook hook;
   std::vector<Param> params;
   std::vector<at::Tensor> buffers;
   std::vector<Bucket> buckets;
@@ -143,16 +146,20 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
 
   void mark_ready(size_t i);
 
-  // Parameter i's gradient into its bucket. Without a comm hook the average's division happens here, spread over
-  // backward as PyTorch's Reducer does (in the copy, or in place), instead of over whole buckets at the end.
+  // Parameter i's gradient into its bucket. Without a comm hook, in a bucket that is not shared, the average's
+  // division happens here, spread over backward as PyTorch's Reducer does (in the copy, or in place), instead of over
+  // whole buckets at the end.
   void land(size_t i);
 
-  // `slice` = `grad`, divided by the group's size unless a comm hook averages: the same division as land()'s in place,
-  // so that both gradient modes give bit-identical results.
-  void copy_scaled(at::Tensor& slice, const at::Tensor& grad) const;
+  // Whether bucket b's allreduce divides (a shared bucket without a comm hook): then nothing divides as it lands.
+  bool reduce_averages(const Bucket& b) const { return b.shared && !hook; }
 
-  // A complete bucket's reduction: the comm hook's, or a sum of the already divided gradients.
-  rpc::Future reduce(const at::Tensor& flat);
+  // Parameter i's `slice` = `grad`, divided by the group's size unless the reduction or a comm hook averages: the
+  // same division as land()'s in place, so that both gradient modes give bit-identical results.
+  void copy_scaled(size_t i, at::Tensor& slice, const at::Tensor& grad) const;
+
+  // A complete bucket's reduction: the comm hook's, an average (shared), or a sum of the already divided gradients.
+  rpc::Future reduce(const Bucket& b);
 
   // Buckets start in index order only, so every rank issues the same collectives in the same order.
   void launch_ready();

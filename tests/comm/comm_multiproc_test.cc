@@ -58,6 +58,16 @@ TEST_F(MultiprocComm, SharedMemoryEqualsGlooOnThreeRanks) {
   EXPECT_EQ(everywhere(3, "shm_equals_gloo"), "");
 }
 
+TEST_F(MultiprocComm, SharedTensorsAllreduceInPlaceAsGlooDoesOnTwoRanks) {
+  start({.world_size = 2});
+  EXPECT_EQ(everywhere(2, "shared_tensors"), "");
+}
+
+TEST_F(MultiprocComm, SharedTensorsAllreduceInPlaceAsGlooDoesOnThreeRanks) {
+  start({.world_size = 3});
+  EXPECT_EQ(everywhere(3, "shared_tensors"), "");
+}
+
 TEST_F(MultiprocComm, SharedMemoryRemovesAStaleSegmentAndLeavesNone) {
   start({.world_size = 2});
   EXPECT_EQ(everywhere(2, "stale_segment"), "");

@@ -194,6 +194,66 @@ std::string shm_equals_gloo(int world) {
   return err;
 }
 
+// Shared tensors (ProcessGroup::shared_tensor): their allreduce (whole, or the same slice on every rank) equals
+// Gloo's on the same data, for every op and dtype; nothing is left in /dev/shm; a Gloo group has none; ranks that pass
+// a shared tensor where another passes a plain one all fail; a tensor outlives its group.
+std::string shared_tensors() {
+  auto shm = comm::ProcessGroup::create("st", {}, {.shared_memory = comm::SharedMemory::kAlways});
+  auto gloo = comm::ProcessGroup::create("st_gloo", {}, {.shared_memory = comm::SharedMemory::kNever});
+  std::string err = check(!gloo->shared_tensor(10, at::kFloat).defined(), "a Gloo group made a shared tensor");
+  const int r = shm->rank();
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(99 + r);
+  using comm::ReduceOp;
+  at::Tensor kept;
+  for (auto dtype : {at::kFloat, at::kDouble, at::kHalf, at::kBFloat16, at::kChar, at::kByte, at::kInt, at::kLong}) {
+    std::vector<int64_t> sizes = {1, 1001};
+    if (dtype == at::kFloat || dtype == at::kDouble || dtype == at::kLong) sizes.push_back(1100001);
+    for (int64_t count : sizes) {
+      at::Tensor t = shm->shared_tensor(count, dtype);
+      const std::string how = absl::StrCat(c10::toString(dtype), "[", count, "]");
+      err += check(t.defined() && t.numel() == count && t.scalar_type() == dtype, "shared tensor " + how);
+      if (!t.defined()) return err;
+      err += check(t.eq(0).all().item<bool>(), "a new shared tensor is not zero: " + how);
+      err += check(my_segments().empty(), "a segment is left in /dev/shm after shared_tensor " + how);
+      for (auto op : {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMin, ReduceOp::kMax, ReduceOp::kProduct}) {
+        if (op == ReduceOp::kAvg && !at::isFloatingType(dtype)) continue;
+        if (op == ReduceOp::kProduct && count > 1001) continue;
+        // The whole tensor, then a slice of it (the same on every rank) with the rest left alone.
+        for (bool slice : {false, true}) {
+          t.copy_(at::randint(1, 4, {count}, gen, at::TensorOptions().dtype(at::kLong)).to(dtype));
+          const at::Tensor before = t.clone();
+          at::Tensor part = slice ? t.narrow(0, count / 3, count - count / 3) : t;
+          at::Tensor expected = part.clone();
+          comm::wait(shm->allreduce(part, op));
+          comm::wait(gloo->allreduce(expected, op));
+          const std::string what = absl::StrCat(how, " op ", static_cast<int>(op), slice ? " (a slice)" : "");
+          err += check(part.equal(expected), "shared allreduce differs from Gloo's: " + what);
+          if (slice && count / 3 > 0) {
+            err += check(t.narrow(0, 0, count / 3).equal(before.narrow(0, 0, count / 3)),
+                         "a shared allreduce of a slice changed the rest: " + what);
+          }
+        }
+      }
+      kept = t;
+    }
+  }
+  {
+    // One rank passes a plain tensor where the others pass their shared one: every rank fails, naming a rank.
+    auto mixed = comm::ProcessGroup::create("st_mixed", {}, {.shared_memory = comm::SharedMemory::kAlways});
+    at::Tensor t = mixed->shared_tensor(100, at::kFloat);
+    at::Tensor plain = at::zeros({100});
+    const absl::Status s = mixed->allreduce(r == 0 ? plain : t).status();
+    err += check(s.code() == absl::StatusCode::kFailedPrecondition &&
+                     std::string(s.message()).find("a shared tensor") != std::string::npos,
+                 "a shared tensor against a plain one: " + s.ToString());
+  }
+  shm.reset();
+  kept.fill_(7);  // the storage keeps the mappings after the group is gone
+  err += check(kept.eq(7).all().item<bool>(), "a shared tensor after its group");
+  comm::wait(gloo->barrier());
+  return err;
+}
+
 std::string run(const std::string& name) {
   const int rank = rpc::get_worker_info().id;
   const int world = static_cast<int>(rpc::get_all_worker_infos().size());
@@ -207,6 +267,7 @@ std::string run(const std::string& name) {
     return check(std::string(pg->transport()) == "shared_memory", "transport") + basic(pg);
   }
   if (name == "shm_equals_gloo") return shm_equals_gloo(world);
+  if (name == "shared_tensors") return shared_tensors();
   if (name == "stale_segment") {
     // A segment whose creator died before removing its name (made here with the pid of a child that has exited) is
     // removed by the next group's creation; the group's own is gone once create() returns.
