@@ -411,9 +411,9 @@ class GlooGroup final : public ProcessGroup {
   }
 
   at::Tensor shared_tensor(int64_t numel, at::ScalarType dtype) override {
-    if (numel < 0) {
-      throw_error(
-          absl::InvalidArgumentError(absl::StrCat("process group '", name_, "', shared_tensor: ", numel, " elements")));
+    if (numel < 0 || static_cast<uint64_t>(numel) > (uint64_t{1} << 50) / c10::elementSize(dtype)) {
+      throw_error(absl::InvalidArgumentError(
+          absl::StrCat("process group '", name_, "', shared_tensor: ", numel, " elements (at most 1 PiB)")));
     }
     if (!supported(dtype)) {
       throw_error(absl::UnimplementedError(absl::StrCat(

@@ -103,9 +103,10 @@ class ProcessGroup {
   // its share reading the others' tensors in place and writes the result into all of them: about half the memory
   // traffic of a plain tensor's). Collective, in order with the group's operations: every rank calls it with the same
   // numel and dtype; returns when all have mapped it. An undefined tensor on every rank when the group runs over Gloo,
-  // or when some rank could not map it (a full /dev/shm): use a plain tensor then. Nothing is left in /dev/shm; the
-  // tensor's storage holds the mappings and may outlive the group. An allreduce where some ranks pass a shared tensor
-  // and others a plain one, or other parts of it, fails on every rank (FAILED_PRECONDITION, the group broken).
+  // or when some rank could not map it (a full /dev/shm): use a plain tensor then. Nothing is left in /dev/shm (a rank
+  // killed while the tensor is made leaves its segment's name until the next group is created in its pid namespace);
+  // the tensor's storage holds the mappings and may outlive the group. An allreduce where some ranks pass a shared
+  // tensor and others a plain one, or other parts of it, fails on every rank (FAILED_PRECONDITION, the group broken).
   // Throws tandem::Error (INVALID_ARGUMENT, UNIMPLEMENTED for the dtype, or the group's failure).
   virtual at::Tensor shared_tensor(int64_t numel, at::ScalarType dtype) = 0;
 

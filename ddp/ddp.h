@@ -59,8 +59,9 @@ class Reducer;
 using CommHook = std::function<rpc::Future(comm::ProcessGroup& group, at::Tensor bucket)>;
 
 // Without a registered hook, DDP divides each gradient by the group's size as it lands in its bucket (spread over
-// backward, as PyTorch's Reducer does) and sums the buckets; allreduce_hook() does the same as a hook (one division
-// of the whole bucket, when it is complete).
+// backward, as PyTorch's Reducer does) and sums the buckets; a shared bucket (shared_buckets below) is averaged by
+// its allreduce instead (the sum divided once: with a group size that is not a power of two the last bits may differ
+// from a plain bucket's). allreduce_hook() averages the whole bucket, when it is complete.
 CommHook allreduce_hook();
 CommHook fp16_compress_hook();  // sent as float16 (half the bytes), averaged, written back in the bucket's dtype
 CommHook bf16_compress_hook();  // likewise as bfloat16
@@ -75,10 +76,11 @@ struct DdpOptions {
   // autograd views, so LibTorch's Optimizer::zero_grad (which detaches them) works; a .grad replaced by the user is
   // copied into the bucket and shared again at the next backward.
   bool gradient_as_bucket_view = true;
-  // Buckets in memory every rank maps, when the group runs over shared memory (ProcessGroup::shared_tensor): the
-  // allreduce then reads the other ranks' buckets where they are and writes the averages into them, dividing as it
-  // reduces (no copies into and out of the group's segment, and no pass of its own over each gradient); about twice
-  // the allreduce's speed. Off, or when the group runs over Gloo: plain buckets, each gradient divided as it lands.
+  // float and double buckets in memory every rank maps, when the group runs over shared memory
+  // (ProcessGroup::shared_tensor): the allreduce then reads the other ranks' buckets where they are and writes the
+  // averages into them, dividing as it reduces (no copies into and out of the group's segment, and no pass of its own
+  // over each gradient); about twice the allreduce's speed. Off, for other dtypes, when the group runs over Gloo or
+  // when /dev/shm has no room: plain buckets, each gradient divided as it lands.
   bool shared_buckets = true;
   bool rebuild_buckets = true;  // after the first iteration, in the order gradients became ready
   bool uneven_inputs = false;   // ranks may run out of data at different times: see join()

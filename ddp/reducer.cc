@@ -90,38 +90,48 @@ void Reducer::install_hooks() {
 void Reducer::assign_buckets(const std::vector<size_t>& order) {
   std::vector<at::Tensor> old_grads;  // gradients keep their values across a rebuild
   for (const auto& p : params) old_grads.push_back(p.tensor.grad());
-  buckets.clear();
+  // Built aside and swapped in once every bucket has its memory: a failing group leaves the old buckets whole.
+  std::vector<Bucket> fresh;
   std::map<at::ScalarType, size_t> open, opened;  // dtype -> open bucket; dtype -> buckets opened
   std::vector<size_t> bytes;
   for (size_t i : order) {
     const at::ScalarType dtype = params[i].tensor.scalar_type();
     auto it = open.find(dtype);
     if (it == open.end()) {
-      it = open.emplace(dtype, buckets.size()).first;
-      buckets.emplace_back();
+      it = open.emplace(dtype, fresh.size()).first;
+      fresh.emplace_back();
       bytes.push_back(0);
       ++opened[dtype];
     }
     const size_t b = it->second;
-    buckets[b].params.push_back(i);
+    fresh[b].params.push_back(i);
     bytes[b] += params[i].tensor.nbytes();
     const size_t limit = opened[dtype] == 1 ? options.first_bucket_bytes : options.bucket_cap_bytes;
     if (bytes[b] >= limit) open.erase(it);
   }
-  for (size_t b = 0; b < buckets.size(); ++b) {
+  for (Bucket& bucket : fresh) {
     int64_t n = 0;
+    for (size_t i : bucket.params) n += params[i].tensor.numel();
+    // float and double buckets in memory every rank maps when the group runs over shared memory: the allreduce then
+    // reads the others' buckets where they are and writes the averages into them (no copies into and out of the
+    // group's segment). Other dtypes keep dividing each gradient first (a half sum could overflow before dividing).
+    const at::TensorOptions like = params[bucket.params.front()].tensor.options().requires_grad(false);
+    const at::ScalarType dtype = like.dtype().toScalarType();
+    if (options.shared_buckets && (dtype == at::kFloat || dtype == at::kDouble)) {
+      bucket.flat = group->shared_tensor(n, dtype);
+    }
+    bucket.shared = bucket.flat.defined();
+    if (!bucket.shared) bucket.flat = at::zeros({n}, like);
+    bucket.pending = bucket.params.size();
+  }
+  buckets.swap(fresh);
+  for (size_t b = 0; b < buckets.size(); ++b) {
+    size_t offset = 0;
     for (size_t i : buckets[b].params) {
       params[i].bucket = b;
-      params[i].offset = static_cast<size_t>(n);
-      n += params[i].tensor.numel();
+      params[i].offset = offset;
+      offset += static_cast<size_t>(params[i].tensor.numel());
     }
-    // In memory every rank maps when the group runs over shared memory: the allreduce then reads the others'
-    // buckets where they are and writes the sums into them (no copies into and out of the group's segment).
-    const at::TensorOptions like = params[buckets[b].params.front()].tensor.options().requires_grad(false);
-    if (options.shared_buckets) buckets[b].flat = group->shared_tensor(n, like.dtype().toScalarType());
-    buckets[b].shared = buckets[b].flat.defined();
-    if (!buckets[b].shared) buckets[b].flat = at::zeros({n}, like);
-    buckets[b].pending = buckets[b].params.size();
   }
   if (options.gradient_as_bucket_view) {
     for (size_t i = 0; i < params.size(); ++i) {

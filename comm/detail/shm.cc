@@ -78,8 +78,9 @@ bool process_stat(int64_t pid, char* state, uint64_t* start_time) {
   return absl::SimpleAtoi(f[19], start_time);
 }
 
-// Removes segments of this pid namespace whose creator is dead: a rank 0 that died between creating a segment and
-// unlinking it (a window of one store round trip) would otherwise leave it in /dev/shm until reboot.
+// Removes segments of this pid namespace whose creator is dead: a rank 0 that died between creating a group's segment
+// and unlinking it (a window of one store round trip), or any rank that died between creating a shared tensor's
+// segment and the barrier after which it unlinks it, would otherwise leave it in /dev/shm until reboot.
 void remove_stale_segments(uint64_t pid_ns) {
   DIR* dir = opendir("/dev/shm");
   if (!dir) return;
@@ -463,9 +464,11 @@ void ShmGroup::allreduce(const at::Tensor& t, ReduceOp op, Clock::time_point dea
   const size_t es = t.element_size();
   const std::shared_ptr<Shared> s = t.numel() > 0 ? shared_of(t) : nullptr;
   if (s) {
-    // Which part of which shared tensor: every rank must pass the same one (checked after the first barrier).
+    // Which part of which shared tensor, as which dtype and with which op: every rank must pass the same (checked
+    // after the first barrier).
     uint64_t word = 1469598103934665603ull;
-    for (uint64_t v : {s->id, static_cast<uint64_t>(static_cast<char*>(t.data_ptr()) - s->base[rank_]), t.nbytes()}) {
+    for (uint64_t v : {s->id, static_cast<uint64_t>(static_cast<char*>(t.data_ptr()) - s->base[rank_]), t.nbytes(),
+                       static_cast<uint64_t>(dtype), static_cast<uint64_t>(op)}) {
       word = (word ^ v) * 1099511628211ull;
     }
     post(word | 1);
