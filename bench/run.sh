@@ -4,7 +4,8 @@
 # JSON object per line on stdout: {"bench":NAME,"impl":"tandem"|"torch"|"torch_tcp","metric":..,"value":..,"unit":..}.
 # Flags are passed to both sides (e.g. --small 1000 --bulk 5 --async 10000). ROUNDS=N repeats both sides N times,
 # interleaved (this VM's speed drifts between runs); `bench/summarize.py` gives medians and ratios of the lines.
-# Benchmarks: rpc, rref, autograd, ps (peer: torch.distributed.rpc, default and TCP); collectives, ddp (peer: the Gloo
+# Benchmarks: rpc, rref, autograd, ps (peer: torch.distributed.rpc, default and TCP; ps also the tutorial's locked
+# design, "torch_tutorial"); collectives, ddp (peer: the Gloo
 # process group, in its only configuration); fsdp (Tandem's DDP, ZeRO-2 and fully sharded; peer: DDP, and DDP with
 # ZeroRedundancyOptimizer); pipeline, rl, hybrid (peers: PyTorch's RPC pipeline, RL and DDP+RPC
 # tutorials' designs, TensorPipe defaults; hybrid also with TCP forced); elastic (peer: torchrun, the same DDP job
@@ -41,7 +42,14 @@ bench() {
   cmake --build build -j"$cores" --target "$target" tandem-run >&2
   for ((round = 1; round <= ${ROUNDS:-1}; round++)); do
     build/tandem-run $([ "${BIND_CORES:-}" = 1 ] && echo --bind-cores 1) --nproc-per-node "$nproc" "build/$target" "$@" | sed -n 's/^\[rank0\]: {/{/p'
-    for mode in ${PEER_MODES:-default tcp}; do "$PY" "bench/$peer" "$mode" "$@"; done
+    for mode in ${PEER_MODES:-default tcp}; do
+      # MODE+DESIGN: the peer in MODE with --design DESIGN (bench/peer_ps.py's tutorial design)
+      if [[ $mode == *+* ]]; then
+        "$PY" "bench/$peer" "${mode%+*}" --design "${mode#*+}" "$@"
+      else
+        "$PY" "bench/$peer" "$mode" "$@"
+      fi
+    done
   done
 }
 
@@ -229,7 +237,9 @@ case "$name" in
   rpc) bench rpc_bench 2 peer_rpc.py "$@" ;;
   rref) bench rref_bench 3 peer_rref.py "$@" ;;
   autograd) bench autograd_bench 2 peer_autograd.py "$@" ;;
-  ps) bench ps_bench 3 peer_ps.py "$@" ;;
+  # The peer in PyTorch's best configuration for Tandem's synchronous rounds (bench/peer_ps.py), over both transports,
+  # and the tutorial's design with its lock ("torch_tutorial").
+  ps) PEER_MODES="default tcp default+tutorial" bench ps_bench 3 peer_ps.py "$@" ;;
   collectives) PEER_MODES=default bench collectives_bench 2 peer_collectives.py "$@" ;;
   ddp) PEER_MODES=default bench ddp_bench 2 peer_ddp.py "$@" ;;
   # Both sides' ranks bound to the CPUs as tandem-run --bind-cores 1 binds them (bench/peer_common.py does the same):
