@@ -415,13 +415,11 @@ class GlooGroup final : public ProcessGroup {
       throw_error(absl::InvalidArgumentError(
           absl::StrCat("process group '", name_, "', shared_tensor: ", numel, " elements (at most 1 PiB)")));
     }
-    if (!supported(dtype)) {
-      throw_error(absl::UnimplementedError(absl::StrCat(
-          "process group '", name_, "', shared_tensor: collectives do not support dtype ", c10::toString(dtype))));
-    }
+    const at::Tensor like = at::empty({0}, at::TensorOptions().dtype(dtype));
+    check_tensor(like, "shared_tensor: the tensor");
     if (!shm_) return at::Tensor();
     auto out = std::make_shared<at::Tensor>();  // shared with the operation, which may outlive a failed wait
-    wait(submit("shared_tensor", at::empty({0}, at::TensorOptions().dtype(dtype)), numel,
+    wait(submit("shared_tensor", like, numel,
                 [this, out, numel, dtype](uint32_t) { *out = shm_->shared_tensor(numel, dtype, deadline_); }));
     return *out;
   }

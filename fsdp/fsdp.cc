@@ -30,34 +30,49 @@ namespace {
 // not malloc's: through malloc released memory would stay taken (glibc raises its mmap threshold after the first free
 // of a large block and serves the next ones from a heap it does not shrink: the 6-layer memory test measured 481 MiB
 // instead of 209), and fixing the threshold (mallopt) made every large temporary of the process fault in fresh pages.
-// A released mapping is kept for the next buffer of the same size, up to a bound: fresh pages cost about 0.55 ms per
-// MiB here (faulting and zeroing; 9 ms for a 16 MiB unit), which was most of what a fully sharded step paid beyond
-// DDP's. The pool keeps at most `limit` bytes (FullyShardedDataParallel raises it to twice its largest unit); above
-// it a released mapping is unmapped at once, and a model's destruction unmaps what the pool kept. PyTorch's caching
-// allocator keeps FSDP's blocks on GPUs the same way. Thread-safe: buffers are released on autograd's threads too.
+// A released mapping is kept for a later buffer it can hold (the smallest kept one that does): fresh pages cost about
+// 0.55 ms per MiB here (faulting and zeroing; 9 ms for a 16 MiB unit), which was most of what a fully sharded step
+// paid beyond DDP's. The pool keeps a released mapping only while what it keeps plus what is in use stays within the
+// most that was ever mapped in use at once (the high-water mark), so keeping never raises the process's peak, and a
+// fully sharded step that takes the same buffers as the one before finds them all kept (the test checks it). (A fixed
+// bound of twice the largest unit was 4 KiB short of a backward's peak: a gathered unit, the next one prefetched and
+// the last one's gradients; the largest buffer was unmapped and mapped afresh every step.) A model's destruction
+// unmaps what the pool kept. PyTorch's caching allocator keeps FSDP's blocks on GPUs the same way. Thread-safe:
+// buffers are released on autograd's threads too.
 class BufferPool final : public c10::Allocator {
  public:
   c10::DataPtr allocate(size_t bytes) const override {
     const c10::Device cpu(c10::DeviceType::CPU);
     if (bytes == 0) return c10::DataPtr(nullptr, cpu);
     void* at = nullptr;
+    size_t mapped = bytes;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (auto it = kept_.find(bytes); it != kept_.end()) {
+      // The smallest kept mapping that holds it (a unit's gathered parameters and another's gradients differ in
+      // size: taking only mappings of the very size would leave the pool, bounded by the peak, mapping some afresh).
+      if (auto it = kept_.lower_bound(bytes); it != kept_.end()) {
+        mapped = it->first;
         at = it->second;
         kept_.erase(it);
-        kept_bytes_ -= bytes;
+        kept_bytes_ -= mapped;
       }
+      in_use_bytes_ += mapped;
+      most_in_use_bytes_ = std::max(most_in_use_bytes_, in_use_bytes_);
     }
     if (!at) {
       at = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
-      if (at == MAP_FAILED) throw std::bad_alloc();
+      std::lock_guard<std::mutex> lock(mu_);
+      if (at == MAP_FAILED) {
+        in_use_bytes_ -= bytes;
+        throw std::bad_alloc();
+      }
+      ++mappings_;
     }
-    return c10::DataPtr(at, new Mapping{at, bytes}, &BufferPool::release, cpu);
+    return c10::DataPtr(at, new Mapping{at, mapped}, &BufferPool::release, cpu);
   }
-  void raise_limit(size_t limit) {
+  int64_t mappings() const {
     std::lock_guard<std::mutex> lock(mu_);
-    limit_ = std::max(limit_, limit);
+    return mappings_;
   }
   // Unmaps what is kept.
   void trim() {
@@ -79,7 +94,9 @@ class BufferPool final : public c10::Allocator {
   mutable std::mutex mu_;
   mutable std::multimap<size_t, void*> kept_;  // by size
   mutable size_t kept_bytes_ = 0;
-  size_t limit_ = 0;
+  mutable size_t in_use_bytes_ = 0;
+  mutable size_t most_in_use_bytes_ = 0;
+  mutable int64_t mappings_ = 0;
 };
 // Never destroyed: a buffer may be released after static destruction began (a tensor a static object holds).
 BufferPool& pool() {
@@ -92,7 +109,8 @@ void BufferPool::release(void* context) {
   BufferPool& p = pool();
   {
     std::lock_guard<std::mutex> lock(p.mu_);
-    if (p.kept_bytes_ + m->bytes <= p.limit_) {
+    p.in_use_bytes_ -= m->bytes;
+    if (p.kept_bytes_ + m->bytes + p.in_use_bytes_ <= p.most_in_use_bytes_) {
       p.kept_.emplace(m->bytes, m->at);
       p.kept_bytes_ += m->bytes;
       return;
@@ -358,7 +376,6 @@ FullyShardedDataParallel::FullyShardedDataParallel(torch::nn::Sequential model,
     }
     release(u.full);
     s.unit_of_child[c] = static_cast<int>(s.units.size());
-    pool().raise_limit(2 * static_cast<size_t>(u.full.numel()) * u.full.element_size());
     s.units.push_back(std::move(u));
   }
 }
@@ -862,6 +879,7 @@ FullyShardedDataParallel::Stats FullyShardedDataParallel::stats() const {
     out.largest_unit_elements = std::max(out.largest_unit_elements, u.full.numel());
   }
   out.peak_gathered_elements = s.peak_gathered;
+  out.buffers_mapped = pool().mappings();
   return out;
 }
 

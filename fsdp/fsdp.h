@@ -161,6 +161,9 @@ class FullyShardedDataParallel {
     int64_t shard_elements = 0;  // this rank's, every unit's shard (padding included)
     int64_t largest_unit_elements = 0;
     int64_t peak_gathered_elements = 0;  // most parameter elements gathered at once so far
+    // Fresh mappings the process's buffer pool (gathered parameters, gradients being reduced) has made so far, every
+    // model's: a step that takes the same buffers as the one before makes none.
+    int64_t buffers_mapped = 0;
   };
   Stats stats() const;
 

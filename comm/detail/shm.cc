@@ -23,6 +23,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "tandem/log/log.h"
 #include "tandem/rpc/errors.h"
 #include "tandem/rpc/store.h"
 #include "tandem/sync/futex.h"
@@ -98,6 +99,36 @@ void remove_stale_segments(uint64_t pid_ns) {
   for (const auto& n : stale) shm_unlink(n.c_str());
 }
 
+// Creates (O_EXCL; its bytes reserved, so that a full /dev/shm is an error here and not a SIGBUS at the first write) or
+// opens the segment `name` of `bytes` bytes, and maps it whole. A segment it created and could not map is removed
+// again. Opening one of another size: FAILED_PRECONDITION; a system call's failure: UNAVAILABLE naming it.
+absl::StatusOr<void*> map_segment(const std::string& name, size_t bytes, bool create) {
+  auto sys_error = [](const std::string& what, int e) {
+    return absl::UnavailableError(absl::StrCat(what, ": ", std::strerror(e)));
+  };
+  const int fd = shm_open(name.c_str(), create ? O_CREAT | O_EXCL | O_RDWR : O_RDWR, 0600);
+  if (fd < 0) return sys_error("shm_open " + name, errno);
+  absl::Status failed;
+  if (create) {
+    if (int e = posix_fallocate(fd, 0, static_cast<off_t>(bytes)); e != 0) {
+      failed = sys_error(absl::StrCat("reserving ", bytes, " bytes in /dev/shm for ", name), e);
+    }
+  } else if (struct stat st{}; fstat(fd, &st) != 0 || static_cast<size_t>(st.st_size) != bytes) {
+    failed = absl::FailedPreconditionError(absl::StrCat(name, " is not the segment expected (its size differs)"));
+  }
+  void* base = MAP_FAILED;
+  if (failed.ok()) {
+    base = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
+    if (base == MAP_FAILED) failed = sys_error("mmap " + name, errno);
+  }
+  close(fd);
+  if (!failed.ok()) {
+    if (create) shm_unlink(name.c_str());
+    return failed;
+  }
+  return base;
+}
+
 }  // namespace
 
 struct ShmGroup::Layout {
@@ -145,9 +176,6 @@ absl::StatusOr<std::unique_ptr<ShmGroup>> ShmGroup::attach(rpc::Store& store, co
   std::string name;
   uint64_t nonce = 0;
   void* base = MAP_FAILED;
-  auto sys_error = [](const std::string& what) {
-    return absl::UnavailableError(absl::StrCat(what, ": ", std::strerror(errno)));
-  };
   if (rank == 0) {
     // Every failure still publishes "-", so that the other ranks do not wait for a name until the timeout.
     auto publish = [&](const std::string& value, absl::Status status) -> absl::Status {
@@ -162,21 +190,9 @@ absl::StatusOr<std::unique_ptr<ShmGroup>> ShmGroup::attach(rpc::Store& store, co
     std::random_device rd;
     nonce = (static_cast<uint64_t>(rd()) << 32) ^ rd();
     name = absl::StrCat("/", kPrefix, pid_ns, "-", getpid(), "-", absl::Hex(nonce));
-    const int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
-    if (fd < 0) return publish("-", sys_error("shm_open " + name));
-    // Reserved now: a full /dev/shm is an error here, not a SIGBUS at the first write.
-    if (int e = posix_fallocate(fd, 0, static_cast<off_t>(bytes)); e != 0) {
-      close(fd);
-      shm_unlink(name.c_str());
-      errno = e;
-      return publish("-", sys_error(absl::StrCat("reserving ", bytes, " bytes in /dev/shm")));
-    }
-    base = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
-    close(fd);
-    if (base == MAP_FAILED) {
-      shm_unlink(name.c_str());
-      return publish("-", sys_error("mmap " + name));
-    }
+    auto mapped = map_segment(name, bytes, /*create=*/true);
+    if (!mapped.ok()) return publish("-", mapped.status());
+    base = *mapped;
     auto* layout = static_cast<Layout*>(base);
     layout->magic = kMagic;
     layout->nonce = nonce;
@@ -194,16 +210,9 @@ absl::StatusOr<std::unique_ptr<ShmGroup>> ShmGroup::attach(rpc::Store& store, co
       return absl::FailedPreconditionError("rank 0 could not create the shared-memory segment");
     }
     name = parts[0];
-    const int fd = shm_open(name.c_str(), O_RDWR, 0);
-    if (fd < 0) return sys_error("shm_open " + name);
-    struct stat st {};
-    if (fstat(fd, &st) != 0 || static_cast<size_t>(st.st_size) != bytes) {
-      close(fd);
-      return absl::FailedPreconditionError(absl::StrCat(name, " is not the group's segment (its size differs)"));
-    }
-    base = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
-    close(fd);
-    if (base == MAP_FAILED) return sys_error("mmap " + name);
+    auto mapped = map_segment(name, bytes, /*create=*/false);
+    if (!mapped.ok()) return mapped.status();
+    base = *mapped;
     const auto* layout = static_cast<const Layout*>(base);
     if (layout->magic != kMagic || layout->nonce != nonce || layout->size != size) {
       munmap(base, bytes);
@@ -364,28 +373,20 @@ at::Tensor ShmGroup::shared_tensor(int64_t numel, c10::ScalarType dtype, Clock::
     const RankLine* l = layout_->line(r);
     return absl::StrCat("/", kPrefix, l->pid_ns, "-", l->pid, "-", absl::Hex(layout_->nonce), "-t", s->id);
   };
-  bool created = false;
-  auto map = [&](const std::string& name, int flags) -> char* {
-    const int fd = shm_open(name.c_str(), flags, 0600);
-    if (fd < 0) return nullptr;
-    created = created || (flags & O_CREAT) != 0;
-    struct stat st {};
-    void* b = MAP_FAILED;
-    // Reserved (a full /dev/shm is a refusal here, not a SIGBUS at the first write), or checked to be the one made so.
-    const bool sized = (flags & O_CREAT) ? posix_fallocate(fd, 0, static_cast<off_t>(s->bytes)) == 0
-                                         : fstat(fd, &st) == 0 && static_cast<size_t>(st.st_size) == s->bytes;
-    if (sized) b = mmap(nullptr, s->bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
-    close(fd);
-    return b == MAP_FAILED ? nullptr : static_cast<char*>(b);
+  auto map = [&](const std::string& name, bool create) -> char* {
+    auto mapped = map_segment(name, s->bytes, create);
+    if (mapped.ok()) return static_cast<char*>(*mapped);
+    TANDEM_LOG(kWarn, "comm") << "shared_tensor: " << mapped.status().message();
+    return nullptr;
   };
-  struct Unlink {  // this rank's name goes once every rank has mapped it, or when the creation fails
+  struct Unlink {  // this rank's name goes once every rank has mapped it
     std::string name;
     ~Unlink() {
       if (!name.empty()) shm_unlink(name.c_str());
     }
   } mine{name_of(rank_)};
-  s->base[rank_] = map(mine.name, O_CREAT | O_EXCL | O_RDWR);
-  if (!created) mine.name.clear();  // not ours to remove
+  s->base[rank_] = map(mine.name, /*create=*/true);
+  if (!s->base[rank_]) mine.name.clear();  // not made (map_segment removed what it made), or not ours to remove
   auto everyone = [&](bool ok) {
     post(ok ? 1 : 0);
     meet(deadline);
@@ -394,7 +395,7 @@ at::Tensor ShmGroup::shared_tensor(int64_t numel, c10::ScalarType dtype, Clock::
   };
   bool ok = everyone(s->base[rank_] != nullptr);
   for (int q = 0; q < size_ && ok; ++q) {
-    if (q != rank_) ok = (s->base[q] = map(name_of(q), O_RDWR)) != nullptr;
+    if (q != rank_) ok = (s->base[q] = map(name_of(q), /*create=*/false)) != nullptr;
   }
   if (!everyone(ok)) return at::Tensor();
   for (auto it = shared_.begin(); it != shared_.end();) {
