@@ -1,6 +1,7 @@
 // Shared by Tandem's benchmark programs: timing and the JSON line format of bench/run.sh.
 #pragma once
 
+#include <dirent.h>
 #include <sched.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
@@ -9,6 +10,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <fstream>
 #include <string>
 #include <vector>
 
@@ -111,8 +113,7 @@ inline std::vector<double> unix_wake_latencies_us(int iters, double busy_us, siz
   bool ok = child > 0;
   for (int i = 0; i < iters + 100 && ok; ++i) {
     const double header[2] = {now_us(), 1};
-    std::copy(reinterpret_cast<const char*>(header), reinterpret_cast<const char*>(header) + sizeof header,
-              msg.data());
+    std::copy(reinterpret_cast<const char*>(header), reinterpret_cast<const char*>(header) + sizeof header, msg.data());
     ok = full_io(sv[0], msg.data(), bytes, true);
     volatile double sink = 0;
     for (const double t0 = now_us(); now_us() - t0 < busy_us;) sink = sink + 1;  // computing meanwhile
@@ -129,6 +130,29 @@ inline std::vector<double> unix_wake_latencies_us(int iters, double busy_us, siz
   close(sv[0]);
   if (!ok) lat.clear();
   return lat;
+}
+
+// Where this process's threads spent their time so far (ms, from /proc/.../schedstat): running and runnable but
+// waiting for a CPU, for the calling thread and for all the others (the runtime's: a process group's thread, RPC's).
+struct ThreadTimes {
+  double self_run_ms = 0, self_wait_ms = 0, others_run_ms = 0, others_wait_ms = 0;
+};
+inline ThreadTimes thread_times() {
+  ThreadTimes out;
+  const std::string self = std::to_string(gettid());
+  DIR* dir = opendir("/proc/self/task");
+  if (!dir) return out;
+  while (dirent* e = readdir(dir)) {
+    if (e->d_name[0] == '.') continue;
+    std::ifstream in(std::string("/proc/self/task/") + e->d_name + "/schedstat");
+    double run_ns = 0, wait_ns = 0;
+    if (!(in >> run_ns >> wait_ns)) continue;  // the thread ended meanwhile
+    const bool mine = self == e->d_name;
+    (mine ? out.self_run_ms : out.others_run_ms) += run_ns / 1e6;
+    (mine ? out.self_wait_ms : out.others_wait_ms) += wait_ns / 1e6;
+  }
+  closedir(dir);
+  return out;
 }
 
 // One result line: {"bench":..,"impl":"tandem","metric":..,"value":..,"unit":..,<extra>}; `extra` is ready JSON

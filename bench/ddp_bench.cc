@@ -7,7 +7,10 @@
 //   ddp_iter_ms     median iteration on rank 0, for bucket caps 25 MiB (the default, reported first), then 1, 5, 100
 //                   and 1000 MiB (the last layer's 8 MiB, then everything at the end of backward: the least overlap),
 //                   with Tandem's default gradient_as_bucket_view = true; 25 MiB also with it false (PyTorch's default)
-//                   and with shared_buckets = false (plain buckets, copied into the group's segment and out)
+//                   and with shared_buckets = false (plain buckets, copied into the group's segment and out);
+//                   per_iter_ms: means per timed iteration of rank 0's CPU time on the thread that runs the
+//                   iteration, its time runnable but waiting for a CPU, and the CPU time of the process's other
+//                   threads (the group's thread reducing the buckets), from /proc/self/task/*/schedstat
 // Flags: --iters N (timed iterations per configuration, after 3 warm-up), --sweep 0|1.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -33,14 +36,24 @@ namespace rpc = tandem::rpc;
 
 namespace {
 
-// Median milliseconds of `iters` iterations of `step` (after 3 warm-up ones).
+// Median milliseconds of `iters` iterations of `step` (after 3 warm-up ones); `times`, when given, gets what the
+// process's threads did per timed iteration (means).
 template <typename Step>
-double time_iters(int iters, Step step) {
+double time_iters(int iters, Step step, bench::ThreadTimes* times = nullptr) {
   std::vector<double> t;
+  bench::ThreadTimes before;
   for (int i = 0; i < iters + 3; ++i) {
+    if (i == 3) before = bench::thread_times();
     const double t0 = bench::now_us();
     step();
     if (i >= 3) t.push_back((bench::now_us() - t0) / 1e3);
+  }
+  if (times) {
+    const bench::ThreadTimes after = bench::thread_times();
+    times->self_run_ms = (after.self_run_ms - before.self_run_ms) / iters;
+    times->self_wait_ms = (after.self_wait_ms - before.self_wait_ms) / iters;
+    times->others_run_ms = (after.others_run_ms - before.others_run_ms) / iters;
+    times->others_wait_ms = (after.others_wait_ms - before.others_wait_ms) / iters;
   }
   return bench::median(t);
 }
@@ -80,17 +93,23 @@ int main(int argc, char** argv) {
     // ranks share the machine's cores, caches and memory bandwidth, so this can be slower than one process alone.
     auto model = bench::ddp_mlp();
     torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.01));
-    const double together_ms = time_iters(iters, [&] {
-      opt.zero_grad();
-      at::mse_loss(model->forward(x), y).backward();
-      opt.step();
-    });
+    bench::ThreadTimes times;
+    const double together_ms = time_iters(
+        iters,
+        [&] {
+          opt.zero_grad();
+          at::mse_loss(model->forward(x), y).backward();
+          opt.step();
+        },
+        &times);
     if (report) {
       bench::emit_floor("ddp", "ddp_iter_ms", together_ms, "ms",
                         cond + ",\"processes_running\":" + std::to_string(pg->size()) +
                             ",\"what\":\"every rank's local iteration at the same time, no communication\","
                             "\"weak_scaling_limit\":" +
-                            std::to_string(local_ms / together_ms));
+                            std::to_string(local_ms / together_ms) +
+                            ",\"per_iter_ms\":{\"compute_thread_cpu\":" + std::to_string(times.self_run_ms) +
+                            ",\"compute_thread_waiting_for_cpu\":" + std::to_string(times.self_wait_ms) + "}");
     }
   }
   comm::wait(pg->barrier());
@@ -108,18 +127,25 @@ int main(int argc, char** argv) {
                                                                  .gradient_as_bucket_view = view,
                                                                  .shared_buckets = shared});
     torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.01));
-    const double ms = time_iters(iters, [&] {
-      opt.zero_grad();
-      at::mse_loss(net.forward(x), y).backward();
-      opt.step();
-    });
+    bench::ThreadTimes times;
+    const double ms = time_iters(
+        iters,
+        [&] {
+          opt.zero_grad();
+          at::mse_loss(net.forward(x), y).backward();
+          opt.step();
+        },
+        &times);
     if (report) {
       // Plain buckets under an impl of their own, so that bench/summarize.py keeps them apart from the default.
       bench::emit_as(shared ? "tandem" : "tandem_plain_buckets", "ddp", "ddp_iter_ms", ms, "ms",
                      cond + ",\"bucket_cap_mb\":" + std::to_string(cap) + ",\"gradient_as_bucket_view\":" +
                          (view ? "true" : "false") + ",\"shared_buckets\":" + (shared ? "true" : "false") +
                          ",\"buckets\":" + std::to_string(net.stats().bucket_bytes.size()) +
-                         ",\"weak_scaling_efficiency\":" + std::to_string(local_ms / ms));
+                         ",\"weak_scaling_efficiency\":" + std::to_string(local_ms / ms) +
+                         ",\"per_iter_ms\":{\"compute_thread_cpu\":" + std::to_string(times.self_run_ms) +
+                         ",\"compute_thread_waiting_for_cpu\":" + std::to_string(times.self_wait_ms) +
+                         ",\"other_threads_cpu\":" + std::to_string(times.others_run_ms) + "}");
     }
     comm::wait(pg->barrier());
   }
