@@ -3,8 +3,10 @@
 
 #include <ATen/ATen.h>
 #include <ATen/native/Resize.h>
+#include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/modules/linear.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
@@ -13,6 +15,7 @@
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <atomic>
 #include <functional>
 #include <map>
 #include <memory>
@@ -160,6 +163,10 @@ struct Unit {
   Held held = Held::kReleased;
   bool memory = false;  // full's storage is taken
   rpc::Future gather;
+  // A Linear unit's backward wrote its gradients into `full`, over the parameters it no longer needed (see
+  // LinearIntoBuffer): its reduction starts from there, and the memory goes once it is done.
+  bool grads_in_full = false;
+  bool release_after_reduce = false;
   // This backward's reduce-scatter.
   bool reduced = false;
   at::Tensor reduce_in, reduce_out;
@@ -194,9 +201,21 @@ struct FullyShardedDataParallel::State {
   bool in_backward = false;  // the final callback is queued
   int64_t gathered_elements = 0;
   int64_t peak_gathered = 0;
-  std::mutex mu;  // the hooks run on autograd's thread
+  int64_t gradients_into_buffers = 0;  // LinearIntoBuffer's backwards
+  std::mutex mu;                       // the hooks run on autograd's thread
 
   int world() const { return group->size(); }
+  int64_t id = 0;  // in the registry LinearIntoBuffer finds the state by
+
+  // Whether this forward computes unit u (child `module`) with LinearIntoBuffer: a Linear alone in its unit, fully
+  // sharded, its gradients synchronised and reduced in the dtype it computes in, under autograd.
+  bool into_buffer(const Unit& u, const torch::nn::AnyModule& module) const {
+    if (!at::GradMode::is_enabled() || !sync || zero2() || compute_dtype(u) != reduce_dtype(u)) return false;
+    const auto* linear = module.ptr()->as<torch::nn::Linear>();
+    if (!linear || u.params.size() != (linear->bias.defined() ? 2u : 1u)) return false;
+    return u.params[0].unsafeGetTensorImpl() == linear->weight.unsafeGetTensorImpl() &&
+           (!linear->bias.defined() || u.params[1].unsafeGetTensorImpl() == linear->bias.unsafeGetTensorImpl());
+  }
 
   // Whether the reduction's result is added to a gradient (then it is a buffer of a step) or becomes it.
   static bool shard_grad_defined(const Unit& u) { return u.shard.grad().defined(); }
@@ -250,6 +269,10 @@ struct FullyShardedDataParallel::State {
     if (u.held == Held::kGathering) comm::wait(u.gather);  // the group still writes into it
     u.held = Held::kReleased;
     if (zero2()) return;
+    drop_memory(u);
+  }
+  void drop_memory(Unit& u) {
+    if (!u.memory) return;
     release(u.full);
     u.memory = false;
     gathered_elements -= u.full.numel();
@@ -260,6 +283,7 @@ struct FullyShardedDataParallel::State {
   void reduce(Unit& u) {
     if (u.reduced) return;
     u.reduced = true;
+    if (u.grads_in_full) return reduce_from_full(u);
     if (!zero2()) reshard(u);  // ZeRO-2: the parameters stay current until the optimizer steps
     if (!sync) return;
     at::NoGradGuard no_grad;
@@ -284,6 +308,52 @@ struct FullyShardedDataParallel::State {
     u.reduce = group->reduce_scatter(u.reduce_out, u.reduce_in, comm::ReduceOp::kAvg);
   }
 
+  // LinearIntoBuffer's backward: the weight's gradient (go^T x) and the bias's (go summed over rows) into unit k's
+  // buffer, over its parameters (whose last use, the input's gradient, is done).
+  void write_gradients(int64_t k, const at::Tensor& go, const at::Tensor& x, bool has_bias) {
+    std::lock_guard<std::mutex> lock(mu);
+    Unit& u = units[static_cast<size_t>(k)];
+    at::NoGradGuard no_grad;
+    at::Tensor w = u.part(u.full, 0);
+    at::mm_out(w, go.t(), x);
+    if (has_bias) {
+      at::Tensor b = u.part(u.full, 1);
+      at::sum_out(b, go, {0});
+    }
+    u.grads_in_full = true;
+    ++gradients_into_buffers;
+  }
+
+  // The same for a unit whose gradients its backward wrote into `full` (only when synchronising, fully sharded, and
+  // reduced in the dtype it computes in): what earlier micro-batches left in .grad is added, the padding zeroed, and
+  // the buffer is reduce-scattered in place; its parameters are not current any more.
+  void reduce_from_full(Unit& u) {
+    u.grads_in_full = false;
+    u.held = Held::kReleased;
+    at::NoGradGuard no_grad;
+    if (!sync) {  // synchronisation was turned off after the forward: the gradients go to .grad, as otherwise
+      for (size_t i = 0; i < u.params.size(); ++i) {
+        at::Tensor& g = u.params[i].mutable_grad();
+        at::Tensor mine = u.part(u.full, i);
+        g = g.defined() ? g.add(mine) : mine.clone();
+      }
+      drop_memory(u);
+      return;
+    }
+    u.release_after_reduce = true;
+    for (size_t i = 0; i < u.params.size(); ++i) {
+      at::Tensor& g = u.params[i].mutable_grad();
+      if (!g.defined()) continue;
+      u.flat_part(u.full, i).add_(g.reshape({-1}));
+      g.reset();
+    }
+    u.full.narrow(0, u.total, u.full.numel() - u.total).zero_();
+    u.reduce_in = u.full;
+    u.reduce_out = shard_grad_defined(u) ? u.reduce_in.narrow(0, group->rank() * u.shard_size, u.shard_size)
+                                         : at::empty({u.shard_size}, u.full.options());
+    u.reduce = group->reduce_scatter(u.reduce_out, u.reduce_in, comm::ReduceOp::kAvg);
+  }
+
   // A reduction's average lands in its shard's .grad (added to what is there), and its buffers go.
   void finish(Unit& u) {
     if (!u.reduce_out.defined()) return;  // no reduction started
@@ -296,6 +366,7 @@ struct FullyShardedDataParallel::State {
       g = u.reduce_out.to(u.shard.scalar_type());  // mixed precision: into the shard's dtype
     }
     u.reduce_in = at::Tensor(), u.reduce_out = at::Tensor();
+    if (u.release_after_reduce) u.release_after_reduce = false, drop_memory(u);
   }
 
   // Before unit j's backward (a hook on its output): the units after it are done: the reductions started earlier
@@ -326,6 +397,49 @@ struct FullyShardedDataParallel::State {
   }
 };
 
+namespace {
+
+// The models alive, by State::id, for LinearIntoBuffer's backward (which may outlive its model).
+std::mutex g_models_mu;
+std::map<int64_t, std::weak_ptr<FullyShardedDataParallel::State>> g_models;
+std::atomic<int64_t> g_next_model{1};
+
+// A Linear unit's forward whose backward writes the weight's and the bias's gradients into the unit's gathered buffer,
+// over the parameters, once the input's gradient (the last use of the weight) is computed: the reduction then starts
+// from that buffer, so the weight's gradient needs no memory of its own and is not copied (the largest unit's gradient
+// and its copy were most of what a step held beyond the sharded state and the gathered unit). Autograd gets no
+// gradient for the parameters. Without its model (destroyed meanwhile) the gradients are returned as usual.
+struct LinearIntoBuffer : public torch::autograd::Function<LinearIntoBuffer> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                            const at::Tensor& bias, int64_t model, int64_t unit) {
+    ctx->save_for_backward({x, weight});
+    ctx->saved_data["model"] = model;
+    ctx->saved_data["unit"] = unit;
+    ctx->saved_data["bias"] = bias.defined();
+    return at::linear(x, weight, bias);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor& x = saved[0];
+    const at::Tensor& weight = saved[1];
+    const at::Tensor go = grads[0].reshape({-1, weight.size(0)});
+    const at::Tensor x2 = x.reshape({-1, weight.size(1)});
+    const bool has_bias = ctx->saved_data["bias"].toBool();
+    at::Tensor grad_x = ctx->needs_input_grad(0) ? go.mm(weight).view(x.sizes()) : at::Tensor();
+    std::shared_ptr<FullyShardedDataParallel::State> state;
+    {
+      std::lock_guard<std::mutex> lock(g_models_mu);
+      if (auto it = g_models.find(ctx->saved_data["model"].toInt()); it != g_models.end()) state = it->second.lock();
+    }
+    if (!state) return {grad_x, go.t().mm(x2), has_bias ? go.sum(0) : at::Tensor(), at::Tensor(), at::Tensor()};
+    state->write_gradients(ctx->saved_data["unit"].toInt(), go, x2, has_bias);
+    return {grad_x, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+}  // namespace
+
 FullyShardedDataParallel::FullyShardedDataParallel(torch::nn::Sequential model,
                                                    std::shared_ptr<comm::ProcessGroup> group, FsdpOptions options)
     : state_(std::make_shared<State>()) {
@@ -335,6 +449,11 @@ FullyShardedDataParallel::FullyShardedDataParallel(torch::nn::Sequential model,
   s.model = model;
   s.group = std::move(group);
   s.options = options;
+  s.id = g_next_model.fetch_add(1);
+  {
+    std::lock_guard<std::mutex> lock(g_models_mu);
+    g_models[s.id] = state_;
+  }
   const int world = s.world(), rank = s.group->rank();
   const FsdpOptions::MixedPrecision& mp = options.mixed_precision;
   for (const auto& dtype : {mp.param_dtype, mp.reduce_dtype, mp.output_dtype}) {
@@ -389,6 +508,10 @@ FullyShardedDataParallel::~FullyShardedDataParallel() {
   // The units' buffers go back (the module's parameters keep their storages, empty, as between uses), after the
   // collectives still writing into them; then what the pool kept is unmapped.
   State& s = *state_;
+  {
+    std::lock_guard<std::mutex> lock(g_models_mu);
+    g_models.erase(s.id);
+  }
   std::lock_guard<std::mutex> lock(s.mu);
   auto settle = [](const rpc::Future& pending) {  // within the group's deadline
     // Nobody else waits for it now (a prefetch the model will not use, a reduction of a failed backward): logged.
@@ -413,6 +536,10 @@ at::Tensor FullyShardedDataParallel::forward(const at::Tensor& input) {
   // that failed (a collective's error came out of it) left its reductions behind: they are dropped.
   s.in_backward = false;
   for (Unit& u : s.units) {
+    if (u.grads_in_full || u.release_after_reduce) {  // left by a backward that failed
+      u.grads_in_full = u.release_after_reduce = false;
+      s.drop_memory(u);
+    }
     s.reshard(u);
     u.reduced = false;
     u.reduce_in = at::Tensor(), u.reduce_out = at::Tensor();
@@ -429,7 +556,10 @@ at::Tensor FullyShardedDataParallel::forward(const at::Tensor& input) {
     Unit& u = s.units[k];
     s.gathered(u);
     if (s.options.prefetch && k + 1 < static_cast<int>(s.units.size())) s.start_gather(s.units[k + 1]);
-    x = it->forward(x);
+    x = s.into_buffer(u, *it)
+            ? LinearIntoBuffer::apply(x, u.params[0], u.params.size() > 1 ? u.params[1] : at::Tensor(), s.id,
+                                      static_cast<int64_t>(k))
+            : it->forward(x);
     // The last unit is the first to run backward: it stays gathered (as PyTorch's FSDP keeps its root's).
     const bool last = k + 1 == static_cast<int>(s.units.size());
     if (!s.zero2() && (!grad || (s.options.reshard_after_forward && !last))) s.reshard(u);
@@ -885,6 +1015,7 @@ FullyShardedDataParallel::Stats FullyShardedDataParallel::stats() const {
   }
   out.peak_gathered_elements = s.peak_gathered;
   out.buffers_mapped = pool().mappings();
+  out.gradients_into_buffers = s.gradients_into_buffers;
   return out;
 }
 

@@ -164,6 +164,10 @@ class FullyShardedDataParallel {
     // Fresh mappings the process's buffer pool (gathered parameters, gradients being reduced) has made so far, every
     // model's: a step that takes the same buffers as the one before makes none.
     int64_t buffers_mapped = 0;
+    // Backwards of Linear units that wrote their gradients into the unit's gathered buffer, over its parameters, and
+    // were reduced from there (fully sharded, synchronising, reduced in the dtype computed in): no gradient of the
+    // weight's size allocated, none copied.
+    int64_t gradients_into_buffers = 0;
   };
   Stats stats() const;
 

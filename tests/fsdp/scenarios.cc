@@ -159,6 +159,11 @@ std::string equivalence(const std::string& variant) {
   }
   const auto stats = model.stats();
   if (stats.units != 4) return absl::StrCat("units: ", stats.units);
+  // Both Linear units (the first and the last) wrote their gradients into their buffers in every synchronising
+  // backward, fully sharded; ZeRO-2 keeps its parameters, so never.
+  if (stats.gradients_into_buffers != (zero2 ? 0 : 3 * 2)) {
+    return absl::StrCat("gradients written into the units' buffers: ", stats.gradients_into_buffers);
+  }
   if (!zero2 && stats.buffers_mapped != mapped) {
     return absl::StrCat("the third step mapped ", stats.buffers_mapped - mapped, " buffers afresh");
   }
