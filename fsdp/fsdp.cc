@@ -37,10 +37,12 @@ namespace {
 // A released mapping is kept for a later buffer it can hold (the smallest kept one that does): fresh pages cost about
 // 0.55 ms per MiB here (faulting and zeroing; 9 ms for a 16 MiB unit), which was most of what a fully sharded step
 // paid beyond DDP's. The pool keeps a released mapping only while what it keeps plus what is in use stays within the
-// most that was ever mapped in use at once (the high-water mark), so keeping never raises the process's peak, and a
-// fully sharded step that takes the same buffers as the one before finds them all kept (the test checks it). (A fixed
-// bound of twice the largest unit was 4 KiB short of a backward's peak: a gathered unit, the next one prefetched and
-// the last one's gradients; the largest buffer was unmapped and mapped afresh every step.) A model's destruction
+// most that was ever mapped in use at once (the high-water mark): the pool never maps more than a backward's peak
+// needed, and a fully sharded step that takes the same buffers as the one before finds them all kept (the test checks
+// it). Kept buffers stay resident between backwards, so the optimizer's step, whose temporaries come from malloc, runs
+// beside them: the process's peak can be the step's (the model state, the kept buffers, the step's temporaries). (A
+// fixed bound of twice the largest unit was 4 KiB short of a backward's peak: a gathered unit, the next one prefetched
+// and the last one's gradients; the largest buffer was unmapped and mapped afresh every step.) A model's destruction
 // unmaps what the pool kept. PyTorch's caching allocator keeps FSDP's blocks on GPUs the same way. Thread-safe:
 // buffers are released on autograd's threads too.
 class BufferPool final : public c10::Allocator {
