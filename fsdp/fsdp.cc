@@ -37,14 +37,15 @@ namespace {
 // A released mapping is kept for a later buffer it can hold (the smallest kept one that does): fresh pages cost about
 // 0.55 ms per MiB here (faulting and zeroing; 9 ms for a 16 MiB unit), which was most of what a fully sharded step
 // paid beyond DDP's. The pool keeps a released mapping only while what it keeps plus what is in use stays within the
-// most that was ever mapped in use at once (the high-water mark): the pool never maps more than a backward's peak
-// needed, and a fully sharded step that takes the same buffers as the one before finds them all kept (the test checks
-// it). Kept buffers stay resident between backwards, so the optimizer's step, whose temporaries come from malloc, runs
-// beside them: the process's peak can be the step's (the model state, the kept buffers, the step's temporaries). (A
-// fixed bound of twice the largest unit was 4 KiB short of a backward's peak: a gathered unit, the next one prefetched
-// and the last one's gradients; the largest buffer was unmapped and mapped afresh every step.) A model's destruction
-// unmaps what the pool kept. PyTorch's caching allocator keeps FSDP's blocks on GPUs the same way. Thread-safe:
-// buffers are released on autograd's threads too.
+// most that was ever mapped in use at once (the high-water mark), and a fully sharded step that takes the same buffers
+// as the one before finds them all kept (the test checks it). A request no kept mapping holds is mapped afresh beside
+// them (then, for a while, more is mapped than the mark), and one served by a larger kept mapping counts that
+// mapping's size in use (the mark can creep up by what such a fit wastes). Kept buffers stay resident between
+// backwards, so the optimizer's step, whose temporaries come from malloc, runs beside them: the process's peak can be
+// the step's (the model state, the kept buffers, the step's temporaries). (A fixed bound of twice the largest unit was
+// 4 KiB short of a backward's peak: a gathered unit, the next one prefetched and the last one's gradients; the largest
+// buffer was unmapped and mapped afresh every step.) A model's destruction unmaps what the pool kept. PyTorch's caching
+// allocator keeps FSDP's blocks on GPUs the same way. Thread-safe: buffers are released on autograd's threads too.
 class BufferPool final : public c10::Allocator {
  public:
   c10::DataPtr allocate(size_t bytes) const override {
@@ -62,16 +63,21 @@ class BufferPool final : public c10::Allocator {
         kept_.erase(it);
         kept_bytes_ -= mapped;
       }
-      in_use_bytes_ += mapped;
-      most_in_use_bytes_ = std::max(most_in_use_bytes_, in_use_bytes_);
+      if (at) {
+        in_use_bytes_ += mapped;
+        most_in_use_bytes_ = std::max(most_in_use_bytes_, in_use_bytes_);
+      }
     }
     if (!at) {
       at = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
-      std::lock_guard<std::mutex> lock(mu_);
       if (at == MAP_FAILED) {
-        in_use_bytes_ -= bytes;
-        throw std::bad_alloc();
+        trim();  // what is kept goes before the allocation fails
+        at = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
+        if (at == MAP_FAILED) throw std::bad_alloc();
       }
+      std::lock_guard<std::mutex> lock(mu_);
+      in_use_bytes_ += bytes;
+      most_in_use_bytes_ = std::max(most_in_use_bytes_, in_use_bytes_);
       ++mappings_;
     }
     return c10::DataPtr(at, new Mapping{at, mapped}, &BufferPool::release, cpu);
@@ -81,7 +87,7 @@ class BufferPool final : public c10::Allocator {
     return mappings_;
   }
   // Unmaps what is kept.
-  void trim() {
+  void trim() const {
     std::multimap<size_t, void*> kept;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -204,6 +210,7 @@ struct FullyShardedDataParallel::State {
   int64_t gathered_elements = 0;
   int64_t peak_gathered = 0;
   int64_t gradients_into_buffers = 0;  // LinearIntoBuffer's backwards
+  int64_t forwards_with_grad = 0;      // since the last backward ended
   std::mutex mu;                       // the hooks run on autograd's thread
 
   int world() const { return group->size(); }
@@ -215,6 +222,9 @@ struct FullyShardedDataParallel::State {
     if (!at::GradMode::is_enabled() || !sync || zero2() || compute_dtype(u) != reduce_dtype(u)) return false;
     const auto* linear = module.ptr()->as<torch::nn::Linear>();
     if (!linear || u.params.size() != (linear->bias.defined() ? 2u : 1u)) return false;
+    for (const at::Tensor& p : u.params) {
+      if (!p.requires_grad()) return false;
+    }
     return u.params[0].unsafeGetTensorImpl() == linear->weight.unsafeGetTensorImpl() &&
            (!linear->bias.defined() || u.params[1].unsafeGetTensorImpl() == linear->bias.unsafeGetTensorImpl());
   }
@@ -273,6 +283,13 @@ struct FullyShardedDataParallel::State {
     if (zero2()) return;
     drop_memory(u);
   }
+  // Waits for a collective nobody else waits for now (a prefetch the model will not use, a reduction of a failed
+  // backward), within the group's deadline; its failure is logged.
+  static void settle(const rpc::Future& pending) {
+    if (absl::Status st = pending.status(); !st.ok()) {
+      TANDEM_LOG(kWarn, "fsdp") << "a collective left behind failed: " << st.message();
+    }
+  }
   void drop_memory(Unit& u) {
     if (!u.memory) return;
     release(u.full);
@@ -312,18 +329,30 @@ struct FullyShardedDataParallel::State {
 
   // LinearIntoBuffer's backward: the weight's gradient (go^T x) and the bias's (go summed over rows) into unit k's
   // buffer, over its parameters (whose last use, the input's gradient, is done).
-  void write_gradients(int64_t k, const at::Tensor& go, const at::Tensor& x, bool has_bias) {
+  // Returns false, writing nothing, unless this is the unit's one backward since its parameters were gathered (not
+  // when the model ran more than one forward before this backward: the graphs share the unit's buffer).
+  bool write_gradients(int64_t k, const at::Tensor& go, const at::Tensor& x, bool weight_grad, bool bias_grad) {
     std::lock_guard<std::mutex> lock(mu);
     Unit& u = units[static_cast<size_t>(k)];
+    if (forwards_with_grad > 1 || !u.memory || u.held != Held::kGathered || u.grads_in_full || u.reduced) return false;
     at::NoGradGuard no_grad;
     at::Tensor w = u.part(u.full, 0);
-    at::mm_out(w, go.t(), x);
-    if (has_bias) {
+    if (weight_grad) {
+      at::mm_out(w, go.t(), x);
+    } else {
+      w.zero_();  // as a parameter without a gradient is reduced
+    }
+    if (u.params.size() > 1) {
       at::Tensor b = u.part(u.full, 1);
-      at::sum_out(b, go, {0});
+      if (bias_grad) {
+        at::sum_out(b, go, {0});
+      } else {
+        b.zero_();
+      }
     }
     u.grads_in_full = true;
     ++gradients_into_buffers;
+    return true;
   }
 
   // The same for a unit whose gradients its backward wrote into `full` (only when synchronising, fully sharded, and
@@ -391,6 +420,7 @@ struct FullyShardedDataParallel::State {
   void end_backward() {
     std::lock_guard<std::mutex> lock(mu);
     in_backward = false;
+    forwards_with_grad = 0;
     for (int k = static_cast<int>(units.size()) - 1; k >= 0; --k) reduce(units[k]);
     for (Unit& u : units) finish(u), u.reduced = false;
     // The step's large temporaries (autograd's gradients before they were reduced) went back to malloc's heap, which
@@ -428,15 +458,23 @@ struct LinearIntoBuffer : public torch::autograd::Function<LinearIntoBuffer> {
     const at::Tensor go = grads[0].reshape({-1, weight.size(0)});
     const at::Tensor x2 = x.reshape({-1, weight.size(1)});
     const bool has_bias = ctx->saved_data["bias"].toBool();
-    at::Tensor grad_x = ctx->needs_input_grad(0) ? go.mm(weight).view(x.sizes()) : at::Tensor();
     std::shared_ptr<FullyShardedDataParallel::State> state;
     {
       std::lock_guard<std::mutex> lock(g_models_mu);
       if (auto it = g_models.find(ctx->saved_data["model"].toInt()); it != g_models.end()) state = it->second.lock();
     }
-    if (!state) return {grad_x, go.t().mm(x2), has_bias ? go.sum(0) : at::Tensor(), at::Tensor(), at::Tensor()};
-    state->write_gradients(ctx->saved_data["unit"].toInt(), go, x2, has_bias);
-    return {grad_x, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    if (!state) {  // its buffers, the weight's memory among them, are gone
+      throw_error(absl::FailedPreconditionError("fsdp: backward through a model that was destroyed"));
+    }
+    at::Tensor grad_x = ctx->needs_input_grad(0) ? go.mm(weight).view(x.sizes()) : at::Tensor();
+    const bool weight_grad = ctx->needs_input_grad(1), bias_grad = has_bias && ctx->needs_input_grad(2);
+    // Under create_graph the input's gradient keeps the weight for a later backward: it is not overwritten then.
+    if (!at::GradMode::is_enabled() &&
+        state->write_gradients(ctx->saved_data["unit"].toInt(), go, x2, weight_grad, bias_grad)) {
+      return {grad_x, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    }
+    return {grad_x, weight_grad ? go.t().mm(x2) : at::Tensor(), bias_grad ? go.sum(0) : at::Tensor(), at::Tensor(),
+            at::Tensor()};
   }
 };
 
@@ -452,10 +490,6 @@ FullyShardedDataParallel::FullyShardedDataParallel(torch::nn::Sequential model,
   s.group = std::move(group);
   s.options = options;
   s.id = g_next_model.fetch_add(1);
-  {
-    std::lock_guard<std::mutex> lock(g_models_mu);
-    g_models[s.id] = state_;
-  }
   const int world = s.world(), rank = s.group->rank();
   const FsdpOptions::MixedPrecision& mp = options.mixed_precision;
   for (const auto& dtype : {mp.param_dtype, mp.reduce_dtype, mp.output_dtype}) {
@@ -504,6 +538,8 @@ FullyShardedDataParallel::FullyShardedDataParallel(torch::nn::Sequential model,
   // resident (with a raised trim threshold, as bench/run.sh sets, or in the middle of the heap): handed back once
   // here, not per step (see end_backward). The benchmark's fully sharded peak fell from 158 to 146 MiB.
   malloc_trim(0);
+  std::lock_guard<std::mutex> lock(g_models_mu);
+  g_models[s.id] = state_;  // last: a constructor that throws leaves no entry
 }
 
 FullyShardedDataParallel::~FullyShardedDataParallel() {
@@ -515,15 +551,9 @@ FullyShardedDataParallel::~FullyShardedDataParallel() {
     g_models.erase(s.id);
   }
   std::lock_guard<std::mutex> lock(s.mu);
-  auto settle = [](const rpc::Future& pending) {  // within the group's deadline
-    // Nobody else waits for it now (a prefetch the model will not use, a reduction of a failed backward): logged.
-    if (absl::Status st = pending.status(); !st.ok()) {
-      TANDEM_LOG(kWarn, "fsdp") << "a collective of the destroyed model failed: " << st.message();
-    }
-  };
   for (Unit& u : s.units) {
-    if (u.held == Held::kGathering) settle(u.gather);
-    if (u.reduce_out.defined()) settle(u.reduce);
+    if (u.held == Held::kGathering) s.settle(u.gather);
+    if (u.reduce_out.defined()) s.settle(u.reduce);
     u.reduce_in = at::Tensor(), u.reduce_out = at::Tensor();
     release(u.full);
   }
@@ -539,6 +569,8 @@ at::Tensor FullyShardedDataParallel::forward(const at::Tensor& input) {
   s.in_backward = false;
   for (Unit& u : s.units) {
     if (u.grads_in_full || u.release_after_reduce) {  // left by a backward that failed
+      // A reduction of the buffer in place may still run: the group writes into that memory until it ends.
+      if (u.release_after_reduce && u.reduce_out.defined()) s.settle(u.reduce);
       u.grads_in_full = u.release_after_reduce = false;
       s.drop_memory(u);
     }
@@ -546,6 +578,7 @@ at::Tensor FullyShardedDataParallel::forward(const at::Tensor& input) {
     u.reduced = false;
     u.reduce_in = at::Tensor(), u.reduce_out = at::Tensor();
   }
+  if (grad) ++s.forwards_with_grad;
   const FsdpOptions::MixedPrecision& mp = s.options.mixed_precision;
   at::Tensor x = mp.param_dtype && input.is_floating_point() ? input.to(*mp.param_dtype) : input;
   size_t c = 0;

@@ -107,19 +107,28 @@ absl::StatusOr<void*> map_segment(const std::string& name, size_t bytes, bool cr
     return absl::UnavailableError(absl::StrCat(what, ": ", std::strerror(e)));
   };
   const int fd = shm_open(name.c_str(), create ? O_CREAT | O_EXCL | O_RDWR : O_RDWR, 0600);
-  if (fd < 0) return sys_error("shm_open " + name, errno);
+  if (fd < 0) {
+    const int e = errno;  // before anything that may allocate
+    return sys_error("shm_open " + name, e);
+  }
   absl::Status failed;
   if (create) {
     if (int e = posix_fallocate(fd, 0, static_cast<off_t>(bytes)); e != 0) {
       failed = sys_error(absl::StrCat("reserving ", bytes, " bytes in /dev/shm for ", name), e);
     }
-  } else if (struct stat st{}; fstat(fd, &st) != 0 || static_cast<size_t>(st.st_size) != bytes) {
+  } else if (struct stat st{}; fstat(fd, &st) != 0) {
+    const int e = errno;
+    failed = sys_error("fstat " + name, e);
+  } else if (static_cast<size_t>(st.st_size) != bytes) {
     failed = absl::FailedPreconditionError(absl::StrCat(name, " is not the segment expected (its size differs)"));
   }
   void* base = MAP_FAILED;
   if (failed.ok()) {
     base = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
-    if (base == MAP_FAILED) failed = sys_error("mmap " + name, errno);
+    if (base == MAP_FAILED) {
+      const int e = errno;
+      failed = sys_error("mmap " + name, e);
+    }
   }
   close(fd);
   if (!failed.ok()) {

@@ -197,12 +197,7 @@ std::string mixed(const std::string& variant) {
   torch::optim::SGD opt(model.parameters(), torch::optim::SGDOptions(0.1));
   torch::optim::SGD ref_opt(ref->parameters(), torch::optim::SGDOptions(0.1));
   double largest = 0;
-  int64_t mapped = 0;
   for (int step = 0; step < 3; ++step) {
-    // Fully sharded, from the third step on every buffer a step takes is one the step before released and the pool
-    // kept. (ZeRO-2 holds every unit gathered, and its gradients' buffers, of several sizes, do not all fit beside
-    // them within the peak, which bounds what the pool keeps: some are mapped afresh every step.)
-    if (step == 2) mapped = model.stats().buffers_mapped;
     opt.zero_grad();
     ref_opt.zero_grad();
     auto [x, y] = data(step, world);
