@@ -132,10 +132,10 @@ inline std::vector<double> unix_wake_latencies_us(int iters, double busy_us, siz
   return lat;
 }
 
-// Where this process's threads spent their time so far (ms, from /proc/.../schedstat): running and runnable but
-// waiting for a CPU, for the calling thread and for all the others (the runtime's: a process group's thread, RPC's).
+// Where this process's threads spent their time so far (ms, from /proc/.../schedstat): the calling thread running and
+// runnable but waiting for a CPU, and all the others (the runtime's: a process group's thread, RPC's) running.
 struct ThreadTimes {
-  double self_run_ms = 0, self_wait_ms = 0, others_run_ms = 0, others_wait_ms = 0;
+  double self_run_ms = 0, self_wait_ms = 0, others_run_ms = 0;
 };
 inline ThreadTimes thread_times() {
   ThreadTimes out;
@@ -147,9 +147,12 @@ inline ThreadTimes thread_times() {
     std::ifstream in(std::string("/proc/self/task/") + e->d_name + "/schedstat");
     double run_ns = 0, wait_ns = 0;
     if (!(in >> run_ns >> wait_ns)) continue;  // the thread ended meanwhile
-    const bool mine = self == e->d_name;
-    (mine ? out.self_run_ms : out.others_run_ms) += run_ns / 1e6;
-    (mine ? out.self_wait_ms : out.others_wait_ms) += wait_ns / 1e6;
+    if (self == e->d_name) {
+      out.self_run_ms += run_ns / 1e6;
+      out.self_wait_ms += wait_ns / 1e6;
+    } else {
+      out.others_run_ms += run_ns / 1e6;
+    }
   }
   closedir(dir);
   return out;

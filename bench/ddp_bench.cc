@@ -53,7 +53,6 @@ double time_iters(int iters, Step step, bench::ThreadTimes* times = nullptr) {
     times->self_run_ms = (after.self_run_ms - before.self_run_ms) / iters;
     times->self_wait_ms = (after.self_wait_ms - before.self_wait_ms) / iters;
     times->others_run_ms = (after.others_run_ms - before.others_run_ms) / iters;
-    times->others_wait_ms = (after.others_wait_ms - before.others_wait_ms) / iters;
   }
   return bench::median(t);
 }

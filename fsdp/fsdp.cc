@@ -69,10 +69,13 @@ class BufferPool final : public c10::Allocator {
       }
     }
     if (!at) {
-      at = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
+      auto fresh = [bytes] {
+        return ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
+      };
+      at = fresh();
       if (at == MAP_FAILED) {
         trim();  // what is kept goes before the allocation fails
-        at = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
+        at = fresh();
         if (at == MAP_FAILED) throw std::bad_alloc();
       }
       std::lock_guard<std::mutex> lock(mu_);
@@ -319,11 +322,16 @@ struct FullyShardedDataParallel::State {
       u.flat_part(u.reduce_in, i).copy_(g.reshape({-1}));
       g.reset();
     }
+    start_reduce(u);
+  }
+
+  // u.reduce_in holds the unit's gradients in its layout: its padding is zeroed and its reduce-scatter starts.
+  void start_reduce(Unit& u) {
     u.reduce_in.narrow(0, u.total, u.reduce_in.numel() - u.total).zero_();  // the padding
     // Added to the shard's gradient: reduced in place, into this rank's own chunk of the buffer. Becoming it: a tensor
     // of its own, which the gradient keeps.
     u.reduce_out = shard_grad_defined(u) ? u.reduce_in.narrow(0, group->rank() * u.shard_size, u.shard_size)
-                                         : at::empty({u.shard_size}, reduce_options);
+                                         : at::empty({u.shard_size}, u.reduce_in.options());
     u.reduce = group->reduce_scatter(u.reduce_out, u.reduce_in, comm::ReduceOp::kAvg);
   }
 
@@ -378,11 +386,8 @@ struct FullyShardedDataParallel::State {
       u.flat_part(u.full, i).add_(g.reshape({-1}));
       g.reset();
     }
-    u.full.narrow(0, u.total, u.full.numel() - u.total).zero_();
     u.reduce_in = u.full;
-    u.reduce_out = shard_grad_defined(u) ? u.reduce_in.narrow(0, group->rank() * u.shard_size, u.shard_size)
-                                         : at::empty({u.shard_size}, u.full.options());
-    u.reduce = group->reduce_scatter(u.reduce_out, u.reduce_in, comm::ReduceOp::kAvg);
+    start_reduce(u);
   }
 
   // A reduction's average lands in its shard's .grad (added to what is there), and its buffers go.
@@ -536,7 +541,7 @@ FullyShardedDataParallel::FullyShardedDataParallel(torch::nn::Sequential model,
   }
   // The unsharded parameters and the flat copies made above went back to malloc's heap, which keeps freed memory
   // resident (with a raised trim threshold, as bench/run.sh sets, or in the middle of the heap): handed back once
-  // here, not per step (see end_backward). The benchmark's fully sharded peak fell from 158 to 146 MiB.
+  // here, not per step (see end_backward). The benchmark's fully sharded peak fell from 158 to 147 MiB.
   malloc_trim(0);
   std::lock_guard<std::mutex> lock(g_models_mu);
   g_models[s.id] = state_;  // last: a constructor that throws leaves no entry
