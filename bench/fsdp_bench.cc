@@ -7,9 +7,14 @@
 //                       model_state_mib: what the configuration holds by the formula (P parameters, 4 bytes each:
 //                       parameters 4P, gradients 4P, Adam's moments 8P; ZeRO-2 shards the last two, fully sharded
 //                       all three) and bar_mib for the fully sharded one: DDP's model state / W + the largest unit,
-//                       + 10% (issue 30)
+//                       + 10% (issue 30), and tensor_peak_mib: the tensors' own peak over the same iterations (the
+//                       CPU allocator's bytes above those before the model was built, plus fsdp's buffers' peak; the
+//                       CPU's torch.cuda.max_memory_allocated: no malloc free pages, code pages or shared-memory
+//                       staging; DDP's buckets, shared-memory mappings, are not in it)
 // Modes: ddp (DistributedDataParallel, 25 MiB buckets), zero2 (fsdp::Sharding::kGradientsAndOptimizer), full
-// (fsdp::Sharding::kFull, reshard_after_forward). Flags: --mode, --iters N (timed, after 3 warm-up).
+// (fsdp::Sharding::kFull, reshard_after_forward), lean (full with the least memory: prefetch and overlap_reduce off,
+// and optim::ChunkedAdam, whose step takes no shard-sized temporaries). Flags: --mode, --iters N (timed, after 3
+// warm-up), --optimizer adam|chunked_adam (overrides the mode's: to see what each part of lean does).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/nn/modules/activation.h>
@@ -17,15 +22,21 @@
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/adam.h>
 
+#include <c10/core/CPUAllocator.h>
+
+#include <algorithm>
 #include <fstream>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <unordered_map>
 
 #include "bench/common.h"
 #include "bench/mlp.h"
 #include "tandem/comm/process_group.h"
 #include "tandem/ddp/ddp.h"
 #include "tandem/fsdp/fsdp.h"
+#include "tandem/optim/adam.h"
 #include "tandem/rpc/rpc.h"
 #include "tools/flags.h"
 
@@ -34,6 +45,61 @@ namespace comm = tandem::comm;
 namespace rpc = tandem::rpc;
 
 namespace {
+
+// The bytes of the tensors LibTorch's CPU allocator holds, and their peak since reset_peak(): on the CPU what
+// torch.cuda.max_memory_allocated is on a GPU (the measure FSDP's memory is usually reported in), without what
+// resident memory adds (malloc's free pages, code pages touched, the process group's shared-memory staging).
+// Installed before the model is built; fsdp's gathered buffers come from its own pool (Stats::buffer_bytes_peak).
+class CountingAllocator final : public c10::Allocator {
+ public:
+  static CountingAllocator& the() {
+    static auto* a = new CountingAllocator(c10::GetCPUAllocator());
+    return *a;
+  }
+  c10::DataPtr allocate(size_t n) const override {
+    c10::DataPtr inner = base_->allocate(n);
+    void* data = inner.get();
+    if (data == nullptr) return inner;
+    if (inner.get_context() != data || inner.get_deleter() != base_->raw_deleter()) return inner;  // not counted
+    inner.release_context();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      sizes_[data] = n;
+      live_ += static_cast<int64_t>(n);
+      peak_ = std::max(peak_, live_);
+    }
+    return c10::DataPtr(data, data, &CountingAllocator::free, c10::Device(c10::DeviceType::CPU));
+  }
+  c10::DeleterFnPtr raw_deleter() const override { return &CountingAllocator::free; }
+  int64_t live() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return live_;
+  }
+  int64_t peak() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return peak_;
+  }
+  void reset_peak() {
+    std::lock_guard<std::mutex> lock(mu_);
+    peak_ = live_;
+  }
+
+ private:
+  explicit CountingAllocator(c10::Allocator* base) : base_(base) {}
+  static void free(void* data) {
+    CountingAllocator& a = the();
+    {
+      std::lock_guard<std::mutex> lock(a.mu_);
+      auto it = a.sizes_.find(data);
+      if (it != a.sizes_.end()) a.live_ -= static_cast<int64_t>(it->second), a.sizes_.erase(it);
+    }
+    a.base_->raw_deleter()(data);
+  }
+  c10::Allocator* const base_;
+  mutable std::mutex mu_;
+  mutable std::unordered_map<void*, size_t> sizes_;
+  mutable int64_t live_ = 0, peak_ = 0;
+};
 
 // A field of /proc/self/status, in KiB.
 int64_t status_kib(const std::string& field) {
@@ -51,15 +117,20 @@ int main(int argc, char** argv) {
   int iters = 20;
   std::string mode = "full";
   CLI::App app{"Per-rank peak memory and iteration time: DDP, ZeRO-2, fully sharded", "fsdp_bench"};
-  app.add_option("--mode", mode, "ddp, zero2 or full")->check(CLI::IsMember({"ddp", "zero2", "full"}));
+  std::string optimizer;
+  app.add_option("--mode", mode, "ddp, zero2, full or lean")->check(CLI::IsMember({"ddp", "zero2", "full", "lean"}));
   app.add_option("--iters", iters, "timed iterations, after 3 warm-up");
+  app.add_option("--optimizer", optimizer, "adam or chunked_adam (default: the mode's)")
+      ->check(CLI::IsMember({"adam", "chunked_adam"}));
   tandem::tools::parse_flags(app, argc, argv);
   at::set_num_threads(1);
   rpc::init_rpc();
   auto pg = comm::ProcessGroup::create("fsdp_bench", {}, {.timeout = std::chrono::minutes(5)});
   const int world = pg->size();
   const at::Tensor x = at::randn({64, 1024}), y = at::randn({64, 1024});
+  c10::SetCPUAllocator(&CountingAllocator::the(), /*priority=*/1);
   const int64_t before_kib = status_kib("VmRSS");
+  const int64_t before_bytes = CountingAllocator::the().live();
   auto model = bench::ddp_mlp();
   int64_t params = 0, largest = 0;
   for (const auto& p : model->parameters()) params += p.numel();
@@ -77,17 +148,22 @@ int main(int argc, char** argv) {
   } else {
     tandem::fsdp::FsdpOptions options;
     if (mode == "zero2") options.sharding = tandem::fsdp::Sharding::kGradientsAndOptimizer;
+    if (mode == "lean") options.prefetch = options.overlap_reduce = false;
     fsdp = std::make_unique<tandem::fsdp::FullyShardedDataParallel>(model, pg, options);
     trained = fsdp->parameters();
   }
-  torch::optim::Adam opt(trained, torch::optim::AdamOptions(1e-4));
+  if (optimizer.empty()) optimizer = mode == "lean" ? "chunked_adam" : "adam";
+  std::unique_ptr<torch::optim::Adam> opt =
+      optimizer == "adam" ? std::make_unique<torch::optim::Adam>(trained, torch::optim::AdamOptions(1e-4))
+                          : std::make_unique<tandem::optim::ChunkedAdam>(trained, torch::optim::AdamOptions(1e-4));
   auto step = [&] {
-    opt.zero_grad();
+    opt->zero_grad();
     at::mse_loss(ddp ? ddp->forward(x) : fsdp->forward(x), y).backward();
-    opt.step();
+    opt->step();
   };
   for (int i = 0; i < 3; ++i) step();
   std::ofstream("/proc/self/clear_refs") << "5" << std::flush;  // VmHWM := VmRSS
+  CountingAllocator::the().reset_peak();
   std::vector<double> t;
   for (int i = 0; i < iters; ++i) {
     const double t0 = bench::now_us();
@@ -95,6 +171,11 @@ int main(int argc, char** argv) {
     t.push_back((bench::now_us() - t0) / 1e3);
   }
   const double peak_mib = static_cast<double>(status_kib("VmHWM") - before_kib) / 1024;
+  // The tensors' peak: the CPU allocator's above what it held before the model was built, and fsdp's buffers' (the
+  // two peaks added: at most that at any one moment).
+  const double tensor_peak_mib = static_cast<double>(CountingAllocator::the().peak() - before_bytes +
+                                                     (fsdp ? fsdp->stats().buffer_bytes_peak : 0)) /
+                                 (1 << 20);
   comm::wait(pg->barrier());
   if (pg->rank() == 0) {
     const double mib = 4.0 / (1 << 20), p = static_cast<double>(params);
@@ -105,11 +186,13 @@ int main(int argc, char** argv) {
     const std::string cond =
         "\"processes\":" + std::to_string(world) +
         ",\"intra_op_threads\":1,\"model\":\"mlp1024-2048-2048-1024\",\"params\":" + std::to_string(params) +
-        ",\"optimizer\":\"adam\",\"batch_per_rank\":64,\"mode\":\"" + mode + "\",\"iters\":" + std::to_string(iters);
+        ",\"optimizer\":\"" + optimizer + "\",\"batch_per_rank\":64,\"mode\":\"" + mode +
+        "\",\"iters\":" + std::to_string(iters);
     bench::emit("fsdp", "fsdp_iter_ms", bench::median(t), "ms", cond);
     bench::emit("fsdp", "fsdp_peak_mib", peak_mib, "MiB",
                 cond + ",\"model_state_mib\":" + std::to_string(state) +
-                    (mode == "full" ? ",\"bar_mib\":" + std::to_string(bar) : std::string()));
+                    ",\"tensor_peak_mib\":" + std::to_string(tensor_peak_mib) +
+                    (mode == "full" || mode == "lean" ? ",\"bar_mib\":" + std::to_string(bar) : std::string()));
   }
   rpc::shutdown();
   return 0;

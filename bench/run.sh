@@ -250,7 +250,7 @@ case "$name" in
     # One configuration per run, so that each one's peak memory is its own (bench/fsdp_bench.cc, bench/peer_fsdp.py).
     cmake --build build -j"$cores" --target fsdp_bench tandem-run >&2
     for ((round = 1; round <= ${ROUNDS:-1}; round++)); do
-      for mode in ddp zero2 full; do
+      for mode in ddp zero2 full lean; do
         build/tandem-run --nproc-per-node 2 build/fsdp_bench --mode "$mode" "$@" | sed -n 's/^\[rank0\]: {/{/p'
       done
       for mode in ddp zero1; do "$PY" bench/peer_fsdp.py default --config "$mode" "$@"; done

@@ -644,6 +644,7 @@ class GlooGroup final : public ProcessGroup {
     const Clock::time_point start = Clock::now();
     metrics::Recorder& recorder = metrics::collective_recorder(name_, op.what, transport_of(op.what));
     if (absl::Status b = broken(); !b.ok()) {
+      op.run = nullptr;
       recorder.record(Clock::now() - start, false, op.bytes, 0);
       op.done.set_error(failed_earlier(prefix, b));
       return;
@@ -651,6 +652,7 @@ class GlooGroup final : public ProcessGroup {
     try {
       if (options_.debug) {
         if (absl::Status same = check_same(op, ++tag); !same.ok()) {
+          op.run = nullptr;
           mark_broken(absl::Status(same.code(), prefix + std::string(same.message())));
           recorder.record(Clock::now() - start, false, op.bytes, 0);
           op.done.set_error(broken());
@@ -661,6 +663,9 @@ class GlooGroup final : public ProcessGroup {
       TANDEM_LOG(kDebug, "comm") << "process group '" << name_ << "' (rank " << rank_ << " of " << size_
                                  << "): " << op.what << " of " << op.bytes << " bytes over " << transport_of(op.what);
       op.run(++tag);
+      // The operation's tensors go before its future completes: a waiter that takes memory next finds theirs free
+      // (fsdp's pool would map a buffer afresh instead of reusing the one a reduction just released).
+      op.run = nullptr;
       recorder.record(Clock::now() - start, true, op.bytes, 0);
       if (profile::active()) {
         profile::report_steady(
@@ -669,6 +674,7 @@ class GlooGroup final : public ProcessGroup {
       }
       op.done.set_value(c10::IValue());
     } catch (...) {
+      op.run = nullptr;
       mark_broken(failure(prefix, start));
       recorder.record(Clock::now() - start, false, op.bytes, 0);
       TANDEM_LOG(kWarn, "comm") << broken().message();

@@ -22,6 +22,8 @@
 #include <mutex>
 #include <new>
 #include <optional>
+#include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "tandem/log/log.h"
@@ -36,16 +38,17 @@ namespace {
 // instead of 209), and fixing the threshold (mallopt) made every large temporary of the process fault in fresh pages.
 // A released mapping is kept for a later buffer it can hold (the smallest kept one that does): fresh pages cost about
 // 0.55 ms per MiB here (faulting and zeroing; 9 ms for a 16 MiB unit), which was most of what a fully sharded step
-// paid beyond DDP's. The pool keeps a released mapping only while what it keeps plus what is in use stays within the
-// most that was ever mapped in use at once (the high-water mark), and a fully sharded step that takes the same buffers
-// as the one before finds them all kept (the test checks it). A request no kept mapping holds is mapped afresh beside
-// them (then, for a while, more is mapped than the mark), and one served by a larger kept mapping counts that
-// mapping's size in use (the mark can creep up by what such a fit wastes). Kept buffers stay resident between
-// backwards, so the optimizer's step, whose temporaries come from malloc, runs beside them: the process's peak can be
-// the step's (the model state, the kept buffers, the step's temporaries). (A fixed bound of twice the largest unit was
-// 4 KiB short of a backward's peak: a gathered unit, the next one prefetched and the last one's gradients; the largest
-// buffer was unmapped and mapped afresh every step.) A model's destruction unmaps what the pool kept. PyTorch's caching
-// allocator keeps FSDP's blocks on GPUs the same way. Thread-safe: buffers are released on autograd's threads too.
+// paid beyond DDP's. The pool keeps released mappings only while what it keeps plus what is in use stays within the
+// most that was ever mapped in use at once (the high-water mark), the largest ones first, and a fully sharded step that
+// takes the same buffers as the one before finds them all kept (the test checks it). A request no kept mapping holds is
+// mapped afresh beside them (then, for a while, more is mapped than the mark), and one served by a larger kept mapping
+// counts that mapping's size in use (the mark can creep up by what such a fit wastes). Kept buffers stay resident
+// between backwards, so the optimizer's step, whose temporaries come from malloc, runs beside them: the process's peak
+// can be the step's (the model state, the kept buffers, the step's temporaries). (A fixed bound of twice the largest
+// unit was 4 KiB short of a backward's peak: a gathered unit, the next one prefetched and the last one's gradients; the
+// largest buffer was unmapped and mapped afresh every step.) A model's destruction unmaps what the pool kept. PyTorch's
+// caching allocator keeps FSDP's blocks on GPUs the same way. Thread-safe: buffers are released on autograd's threads
+// too.
 class BufferPool final : public c10::Allocator {
  public:
   c10::DataPtr allocate(size_t bytes) const override {
@@ -89,6 +92,10 @@ class BufferPool final : public c10::Allocator {
     std::lock_guard<std::mutex> lock(mu_);
     return mappings_;
   }
+  int64_t most_in_use() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return static_cast<int64_t>(most_in_use_bytes_);
+  }
   // Unmaps what is kept.
   void trim() const {
     std::multimap<size_t, void*> kept;
@@ -122,16 +129,22 @@ BufferPool& pool() {
 void BufferPool::release(void* context) {
   std::unique_ptr<Mapping> m(static_cast<Mapping*>(context));
   BufferPool& p = pool();
+  std::vector<std::pair<size_t, void*>> unmap;
   {
     std::lock_guard<std::mutex> lock(p.mu_);
     p.in_use_bytes_ -= m->bytes;
-    if (p.kept_bytes_ + m->bytes + p.in_use_bytes_ <= p.most_in_use_bytes_) {
-      p.kept_.emplace(m->bytes, m->at);
-      p.kept_bytes_ += m->bytes;
-      return;
+    // The largest mappings are the ones kept within the mark (a larger one serves any smaller request; keeping a
+    // smaller one instead would map the largest unit afresh every step when the mark holds one buffer).
+    p.kept_.emplace(m->bytes, m->at);
+    p.kept_bytes_ += m->bytes;
+    while (p.kept_bytes_ + p.in_use_bytes_ > p.most_in_use_bytes_) {
+      auto smallest = p.kept_.begin();
+      unmap.emplace_back(smallest->first, smallest->second);
+      p.kept_bytes_ -= smallest->first;
+      p.kept_.erase(smallest);
     }
   }
-  ::munmap(m->at, m->bytes);
+  for (const auto& [bytes, at] : unmap) ::munmap(at, bytes);
 }
 
 // A flat tensor of `numel` elements in the pool's memory (not initialised).
@@ -407,7 +420,8 @@ struct FullyShardedDataParallel::State {
 
   // Before unit j's backward (a hook on its output): the units after it are done: the reductions started earlier
   // (which ran while the unit after j computed) are finished, theirs start; unit j's parameters are gathered again,
-  // and the unit before it starts gathering. At most two reductions' buffers are alive at once.
+  // and the unit before it starts gathering. At most two reductions' buffers are alive at once (with overlap_reduce
+  // off, none: the reductions end before unit j is gathered).
   void pre_backward(int j) {
     std::lock_guard<std::mutex> lock(mu);
     if (!in_backward) {
@@ -416,6 +430,9 @@ struct FullyShardedDataParallel::State {
     }
     for (Unit& u : units) finish(u);
     for (int k = static_cast<int>(units.size()) - 1; k > j; --k) reduce(units[k]);
+    if (!options.overlap_reduce) {
+      for (Unit& u : units) finish(u);  // their buffers go before this unit's is taken
+    }
     gathered(units[j]);
     if (options.prefetch && j > 0) start_gather(units[j - 1]);
   }
@@ -1055,6 +1072,7 @@ FullyShardedDataParallel::Stats FullyShardedDataParallel::stats() const {
   }
   out.peak_gathered_elements = s.peak_gathered;
   out.buffers_mapped = pool().mappings();
+  out.buffer_bytes_peak = pool().most_in_use();
   out.gradients_into_buffers = s.gradients_into_buffers;
   return out;
 }

@@ -19,7 +19,8 @@
 // previous unit's gather); when the unit before it begins its backward, this unit's gradients are reduce-scattered
 // (averaged) into the shards' .grad, overlapping the rest of backward, and its buffer released. Every rank issues the
 // same collectives in the same order, whichever parameters got gradients: a parameter without one (unused on this
-// rank) contributes zeros. Peak parameter memory per rank: its shards, plus about two units gathered at once.
+// rank) contributes zeros. Peak parameter memory per rank: its shards, plus about two units gathered at once (one with
+// prefetch and overlap_reduce off).
 //
 // Contract:
 // - Every rank builds the same architecture and calls forward and backward the same number of times, each backward
@@ -33,8 +34,9 @@
 //   a mixed-precision dtype that is not floating point;
 //   the group's errors (a dead rank, a timeout) come out of forward() or backward() as tandem::Error naming the group
 //   and the operation.
-// - Memory: released buffers are kept for reuse by the next buffer of the same size, up to twice the largest unit's
-//   bytes (process-wide); above that, and when the model is destroyed, they are unmapped (docs/fsdp.md, "Memory").
+// - Memory: released buffers are kept for reuse by later buffers they can hold, the largest first, while what is kept
+//   and what is in use stay within the most that was in use at once (process-wide); beyond that, and when the model
+//   is destroyed, they are unmapped (docs/fsdp.md, "Memory").
 // - Not thread-safe: one thread drives forward and backward.
 #pragma once
 
@@ -72,8 +74,14 @@ struct FsdpOptions {
   // kFull: release each unit's gathered parameters after its forward and gather them again for its backward. Off: keep
   // them from its forward to the end of its backward (PyTorch's SHARD_GRAD_OP: less traffic, more memory).
   bool reshard_after_forward = true;
-  // Start gathering the next unit's parameters while the current one computes (forward and backward).
+  // Start gathering the next unit's parameters while the current one computes (forward and backward; PyTorch's
+  // forward_prefetch and backward_prefetch).
   bool prefetch = true;
+  // Reduce-scatter a unit's gradients while the units before it run their backward. Off: each unit's reduction is
+  // waited for before the next unit is gathered for its backward. With prefetch off too, a step holds at most one
+  // unit's gathered buffer at a time (parameters, or gradients being reduced): the least memory, for time
+  // (docs/fsdp.md, "Memory"; PyTorch's nearest switch is limit_all_gathers).
+  bool overlap_reduce = true;
   // At construction every rank takes rank 0's parameters and buffers (a broadcast).
   bool sync_module_states = true;
   // Mixed precision (PyTorch's MixedPrecision): the shards stay in the parameters' dtype (the master copy the
@@ -164,6 +172,8 @@ class FullyShardedDataParallel {
     // Fresh mappings the process's buffer pool (gathered parameters, gradients being reduced) has made so far, every
     // model's: a step that takes the same buffers as the one before makes none.
     int64_t buffers_mapped = 0;
+    // The most bytes of those buffers in use at once so far, process-wide.
+    int64_t buffer_bytes_peak = 0;
     // Backwards of Linear units that wrote their gradients into the unit's gathered buffer, over its parameters, and
     // were reduced from there (fully sharded, synchronising, reduced in the dtype computed in): no gradient of the
     // weight's size allocated, none copied.

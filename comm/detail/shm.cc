@@ -35,7 +35,7 @@ using std::chrono::milliseconds;
 using Clock = ShmGroup::Clock;
 
 constexpr uint64_t kMagic = 0x74616e64656d7368;  // "tandemsh"
-constexpr size_t kSlotBytes = size_t{8} << 20;   // per rank: two halves of 4 MiB, one per round
+constexpr size_t kSlotBytes = size_t{2} << 20;   // per rank: two halves of 1 MiB, one per round
 constexpr size_t kHalfBytes = kSlotBytes / 2;
 // An allreduce round this small is reduced whole by every rank, in rank order (one barrier); a larger one in shares,
 // each rank reducing its own (two barriers).

@@ -25,7 +25,7 @@ TEST_P(MultiprocFsdpEquivalence, FollowsOneProcess) {
 
 INSTANTIATE_TEST_SUITE_P(
     MultiprocFsdp, MultiprocFsdpEquivalence,
-    ::testing::Combine(::testing::Values("reshard", "keep", "no_prefetch", "no_sync", "sgd", "zero2"),
+    ::testing::Combine(::testing::Values("reshard", "keep", "no_prefetch", "lean", "no_sync", "sgd", "zero2"),
                        ::testing::Values(2, 3)),
     [](const auto& info) { return std::get<0>(info.param) + "_on_" + std::to_string(std::get<1>(info.param)); });
 

@@ -9,6 +9,7 @@
 #include <torch/torch.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
@@ -21,6 +22,7 @@
 #include "tandem/checkpoint/checkpoint.h"
 #include "tandem/comm/process_group.h"
 #include "tandem/fsdp/fsdp.h"
+#include "tandem/optim/adam.h"
 #include "tandem/rpc/errors.h"
 #include "tandem/rpc/rpc.h"
 #include "tests/common/scenario.h"
@@ -89,7 +91,11 @@ std::string equivalence(const std::string& variant) {
   auto group = comm::ProcessGroup::create("fsdp_" + variant);
   fsdp::FsdpOptions options;
   options.reshard_after_forward = variant != "keep";
-  options.prefetch = variant != "no_prefetch";
+  // "lean": the least memory (no prefetch, each reduction waited for), stepped by ChunkedAdam against the reference's
+  // Adam.
+  const bool lean = variant == "lean";
+  options.prefetch = variant != "no_prefetch" && !lean;
+  options.overlap_reduce = !lean;
   const bool zero2 = variant == "zero2";
   if (zero2) options.sharding = fsdp::Sharding::kGradientsAndOptimizer;
   torch::nn::Sequential sharded_model = make_model();
@@ -101,7 +107,10 @@ std::string equivalence(const std::string& variant) {
       return std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(0.1).momentum(0.9));
     return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(0.01));
   };
-  auto opt_ptr = make_opt(model.parameters()), ref_opt_ptr = make_opt(ref->parameters());
+  std::unique_ptr<torch::optim::Optimizer> opt_ptr =
+      lean ? std::make_unique<tandem::optim::ChunkedAdam>(model.parameters(), torch::optim::AdamOptions(0.01), 64)
+           : make_opt(model.parameters());
+  auto ref_opt_ptr = make_opt(ref->parameters());
   torch::optim::Optimizer &opt = *opt_ptr, &ref_opt = *ref_opt_ptr;
   // Between uses the model's parameters hold no memory; with reshard_after_forward, not even between a forward and
   // its backward. Under ZeRO-2 they hold it from the first forward on.
@@ -166,6 +175,11 @@ std::string equivalence(const std::string& variant) {
   }
   if (!zero2 && stats.buffers_mapped != mapped) {
     return absl::StrCat("the third step mapped ", stats.buffers_mapped - mapped, " buffers afresh");
+  }
+  // Lean: never more than the largest unit gathered at once (its parameters, or its gradients being reduced).
+  const int64_t largest = *std::max_element(unit_bytes.begin(), unit_bytes.end()) / 8;
+  if (lean && stats.peak_gathered_elements != largest) {
+    return absl::StrCat("gathered at once: ", stats.peak_gathered_elements, " elements, the largest unit ", largest);
   }
   return "";
 }

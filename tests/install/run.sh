@@ -47,7 +47,7 @@ fi
 while read -r inc; do
   [ -e "$prefix/include/$inc" ] || { echo "install: an installed header includes \"$inc\", which is not installed" >&2; exit 1; }
 done < <(grep -rhoE '#include "tandem/[^"]+"' "$prefix/include/tandem" | sed -E 's/#include "(.*)"/\1/' | sort -u)
-if grep -rnE '#include "(rpc|rref|comm|ddp|fsdp|sync|nn|pipeline|dist_autograd|dist_optim|cluster|elastic|checkpoint)/' \
+if grep -rnE '#include "(rpc|rref|comm|ddp|fsdp|optim|sync|nn|pipeline|dist_autograd|dist_optim|cluster|elastic|checkpoint)/' \
      "$prefix/include/tandem"; then
   echo "install: the headers above include Tandem by a path that is not the installed one" >&2; exit 1
 fi
