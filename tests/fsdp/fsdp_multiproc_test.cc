@@ -23,11 +23,13 @@ TEST_P(MultiprocFsdpEquivalence, FollowsOneProcess) {
   EXPECT_EQ(everywhere(world, "equivalence/" + variant), "");
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    MultiprocFsdp, MultiprocFsdpEquivalence,
-    ::testing::Combine(::testing::Values("reshard", "keep", "no_prefetch", "lean", "no_sync", "sgd", "zero2"),
-                       ::testing::Values(2, 3)),
-    [](const auto& info) { return std::get<0>(info.param) + "_on_" + std::to_string(std::get<1>(info.param)); });
+INSTANTIATE_TEST_SUITE_P(MultiprocFsdp, MultiprocFsdpEquivalence,
+                         ::testing::Combine(::testing::Values("reshard", "keep", "no_prefetch", "lean", "no_sync",
+                                                              "sync_off_late", "sgd", "zero2"),
+                                            ::testing::Values(2, 3)),
+                         [](const auto& info) {
+                           return std::get<0>(info.param) + "_on_" + std::to_string(std::get<1>(info.param));
+                         });
 
 // Mixed precision over float32 shards (bfloat16 gathers, computation and reductions; float16 reductions) on 2 ranks:
 // within what the low precision explains of the float64 reference, and not within float32 rounding of it.

@@ -130,7 +130,11 @@ std::string equivalence(const std::string& variant) {
   }
   const int64_t all_units = std::accumulate(unit_bytes.begin(), unit_bytes.end(), int64_t{0});
   if (held() != 0) return absl::StrCat("after construction the parameters hold ", held(), " bytes");
-  const int micro = variant == "no_sync" ? 3 : 1;
+  // "no_sync": the first two micro-batches of a step unsynchronised from their forward on; "sync_off_late": turned
+  // off between each one's forward and its backward (the Linear units' backwards then wrote into their buffers, and
+  // those gradients go to .grad instead of a reduction).
+  const bool late = variant == "sync_off_late";
+  const int micro = variant == "no_sync" || late ? 3 : 1;
   int64_t mapped = 0;
   for (int step = 0; step < 3; ++step) {
     // Fully sharded, from the third step on every buffer a step takes is one the step before released and the pool
@@ -141,8 +145,9 @@ std::string equivalence(const std::string& variant) {
     ref_opt.zero_grad();
     for (int k = 0; k < micro; ++k) {
       auto [x, y] = data(step * micro + k, world);
-      model.set_requires_gradient_sync(k == micro - 1);
+      model.set_requires_gradient_sync(late || k == micro - 1);
       at::Tensor loss = rank_loss([&](const at::Tensor& in) { return model.forward(in); }, sharded_model, rank, x, y);
+      if (late) model.set_requires_gradient_sync(k == micro - 1);
       // Resharding, only the last unit stays gathered, for the backward it begins; otherwise every unit is.
       if (held() != (options.reshard_after_forward && !zero2 ? unit_bytes.back() : all_units)) {
         return absl::StrCat("after forward the parameters hold ", held(), " bytes");
@@ -170,7 +175,7 @@ std::string equivalence(const std::string& variant) {
   if (stats.units != 4) return absl::StrCat("units: ", stats.units);
   // Both Linear units (the first and the last) wrote their gradients into their buffers in every synchronising
   // backward, fully sharded; ZeRO-2 keeps its parameters, so never.
-  if (stats.gradients_into_buffers != (zero2 ? 0 : 3 * 2)) {
+  if (stats.gradients_into_buffers != (zero2 ? 0 : late ? 3 * 2 * micro : 3 * 2)) {
     return absl::StrCat("gradients written into the units' buffers: ", stats.gradients_into_buffers);
   }
   if (!zero2 && stats.buffers_mapped != mapped) {
