@@ -83,7 +83,7 @@ at::Tensor ChunkedAdam::step(LossClosure closure) {
                        V = whole(state.exp_avg_sq()), X = options.amsgrad() ? whole(max_sq) : at::Tensor();
       at::Tensor denom_buf = at::empty(chunked ? at::IntArrayRef{chunk} : p.sizes(), P.options());
       at::Tensor decayed_buf = wd != 0 ? at::empty_like(denom_buf) : at::Tensor();
-      for (int64_t at_ = 0; at_ < (chunked ? n : 1); at_ += chunk) {
+      for (int64_t at_ = 0; at_ < (chunked ? n : 1); at_ += chunked ? chunk : 1) {  // once when whole
         const int64_t len = chunked ? std::min(chunk, n - at_) : 0;
         auto part = [&](const at::Tensor& t) { return chunked ? t.narrow(0, at_, len) : t; };
         auto scratch = [&](const at::Tensor& t) { return chunked ? t.narrow(0, 0, len) : t; };

@@ -2,13 +2,17 @@
 //
 //   tandem::optim::ChunkedAdam opt(model.parameters(), torch::optim::AdamOptions(1e-3));  // as torch::optim::Adam
 //
-// ChunkedAdam is torch::optim::Adam (same options, state, serialization and results, bit for bit) whose step updates
-// each parameter in chunks of `chunk_elements` (at most 64 Ki elements by default): LibTorch's Adam allocates two
-// temporaries of each parameter's size per step (the denominator, and the gradient plus the weight decay), which for a
-// fully sharded model's flat shards are the largest allocations of a step (docs/fsdp.md, "Memory"); this one allocates
-// two of one chunk's size per step. Each chunk runs the same LibTorch kernels on the same elements in the same order
-// as Adam does on the whole (chunks are multiples of 64 elements, so the kernels' vectorised loops and tails meet the
-// same elements), so the parameters and moments after a step equal Adam's exactly (tests/optim checks it).
+// ChunkedAdam is torch::optim::Adam (same options, state, serialization and results) whose step updates each
+// parameter in chunks of `chunk_elements` (64 Ki elements by default): LibTorch's Adam allocates temporaries of each
+// parameter's size per step (exp_avg_sq.sqrt() and its division; with weight decay also the decayed gradient), which
+// for a fully sharded model's flat shards are the largest allocations of a step (docs/fsdp.md, "Memory"); this one
+// allocates one or two of a chunk's size per parameter and step. Each chunk runs the same LibTorch kernels on the same
+// elements in the same order as Adam does on the whole. With one intra-op thread the chunks (multiples of 64
+// elements) meet the kernels' vectorised loops and scalar tails at the same elements, so parameters and moments
+// equal Adam's exactly; with more, LibTorch splits a whole tensor between threads where a chunk is not split, and
+// the results are equal where its scalar and vectorised kernels agree: float and double here (tests/optim checks one
+// and two threads with tensors whose split falls mid-vector, every option; reduced-precision parameters are not
+// tested).
 //
 // Contract: torch::optim::Adam's (a parameter without a gradient is skipped; sparse gradients: c10::Error). A subclass
 // of it: code that takes an Adam (serialization, fsdp's full_optimizer_state_dict) takes a ChunkedAdam.

@@ -143,7 +143,7 @@ std::vector<std::string> my_segments() {
 }
 
 // The shared-memory path against Gloo on the same ranks: every collective it serves, every op and dtype, sizes from
-// one element to several rounds of the segment's 4 MiB halves, on data each rank draws from the same seed. Values are
+// one element to several rounds of the segment's 1 MiB halves, on data each rank draws from the same seed. Values are
 // small integers, so that every sum and product is exact in every dtype and the two paths must agree to the bit.
 std::string shm_equals_gloo(int world) {
   auto shm = comm::ProcessGroup::create("shm", {}, {.shared_memory = comm::SharedMemory::kAlways});
@@ -161,7 +161,7 @@ std::string shm_equals_gloo(int world) {
   };
   using comm::ReduceOp;
   for (auto dtype : {at::kFloat, at::kDouble, at::kHalf, at::kBFloat16, at::kChar, at::kByte, at::kInt, at::kLong}) {
-    // Several rounds of 4 MiB: 2 for float, 3 for int64 (kept to two dtypes and ops: the test also runs under TSan).
+    // Several rounds of 1 MiB: 5 for float, 9 for int64 (kept to two dtypes and ops: the test also runs under TSan).
     std::vector<int64_t> sizes = {1, 1001, 70001};
     if (dtype == at::kFloat || dtype == at::kLong) sizes.push_back(1100001);
     for (int64_t count : sizes) {

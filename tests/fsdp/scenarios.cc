@@ -186,6 +186,11 @@ std::string equivalence(const std::string& variant) {
   if (lean && stats.peak_gathered_elements != largest) {
     return absl::StrCat("gathered at once: ", stats.peak_gathered_elements, " elements, the largest unit ", largest);
   }
+  // The pool's buffers in use at once, gathered units and reductions' inputs alike (this process runs this model
+  // only).
+  if (lean && stats.buffer_bytes_peak != largest * 8) {
+    return absl::StrCat("buffers in use at once: ", stats.buffer_bytes_peak, " bytes, the largest unit ", largest * 8);
+  }
   return "";
 }
 

@@ -1,6 +1,7 @@
 // ChunkedAdam equals torch::optim::Adam exactly: parameters and moments after several steps, for every option, every
 // chunking (one element short of, equal to and past a chunk; a tensor of one chunk; several), float and double, one
-// intra-op thread and two, contiguous parameters and not.
+// intra-op thread and two (where Adam's whole tensor is split between the threads mid-vector and the chunks are not),
+// contiguous parameters and not.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <gtest/gtest.h>
@@ -26,12 +27,13 @@ struct Case {
   std::string name;
 };
 
-// Parameters of several sizes (around the chunk, 64 elements here), one not contiguous (a transposed view), one that
-// gets no gradient.
+// Parameters of several sizes (around the chunk, 64 elements here; one large enough for LibTorch to split Adam's whole
+// tensor between two threads at element 50002, in the middle of a vector), one not contiguous (a transposed view),
+// one that gets no gradient.
 std::vector<at::Tensor> make_params(at::ScalarType dtype) {
   at::manual_seed(7);
   std::vector<at::Tensor> out;
-  for (int64_t n : {1, 63, 64, 65, 200, 1000}) out.push_back(at::randn({n}, at::dtype(dtype)));
+  for (int64_t n : {1, 63, 64, 65, 200, 1000, 100003}) out.push_back(at::randn({n}, at::dtype(dtype)));
   out.push_back(at::randn({7, 9}, at::dtype(dtype)).t());
   out.push_back(at::randn({5}, at::dtype(dtype)));  // no gradient
   for (auto& p : out) p.requires_grad_(true);
@@ -87,7 +89,8 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{AdamOptions(1e-2).amsgrad(true), at::kFloat, 1, "amsgrad"},
                       Case{AdamOptions(3e-3).betas({0.8, 0.99}).eps(1e-6).weight_decay(0.01).amsgrad(true), at::kDouble,
                            1, "all_double"},
-                      Case{AdamOptions(1e-2).weight_decay(0.1), at::kFloat, 2, "two_threads"}),
+                      Case{AdamOptions(1e-2).weight_decay(0.1).amsgrad(true), at::kFloat, 2, "two_threads"},
+                      Case{AdamOptions(1e-2).weight_decay(0.1).amsgrad(true), at::kDouble, 2, "two_threads_double"}),
     [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
 
 // The default chunk on a parameter several chunks long, as fsdp's shards are.
