@@ -80,8 +80,7 @@ struct FsdpOptions {
   // Reduce-scatter a unit's gradients while the units before it run their backward. Off: each unit's reduction is
   // waited for before the next unit is gathered for its backward. With prefetch off too (fully sharded, resharding
   // after forward), a step holds at most one unit's buffer at a time (parameters, or gradients being reduced): the
-  // least memory, for time
-  // (docs/fsdp.md, "Memory"; PyTorch's nearest switch is limit_all_gathers).
+  // least memory, for time (docs/fsdp.md, "Memory"; PyTorch's nearest switch is limit_all_gathers).
   bool overlap_reduce = true;
   // At construction every rank takes rank 0's parameters and buffers (a broadcast).
   bool sync_module_states = true;
