@@ -10,11 +10,18 @@
 //                       + 10% (issue 30), and tensor_peak_mib: the tensors' own peak over the same iterations (the
 //                       CPU allocator's bytes above those before the model was built, plus fsdp's buffers' peak; the
 //                       CPU's torch.cuda.max_memory_allocated: no malloc free pages, code pages or shared-memory
-//                       staging; DDP's buckets, shared-memory mappings, are not in it)
+//                       staging; DDP's buckets, shared-memory mappings, are not in it), and own_peak_mib: the
+//                       resident peak without file-backed pages (libtorch's and the other libraries' code and data
+//                       first touched by training, shared by every rank on the host and by the page cache): VmHWM
+//                       less RssFile when the timed iterations began, above VmRSS less RssFile before the model was
+//                       built. File pages only grow here, so that bounds the anonymous and shared-memory pages' peak
+//                       from above; file_growth_kib, how much they grew during the timed iterations, says so
 // Modes: ddp (DistributedDataParallel, 25 MiB buckets), zero2 (fsdp::Sharding::kGradientsAndOptimizer), full
 // (fsdp::Sharding::kFull, reshard_after_forward), lean (full with the least memory: prefetch and overlap_reduce off,
-// and optim::ChunkedAdam, whose step takes no shard-sized temporaries). Flags: --mode, --iters N (timed, after 3
-// warm-up), --optimizer adam|chunked_adam (overrides the mode's: to see what each part of lean does).
+// and optim::ChunkedAdam, whose step takes no shard-sized temporaries; malloc_trim(0) after each step hands the
+// heap's free pages back, which the step's transients would otherwise leave resident for the next). Flags: --mode,
+// --iters N (timed, after 3 warm-up), --optimizer adam|chunked_adam (overrides the mode's: to see what each part of
+// lean does).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/nn/modules/activation.h>
@@ -23,6 +30,7 @@
 #include <torch/optim/adam.h>
 
 #include <c10/core/CPUAllocator.h>
+#include <malloc.h>
 
 #include <algorithm>
 #include <atomic>
@@ -135,7 +143,7 @@ int main(int argc, char** argv) {
   auto pg = comm::ProcessGroup::create("fsdp_bench", {}, {.timeout = std::chrono::minutes(5)});
   const int world = pg->size();
   const at::Tensor x = at::randn({64, 1024}), y = at::randn({64, 1024});
-  const int64_t before_kib = status_kib("VmRSS");
+  const int64_t before_kib = status_kib("VmRSS"), before_file_kib = status_kib("RssFile");
   const int64_t before_bytes = CountingAllocator::the().live();
   auto model = bench::ddp_mlp();
   int64_t params = 0, largest = 0;
@@ -166,17 +174,21 @@ int main(int argc, char** argv) {
     opt->zero_grad();
     at::mse_loss(ddp ? ddp->forward(x) : fsdp->forward(x), y).backward();
     opt->step();
+    if (mode == "lean") malloc_trim(0);
   };
   for (int i = 0; i < 3; ++i) step();
   std::ofstream("/proc/self/clear_refs") << "5" << std::flush;  // VmHWM := VmRSS
   CountingAllocator::the().reset_peak();
+  const int64_t reset_file_kib = status_kib("RssFile");
   std::vector<double> t;
   for (int i = 0; i < iters; ++i) {
     const double t0 = bench::now_us();
     step();
     t.push_back((bench::now_us() - t0) / 1e3);
   }
-  const double peak_mib = static_cast<double>(status_kib("VmHWM") - before_kib) / 1024;
+  const int64_t hwm_kib = status_kib("VmHWM"), file_growth_kib = status_kib("RssFile") - reset_file_kib;
+  const double peak_mib = static_cast<double>(hwm_kib - before_kib) / 1024;
+  const double own_peak_mib = static_cast<double>((hwm_kib - reset_file_kib) - (before_kib - before_file_kib)) / 1024;
   // The tensors' peak: the CPU allocator's above what it held before the model was built, and fsdp's buffers' (the
   // two peaks added: the tensors never held more at one moment). Allocations it could not count are reported.
   const double tensor_peak_mib = static_cast<double>(CountingAllocator::the().peak() - before_bytes +
@@ -196,7 +208,8 @@ int main(int argc, char** argv) {
         "\",\"iters\":" + std::to_string(iters);
     bench::emit("fsdp", "fsdp_iter_ms", bench::median(t), "ms", cond);
     bench::emit("fsdp", "fsdp_peak_mib", peak_mib, "MiB",
-                cond + ",\"model_state_mib\":" + std::to_string(state) +
+                cond + ",\"model_state_mib\":" + std::to_string(state) + ",\"own_peak_mib\":" +
+                    std::to_string(own_peak_mib) + ",\"file_growth_kib\":" + std::to_string(file_growth_kib) +
                     ",\"tensor_peak_mib\":" + std::to_string(tensor_peak_mib) +
                     ",\"uncounted_allocations\":" + std::to_string(CountingAllocator::the().uncounted()) +
                     (mode == "full" || mode == "lean" ? ",\"bar_mib\":" + std::to_string(bar) : std::string()));

@@ -4,7 +4,8 @@ per rank, 2 ranks, one intra-op thread each) on torch.nn.parallel.DistributedDat
 PyTorch 1.13's FullyShardedDataParallel does not import under Debian 12's Python 3.11 (a dataclass ValueError in
 torch.distributed._shard.sharded_tensor.metadata), so ZeRO-1 is the most PyTorch shards here. Peak memory as Tandem's
 side measures it: rank 0's VmHWM over the timed iterations (reset through /proc/self/clear_refs) above its VmRSS
-before the model was built.
+before the model was built, and own_peak_mib without file-backed pages (VmHWM less RssFile when the timed iterations
+began, above VmRSS less RssFile before the model was built).
 
   python3 bench/peer_fsdp.py default --config ddp|zero1 [--iters N]
 """
@@ -32,7 +33,7 @@ def run(rank, port, args):
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     x, y = torch.randn(64, 1024), torch.randn(64, 1024)
-    before = status_kib("VmRSS")
+    before, before_file = status_kib("VmRSS"), status_kib("RssFile")
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(1024, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 2048),
                                 torch.nn.ReLU(), torch.nn.Linear(2048, 1024))
@@ -51,8 +52,11 @@ def run(rank, port, args):
         step()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
+    reset_file = status_kib("RssFile")
     ms = median_time(args.iters, 0, step, scale=1e3)
-    peak = (status_kib("VmHWM") - before) / 1024
+    hwm, file_growth = status_kib("VmHWM"), status_kib("RssFile") - reset_file
+    peak = (hwm - before) / 1024
+    own_peak = ((hwm - reset_file) - (before - before_file)) / 1024
     dist.barrier()
     if rank == 0:
         mib = 4 / (1 << 20)
@@ -60,7 +64,8 @@ def run(rank, port, args):
         cond = dict(processes=2, model="mlp1024-2048-2048-1024", params=params, optimizer="adam", batch_per_rank=64,
                     mode=args.config, iters=args.iters)
         emit("fsdp", "torch", "fsdp_iter_ms", ms, "ms", **cond)
-        emit("fsdp", "torch", "fsdp_peak_mib", peak, "MiB", model_state_mib=round(state, 3), **cond)
+        emit("fsdp", "torch", "fsdp_peak_mib", peak, "MiB", model_state_mib=round(state, 3),
+             own_peak_mib=round(own_peak, 3), file_growth_kib=file_growth, **cond)
     dist.destroy_process_group()
 
 
