@@ -2,7 +2,9 @@
 // one intra-op thread each. Model: the DDP benchmark's MLP 1024-2048-2048-1024 with ReLU (8.4 M parameters, 3 units
 // of 8, 16 and 8 MiB), MSE loss, Adam; batch 64 per rank. One iteration: zero_grad, forward, backward, step.
 //   fsdp_iter_ms        median iteration on rank 0
-//   fsdp_peak_mib       rank 0's peak resident memory over the timed iterations above its resident memory before the
+//   fsdp_peak_mib       the largest of the ranks' peaks (each rank's in rank_peak_mib, rank_own_peak_mib and
+//                       rank_tensor_peak_mib; the fields below likewise the largest): a rank's peak resident memory
+//                       over the timed iterations above its resident memory before the
 //                       model was built (VmHWM, reset through /proc/self/clear_refs), beside
 //                       model_state_mib: what the configuration holds by the formula (P parameters, 4 bytes each:
 //                       parameters 4P, gradients 4P, Adam's moments 8P; ZeRO-2 shards the last two, fully sharded
@@ -194,7 +196,17 @@ int main(int argc, char** argv) {
   const double tensor_peak_mib = static_cast<double>(CountingAllocator::the().peak() - before_bytes +
                                                      (fsdp ? fsdp->stats().buffer_bytes_peak : 0)) /
                                  (1 << 20);
-  comm::wait(pg->barrier());
+  // Every rank's figures, to rank 0: the value reported is the largest rank's, each rank's beside it.
+  const at::Tensor mine =
+      at::tensor({peak_mib, own_peak_mib, tensor_peak_mib, static_cast<double>(file_growth_kib)}, at::kDouble);
+  const at::Tensor all = at::empty({world, 4}, at::kDouble);
+  comm::wait(pg->allgather(all, mine));
+  auto per_rank = [&](int k) {
+    std::string list = "[";
+    for (int r = 0; r < world; ++r) list += (r > 0 ? "," : "") + std::to_string(all[r][k].item<double>());
+    return list + "]";
+  };
+  auto largest_of = [&](int k) { return all.select(1, k).max().item<double>(); };
   if (pg->rank() == 0) {
     const double mib = 4.0 / (1 << 20), p = static_cast<double>(params);
     const double state = mode == "ddp"     ? 4 * p * mib
@@ -207,10 +219,11 @@ int main(int argc, char** argv) {
         ",\"optimizer\":\"" + optimizer + "\",\"batch_per_rank\":64,\"mode\":\"" + mode +
         "\",\"iters\":" + std::to_string(iters);
     bench::emit("fsdp", "fsdp_iter_ms", bench::median(t), "ms", cond);
-    bench::emit("fsdp", "fsdp_peak_mib", peak_mib, "MiB",
+    bench::emit("fsdp", "fsdp_peak_mib", largest_of(0), "MiB",
                 cond + ",\"model_state_mib\":" + std::to_string(state) + ",\"own_peak_mib\":" +
-                    std::to_string(own_peak_mib) + ",\"file_growth_kib\":" + std::to_string(file_growth_kib) +
-                    ",\"tensor_peak_mib\":" + std::to_string(tensor_peak_mib) +
+                    std::to_string(largest_of(1)) + ",\"tensor_peak_mib\":" + std::to_string(largest_of(2)) +
+                    ",\"file_growth_kib\":" + std::to_string(largest_of(3)) + ",\"rank_peak_mib\":" + per_rank(0) +
+                    ",\"rank_own_peak_mib\":" + per_rank(1) + ",\"rank_tensor_peak_mib\":" + per_rank(2) +
                     ",\"uncounted_allocations\":" + std::to_string(CountingAllocator::the().uncounted()) +
                     (mode == "full" || mode == "lean" ? ",\"bar_mib\":" + std::to_string(bar) : std::string()));
   }

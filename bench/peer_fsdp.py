@@ -3,9 +3,9 @@ per rank, 2 ranks, one intra-op thread each) on torch.nn.parallel.DistributedDat
 (--config ddp) or with torch.distributed.optim.ZeroRedundancyOptimizer(Adam) (--config zero1: optimizer state sharded).
 PyTorch 1.13's FullyShardedDataParallel does not import under Debian 12's Python 3.11 (a dataclass ValueError in
 torch.distributed._shard.sharded_tensor.metadata), so ZeRO-1 is the most PyTorch shards here. Peak memory as Tandem's
-side measures it: rank 0's VmHWM over the timed iterations (reset through /proc/self/clear_refs) above its VmRSS
-before the model was built, and own_peak_mib without file-backed pages (VmHWM less RssFile when the timed iterations
-began, above VmRSS less RssFile before the model was built).
+side measures it, the largest rank's (each rank's beside it): a rank's VmHWM over the timed iterations (reset through
+/proc/self/clear_refs) above its VmRSS before the model was built, and own_peak_mib without file-backed pages (VmHWM
+less RssFile when the timed iterations began, above VmRSS less RssFile before the model was built).
 
   python3 bench/peer_fsdp.py default --config ddp|zero1 [--iters N]
 """
@@ -57,15 +57,20 @@ def run(rank, port, args):
     hwm, file_growth = status_kib("VmHWM"), status_kib("RssFile") - reset_file
     peak = (hwm - before) / 1024
     own_peak = ((hwm - reset_file) - (before - before_file)) / 1024
-    dist.barrier()
+    mine = torch.tensor([peak, own_peak, float(file_growth)], dtype=torch.float64)
+    every = [torch.empty(3, dtype=torch.float64) for _ in range(2)]
+    dist.all_gather(every, mine)
     if rank == 0:
+        peak, own_peak, file_growth = (max(t[k].item() for t in every) for k in range(3))
+        rank_peaks = [[round(t[k].item(), 3) for t in every] for k in range(2)]
         mib = 4 / (1 << 20)
         state = 4 * params * mib if args.config == "ddp" else (2 * params + 2 * params / 2) * mib
         cond = dict(processes=2, model="mlp1024-2048-2048-1024", params=params, optimizer="adam", batch_per_rank=64,
                     mode=args.config, iters=args.iters)
         emit("fsdp", "torch", "fsdp_iter_ms", ms, "ms", **cond)
         emit("fsdp", "torch", "fsdp_peak_mib", peak, "MiB", model_state_mib=round(state, 3),
-             own_peak_mib=round(own_peak, 3), file_growth_kib=file_growth, **cond)
+             own_peak_mib=round(own_peak, 3), file_growth_kib=file_growth, rank_peak_mib=rank_peaks[0],
+             rank_own_peak_mib=rank_peaks[1], **cond)
     dist.destroy_process_group()
 
 

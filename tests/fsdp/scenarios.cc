@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -30,14 +31,15 @@
 namespace tandem::test {
 namespace {
 
-constexpr int64_t kRows = 3, kIn = 7, kHidden = 13, kOut = 3;
+// Units of 117, 310, 373 and 42 parameters: two not divisible by 2, two not by 3 (padded shards on 2 and on 3 ranks).
+constexpr int64_t kRows = 3, kIn = 8, kHidden = 13, kOut = 3;
 
 // A unit with a parameter used only when asked (on rank 0 in the scenario) and one never used.
 struct PartialImpl : torch::nn::Module {
   PartialImpl() {
     used = register_module("used", torch::nn::Linear(kHidden, kHidden));
     sometimes = register_module("sometimes", torch::nn::Linear(kHidden, kHidden));
-    never = register_module("never", torch::nn::Linear(2, 2));
+    never = register_module("never", torch::nn::Linear(2, 3));
   }
   at::Tensor forward(const at::Tensor& x) { return use_sometimes ? used(x) + sometimes(x) : used(x); }
   torch::nn::Linear used{nullptr}, sometimes{nullptr}, never{nullptr};
@@ -76,13 +78,19 @@ at::Tensor rank_loss(const std::function<at::Tensor(const at::Tensor&)>& forward
   return torch::mse_loss(forward(x.narrow(0, r * kRows, kRows)), y.narrow(0, r * kRows, kRows));
 }
 
-// The reference's backward: what the W ranks compute together, the average of their losses, in one process.
-void reference_backward(torch::nn::Sequential& ref, int world, const at::Tensor& x, const at::Tensor& y) {
+// The reference's backward: what the W ranks compute together, the average of their losses, in one process. Returns
+// each rank's loss.
+std::vector<double> reference_backward(torch::nn::Sequential& ref, int world, const at::Tensor& x,
+                                       const at::Tensor& y) {
   at::Tensor total = at::zeros({}, at::kDouble);
+  std::vector<double> losses;
   for (int r = 0; r < world; ++r) {
-    total = total + rank_loss([&](const at::Tensor& in) { return ref->forward(in); }, ref, r, x, y);
+    at::Tensor loss = rank_loss([&](const at::Tensor& in) { return ref->forward(in); }, ref, r, x, y);
+    losses.push_back(loss.item<double>());
+    total = total + loss;
   }
   (total / world).backward();
+  return losses;
 }
 
 std::string equivalence(const std::string& variant) {
@@ -124,10 +132,13 @@ std::string equivalence(const std::string& variant) {
   };
   // Each unit's parameters, padded to a multiple of W, in doubles.
   std::vector<int64_t> unit_bytes;
+  bool uneven = false;
   for (int64_t n : {kIn * kHidden + kHidden, (kHidden * 11 + 11) + (11 * kHidden + kHidden),
-                    2 * (kHidden * kHidden + kHidden) + (2 * 2 + 2), kHidden * kOut + kOut}) {
+                    2 * (kHidden * kHidden + kHidden) + (2 * 3 + 3), kHidden * kOut + kOut}) {
     unit_bytes.push_back((n + world - 1) / world * world * 8);
+    uneven = uneven || n % world != 0;
   }
+  if (!uneven) return absl::StrCat("every unit's size divides by ", world, ": no shard is padded");
   const int64_t all_units = std::accumulate(unit_bytes.begin(), unit_bytes.end(), int64_t{0});
   if (held() != 0) return absl::StrCat("after construction the parameters hold ", held(), " bytes");
   // "no_sync": the first two micro-batches of a step unsynchronised from their forward on; "sync_off_late": turned
@@ -154,7 +165,10 @@ std::string equivalence(const std::string& variant) {
       }
       loss.backward();
       if ((held() != 0) != zero2) return absl::StrCat("after backward the parameters hold ", held(), " bytes");
-      reference_backward(ref, world, x, y);
+      const double ref_loss = reference_backward(ref, world, x, y)[rank];
+      if (!(std::abs(loss.item<double>() - ref_loss) <= 1e-10)) {
+        return absl::StrCat("step ", step, ": loss ", loss.item<double>(), ", one process's ", ref_loss);
+      }
     }
     opt.step();
     ref_opt.step();
