@@ -541,13 +541,16 @@ void fused_share(T* mine, const std::vector<char*>& others, int64_t lo, int64_t 
     T* __restrict acc = mine + a;
     for (char* o : others) {
       const T* __restrict x = reinterpret_cast<const T*>(o) + a;
+#pragma omp simd
       for (int64_t i = 0; i < n; ++i) acc[i] += x[i];
     }
     if (avg) {
+#pragma omp simd
       for (int64_t i = 0; i < n; ++i) acc[i] /= divisor;
     }
     for (char* o : others) {
       T* __restrict y = reinterpret_cast<T*>(o) + a;
+#pragma omp simd
       for (int64_t i = 0; i < n; ++i) y[i] = acc[i];
     }
   }
