@@ -3,7 +3,8 @@
 // of 8, 16 and 8 MiB), MSE loss, Adam; batch 64 per rank. One iteration: zero_grad, forward, backward, step.
 //   fsdp_iter_ms        median iteration on rank 0
 //   fsdp_peak_mib       the largest of the ranks' peaks (each rank's in rank_peak_mib, rank_own_peak_mib and
-//                       rank_tensor_peak_mib; the fields below likewise the largest): a rank's peak resident memory
+//                       rank_tensor_peak_mib; the peaks below likewise the largest, file_growth_kib the smallest and
+//                       uncounted_allocations the sum over ranks): a rank's peak resident memory
 //                       over the timed iterations above its resident memory before the
 //                       model was built (VmHWM, reset through /proc/self/clear_refs), beside
 //                       model_state_mib: what the configuration holds by the formula (P parameters, 4 bytes each:
@@ -17,7 +18,8 @@
 //                       first touched by training, shared by every rank on the host and by the page cache): VmHWM
 //                       less RssFile when the timed iterations began, above VmRSS less RssFile before the model was
 //                       built. File pages only grow here, so that bounds the anonymous and shared-memory pages' peak
-//                       from above; file_growth_kib, how much they grew during the timed iterations, says so
+//                       from above; file_growth_kib, how much they grew during the timed iterations (the smallest
+//                       rank's: negative would void the bound), says so
 // Modes: ddp (DistributedDataParallel, 25 MiB buckets), zero2 (fsdp::Sharding::kGradientsAndOptimizer), full
 // (fsdp::Sharding::kFull, reshard_after_forward), lean (full with the least memory: prefetch and overlap_reduce off,
 // and optim::ChunkedAdam, whose step takes no shard-sized temporaries; malloc_trim(0) after each step hands the
@@ -197,9 +199,10 @@ int main(int argc, char** argv) {
                                                      (fsdp ? fsdp->stats().buffer_bytes_peak : 0)) /
                                  (1 << 20);
   // Every rank's figures, to rank 0: the value reported is the largest rank's, each rank's beside it.
-  const at::Tensor mine =
-      at::tensor({peak_mib, own_peak_mib, tensor_peak_mib, static_cast<double>(file_growth_kib)}, at::kDouble);
-  const at::Tensor all = at::empty({world, 4}, at::kDouble);
+  const at::Tensor mine = at::tensor({peak_mib, own_peak_mib, tensor_peak_mib, static_cast<double>(file_growth_kib),
+                                      static_cast<double>(CountingAllocator::the().uncounted())},
+                                     at::kDouble);
+  const at::Tensor all = at::empty({world, 5}, at::kDouble);
   comm::wait(pg->allgather(all, mine));
   auto per_rank = [&](int k) {
     std::string list = "[";
@@ -207,6 +210,8 @@ int main(int argc, char** argv) {
     return list + "]";
   };
   auto largest_of = [&](int k) { return all.select(1, k).max().item<double>(); };
+  const int64_t file_growth_min = static_cast<int64_t>(all.select(1, 3).min().item<double>());
+  const int64_t uncounted_sum = static_cast<int64_t>(all.select(1, 4).sum().item<double>());
   if (pg->rank() == 0) {
     const double mib = 4.0 / (1 << 20), p = static_cast<double>(params);
     const double state = mode == "ddp"     ? 4 * p * mib
@@ -222,9 +227,9 @@ int main(int argc, char** argv) {
     bench::emit("fsdp", "fsdp_peak_mib", largest_of(0), "MiB",
                 cond + ",\"model_state_mib\":" + std::to_string(state) + ",\"own_peak_mib\":" +
                     std::to_string(largest_of(1)) + ",\"tensor_peak_mib\":" + std::to_string(largest_of(2)) +
-                    ",\"file_growth_kib\":" + std::to_string(largest_of(3)) + ",\"rank_peak_mib\":" + per_rank(0) +
+                    ",\"file_growth_kib\":" + std::to_string(file_growth_min) + ",\"rank_peak_mib\":" + per_rank(0) +
                     ",\"rank_own_peak_mib\":" + per_rank(1) + ",\"rank_tensor_peak_mib\":" + per_rank(2) +
-                    ",\"uncounted_allocations\":" + std::to_string(CountingAllocator::the().uncounted()) +
+                    ",\"uncounted_allocations\":" + std::to_string(uncounted_sum) +
                     (mode == "full" || mode == "lean" ? ",\"bar_mib\":" + std::to_string(bar) : std::string()));
   }
   rpc::shutdown();

@@ -61,7 +61,8 @@ def run(rank, port, args):
     every = [torch.empty(3, dtype=torch.float64) for _ in range(2)]
     dist.all_gather(every, mine)
     if rank == 0:
-        peak, own_peak, file_growth = (max(t[k].item() for t in every) for k in range(3))
+        peak, own_peak = (max(t[k].item() for t in every) for k in range(2))
+        file_growth = min(t[2].item() for t in every)  # negative on any rank would void own_peak's bound
         rank_peaks = [[round(t[k].item(), 3) for t in every] for k in range(2)]
         mib = 4 / (1 << 20)
         state = 4 * params * mib if args.config == "ddp" else (2 * params + 2 * params / 2) * mib

@@ -107,6 +107,12 @@ void start_metrics_writer(const RpcOptions& options, const std::string& name, in
 }  // namespace
 
 void init_rpc(const std::string& name, int rank, int world_size, RpcOptions options) {
+  // Debian's abseil is built without NDEBUG, so every Mutex::Lock runs its deadlock detection (a lookup in one global
+  // graph under a spin lock, and a node made and forgotten for each mutex): a few microseconds of each small call.
+  // Off, as in abseil's release builds; the tests keep it on (tests/common/spawner.cc).
+  if (const char* check = std::getenv("TANDEM_LOCK_ORDER_CHECK"); !check || std::string(check) != "1") {
+    absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
+  }
   MutexLock lock(&g_mu);
   if (g_agent) throw RpcError(absl::FailedPreconditionError("init_rpc: RPC is already initialized"));
   metrics::set_worker(name);

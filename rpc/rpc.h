@@ -101,6 +101,9 @@ struct RpcOptions {
 
 // Joins the job as worker `name` with `rank` of `world_size`, after every worker has joined (or init_timeout, then
 // throws naming the missing ranks). Names must be unique. Throws RpcError when already initialized.
+// It also turns off abseil's lock-order (deadlock) checking in this process, as a release build of abseil has it
+// (Debian's runs it on every lock: a global graph lookup per Mutex::Lock), unless TANDEM_LOCK_ORDER_CHECK=1 (the
+// test binaries set it: there an inversion aborts with both stacks).
 void init_rpc(const std::string& name, int rank, int world_size, RpcOptions options = {});
 // Reads the launcher's environment (cluster/environment.h, worker_place): torchrun's RANK, WORLD_SIZE, MASTER_ADDR,
 // MASTER_PORT (tandem-run sets them), else SLURM's when srun started this process (SLURM_PROCID, SLURM_NTASKS, the

@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <cstring>
 
 #include <thread>
 
@@ -195,7 +196,8 @@ std::string shm_equals_gloo(int world) {
 }
 
 // Shared tensors (ProcessGroup::shared_tensor): their allreduce (whole, or the same slice on every rank) equals
-// Gloo's on the same data, for every op and dtype; nothing is left in /dev/shm; a Gloo group has none; ranks that pass
+// Gloo's on the same data, for every op and dtype, and on random floats and doubles is each share's sum in the order
+// its rank reduces it, bit for bit; nothing is left in /dev/shm; a Gloo group has none; ranks that pass
 // a shared tensor where another passes a plain one all fail; a tensor outlives its group.
 std::string shared_tensors() {
   auto shm = comm::ProcessGroup::create("st", {}, {.shared_memory = comm::SharedMemory::kAlways});
@@ -232,6 +234,36 @@ std::string shared_tensors() {
             err += check(t.narrow(0, 0, count / 3).equal(before.narrow(0, 0, count / 3)),
                          "a shared allreduce of a slice changed the rest: " + what);
           }
+        }
+      }
+      // Floating-point data that does not sum exactly: the result is, bit for bit, each share's sum in the order its
+      // rank reduces it (its own values first, then the others' in rank order; avg then divides), computed here one
+      // element at a time from every rank's values.
+      if ((dtype == at::kFloat || dtype == at::kDouble) && count > 1) {
+        for (auto op : {ReduceOp::kSum, ReduceOp::kAvg}) {
+          t.copy_(at::randn({count}, gen, at::TensorOptions().dtype(at::kDouble)).to(dtype));
+          at::Tensor every = at::empty({shm->size(), count}, dtype);
+          comm::wait(gloo->allgather(every, t.clone()));
+          comm::wait(shm->allreduce(t, op));
+          const int w = shm->size();
+          bool same = true;
+          AT_DISPATCH_FLOATING_TYPES(dtype, "reference", [&] {
+            const at::Tensor values = every.contiguous();
+            const scalar_t* v = values.data_ptr<scalar_t>();
+            const scalar_t* got = t.data_ptr<scalar_t>();
+            for (int q = 0; q < w; ++q) {
+              for (int64_t e = count * q / w; e < count * (q + 1) / w; ++e) {
+                scalar_t acc = v[q * count + e];
+                for (int o = 0; o < w; ++o) {
+                  if (o != q) acc += v[o * count + e];
+                }
+                if (op == ReduceOp::kAvg) acc /= static_cast<scalar_t>(w);
+                same = same && std::memcmp(&acc, &got[e], sizeof(acc)) == 0;
+              }
+            }
+          });
+          err += check(same, absl::StrCat("shared allreduce of random ", how, " op ", static_cast<int>(op),
+                                          " is not each share's sum in its rank's order"));
         }
       }
       kept = t;

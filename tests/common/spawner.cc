@@ -129,6 +129,9 @@ Reply request(Kind kind, const std::string& payload) {
 }  // namespace
 
 void start() {
+  // Test processes and every worker they start keep abseil's lock-order checking, which init_rpc otherwise turns off
+  // (rpc/rpc.h): set before the fork server is forked, so that its children inherit it.
+  setenv("TANDEM_LOCK_ORDER_CHECK", "1", /*overwrite=*/0);
   if (const char* v = std::getenv("TANDEM_TEST_EXEC_WORKERS"); v && std::string(v) == "1") return;
   int fds[2];
   if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, fds) != 0) return;
