@@ -21,6 +21,7 @@
 #include <memory>
 #include <mutex>
 #include <new>
+#include <numeric>
 #include <optional>
 #include <utility>
 #include <vector>
@@ -177,7 +178,8 @@ __attribute__((noinline)) void fsdp_queue_engine_callback(std::function<void()> 
 
 enum class Held { kReleased, kGathering, kGathered };
 
-struct Unit {
+struct UnitState {
+  std::string label;  // for errors: the Sequential's child ("3"), the Unit's path ("encoder"), or "the root"
   std::vector<at::Tensor> params;
   std::vector<std::string> names;
   std::vector<int64_t> offset;
@@ -195,6 +197,9 @@ struct Unit {
   bool reduced = false;
   at::Tensor reduce_in, reduce_out;
   rpc::Future reduce;
+  // In the last forward: where its forward began among the units' (-1: it did not run), where it ended, and the
+  // position past the units that ran inside it (its subtree: units nested in it, in the model's forward).
+  int start_pos = -1, end_pos = -1, subtree_end = -1;
 
   // Parameter i's elements in a flat tensor of the unit's layout (its buffer, a gathered copy, a gradient buffer).
   at::Tensor flat_part(const at::Tensor& flat, size_t i) const { return flat.narrow(0, offset[i], params[i].numel()); }
@@ -215,12 +220,27 @@ struct Unit {
 
 }  // namespace
 
-struct FullyShardedDataParallel::State {
-  torch::nn::Sequential model{nullptr};
+struct detail::ModelState {
+  std::shared_ptr<torch::nn::Module> root;  // the model
+  // Either a Sequential whose children with parameters are the units, run child by child here (unit_of_child: each
+  // child's unit, -1 for none), or a model run by its own forward (`run`, null when it takes no single tensor), its
+  // fsdp::Units calling pre_forward and post_forward, its other parameters in root_unit (-1: none).
+  torch::nn::Sequential seq{nullptr};
+  std::vector<int> unit_of_child;
+  Forward run;
+  int root_unit = -1;
   std::shared_ptr<comm::ProcessGroup> group;
   FsdpOptions options;
-  std::vector<Unit> units;  // the children with parameters, in order
-  std::vector<int> unit_of_child;
+  std::vector<UnitState> units;
+  std::vector<std::pair<int, int>> param_order;  // every parameter as (unit, index in it), in the model's order
+  std::weak_ptr<ModelState> self;
+  // The forward running or last run: the units by the start of their forward, and by its end; those running now
+  // (innermost last). Prefetching a unit ahead follows the order of the forward before (at first, the units' order),
+  // and the unit that ended last in it (at first, the root's or the last unit) stays gathered for the backward it
+  // begins.
+  bool forward_active = false;
+  std::vector<int> started, ended, prev_started, running;
+  int last_guess = -1;
   bool sync = true;
   bool in_backward = false;  // the final callback is queued
   int64_t gathered_elements = 0;
@@ -234,9 +254,9 @@ struct FullyShardedDataParallel::State {
 
   // Whether this forward computes unit u (child `module`) with LinearIntoBuffer: a Linear alone in its unit, fully
   // sharded, its gradients synchronised and reduced in the dtype it computes in, under autograd.
-  bool into_buffer(const Unit& u, const torch::nn::AnyModule& module) const {
+  bool into_buffer(const UnitState& u, const torch::nn::Module& module) const {
     if (!at::GradMode::is_enabled() || !sync || zero2() || compute_dtype(u) != reduce_dtype(u)) return false;
-    const auto* linear = module.ptr()->as<torch::nn::Linear>();
+    const auto* linear = module.as<torch::nn::Linear>();
     if (!linear || u.params.size() != (linear->bias.defined() ? 2u : 1u)) return false;
     for (const at::Tensor& p : u.params) {
       if (!p.requires_grad()) return false;
@@ -246,32 +266,31 @@ struct FullyShardedDataParallel::State {
   }
 
   // Whether the reduction's result is added to a gradient (then it is a buffer of a step) or becomes it.
-  static bool shard_grad_defined(const Unit& u) { return u.shard.grad().defined(); }
+  static bool shard_grad_defined(const UnitState& u) { return u.shard.grad().defined(); }
 
   bool zero2() const { return options.sharding == Sharding::kGradientsAndOptimizer; }
 
   // This rank's piece of every parameter (sharded_state_dict's layout), its values views of the shards.
-  std::vector<Piece> pieces() const {
-    std::vector<Piece> out;
+  std::vector<FullyShardedDataParallel::Piece> pieces() const {
+    std::vector<FullyShardedDataParallel::Piece> out;
     const int64_t rank = group->rank();
-    for (const Unit& u : units) {
-      for (size_t i = 0; i < u.params.size(); ++i) {
-        const Unit::Overlap o = u.overlap(i, rank);  // outside this rank's range: an empty piece at offset 0
-        out.push_back({u.names[i], u.params[i].sizes().vec(), o.from, u.shard.detach().narrow(0, o.at, o.n)});
-      }
+    for (const auto& [k, i] : param_order) {
+      const UnitState& u = units[k];
+      const UnitState::Overlap o = u.overlap(i, rank);  // outside this rank's range: an empty piece at offset 0
+      out.push_back({u.names[i], u.params[i].sizes().vec(), o.from, u.shard.detach().narrow(0, o.at, o.n)});
     }
     return out;
   }
 
   // Mixed precision: the dtype a unit is gathered (computed) in, and the one its gradients are reduced in.
-  at::ScalarType compute_dtype(const Unit& u) const {
+  at::ScalarType compute_dtype(const UnitState& u) const {
     return options.mixed_precision.param_dtype.value_or(u.shard.scalar_type());
   }
-  at::ScalarType reduce_dtype(const Unit& u) const {
+  at::ScalarType reduce_dtype(const UnitState& u) const {
     return options.mixed_precision.reduce_dtype.value_or(compute_dtype(u));
   }
 
-  void start_gather(Unit& u) {
+  void start_gather(UnitState& u) {
     if (u.held != Held::kReleased) return;
     if (!u.memory) {
       take(u.full);
@@ -283,7 +302,7 @@ struct FullyShardedDataParallel::State {
     u.gather = group->allgather(u.full, u.shard.detach().to(compute_dtype(u)));
     u.held = Held::kGathering;
   }
-  void gathered(Unit& u) {
+  void gathered(UnitState& u) {
     start_gather(u);
     if (u.held == Held::kGathering) {
       comm::wait(u.gather);
@@ -292,7 +311,7 @@ struct FullyShardedDataParallel::State {
   }
   // The unit's gathered parameters are no longer current (stale: the optimizer may step the shards); their memory is
   // released too, except under ZeRO-2, where it stays to be gathered into again.
-  void reshard(Unit& u) {
+  void reshard(UnitState& u) {
     if (u.held == Held::kReleased) return;
     if (u.held == Held::kGathering) comm::wait(u.gather);  // the group still writes into it
     u.held = Held::kReleased;
@@ -306,7 +325,7 @@ struct FullyShardedDataParallel::State {
       TANDEM_LOG(kWarn, "fsdp") << "a collective left behind failed: " << st.message();
     }
   }
-  void drop_memory(Unit& u) {
+  void drop_memory(UnitState& u) {
     if (!u.memory) return;
     release(u.full);
     u.memory = false;
@@ -315,7 +334,7 @@ struct FullyShardedDataParallel::State {
 
   // Unit k's backward is over (the unit before it began its own, or backward ended): its gradients are averaged into
   // the shards (or, under no_sync, kept in .grad), and its buffer is released.
-  void reduce(Unit& u) {
+  void reduce(UnitState& u) {
     if (u.reduced) return;
     u.reduced = true;
     if (u.grads_in_full) return reduce_from_full(u);
@@ -339,7 +358,7 @@ struct FullyShardedDataParallel::State {
   }
 
   // u.reduce_in holds the unit's gradients in its layout: its padding is zeroed and its reduce-scatter starts.
-  void start_reduce(Unit& u) {
+  void start_reduce(UnitState& u) {
     u.reduce_in.narrow(0, u.total, u.reduce_in.numel() - u.total).zero_();  // the padding
     // Added to the shard's gradient: reduced in place, into this rank's own chunk of the buffer. Becoming it: a tensor
     // of its own, which the gradient keeps.
@@ -354,7 +373,7 @@ struct FullyShardedDataParallel::State {
   // when the model ran more than one forward before this backward: the graphs share the unit's buffer).
   bool write_gradients(int64_t k, const at::Tensor& go, const at::Tensor& x, bool weight_grad, bool bias_grad) {
     std::lock_guard<std::mutex> lock(mu);
-    Unit& u = units[static_cast<size_t>(k)];
+    UnitState& u = units[static_cast<size_t>(k)];
     if (forwards_with_grad > 1 || !u.memory || u.held != Held::kGathered || u.grads_in_full || u.reduced) return false;
     at::NoGradGuard no_grad;
     at::Tensor w = u.part(u.full, 0);
@@ -379,7 +398,7 @@ struct FullyShardedDataParallel::State {
   // The same for a unit whose gradients its backward wrote into `full` (only when synchronising, fully sharded, and
   // reduced in the dtype it computes in): what earlier micro-batches left in .grad is added, the padding zeroed, and
   // the buffer is reduce-scattered in place; its parameters are not current any more.
-  void reduce_from_full(Unit& u) {
+  void reduce_from_full(UnitState& u) {
     u.grads_in_full = false;
     u.held = Held::kReleased;
     at::NoGradGuard no_grad;
@@ -404,7 +423,7 @@ struct FullyShardedDataParallel::State {
   }
 
   // A reduction's average lands in its shard's .grad (added to what is there), and its buffers go.
-  void finish(Unit& u) {
+  void finish(UnitState& u) {
     if (!u.reduce_out.defined()) return;  // no reduction started
     comm::wait(u.reduce);
     at::NoGradGuard no_grad;
@@ -418,33 +437,102 @@ struct FullyShardedDataParallel::State {
     if (u.release_after_reduce) u.release_after_reduce = false, drop_memory(u);
   }
 
-  // Before unit j's backward (a hook on its output): the units after it are done: the reductions started earlier
+  // A forward begins: what an earlier one left gathered may be stale (the optimizer stepped the shards since). A
+  // backward that failed (a collective's error came out of it) left its reductions behind: they are dropped.
+  void begin_forward() {
+    in_backward = false;
+    for (UnitState& u : units) {
+      if (u.grads_in_full || u.release_after_reduce) {  // left by a backward that failed
+        // A reduction of the buffer in place may still run: the group writes into that memory until it ends.
+        if (u.release_after_reduce && u.reduce_out.defined()) settle(u.reduce);
+        u.grads_in_full = u.release_after_reduce = false;
+        drop_memory(u);
+      }
+      reshard(u);
+      u.reduced = false;
+      u.reduce_in = at::Tensor(), u.reduce_out = at::Tensor();
+      u.start_pos = u.end_pos = u.subtree_end = -1;
+    }
+    if (!started.empty()) prev_started.swap(started);
+    if (!ended.empty()) last_guess = ended.back();
+    started.clear(), ended.clear(), running.clear();
+    if (at::GradMode::is_enabled()) ++forwards_with_grad;
+    forward_active = true;
+  }
+  void end_forward() {
+    forward_active = false;
+    running.clear();
+  }
+
+  // Unit k's forward begins (inside the model's forward): its parameters are gathered, and the unit that ran after it
+  // in the forward before starts gathering.
+  void pre_forward(int k) {
+    UnitState& u = units[k];
+    if (u.start_pos >= 0) {
+      throw_error(absl::FailedPreconditionError(
+          absl::StrCat("fsdp: unit ", u.label, " ran twice in one forward (a unit runs at most once per forward)")));
+    }
+    u.start_pos = static_cast<int>(started.size());
+    started.push_back(k);
+    running.push_back(k);
+    gathered(u);
+    const size_t p = static_cast<size_t>(u.start_pos);
+    if (options.prefetch && p + 1 < prev_started.size() && prev_started[p] == k) {
+      start_gather(units[prev_started[p + 1]]);
+    }
+  }
+  // Its forward ended with output x: the parameters are released (except the unit expected to end the forward, whose
+  // backward comes first), and a hook on x runs pre_backward before the unit's backward.
+  at::Tensor post_forward(int k, at::Tensor x) {
+    UnitState& u = units[k];
+    if (!running.empty()) running.pop_back();
+    u.subtree_end = static_cast<int>(started.size());
+    u.end_pos = static_cast<int>(ended.size());
+    ended.push_back(k);
+    const bool grad = at::GradMode::is_enabled();
+    if (!zero2() && (!grad || (options.reshard_after_forward && k != last_guess))) reshard(u);
+    if (grad && x.defined() && x.requires_grad()) {
+      x.register_hook([weak = self, k](const at::Tensor&) {
+        if (auto state = weak.lock()) state->pre_backward(k);
+      });
+    }
+    return x;
+  }
+
+  // Before unit j's backward (a hook on its output): the units whose forward began after j's had ended (after it in a
+  // chain; not those nested in it, which run their backward inside j's) are done: the reductions started earlier
   // (which ran while the unit after j computed) are finished, theirs start; unit j's parameters are gathered again,
-  // and the unit before it starts gathering. At most two reductions' buffers are alive at once (with overlap_reduce
-  // off, none: the reductions end before unit j is gathered).
+  // and the unit whose forward ended before j's starts gathering. At most two reductions' buffers are alive at once
+  // (with overlap_reduce off, none: the reductions end before unit j is gathered). Units nested in others are reduced
+  // when a unit before their outermost one begins its backward, or at the end.
   void pre_backward(int j) {
     std::lock_guard<std::mutex> lock(mu);
     if (!in_backward) {
       in_backward = true;
       fsdp_queue_engine_callback([this] { end_backward(); });
     }
-    for (Unit& u : units) finish(u);
-    for (int k = static_cast<int>(units.size()) - 1; k > j; --k) reduce(units[k]);
+    for (UnitState& u : units) finish(u);
+    const UnitState& uj = units[j];
+    if (uj.subtree_end >= 0) {
+      for (int q = static_cast<int>(started.size()) - 1; q >= uj.subtree_end; --q) reduce(units[started[q]]);
+    }
     if (!options.overlap_reduce) {
-      for (Unit& u : units) finish(u);  // their buffers go before this unit's is taken
+      for (UnitState& u : units) finish(u);  // their buffers go before this unit's is taken
     }
     gathered(units[j]);
-    if (options.prefetch && j > 0) start_gather(units[j - 1]);
+    if (options.prefetch && uj.end_pos > 0) start_gather(units[ended[uj.end_pos - 1]]);
   }
 
-  // At the end of backward: the units whose reduction has not started (the first one, and any whose output got no
-  // gradient) start it, in the same order on every rank; then every shard gets its average.
+  // At the end of backward: the units whose reduction has not started (the first one, units nested in others, any
+  // whose output got no gradient, any that did not run) start it, in the same order on every rank; then every shard
+  // gets its average.
   void end_backward() {
     std::lock_guard<std::mutex> lock(mu);
     in_backward = false;
     forwards_with_grad = 0;
+    for (int q = static_cast<int>(started.size()) - 1; q >= 0; --q) reduce(units[started[q]]);
     for (int k = static_cast<int>(units.size()) - 1; k >= 0; --k) reduce(units[k]);
-    for (Unit& u : units) finish(u), u.reduced = false;
+    for (UnitState& u : units) finish(u), u.reduced = false;
     // The step's large temporaries (autograd's gradients before they were reduced) went back to malloc's heap, which
     // keeps them for the next ones. Handing its free pages back here (malloc_trim) lowered the benchmark's peak by
     // about 10 MiB but made the next step fault them in again: 1.2-1.3x DDP's step against 1.0-1.1x without.
@@ -455,7 +543,7 @@ namespace {
 
 // The models alive, by State::id, for LinearIntoBuffer's backward (which may outlive its model).
 std::mutex g_models_mu;
-std::map<int64_t, std::weak_ptr<FullyShardedDataParallel::State>> g_models;
+std::map<int64_t, std::weak_ptr<detail::ModelState>> g_models;
 std::atomic<int64_t> g_next_model{1};
 
 // A Linear unit's forward whose backward writes the weight's and the bias's gradients into the unit's gathered buffer,
@@ -480,7 +568,7 @@ struct LinearIntoBuffer : public torch::autograd::Function<LinearIntoBuffer> {
     const at::Tensor go = grads[0].reshape({-1, weight.size(0)});
     const at::Tensor x2 = x.reshape({-1, weight.size(1)});
     const bool has_bias = ctx->saved_data["bias"].toBool();
-    std::shared_ptr<FullyShardedDataParallel::State> state;
+    std::shared_ptr<detail::ModelState> state;
     {
       std::lock_guard<std::mutex> lock(g_models_mu);
       if (auto it = g_models.find(ctx->saved_data["model"].toInt()); it != g_models.end()) state = it->second.lock();
@@ -502,17 +590,70 @@ struct LinearIntoBuffer : public torch::autograd::Function<LinearIntoBuffer> {
 
 }  // namespace
 
+namespace {
+
+// Builds unit `u` of `params` (named): its flat shards, rank 0's values when `sync`; the parameters become views of
+// its released buffer.
+void make_unit(detail::ModelState& s, UnitState& u, const std::vector<std::pair<std::string, at::Tensor>>& params) {
+  const int world = s.world(), rank = s.group->rank();
+  for (const auto& [name, p] : params) {
+    if (!u.params.empty() && (p.scalar_type() != u.params[0].scalar_type() || p.device() != u.params[0].device())) {
+      throw_error(absl::InvalidArgumentError(
+          absl::StrCat("fsdp: unit ", u.label, "'s parameters differ in dtype or device (", name, ")")));
+    }
+    u.params.push_back(p);
+    u.names.push_back(name);
+    u.offset.push_back(u.total);
+    u.total += p.numel();
+  }
+  u.shard_size = (u.total + world - 1) / world;
+  const auto topts = u.params[0].options().requires_grad(false);
+  at::Tensor flat = at::zeros({world * u.shard_size}, topts);
+  for (size_t i = 0; i < u.params.size(); ++i) u.flat_part(flat, i).copy_(u.params[i].detach().reshape({-1}));
+  if (s.options.sync_module_states) comm::wait(s.group->broadcast(flat, 0));
+  u.shard = flat.narrow(0, rank * u.shard_size, u.shard_size).clone().requires_grad_(true);
+  const auto param_dtype = s.options.mixed_precision.param_dtype;
+  u.full = pooled_empty(world * u.shard_size, topts.dtype(param_dtype.value_or(topts.dtype().toScalarType())));
+  for (size_t i = 0; i < u.params.size(); ++i) u.params[i].set_data(u.part(u.full, i));
+  release(u.full);
+}
+
+// The model's fsdp::Units, in the order of its modules (a Unit's parent before it), with their paths.
+std::vector<std::pair<std::string, std::shared_ptr<UnitImpl>>> units_in(const std::shared_ptr<torch::nn::Module>& m) {
+  std::vector<std::pair<std::string, std::shared_ptr<UnitImpl>>> out;
+  for (const auto& item : m->named_modules()) {
+    if (auto unit = std::dynamic_pointer_cast<UnitImpl>(item.value())) {
+      for (const auto& seen : out) {
+        if (seen.second == unit) {
+          throw_error(absl::InvalidArgumentError(
+              absl::StrCat("fsdp: Unit '", item.key(), "' is also '", seen.first, "' (a Unit registered twice)")));
+        }
+      }
+      out.emplace_back(item.key(), std::move(unit));
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
 FullyShardedDataParallel::FullyShardedDataParallel(torch::nn::Sequential model,
                                                    std::shared_ptr<comm::ProcessGroup> group, FsdpOptions options)
+    : FullyShardedDataParallel(model ? model.ptr() : nullptr,
+                               model ? detail::one_tensor_forward(model.ptr()) : detail::Forward(), std::move(group),
+                               options) {}
+
+FullyShardedDataParallel::FullyShardedDataParallel(std::shared_ptr<torch::nn::Module> model, detail::Forward forward,
+                                                   std::shared_ptr<comm::ProcessGroup> group, FsdpOptions options)
     : state_(std::make_shared<State>()) {
-  if (!model || model->size() == 0) throw_error(absl::InvalidArgumentError("fsdp: an empty model"));
+  if (!model) throw_error(absl::InvalidArgumentError("fsdp: no model"));
   if (!group) throw_error(absl::InvalidArgumentError("fsdp: no process group"));
   State& s = *state_;
-  s.model = model;
+  s.self = state_;
+  s.root = model;
   s.group = std::move(group);
   s.options = options;
   s.id = g_next_model.fetch_add(1);
-  const int world = s.world(), rank = s.group->rank();
   const FsdpOptions::MixedPrecision& mp = options.mixed_precision;
   for (const auto& dtype : {mp.param_dtype, mp.reduce_dtype, mp.output_dtype}) {
     if (dtype && !at::isFloatingType(*dtype)) {
@@ -520,42 +661,88 @@ FullyShardedDataParallel::FullyShardedDataParallel(torch::nn::Sequential model,
           absl::StrCat("fsdp: mixed precision takes floating-point dtypes, not ", c10::toString(*dtype))));
     }
   }
+  const auto unit_modules = units_in(model);
+  auto* seq = model->as<torch::nn::SequentialImpl>();
+  if (seq && seq->size() == 0) throw_error(absl::InvalidArgumentError("fsdp: an empty model"));
+  // Every parameter once: a tensor under two names (tied) would be flattened into two places.
+  const auto named = model->named_parameters(/*recurse=*/true);
+  {
+    std::map<const c10::TensorImpl*, std::string> seen;
+    for (const auto& item : named) {
+      auto [it, fresh] = seen.emplace(item.value().unsafeGetTensorImpl(), item.key());
+      if (!fresh) {
+        throw_error(absl::InvalidArgumentError(absl::StrCat("fsdp: parameters '", it->second, "' and '", item.key(),
+                                                            "' are one tensor (tied): not supported")));
+      }
+    }
+  }
+  if (named.is_empty()) throw_error(absl::InvalidArgumentError("fsdp: a model without parameters"));
   at::NoGradGuard no_grad;
   if (options.sync_module_states) {
     for (auto& b : model->buffers()) comm::wait(s.group->broadcast(b, 0));
   }
-  s.unit_of_child.assign(model->size(), -1);
-  for (size_t c = 0; c < model->size(); ++c) {
-    auto named = model->ptr(c)->named_parameters();
-    if (named.is_empty()) continue;
-    Unit u;
+  using Named = std::vector<std::pair<std::string, at::Tensor>>;
+  if (seq && unit_modules.empty()) {  // every child with parameters a unit
+    s.seq = torch::nn::Sequential(std::dynamic_pointer_cast<torch::nn::SequentialImpl>(model));
+    s.unit_of_child.assign(seq->size(), -1);
+    for (size_t c = 0; c < seq->size(); ++c) {
+      Named params;
+      for (const auto& item : seq->ptr(c)->named_parameters())
+        params.emplace_back(absl::StrCat(c, ".", item.key()), item.value());
+      if (params.empty()) continue;
+      UnitState u;
+      u.label = std::to_string(c);
+      make_unit(s, u, params);
+      s.unit_of_child[c] = static_cast<int>(s.units.size());
+      s.units.push_back(std::move(u));
+    }
+  } else {  // the Units, each with the parameters under it and not under a Unit inside it; the rest the root's
+    s.run = std::move(forward);
+    std::vector<Named> of_unit(unit_modules.size());
+    Named rest;
     for (const auto& item : named) {
-      const at::Tensor& p = item.value();
-      if (!u.params.empty() && (p.scalar_type() != u.params[0].scalar_type() || p.device() != u.params[0].device())) {
-        throw_error(absl::InvalidArgumentError(
-            absl::StrCat("fsdp: unit ", c, "'s parameters differ in dtype or device (", item.key(), ")")));
+      int owner = -1;
+      size_t longest = 0;
+      for (size_t m = 0; m < unit_modules.size(); ++m) {
+        const std::string& path = unit_modules[m].first;
+        const bool under = path.empty() || (item.key().size() > path.size() && item.key()[path.size()] == '.' &&
+                                            item.key().compare(0, path.size(), path) == 0);
+        if (under && (owner < 0 || path.size() >= longest)) owner = static_cast<int>(m), longest = path.size();
       }
-      u.params.push_back(p);
-      u.names.push_back(absl::StrCat(c, ".", item.key()));
-      u.offset.push_back(u.total);
-      u.total += p.numel();
+      (owner < 0 ? rest : of_unit[owner]).push_back({item.key(), item.value()});
     }
-    u.shard_size = (u.total + world - 1) / world;
-    const auto topts = u.params[0].options().requires_grad(false);
-    at::Tensor flat = at::zeros({world * u.shard_size}, topts);
-    for (size_t i = 0; i < u.params.size(); ++i) {
-      u.flat_part(flat, i).copy_(u.params[i].detach().reshape({-1}));
+    if (!rest.empty()) {
+      UnitState u;
+      u.label = "the root";
+      make_unit(s, u, rest);
+      s.root_unit = 0;
+      s.units.push_back(std::move(u));
     }
-    if (options.sync_module_states) comm::wait(s.group->broadcast(flat, 0));
-    u.shard = flat.narrow(0, rank * u.shard_size, u.shard_size).clone().requires_grad_(true);
-    u.full = pooled_empty(world * u.shard_size, topts.dtype(mp.param_dtype.value_or(topts.dtype().toScalarType())));
-    for (size_t i = 0; i < u.params.size(); ++i) {
-      u.params[i].set_data(u.part(u.full, i));
+    for (size_t m = 0; m < unit_modules.size(); ++m) {
+      UnitImpl& unit = *unit_modules[m].second;
+      unit.state_ = state_;
+      unit.attached_ = true;
+      unit.unit_ = -1;
+      if (of_unit[m].empty()) continue;
+      UnitState u;
+      u.label = "'" + unit_modules[m].first + "'";
+      make_unit(s, u, of_unit[m]);
+      unit.unit_ = static_cast<int>(s.units.size());
+      s.units.push_back(std::move(u));
     }
-    release(u.full);
-    s.unit_of_child[c] = static_cast<int>(s.units.size());
-    s.units.push_back(std::move(u));
   }
+  std::map<const c10::TensorImpl*, std::pair<int, int>> where;
+  for (size_t k = 0; k < s.units.size(); ++k) {
+    for (size_t i = 0; i < s.units[k].params.size(); ++i) {
+      where[s.units[k].params[i].unsafeGetTensorImpl()] = {static_cast<int>(k), static_cast<int>(i)};
+    }
+  }
+  for (const auto& item : named) s.param_order.push_back(where.at(item.value().unsafeGetTensorImpl()));
+  // At first, prefetching follows the units' order, and the root's unit (which ends the forward) or the last unit is
+  // expected to end it.
+  s.prev_started.resize(s.units.size());
+  std::iota(s.prev_started.begin(), s.prev_started.end(), 0);
+  s.last_guess = s.root_unit >= 0 ? s.root_unit : static_cast<int>(s.units.size()) - 1;
   // The unsharded parameters and the flat copies made above went back to malloc's heap, which keeps freed memory
   // resident (with a raised trim threshold, as bench/run.sh sets, or in the middle of the heap): handed back once
   // here, not per step (see end_backward). The benchmark's fully sharded peak fell from 158 to 147 MiB.
@@ -573,7 +760,7 @@ FullyShardedDataParallel::~FullyShardedDataParallel() {
     g_models.erase(s.id);
   }
   std::lock_guard<std::mutex> lock(s.mu);
-  for (Unit& u : s.units) {
+  for (UnitState& u : s.units) {
     if (u.held == Held::kGathering) s.settle(u.gather);
     if (u.reduce_out.defined()) s.settle(u.reduce);
     u.reduce_in = at::Tensor(), u.reduce_out = at::Tensor();
@@ -582,58 +769,136 @@ FullyShardedDataParallel::~FullyShardedDataParallel() {
   pool().trim();
 }
 
+const std::shared_ptr<torch::nn::Module>& FullyShardedDataParallel::root_module() const { return state_->root; }
+
+namespace detail {
+
+ForwardScope::ForwardScope(const std::weak_ptr<ModelState>& weak, int unit, bool attached)
+    : state(weak.lock()), unit_(unit) {
+  if (!state) {
+    if (attached) {
+      throw_error(absl::FailedPreconditionError(
+          "fsdp: a Unit of a FullyShardedDataParallel that was destroyed (its parameters hold no memory)"));
+    }
+    return;  // a Unit no model holds: the module's plain forward
+  }
+  if (unit_ == kRoot) {
+    state->mu.lock();
+    try {
+      state->begin_forward();
+      if (state->root_unit >= 0) state->pre_forward(state->root_unit);
+    } catch (...) {
+      state->end_forward();
+      state->mu.unlock();
+      throw;
+    }
+    return;
+  }
+  if (!state->forward_active) {
+    throw_error(absl::FailedPreconditionError(
+        "fsdp: a Unit of a fully sharded model runs only inside its FullyShardedDataParallel's forward()"));
+  }
+  if (unit_ >= 0) state->pre_forward(unit_);
+}
+
+ForwardScope::~ForwardScope() {
+  if (!state || unit_ != kRoot || done_) return;
+  state->end_forward();  // an exception: the next forward starts afresh
+  state->mu.unlock();
+}
+
+at::Tensor ForwardScope::cast(const at::Tensor& x) const {
+  if (!state) return x;
+  const auto& dtype = state->options.mixed_precision.param_dtype;
+  return dtype && x.defined() && x.is_floating_point() ? x.to(*dtype) : x;
+}
+
+at::Tensor ForwardScope::output(at::Tensor out) {
+  if (!state) return out;
+  if (unit_ >= 0) return state->post_forward(unit_, std::move(out));
+  if (unit_ != kRoot) return out;
+  if (state->root_unit >= 0) out = state->post_forward(state->root_unit, std::move(out));
+  const auto& dtype = state->options.mixed_precision.output_dtype;
+  if (dtype && out.defined() && out.is_floating_point()) out = out.to(*dtype);
+  state->end_forward();
+  state->mu.unlock();
+  done_ = true;
+  return out;
+}
+
+}  // namespace detail
+
 at::Tensor FullyShardedDataParallel::forward(const at::Tensor& input) {
   State& s = *state_;
-  std::lock_guard<std::mutex> lock(s.mu);
-  const bool grad = at::GradMode::is_enabled();
-  // A new forward: what an earlier one left gathered may be stale (the optimizer stepped the shards since). A backward
-  // that failed (a collective's error came out of it) left its reductions behind: they are dropped.
-  s.in_backward = false;
-  for (Unit& u : s.units) {
-    if (u.grads_in_full || u.release_after_reduce) {  // left by a backward that failed
-      // A reduction of the buffer in place may still run: the group writes into that memory until it ends.
-      if (u.release_after_reduce && u.reduce_out.defined()) s.settle(u.reduce);
-      u.grads_in_full = u.release_after_reduce = false;
-      s.drop_memory(u);
-    }
-    s.reshard(u);
-    u.reduced = false;
-    u.reduce_in = at::Tensor(), u.reduce_out = at::Tensor();
+  if (!s.seq && !s.run) {
+    throw_error(absl::UnimplementedError(
+        "fsdp: the model's forward does not take one tensor: call forward_as<Module>(args...)"));
   }
-  if (grad) ++s.forwards_with_grad;
-  const FsdpOptions::MixedPrecision& mp = s.options.mixed_precision;
-  at::Tensor x = mp.param_dtype && input.is_floating_point() ? input.to(*mp.param_dtype) : input;
+  detail::ForwardScope scope(state_, detail::ForwardScope::kRoot, true);
+  at::Tensor x = scope.cast(input);
+  if (!s.seq) return scope.output(s.run(x));
   size_t c = 0;
-  for (auto it = s.model->begin(); it != s.model->end(); ++it, ++c) {
+  for (auto it = s.seq->begin(); it != s.seq->end(); ++it, ++c) {
     const int k = s.unit_of_child[c];
     if (k < 0) {
       x = it->forward(x);
       continue;
     }
-    Unit& u = s.units[k];
-    s.gathered(u);
-    if (s.options.prefetch && k + 1 < static_cast<int>(s.units.size())) s.start_gather(s.units[k + 1]);
-    x = s.into_buffer(u, *it)
+    UnitState& u = s.units[k];
+    s.pre_forward(k);
+    x = s.into_buffer(u, *it->ptr())
             ? LinearIntoBuffer::apply(x, u.params[0], u.params.size() > 1 ? u.params[1] : at::Tensor(), s.id,
                                       static_cast<int64_t>(k))
             : it->forward(x);
-    // The last unit is the first to run backward: it stays gathered (as PyTorch's FSDP keeps its root's).
-    const bool last = k + 1 == static_cast<int>(s.units.size());
-    if (!s.zero2() && (!grad || (s.options.reshard_after_forward && !last))) s.reshard(u);
-    if (grad && x.requires_grad()) {
-      std::weak_ptr<State> weak = state_;
-      x.register_hook([weak, k](const at::Tensor&) {
-        if (auto state = weak.lock()) state->pre_backward(k);
-      });
+    x = s.post_forward(k, std::move(x));
+  }
+  return scope.output(std::move(x));
+}
+
+UnitImpl::UnitImpl(std::shared_ptr<torch::nn::Module> module, detail::Forward forward)
+    : inner_(std::move(module)), forward_(std::move(forward)) {
+  if (!inner_) throw_error(absl::InvalidArgumentError("fsdp::Unit: no module"));
+  // The module's parameters, buffers and children are the Unit's (the module itself is not a child): the names are
+  // those of the model without Units.
+  for (const auto& p : inner_->named_parameters(/*recurse=*/false)) {
+    register_parameter(p.key(), p.value(), p.value().requires_grad());
+  }
+  for (const auto& b : inner_->named_buffers(/*recurse=*/false)) register_buffer(b.key(), b.value());
+  for (const auto& c : inner_->named_children()) register_module(c.key(), c.value());
+}
+
+at::Tensor UnitImpl::forward(const at::Tensor& input) {
+  if (!forward_) {
+    throw_error(absl::UnimplementedError(
+        "fsdp::Unit: its module's forward does not take one tensor: call forward_as<Module>(args...)"));
+  }
+  detail::ForwardScope scope(state_, unit_, attached_);
+  const at::Tensor x = scope.cast(input);
+  if (scope.state && unit_ >= 0) {
+    detail::ModelState& s = *scope.state;
+    const UnitState& u = s.units[static_cast<size_t>(unit_)];
+    if (s.into_buffer(u, *inner_)) {
+      return scope.output(LinearIntoBuffer::apply(x, u.params[0], u.params.size() > 1 ? u.params[1] : at::Tensor(),
+                                                  s.id, static_cast<int64_t>(unit_)));
     }
   }
-  if (mp.output_dtype && x.is_floating_point()) x = x.to(*mp.output_dtype);
-  return x;
+  return scope.output(forward_(x));
+}
+
+void UnitImpl::train(bool on) {
+  inner_->train(on);
+  torch::nn::Module::train(on);
+}
+
+void UnitImpl::pretty_print(std::ostream& stream) const {
+  stream << "tandem::fsdp::Unit(";
+  inner_->pretty_print(stream);
+  stream << ")";
 }
 
 std::vector<at::Tensor> FullyShardedDataParallel::parameters() const {
   std::vector<at::Tensor> out;
-  for (const Unit& u : state_->units) out.push_back(u.shard);
+  for (const UnitState& u : state_->units) out.push_back(u.shard);
   return out;
 }
 
@@ -646,13 +911,14 @@ std::vector<std::pair<std::string, at::Tensor>> FullyShardedDataParallel::full_p
   State& s = *state_;
   std::lock_guard<std::mutex> lock(s.mu);
   at::NoGradGuard no_grad;
+  std::vector<at::Tensor> whole;
+  for (const UnitState& u : s.units) {
+    whole.push_back(at::empty({s.world() * u.shard_size}, u.shard.options().requires_grad(false)));
+    comm::wait(s.group->allgather(whole.back(), u.shard.detach()));
+  }
   std::vector<std::pair<std::string, at::Tensor>> out;
-  for (const Unit& u : s.units) {
-    at::Tensor whole = at::empty({s.world() * u.shard_size}, u.shard.options().requires_grad(false));
-    comm::wait(s.group->allgather(whole, u.shard.detach()));
-    for (size_t i = 0; i < u.params.size(); ++i) {
-      out.emplace_back(u.names[i], u.part(whole, i).clone());
-    }
+  for (const auto& [k, i] : s.param_order) {
+    out.emplace_back(s.units[k].names[i], s.units[k].part(whole[k], i).clone());
   }
   return out;
 }
@@ -720,7 +986,7 @@ FullyShardedDataParallel::StateDict FullyShardedDataParallel::full_state_dict() 
 
 FullyShardedDataParallel::StateDict FullyShardedDataParallel::named_buffers() const {
   StateDict out;
-  for (const auto& b : state_->model->named_buffers(/*recurse=*/true)) out.emplace_back(b.key(), b.value().clone());
+  for (const auto& b : state_->root->named_buffers(/*recurse=*/true)) out.emplace_back(b.key(), b.value().clone());
   return out;
 }
 
@@ -732,18 +998,18 @@ void FullyShardedDataParallel::load_full_state_dict(const StateDict& dict) {
   // Checked whole before anything changes, so that a bad dict leaves the model as it was.
   std::vector<std::pair<at::Tensor, at::Tensor>> copies;  // (given, target)
   const int64_t rank = s.group->rank();
-  for (Unit& u : s.units) {
+  for (UnitState& u : s.units) {
     for (size_t i = 0; i < u.params.size(); ++i) {
       const at::Tensor t = take_entry(&given, u.names[i]);
       check_entry(u.names[i], t, u.params[i].sizes(), u.shard.scalar_type());  // the shard's: mixed precision
-      const Unit::Overlap o = u.overlap(i, rank);
+      const UnitState::Overlap o = u.overlap(i, rank);
       if (o.n == 0) continue;
       copies.emplace_back(t.reshape({-1}).narrow(0, o.from, o.n), u.shard.detach().narrow(0, o.at, o.n));
     }
   }
-  for (auto& c : take_buffers(*s.model, &given)) copies.push_back(std::move(c));
+  for (auto& c : take_buffers(*s.root, &given)) copies.push_back(std::move(c));
   refuse_extra(given);
-  for (Unit& u : s.units) s.reshard(u);  // what was gathered is stale now
+  for (UnitState& u : s.units) s.reshard(u);  // what was gathered is stale now
   for (auto& [from, to] : copies) to.copy_(from);
 }
 
@@ -784,9 +1050,9 @@ void FullyShardedDataParallel::load_sharded_state_dict(const ShardedStateDict& d
     check_entry(a.name + " (this rank's piece)", a.values, b.values.sizes(), b.values.scalar_type());
   }
   Entries given = entries_of(dict.buffers);
-  const auto buffers = take_buffers(*s.model, &given);
+  const auto buffers = take_buffers(*s.root, &given);
   refuse_extra(given);
-  for (Unit& u : s.units) s.reshard(u);  // what was gathered is stale now
+  for (UnitState& u : s.units) s.reshard(u);  // what was gathered is stale now
   for (size_t i = 0; i < mine.size(); ++i) mine[i].values.copy_(dict.pieces[i].values);
   for (const auto& [from, to] : buffers) to.copy_(from);
 }
@@ -911,7 +1177,7 @@ FullyShardedDataParallel::StateDict FullyShardedDataParallel::full_optimizer_sta
                        smallest == 0 ? " (some have none: were they all stepped?)" : " (its fields differ)")));
     }
     if (largest == 0) continue;
-    const Unit& u = s.units[k];
+    const UnitState& u = s.units[k];
     const OptimizerState& f = *states[k];
     for (const auto& [field, shard] : f.tensors) {
       at::Tensor whole = at::empty({s.world() * u.shard_size}, shard.options());
@@ -935,7 +1201,7 @@ void FullyShardedDataParallel::load_full_optimizer_state_dict(torch::optim::Opti
   const int64_t rank = s.group->rank();
   // Every unit's state built (and checked) first; the optimizer changes only when all are.
   std::vector<std::pair<std::string, std::unique_ptr<torch::optim::OptimizerParamState>>> built;
-  for (const Unit& u : s.units) {
+  for (const UnitState& u : s.units) {
     OptimizerState f;
     bool any = false, stepped = false;
     for (const std::string& field : possible_fields(kind)) {
@@ -955,7 +1221,7 @@ void FullyShardedDataParallel::load_full_optimizer_state_dict(torch::optim::Opti
           }
           shard = at::zeros({u.shard_size}, u.shard.options().requires_grad(false));
         }
-        const Unit::Overlap o = u.overlap(i, rank);
+        const UnitState::Overlap o = u.overlap(i, rank);
         if (o.n > 0) shard.narrow(0, o.at, o.n).copy_(it->second.reshape({-1}).narrow(0, o.from, o.n));
         given.erase(it);
       }
@@ -1066,7 +1332,7 @@ FullyShardedDataParallel::Stats FullyShardedDataParallel::stats() const {
   const State& s = *state_;
   Stats out;
   out.units = static_cast<int64_t>(s.units.size());
-  for (const Unit& u : s.units) {
+  for (const UnitState& u : s.units) {
     out.shard_elements += u.shard_size;
     out.largest_unit_elements = std::max(out.largest_unit_elements, u.full.numel());
   }

@@ -1,5 +1,5 @@
 // Fully sharded data parallelism (ZeRO-3; PyTorch's FullyShardedDataParallel), and ZeRO-2, over a
-// torch::nn::Sequential.
+// torch::nn::Sequential (every child a unit) or any module whose units the user names (fsdp::Unit).
 //
 //   auto pg = comm::ProcessGroup::create("fsdp");                      // every rank, after rpc::init_rpc
 //   fsdp::FullyShardedDataParallel model(make_sequential(), pg);       // rank 0's parameters, sharded
@@ -10,28 +10,54 @@
 //     opt.step();
 //   }
 //
-// How: each child of the Sequential that has parameters is a unit. A unit's parameters are flattened in order into one
-// buffer of N elements, padded to W x S (S = ceil(N / W), W the group's size); rank r keeps elements [r S, (r + 1) S)
-// as a leaf tensor (parameters()), and the module's own parameters become views of a unit buffer whose memory is
-// released between uses. Before a unit's forward its shards are all-gathered into that buffer (the next unit's gather
-// is started while this one computes: prefetch); after it the memory is released again (reshard_after_forward). In
-// backward, a hook on each unit's output gathers its parameters again just before the unit's backward (and starts the
-// previous unit's gather); when the unit before it begins its backward, this unit's gradients are reduce-scattered
-// (averaged) into the shards' .grad, overlapping the rest of backward, and its buffer released. Every rank issues the
-// same collectives in the same order, whichever parameters got gradients: a parameter without one (unused on this
-// rank) contributes zeros. Peak parameter memory per rank: its shards, plus about two units gathered at once (one with
-// prefetch and overlap_reduce off).
+// Units the user names (PyTorch's FSDP wrapping a submodule; FSDP2's fully_shard(model.encoder)): a submodule
+// registered wrapped in fsdp::Unit, at any depth, units inside units too:
+//
+//   struct NetImpl : torch::nn::Module {
+//     NetImpl() {
+//       encoder = register_module("encoder", fsdp::Unit(torch::nn::Sequential(...)));  // one unit
+//       head = register_module("head", fsdp::Unit(torch::nn::Linear(64, 10)));        // another
+//       scale = register_parameter("scale", torch::ones({10}));                        // the root's unit
+//     }
+//     at::Tensor forward(const at::Tensor& x) { return head(encoder(x)) * scale; }
+//     fsdp::Unit encoder{nullptr}, head{nullptr};
+//     at::Tensor scale;
+//   };
+//   fsdp::FullyShardedDataParallel model(std::make_shared<NetImpl>(), pg);
+//   model.forward(x);  // runs NetImpl::forward; each Unit gathers its parameters around its module's forward
+//
+// Then the units are the model's fsdp::Units (a unit's parameters are those under it and not under a Unit inside it)
+// and, when parameters are left outside every Unit, the root's own unit, gathered for the whole forward (as PyTorch's
+// root FSDP instance). A module without Units is one unit. A Unit is transparent: it registers its module's
+// parameters, buffers and children as its own, so the names are those of the same model without Units
+// ("encoder.0.weight"), and a model whose Units no FullyShardedDataParallel holds computes as the plain model (the
+// reference a test compares with). Prefetching follows the order the units ran in the previous forward.
+//
+// How: each child of the Sequential that has parameters is a unit (with no fsdp::Unit in it; else the Units are). A
+// unit's parameters are flattened in order into one buffer of N elements, padded to W x S (S = ceil(N / W), W the
+// group's size); rank r keeps elements [r S, (r + 1) S) as a leaf tensor (parameters()), and the module's own
+// parameters become views of a unit buffer whose memory is released between uses. Before a unit's forward its shards
+// are all-gathered into that buffer (the next unit's gather is started while this one computes: prefetch); after it the
+// memory is released again (reshard_after_forward). In backward, a hook on each unit's output gathers its parameters
+// again just before the unit's backward (and starts the previous unit's gather); when the unit before it begins its
+// backward, this unit's gradients are reduce-scattered (averaged) into the shards' .grad, overlapping the rest of
+// backward, and its buffer released. Every rank issues the same collectives in the same order, whichever parameters got
+// gradients: a parameter without one (unused on this rank) contributes zeros. Peak parameter memory per rank: its
+// shards, plus about two units gathered at once (one with prefetch and overlap_reduce off).
 //
 // Contract:
 // - Every rank builds the same architecture and calls forward and backward the same number of times, each backward
-//   after its forward (as DDP). The gradient is the average over the ranks of each rank's loss gradient.
-// - The Sequential's parameters must not be used outside forward() after wrapping: their memory is released between
+//   after its forward (as DDP), its units running in the same order on every rank (PyTorch's FSDP asks the same).
+//   The gradient is the average over the ranks of each rank's loss gradient. A unit runs at most once per forward
+//   (FAILED_PRECONDITION otherwise); a Unit of a held model runs only inside its forward() (FAILED_PRECONDITION
+//   otherwise, as after the model was destroyed, when its parameters hold no memory).
+// - The model's parameters must not be used outside forward() after wrapping: their memory is released between
 //   uses (full_parameters() gathers them); under ZeRO-2 they hold the values of the last forward. Its buffers are not
 //   sharded; with sync_module_states every rank takes rank 0's at construction.
 // - set_requires_gradient_sync(false) (PyTorch's no_sync): backwards keep the unsharded gradients in the module's
 //   parameters' .grad and add to them; the next synchronised backward reduces their sum.
-// - Errors: INVALID_ARGUMENT at construction for an empty model, a unit whose parameters differ in dtype or device, or
-//   a mixed-precision dtype that is not floating point;
+// - Errors: INVALID_ARGUMENT at construction for an empty model (no parameters), a unit whose parameters differ in
+//   dtype or device, a parameter in two units, or a mixed-precision dtype that is not floating point;
 //   the group's errors (a dead rank, a timeout) come out of forward() or backward() as tandem::Error naming the group
 //   and the operation.
 // - Memory: released buffers are kept for reuse by later buffers they can hold, the largest first, while what is kept
@@ -41,18 +67,20 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/pimpl.h>
 
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
 #include "tandem/comm/process_group.h"
 
-namespace torch::nn {
-class Sequential;
-}
 namespace torch::optim {
 class Optimizer;
 }
@@ -99,22 +127,120 @@ struct FsdpOptions {
   MixedPrecision mixed_precision;
 };
 
+class FullyShardedDataParallel;
+
+namespace detail {
+struct ModelState;
+using Forward = std::function<at::Tensor(const at::Tensor&)>;
+// M's forward of one tensor, or one that throws UNIMPLEMENTED when M has none (then forward_as<M>(...) runs it).
+template <typename M, typename = void>
+struct HasTensorForward : std::false_type {};
+template <typename M>
+struct HasTensorForward<
+    M, std::void_t<decltype(at::Tensor(std::declval<M&>().forward(std::declval<const at::Tensor&>())))>>
+    : std::true_type {};
+template <typename M>
+Forward one_tensor_forward(const std::shared_ptr<M>& module) {
+  if constexpr (HasTensorForward<M>::value) {
+    return [raw = module.get()](const at::Tensor& x) -> at::Tensor { return raw->forward(x); };
+  } else {
+    return nullptr;
+  }
+}
+// Around a module's forward (a Unit's, or the root's): gathers before, and after, releases and hooks the backward.
+// Unit k of `state`; `state` null: a plain forward.
+class ForwardScope {
+ public:
+  static constexpr int kRoot = -2;  // `unit` for the model's own forward
+  // `attached`: a Unit some model held (an error when that model is gone). Throws (see the contract above).
+  ForwardScope(const std::weak_ptr<ModelState>& state, int unit, bool attached);
+  ~ForwardScope();
+  // Floating-point tensors cast to the compute dtype under mixed precision; anything else as it is.
+  template <typename T>
+  decltype(auto) input(T&& arg) const {
+    if constexpr (std::is_same_v<std::decay_t<T>, at::Tensor>) {
+      return cast(arg);
+    } else {
+      return std::forward<T>(arg);
+    }
+  }
+  at::Tensor cast(const at::Tensor& x) const;
+  at::Tensor output(at::Tensor out);
+  std::shared_ptr<ModelState> state;
+
+ private:
+  int unit_;
+  bool done_ = false;
+};
+}  // namespace detail
+
+// A submodule named as a unit of a fully sharded model (see above): register it in place of the module, call it as
+// the module (forward of one tensor, or forward_as<M>(args...) for another signature). Its parameters, buffers and
+// children are the module's (a Unit adds no name to theirs). Not thread-safe, as the model.
+class UnitImpl : public torch::nn::Module {
+ public:
+  template <typename M>
+  explicit UnitImpl(torch::nn::ModuleHolder<M> module) : UnitImpl(module.ptr()) {}
+  template <typename M>
+  explicit UnitImpl(std::shared_ptr<M> module)
+      : UnitImpl(std::static_pointer_cast<torch::nn::Module>(module), detail::one_tensor_forward(module)) {}
+  UnitImpl(std::shared_ptr<torch::nn::Module> module, detail::Forward forward);
+
+  at::Tensor forward(const at::Tensor& input);
+  // The module's forward of other arguments (its type M), returning a tensor.
+  template <typename M, typename... Args>
+  at::Tensor forward_as(Args&&... args) {
+    detail::ForwardScope scope(state_, unit_, attached_);
+    return scope.output(inner_->as<M>()->forward(scope.input(std::forward<Args>(args))...));
+  }
+  const std::shared_ptr<torch::nn::Module>& module() const { return inner_; }
+  void train(bool on = true) override;
+  void pretty_print(std::ostream& stream) const override;
+
+ private:
+  friend class FullyShardedDataParallel;
+  std::shared_ptr<torch::nn::Module> inner_;
+  detail::Forward forward_;
+  std::weak_ptr<detail::ModelState> state_;  // set by the model that holds it
+  int unit_ = -1;                            // its unit there (-1: none, it has no parameters of its own)
+  bool attached_ = false;
+};
+TORCH_MODULE(Unit);
+
 class FullyShardedDataParallel {
  public:
-  // Collective. Throws tandem::Error (see above).
+  // Collective. Throws tandem::Error (see above). A Sequential with no fsdp::Unit in it: every child with parameters
+  // is a unit; else the Units (and the root's other parameters) are.
   FullyShardedDataParallel(torch::nn::Sequential model, std::shared_ptr<comm::ProcessGroup> group,
                            FsdpOptions options = {});
+  // Any module: its fsdp::Units and the root's other parameters are the units (one unit when it has no Unit).
+  template <typename M>
+  FullyShardedDataParallel(std::shared_ptr<M> model, std::shared_ptr<comm::ProcessGroup> group,
+                           FsdpOptions options = {})
+      : FullyShardedDataParallel(std::static_pointer_cast<torch::nn::Module>(model), detail::one_tensor_forward(model),
+                                 std::move(group), options) {}
+  template <typename M>
+  FullyShardedDataParallel(torch::nn::ModuleHolder<M> model, std::shared_ptr<comm::ProcessGroup> group,
+                           FsdpOptions options = {})
+      : FullyShardedDataParallel(model.ptr(), std::move(group), options) {}
   ~FullyShardedDataParallel();
   FullyShardedDataParallel(const FullyShardedDataParallel&) = delete;
   FullyShardedDataParallel& operator=(const FullyShardedDataParallel&) = delete;
 
   // Collective: every rank calls it with its own rows.
   at::Tensor forward(const at::Tensor& input);
+  // The model's forward of other arguments (the model's type M, returning a tensor). Collective.
+  template <typename M, typename... Args>
+  at::Tensor forward_as(Args&&... args) {
+    detail::ForwardScope scope(model_state(), detail::ForwardScope::kRoot, true);
+    return scope.output(root_module()->as<M>()->forward(scope.input(std::forward<Args>(args))...));
+  }
   // This rank's shard of each unit (leaf tensors, one per unit with parameters): give them to the optimizer.
   std::vector<at::Tensor> parameters() const;
   void set_requires_gradient_sync(bool sync);
 
-  // Collective: every parameter of the model, gathered, under its name in the Sequential ("0.weight"), in order.
+  // Collective: every parameter of the model, gathered, under its name in the model ("0.weight", "encoder.0.weight"),
+  // in the model's order.
   std::vector<std::pair<std::string, at::Tensor>> full_parameters() const;
 
   // State dicts (checkpoint/checkpoint.h saves either form through checkpoint::State::add).
@@ -181,9 +307,13 @@ class FullyShardedDataParallel {
   };
   Stats stats() const;
 
-  struct State;
+  using State = detail::ModelState;
 
  private:
+  FullyShardedDataParallel(std::shared_ptr<torch::nn::Module> model, detail::Forward forward,
+                           std::shared_ptr<comm::ProcessGroup> group, FsdpOptions options);
+  std::weak_ptr<detail::ModelState> model_state() const { return state_; }
+  const std::shared_ptr<torch::nn::Module>& root_module() const;
   std::shared_ptr<State> state_;
 };
 

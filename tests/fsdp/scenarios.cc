@@ -19,6 +19,7 @@
 #include <numeric>
 #include <set>
 
+#include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "tandem/checkpoint/checkpoint.h"
 #include "tandem/comm/process_group.h"
@@ -91,6 +92,22 @@ std::vector<double> reference_backward(torch::nn::Sequential& ref, int world, co
   }
   (total / world).backward();
   return losses;
+}
+
+// The gathered parameters against the reference's, by name and order, within 1e-10 ("" when they are).
+std::string same_parameters(int step, const fsdp::FullyShardedDataParallel::StateDict& gathered,
+                            const torch::OrderedDict<std::string, at::Tensor>& expected) {
+  if (gathered.size() != expected.size()) {
+    return absl::StrCat("gathered ", gathered.size(), " parameters, the model has ", expected.size());
+  }
+  for (size_t i = 0; i < gathered.size(); ++i) {
+    const auto& [name, value] = gathered[i];
+    if (name != expected[i].key())
+      return absl::StrCat("parameter ", i, " is '", name, "', not '", expected[i].key(), "'");
+    const double diff = (value - expected[i].value()).abs().max().item<double>();
+    if (!(diff <= 1e-10)) return absl::StrCat("step ", step, ": ", name, " differs by ", diff);
+  }
+  return "";
 }
 
 std::string equivalence(const std::string& variant) {
@@ -172,18 +189,7 @@ std::string equivalence(const std::string& variant) {
     }
     opt.step();
     ref_opt.step();
-    const auto gathered = model.full_parameters();
-    const auto expected = ref->named_parameters();
-    if (gathered.size() != expected.size()) {
-      return absl::StrCat("gathered ", gathered.size(), " parameters, the model has ", expected.size());
-    }
-    for (size_t i = 0; i < gathered.size(); ++i) {
-      const auto& [name, value] = gathered[i];
-      if (name != expected[i].key())
-        return absl::StrCat("parameter ", i, " is '", name, "', not '", expected[i].key(), "'");
-      const double diff = (value - expected[i].value()).abs().max().item<double>();
-      if (!(diff <= 1e-10)) return absl::StrCat("step ", step, ": ", name, " differs by ", diff);
-    }
+    if (auto e = same_parameters(step, model.full_parameters(), ref->named_parameters()); !e.empty()) return e;
   }
   const auto stats = model.stats();
   if (stats.units != 4) return absl::StrCat("units: ", stats.units);
@@ -567,12 +573,170 @@ std::string checkpoints(const std::string& dir) {
   return same_state(from_consolidated.full_state_dict(), plain_dict, "after a refused dict");
 }
 
+// Named units (fsdp::Unit) in a model of the user's own type: the root's own parameters (an embedding Linear and a
+// scale, outside every Unit), an encoder Unit with a Unit nested in it, a Unit whose module takes two tensors
+// (forward_as) with a parameter used on rank 0 only and one never used, and a Linear head Unit. Units of 120, 310,
+// 132, 369 and 42 parameters: 369 odd, 310 not a multiple of 3.
+struct MixerImpl : torch::nn::Module {
+  MixerImpl() {
+    proj = register_module("proj", torch::nn::Linear(kHidden, kHidden));
+    gate = register_module("gate", torch::nn::Linear(kHidden, kHidden));
+    unused = register_parameter("unused", torch::randn({5}));
+  }
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& context) {
+    const at::Tensor y = proj(x) * torch::sigmoid(context);
+    return use_gate ? y + gate(context) : y;
+  }
+  torch::nn::Linear proj{nullptr}, gate{nullptr};
+  at::Tensor unused;
+  bool use_gate = false;
+};
+
+struct NetImpl : torch::nn::Module {
+  NetImpl() {
+    embed = register_module("embed", torch::nn::Linear(kIn, kHidden));
+    encoder = register_module("encoder",
+                              fsdp::Unit(torch::nn::Sequential(torch::nn::Linear(kHidden, 11), torch::nn::Tanh(),
+                                                               fsdp::Unit(torch::nn::Linear(11, 11)), torch::nn::ReLU(),
+                                                               torch::nn::Linear(11, kHidden))));
+    mixer_module = std::make_shared<MixerImpl>();
+    mixer = register_module("mixer", fsdp::Unit(mixer_module));
+    head = register_module("head", fsdp::Unit(torch::nn::Linear(kHidden, kOut)));
+    scale = register_parameter("scale", torch::rand({kOut}) + 0.5);
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    const at::Tensor h = torch::tanh(embed(x));
+    return head(mixer->forward_as<MixerImpl>(encoder(h), h)) * scale;
+  }
+  torch::nn::Linear embed{nullptr};
+  fsdp::Unit encoder{nullptr}, mixer{nullptr}, head{nullptr};
+  std::shared_ptr<MixerImpl> mixer_module;
+  at::Tensor scale;
+};
+
+std::shared_ptr<NetImpl> make_net() {
+  torch::manual_seed(11);
+  auto net = std::make_shared<NetImpl>();
+  net->to(at::kDouble);
+  return net;
+}
+
+// Code and message of what `f` throws ("" when nothing).
+std::string thrown(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return absl::StrCat(absl::StatusCodeToString(e.code()), ": ", e.what());
+  }
+  return "";
+}
+
+// W ranks follow one process (the same model, its Units held by no FullyShardedDataParallel: the plain model) within
+// 1e-10 over 3 Adam steps; the parameters hold memory only as the variant says; Unit(Linear)s write their gradients
+// into their buffers; a Unit refuses to run outside the model's forward and after it is gone.
+std::string named_units(const std::string& variant) {
+  const int world = static_cast<int>(rpc::get_all_worker_infos().size());
+  const int rank = rpc::get_worker_info().id;
+  auto group = comm::ProcessGroup::create("fsdp_units_" + variant);
+  fsdp::FsdpOptions options;
+  options.reshard_after_forward = variant != "keep";
+  const bool lean = variant == "lean", zero2 = variant == "zero2";
+  options.prefetch = !lean;
+  options.overlap_reduce = !lean;
+  if (zero2) options.sharding = fsdp::Sharding::kGradientsAndOptimizer;
+  const int micro = variant == "no_sync" ? 3 : 1;
+  auto net = make_net();
+  auto ref = make_net();
+  auto model = std::make_unique<fsdp::FullyShardedDataParallel>(net, group, options);
+  if (model->stats().units != 5) return absl::StrCat("units: ", model->stats().units, ", not 5");
+  bool uneven = false;
+  for (int64_t n : {120, 310, 132, 369, 42}) uneven = uneven || n % world != 0;
+  if (!uneven) return absl::StrCat("every unit's size divides by ", world);
+  const int64_t root_bytes = (120 + world - 1) / world * world * 8;
+  auto held = [&] {
+    std::set<const void*> seen;
+    int64_t bytes = 0;
+    for (const auto& p : net->parameters()) {
+      if (seen.insert(p.storage().unsafeGetStorageImpl()).second) bytes += static_cast<int64_t>(p.storage().nbytes());
+    }
+    return bytes;
+  };
+  const int64_t all_bytes = [&] {
+    int64_t b = 0;
+    for (int64_t n : {120, 310, 132, 369, 42}) b += (n + world - 1) / world * world * 8;
+    return b;
+  }();
+  torch::optim::Adam opt(model->parameters(), torch::optim::AdamOptions(0.01));
+  torch::optim::Adam ref_opt(ref->parameters(), torch::optim::AdamOptions(0.01));
+  auto loss_of = [&](const std::function<at::Tensor(const at::Tensor&)>& forward, NetImpl& m, int r,
+                     const at::Tensor& x, const at::Tensor& y) {
+    m.mixer_module->use_gate = r == 0;
+    return torch::mse_loss(forward(x.narrow(0, r * kRows, kRows)), y.narrow(0, r * kRows, kRows));
+  };
+  for (int step = 0; step < 3; ++step) {
+    opt.zero_grad();
+    ref_opt.zero_grad();
+    for (int k = 0; k < micro; ++k) {
+      auto [x, y] = data(step * micro + k, world);
+      model->set_requires_gradient_sync(k == micro - 1);
+      at::Tensor loss = loss_of([&](const at::Tensor& in) { return model->forward(in); }, *net, rank, x, y);
+      // Resharding, the root's unit (gathered for the whole forward) stays gathered for the backward it begins.
+      if (held() != (options.reshard_after_forward && !zero2 ? root_bytes : all_bytes)) {
+        return absl::StrCat("after forward the parameters hold ", held(), " bytes");
+      }
+      loss.backward();
+      if ((held() != 0) != zero2) return absl::StrCat("after backward the parameters hold ", held(), " bytes");
+      at::Tensor total = at::zeros({}, at::kDouble);
+      double ref_loss = 0;
+      for (int r = 0; r < world; ++r) {
+        at::Tensor l = loss_of([&](const at::Tensor& in) { return ref->forward(in); }, *ref, r, x, y);
+        if (r == rank) ref_loss = l.item<double>();
+        total = total + l;
+      }
+      (total / world).backward();
+      if (!(std::abs(loss.item<double>() - ref_loss) <= 1e-10)) {
+        return absl::StrCat("step ", step, ": loss ", loss.item<double>(), ", one process's ", ref_loss);
+      }
+    }
+    opt.step();
+    ref_opt.step();
+    if (auto e = same_parameters(step, model->full_parameters(), ref->named_parameters()); !e.empty()) return e;
+  }
+  // The nested Unit(Linear) and the head wrote their gradients into their buffers in every synchronising backward.
+  if (model->stats().gradients_into_buffers != (zero2 ? 0 : 3 * 2)) {
+    return absl::StrCat("gradients written into the units' buffers: ", model->stats().gradients_into_buffers);
+  }
+  if (variant != "reshard") return "";
+  // A Unit runs only inside the model's forward, and a unit once per forward.
+  auto [x, y] = data(0, world);
+  std::string e = thrown([&] { net->encoder(at::zeros({1, kHidden}, at::kDouble)); });
+  if (e.find("FAILED_PRECONDITION") != 0 || e.find("only inside") == std::string::npos) {
+    return "a Unit run outside the model's forward: " + (e.empty() ? "no error" : e);
+  }
+  e = thrown([&] { model->forward_as<NetImpl>(x); });  // the root's forward of one tensor, by its type: still runs
+  if (!e.empty()) return "forward_as<NetImpl>: " + e;
+  model.reset();
+  e = thrown([&] { net->encoder(at::zeros({1, kHidden}, at::kDouble)); });
+  if (e.find("FAILED_PRECONDITION") != 0 || e.find("destroyed") == std::string::npos) {
+    return "a Unit of a destroyed model: " + (e.empty() ? "no error" : e);
+  }
+  // Refused at construction: a parameter in two places, and a model without parameters.
+  auto tied = make_net();
+  tied->register_parameter("tied", tied->embed->weight);
+  e = thrown([&] { fsdp::FullyShardedDataParallel bad(tied, group, options); });
+  if (e.find("INVALID_ARGUMENT") != 0 || e.find("tied") == std::string::npos) return "tied parameters: " + e;
+  e = thrown([&] { fsdp::FullyShardedDataParallel bad(torch::nn::Sequential(torch::nn::ReLU()), group, options); });
+  if (e.find("INVALID_ARGUMENT") != 0) return "a model without parameters: " + e;
+  return "";
+}
+
 std::string run(const std::string& name) {
   if (name.rfind("checkpoints|", 0) == 0) return checkpoints(name.substr(12));
   if (name == "memory") return memory();
   if (name.rfind("mixed/", 0) == 0) return mixed(name.substr(6));
   if (name.rfind("killed/", 0) == 0) return killed(name.substr(7));
   if (name.rfind("equivalence/", 0) == 0) return equivalence(name.substr(12));
+  if (name.rfind("units/", 0) == 0) return named_units(name.substr(6));
   return "unknown scenario " + name;
 }
 
