@@ -23,6 +23,7 @@
 #include <new>
 #include <numeric>
 #include <optional>
+#include <set>
 #include <utility>
 #include <vector>
 
@@ -234,12 +235,11 @@ struct detail::ModelState {
   std::vector<UnitState> units;
   std::vector<std::pair<int, int>> param_order;  // every parameter as (unit, index in it), in the model's order
   std::weak_ptr<ModelState> self;
-  // The forward running or last run: the units by the start of their forward, and by its end; those running now
-  // (innermost last). Prefetching a unit ahead follows the order of the forward before (at first, the units' order),
-  // and the unit that ended last in it (at first, the root's or the last unit) stays gathered for the backward it
-  // begins.
+  // The forward running or last run: the units by the start of their forward, and by its end. Prefetching a unit ahead
+  // follows the order of the forward before (at first, the units' order), and the unit that ended last in it (at first,
+  // the root's or the last unit) stays gathered for the backward it begins.
   bool forward_active = false;
-  std::vector<int> started, ended, prev_started, running;
+  std::vector<int> started, ended, prev_started;
   int last_guess = -1;
   bool sync = true;
   bool in_backward = false;  // the final callback is queued
@@ -374,7 +374,10 @@ struct detail::ModelState {
   bool write_gradients(int64_t k, const at::Tensor& go, const at::Tensor& x, bool weight_grad, bool bias_grad) {
     std::lock_guard<std::mutex> lock(mu);
     UnitState& u = units[static_cast<size_t>(k)];
-    if (forwards_with_grad > 1 || !u.memory || u.held != Held::kGathered || u.grads_in_full || u.reduced) return false;
+    if (forward_active || forwards_with_grad > 1 || !u.memory || u.held != Held::kGathered || u.grads_in_full ||
+        u.reduced) {
+      return false;
+    }
     at::NoGradGuard no_grad;
     at::Tensor w = u.part(u.full, 0);
     if (weight_grad) {
@@ -455,14 +458,11 @@ struct detail::ModelState {
     }
     if (!started.empty()) prev_started.swap(started);
     if (!ended.empty()) last_guess = ended.back();
-    started.clear(), ended.clear(), running.clear();
+    started.clear(), ended.clear();
     if (at::GradMode::is_enabled()) ++forwards_with_grad;
     forward_active = true;
   }
-  void end_forward() {
-    forward_active = false;
-    running.clear();
-  }
+  void end_forward() { forward_active = false; }
 
   // Unit k's forward begins (inside the model's forward): its parameters are gathered, and the unit that ran after it
   // in the forward before starts gathering.
@@ -474,7 +474,6 @@ struct detail::ModelState {
     }
     u.start_pos = static_cast<int>(started.size());
     started.push_back(k);
-    running.push_back(k);
     gathered(u);
     const size_t p = static_cast<size_t>(u.start_pos);
     if (options.prefetch && p + 1 < prev_started.size() && prev_started[p] == k) {
@@ -485,7 +484,6 @@ struct detail::ModelState {
   // backward comes first), and a hook on x runs pre_backward before the unit's backward.
   at::Tensor post_forward(int k, at::Tensor x) {
     UnitState& u = units[k];
-    if (!running.empty()) running.pop_back();
     u.subtree_end = static_cast<int>(started.size());
     u.end_pos = static_cast<int>(ended.size());
     ended.push_back(k);
@@ -507,13 +505,20 @@ struct detail::ModelState {
   // when a unit before their outermost one begins its backward, or at the end.
   void pre_backward(int j) {
     std::lock_guard<std::mutex> lock(mu);
+    // A backward inside the forward (torch::autograd::grad through a unit's output, e.g. for a penalty on the input's
+    // gradient): the unit is gathered for it, and nothing is reduced (that backward accumulates no .grad).
+    if (forward_active) return gathered(units[j]);
     if (!in_backward) {
       in_backward = true;
-      fsdp_queue_engine_callback([this] { end_backward(); });
+      fsdp_queue_engine_callback([weak = self] {
+        if (auto state = weak.lock()) state->end_backward();
+      });
     }
     for (UnitState& u : units) finish(u);
     const UnitState& uj = units[j];
-    if (uj.subtree_end >= 0) {
+    // After several forwards, one backward goes through every graph (the later ones' first): a unit's gradients are
+    // complete only at its end, where every unit is reduced.
+    if (uj.subtree_end >= 0 && forwards_with_grad <= 1) {
       for (int q = static_cast<int>(started.size()) - 1; q >= uj.subtree_end; --q) reduce(units[started[q]]);
     }
     if (!options.overlap_reduce) {
@@ -592,10 +597,10 @@ struct LinearIntoBuffer : public torch::autograd::Function<LinearIntoBuffer> {
 
 namespace {
 
-// Builds unit `u` of `params` (named): its flat shards, rank 0's values when `sync`; the parameters become views of
-// its released buffer.
-void make_unit(detail::ModelState& s, UnitState& u, const std::vector<std::pair<std::string, at::Tensor>>& params) {
-  const int world = s.world(), rank = s.group->rank();
+// Unit `label` of `params` (named), its layout: INVALID_ARGUMENT when they differ in dtype or device. Nothing changes.
+UnitState describe_unit(std::string label, const std::vector<std::pair<std::string, at::Tensor>>& params, int world) {
+  UnitState u;
+  u.label = std::move(label);
   for (const auto& [name, p] : params) {
     if (!u.params.empty() && (p.scalar_type() != u.params[0].scalar_type() || p.device() != u.params[0].device())) {
       throw_error(absl::InvalidArgumentError(
@@ -607,6 +612,13 @@ void make_unit(detail::ModelState& s, UnitState& u, const std::vector<std::pair<
     u.total += p.numel();
   }
   u.shard_size = (u.total + world - 1) / world;
+  return u;
+}
+
+// Unit u's flat shards, rank 0's values with sync_module_states (a collective); the parameters become views of its
+// released buffer.
+void shard_unit(detail::ModelState& s, UnitState& u) {
+  const int world = s.world(), rank = s.group->rank();
   const auto topts = u.params[0].options().requires_grad(false);
   at::Tensor flat = at::zeros({world * u.shard_size}, topts);
   for (size_t i = 0; i < u.params.size(); ++i) u.flat_part(flat, i).copy_(u.params[i].detach().reshape({-1}));
@@ -677,12 +689,11 @@ FullyShardedDataParallel::FullyShardedDataParallel(std::shared_ptr<torch::nn::Mo
     }
   }
   if (named.is_empty()) throw_error(absl::InvalidArgumentError("fsdp: a model without parameters"));
-  at::NoGradGuard no_grad;
-  if (options.sync_module_states) {
-    for (auto& b : model->buffers()) comm::wait(s.group->broadcast(b, 0));
-  }
+  // The units are described and checked whole before anything changes: a model refused is left as it was.
   using Named = std::vector<std::pair<std::string, at::Tensor>>;
-  if (seq && unit_modules.empty()) {  // every child with parameters a unit
+  const int world = s.world();
+  std::vector<int> unit_of_module(unit_modules.size(), -1);  // each Unit's unit
+  if (seq && unit_modules.empty()) {                         // every child with parameters a unit
     s.seq = torch::nn::Sequential(std::dynamic_pointer_cast<torch::nn::SequentialImpl>(model));
     s.unit_of_child.assign(seq->size(), -1);
     for (size_t c = 0; c < seq->size(); ++c) {
@@ -690,11 +701,8 @@ FullyShardedDataParallel::FullyShardedDataParallel(std::shared_ptr<torch::nn::Mo
       for (const auto& item : seq->ptr(c)->named_parameters())
         params.emplace_back(absl::StrCat(c, ".", item.key()), item.value());
       if (params.empty()) continue;
-      UnitState u;
-      u.label = std::to_string(c);
-      make_unit(s, u, params);
       s.unit_of_child[c] = static_cast<int>(s.units.size());
-      s.units.push_back(std::move(u));
+      s.units.push_back(describe_unit(std::to_string(c), params, world));
     }
   } else {  // the Units, each with the parameters under it and not under a Unit inside it; the rest the root's
     s.run = std::move(forward);
@@ -712,24 +720,38 @@ FullyShardedDataParallel::FullyShardedDataParallel(std::shared_ptr<torch::nn::Mo
       (owner < 0 ? rest : of_unit[owner]).push_back({item.key(), item.value()});
     }
     if (!rest.empty()) {
-      UnitState u;
-      u.label = "the root";
-      make_unit(s, u, rest);
       s.root_unit = 0;
-      s.units.push_back(std::move(u));
+      s.units.push_back(describe_unit("the root", rest, world));
     }
     for (size_t m = 0; m < unit_modules.size(); ++m) {
-      UnitImpl& unit = *unit_modules[m].second;
-      unit.state_ = state_;
-      unit.attached_ = true;
-      unit.unit_ = -1;
+      // A parameter registered on the wrapped module after the Unit was built is not the Unit's: refused, or it would
+      // be neither sharded nor trained.
+      const UnitImpl& unit = *unit_modules[m].second;
+      const auto mine = unit.named_parameters(/*recurse=*/true), its = unit.inner_->named_parameters(/*recurse=*/true);
+      std::set<const c10::TensorImpl*> registered;
+      for (const auto& item : mine) registered.insert(item.value().unsafeGetTensorImpl());
+      for (const auto& item : its) {
+        if (!registered.count(item.value().unsafeGetTensorImpl())) {
+          throw_error(absl::InvalidArgumentError(
+              absl::StrCat("fsdp: Unit '", unit_modules[m].first, "': its module's parameter '", item.key(),
+                           "' was registered after the Unit was built (build the Unit from the finished module)")));
+        }
+      }
       if (of_unit[m].empty()) continue;
-      UnitState u;
-      u.label = "'" + unit_modules[m].first + "'";
-      make_unit(s, u, of_unit[m]);
-      unit.unit_ = static_cast<int>(s.units.size());
-      s.units.push_back(std::move(u));
+      unit_of_module[m] = static_cast<int>(s.units.size());
+      s.units.push_back(describe_unit("'" + unit_modules[m].first + "'", of_unit[m], world));
     }
+  }
+  at::NoGradGuard no_grad;
+  if (options.sync_module_states) {
+    for (auto& b : model->buffers()) comm::wait(s.group->broadcast(b, 0));
+  }
+  for (UnitState& u : s.units) shard_unit(s, u);
+  for (size_t m = 0; m < unit_modules.size(); ++m) {
+    UnitImpl& unit = *unit_modules[m].second;
+    unit.state_ = state_;
+    unit.attached_ = true;
+    unit.unit_ = unit_of_module[m];
   }
   std::map<const c10::TensorImpl*, std::pair<int, int>> where;
   for (size_t k = 0; k < s.units.size(); ++k) {
@@ -773,6 +795,11 @@ const std::shared_ptr<torch::nn::Module>& FullyShardedDataParallel::root_module(
 
 namespace detail {
 
+void throw_not_a(const char* wanted, const torch::nn::Module& module) {
+  throw_error(absl::InvalidArgumentError(
+      absl::StrCat("fsdp: forward_as<", c10::demangle(wanted), ">: the module is a ", module.name())));
+}
+
 ForwardScope::ForwardScope(const std::weak_ptr<ModelState>& weak, int unit, bool attached)
     : state(weak.lock()), unit_(unit) {
   if (!state) {
@@ -782,16 +809,16 @@ ForwardScope::ForwardScope(const std::weak_ptr<ModelState>& weak, int unit, bool
     }
     return;  // a Unit no model holds: the module's plain forward
   }
+  // The lock is held while the model's state changes, not across the user's code in between (which may run a
+  // backward through a unit's output, whose hook takes it).
+  std::lock_guard<std::mutex> lock(state->mu);
   if (unit_ == kRoot) {
-    state->mu.lock();
-    try {
-      state->begin_forward();
-      if (state->root_unit >= 0) state->pre_forward(state->root_unit);
-    } catch (...) {
-      state->end_forward();
-      state->mu.unlock();
-      throw;
+    if (state->forward_active) {
+      throw_error(absl::FailedPreconditionError("fsdp: forward() called inside the model's own forward"));
     }
+    state->begin_forward();
+    entered_ = true;
+    if (state->root_unit >= 0) state->pre_forward(state->root_unit);
     return;
   }
   if (!state->forward_active) {
@@ -802,9 +829,9 @@ ForwardScope::ForwardScope(const std::weak_ptr<ModelState>& weak, int unit, bool
 }
 
 ForwardScope::~ForwardScope() {
-  if (!state || unit_ != kRoot || done_) return;
+  if (!state || unit_ != kRoot || !entered_ || done_) return;
+  std::lock_guard<std::mutex> lock(state->mu);
   state->end_forward();  // an exception: the next forward starts afresh
-  state->mu.unlock();
 }
 
 at::Tensor ForwardScope::cast(const at::Tensor& x) const {
@@ -815,13 +842,13 @@ at::Tensor ForwardScope::cast(const at::Tensor& x) const {
 
 at::Tensor ForwardScope::output(at::Tensor out) {
   if (!state) return out;
+  std::lock_guard<std::mutex> lock(state->mu);
   if (unit_ >= 0) return state->post_forward(unit_, std::move(out));
   if (unit_ != kRoot) return out;
   if (state->root_unit >= 0) out = state->post_forward(state->root_unit, std::move(out));
   const auto& dtype = state->options.mixed_precision.output_dtype;
   if (dtype && out.defined() && out.is_floating_point()) out = out.to(*dtype);
   state->end_forward();
-  state->mu.unlock();
   done_ = true;
   return out;
 }
@@ -845,11 +872,15 @@ at::Tensor FullyShardedDataParallel::forward(const at::Tensor& input) {
       continue;
     }
     UnitState& u = s.units[k];
-    s.pre_forward(k);
+    {
+      std::lock_guard<std::mutex> lock(s.mu);
+      s.pre_forward(k);
+    }
     x = s.into_buffer(u, *it->ptr())
             ? LinearIntoBuffer::apply(x, u.params[0], u.params.size() > 1 ? u.params[1] : at::Tensor(), s.id,
                                       static_cast<int64_t>(k))
             : it->forward(x);
+    std::lock_guard<std::mutex> lock(s.mu);
     x = s.post_forward(k, std::move(x));
   }
   return scope.output(std::move(x));

@@ -48,7 +48,13 @@
 // Contract:
 // - Every rank builds the same architecture and calls forward and backward the same number of times, each backward
 //   after its forward (as DDP), its units running in the same order on every rank (PyTorch's FSDP asks the same).
-//   The gradient is the average over the ranks of each rank's loss gradient. A unit runs at most once per forward
+//   The gradient is the average over the ranks of each rank's loss gradient. A unit's output must get a gradient on
+//   every rank or on none (the hook on it gathers the unit for its backward: a rank whose loss does not use it issues
+//   one gather fewer, and the ranks' collectives pair wrongly until the group's deadline; PyTorch's FSDP asks the
+//   same; TANDEM_DEBUG_COLLECTIVES names the first rank that differs). Several forwards before one backward work
+//   (every unit is then reduced at the end of the backward). A backward inside the forward
+//   (torch::autograd::grad through a unit's output) computes with the unit gathered and reduces nothing. A unit runs
+//   at most once per forward
 //   (FAILED_PRECONDITION otherwise); a Unit of a held model runs only inside its forward() (FAILED_PRECONDITION
 //   otherwise, as after the model was destroyed, when its parameters hold no memory).
 // - The model's parameters must not be used outside forward() after wrapping: their memory is released between
@@ -76,6 +82,7 @@
 #include <optional>
 #include <string>
 #include <type_traits>
+#include <typeinfo>
 #include <utility>
 #include <vector>
 
@@ -147,6 +154,14 @@ Forward one_tensor_forward(const std::shared_ptr<M>& module) {
     return nullptr;
   }
 }
+// INVALID_ARGUMENT naming both types when `module` is not an M.
+[[noreturn]] void throw_not_a(const char* wanted, const torch::nn::Module& module);
+template <typename M>
+M* module_as(torch::nn::Module& module) {
+  M* m = module.as<M>();
+  if (!m) throw_not_a(typeid(M).name(), module);
+  return m;
+}
 // Around a module's forward (a Unit's, or the root's): gathers before, and after, releases and hooks the backward.
 // Unit k of `state`; `state` null: a plain forward.
 class ForwardScope {
@@ -155,6 +170,8 @@ class ForwardScope {
   // `attached`: a Unit some model held (an error when that model is gone). Throws (see the contract above).
   ForwardScope(const std::weak_ptr<ModelState>& state, int unit, bool attached);
   ~ForwardScope();
+  ForwardScope(const ForwardScope&) = delete;
+  ForwardScope& operator=(const ForwardScope&) = delete;
   // Floating-point tensors cast to the compute dtype under mixed precision; anything else as it is.
   template <typename T>
   decltype(auto) input(T&& arg) const {
@@ -170,6 +187,7 @@ class ForwardScope {
 
  private:
   int unit_;
+  bool entered_ = false;  // the model's forward began
   bool done_ = false;
 };
 }  // namespace detail
@@ -190,8 +208,9 @@ class UnitImpl : public torch::nn::Module {
   // The module's forward of other arguments (its type M), returning a tensor.
   template <typename M, typename... Args>
   at::Tensor forward_as(Args&&... args) {
+    M* module = detail::module_as<M>(*inner_);
     detail::ForwardScope scope(state_, unit_, attached_);
-    return scope.output(inner_->as<M>()->forward(scope.input(std::forward<Args>(args))...));
+    return scope.output(module->forward(scope.input(std::forward<Args>(args))...));
   }
   const std::shared_ptr<torch::nn::Module>& module() const { return inner_; }
   void train(bool on = true) override;
@@ -232,8 +251,9 @@ class FullyShardedDataParallel {
   // The model's forward of other arguments (the model's type M, returning a tensor). Collective.
   template <typename M, typename... Args>
   at::Tensor forward_as(Args&&... args) {
+    M* module = detail::module_as<M>(*root_module());
     detail::ForwardScope scope(model_state(), detail::ForwardScope::kRoot, true);
-    return scope.output(root_module()->as<M>()->forward(scope.input(std::forward<Args>(args))...));
+    return scope.output(module->forward(scope.input(std::forward<Args>(args))...));
   }
   // This rank's shard of each unit (leaf tensors, one per unit with parameters): give them to the optimizer.
   std::vector<at::Tensor> parameters() const;

@@ -32,8 +32,9 @@ INSTANTIATE_TEST_SUITE_P(MultiprocFsdp, MultiprocFsdpEquivalence,
                          });
 
 // Units the user names (fsdp::Unit) in a model of its own type, one nested in another, one taking two tensors, the
-// root's own parameters outside every Unit: W ranks follow one process running the same model plainly (1e-10, Adam,
-// 3 steps); Unit(Linear)s write their gradients into their buffers; misuse is refused, naming why.
+// root's own parameters outside every Unit: W ranks follow one process running the same architecture without Units
+// (1e-10, 3 steps of Adam or SGD; two forwards before a backward; a backward inside the forward); Unit(Linear)s write
+// their gradients into their buffers; misuse is refused, naming why, and leaves the model usable.
 class MultiprocFsdpNamedUnits : public MultiprocScenario,
                                 public ::testing::WithParamInterface<std::tuple<std::string, int>> {};
 
@@ -43,12 +44,11 @@ TEST_P(MultiprocFsdpNamedUnits, FollowOneProcess) {
   EXPECT_EQ(everywhere(world, "units/" + variant), "");
 }
 
-INSTANTIATE_TEST_SUITE_P(MultiprocFsdp, MultiprocFsdpNamedUnits,
-                         ::testing::Combine(::testing::Values("reshard", "keep", "lean", "no_sync", "zero2"),
-                                            ::testing::Values(2, 3)),
-                         [](const auto& info) {
-                           return std::get<0>(info.param) + "_on_" + std::to_string(std::get<1>(info.param));
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    MultiprocFsdp, MultiprocFsdpNamedUnits,
+    ::testing::Combine(::testing::Values("reshard", "keep", "lean", "no_sync", "zero2", "sgd", "twice", "grad_inside"),
+                       ::testing::Values(2, 3)),
+    [](const auto& info) { return std::get<0>(info.param) + "_on_" + std::to_string(std::get<1>(info.param)); });
 
 // Mixed precision over float32 shards (bfloat16 gathers, computation and reductions; float16 reductions) on 2 ranks:
 // within what the low precision explains of the float64 reference, and not within float32 rounding of it.

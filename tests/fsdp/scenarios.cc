@@ -576,7 +576,8 @@ std::string checkpoints(const std::string& dir) {
 // Named units (fsdp::Unit) in a model of the user's own type: the root's own parameters (an embedding Linear and a
 // scale, outside every Unit), an encoder Unit with a Unit nested in it, a Unit whose module takes two tensors
 // (forward_as) with a parameter used on rank 0 only and one never used, and a Linear head Unit. Units of 120, 310,
-// 132, 369 and 42 parameters: 369 odd, 310 not a multiple of 3.
+// 132, 369 and 42 parameters: 369 odd, 310 not a multiple of 3. Built without Units it is the plain model, the
+// reference.
 struct MixerImpl : torch::nn::Module {
   MixerImpl() {
     proj = register_module("proj", torch::nn::Linear(kHidden, kHidden));
@@ -593,30 +594,60 @@ struct MixerImpl : torch::nn::Module {
 };
 
 struct NetImpl : torch::nn::Module {
-  NetImpl() {
+  explicit NetImpl(bool units) {
     embed = register_module("embed", torch::nn::Linear(kIn, kHidden));
-    encoder = register_module("encoder",
-                              fsdp::Unit(torch::nn::Sequential(torch::nn::Linear(kHidden, 11), torch::nn::Tanh(),
-                                                               fsdp::Unit(torch::nn::Linear(11, 11)), torch::nn::ReLU(),
-                                                               torch::nn::Linear(11, kHidden))));
+    torch::nn::Sequential layers(torch::nn::Linear(kHidden, 11), torch::nn::Tanh());
+    if (units) {
+      layers->push_back(fsdp::Unit(torch::nn::Linear(11, 11)));
+    } else {
+      layers->push_back(torch::nn::Linear(11, 11));
+    }
+    layers->push_back(torch::nn::ReLU());
+    layers->push_back(torch::nn::Linear(11, kHidden));
     mixer_module = std::make_shared<MixerImpl>();
-    mixer = register_module("mixer", fsdp::Unit(mixer_module));
-    head = register_module("head", fsdp::Unit(torch::nn::Linear(kHidden, kOut)));
+    torch::nn::Linear head_module(kHidden, kOut);
+    if (units) {
+      encoder_unit = register_module("encoder", fsdp::Unit(layers));
+      mixer_unit = register_module("mixer", fsdp::Unit(mixer_module));
+      head_unit = register_module("head", fsdp::Unit(head_module));
+      encode = [this](const at::Tensor& x) { return encoder_unit(x); };
+      mix = [this](const at::Tensor& x, const at::Tensor& c) { return mixer_unit->forward_as<MixerImpl>(x, c); };
+      project = [this](const at::Tensor& x) { return head_unit(x); };
+    } else {
+      register_module("encoder", layers);
+      register_module("mixer", mixer_module);
+      register_module("head", head_module);
+      encode = [layers](const at::Tensor& x) mutable { return layers->forward(x); };
+      mix = [m = mixer_module.get()](const at::Tensor& x, const at::Tensor& c) { return m->forward(x, c); };
+      project = [head_module](const at::Tensor& x) mutable { return head_module->forward(x); };
+    }
     scale = register_parameter("scale", torch::rand({kOut}) + 0.5);
   }
   at::Tensor forward(const at::Tensor& x) {
     const at::Tensor h = torch::tanh(embed(x));
-    return head(mixer->forward_as<MixerImpl>(encoder(h), h)) * scale;
+    at::Tensor e = encode(h);
+    if (encode_twice) e = encode(e);
+    const at::Tensor m = mix(e, h);
+    if (grad_inside) {
+      // A backward inside the forward through the units' outputs (as a penalty on an input's gradient would): its
+      // value changes nothing here (no graph kept), but the units must be gathered for it and nothing reduced.
+      const at::Tensor g = torch::autograd::grad({m.sum()}, {h}, {}, /*retain_graph=*/true)[0];
+      if (!(g.abs().sum().item<double>() > 0)) throw std::runtime_error("the gradient inside the forward is zero");
+    }
+    return project(m) * scale;
   }
   torch::nn::Linear embed{nullptr};
-  fsdp::Unit encoder{nullptr}, mixer{nullptr}, head{nullptr};
+  fsdp::Unit encoder_unit{nullptr}, mixer_unit{nullptr}, head_unit{nullptr};
   std::shared_ptr<MixerImpl> mixer_module;
+  std::function<at::Tensor(const at::Tensor&)> encode, project;
+  std::function<at::Tensor(const at::Tensor&, const at::Tensor&)> mix;
   at::Tensor scale;
+  bool encode_twice = false, grad_inside = false;
 };
 
-std::shared_ptr<NetImpl> make_net() {
+std::shared_ptr<NetImpl> make_net(bool units) {
   torch::manual_seed(11);
-  auto net = std::make_shared<NetImpl>();
+  auto net = std::make_shared<NetImpl>(units);
   net->to(at::kDouble);
   return net;
 }
@@ -631,65 +662,143 @@ std::string thrown(const std::function<void()>& f) {
   return "";
 }
 
-// W ranks follow one process (the same model, its Units held by no FullyShardedDataParallel: the plain model) within
-// 1e-10 over 3 Adam steps; the parameters hold memory only as the variant says; Unit(Linear)s write their gradients
-// into their buffers; a Unit refuses to run outside the model's forward and after it is gone.
+// The bytes of the storages of `m`'s parameters (a unit's parameters share one).
+int64_t held_bytes(torch::nn::Module& m) {
+  std::set<const void*> seen;
+  int64_t bytes = 0;
+  for (const auto& p : m.parameters()) {
+    if (seen.insert(p.storage().unsafeGetStorageImpl()).second) bytes += static_cast<int64_t>(p.storage().nbytes());
+  }
+  return bytes;
+}
+
+// Misuse, refused naming why, leaving the model usable (after the equivalence steps of "reshard").
+std::string named_units_misuse(std::unique_ptr<fsdp::FullyShardedDataParallel> model, std::shared_ptr<NetImpl> net,
+                               const std::shared_ptr<comm::ProcessGroup>& group, int world) {
+  auto [x, y] = data(0, world);
+  // A Unit runs only inside the model's forward, and a unit once per forward.
+  std::string e = thrown([&] { net->encoder_unit(at::zeros({1, kHidden}, at::kDouble)); });
+  if (e.find("FAILED_PRECONDITION") != 0 || e.find("only inside") == std::string::npos) {
+    return "a Unit run outside the model's forward: " + (e.empty() ? "no error" : e);
+  }
+  net->encode_twice = true;
+  e = thrown([&] { model->forward(x); });
+  net->encode_twice = false;
+  if (e.find("FAILED_PRECONDITION") != 0 || e.find("'encoder' ran twice") == std::string::npos) {
+    return "a unit run twice in one forward: " + (e.empty() ? "no error" : e);
+  }
+  e = thrown([&] { model->forward(x).sum().backward(); });  // the model works on after the refused forward
+  if (!e.empty()) return "a step after a refused forward: " + e;
+  e = thrown([&] { model->forward_as<MixerImpl>(x, x); });
+  if (e.find("INVALID_ARGUMENT") != 0 || e.find("MixerImpl") == std::string::npos) {
+    return "forward_as of another type: " + (e.empty() ? "no error" : e);
+  }
+  e = thrown([&] { model->forward_as<NetImpl>(x); });  // the root's forward of one tensor, by its type: runs
+  if (!e.empty()) return "forward_as<NetImpl>: " + e;
+  model.reset();
+  e = thrown([&] { net->encoder_unit(at::zeros({1, kHidden}, at::kDouble)); });
+  if (e.find("FAILED_PRECONDITION") != 0 || e.find("destroyed") == std::string::npos) {
+    return "a Unit of a destroyed model: " + (e.empty() ? "no error" : e);
+  }
+  fsdp::FsdpOptions options;
+  // Refused at construction, the model left as it was (its parameters whole, its Units free to run plainly): a
+  // parameter in two places, a unit of two dtypes, a parameter registered on a Unit's module after the Unit was built,
+  // a model without parameters.
+  auto refused = [&](const std::string& what, const std::shared_ptr<NetImpl>& bad, const std::string& says) {
+    const int64_t before = held_bytes(*bad);
+    const std::string got = thrown([&] { fsdp::FullyShardedDataParallel m(bad, group, options); });
+    if (got.find("INVALID_ARGUMENT") != 0 || got.find(says) == std::string::npos) return what + ": " + got;
+    if (held_bytes(*bad) != before) return what + ": the refused model's parameters changed";
+    return thrown([&] {
+             bad->encoder_unit(at::zeros({1, kHidden}, at::kDouble));
+           }).empty()
+               ? std::string()
+               : what + ": the refused model's Unit does not run plainly";
+  };
+  auto tied = make_net(true);
+  tied->register_parameter("tied", tied->embed->weight);
+  if (auto r = refused("tied parameters", tied, "tied"); !r.empty()) return r;
+  auto two_dtypes = make_net(true);
+  two_dtypes->mixer_module->unused.set_data(two_dtypes->mixer_module->unused.to(at::kFloat));
+  if (auto r = refused("a unit of two dtypes", two_dtypes, "differ in dtype"); !r.empty()) return r;
+  auto late = make_net(true);
+  late->mixer_module->register_parameter("late", torch::zeros({2}, at::kDouble));
+  if (auto r = refused("a parameter registered late", late, "'mixer'"); !r.empty()) return r;
+  e = thrown([&] { fsdp::FullyShardedDataParallel m(torch::nn::Sequential(torch::nn::ReLU()), group, options); });
+  if (e.find("INVALID_ARGUMENT") != 0) return "a model without parameters: " + e;
+  return "";
+}
+
+// W ranks follow one process running the plain model (the same architecture without Units) within 1e-10 over 3
+// steps (Adam, or SGD, which would also show a gradient off by a factor); the parameters hold memory only as the
+// variant says; Unit(Linear)s write their gradients into their buffers. "twice": two forwards before one backward;
+// "grad_inside": a backward inside the forward.
 std::string named_units(const std::string& variant) {
   const int world = static_cast<int>(rpc::get_all_worker_infos().size());
   const int rank = rpc::get_worker_info().id;
   auto group = comm::ProcessGroup::create("fsdp_units_" + variant);
   fsdp::FsdpOptions options;
   options.reshard_after_forward = variant != "keep";
-  const bool lean = variant == "lean", zero2 = variant == "zero2";
+  const bool lean = variant == "lean", zero2 = variant == "zero2", twice = variant == "twice";
   options.prefetch = !lean;
   options.overlap_reduce = !lean;
   if (zero2) options.sharding = fsdp::Sharding::kGradientsAndOptimizer;
   const int micro = variant == "no_sync" ? 3 : 1;
-  auto net = make_net();
-  auto ref = make_net();
+  auto net = make_net(true);
+  auto ref = make_net(false);
+  net->grad_inside = ref->grad_inside = variant == "grad_inside";
   auto model = std::make_unique<fsdp::FullyShardedDataParallel>(net, group, options);
-  if (model->stats().units != 5) return absl::StrCat("units: ", model->stats().units, ", not 5");
+  const auto stats = model->stats();
+  if (stats.units != 5) return absl::StrCat("units: ", stats.units, ", not 5");
+  const std::vector<int64_t> sizes = {120, 310, 132, 369, 42};
   bool uneven = false;
-  for (int64_t n : {120, 310, 132, 369, 42}) uneven = uneven || n % world != 0;
+  int64_t all_bytes = 0;
+  for (int64_t n : sizes) uneven = uneven || n % world != 0, all_bytes += (n + world - 1) / world * world * 8;
   if (!uneven) return absl::StrCat("every unit's size divides by ", world);
-  const int64_t root_bytes = (120 + world - 1) / world * world * 8;
-  auto held = [&] {
-    std::set<const void*> seen;
-    int64_t bytes = 0;
-    for (const auto& p : net->parameters()) {
-      if (seen.insert(p.storage().unsafeGetStorageImpl()).second) bytes += static_cast<int64_t>(p.storage().nbytes());
+  auto padded = [&](int64_t n) { return (n + world - 1) / world * world; };
+  if (stats.largest_unit_elements != padded(369)) {
+    return absl::StrCat("the largest unit: ", stats.largest_unit_elements);
+  }
+  const int64_t root_bytes = (sizes[0] + world - 1) / world * world * 8;
+  auto make_opt = [&](std::vector<at::Tensor> params) -> std::unique_ptr<torch::optim::Optimizer> {
+    if (variant == "sgd") {
+      return std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(0.1).momentum(0.9));
     }
-    return bytes;
+    return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(0.01));
   };
-  const int64_t all_bytes = [&] {
-    int64_t b = 0;
-    for (int64_t n : {120, 310, 132, 369, 42}) b += (n + world - 1) / world * world * 8;
-    return b;
-  }();
-  torch::optim::Adam opt(model->parameters(), torch::optim::AdamOptions(0.01));
-  torch::optim::Adam ref_opt(ref->parameters(), torch::optim::AdamOptions(0.01));
+  auto opt = make_opt(model->parameters()), ref_opt = make_opt(ref->parameters());
   auto loss_of = [&](const std::function<at::Tensor(const at::Tensor&)>& forward, NetImpl& m, int r,
                      const at::Tensor& x, const at::Tensor& y) {
     m.mixer_module->use_gate = r == 0;
     return torch::mse_loss(forward(x.narrow(0, r * kRows, kRows)), y.narrow(0, r * kRows, kRows));
   };
   for (int step = 0; step < 3; ++step) {
-    opt.zero_grad();
-    ref_opt.zero_grad();
+    opt->zero_grad();
+    ref_opt->zero_grad();
     for (int k = 0; k < micro; ++k) {
       auto [x, y] = data(step * micro + k, world);
+      auto [x2, y2] = data(100 + step, world);  // "twice": the second forward's rows
       model->set_requires_gradient_sync(k == micro - 1);
-      at::Tensor loss = loss_of([&](const at::Tensor& in) { return model->forward(in); }, *net, rank, x, y);
+      auto sharded = [&](const at::Tensor& in) { return model->forward(in); };
+      at::Tensor loss = loss_of(sharded, *net, rank, x, y);
+      if (twice) loss = loss + loss_of(sharded, *net, rank, x2, y2);
       // Resharding, the root's unit (gathered for the whole forward) stays gathered for the backward it begins.
-      if (held() != (options.reshard_after_forward && !zero2 ? root_bytes : all_bytes)) {
-        return absl::StrCat("after forward the parameters hold ", held(), " bytes");
+      const int64_t after_forward = variant == "grad_inside" ? held_bytes(*net)  // its backward gathered some again
+                                    : options.reshard_after_forward && !zero2 ? root_bytes
+                                                                              : all_bytes;
+      if (held_bytes(*net) != after_forward) {
+        return absl::StrCat("after forward the parameters hold ", held_bytes(*net), " bytes");
       }
       loss.backward();
-      if ((held() != 0) != zero2) return absl::StrCat("after backward the parameters hold ", held(), " bytes");
+      if ((held_bytes(*net) != 0) != zero2) {
+        return absl::StrCat("after backward the parameters hold ", held_bytes(*net), " bytes");
+      }
       at::Tensor total = at::zeros({}, at::kDouble);
       double ref_loss = 0;
+      auto plain = [&](const at::Tensor& in) { return ref->forward(in); };
       for (int r = 0; r < world; ++r) {
-        at::Tensor l = loss_of([&](const at::Tensor& in) { return ref->forward(in); }, *ref, r, x, y);
+        at::Tensor l = loss_of(plain, *ref, r, x, y);
+        if (twice) l = l + loss_of(plain, *ref, r, x2, y2);
         if (r == rank) ref_loss = l.item<double>();
         total = total + l;
       }
@@ -698,36 +807,21 @@ std::string named_units(const std::string& variant) {
         return absl::StrCat("step ", step, ": loss ", loss.item<double>(), ", one process's ", ref_loss);
       }
     }
-    opt.step();
-    ref_opt.step();
+    opt->step();
+    ref_opt->step();
     if (auto e = same_parameters(step, model->full_parameters(), ref->named_parameters()); !e.empty()) return e;
   }
-  // The nested Unit(Linear) and the head wrote their gradients into their buffers in every synchronising backward.
-  if (model->stats().gradients_into_buffers != (zero2 ? 0 : 3 * 2)) {
+  // The nested Unit(Linear) and the head wrote their gradients into their buffers in every synchronising backward
+  // after one forward.
+  if (model->stats().gradients_into_buffers != (zero2 || twice ? 0 : 3 * 2)) {
     return absl::StrCat("gradients written into the units' buffers: ", model->stats().gradients_into_buffers);
   }
+  // Lean: at most the root, the encoder and the unit nested in it gathered at once (padded).
+  if (lean && model->stats().peak_gathered_elements != padded(120) + padded(310) + padded(132)) {
+    return absl::StrCat("lean: ", model->stats().peak_gathered_elements, " elements gathered at once");
+  }
   if (variant != "reshard") return "";
-  // A Unit runs only inside the model's forward, and a unit once per forward.
-  auto [x, y] = data(0, world);
-  std::string e = thrown([&] { net->encoder(at::zeros({1, kHidden}, at::kDouble)); });
-  if (e.find("FAILED_PRECONDITION") != 0 || e.find("only inside") == std::string::npos) {
-    return "a Unit run outside the model's forward: " + (e.empty() ? "no error" : e);
-  }
-  e = thrown([&] { model->forward_as<NetImpl>(x); });  // the root's forward of one tensor, by its type: still runs
-  if (!e.empty()) return "forward_as<NetImpl>: " + e;
-  model.reset();
-  e = thrown([&] { net->encoder(at::zeros({1, kHidden}, at::kDouble)); });
-  if (e.find("FAILED_PRECONDITION") != 0 || e.find("destroyed") == std::string::npos) {
-    return "a Unit of a destroyed model: " + (e.empty() ? "no error" : e);
-  }
-  // Refused at construction: a parameter in two places, and a model without parameters.
-  auto tied = make_net();
-  tied->register_parameter("tied", tied->embed->weight);
-  e = thrown([&] { fsdp::FullyShardedDataParallel bad(tied, group, options); });
-  if (e.find("INVALID_ARGUMENT") != 0 || e.find("tied") == std::string::npos) return "tied parameters: " + e;
-  e = thrown([&] { fsdp::FullyShardedDataParallel bad(torch::nn::Sequential(torch::nn::ReLU()), group, options); });
-  if (e.find("INVALID_ARGUMENT") != 0) return "a model without parameters: " + e;
-  return "";
+  return named_units_misuse(std::move(model), net, group, world);
 }
 
 std::string run(const std::string& name) {
