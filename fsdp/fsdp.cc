@@ -15,6 +15,7 @@
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <functional>
 #include <map>
@@ -24,6 +25,7 @@
 #include <numeric>
 #include <optional>
 #include <set>
+#include <typeinfo>
 #include <utility>
 #include <vector>
 
@@ -240,6 +242,11 @@ struct detail::ModelState {
   // the root's or the last unit) stays gathered for the backward it begins.
   bool forward_active = false;
   std::vector<int> started, ended, prev_started;
+  struct Recorded {
+    std::vector<int> started, ended;
+    std::vector<std::array<int, 3>> positions;  // each unit's start_pos, end_pos, subtree_end
+  };
+  std::optional<Recorded> stashed;
   int last_guess = -1;
   bool sync = true;
   bool in_backward = false;  // the final callback is queued
@@ -256,6 +263,8 @@ struct detail::ModelState {
   // sharded, its gradients synchronised and reduced in the dtype it computes in, under autograd.
   bool into_buffer(const UnitState& u, const torch::nn::Module& module) const {
     if (!at::GradMode::is_enabled() || !sync || zero2() || compute_dtype(u) != reduce_dtype(u)) return false;
+    // A LinearImpl itself: a subclass may compute something else.
+    if (typeid(module) != typeid(torch::nn::LinearImpl)) return false;
     const auto* linear = module.as<torch::nn::Linear>();
     if (!linear || u.params.size() != (linear->bias.defined() ? 2u : 1u)) return false;
     for (const at::Tensor& p : u.params) {
@@ -444,6 +453,13 @@ struct detail::ModelState {
   // backward that failed (a collective's error came out of it) left its reductions behind: they are dropped.
   void begin_forward() {
     in_backward = false;
+    // A forward without gradients while a backward is pending (an evaluation between a forward and its backward):
+    // the order recorded for that backward is kept for it.
+    if (!at::GradMode::is_enabled() && forwards_with_grad > 0) {
+      stashed.emplace();
+      stashed->started = started, stashed->ended = ended;
+      for (const UnitState& u : units) stashed->positions.push_back({u.start_pos, u.end_pos, u.subtree_end});
+    }
     for (UnitState& u : units) {
       if (u.grads_in_full || u.release_after_reduce) {  // left by a backward that failed
         // A reduction of the buffer in place may still run: the group writes into that memory until it ends.
@@ -462,7 +478,16 @@ struct detail::ModelState {
     if (at::GradMode::is_enabled()) ++forwards_with_grad;
     forward_active = true;
   }
-  void end_forward() { forward_active = false; }
+  void end_forward() {
+    forward_active = false;
+    if (!stashed) return;
+    started.swap(stashed->started), ended.swap(stashed->ended);
+    for (size_t k = 0; k < units.size(); ++k) {
+      const auto& [start, end, subtree] = stashed->positions[k];
+      units[k].start_pos = start, units[k].end_pos = end, units[k].subtree_end = subtree;
+    }
+    stashed.reset();
+  }
 
   // Unit k's forward begins (inside the model's forward): its parameters are gathered, and the unit that ran after it
   // in the forward before starts gathering.

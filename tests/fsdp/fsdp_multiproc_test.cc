@@ -44,11 +44,13 @@ TEST_P(MultiprocFsdpNamedUnits, FollowOneProcess) {
   EXPECT_EQ(everywhere(world, "units/" + variant), "");
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    MultiprocFsdp, MultiprocFsdpNamedUnits,
-    ::testing::Combine(::testing::Values("reshard", "keep", "lean", "no_sync", "zero2", "sgd", "twice", "grad_inside"),
-                       ::testing::Values(2, 3)),
-    [](const auto& info) { return std::get<0>(info.param) + "_on_" + std::to_string(std::get<1>(info.param)); });
+INSTANTIATE_TEST_SUITE_P(MultiprocFsdp, MultiprocFsdpNamedUnits,
+                         ::testing::Combine(::testing::Values("reshard", "keep", "lean", "no_sync", "zero2", "sgd",
+                                                              "twice", "grad_inside", "eval_between"),
+                                            ::testing::Values(2, 3)),
+                         [](const auto& info) {
+                           return std::get<0>(info.param) + "_on_" + std::to_string(std::get<1>(info.param));
+                         });
 
 // Mixed precision over float32 shards (bfloat16 gathers, computation and reductions; float16 reductions) on 2 ranks:
 // within what the low precision explains of the float64 reference, and not within float32 rounding of it.

@@ -732,7 +732,8 @@ std::string named_units_misuse(std::unique_ptr<fsdp::FullyShardedDataParallel> m
 // W ranks follow one process running the plain model (the same architecture without Units) within 1e-10 over 3
 // steps (Adam, or SGD, which would also show a gradient off by a factor); the parameters hold memory only as the
 // variant says; Unit(Linear)s write their gradients into their buffers. "twice": two forwards before one backward;
-// "grad_inside": a backward inside the forward.
+// "grad_inside": a backward inside the forward; "eval_between": a forward without gradients between a forward and its
+// backward.
 std::string named_units(const std::string& variant) {
   const int world = static_cast<int>(rpc::get_all_worker_infos().size());
   const int rank = rpc::get_worker_info().id;
@@ -788,6 +789,12 @@ std::string named_units(const std::string& variant) {
                                                                               : all_bytes;
       if (held_bytes(*net) != after_forward) {
         return absl::StrCat("after forward the parameters hold ", held_bytes(*net), " bytes");
+      }
+      if (variant == "eval_between") {  // an evaluation between the forward and its backward
+        at::NoGradGuard no_grad;
+        net->mixer_module->use_gate = true;
+        model->forward(x);
+        net->mixer_module->use_gate = rank == 0;
       }
       loss.backward();
       if ((held_bytes(*net) != 0) != zero2) {
