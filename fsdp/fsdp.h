@@ -265,12 +265,12 @@ class FullyShardedDataParallel {
 
   // State dicts (checkpoint/checkpoint.h saves either form through checkpoint::State::add).
   using StateDict = std::vector<std::pair<std::string, at::Tensor>>;
-  // The full state: every parameter (gathered) and buffer under its name in the Sequential, in its order: what a plain
-  // Sequential of the same architecture holds. Collective (every rank gathers every unit).
+  // The full state: every parameter (gathered) and buffer under its name in the model, in its order: what the plain
+  // model of the same architecture (without Units) holds. Collective (every rank gathers every unit).
   StateDict full_state_dict() const;
-  // The Sequential's buffers (not sharded: every rank holds them), by name. Not collective.
+  // The model's buffers (not sharded: every rank holds them), by name. Not collective.
   StateDict named_buffers() const;
-  // Loads a full state dict (from full_state_dict(), a plain Sequential's named parameters and buffers, or
+  // Loads a full state dict (from full_state_dict(), the plain model's named parameters and buffers, or
   // consolidate()): each rank takes its shard of each parameter. Not collective; every rank is given the same dict.
   // INVALID_ARGUMENT naming the entry when one is missing, unknown, or of another shape or dtype.
   void load_full_state_dict(const StateDict& dict);

@@ -674,8 +674,18 @@ int64_t held_bytes(torch::nn::Module& m) {
 
 // Misuse, refused naming why, leaving the model usable (after the equivalence steps of "reshard").
 std::string named_units_misuse(std::unique_ptr<fsdp::FullyShardedDataParallel> model, std::shared_ptr<NetImpl> net,
-                               const std::shared_ptr<comm::ProcessGroup>& group, int world) {
+                               NetImpl& plain, const std::shared_ptr<comm::ProcessGroup>& group, int world) {
   auto [x, y] = data(0, world);
+  // State dicts go by the plain model's names: its parameters (doubled, values the model does not have) load, and
+  // the full state dict gives them back; the sharded one loads back into the model.
+  fsdp::FullyShardedDataParallel::StateDict doubled;
+  for (const auto& p : plain.named_parameters()) doubled.emplace_back(p.key(), p.value().detach() * 2);
+  model->load_full_state_dict(doubled);
+  if (auto e = same_state(model->full_state_dict(), doubled, "the plain model's state loaded"); !e.empty()) return e;
+  const auto sharded = model->sharded_state_dict();
+  model->load_full_state_dict(plain.named_parameters().pairs());
+  model->load_sharded_state_dict(sharded);
+  if (auto e = same_state(model->full_state_dict(), doubled, "the sharded state loaded back"); !e.empty()) return e;
   // A Unit runs only inside the model's forward, and a unit once per forward.
   std::string e = thrown([&] { net->encoder_unit(at::zeros({1, kHidden}, at::kDouble)); });
   if (e.find("FAILED_PRECONDITION") != 0 || e.find("only inside") == std::string::npos) {
@@ -828,7 +838,7 @@ std::string named_units(const std::string& variant) {
     return absl::StrCat("lean: ", model->stats().peak_gathered_elements, " elements gathered at once");
   }
   if (variant != "reshard") return "";
-  return named_units_misuse(std::move(model), net, group, world);
+  return named_units_misuse(std::move(model), net, *ref, group, world);
 }
 
 std::string run(const std::string& name) {
