@@ -15,7 +15,6 @@
 #include <sys/mman.h>
 
 #include <algorithm>
-#include <array>
 #include <atomic>
 #include <functional>
 #include <map>
@@ -200,9 +199,6 @@ struct UnitState {
   bool reduced = false;
   at::Tensor reduce_in, reduce_out;
   rpc::Future reduce;
-  // In the last forward: where its forward began among the units' (-1: it did not run), where it ended, and the
-  // position past the units that ran inside it (its subtree: units nested in it, in the model's forward).
-  int start_pos = -1, end_pos = -1, subtree_end = -1;
 
   // Parameter i's elements in a flat tensor of the unit's layout (its buffer, a gathered copy, a gradient buffer).
   at::Tensor flat_part(const at::Tensor& flat, size_t i) const { return flat.narrow(0, offset[i], params[i].numel()); }
@@ -237,16 +233,24 @@ struct detail::ModelState {
   std::vector<UnitState> units;
   std::vector<std::pair<int, int>> param_order;  // every parameter as (unit, index in it), in the model's order
   std::weak_ptr<ModelState> self;
-  // The forward running or last run: the units by the start of their forward, and by its end. Prefetching a unit ahead
-  // follows the order of the forward before (at first, the units' order), and the unit that ended last in it (at first,
-  // the root's or the last unit) stays gathered for the backward it begins.
-  bool forward_active = false;
-  std::vector<int> started, ended, prev_started;
-  struct Recorded {
-    std::vector<int> started, ended;
-    std::vector<std::array<int, 3>> positions;  // each unit's start_pos, end_pos, subtree_end
+  // The order of the forward running or last run: the units by the start of their forward and by its end, and each
+  // unit's positions in them (-1: it did not run); subtree_end, the position in `started` past the units that ran
+  // inside it (nested in it).
+  struct Order {
+    std::vector<int> started, ended, start_pos, end_pos, subtree_end;
+    void reset(size_t n) {
+      started.clear(), ended.clear();
+      start_pos.assign(n, -1), end_pos.assign(n, -1), subtree_end.assign(n, -1);
+    }
   };
-  std::optional<Recorded> stashed;
+  Order order;
+  // A forward without gradients while a backward is pending (an evaluation between a forward and its backward) keeps
+  // the order that backward goes by here, and puts it back after.
+  std::optional<Order> stashed;
+  // Prefetching a unit ahead follows the order of the forward before (at first, the units' order), and the unit that
+  // ended last in it (at first, the root's or the last unit) stays gathered for the backward it begins.
+  std::vector<int> prev_started;
+  bool forward_active = false;
   int last_guess = -1;
   bool sync = true;
   bool in_backward = false;  // the final callback is queued
@@ -453,13 +457,7 @@ struct detail::ModelState {
   // backward that failed (a collective's error came out of it) left its reductions behind: they are dropped.
   void begin_forward() {
     in_backward = false;
-    // A forward without gradients while a backward is pending (an evaluation between a forward and its backward):
-    // the order recorded for that backward is kept for it.
-    if (!at::GradMode::is_enabled() && forwards_with_grad > 0) {
-      stashed.emplace();
-      stashed->started = started, stashed->ended = ended;
-      for (const UnitState& u : units) stashed->positions.push_back({u.start_pos, u.end_pos, u.subtree_end});
-    }
+    if (!at::GradMode::is_enabled() && forwards_with_grad > 0) stashed = order;
     for (UnitState& u : units) {
       if (u.grads_in_full || u.release_after_reduce) {  // left by a backward that failed
         // A reduction of the buffer in place may still run: the group writes into that memory until it ends.
@@ -470,37 +468,30 @@ struct detail::ModelState {
       reshard(u);
       u.reduced = false;
       u.reduce_in = at::Tensor(), u.reduce_out = at::Tensor();
-      u.start_pos = u.end_pos = u.subtree_end = -1;
     }
-    if (!started.empty()) prev_started.swap(started);
-    if (!ended.empty()) last_guess = ended.back();
-    started.clear(), ended.clear();
+    if (!order.started.empty()) prev_started.swap(order.started);
+    if (!order.ended.empty()) last_guess = order.ended.back();
+    order.reset(units.size());
     if (at::GradMode::is_enabled()) ++forwards_with_grad;
     forward_active = true;
   }
   void end_forward() {
     forward_active = false;
-    if (!stashed) return;
-    started.swap(stashed->started), ended.swap(stashed->ended);
-    for (size_t k = 0; k < units.size(); ++k) {
-      const auto& [start, end, subtree] = stashed->positions[k];
-      units[k].start_pos = start, units[k].end_pos = end, units[k].subtree_end = subtree;
-    }
-    stashed.reset();
+    if (stashed) order = std::move(*stashed), stashed.reset();
   }
 
   // Unit k's forward begins (inside the model's forward): its parameters are gathered, and the unit that ran after it
   // in the forward before starts gathering.
   void pre_forward(int k) {
     UnitState& u = units[k];
-    if (u.start_pos >= 0) {
+    if (order.start_pos[k] >= 0) {
       throw_error(absl::FailedPreconditionError(
           absl::StrCat("fsdp: unit ", u.label, " ran twice in one forward (a unit runs at most once per forward)")));
     }
-    u.start_pos = static_cast<int>(started.size());
-    started.push_back(k);
+    const size_t p = order.started.size();
+    order.start_pos[k] = static_cast<int>(p);
+    order.started.push_back(k);
     gathered(u);
-    const size_t p = static_cast<size_t>(u.start_pos);
     if (options.prefetch && p + 1 < prev_started.size() && prev_started[p] == k) {
       start_gather(units[prev_started[p + 1]]);
     }
@@ -509,9 +500,9 @@ struct detail::ModelState {
   // backward comes first), and a hook on x runs pre_backward before the unit's backward.
   at::Tensor post_forward(int k, at::Tensor x) {
     UnitState& u = units[k];
-    u.subtree_end = static_cast<int>(started.size());
-    u.end_pos = static_cast<int>(ended.size());
-    ended.push_back(k);
+    order.subtree_end[k] = static_cast<int>(order.started.size());
+    order.end_pos[k] = static_cast<int>(order.ended.size());
+    order.ended.push_back(k);
     const bool grad = at::GradMode::is_enabled();
     if (!zero2() && (!grad || (options.reshard_after_forward && k != last_guess))) reshard(u);
     if (grad && x.defined() && x.requires_grad()) {
@@ -540,17 +531,18 @@ struct detail::ModelState {
       });
     }
     for (UnitState& u : units) finish(u);
-    const UnitState& uj = units[j];
     // After several forwards, one backward goes through every graph (the later ones' first): a unit's gradients are
     // complete only at its end, where every unit is reduced.
-    if (uj.subtree_end >= 0 && forwards_with_grad <= 1) {
-      for (int q = static_cast<int>(started.size()) - 1; q >= uj.subtree_end; --q) reduce(units[started[q]]);
+    if (order.subtree_end[j] >= 0 && forwards_with_grad <= 1) {
+      for (int q = static_cast<int>(order.started.size()) - 1; q >= order.subtree_end[j]; --q) {
+        reduce(units[order.started[q]]);
+      }
     }
     if (!options.overlap_reduce) {
       for (UnitState& u : units) finish(u);  // their buffers go before this unit's is taken
     }
     gathered(units[j]);
-    if (options.prefetch && uj.end_pos > 0) start_gather(units[ended[uj.end_pos - 1]]);
+    if (options.prefetch && order.end_pos[j] > 0) start_gather(units[order.ended[order.end_pos[j] - 1]]);
   }
 
   // At the end of backward: the units whose reduction has not started (the first one, units nested in others, any
@@ -560,7 +552,7 @@ struct detail::ModelState {
     std::lock_guard<std::mutex> lock(mu);
     in_backward = false;
     forwards_with_grad = 0;
-    for (int q = static_cast<int>(started.size()) - 1; q >= 0; --q) reduce(units[started[q]]);
+    for (int q = static_cast<int>(order.started.size()) - 1; q >= 0; --q) reduce(units[order.started[q]]);
     for (int k = static_cast<int>(units.size()) - 1; k >= 0; --k) reduce(units[k]);
     for (UnitState& u : units) finish(u), u.reduced = false;
     // The step's large temporaries (autograd's gradients before they were reduced) went back to malloc's heap, which
@@ -618,9 +610,14 @@ struct LinearIntoBuffer : public torch::autograd::Function<LinearIntoBuffer> {
   }
 };
 
-}  // namespace
-
-namespace {
+// Unit k's module run on x: through LinearIntoBuffer when the model's into_buffer says so, else by `plain`.
+at::Tensor run_unit(detail::ModelState& s, int k, const torch::nn::Module& module, const at::Tensor& x,
+                    const std::function<at::Tensor()>& plain) {
+  const UnitState& u = s.units[static_cast<size_t>(k)];
+  if (!s.into_buffer(u, module)) return plain();
+  return LinearIntoBuffer::apply(x, u.params[0], u.params.size() > 1 ? u.params[1] : at::Tensor(), s.id,
+                                 static_cast<int64_t>(k));
+}
 
 // Unit `label` of `params` (named), its layout: INVALID_ARGUMENT when they differ in dtype or device. Nothing changes.
 UnitState describe_unit(std::string label, const std::vector<std::pair<std::string, at::Tensor>>& params, int world) {
@@ -787,6 +784,7 @@ FullyShardedDataParallel::FullyShardedDataParallel(std::shared_ptr<torch::nn::Mo
   for (const auto& item : named) s.param_order.push_back(where.at(item.value().unsafeGetTensorImpl()));
   // At first, prefetching follows the units' order, and the root's unit (which ends the forward) or the last unit is
   // expected to end it.
+  s.order.reset(s.units.size());
   s.prev_started.resize(s.units.size());
   std::iota(s.prev_started.begin(), s.prev_started.end(), 0);
   s.last_guess = s.root_unit >= 0 ? s.root_unit : static_cast<int>(s.units.size()) - 1;
@@ -896,17 +894,8 @@ at::Tensor FullyShardedDataParallel::forward(const at::Tensor& input) {
       x = it->forward(x);
       continue;
     }
-    UnitState& u = s.units[k];
-    {
-      std::lock_guard<std::mutex> lock(s.mu);
-      s.pre_forward(k);
-    }
-    x = s.into_buffer(u, *it->ptr())
-            ? LinearIntoBuffer::apply(x, u.params[0], u.params.size() > 1 ? u.params[1] : at::Tensor(), s.id,
-                                      static_cast<int64_t>(k))
-            : it->forward(x);
-    std::lock_guard<std::mutex> lock(s.mu);
-    x = s.post_forward(k, std::move(x));
+    detail::ForwardScope unit(state_, k, /*attached=*/true);  // as a Unit's forward, without its input's cast
+    x = unit.output(run_unit(s, k, *it->ptr(), x, [&] { return it->forward(x); }));
   }
   return scope.output(std::move(x));
 }
@@ -930,15 +919,8 @@ at::Tensor UnitImpl::forward(const at::Tensor& input) {
   }
   detail::ForwardScope scope(state_, unit_, attached_);
   const at::Tensor x = scope.cast(input);
-  if (scope.state && unit_ >= 0) {
-    detail::ModelState& s = *scope.state;
-    const UnitState& u = s.units[static_cast<size_t>(unit_)];
-    if (s.into_buffer(u, *inner_)) {
-      return scope.output(LinearIntoBuffer::apply(x, u.params[0], u.params.size() > 1 ? u.params[1] : at::Tensor(),
-                                                  s.id, static_cast<int64_t>(unit_)));
-    }
-  }
-  return scope.output(forward_(x));
+  if (!scope.state || unit_ < 0) return scope.output(forward_(x));
+  return scope.output(run_unit(*scope.state, unit_, *inner_, x, [&] { return forward_(x); }));
 }
 
 void UnitImpl::train(bool on) {

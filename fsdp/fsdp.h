@@ -54,9 +54,8 @@
 //   same; TANDEM_DEBUG_COLLECTIVES names the first rank that differs). Several forwards before one backward work
 //   (every unit is then reduced at the end of the backward). A backward inside the forward
 //   (torch::autograd::grad through a unit's output) computes with the unit gathered and reduces nothing. A unit runs
-//   at most once per forward
-//   (FAILED_PRECONDITION otherwise); a Unit of a held model runs only inside its forward() (FAILED_PRECONDITION
-//   otherwise, as after the model was destroyed, when its parameters hold no memory).
+//   at most once per forward (FAILED_PRECONDITION otherwise); a Unit of a held model runs only inside its forward()
+//   (FAILED_PRECONDITION otherwise, as after the model was destroyed, when its parameters hold no memory).
 // - The model's parameters must not be used outside forward() after wrapping: their memory is released between
 //   uses (full_parameters() gathers them); under ZeRO-2 they hold the values of the last forward. Its buffers are not
 //   sharded; with sync_module_states every rank takes rank 0's at construction.
@@ -139,7 +138,8 @@ class FullyShardedDataParallel;
 namespace detail {
 struct ModelState;
 using Forward = std::function<at::Tensor(const at::Tensor&)>;
-// M's forward of one tensor, or one that throws UNIMPLEMENTED when M has none (then forward_as<M>(...) runs it).
+// M's forward of one tensor, or null when M has none (forward() then throws UNIMPLEMENTED; forward_as<M>(...) runs
+// it).
 template <typename M, typename = void>
 struct HasTensorForward : std::false_type {};
 template <typename M>

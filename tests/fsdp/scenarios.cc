@@ -110,43 +110,52 @@ std::string same_parameters(int step, const fsdp::FullyShardedDataParallel::Stat
   return "";
 }
 
+// The options of an equivalence variant: "keep" keeps each unit gathered from its forward to its backward; "lean", the
+// least memory, neither prefetches nor overlaps reductions; "no_prefetch"; "zero2" shards gradients and optimizer
+// state only.
+fsdp::FsdpOptions options_of(const std::string& variant) {
+  fsdp::FsdpOptions options;
+  options.reshard_after_forward = variant != "keep";
+  options.prefetch = variant != "no_prefetch" && variant != "lean";
+  options.overlap_reduce = variant != "lean";
+  if (variant == "zero2") options.sharding = fsdp::Sharding::kGradientsAndOptimizer;
+  return options;
+}
+
+// Adam, or for "sgd" SGD with momentum, which (unlike Adam) would also show a gradient off by a factor.
+std::unique_ptr<torch::optim::Optimizer> optimizer_of(const std::string& variant, std::vector<at::Tensor> params) {
+  if (variant == "sgd") return std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(0.1).momentum(0.9));
+  return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(0.01));
+}
+
+// The bytes of the storages of `m`'s parameters (a unit's parameters share one).
+int64_t held_bytes(torch::nn::Module& m) {
+  std::set<const void*> seen;
+  int64_t bytes = 0;
+  for (const auto& p : m.parameters()) {
+    if (seen.insert(p.storage().unsafeGetStorageImpl()).second) bytes += static_cast<int64_t>(p.storage().nbytes());
+  }
+  return bytes;
+}
+
 std::string equivalence(const std::string& variant) {
   const int world = static_cast<int>(rpc::get_all_worker_infos().size());
   const int rank = rpc::get_worker_info().id;
   auto group = comm::ProcessGroup::create("fsdp_" + variant);
-  fsdp::FsdpOptions options;
-  options.reshard_after_forward = variant != "keep";
-  // "lean": the least memory (no prefetch, each reduction waited for), stepped by ChunkedAdam against the reference's
-  // Adam.
-  const bool lean = variant == "lean";
-  options.prefetch = variant != "no_prefetch" && !lean;
-  options.overlap_reduce = !lean;
-  const bool zero2 = variant == "zero2";
-  if (zero2) options.sharding = fsdp::Sharding::kGradientsAndOptimizer;
+  const fsdp::FsdpOptions options = options_of(variant);
+  // "lean" is stepped by ChunkedAdam against the reference's Adam.
+  const bool lean = variant == "lean", zero2 = variant == "zero2";
   torch::nn::Sequential sharded_model = make_model();
   fsdp::FullyShardedDataParallel model(sharded_model, group, options);
   torch::nn::Sequential ref = make_model();
-  // Adam, and SGD, which (unlike Adam) would also show a gradient off by a factor.
-  auto make_opt = [&](std::vector<at::Tensor> params) -> std::unique_ptr<torch::optim::Optimizer> {
-    if (variant == "sgd")
-      return std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(0.1).momentum(0.9));
-    return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(0.01));
-  };
   std::unique_ptr<torch::optim::Optimizer> opt_ptr =
       lean ? std::make_unique<tandem::optim::ChunkedAdam>(model.parameters(), torch::optim::AdamOptions(0.01), 64)
-           : make_opt(model.parameters());
-  auto ref_opt_ptr = make_opt(ref->parameters());
+           : optimizer_of(variant, model.parameters());
+  auto ref_opt_ptr = optimizer_of(variant, ref->parameters());
   torch::optim::Optimizer &opt = *opt_ptr, &ref_opt = *ref_opt_ptr;
   // Between uses the model's parameters hold no memory; with reshard_after_forward, not even between a forward and
   // its backward. Under ZeRO-2 they hold it from the first forward on.
-  auto held = [&] {  // the bytes of the parameters' storages (a unit's parameters share one)
-    std::set<const void*> seen;
-    int64_t bytes = 0;
-    for (const auto& p : sharded_model->parameters()) {
-      if (seen.insert(p.storage().unsafeGetStorageImpl()).second) bytes += static_cast<int64_t>(p.storage().nbytes());
-    }
-    return bytes;
-  };
+  auto held = [&] { return held_bytes(*sharded_model); };
   // Each unit's parameters, padded to a multiple of W, in doubles.
   std::vector<int64_t> unit_bytes;
   bool uneven = false;
@@ -662,16 +671,6 @@ std::string thrown(const std::function<void()>& f) {
   return "";
 }
 
-// The bytes of the storages of `m`'s parameters (a unit's parameters share one).
-int64_t held_bytes(torch::nn::Module& m) {
-  std::set<const void*> seen;
-  int64_t bytes = 0;
-  for (const auto& p : m.parameters()) {
-    if (seen.insert(p.storage().unsafeGetStorageImpl()).second) bytes += static_cast<int64_t>(p.storage().nbytes());
-  }
-  return bytes;
-}
-
 // Misuse, refused naming why, leaving the model usable (after the equivalence steps of "reshard").
 std::string named_units_misuse(std::unique_ptr<fsdp::FullyShardedDataParallel> model, std::shared_ptr<NetImpl> net,
                                NetImpl& plain, const std::shared_ptr<comm::ProcessGroup>& group, int world) {
@@ -748,12 +747,8 @@ std::string named_units(const std::string& variant) {
   const int world = static_cast<int>(rpc::get_all_worker_infos().size());
   const int rank = rpc::get_worker_info().id;
   auto group = comm::ProcessGroup::create("fsdp_units_" + variant);
-  fsdp::FsdpOptions options;
-  options.reshard_after_forward = variant != "keep";
+  const fsdp::FsdpOptions options = options_of(variant);
   const bool lean = variant == "lean", zero2 = variant == "zero2", twice = variant == "twice";
-  options.prefetch = !lean;
-  options.overlap_reduce = !lean;
-  if (zero2) options.sharding = fsdp::Sharding::kGradientsAndOptimizer;
   const int micro = variant == "no_sync" ? 3 : 1;
   auto net = make_net(true);
   auto ref = make_net(false);
@@ -771,13 +766,7 @@ std::string named_units(const std::string& variant) {
     return absl::StrCat("the largest unit: ", stats.largest_unit_elements);
   }
   const int64_t root_bytes = (sizes[0] + world - 1) / world * world * 8;
-  auto make_opt = [&](std::vector<at::Tensor> params) -> std::unique_ptr<torch::optim::Optimizer> {
-    if (variant == "sgd") {
-      return std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(0.1).momentum(0.9));
-    }
-    return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(0.01));
-  };
-  auto opt = make_opt(model->parameters()), ref_opt = make_opt(ref->parameters());
+  auto opt = optimizer_of(variant, model->parameters()), ref_opt = optimizer_of(variant, ref->parameters());
   auto loss_of = [&](const std::function<at::Tensor(const at::Tensor&)>& forward, NetImpl& m, int r,
                      const at::Tensor& x, const at::Tensor& y) {
     m.mixer_module->use_gate = r == 0;
