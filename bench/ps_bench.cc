@@ -117,7 +117,7 @@ int main(int argc, char** argv) {
   const int rank = std::atoi(std::getenv("RANK") ? std::getenv("RANK") : "0");
   const int world = std::atoi(std::getenv("WORLD_SIZE") ? std::getenv("WORLD_SIZE") : "1");
   // The limit, measured twice by rank 0: first, before RPC starts its threads (the trainers wait for it in init_rpc,
-  // though they may still be loading), and again once the trainers are done; the higher is reported (the VM's speed
+  // though they may still be loading), and again after RPC's shutdown; the higher is reported (the VM's speed
   // drifts, and a limit measured while something else runs is not one).
   std::pair<double, double> limit_before{0, 0};
   if (rank == 0) limit_before = local_limit(steps);
@@ -135,6 +135,9 @@ int main(int argc, char** argv) {
     if (!examples::wait_for_trainers(std::chrono::minutes(30))) return 1;
     // The server's CPU time per round (warm-up included) and its share of the machine's 2 cores over the run.
     const double cpu = cpu_seconds() - cpu0, wall = (bench::now_us() - wall0) / 1e6;
+    // After RPC's shutdown: the trainers wait in its barrier for this worker, and the limit takes as long as the run
+    // (measured before it, with --steps 4000 their barrier's deadline ran out).
+    rpc::shutdown();
     const std::pair<double, double> limit_after = local_limit(steps);
     const auto& [rate, cpu_us] = std::max(limit_before, limit_after);
     bench::emit_floor("ps", "ps_steps_per_s", rate, "steps/s",
@@ -189,7 +192,7 @@ int main(int argc, char** argv) {
     const double cpu_us = (cpu_seconds() - cpu0) / steps * 1e6;
     rpc::rpc_sync("ps", "bench.rate", steps / ((bench::now_us() - t0) / 1e6), phases, cpu_us);
     examples::done();
+    rpc::shutdown();
   }
-  rpc::shutdown();
   return 0;
 }
