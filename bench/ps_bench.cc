@@ -4,6 +4,9 @@
 //   ps_steps_per_s  training steps per second summed over the trainers (each measures its own rate and reports it
 //                   to the server, which prints the sum). The line also tells where a step's time goes:
 //                   trainer_step_us (means per step over the trainers: forward, loss_and_backward, submit, release),
+//                   server_us (the server's side: serving a forward and a backward, means; the round's step, from the
+//                   example's metrics gauges), against the floor's phase_us (a thread's forward and loss and
+//                   backward, the round's step),
 //                   server_cpu_per_round_us (the server's CPU time per round, warm-up included) and
 //                   server_cores_busy (the server's CPU time over the run's wall time: 2.0 would be both cores),
 //                   trainers_cpu_per_round_us (the trainers' CPU time per step, summed: they share the cores) and
@@ -33,6 +36,7 @@
 #include "bench/common.h"
 #include "examples/parameter_server/server.h"
 #include "tandem/dist_autograd/dist_autograd.h"
+#include "tandem/metrics/metrics.h"
 #include "tandem/rpc/rpc.h"
 #include "tools/flags.h"
 
@@ -54,9 +58,17 @@ double cpu_seconds() {
          static_cast<double>(ru.ru_utime.tv_usec + ru.ru_stime.tv_usec) / 1e6;
 }
 
-// The two-threads-in-one-process limit (see the top): summed steps per second over `steps` rounds after a tenth as
-// many warm-up rounds, and the CPU time per round (us).
-std::pair<double, double> local_limit(int steps) {
+// What the limit measured: the summed steps per second over `steps` rounds after a tenth as many warm-up rounds, the
+// CPU time per round (us), and its phases (us): each thread's forward and loss-and-backward per step, and the step
+// (the last thread's sum, the average and SGD) per round.
+struct Limit {
+  double rate = 0, cpu_us = 0;
+  double forward_us = 0, backward_us = 0, step_us = 0;
+  bool operator<(const Limit& o) const { return rate < o.rate; }
+};
+
+// The two-threads-in-one-process limit (see the top).
+Limit local_limit(int steps) {
   torch::manual_seed(0);  // as the server builds it: the factory registered as "mlp"
   auto model =
       std::dynamic_pointer_cast<torch::nn::SequentialImpl>(tandem::nn::detail::make_instance("mlp", {}).module);
@@ -69,13 +81,19 @@ std::pair<double, double> local_limit(int steps) {
   std::vector<at::Tensor> sum(params.size());
   const int warmup = steps / 10;
   double t0 = 0, cpu0 = 0;
+  double forward_us = 0, backward_us = 0, step_us = 0;  // summed over both threads (the step: over rounds)
   auto trainer = [&](int seed) {
     const at::Tensor x = at::randn({64, 784}, at::detail::createCPUGenerator(seed));
     const at::Tensor y = at::randint(0, 10, {64}, at::detail::createCPUGenerator(seed), at::kLong);
     for (int s = 0; s < warmup + steps; ++s) {
-      at::Tensor loss = torch::nn::functional::cross_entropy(model->forward(x), y);
+      const double start = bench::now_us();
+      at::Tensor out = model->forward(x);
+      const double forwarded = bench::now_us();
+      at::Tensor loss = torch::nn::functional::cross_entropy(out, y);
       std::vector<at::Tensor> grads = torch::autograd::grad({loss}, params);
+      const double backwarded = bench::now_us();
       std::unique_lock<std::mutex> lock(mu);
+      if (s >= warmup) forward_us += forwarded - start, backward_us += backwarded - forwarded;
       for (size_t i = 0; i < params.size(); ++i) sum[i] = sum[i].defined() ? sum[i].add_(grads[i]) : grads[i];
       if (++arrived < 2) {
         const int64_t mine = round;
@@ -88,6 +106,7 @@ std::pair<double, double> local_limit(int steps) {
         opt.step();
         for (auto& g : sum) g = at::Tensor();
       }
+      if (s >= warmup) step_us += bench::now_us() - backwarded;
       arrived = 0;
       ++round;
       if (round == warmup) t0 = bench::now_us(), cpu0 = cpu_seconds();
@@ -97,7 +116,24 @@ std::pair<double, double> local_limit(int steps) {
   std::thread a(trainer, 1), b(trainer, 2);
   a.join();
   b.join();
-  return {2.0 * steps / ((bench::now_us() - t0) / 1e6), (cpu_seconds() - cpu0) / steps * 1e6};
+  Limit out;
+  out.rate = 2.0 * steps / ((bench::now_us() - t0) / 1e6);
+  out.cpu_us = (cpu_seconds() - cpu0) / steps * 1e6;
+  out.forward_us = forward_us / (2.0 * steps);
+  out.backward_us = backward_us / (2.0 * steps);
+  out.step_us = step_us / steps;
+  return out;
+}
+
+// The mean time (us) the server took to serve `function`'s calls ("in": request read to reply written), over every
+// trainer; 0 when none.
+double serve_us(const tandem::metrics::Snapshot& snap, const std::string& function) {
+  double sum = 0;
+  int64_t count = 0;
+  for (const auto& c : snap.calls) {
+    if (c.direction == "in" && c.function == function) sum += c.latency.sum_us, count += c.latency.count;
+  }
+  return count ? sum / static_cast<double>(count) : 0;
 }
 }  // namespace
 
@@ -119,7 +155,7 @@ int main(int argc, char** argv) {
   // The limit, measured twice by rank 0: first, before RPC starts its threads (the trainers wait for it in init_rpc,
   // though they may still be loading), and again after RPC's shutdown; the higher is reported (the VM's speed
   // drifts, and a limit measured while something else runs is not one).
-  std::pair<double, double> limit_before{0, 0};
+  Limit limit_before;
   if (rank == 0) limit_before = local_limit(steps);
   rpc::init_rpc(rank == 0 ? "ps" : "trainer" + std::to_string(rank), rank, world);
   const int trainers = world - 1;
@@ -135,18 +171,26 @@ int main(int argc, char** argv) {
     if (!examples::wait_for_trainers(std::chrono::minutes(30))) return 1;
     // The server's CPU time per round (warm-up included) and its share of the machine's 2 cores over the run.
     const double cpu = cpu_seconds() - cpu0, wall = (bench::now_us() - wall0) / 1e6;
+    // The server's side of a step (means, warm-up included): serving a forward (the request read, the model's forward,
+    // the reply written), a backward (the gradient message: the backward through the model), and the round's step.
+    const tandem::metrics::Snapshot snap = tandem::metrics::snapshot();
+    const double steps_timed = snap.gauges.count("tandem_ps_steps_total") ? snap.gauges.at("tandem_ps_steps_total") : 0;
+    const double step_us = steps_timed > 0 ? snap.gauges.at("tandem_ps_step_seconds_total") / steps_timed * 1e6 : 0;
     // After RPC's shutdown: the trainers wait in its barrier for this worker, and the limit takes as long as the run
     // (measured before it, with --steps 4000 their barrier's deadline ran out).
     rpc::shutdown();
-    const std::pair<double, double> limit_after = local_limit(steps);
-    const auto& [rate, cpu_us] = std::max(limit_before, limit_after);
-    bench::emit_floor("ps", "ps_steps_per_s", rate, "steps/s",
+    const Limit limit_after = local_limit(steps);
+    const Limit& limit = std::max(limit_before, limit_after);
+    auto n = [](double v) { return std::to_string(static_cast<int64_t>(v)); };
+    bench::emit_floor("ps", "ps_steps_per_s", limit.rate, "steps/s",
                       "\"processes\":1,\"threads\":2,\"intra_op_threads\":1,\"model\":\"mlp784-512-512-10\","
                       "\"batch\":64,\"mode\":\"sync\",\"what\":\"two trainers as threads of one process\","
                       "\"steps_per_trainer\":" +
-                          std::to_string(steps) +
-                          ",\"cpu_per_round_us\":" + std::to_string(static_cast<int64_t>(cpu_us)) + ",\"before_run\":" +
-                          std::to_string(limit_before.first) + ",\"after_run\":" + std::to_string(limit_after.first));
+                          std::to_string(steps) + ",\"cpu_per_round_us\":" + n(limit.cpu_us) +
+                          ",\"phase_us\":{\"forward\":" + n(limit.forward_us) +
+                          ",\"loss_and_backward\":" + n(limit.backward_us) + ",\"step\":" + n(limit.step_us) +
+                          "},\"before_run\":" + std::to_string(limit_before.rate) +
+                          ",\"after_run\":" + std::to_string(limit_after.rate));
     const int rounds = steps + steps / 10;
     std::lock_guard<std::mutex> lock(g_mu);
     auto us = [&](int i) { return std::to_string(static_cast<int64_t>(g_phases[i] / trainers)); };
@@ -155,6 +199,8 @@ int main(int argc, char** argv) {
                     std::to_string(trainers) + ",\"model\":\"mlp784-512-512-10\",\"batch\":64,\"mode\":\"sync\"," +
                     "\"steps_per_trainer\":" + std::to_string(steps) + ",\"trainer_step_us\":{\"forward\":" + us(0) +
                     ",\"loss_and_backward\":" + us(1) + ",\"submit\":" + us(2) + ",\"release\":" + us(3) +
+                    "},\"server_us\":{\"forward\":" + n(serve_us(snap, "__tandem.rref.call")) +
+                    ",\"backward\":" + n(serve_us(snap, "__tandem.dist_autograd.grad")) + ",\"step\":" + n(step_us) +
                     "},\"server_cpu_per_round_us\":" + std::to_string(static_cast<int64_t>(cpu / rounds * 1e6)) +
                     ",\"server_cores_busy\":" + std::to_string(cpu / wall) + ",\"trainers_cpu_per_round_us\":" +
                     std::to_string(static_cast<int64_t>(g_trainers_cpu_us)) + ",\"machine_cpu_per_round_us\":" +

@@ -3,12 +3,14 @@
 #include <torch/torch.h>
 
 #include <atomic>
+#include <chrono>
 
 #include "absl/base/thread_annotations.h"
 #include "examples/data/cnn.h"
 #include "examples/data/fashion_mnist.h"
 #include "tandem/checkpoint/checkpoint.h"
 #include "tandem/dist_autograd/dist_autograd.h"
+#include "tandem/metrics/metrics.h"
 #include "tandem/rpc/rpc.h"
 #include "tandem/sync/sync.h"
 
@@ -32,9 +34,13 @@ struct Server {
   std::atomic<int> done{0};
 
   Mutex mu;
-  std::vector<at::Tensor> sum ABSL_GUARDED_BY(mu);          // gradients submitted in this round
-  std::vector<rpc::Future> waiting ABSL_GUARDED_BY(mu);     // the trainers that submitted them
-  int64_t rounds ABSL_GUARDED_BY(mu) = 0;                   // optimizer steps taken (async: the last checkpoint's step)
+  std::vector<at::Tensor> sum ABSL_GUARDED_BY(mu);       // gradients submitted in this round
+  std::vector<rpc::Future> waiting ABSL_GUARDED_BY(mu);  // the trainers that submitted them
+  int64_t rounds ABSL_GUARDED_BY(mu) = 0;                // optimizer steps taken (async: the last checkpoint's step)
+  // Sync mode: the time the rounds' steps took (the last trainer's sum, the average and the optimizer's step, which
+  // every trainer waits for), as metrics gauges tandem_ps_step_seconds_total and tandem_ps_steps_total.
+  double step_seconds ABSL_GUARDED_BY(mu) = 0;
+  int64_t steps_timed ABSL_GUARDED_BY(mu) = 0;
   std::vector<rpc::Future> at_barrier ABSL_GUARDED_BY(mu);  // async checkpoints: trainers waiting for the others
   std::unique_ptr<checkpoint::Checkpointer> ckpt;           // with checkpoint_dir; saves under mu
   checkpoint::State state;                                  // the model, the optimizer, rounds
@@ -52,6 +58,7 @@ rpc::Future on_submit(int64_t context_id) {
   std::vector<rpc::Future> release;
   {
     MutexLock lock(&s.mu);
+    const auto arrived = std::chrono::steady_clock::now();  // the last trainer's: its sum begins the round's step
     for (size_t i = 0; i < s.params.size(); ++i) {
       at::Tensor g = grads[s.params[i]];
       if (!g.defined()) continue;
@@ -71,6 +78,8 @@ rpc::Future on_submit(int64_t context_id) {
         s.sum[i] = at::Tensor();
       }
       ++s.rounds;
+      s.step_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - arrived).count();
+      ++s.steps_timed;
       if (s.ckpt && s.rounds % s.options.checkpoint_every == 0) s.ckpt->save(s.rounds, s.state);
       release.swap(s.waiting);
     }
@@ -156,6 +165,14 @@ void start_parameter_server(const ServerOptions& options) {
       std::fflush(stdout);
     }
   }
+  metrics::set_gauge("tandem_ps_step_seconds_total", [] {
+    MutexLock lock(&server().mu);
+    return server().step_seconds;
+  });
+  metrics::set_gauge("tandem_ps_steps_total", [] {
+    MutexLock lock(&server().mu);
+    return static_cast<double>(server().steps_timed);
+  });
   s.ready.set_value(s.model.module_rref().to_ivalue());
 }
 

@@ -7,6 +7,8 @@
 //     their average with one optimizer step and releases them all (no trainer's forward can see a half-updated model);
 //   - asynchronous mode: a DistributedOptimizer step of the trainer's own (Hogwild: trainers never wait for each other,
 //     a gradient may be computed against weights another trainer has just updated).
+// In synchronous mode the server's metrics (metrics/metrics.h) have the time its rounds' steps took, which every
+// trainer waits for: gauges tandem_ps_step_seconds_total and tandem_ps_steps_total.
 #pragma once
 
 #include <ATen/core/Tensor.h>
