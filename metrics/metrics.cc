@@ -61,6 +61,7 @@ void Recorder::record(std::chrono::nanoseconds took, bool ok, int64_t sent, int6
   sent_.fetch_add(sent, std::memory_order_relaxed);
   received_.fetch_add(received, std::memory_order_relaxed);
   sum_ns_.fetch_add(ns, std::memory_order_relaxed);
+  last_ns_.store(ns, std::memory_order_relaxed);
   buckets_[bucket_of(ns)].fetch_add(1, std::memory_order_relaxed);
   int64_t seen = max_ns_.load(std::memory_order_relaxed);
   while (ns > seen && !max_ns_.compare_exchange_weak(seen, ns, std::memory_order_relaxed)) {

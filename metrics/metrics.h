@@ -80,11 +80,13 @@ class Recorder {
  public:
   static constexpr int kBuckets = 128;
   void record(std::chrono::nanoseconds took, bool ok, int64_t sent, int64_t received);
+  // How long the last call recorded took (0 before the first); of several at once, one of them.
+  std::chrono::nanoseconds last() const { return std::chrono::nanoseconds(last_ns_.load(std::memory_order_relaxed)); }
 
  private:
   friend Snapshot snapshot();
   friend struct Registry;
-  std::atomic<int64_t> count_{0}, errors_{0}, sent_{0}, received_{0}, sum_ns_{0}, max_ns_{0};
+  std::atomic<int64_t> count_{0}, errors_{0}, sent_{0}, received_{0}, sum_ns_{0}, max_ns_{0}, last_ns_{0};
   std::array<std::atomic<int64_t>, kBuckets> buckets_{};
 };
 

@@ -1,4 +1,5 @@
 // Outgoing calls of the agent (rpc/detail/agent.h): encode, send on the peer's route, decode the reply.
+#include "absl/functional/function_ref.h"
 #include "absl/strings/str_cat.h"
 #include "proto/tandem_rpc.pb.h"
 #include "tandem/profile/profile.h"
@@ -10,20 +11,24 @@
 namespace tandem::rpc::detail {
 namespace {
 
+// rpc_sync does not spin for a reply when the last one of the same call (peer and function) took this many spins.
+constexpr int kSpinlessAfter = 4;
+
 absl::Status error_with(const absl::Status& s, const std::string& prefix) {
   return absl::Status(s.code(), absl::StrCat(prefix, s.message()));
 }
 
 // The error a Response carries (OK when none), or why the frame is not a Response.
-absl::Status reply_status(const grpc::ByteBuffer& frame_bytes, const std::string& prefix,
+// `prefix` names the worker and the call; it is built only for an error.
+absl::Status reply_status(const grpc::ByteBuffer& frame_bytes, absl::FunctionRef<std::string()> prefix,
                           tandem::wire::Response* response, absl::StatusOr<wire::Frame>* frame) {
   *frame = wire::Frame::parse(frame_bytes, response);
-  if (!frame->ok()) return error_with(frame->status(), prefix + "bad reply: ");
+  if (!frame->ok()) return error_with(frame->status(), prefix() + "bad reply: ");
   if (!response->has_error()) return absl::OkStatus();
   const auto code = static_cast<absl::StatusCode>(response->error().code());
   return absl::Status(
       code == absl::StatusCode::kOk ? absl::StatusCode::kUnknown : code,
-      prefix + (code == absl::StatusCode::kUnknown ? "remote exception: " : "") + response->error().message());
+      prefix() + (code == absl::StatusCode::kUnknown ? "remote exception: " : "") + response->error().message());
 }
 
 }  // namespace
@@ -102,25 +107,26 @@ void Agent::deliver(const Future& target, absl::StatusOr<c10::IValue> value, std
   }
 }
 
-absl::StatusOr<c10::IValue> Agent::parse_reply(const grpc::ByteBuffer& frame_bytes, int peer, const std::string& prefix,
-                                               std::vector<Future>* wait) const {
+absl::StatusOr<c10::IValue> Agent::parse_reply(const grpc::ByteBuffer& frame_bytes, int peer,
+                                               const std::string& function, std::vector<Future>* wait) const {
+  auto prefix = [&] { return describe(peer, function); };  // for errors only: a call that succeeds formats nothing
   tandem::wire::Response response;
-  absl::StatusOr<wire::Frame> frame = absl::UnknownError("not parsed");
+  absl::StatusOr<wire::Frame> frame = absl::UnknownError("");  // both placeholders are assigned before they are read
   if (auto s = reply_status(frame_bytes, prefix, &response, &frame); !s.ok()) return s;
   CallTracer* tracer = response.trace().empty() ? nullptr : call_tracer();
   std::vector<at::Tensor> wire_tensors;
-  absl::StatusOr<std::vector<c10::IValue>> values = absl::UnknownError("not decoded");
+  absl::StatusOr<std::vector<c10::IValue>> values = absl::UnknownError("");
   try {  // upper layers' codecs and tracer run here: what they throw is this call's error
     values = frame->decode(response.result(), {0, peer, wait, tracer ? &wire_tensors : nullptr});
-    if (!values.ok()) return error_with(values.status(), prefix + "bad reply: ");
+    if (!values.ok()) return error_with(values.status(), prefix() + "bad reply: ");
     if (tracer) {
-      if (auto s = tracer->reply_in(peer, response.trace(), wire_tensors); !s.ok()) return error_with(s, prefix);
+      if (auto s = tracer->reply_in(peer, response.trace(), wire_tensors); !s.ok()) return error_with(s, prefix());
     }
   } catch (...) {
     return absl::InternalError(
-        absl::StrCat(prefix, "decoding the reply failed: ", status_from_current_exception().message()));
+        absl::StrCat(prefix(), "decoding the reply failed: ", status_from_current_exception().message()));
   }
-  if (values->size() != 1) return absl::InvalidArgumentError(prefix + "bad reply: expected one result");
+  if (values->size() != 1) return absl::InvalidArgumentError(prefix() + "bad reply: expected one result");
   return std::move((*values)[0]);
 }
 
@@ -160,7 +166,7 @@ absl::StatusOr<Agent::Outgoing> Agent::start_call(const To& to, const std::strin
   auto frame =
       encode_request(*peer, function, args, by_reference_ok && out.route->by_reference(*peer), referenced, oneway);
   if (!frame.ok()) return error_with(frame.status(), describe(*peer, function));
-  out.frame = std::move(*frame);
+  out.frame = std::move(*frame);  // swapped in
   out.record.sent_bytes = static_cast<int64_t>(out.frame.Length());
   if (referenced) {
     for (const auto& t : *referenced) out.record.sent_bytes += static_cast<int64_t>(t.nbytes());
@@ -192,7 +198,7 @@ Future Agent::call(const To& to, const std::string& function, std::vector<c10::I
         std::vector<Future> wait;
         const std::string& function = record.function;
         absl::StatusOr<c10::IValue> result =
-            reply.ok() ? parse_reply(*reply, p, describe(p, function), &wait)
+            reply.ok() ? parse_reply(*reply, p, function, &wait)
                        : absl::StatusOr<c10::IValue>(call_error(reply.status(), p, function, timeout));
         call_finished(record, result.ok(), reply.ok() ? static_cast<int64_t>(reply->Length()) : 0);
         deliver(future, std::move(result), std::move(wait));
@@ -220,8 +226,9 @@ Future Agent::send(const To& to, const std::string& function, std::vector<c10::I
     absl::Status status = sent.ok() ? absl::OkStatus() : call_error(sent.status(), p, function, timeout);
     if (sent.ok() && sent->Length() > 0) {
       tandem::wire::Response response;
-      absl::StatusOr<wire::Frame> frame = absl::UnknownError("not parsed");
-      status = reply_status(*sent, describe(p, function), &response, &frame);
+      absl::StatusOr<wire::Frame> frame = absl::UnknownError("");  // assigned before it is read
+      status = reply_status(
+          *sent, [&] { return describe(p, function); }, &response, &frame);
     }
     call_finished(record, status.ok(), sent.ok() ? static_cast<int64_t>(sent->Length()) : 0);
     deliver(future, status.ok() ? absl::StatusOr<c10::IValue>(c10::IValue()) : absl::StatusOr<c10::IValue>(status), {});
@@ -243,11 +250,16 @@ Future Agent::call_and_wait(const To& to, const std::string& function, std::vect
   const int peer = out->record.peer;
   const absl::Time deadline = out->deadline;
   timeout = out->timeout;
-  auto reply = out->route->call_sync(peer, function, std::move(out->frame), deadline, options_.sync_spin);
+  // A call whose last reply took far longer than the spin (a forward pass on a parameter server: milliseconds) sleeps
+  // at once: spinning would only take CPU from the callee, which may need it on the same cores.
+  const std::chrono::microseconds spin = out->record.recorder->last() > kSpinlessAfter * options_.sync_spin
+                                             ? std::chrono::microseconds(0)
+                                             : options_.sync_spin;
+  auto reply = out->route->call_sync(peer, function, std::move(out->frame), deadline, spin);
   referenced.clear();
   std::vector<Future> wait;
   absl::StatusOr<c10::IValue> result =
-      reply.ok() ? parse_reply(*reply, peer, describe(peer, function), &wait)
+      reply.ok() ? parse_reply(*reply, peer, function, &wait)
                  : absl::StatusOr<c10::IValue>(call_error(reply.status(), peer, function, timeout));
   call_finished(out->record, result.ok(), reply.ok() ? static_cast<int64_t>(reply->Length()) : 0);
   Future done(deadline);

@@ -79,8 +79,8 @@ bool Agent::serve_message(Incoming& in, Parsed* parsed) {
   t_current_call = nullptr;
   if (!status.ok()) {
     ++oneway_failures_;
-    TANDEM_LOG(kError, "rpc") << "one-way call '" << request.function() << "' from worker '"
-                              << request.caller_name() << "' failed: " << status.message();
+    TANDEM_LOG(kError, "rpc") << "one-way call '" << request.function() << "' from worker '" << request.caller_name()
+                              << "' failed: " << status.message();
   }
   return true;
 }
@@ -172,7 +172,7 @@ void Agent::handle(std::shared_ptr<InCall> call, Parsed* parsed) {
   CallTracer* tracer = request.trace().empty() ? nullptr : call_tracer();
   std::vector<at::Tensor> wire_tensors;
   // Decoding runs upper layers' codecs and tracer; whatever they throw is the caller's error, never this worker's end.
-  absl::StatusOr<std::vector<c10::IValue>> args = absl::UnknownError("not decoded");
+  absl::StatusOr<std::vector<c10::IValue>> args = absl::UnknownError("");  // assigned before it is read
   try {
     args =
         frame->decode(request.args(), {call->in.cma_pid, request.caller_rank(), &wait, tracer ? &wire_tensors : nullptr,

@@ -45,6 +45,10 @@ bool Future::wait_for(std::chrono::milliseconds timeout) const {
 }
 
 absl::Status Future::status() const {
+  {
+    MutexLock lock(&state_->mu);
+    if (state_->done) return state_->error;  // no clock read for the usual, completed case
+  }
   absl::Time until = state_->deadline;
   // A call's future completes by its deadline; the margin covers the completion callback itself (the deadline timer's
   // latency and what runs before the future is set), which no option describes.

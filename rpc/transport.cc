@@ -4,14 +4,15 @@
 
 namespace tandem::rpc {
 
-absl::StatusOr<grpc::ByteBuffer> Transport::call_sync(int peer, const std::string& function, grpc::ByteBuffer request,
-                                                      absl::Time deadline, std::chrono::microseconds) {
+absl::StatusOr<grpc::ByteBuffer> Transport::call_sync(int peer, const std::string& function,
+                                                      const grpc::ByteBuffer& request, absl::Time deadline,
+                                                      std::chrono::microseconds) {
   struct Waiter {
     Notification done;
     absl::StatusOr<grpc::ByteBuffer> reply = absl::UnknownError("no reply");
   };
   auto w = std::make_shared<Waiter>();
-  call(peer, function, std::move(request), deadline, [w](absl::StatusOr<grpc::ByteBuffer> reply) {
+  call(peer, function, request, deadline, [w](absl::StatusOr<grpc::ByteBuffer> reply) {
     w->reply = std::move(reply);
     w->done.Notify();
   });

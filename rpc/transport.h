@@ -32,6 +32,34 @@
 
 namespace tandem::rpc {
 
+// A grpc::ByteBuffer that moves. gRPC 1.51's ByteBuffer (final) has a copy constructor and no move one, so every
+// std::move of a frame copied it (an allocation and a reference count per slice, then their release): a dozen times
+// per call on the way from the socket to the agent and back. This one moves by Swap; copying it still copies. It
+// stands for its ByteBuffer wherever one is taken by reference.
+class FrameBuffer {
+ public:
+  FrameBuffer() = default;
+  FrameBuffer(grpc::ByteBuffer&& b) noexcept { b_.Swap(&b); }  // NOLINT: implicit, as a moved ByteBuffer
+  FrameBuffer(const grpc::ByteBuffer& b) : b_(b) {}            // NOLINT: implicit, as a copied ByteBuffer
+  FrameBuffer(FrameBuffer&& o) noexcept { b_.Swap(&o.b_); }
+  FrameBuffer(const FrameBuffer&) = default;
+  FrameBuffer& operator=(FrameBuffer&& o) noexcept {
+    b_.Swap(&o.b_);
+    return *this;
+  }
+  FrameBuffer& operator=(const FrameBuffer&) = default;
+  operator grpc::ByteBuffer&() { return b_; }              // NOLINT: implicit
+  operator const grpc::ByteBuffer&() const { return b_; }  // NOLINT: implicit
+  grpc::ByteBuffer& buffer() { return b_; }
+  const grpc::ByteBuffer& buffer() const { return b_; }
+  size_t Length() const { return b_.Length(); }
+  bool Valid() const { return b_.Valid(); }
+  void Swap(grpc::ByteBuffer* other) { b_.Swap(other); }
+
+ private:
+  grpc::ByteBuffer b_;
+};
+
 // Answers one incoming request: with a reply frame (`status` OK) or with a transport-level error the caller sees as
 // that status. Called exactly once.
 using ReplyFn = std::function<void(grpc::ByteBuffer* reply, const absl::Status& status)>;
@@ -40,7 +68,7 @@ using DoneFn = std::function<void(absl::StatusOr<grpc::ByteBuffer> reply)>;
 
 // A request as a transport received it.
 struct Incoming {
-  grpc::ByteBuffer request;
+  FrameBuffer request;
   pid_t cma_pid = 0;          // the caller's process when tensors sent by reference may be read from it, else 0
   bool on_io_thread = false;  // true: the handler may run the call right here (the direct channel's worker threads)
   // A one-way request (Transport::send): nobody waits for its reply, and `reply` writes none (the agent still calls
@@ -83,8 +111,9 @@ class Transport {
   virtual void call(int peer, const std::string& function, grpc::ByteBuffer request, absl::Time deadline,
                     DoneFn done) = 0;
   // The same, waiting on the calling thread (the direct channel reads its reply on it, spinning up to `spin`).
-  virtual absl::StatusOr<grpc::ByteBuffer> call_sync(int peer, const std::string& function, grpc::ByteBuffer request,
-                                                     absl::Time deadline, std::chrono::microseconds spin);
+  virtual absl::StatusOr<grpc::ByteBuffer> call_sync(int peer, const std::string& function,
+                                                     const grpc::ByteBuffer& request, absl::Time deadline,
+                                                     std::chrono::microseconds spin);
 
   // One-way: sends `request` to `peer` without waiting for a reply; `done` runs once, with an empty buffer when the
   // request was handed to the connection (after earlier requests to `peer` on it), or with the errors of call(). The

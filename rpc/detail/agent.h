@@ -147,7 +147,7 @@ class Agent {
   // A request's header and frame, parsed once.
   struct Parsed {
     tandem::wire::Request request;
-    absl::StatusOr<wire::Frame> frame = absl::UnknownError("not parsed");
+    absl::StatusOr<wire::Frame> frame = absl::UnknownError("");  // assigned before it is read
   };
   void on_incoming(Incoming in);
   // A one-way request on the direct channel's thread: runs it here when it is a message (registry.h's
@@ -194,7 +194,7 @@ class Agent {
     std::chrono::milliseconds timeout{0};
     absl::Time deadline;
     Transport* route = nullptr;
-    grpc::ByteBuffer frame;
+    FrameBuffer frame;
     CallRecord record;
   };
   // Every outgoing call's end, whichever path it took: its metrics, its profile range (`record.start` to now, named
@@ -203,8 +203,9 @@ class Agent {
   absl::StatusOr<Outgoing> start_call(const To& to, const std::string& function, std::vector<c10::IValue>& args,
                                       std::chrono::milliseconds timeout, bool by_reference_ok, bool oneway,
                                       std::vector<at::Tensor>* referenced, const char* kind);
-  // The value of a reply frame from `peer`; `wait` receives the futures value codecs need completed before it is used.
-  absl::StatusOr<c10::IValue> parse_reply(const grpc::ByteBuffer& frame, int peer, const std::string& prefix,
+  // The value of a reply frame from `peer` to a call of `function`; `wait` receives the futures value codecs need
+  // completed before it is used. Its errors name the worker and the call (describe()).
+  absl::StatusOr<c10::IValue> parse_reply(const grpc::ByteBuffer& frame, int peer, const std::string& function,
                                           std::vector<Future>* wait) const;
   // Completes `target` with `value` once `wait` has completed (at once when empty), or with the first error.
   static void deliver(const Future& target, absl::StatusOr<c10::IValue> value, std::vector<Future> wait);

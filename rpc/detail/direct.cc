@@ -452,7 +452,8 @@ absl::StatusOr<Message> Conn::read_body(absl::Time deadline) {
       },
       owner);
   if (auto s = read_exact(fd_, owner->buffer, h.length, deadline); !s.ok()) return s;
-  m.body = grpc::ByteBuffer(&slice, 1);
+  grpc::ByteBuffer body(&slice, 1);
+  m.body = std::move(body);  // swapped in
   return m;
 }
 

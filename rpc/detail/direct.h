@@ -42,6 +42,7 @@
 #include "absl/time/time.h"
 #include "proto/tandem_rpc.pb.h"
 #include "tandem/rpc/detail/thread_pool.h"
+#include "tandem/rpc/transport.h"
 #include "tandem/sync/sync.h"
 
 namespace tandem::rpc::direct {
@@ -52,7 +53,7 @@ enum class Kind : uint32_t { kHello = 1, kWelcome = 2, kRequest = 3, kResponse =
 struct Message {
   Kind kind;
   uint64_t call_id = 0;
-  grpc::ByteBuffer body;
+  FrameBuffer body;  // moves (transport.h)
 };
 
 // The handshake's bodies, as functions of bytes (tests and fuzzing call them directly).

@@ -127,7 +127,7 @@ void DirectTransport::send(int rank, const std::string& function, grpc::ByteBuff
 }
 
 absl::StatusOr<grpc::ByteBuffer> DirectTransport::call_sync(int rank, const std::string& function,
-                                                            grpc::ByteBuffer request, absl::Time deadline,
+                                                            const grpc::ByteBuffer& request, absl::Time deadline,
                                                             std::chrono::microseconds spin) {
   Peer* p = peer(rank);
   if (!p) return absl::UnavailableError("no direct channel to this worker");
@@ -151,12 +151,8 @@ absl::StatusOr<grpc::ByteBuffer> DirectTransport::call_sync(int rank, const std:
     id = next_id_++;
     sync_calls_.insert(conn);
   }
-  absl::StatusOr<direct::Message> msg = absl::UnknownError("not sent");
-  if (auto sent = conn->write(direct::Kind::kRequest, id, request, deadline); !sent.ok()) {
-    msg = sent;
-  } else {
-    msg = conn->read(max_bytes_, deadline, spin);
-  }
+  const absl::Status sent = conn->write(direct::Kind::kRequest, id, request, deadline);
+  absl::StatusOr<direct::Message> msg = sent.ok() ? conn->read(max_bytes_, deadline, spin) : sent;
   bool stopped = false;
   {
     MutexLock lock(&mu_);
@@ -170,14 +166,16 @@ absl::StatusOr<grpc::ByteBuffer> DirectTransport::call_sync(int rank, const std:
   }
   {
     MutexLock lock(&p->mu);
-    p->idle_sync.push_back(conn);
+    p->idle_sync.push_back(std::move(conn));
   }
-  return std::move(msg->body);
+  absl::StatusOr<grpc::ByteBuffer> reply(absl::in_place);
+  reply->Swap(&msg->body.buffer());
+  return reply;
 }
 
 void DirectTransport::on_request(const std::shared_ptr<direct::Conn>& conn, direct::Message msg) {
   Incoming in;
-  in.request = std::move(msg.body);
+  in.request = std::move(msg.body);  // FrameBuffer: swapped, not copied
   in.cma_pid = conn->cma_pid;
   in.on_io_thread = true;
   if (msg.kind == direct::Kind::kOneway) {

@@ -41,7 +41,7 @@ class DirectTransport final : public Transport {
   const char* kind_for(int peer) const override;
   bool by_reference(int peer) const override;
   void call(int peer, const std::string& function, grpc::ByteBuffer request, absl::Time deadline, DoneFn done) override;
-  absl::StatusOr<grpc::ByteBuffer> call_sync(int peer, const std::string& function, grpc::ByteBuffer request,
+  absl::StatusOr<grpc::ByteBuffer> call_sync(int peer, const std::string& function, const grpc::ByteBuffer& request,
                                              absl::Time deadline, std::chrono::microseconds spin) override;
   void send(int peer, const std::string& function, grpc::ByteBuffer request, absl::Time deadline, DoneFn done) override;
   void cut(int peer, const grpc::ByteBuffer* partial) override;
@@ -85,7 +85,7 @@ class DirectTransport final : public Transport {
   Mutex mu_;
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
   std::map<uint64_t, Pending> pending_ ABSL_GUARDED_BY(mu_);
-  Deadlines deadlines_ ABSL_GUARDED_BY(mu_);  // of the pending calls only
+  Deadlines deadlines_ ABSL_GUARDED_BY(mu_);                                 // of the pending calls only
   std::set<std::shared_ptr<direct::Conn>> sync_calls_ ABSL_GUARDED_BY(mu_);  // connections of rpc_sync calls running
   bool stopped_ ABSL_GUARDED_BY(mu_) = false;
 };

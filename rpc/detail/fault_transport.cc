@@ -215,12 +215,13 @@ class FaultTransport final : public Transport {
     carry(peer, function, std::move(request), std::move(done), /*oneway=*/true, deadline);
   }
 
-  absl::StatusOr<grpc::ByteBuffer> call_sync(int peer, const std::string& function, grpc::ByteBuffer request,
+  absl::StatusOr<grpc::ByteBuffer> call_sync(int peer, const std::string& function, const grpc::ByteBuffer& frame,
                                              absl::Time deadline, std::chrono::microseconds spin) override {
+    grpc::ByteBuffer request = frame;  // a rule may corrupt it
     const std::string to = faults_->name_of(peer);
     const FaultRule* rule = faults_->match(to, FaultRule::Kind::kRequest, function);
     if (!rule) {
-      auto reply = inner_->call_sync(peer, function, std::move(request), deadline, spin);
+      auto reply = inner_->call_sync(peer, function, frame, deadline, spin);
       faults_->release(to);  // what was held for `to` goes after this message
       return reply;
     }
@@ -247,7 +248,7 @@ class FaultTransport final : public Transport {
         inner_->cut(peer, &request);
         return absl::UnavailableError("the connection was cut");
     }
-    return inner_->call_sync(peer, function, std::move(request), deadline, spin);
+    return inner_->call_sync(peer, function, request, deadline, spin);
   }
 
  private:

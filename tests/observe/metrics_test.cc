@@ -32,6 +32,11 @@ TEST(UnitMetrics, CountsBytesErrorsAndPercentilesWithinABucket) {
   const std::string peer = "unit-peer-" + std::to_string(run++);
   auto& r = metrics::call_recorder(peer, "unit.f", "out");
   for (int us = 1; us <= 1000; ++us) r.record(microseconds(us), us % 100 != 0, 10, 20);
+  auto& other = metrics::call_recorder(peer, "unit.last", "out");
+  EXPECT_EQ(other.last().count(), 0);
+  other.record(microseconds(300), true, 0, 0);
+  other.record(microseconds(100), true, 0, 0);
+  EXPECT_EQ(other.last(), microseconds(100));  // the last call's, not the largest or the mean
   const metrics::Snapshot s = metrics::snapshot();
   const metrics::CallSeries* c = find_call(s, peer, "unit.f", "out");
   ASSERT_NE(c, nullptr);

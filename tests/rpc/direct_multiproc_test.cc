@@ -180,7 +180,7 @@ TEST(UnitDirectTcp, HandshakeAndFramesOverLoopback) {
     EXPECT_EQ(reply->kind, rpc::direct::Kind::kResponse);
     EXPECT_EQ(reply->call_id, 9u);
     grpc::Slice flat;
-    ASSERT_TRUE(reply->body.DumpToSingleSlice(&flat).ok());
+    ASSERT_TRUE(reply->body.buffer().DumpToSingleSlice(&flat).ok());
     EXPECT_TRUE(std::string(reinterpret_cast<const char*>(flat.begin()), flat.size()) == body);
   }
   auto async = (*client)->connect(address, 3, /*for_responses=*/true, soon());

@@ -3,6 +3,7 @@
 // checked, it is the point of the test (an error arrives long before the call could have finished), with wide margins.
 #include <ATen/ATen.h>
 #include <signal.h>
+#include <time.h>
 
 #include <thread>
 
@@ -31,6 +32,24 @@ TEST_F(MultiprocRpc, SyncAsyncAndWorkerInfo) {
   // A nested call: worker1 calls worker2 from inside a registered function.
   EXPECT_TRUE(rpc::rpc_sync<at::Tensor>("worker1", "nested_add", std::string("worker2"), at::ones({2}))
                   .equal(at::full({2}, 2.0)));
+}
+
+// rpc_sync spins for a quick reply, and not for one its last call showed to be slow (a parameter server's forward
+// pass): the spin would only take CPU from the callee on the same cores. Its CPU time tells which it did.
+TEST_F(MultiprocRpc, SyncCallsDoNotSpinForRepliesKnownToBeSlow) {
+  rpc::RpcOptions options = options_from_env();
+  options.sync_spin = milliseconds(50);
+  start({.world_size = 2}, options);
+  auto cpu_ms = [] {
+    timespec t{};
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+    return static_cast<double>(t.tv_sec) * 1e3 + static_cast<double>(t.tv_nsec) / 1e6;
+  };
+  EXPECT_EQ(rpc::rpc_sync<int64_t>("worker1", "sleep_ms", int64_t{300}), 1);  // spins 50 ms: nothing known yet
+  const double before = cpu_ms();
+  EXPECT_EQ(rpc::rpc_sync<int64_t>("worker1", "sleep_ms", int64_t{300}), 1);
+  // Spinning would be about 50 ms of CPU; sleeping, the call's own work (well under a millisecond here).
+  EXPECT_LT(cpu_ms() - before, 10.0);
 }
 
 TEST_F(MultiprocRpc, EveryDtypeAndViewRoundTripsBitExact) {
