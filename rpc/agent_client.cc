@@ -13,6 +13,7 @@ namespace {
 
 // rpc_sync does not spin for a reply when the last one of the same call (peer and function) took this many spins.
 constexpr int kSpinlessAfter = 4;
+constexpr uint32_t kSpinProbeEvery = 16;
 
 absl::Status error_with(const absl::Status& s, const std::string& prefix) {
   return absl::Status(s.code(), absl::StrCat(prefix, s.message()));
@@ -251,10 +252,13 @@ Future Agent::call_and_wait(const To& to, const std::string& function, std::vect
   const absl::Time deadline = out->deadline;
   timeout = out->timeout;
   // A call whose last reply took far longer than the spin (a forward pass on a parameter server: milliseconds) sleeps
-  // at once: spinning would only take CPU from the callee, which may need it on the same cores.
-  const std::chrono::microseconds spin = out->record.recorder->last() > kSpinlessAfter * options_.sync_spin
-                                             ? std::chrono::microseconds(0)
-                                             : options_.sync_spin;
+  // at once: spinning would only take CPU from the callee, which may need it on the same cores. Every
+  // kSpinProbeEvery-th such call of a thread spins anyway: a function that is quick again (or looked slow only while
+  // the machine was busy) gets its spin back even when its calls without one stay slower than the bound.
+  thread_local uint32_t spinless = 0;
+  const bool slow = out->record.recorder->last() > kSpinlessAfter * options_.sync_spin;
+  const std::chrono::microseconds spin =
+      slow && ++spinless % kSpinProbeEvery != 0 ? std::chrono::microseconds(0) : options_.sync_spin;
   auto reply = out->route->call_sync(peer, function, std::move(out->frame), deadline, spin);
   referenced.clear();
   std::vector<Future> wait;

@@ -87,7 +87,8 @@ struct RpcOptions {
   int64_t bulk_min_bytes = int64_t{3} << 19;  // 1.5 MiB
   // On the direct channel, a thread blocked in rpc_sync polls for its reply this long before it sleeps: a quick reply
   // then costs no thread wake-up (tens of microseconds on a VM). It spends at most this much CPU per call, and none
-  // when the last call of the same function to the same worker took over four times as long. 0: never.
+  // when the last call of the same function to the same worker took over four times as long (but for one such call
+  // in 16 of a thread, which spins to find out whether it still needs to). 0: never.
   std::chrono::microseconds sync_spin{50};
 
   // A file this worker keeps its metrics in (metrics/metrics.h; Prometheus text format), rewritten every

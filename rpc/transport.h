@@ -61,7 +61,7 @@ class FrameBuffer {
 };
 
 // Answers one incoming request: with a reply frame (`status` OK) or with a transport-level error the caller sees as
-// that status. Called exactly once.
+// that status. Called exactly once; the transport may take the frame's content (the agent's reply is not read after).
 using ReplyFn = std::function<void(grpc::ByteBuffer* reply, const absl::Status& status)>;
 // Completes one outgoing call: the reply frame, or why there is none.
 using DoneFn = std::function<void(absl::StatusOr<grpc::ByteBuffer> reply)>;

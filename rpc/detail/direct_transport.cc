@@ -197,7 +197,7 @@ void DirectTransport::on_request(const std::shared_ptr<direct::Conn>& conn, dire
   in.reply = [conn, call_id, max_bytes, write_timeout](grpc::ByteBuffer* reply, const absl::Status& status) {
     grpc::ByteBuffer body;
     if (status.ok() && reply && reply->Length() <= max_bytes) {
-      body = *reply;
+      body.Swap(reply);  // taken, not copied (ReplyFn)
     } else {
       tandem::wire::Response response;
       const absl::Status error =

@@ -217,7 +217,6 @@ class FaultTransport final : public Transport {
 
   absl::StatusOr<grpc::ByteBuffer> call_sync(int peer, const std::string& function, const grpc::ByteBuffer& frame,
                                              absl::Time deadline, std::chrono::microseconds spin) override {
-    grpc::ByteBuffer request = frame;  // a rule may corrupt it
     const std::string to = faults_->name_of(peer);
     const FaultRule* rule = faults_->match(to, FaultRule::Kind::kRequest, function);
     if (!rule) {
@@ -225,6 +224,7 @@ class FaultTransport final : public Transport {
       faults_->release(to);  // what was held for `to` goes after this message
       return reply;
     }
+    grpc::ByteBuffer request = frame;  // a rule may corrupt it
     switch (rule->action) {
       case FaultRule::Action::kDrop:
         absl::SleepFor(deadline - absl::Now());
