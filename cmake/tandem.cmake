@@ -58,9 +58,8 @@ endfunction()
 # the object library tandem_pch, and every target that links LibTorch (directly or through a tandem_* library) reuses
 # it: GCC loads it in under a second. GCC uses a precompiled header only where the code-generation flags match, so
 # every such target is compiled as position-independent code (-fPIC, as the libraries already are) and with -pthread;
-# -Winvalid-pch
-# says in the build's output where one is not used. The header is then seen by every file of those targets, whether
-# it includes it or not: TANDEM_PCH=OFF builds without it (what each file includes is all it sees).
+# -Winvalid-pch says in the build's output where one is not used. The header is then seen by every file of those
+# targets, whether it includes it or not: TANDEM_PCH=OFF builds without it (what each file includes is all it sees).
 option(TANDEM_PCH "Precompile <ATen/ATen.h> once for every target that builds on LibTorch (GCC)" ON)
 
 # Sets `out` to TRUE when `target` links torch, itself or through the tandem_* libraries it links.
