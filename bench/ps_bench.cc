@@ -17,7 +17,9 @@
 //                   (forward, loss, backward for its own gradients), then both average theirs and one of them steps
 //                   SGD (momentum 0.9), as the server does; the summed steps per second, with no RPC, copy or process
 //                   boundary in the way.
-// Flags: --steps N (per trainer, after 10% warm-up).
+// Flags: --steps N (per trainer, after 10% warm-up); --trace PATH: each worker writes a Chrome trace of its timed
+// steps (profile/profile.h; "{worker}" in PATH is the worker's name), which shows when the server's threads serve
+// which trainer (the profiler's own cost is in the figures of such a run).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/nn/functional/loss.h>
@@ -37,6 +39,7 @@
 #include "examples/parameter_server/server.h"
 #include "tandem/dist_autograd/dist_autograd.h"
 #include "tandem/metrics/metrics.h"
+#include "tandem/profile/profile.h"
 #include "tandem/rpc/rpc.h"
 #include "tools/flags.h"
 
@@ -141,7 +144,9 @@ double serve_us(const tandem::metrics::Snapshot& snap, const std::string& functi
 int main(int argc, char** argv) {
   int steps = 2000;
   CLI::App app{"Parameter-server training throughput, its phases and the machine's limit", "ps_bench"};
+  std::string trace;
   app.add_option("--steps", steps, "timed steps");
+  app.add_option("--trace", trace, "a Chrome trace of the timed steps per worker ({worker} in the path)");
   tandem::tools::parse_flags(app, argc, argv);
   at::set_num_threads(1);
   examples::register_parameter_server();
@@ -169,7 +174,9 @@ int main(int argc, char** argv) {
     options.evaluate = false;
     examples::start_parameter_server(options);
     const double cpu0 = cpu_seconds(), wall0 = bench::now_us();
+    if (!trace.empty()) tandem::profile::start();
     if (!examples::wait_for_trainers(std::chrono::minutes(30))) return 1;
+    if (!trace.empty()) tandem::profile::stop(trace);
     // The server's CPU time per round (warm-up included) and its share of the machine's 2 cores over the run.
     const double cpu = cpu_seconds() - cpu0, wall = (bench::now_us() - wall0) / 1e6;
     // The server's side of a step (means, warm-up included): serving a forward (the request read, the model's forward,
@@ -216,7 +223,10 @@ int main(int argc, char** argv) {
     // (the wait for the other trainers and the server's step), the context's release.
     std::vector<double> phases(4, 0.0);
     for (int s = 0; s < warmup + steps; ++s) {
-      if (s == warmup) t0 = bench::now_us(), cpu0 = cpu_seconds();
+      if (s == warmup) {
+        if (!trace.empty()) tandem::profile::start();
+        t0 = bench::now_us(), cpu0 = cpu_seconds();
+      }
       double mark = bench::now_us();
       auto lap = [&](int phase) {
         const double now = bench::now_us();
@@ -235,6 +245,7 @@ int main(int argc, char** argv) {
       }
       lap(3);
     }
+    if (!trace.empty()) tandem::profile::stop(trace);
     for (double& p : phases) p /= steps;
     const double cpu_us = (cpu_seconds() - cpu0) / steps * 1e6;
     rpc::rpc_sync("ps", "bench.rate", steps / ((bench::now_us() - t0) / 1e6), phases, cpu_us);

@@ -743,6 +743,18 @@ rpc::Future RRef::call_method(const std::string& method, std::vector<c10::IValue
   return result;
 }
 
+rpc::Future RRef::call_method_and_wait(const std::string& method, std::vector<c10::IValue> args,
+                                       std::chrono::milliseconds timeout) const {
+  const auto& impl = checked(impl_);
+  if (!impl.confirmed_.completed() || !impl.confirmed_.status().ok()) {
+    rpc::Future result = call_method(method, std::move(args), timeout);
+    (void)result.status();  // waits, bounded by the confirmation's deadline plus the call's timeout
+    return result;
+  }
+  args.insert(args.begin(), {c10::IValue(impl.rref_id_), c10::IValue(method)});
+  return rpc::call_and_wait(impl.owner_, kCallMethod, std::move(args), timeout);
+}
+
 RRef RRef::remote_method(const std::string& method, std::vector<c10::IValue> args,
                          std::chrono::milliseconds timeout) const {
   const auto& impl = checked(impl_);

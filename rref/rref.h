@@ -72,7 +72,8 @@ class RRef {
   // is sent once the owner has confirmed this reference. A trailing std::chrono::duration is the timeout.
   template <typename R = c10::IValue, typename... Args>
   R rpc_sync(const std::string& method, Args&&... args) const {
-    return rpc::detail::result_as<R>(rpc_async(method, std::forward<Args>(args)...));
+    rpc::detail::Packed p = rpc::detail::pack(std::forward<Args>(args)...);
+    return rpc::detail::result_as<R>(call_method_and_wait(method, std::move(p.values), p.timeout));
   }
   template <typename... Args>
   rpc::Future rpc_async(const std::string& method, Args&&... args) const {
@@ -87,6 +88,10 @@ class RRef {
   }
   rpc::Future call_method(const std::string& method, std::vector<c10::IValue> args,
                           std::chrono::milliseconds timeout) const;
+  // The same, returning once the call completed (behind rpc_sync): once the owner confirmed this reference, the
+  // calling thread reads its own reply (rpc::call_and_wait), a thread hand-off less per call.
+  rpc::Future call_method_and_wait(const std::string& method, std::vector<c10::IValue> args,
+                                   std::chrono::milliseconds timeout) const;
   RRef remote_method(const std::string& method, std::vector<c10::IValue> args, std::chrono::milliseconds timeout) const;
 
   int64_t id() const;
