@@ -54,7 +54,6 @@ class FrameBuffer {
   const grpc::ByteBuffer& buffer() const { return b_; }
   size_t Length() const { return b_.Length(); }
   bool Valid() const { return b_.Valid(); }
-  void Swap(grpc::ByteBuffer* other) { b_.Swap(other); }
 
  private:
   grpc::ByteBuffer b_;

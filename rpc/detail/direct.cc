@@ -452,8 +452,7 @@ absl::StatusOr<Message> Conn::read_body(absl::Time deadline) {
       },
       owner);
   if (auto s = read_exact(fd_, owner->buffer, h.length, deadline); !s.ok()) return s;
-  grpc::ByteBuffer body(&slice, 1);
-  m.body = std::move(body);  // swapped in
+  m.body = grpc::ByteBuffer(&slice, 1);  // swapped in (FrameBuffer)
   return m;
 }
 
