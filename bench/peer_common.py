@@ -34,15 +34,15 @@ def master_addr():
     return os.environ.get("TANDEM_BENCH_MASTER_ADDR", "127.0.0.1")
 
 
-def init(rank, world, port, mode):
-    """Joins a torch.distributed.rpc job as w<rank>; mode "default" or "tcp" (TensorPipe's TCP transport forced).
-    Returns the impl name used in the JSON lines."""
+def init(rank, world, port, mode, worker_threads=16):
+    """Joins a torch.distributed.rpc job as w<rank> with `worker_threads` RPC threads (PyTorch's default 16); mode
+    "default" or "tcp" (TensorPipe's TCP transport forced). Returns the impl name used in the JSON lines."""
     torch.set_num_threads(1)
     # The transports and channels go to the constructor: they are not attributes of the options (assigning
     # opts._channels afterwards only makes a Python attribute that TensorPipe never reads, and "tcp" then ran with
     # every channel, CMA included).
     forced = {"_transports": ["uv"], "_channels": ["basic"]} if mode == "tcp" else {}
-    opts = rpc.TensorPipeRpcBackendOptions(num_worker_threads=16, rpc_timeout=120,
+    opts = rpc.TensorPipeRpcBackendOptions(num_worker_threads=worker_threads, rpc_timeout=120,
                                            init_method=f"tcp://{master_addr()}:{port}", **forced)
     rpc.init_rpc(f"w{rank}", rank=rank, world_size=world, rpc_backend_options=opts)
     return "torch" if mode == "default" else "torch_tcp"

@@ -12,8 +12,9 @@ so a lock on the server serialises whole steps (impl "torch_tutorial").
 
 ps_steps_per_s is the sum over trainers of each one's steps per second.
 
-  python3 bench/peer_ps.py default|tcp [--steps N] [--design sync|tutorial]
+  python3 bench/peer_ps.py default|tcp [--steps N] [--design sync|tutorial] [--server-threads N]
 """
+import os
 import threading
 import time
 
@@ -107,7 +108,9 @@ def finished(rate):
 
 
 def run(rank, port, args):
-    impl = init(rank, 3, port, args.mode)
+    # The server's RPC threads as Tandem's side has them (--server-threads, both sides: the machine's cores by default);
+    # the trainers keep PyTorch's default 16.
+    impl = init(rank, 3, port, args.mode, args.server_threads if rank == 0 else 16)
     tutorial = args.design == "tutorial"
     if rank == 0:
         get_model()
@@ -116,7 +119,8 @@ def run(rank, port, args):
             _done.acquire(timeout=1800)
         emit_line("ps", impl + ("_tutorial" if tutorial else ""), "ps_steps_per_s", sum(_rates), "steps/s",
                   processes=3, trainers=TRAINERS, model="mlp784-512-512-10", batch=64,
-                  mode="locked steps" if tutorial else "sync", steps_per_trainer=args.steps)
+                  mode="locked steps" if tutorial else "sync", steps_per_trainer=args.steps,
+                  server_worker_threads=args.server_threads)
     else:
         opt = DistributedOptimizer(torch.optim.SGD, rpc.rpc_sync("w0", param_rrefs), lr=0.01) if tutorial else None
         x = torch.randn(64, 784)
@@ -144,4 +148,4 @@ def run(rank, port, args):
 
 
 if __name__ == "__main__":
-    peer_main(__file__, run, 3, {"--steps": 2000, "--design": "sync"})
+    peer_main(__file__, run, 3, {"--steps": 2000, "--design": "sync", "--server-threads": len(os.sched_getaffinity(0))})

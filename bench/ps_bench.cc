@@ -10,7 +10,10 @@
 //                   server_cpu_per_round_us (the server's CPU time per round, warm-up included) and
 //                   server_cores_busy (the server's CPU time over the run's wall time: 2.0 would be both cores),
 //                   trainers_cpu_per_round_us (the trainers' CPU time per step, summed: they share the cores) and
-//                   machine_cpu_per_round_us (the server's and the trainers'), against the floor's cpu_per_round_us.
+//                   machine_cpu_per_round_us (the server's and the trainers'), against the floor's cpu_per_round_us;
+//                   server_runqueue_wait_per_round_us and trainers_runqueue_wait_per_round_us: the time their threads
+//                   were ready to run but waited for a CPU (the kernel's schedstat; the trainers' summed, per step),
+//                   against the floor's runqueue_wait_per_round_us.
 //                   Beside it (impl "floor", measured by rank 0 before the run and again after it, the higher
 //                   reported with both in before_run and after_run) the limit of the
 //                   machine for this training: two threads of one process, each a trainer's step on the one model
@@ -19,7 +22,8 @@
 //                   boundary in the way.
 // Flags: --steps N (per trainer, after 10% warm-up); --trace PATH: each worker writes a Chrome trace of its timed
 // steps (profile/profile.h; "{worker}" in PATH is the worker's name), which shows when the server's threads serve
-// which trainer (the profiler's own cost is in the figures of such a run).
+// which trainer (the profiler's own cost is in the figures of such a run); --server-threads N: the server's RPC
+// worker threads (default examples::default_server_threads(), the cores; bench/peer_ps.py takes the same flag).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/nn/functional/loss.h>
@@ -28,9 +32,11 @@
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/optim/sgd.h>
 
+#include <dirent.h>
 #include <sys/resource.h>
 #include <condition_variable>
 #include <cstdlib>
+#include <fstream>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -52,6 +58,7 @@ std::mutex g_mu;
 double g_rate_sum = 0;            // the trainers' own rates, reported to the server
 std::vector<double> g_phases(4);  // their mean phases per step (us), summed over trainers
 double g_trainers_cpu_us = 0;     // their CPU time per step (us), summed over trainers
+double g_trainers_wait_us = 0;    // their threads' time waiting for a CPU per step (us), summed over trainers
 
 // CPU time (user + system) this process used so far, in seconds.
 double cpu_seconds() {
@@ -61,11 +68,32 @@ double cpu_seconds() {
          static_cast<double>(ru.ru_utime.tv_usec + ru.ru_stime.tv_usec) / 1e6;
 }
 
+// Time spent runnable but waiting for a CPU, in seconds: the second field of a schedstat file (0 where the kernel
+// keeps no such statistics). thread_wait_seconds: the calling thread's; runqueue_wait_seconds: the process's threads
+// alive now (a thread that ended takes its time with it).
+double schedstat_wait_seconds(const std::string& path) {
+  std::ifstream in(path);
+  double run = 0, wait = 0;
+  return in >> run >> wait ? wait / 1e9 : 0;
+}
+double thread_wait_seconds() { return schedstat_wait_seconds("/proc/thread-self/schedstat"); }
+double runqueue_wait_seconds() {
+  double seconds = 0;
+  if (DIR* d = opendir("/proc/self/task")) {
+    while (dirent* e = readdir(d)) {
+      if (e->d_name[0] != '.')
+        seconds += schedstat_wait_seconds(std::string("/proc/self/task/") + e->d_name + "/schedstat");
+    }
+    closedir(d);
+  }
+  return seconds;
+}
+
 // What the limit measured: the summed steps per second over `steps` rounds after a tenth as many warm-up rounds, the
 // CPU time per round (us), and its phases (us): each thread's forward and loss-and-backward per step, and the step
 // (the last thread's sum, the average and SGD) per round.
 struct Limit {
-  double rate = 0, cpu_us = 0;
+  double rate = 0, cpu_us = 0, wait_us = 0;
   double forward_us = 0, backward_us = 0, step_us = 0;
   bool operator<(const Limit& o) const { return rate < o.rate; }
 };
@@ -83,12 +111,14 @@ Limit local_limit(int steps) {
   int64_t round = 0;
   std::vector<at::Tensor> sum(params.size());
   const int warmup = steps / 10;
-  double t0 = 0, cpu0 = 0;
+  double t0 = 0, cpu0 = 0, wait_s = 0;                  // wait_s: both threads' waits for a CPU over their timed steps
   double forward_us = 0, backward_us = 0, step_us = 0;  // summed over both threads (the step: over rounds)
   auto trainer = [&](int seed) {
     const at::Tensor x = at::randn({64, 784}, at::detail::createCPUGenerator(seed));
     const at::Tensor y = at::randint(0, 10, {64}, at::detail::createCPUGenerator(seed), at::kLong);
+    double wait0 = 0;
     for (int s = 0; s < warmup + steps; ++s) {
+      if (s == warmup) wait0 = thread_wait_seconds();
       const double start = bench::now_us();
       at::Tensor out = model->forward(x);
       const double forwarded = bench::now_us();
@@ -116,6 +146,8 @@ Limit local_limit(int steps) {
       if (round == warmup) t0 = bench::now_us(), cpu0 = cpu_seconds();
       cv.notify_all();
     }
+    std::lock_guard<std::mutex> lock(mu);
+    wait_s += thread_wait_seconds() - wait0;
   };
   std::thread a(trainer, 1), b(trainer, 2);
   a.join();
@@ -123,6 +155,7 @@ Limit local_limit(int steps) {
   Limit out;
   out.rate = 2.0 * steps / ((bench::now_us() - t0) / 1e6);
   out.cpu_us = (cpu_seconds() - cpu0) / steps * 1e6;
+  out.wait_us = wait_s / steps * 1e6;
   out.forward_us = forward_us / (2.0 * steps);
   out.backward_us = backward_us / (2.0 * steps);
   out.step_us = step_us / steps;
@@ -145,15 +178,19 @@ int main(int argc, char** argv) {
   int steps = 2000;
   CLI::App app{"Parameter-server training throughput, its phases and the machine's limit", "ps_bench"};
   std::string trace;
+  int server_threads = examples::default_server_threads();
   app.add_option("--steps", steps, "timed steps");
+  app.add_option("--server-threads", server_threads, "the server's RPC worker threads (default: the cores)")
+      ->check(CLI::PositiveNumber);
   app.add_option("--trace", trace, "a Chrome trace of the timed steps per worker ({worker} in the path)");
   tandem::tools::parse_flags(app, argc, argv);
   at::set_num_threads(1);
   examples::register_parameter_server();
-  rpc::register_function("bench.rate", [](double rate, std::vector<double> phases, double cpu_us) {
+  rpc::register_function("bench.rate", [](double rate, std::vector<double> phases, double cpu_us, double wait_us) {
     std::lock_guard<std::mutex> lock(g_mu);
     g_rate_sum += rate;
     g_trainers_cpu_us += cpu_us;
+    g_trainers_wait_us += wait_us;
     for (size_t i = 0; i < g_phases.size() && i < phases.size(); ++i) g_phases[i] += phases[i];
   });
   const int rank = std::atoi(std::getenv("RANK") ? std::getenv("RANK") : "0");
@@ -163,7 +200,11 @@ int main(int argc, char** argv) {
   // drifts, and a limit measured while something else runs is not one).
   Limit limit_before;
   if (rank == 0) limit_before = local_limit(steps);
-  rpc::init_rpc(rank == 0 ? "ps" : "trainer" + std::to_string(rank), rank, world);
+  // The server's RPC threads: its functions never block (a submit that waits for the round returns a pending future),
+  // so more threads than cores only let the trainers' requests preempt each other's work (see the top).
+  rpc::RpcOptions rpc_options;
+  if (rank == 0) rpc_options.num_worker_threads = server_threads;
+  rpc::init_rpc(rank == 0 ? "ps" : "trainer" + std::to_string(rank), rank, world, rpc_options);
   const int trainers = world - 1;
   if (rank == 0) {
     examples::ServerOptions options;
@@ -173,12 +214,13 @@ int main(int argc, char** argv) {
     options.trainers = trainers;
     options.evaluate = false;
     examples::start_parameter_server(options);
-    const double cpu0 = cpu_seconds(), wall0 = bench::now_us();
+    const double cpu0 = cpu_seconds(), wall0 = bench::now_us(), wait0 = runqueue_wait_seconds();
     if (!trace.empty()) tandem::profile::start();
     if (!examples::wait_for_trainers(std::chrono::minutes(30))) return 1;
     if (!trace.empty()) tandem::profile::stop(trace);
     // The server's CPU time per round (warm-up included) and its share of the machine's 2 cores over the run.
     const double cpu = cpu_seconds() - cpu0, wall = (bench::now_us() - wall0) / 1e6;
+    const double wait = runqueue_wait_seconds() - wait0;
     // The server's side of a step (means, warm-up included): serving a forward (the request read, the model's forward,
     // the reply written), a backward (the gradient message: the backward through the model), and the round's step.
     const tandem::metrics::Snapshot snap = tandem::metrics::snapshot();
@@ -195,16 +237,17 @@ int main(int argc, char** argv) {
                       "\"batch\":64,\"mode\":\"sync\",\"what\":\"two trainers as threads of one process\","
                       "\"steps_per_trainer\":" +
                           std::to_string(steps) + ",\"cpu_per_round_us\":" + n(limit.cpu_us) +
-                          ",\"phase_us\":{\"forward\":" + n(limit.forward_us) +
-                          ",\"loss_and_backward\":" + n(limit.backward_us) + ",\"step\":" + n(limit.step_us) +
-                          "},\"before_run\":" + std::to_string(limit_before.rate) +
+                          ",\"runqueue_wait_per_round_us\":" + n(limit.wait_us) + ",\"phase_us\":{\"forward\":" +
+                          n(limit.forward_us) + ",\"loss_and_backward\":" + n(limit.backward_us) +
+                          ",\"step\":" + n(limit.step_us) + "},\"before_run\":" + std::to_string(limit_before.rate) +
                           ",\"after_run\":" + std::to_string(limit_after.rate));
     const int rounds = steps + steps / 10;
     std::lock_guard<std::mutex> lock(g_mu);
     auto us = [&](int i) { return std::to_string(static_cast<int64_t>(g_phases[i] / trainers)); };
     bench::emit("ps", "ps_steps_per_s", g_rate_sum, "steps/s",
                 "\"processes\":" + std::to_string(world) + ",\"intra_op_threads\":1,\"trainers\":" +
-                    std::to_string(trainers) + ",\"model\":\"mlp784-512-512-10\",\"batch\":64,\"mode\":\"sync\"," +
+                    std::to_string(trainers) + ",\"server_worker_threads\":" + std::to_string(server_threads) +
+                    ",\"model\":\"mlp784-512-512-10\",\"batch\":64,\"mode\":\"sync\"," +
                     "\"steps_per_trainer\":" + std::to_string(steps) + ",\"trainer_step_us\":{\"forward\":" + us(0) +
                     ",\"loss_and_backward\":" + us(1) + ",\"submit\":" + us(2) + ",\"release\":" + us(3) +
                     "},\"server_us\":{\"forward\":" + n(serve_us(snap, "__tandem.rref.call")) +
@@ -212,12 +255,14 @@ int main(int argc, char** argv) {
                     "},\"server_cpu_per_round_us\":" + std::to_string(static_cast<int64_t>(cpu / rounds * 1e6)) +
                     ",\"server_cores_busy\":" + std::to_string(cpu / wall) + ",\"trainers_cpu_per_round_us\":" +
                     std::to_string(static_cast<int64_t>(g_trainers_cpu_us)) + ",\"machine_cpu_per_round_us\":" +
-                    std::to_string(static_cast<int64_t>(cpu / rounds * 1e6 + g_trainers_cpu_us)));
+                    std::to_string(static_cast<int64_t>(cpu / rounds * 1e6 + g_trainers_cpu_us)) +
+                    ",\"server_runqueue_wait_per_round_us\":" + n(wait / rounds * 1e6) +
+                    ",\"trainers_runqueue_wait_per_round_us\":" + n(g_trainers_wait_us));
   } else {
     auto model = examples::server_model();
     const at::Tensor x = at::randn({64, 784});
     const at::Tensor y = at::randint(0, 10, {64}, at::kLong);
-    double t0 = 0, cpu0 = 0;
+    double t0 = 0, cpu0 = 0, wait0 = 0;
     const int warmup = steps / 10;
     // Each phase's time (us): the forward on the server, the loss here and the distributed backward, the submit
     // (the wait for the other trainers and the server's step), the context's release.
@@ -225,7 +270,7 @@ int main(int argc, char** argv) {
     for (int s = 0; s < warmup + steps; ++s) {
       if (s == warmup) {
         if (!trace.empty()) tandem::profile::start();
-        t0 = bench::now_us(), cpu0 = cpu_seconds();
+        t0 = bench::now_us(), cpu0 = cpu_seconds(), wait0 = runqueue_wait_seconds();
       }
       double mark = bench::now_us();
       auto lap = [&](int phase) {
@@ -248,7 +293,8 @@ int main(int argc, char** argv) {
     if (!trace.empty()) tandem::profile::stop(trace);
     for (double& p : phases) p /= steps;
     const double cpu_us = (cpu_seconds() - cpu0) / steps * 1e6;
-    rpc::rpc_sync("ps", "bench.rate", steps / ((bench::now_us() - t0) / 1e6), phases, cpu_us);
+    const double wait_us = (runqueue_wait_seconds() - wait0) / steps * 1e6;
+    rpc::rpc_sync("ps", "bench.rate", steps / ((bench::now_us() - t0) / 1e6), phases, cpu_us, wait_us);
     examples::done();
     rpc::shutdown();
   }

@@ -68,7 +68,9 @@ struct RpcOptions {
   std::chrono::milliseconds init_timeout{std::chrono::seconds(120)};     // rendezvous
   std::chrono::milliseconds shutdown_timeout{std::chrono::seconds(30)};  // graceful shutdown barrier and drain
 
-  int num_worker_threads = 16;  // threads running registered functions (nested rpc_sync calls hold one each)
+  // Threads running registered functions (nested rpc_sync calls hold one each). A worker whose functions never
+  // block is faster with as many as its cores (docs/rpc.md, "Threads").
+  int num_worker_threads = 16;
   int64_t max_message_bytes = int64_t{1} << 30;  // larger messages are refused, in both directions
 
   // Host this worker's server binds and advertises. Empty: the address it uses to reach the master (127.0.0.1 when the

@@ -2,6 +2,9 @@
 
 #include <torch/torch.h>
 
+#include <sched.h>
+
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 
@@ -104,6 +107,12 @@ double on_evaluate() {
 }
 
 }  // namespace
+
+int default_server_threads() {
+  cpu_set_t cpus;
+  const int n = sched_getaffinity(0, sizeof(cpus), &cpus) == 0 ? CPU_COUNT(&cpus) : 0;
+  return std::max(2, n);
+}
 
 void register_parameter_server() {
   nn::register_module("cnn", fashion_mnist_cnn);
