@@ -109,9 +109,11 @@ def finished(rate):
 
 def run(rank, port, args):
     # The server's RPC threads as Tandem's side has them (--server-threads, both sides: the machine's cores by default);
-    # the trainers keep PyTorch's default 16.
-    impl = init(rank, 3, port, args.mode, args.server_threads if rank == 0 else 16)
+    # the trainers keep PyTorch's default 16, and so does the tutorial's server, whose lock parks a thread per waiting
+    # trainer (with 2, the trainer holding the lock would have one thread left for its calls).
     tutorial = args.design == "tutorial"
+    server_threads = 16 if tutorial else args.server_threads
+    impl = init(rank, 3, port, args.mode, server_threads if rank == 0 else 16)
     if rank == 0:
         get_model()
         _server_optimizer()
@@ -120,7 +122,7 @@ def run(rank, port, args):
         emit_line("ps", impl + ("_tutorial" if tutorial else ""), "ps_steps_per_s", sum(_rates), "steps/s",
                   processes=3, trainers=TRAINERS, model="mlp784-512-512-10", batch=64,
                   mode="locked steps" if tutorial else "sync", steps_per_trainer=args.steps,
-                  server_worker_threads=args.server_threads)
+                  server_worker_threads=server_threads)
     else:
         opt = DistributedOptimizer(torch.optim.SGD, rpc.rpc_sync("w0", param_rrefs), lr=0.01) if tutorial else None
         x = torch.randn(64, 784)
@@ -148,4 +150,7 @@ def run(rank, port, args):
 
 
 if __name__ == "__main__":
-    peer_main(__file__, run, 3, {"--steps": 2000, "--design": "sync", "--server-threads": len(os.sched_getaffinity(0))})
+    # --server-threads: as Tandem's examples::default_server_threads() (the CPUs, at least 2); --trace is Tandem's side's
+    # (bench/run.sh passes its flags to both), accepted and unused here.
+    peer_main(__file__, run, 3, {"--steps": 2000, "--design": "sync",
+                                 "--server-threads": max(2, len(os.sched_getaffinity(0))), "--trace": ""})

@@ -12,7 +12,8 @@
 //                   trainers_cpu_per_round_us (the trainers' CPU time per step, summed: they share the cores) and
 //                   machine_cpu_per_round_us (the server's and the trainers'), against the floor's cpu_per_round_us;
 //                   server_runqueue_wait_per_round_us and trainers_runqueue_wait_per_round_us: the time their threads
-//                   were ready to run but waited for a CPU (the kernel's schedstat; the trainers' summed, per step),
+//                   were ready to run but waited for a CPU (the kernel's schedstat, 0 where it keeps none; the
+//                   server's per round with warm-up, as its CPU time; the trainers' summed, per timed step),
 //                   against the floor's runqueue_wait_per_round_us.
 //                   Beside it (impl "floor", measured by rank 0 before the run and again after it, the higher
 //                   reported with both in before_run and after_run) the limit of the
@@ -20,9 +21,11 @@
 //                   (forward, loss, backward for its own gradients), then both average theirs and one of them steps
 //                   SGD (momentum 0.9), as the server does; the summed steps per second, with no RPC, copy or process
 //                   boundary in the way.
-// Flags: --steps N (per trainer, after 10% warm-up); --trace PATH: each worker writes a Chrome trace of its timed
-// steps (profile/profile.h; "{worker}" in PATH is the worker's name), which shows when the server's threads serve
-// which trainer (the profiler's own cost is in the figures of such a run); --server-threads N: the server's RPC
+// Flags: --steps N (per trainer, after 10% warm-up); --trace PATH: each worker writes a Chrome trace
+// (profile/profile.h;
+// "{worker}" in PATH is the worker's name: a trainer's of its timed steps, the server's of the whole run), which shows
+// when the server's threads serve which trainer (the profiler's own cost is in the figures of such a run, its file
+// is written after them); --server-threads N: the server's RPC
 // worker threads (default examples::default_server_threads(), the cores; bench/peer_ps.py takes the same flag).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -217,10 +220,11 @@ int main(int argc, char** argv) {
     const double cpu0 = cpu_seconds(), wall0 = bench::now_us(), wait0 = runqueue_wait_seconds();
     if (!trace.empty()) tandem::profile::start();
     if (!examples::wait_for_trainers(std::chrono::minutes(30))) return 1;
-    if (!trace.empty()) tandem::profile::stop(trace);
-    // The server's CPU time per round (warm-up included) and its share of the machine's 2 cores over the run.
+    // The server's CPU time and its threads' waits per round (warm-up included), its share of the machine's 2 cores
+    // over the run; read before the trace is written.
     const double cpu = cpu_seconds() - cpu0, wall = (bench::now_us() - wall0) / 1e6;
     const double wait = runqueue_wait_seconds() - wait0;
+    if (!trace.empty()) tandem::profile::stop(trace);
     // The server's side of a step (means, warm-up included): serving a forward (the request read, the model's forward,
     // the reply written), a backward (the gradient message: the backward through the model), and the round's step.
     const tandem::metrics::Snapshot snap = tandem::metrics::snapshot();
@@ -290,11 +294,13 @@ int main(int argc, char** argv) {
       }
       lap(3);
     }
-    if (!trace.empty()) tandem::profile::stop(trace);
-    for (double& p : phases) p /= steps;
+    // Measured before the trace is written, which is not training.
+    const double rate = steps / ((bench::now_us() - t0) / 1e6);
     const double cpu_us = (cpu_seconds() - cpu0) / steps * 1e6;
     const double wait_us = (runqueue_wait_seconds() - wait0) / steps * 1e6;
-    rpc::rpc_sync("ps", "bench.rate", steps / ((bench::now_us() - t0) / 1e6), phases, cpu_us, wait_us);
+    if (!trace.empty()) tandem::profile::stop(trace);
+    for (double& p : phases) p /= steps;
+    rpc::rpc_sync("ps", "bench.rate", rate, phases, cpu_us, wait_us);
     examples::done();
     rpc::shutdown();
   }

@@ -89,7 +89,9 @@ class RRef {
   rpc::Future call_method(const std::string& method, std::vector<c10::IValue> args,
                           std::chrono::milliseconds timeout) const;
   // The same, returning once the call completed (behind rpc_sync): once the owner confirmed this reference, the
-  // calling thread reads its own reply (rpc::call_and_wait), a thread hand-off less per call.
+  // calling thread reads its own reply (rpc::call_and_wait), a thread hand-off less per call. Its sync_spin rule
+  // (rpc.h) sees every method call to the owner as one function (kCallMethod): a slow method's call can cost a quick
+  // one on the same owner its spin, once.
   rpc::Future call_method_and_wait(const std::string& method, std::vector<c10::IValue> args,
                                    std::chrono::milliseconds timeout) const;
   RRef remote_method(const std::string& method, std::vector<c10::IValue> args, std::chrono::milliseconds timeout) const;
