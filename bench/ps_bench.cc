@@ -22,11 +22,10 @@
 //                   SGD (momentum 0.9), as the server does; the summed steps per second, with no RPC, copy or process
 //                   boundary in the way.
 // Flags: --steps N (per trainer, after 10% warm-up); --trace PATH: each worker writes a Chrome trace
-// (profile/profile.h;
-// "{worker}" in PATH is the worker's name: a trainer's of its timed steps, the server's of the whole run), which shows
-// when the server's threads serve which trainer (the profiler's own cost is in the figures of such a run, its file
-// is written after them); --server-threads N: the server's RPC
-// worker threads (default examples::default_server_threads(), the cores; bench/peer_ps.py takes the same flag).
+// (profile/profile.h; "{worker}" in PATH is the worker's name: a trainer's of its timed steps, the server's of the
+// whole run), which shows when the server's threads serve which trainer (the profiler's own cost is in the figures of
+// such a run, its file is written after them); --server-threads N: the server's RPC worker threads (default
+// examples::default_server_threads(), the cores; bench/peer_ps.py takes the same flag).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/nn/functional/loss.h>
