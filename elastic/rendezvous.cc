@@ -48,10 +48,18 @@ absl::StatusOr<std::optional<RoundEnd>> Rendezvous::ended() {
   return std::optional<RoundEnd>(RoundEnd{end->reason(), end->failure()});
 }
 
-absl::Status Rendezvous::end_round(const std::string& reason, bool failure) {
+absl::StatusOr<RoundEnd> Rendezvous::end_round(const std::string& reason, bool failure) {
   auto vote = store_.add(round_key("end"), 1);
   if (!vote.ok()) return vote.status();
-  if (*vote != 1) return absl::OkStatus();  // another node ended it first
+  if (*vote != 1) {
+    // Another node ended it first; it writes why right after its vote.
+    const std::string k = round_key("ended");
+    auto bytes = store_.get(k, to_ms(options_.keep_alive_interval * options_.keep_alive_max_attempt));
+    if (!bytes.ok()) return bytes.status();
+    auto end = detail::parse_end(*bytes, k);
+    if (!end.ok()) return end.status();
+    return RoundEnd{end->reason(), end->failure()};
+  }
   if (failure) {
     auto n = store_.add(key("failures"), 1);
     if (!n.ok()) return n.status();
@@ -62,7 +70,8 @@ absl::Status Rendezvous::end_round(const std::string& reason, bool failure) {
   end.set_reason(reason);
   end.set_failure(failure);
   if (auto s = store_.set(round_key("ended"), end.SerializeAsString()); !s.ok()) return s;
-  return store_.add(key("round"), 1).status();
+  if (auto s = store_.add(key("round"), 1); !s.ok()) return s.status();
+  return RoundEnd{reason, failure};
 }
 
 absl::StatusOr<Round> Rendezvous::join() {
@@ -122,7 +131,7 @@ absl::StatusOr<Round> Rendezvous::join() {
           asked_to_end = true;
           const std::string why =
               absl::StrCat("node ", options_.host, " (launcher pid ", getpid(), ") is waiting to join");
-          if (auto s = end_round(why, /*failure=*/false); !s.ok()) return s;
+          if (auto s = end_round(why, /*failure=*/false); !s.ok()) return s.status();
         }
       } else if ((*present)[1]) {
         break;  // the round ended before it closed: join the next one
@@ -173,7 +182,7 @@ absl::StatusOr<Round> Rendezvous::finish_join(int64_t k, int index, int nodes, i
     if (auto e = end_round(absl::StrCat("a node joined round ", k, " but never published its address"),
                            /*failure=*/false);
         !e.ok()) {
-      return e;
+      return e.status();
     }
     return absl::AbortedError("re-form");
   }
@@ -224,7 +233,8 @@ absl::Status Rendezvous::heartbeat_check() {
         }
       }
       return end_round(absl::StrCat(who, " missed its heartbeats for ", seconds(now - seen_at_[j])),
-                       /*failure=*/true);
+                       /*failure=*/true)
+          .status();
     }
   }
   return absl::OkStatus();

@@ -93,8 +93,10 @@ class Rendezvous {
   // nullopt while it goes on.
   absl::StatusOr<std::optional<RoundEnd>> monitor();
 
-  // Ends the current round for every node. The first end of a round wins; a failure is counted once.
-  absl::Status end_round(const std::string& reason, bool failure);
+  // Ends the current round for every node. The first end of a round wins; a failure is counted once. Returns the end
+  // that won: this call's, or the one another node recorded first (read within keep_alive_interval ×
+  // keep_alive_max_attempt: a node that won and died before writing its reason gives DEADLINE_EXCEEDED).
+  absl::StatusOr<RoundEnd> end_round(const std::string& reason, bool failure);
 
   // This node's workers all exited 0. Then monitor() until all_succeeded() (or the round ends: then join again).
   absl::Status report_success();

@@ -151,7 +151,9 @@ const Flag kFlagHelp[] = {
     {"--rdzv-conf", "k=v,... (join_timeout, last_call_timeout, keep_alive_interval, keep_alive_max_attempt)", ""},
     {"--local-addr", "this node's address as other nodes reach it", "(found)"},
     {"--standby", "1: keep a warm standby process per worker for restarts (Tandem programs only)", "1"},
-    {"--monitor-interval", "seconds between checks of the workers and the rendezvous", "0.1"},
+    {"--monitor-interval",
+     "seconds between checks of the workers and the rendezvous (the rendezvous at least every keep_alive_interval)",
+     "0.1"},
     {"--bind-cores",
      "1: bind each local worker to its own share of this launcher's CPUs (N equal blocks, or CPU "
      "local rank mod their count when fewer than N)",
@@ -609,7 +611,7 @@ struct Round {
   pid_t pid = -1;
   int rank = -1;
   std::string others;                // how the other workers ended
-  std::optional<std::string> ended;  // the rendezvous ended the round (another node's failure, membership)
+  std::optional<std::string> ended;  // why the round ended, as the rendezvous recorded it (the first end wins)
   std::string error;                 // the rendezvous failed (its store is gone)
 };
 
@@ -622,6 +624,13 @@ std::string failure_text(const Round& r, const std::string& node) {
 // Why a round ends when this node's launcher is stopped by `sig` (no failure: the node leaves on purpose).
 std::string leave_reason(const std::string& node, int sig) {
   return node + " was stopped by signal " + std::to_string(sig);
+}
+
+// How often a launcher checks the rendezvous (and beats): every --monitor-interval, but at least every
+// keep_alive_interval, or the other nodes would take a slow monitor for a lost node.
+std::chrono::microseconds rendezvous_interval(const Options& o, tandem::elastic::Rendezvous& rdzv) {
+  const auto monitor = std::chrono::microseconds(static_cast<int64_t>(o.monitor_interval * 1e6));
+  return std::min(monitor, absl::ToChronoMicroseconds(rdzv.options().keep_alive_interval));
 }
 
 // `rdzv`: the elastic rendezvous, or nullptr for a static job. `node`: as for failure_text.
@@ -733,10 +742,16 @@ Round run_round(const Options& o, const Placement& p, const std::string& secret,
         r.rank = workers[first_failed].rank;
         r.pid = workers[first_failed].pid;
         r.status = first_status;
-        if (auto s = rdzv->end_round(failure_text(r, node), /*failure=*/true); !s.ok()) r.error = s.ToString();
+        // Another node may have ended the round first (it left, or its worker failed), and this one's failure
+        // followed from that: the round's cause is the end that won.
+        auto end = rdzv->end_round(failure_text(r, node), /*failure=*/true);
+        if (end.ok()) {
+          r.ended = end->reason;
+        } else {
+          r.error = end.status().ToString();
+        }
       } else if (std::chrono::steady_clock::now() >= next_monitor && any_running) {
-        next_monitor = std::chrono::steady_clock::now() +
-                       std::chrono::microseconds(static_cast<int64_t>(o.monitor_interval * 1e6));
+        next_monitor = std::chrono::steady_clock::now() + rendezvous_interval(o, *rdzv);
         auto end = rdzv->monitor();
         if (!end.ok()) {
           r.error = end.status().ToString();
@@ -972,7 +987,7 @@ int run_elastic(Options& o, std::vector<Standby>* pool) {
           break;
         }
         if (g_signal) return finish(128 + g_signal);
-        std::this_thread::sleep_for(std::chrono::microseconds(static_cast<int64_t>(o.monitor_interval * 1e6)));
+        std::this_thread::sleep_for(rendezvous_interval(o, rdzv));
       }
     }
     auto failures = rdzv.failures();
@@ -980,7 +995,8 @@ int run_elastic(Options& o, std::vector<Standby>* pool) {
       std::fprintf(stderr, "tandem-run: rendezvous: %s\n", failures.status().ToString().c_str());
       return 1;
     }
-    const std::string why = r.failed >= 0 ? failure_text(r, node) : *r.ended;
+    std::string why = r.ended ? *r.ended : failure_text(r, node);
+    if (r.failed >= 0 && why != failure_text(r, node)) why += "; then " + failure_text(r, node);
     if (static_cast<int>(failures->size()) > o.max_restarts) {
       std::string all;
       for (const auto& f : *failures) all += (all.empty() ? "" : "; ") + f;

@@ -12,6 +12,9 @@
 #   launchers.sh leave <tandem-run> <ddp_train>
 #     --nnodes 1:2 with both nodes running; the second launcher is stopped with SIGTERM (a node drained on purpose):
 #     it exits 143 after stopping its workers, and the first carries on alone without counting a restart.
+#   launchers.sh leave <tandem-run> <ddp_train> slow
+#     The same with the first launcher checking the rendezvous every 2 s: its worker fails (its peer is gone) before
+#     it sees the round's end, and it still names the leave as the cause (the first end of a round wins).
 #   launchers.sh exhausted <tandem-run>
 #     A worker that always fails on 2 nodes: after --max-restarts 2 both launchers exit non-zero with one line naming
 #     the three failures.
@@ -158,7 +161,11 @@ membership)
 leave)
   train=$3
   args=(--epochs 2 --limit 12000 --batch 32 --checkpoint-every 8)
-  launch "$dir/a.log" --nnodes 1:2 --max-restarts 0 --rdzv-id leave -- "$train" "${args[@]}" --checkpoint-dir "$dir/ckpt"
+  if [ "${4:-}" = slow ]; then
+    # Heartbeats every 2 s (a node lost after 8 s), the first launcher's checks as seldom.
+    conf=keep_alive_interval=2,keep_alive_max_attempt=4,last_call_timeout=1,join_timeout=60
+  fi
+  launch "$dir/a.log" --monitor-interval "$([ "${4:-}" = slow ] && echo 2 || echo 0.1)" --nnodes 1:2 --max-restarts 0 --rdzv-id leave -- "$train" "${args[@]}" --checkpoint-dir "$dir/ckpt"
   a=${pids[0]}
   wait_for 60 grep -q "round 0: node 0 of 1" "$dir/a.log" || fail "the first node did not start"
   launch "$dir/b.log" --nnodes 1:2 --max-restarts 0 --rdzv-id leave -- "$train" "${args[@]}" --checkpoint-dir "$dir/ckpt"
@@ -175,6 +182,7 @@ leave)
     fail "the remaining node did not say why the round ended"
   grep -q "round 2: node 0 of 1, ranks 0-0 of 1, restart 0" "$dir/a.log" || fail "the remaining node did not carry on alone"
   grep -q "final parameters" "$dir/a.log" || fail "the job did not finish"
+  grep -h "round . ended" "$dir/a.log"
   ;;
 
 exhausted)

@@ -247,8 +247,14 @@ TEST_P(UnitElastic, TheFirstEndOfARoundWinsAndAFailureCountsOnce) {
   auto fb = std::async(std::launch::async, [&] { return b.join(); });
   ASSERT_TRUE(a.join().ok());
   ASSERT_TRUE(fb.get().ok());
-  ASSERT_TRUE(b.end_round("rank 1 failed first", true).ok());
-  ASSERT_TRUE(a.end_round("rank 0 failed second", true).ok());
+  auto won = b.end_round("rank 1 failed first", true);
+  ASSERT_TRUE(won.ok());
+  EXPECT_EQ(won->reason, "rank 1 failed first");
+  // The later end learns which one won (the launcher names that cause, not its own workers' failure after it).
+  auto lost = a.end_round("rank 0 failed second", true);
+  ASSERT_TRUE(lost.ok());
+  EXPECT_EQ(lost->reason, "rank 1 failed first");
+  EXPECT_TRUE(lost->failure);
   auto end = a.monitor();
   ASSERT_TRUE(end.ok() && end->has_value());
   EXPECT_EQ((*end)->reason, "rank 1 failed first");
