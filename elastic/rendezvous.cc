@@ -36,29 +36,29 @@ std::string Rendezvous::round_key(const std::string& suffix) const {
   return key(absl::StrCat("r", round_, "/", suffix));
 }
 
-absl::StatusOr<std::optional<RoundEnd>> Rendezvous::ended() {
+absl::StatusOr<RoundEnd> Rendezvous::recorded_end(absl::Duration wait) {
   const std::string k = round_key("ended");
-  auto present = store_.check({k});
-  if (!present.ok()) return present.status();
-  if (!(*present)[0]) return std::optional<RoundEnd>();
-  auto bytes = store_.get(k, to_ms(options_.keep_alive_interval));
+  auto bytes = store_.get(k, to_ms(wait));
   if (!bytes.ok()) return bytes.status();
   auto end = detail::parse_end(*bytes, k);
   if (!end.ok()) return end.status();
-  return std::optional<RoundEnd>(RoundEnd{end->reason(), end->failure()});
+  return RoundEnd{end->reason(), end->failure()};
+}
+
+absl::StatusOr<std::optional<RoundEnd>> Rendezvous::ended() {
+  auto present = store_.check({round_key("ended")});
+  if (!present.ok()) return present.status();
+  if (!(*present)[0]) return std::optional<RoundEnd>();
+  auto end = recorded_end(options_.keep_alive_interval);
+  if (!end.ok()) return end.status();
+  return std::optional<RoundEnd>(*end);
 }
 
 absl::StatusOr<RoundEnd> Rendezvous::end_round(const std::string& reason, bool failure) {
   auto vote = store_.add(round_key("end"), 1);
   if (!vote.ok()) return vote.status();
-  if (*vote != 1) {
-    // Another node ended it first; it writes why right after its vote.
-    const std::string k = round_key("ended");
-    auto bytes = store_.get(k, to_ms(options_.keep_alive_interval * options_.keep_alive_max_attempt));
-    if (!bytes.ok()) return bytes.status();
-    auto end = detail::parse_end(*bytes, k);
-    if (!end.ok()) return end.status();
-    return RoundEnd{end->reason(), end->failure()};
+  if (*vote != 1) {  // another node ended it first; it writes why right after its vote
+    return recorded_end(options_.keep_alive_interval * options_.keep_alive_max_attempt);
   }
   if (failure) {
     auto n = store_.add(key("failures"), 1);

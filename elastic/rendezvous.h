@@ -114,6 +114,8 @@ class Rendezvous {
   std::string key(const std::string& suffix) const;
   std::string round_key(const std::string& suffix) const;
   absl::StatusOr<std::optional<RoundEnd>> ended();
+  // The current round's end as recorded, waiting for it up to `wait`.
+  absl::StatusOr<RoundEnd> recorded_end(absl::Duration wait);
   absl::StatusOr<Round> finish_join(int64_t k, int index, int nodes, int restarts);
   absl::Status heartbeat_check();
 

@@ -995,8 +995,9 @@ int run_elastic(Options& o, std::vector<Standby>* pool) {
       std::fprintf(stderr, "tandem-run: rendezvous: %s\n", failures.status().ToString().c_str());
       return 1;
     }
-    std::string why = r.ended ? *r.ended : failure_text(r, node);
-    if (r.failed >= 0 && why != failure_text(r, node)) why += "; then " + failure_text(r, node);
+    const std::string mine = r.failed >= 0 ? failure_text(r, node) : "";
+    std::string why = r.ended ? *r.ended : mine;
+    if (!mine.empty() && why != mine) why += "; then " + mine;
     if (static_cast<int>(failures->size()) > o.max_restarts) {
       std::string all;
       for (const auto& f : *failures) all += (all.empty() ? "" : "; ") + f;

@@ -161,11 +161,13 @@ membership)
 leave)
   train=$3
   args=(--epochs 2 --limit 12000 --batch 32 --checkpoint-every 8)
+  monitor=0.1
   if [ "${4:-}" = slow ]; then
     # Heartbeats every 2 s (a node lost after 8 s), the first launcher's checks as seldom.
     conf=keep_alive_interval=2,keep_alive_max_attempt=4,last_call_timeout=1,join_timeout=60
+    monitor=2
   fi
-  launch "$dir/a.log" --monitor-interval "$([ "${4:-}" = slow ] && echo 2 || echo 0.1)" --nnodes 1:2 --max-restarts 0 --rdzv-id leave -- "$train" "${args[@]}" --checkpoint-dir "$dir/ckpt"
+  launch "$dir/a.log" --monitor-interval "$monitor" --nnodes 1:2 --max-restarts 0 --rdzv-id leave -- "$train" "${args[@]}" --checkpoint-dir "$dir/ckpt"
   a=${pids[0]}
   wait_for 60 grep -q "round 0: node 0 of 1" "$dir/a.log" || fail "the first node did not start"
   launch "$dir/b.log" --nnodes 1:2 --max-restarts 0 --rdzv-id leave -- "$train" "${args[@]}" --checkpoint-dir "$dir/ckpt"
