@@ -68,8 +68,8 @@ struct RpcOptions {
   std::chrono::milliseconds init_timeout{std::chrono::seconds(120)};     // rendezvous
   std::chrono::milliseconds shutdown_timeout{std::chrono::seconds(30)};  // graceful shutdown barrier and drain
 
-  // Threads running registered functions (nested rpc_sync calls hold one each). A worker whose functions never
-  // block is faster with as many as its cores (docs/rpc.md, "Threads").
+  // Threads running registered functions (nested rpc_sync calls hold one each). Of the direct channel's, only as
+  // many as the process's CPUs run at once, unless some block (docs/rpc.md, "Threads").
   int num_worker_threads = 16;
   int64_t max_message_bytes = int64_t{1} << 30;  // larger messages are refused, in both directions
 

@@ -15,13 +15,17 @@
 #include <cstdint>
 #include <ctime>
 
+#include "tandem/sync/sync.h"
+
 namespace tandem {
 
-// Sleeps while *word == expected, for at most `for_at_most` (returns at once when it is not positive).
+// Sleeps while *word == expected, for at most `for_at_most` (returns at once when it is not positive). A blocking
+// wait, as sync.h's: the thread's WaitObserver hears of it.
 inline void futex_wait(std::atomic<uint32_t>* word, uint32_t expected, std::chrono::nanoseconds for_at_most) {
   const auto ns = for_at_most.count();
   if (ns <= 0) return;
   timespec ts{static_cast<time_t>(ns / 1000000000), static_cast<long>(ns % 1000000000)};
+  BlockingScope blocked;  // a direct-channel loop thread lends its place meanwhile (sync.h)
   syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT, expected, &ts, nullptr, 0);
 }
 

@@ -10,6 +10,10 @@
 // The clang thread-safety annotations work as with absl's types: a Mutex is a capability, members are
 // ABSL_GUARDED_BY(mu_), functions ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_).
 //
+// Every wait that can block (CondVar's, Mutex::Await's while its condition is false, Notification's before it fired)
+// tells the calling thread's WaitObserver, if it has one (set_wait_observer), that the thread is about to block and
+// when it runs again: the direct channel's loop threads hand their place to run messages to another thread meanwhile.
+//
 // Thread-safety: as absl's types (a Mutex, CondVar or Notification may be used from any thread). Errors: none; the
 // timed waits say whether they timed out, as absl's do.
 #pragma once
@@ -32,6 +36,50 @@ extern "C" void __tsan_release(void* addr);
 #endif
 
 namespace tandem {
+
+// Told by the waits of this header (and any other that calls BlockingScope) when its thread blocks and runs again.
+// Both calls come from the waiting thread, with whatever lock the wait holds; they must not wait themselves (their
+// own waits are not reported: the observer is unset while it is called).
+class WaitObserver {
+ public:
+  virtual void blocking() = 0;
+  virtual void unblocked() = 0;
+
+ protected:
+  ~WaitObserver() = default;
+};
+
+namespace sync_detail {
+inline thread_local WaitObserver* wait_observer = nullptr;
+}  // namespace sync_detail
+
+// Sets the calling thread's observer (nullptr: none); returns the one it replaces.
+inline WaitObserver* set_wait_observer(WaitObserver* observer) {
+  WaitObserver* before = sync_detail::wait_observer;
+  sync_detail::wait_observer = observer;
+  return before;
+}
+
+// For its scope, the calling thread is blocked: its observer hears blocking() now and unblocked() at the end. Waits
+// inside the scope are not reported again. With `blocks` false (the wait will not block), nothing is reported.
+class BlockingScope {
+ public:
+  explicit BlockingScope(bool blocks = true) : observer_(blocks ? sync_detail::wait_observer : nullptr) {
+    if (observer_ == nullptr) return;
+    sync_detail::wait_observer = nullptr;
+    observer_->blocking();
+  }
+  BlockingScope(const BlockingScope&) = delete;
+  BlockingScope& operator=(const BlockingScope&) = delete;
+  ~BlockingScope() {
+    if (observer_ == nullptr) return;
+    observer_->unblocked();
+    sync_detail::wait_observer = observer_;
+  }
+
+ private:
+  WaitObserver* const observer_;
+};
 
 // A predicate for Mutex::Await and friends (absl::Condition: a function and its argument, evaluated under the lock).
 using Condition = absl::Condition;
@@ -64,17 +112,20 @@ class ABSL_LOCKABLE Mutex {
 
   // Unlocks until `cond` holds, then relocks (absl::Mutex::Await). The timed forms return whether `cond` holds.
   void Await(const Condition& cond) ABSL_EXCLUSIVE_LOCKS_REQUIRED(this) {
+    BlockingScope blocked(sync_detail::wait_observer != nullptr && !cond.Eval());
     TANDEM_HAPPENS_BEFORE(this);
     mu_.Await(cond);
     TANDEM_HAPPENS_AFTER(this);
   }
   bool AwaitWithTimeout(const Condition& cond, absl::Duration timeout) ABSL_EXCLUSIVE_LOCKS_REQUIRED(this) {
+    BlockingScope blocked(sync_detail::wait_observer != nullptr && !cond.Eval());
     TANDEM_HAPPENS_BEFORE(this);
     const bool held = mu_.AwaitWithTimeout(cond, timeout);
     TANDEM_HAPPENS_AFTER(this);
     return held;
   }
   bool AwaitWithDeadline(const Condition& cond, absl::Time deadline) ABSL_EXCLUSIVE_LOCKS_REQUIRED(this) {
+    BlockingScope blocked(sync_detail::wait_observer != nullptr && !cond.Eval());
     TANDEM_HAPPENS_BEFORE(this);
     const bool held = mu_.AwaitWithDeadline(cond, deadline);
     TANDEM_HAPPENS_AFTER(this);
@@ -106,18 +157,21 @@ class CondVar {
   CondVar& operator=(const CondVar&) = delete;
 
   void Wait(Mutex* mu) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    BlockingScope blocked;
     TANDEM_HAPPENS_BEFORE(mu);
     cv_.Wait(&mu->mu_);
     TANDEM_HAPPENS_AFTER(mu);
   }
   // True when the wait timed out (absl::CondVar::WaitWithTimeout).
   bool WaitWithTimeout(Mutex* mu, absl::Duration timeout) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    BlockingScope blocked;
     TANDEM_HAPPENS_BEFORE(mu);
     const bool timed_out = cv_.WaitWithTimeout(&mu->mu_, timeout);
     TANDEM_HAPPENS_AFTER(mu);
     return timed_out;
   }
   bool WaitWithDeadline(Mutex* mu, absl::Time deadline) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    BlockingScope blocked;
     TANDEM_HAPPENS_BEFORE(mu);
     const bool timed_out = cv_.WaitWithDeadline(&mu->mu_, deadline);
     TANDEM_HAPPENS_AFTER(mu);
@@ -149,15 +203,18 @@ class Notification {
     return yes;
   }
   void WaitForNotification() const {
+    BlockingScope blocked(sync_detail::wait_observer != nullptr && !n_.HasBeenNotified());
     n_.WaitForNotification();
     TANDEM_HAPPENS_AFTER(this);
   }
   bool WaitForNotificationWithTimeout(absl::Duration timeout) const {
+    BlockingScope blocked(sync_detail::wait_observer != nullptr && !n_.HasBeenNotified());
     const bool yes = n_.WaitForNotificationWithTimeout(timeout);
     if (yes) TANDEM_HAPPENS_AFTER(this);
     return yes;
   }
   bool WaitForNotificationWithDeadline(absl::Time deadline) const {
+    BlockingScope blocked(sync_detail::wait_observer != nullptr && !n_.HasBeenNotified());
     const bool yes = n_.WaitForNotificationWithDeadline(deadline);
     if (yes) TANDEM_HAPPENS_AFTER(this);
     return yes;

@@ -177,7 +177,6 @@ int main(int argc, char** argv) {
     // images through the RemoteModule): a few seconds alone, more than the default 30 s on a loaded machine (it failed
     // so under ctest -j2). A worker that dies meanwhile still ends the job at once (tandem-run stops every rank).
     rpc_options.shutdown_timeout = std::chrono::minutes(5);
-    if (rank == 0) rpc_options.num_worker_threads = examples::default_server_threads();  // server.h says why
     rpc::init_rpc(rank == 0 ? "ps" : "trainer" + std::to_string(rank), rank, world, rpc_options);
     int code = 0;
     if (rank == 0) {

@@ -35,13 +35,12 @@ struct ServerOptions {
   int64_t checkpoint_every = 50;
 };
 
-// The RPC worker threads the server should run with (RpcOptions::num_worker_threads on rank 0): the CPUs this
-// process may use, at least 2. None of the server's functions waits for another worker (a submit waiting for its
-// round returns a pending future; its backward sends no gradient on, the trainers' inputs need none), so threads
-// beyond the cores only let the trainers' requests preempt each other: on 2 cores with RPC's default of 16 its
-// threads waited for a CPU 10.4 ms per round in all, against 0.4 ms with 2, and training ran at 0.59-0.61 of the
-// machine's limit against 0.73-0.75 (bench/ps_bench.cc --server-threads, two interleaved pairs, 2026-11-29). What
-// holds a thread a while: evaluate() (the test set's forward) and a checkpoint's save, each one thread.
+// The server's RPC worker threads in bench/ps_bench.cc (both sides' servers): the CPUs this process may use, at
+// least 2. None of the server's functions waits for another worker, so threads beyond the cores only let the
+// trainers' requests preempt each other. Tandem's direct channel no longer wakes more threads than cores (docs/rpc.md,
+// "Threads": with RPC's default of 16 the server ran at 0.59-0.61 of the machine's limit against 0.73-0.75 with 2
+// before that, and at the same speed after), so the example keeps RPC's default; PyTorch's server in the same design
+// still gains from it (320 against 270 steps/s with its default of 16, README).
 int default_server_threads();
 // Registers the model factories and the server's functions (every rank, before init_rpc).
 void register_parameter_server();

@@ -6,6 +6,7 @@
 #include <netinet/tcp.h>
 #include <openssl/crypto.h>
 #include <poll.h>
+#include <sched.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
@@ -44,6 +45,16 @@ constexpr int kSocketBuffer = 4 << 20;
 // waits for it to empty (64 MiB between two test hosts: 2.1 GB/s sent whole, 5.7 in 256 KiB pieces; tcp_pingpong
 // --chunk). 256 and 512 KiB were the best sizes measured; 128 KiB and 1 MiB were slower.
 constexpr size_t kMaxSendBytes = 256 << 10;
+// How long every place may run messages without one finishing, while another message waits, before a parked loop
+// thread takes a place beyond the limit (the messages may be blocked where Tandem cannot see: direct.h, Threads).
+constexpr absl::Duration kStuckAfter = absl::Milliseconds(5);
+
+// The CPUs this process may run on.
+int usable_cpus() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  return sched_getaffinity(0, sizeof(set), &set) == 0 ? std::max(1, CPU_COUNT(&set)) : 1;
+}
 
 const volatile uint64_t kProbe = kProbeValue;  // the server reads it from our memory to test cross-memory access
 
@@ -62,8 +73,9 @@ absl::Status errno_status(const char* what) {
   return absl::UnavailableError(absl::StrCat(what, ": ", std::strerror(errno)));
 }
 
-// Waits until `fd` is ready for `events` or `deadline` passes.
+// Waits until `fd` is ready for `events` or `deadline` passes (a blocking wait: a loop thread lends its place).
 absl::Status wait_fd(int fd, short events, absl::Time deadline) {
+  BlockingScope blocked;
   for (;;) {
     const int64_t ms = absl::ToInt64Milliseconds(deadline - absl::Now());
     if (ms < 0) return absl::DeadlineExceededError("direct channel: deadline exceeded");
@@ -469,7 +481,7 @@ absl::StatusOr<Message> Conn::read(uint64_t max_body, absl::Time deadline, std::
 
 absl::StatusOr<std::unique_ptr<Channel>> Channel::start(std::string token, int threads, uint64_t max_message_bytes,
                                                         absl::Duration message_timeout, Callbacks callbacks,
-                                                        const std::string& tcp_host) {
+                                                        const std::string& tcp_host, int running) {
   std::unique_ptr<Channel> t(new Channel);
   t->token_ = std::move(token);
   t->max_message_bytes_ = max_message_bytes;
@@ -505,6 +517,7 @@ absl::StatusOr<std::unique_ptr<Channel>> Channel::start(std::string token, int t
     epoll_ctl(t->epoll_fd_, EPOLL_CTL_ADD, t->tcp_listen_fd_, &listen_ev);
   }
 
+  t->places_ = std::max(1, std::min(std::max(1, threads), running > 0 ? running : usable_cpus()));
   t->threads_ = std::make_unique<detail::ThreadPool>(std::max(1, threads));
   for (int i = 0; i < std::max(1, threads); ++i) t->threads_->submit([raw = t.get()] { raw->loop(); });
   return t;
@@ -538,26 +551,161 @@ void Channel::drop(const std::shared_ptr<Conn>& conn, const absl::Status& why) {
   if (!conn->inbound && callbacks_.on_lost) callbacks_.on_lost(conn, why);
 }
 
+class Channel::Place final : public WaitObserver {
+ public:
+  explicit Place(Channel* channel) : channel_(channel) {
+    MutexLock lock(&channel_->places_mu_);
+    channel_->all_places_.push_back(this);
+  }
+  ~Place() {
+    MutexLock lock(&channel_->places_mu_);
+    auto& all = channel_->all_places_;
+    all.erase(std::find(all.begin(), all.end(), this));
+  }
+  void blocking() override { channel_->lend_place(this); }
+  void unblocked() override { channel_->reclaim_place(this, /*message_done=*/false); }
+
+  // The number of the message this thread runs (Channel::started_), 0 between messages. The watcher and this thread
+  // read each other's writes of `running` and `presumed` in the opposite order (seq_cst): either the watcher sees the
+  // message done, or the thread sees itself presumed blocked and takes its place back.
+  std::atomic<uint64_t> running{0};
+  std::atomic<bool> presumed{false};  // the watcher took it for blocked out of sight (and lent its place)
+  bool lent = false;                  // guarded by places_mu_: the place is lent (blocked, or presumed blocked)
+
+ private:
+  Channel* const channel_;
+};
+
 void Channel::loop() {
+  if (!take_place()) return;
+  Place place(this);
   for (;;) {
     epoll_event ev{};
+    in_epoll_.fetch_add(1, std::memory_order_relaxed);
     const int n = epoll_wait(epoll_fd_, &ev, 1, -1);
+    in_epoll_.fetch_sub(1, std::memory_order_relaxed);
     if (n < 0 && errno == EINTR) continue;
     if (n <= 0 || stopping_ || ev.data.u64 == kWakeTag) return;
-    if (ev.data.u64 == kListenTag || ev.data.u64 == kTcpListenTag) {
-      accept_one(ev.data.u64 == kListenTag ? listen_fd_ : tcp_listen_fd_, ev.data.u64);
+    place.running.store(started_.fetch_add(1, std::memory_order_relaxed) + 1);
+    WaitObserver* before = set_wait_observer(&place);
+    serve(ev);
+    set_wait_observer(before);
+    place.running.store(0);
+    finished_.fetch_add(1, std::memory_order_relaxed);
+    if (place.presumed.load()) reclaim_place(&place, /*message_done=*/true);
+    if (over_.load(std::memory_order_relaxed) && !step_aside()) return;
+  }
+}
+
+void Channel::serve(const epoll_event& ev) {
+  if (ev.data.u64 == kListenTag || ev.data.u64 == kTcpListenTag) {
+    return accept_one(ev.data.u64 == kListenTag ? listen_fd_ : tcp_listen_fd_, ev.data.u64);
+  }
+  std::shared_ptr<Conn> conn;
+  {
+    MutexLock lock(&mu_);
+    auto it = conns_.find(static_cast<Conn*>(ev.data.ptr));
+    if (it == conns_.end()) return;
+    conn = it->second;
+  }
+  TANDEM_HAPPENS_AFTER(conn.get());
+  handle_ready(conn);
+}
+
+bool Channel::take_place() {
+  MutexLock lock(&places_mu_);
+  return park();
+}
+
+bool Channel::step_aside() {
+  MutexLock lock(&places_mu_);
+  if (held_ <= places_) return true;
+  --held_;
+  over_.store(held_ > places_, std::memory_order_relaxed);
+  return park();
+}
+
+bool Channel::park() {
+  for (;;) {
+    if (stopping_) return false;
+    if (held_ < places_) {
+      ++held_;
+      return true;
+    }
+    if (watching_) {
+      ++parked_;
+      parked_cv_.Wait(&places_mu_);
+      --parked_;
       continue;
     }
-    std::shared_ptr<Conn> conn;
-    {
-      MutexLock lock(&mu_);
-      auto it = conns_.find(static_cast<Conn*>(ev.data.ptr));
-      if (it == conns_.end()) continue;
-      conn = it->second;
+    // This thread watches the places while it waits for one.
+    watching_ = true;
+    const uint64_t finished = finished_.load(std::memory_order_relaxed);
+    const bool timed_out = watch_cv_.WaitWithTimeout(&places_mu_, kStuckAfter);
+    watching_ = false;
+    if (timed_out && !stopping_ && held_ >= places_ && stuck(finished) && presume_blocked()) {
+      if (parked_ > 0) parked_cv_.Signal();  // to watch in this one's stead
     }
-    TANDEM_HAPPENS_AFTER(conn.get());
-    handle_ready(conn);
   }
+}
+
+bool Channel::stuck(uint64_t finished) const {
+  if (in_epoll_.load(std::memory_order_relaxed) > 0 || finished_.load(std::memory_order_relaxed) != finished) {
+    return false;
+  }
+  pollfd p{epoll_fd_, POLLIN, 0};
+  return poll(&p, 1, 0) > 0;  // an epoll fd is readable while an event waits in its set
+}
+
+bool Channel::presume_blocked() {
+  Place* oldest = nullptr;
+  for (Place* p : all_places_) {
+    const uint64_t running = p->running.load(std::memory_order_relaxed);
+    if (!p->lent && running != 0 && (oldest == nullptr || running < oldest->running.load(std::memory_order_relaxed))) {
+      oldest = p;
+    }
+  }
+  if (oldest == nullptr) return false;
+  oldest->presumed.store(true);
+  if (oldest->running.load() == 0) {  // done meanwhile: it keeps its place
+    oldest->presumed.store(false);
+    return false;
+  }
+  oldest->lent = true;
+  --held_;
+  ++counts_.presumed_blocked;
+  over_.store(held_ > places_, std::memory_order_relaxed);
+  return true;
+}
+
+void Channel::lend_place(Place* place) {
+  MutexLock lock(&places_mu_);
+  if (place->lent) return;  // presumed blocked already
+  place->lent = true;
+  --held_;
+  ++counts_.lent;
+  over_.store(held_ > places_, std::memory_order_relaxed);
+  if (held_ >= places_) return;
+  if (parked_ > 0) {
+    parked_cv_.Signal();
+  } else if (watching_) {
+    watch_cv_.Signal();
+  }
+}
+
+void Channel::reclaim_place(Place* place, bool message_done) {
+  MutexLock lock(&places_mu_);
+  // A thread presumed blocked runs on without a place until its message is done.
+  if (!place->lent || (place->presumed.load() && !message_done)) return;
+  place->lent = false;
+  place->presumed.store(false);
+  ++held_;  // at once, even beyond the limit: the thread steps aside when its message is done
+  over_.store(held_ > places_, std::memory_order_relaxed);
+}
+
+Channel::PlaceCounts Channel::place_counts() {
+  MutexLock lock(&places_mu_);
+  return counts_;
 }
 
 void Channel::accept_one(int listen_fd, uint64_t tag) {
@@ -705,6 +853,11 @@ absl::StatusOr<std::shared_ptr<Conn>> Channel::connect(const std::string& addres
 
 bool Channel::stop(std::chrono::milliseconds grace) {
   if (stopping_.exchange(true)) return threads_ ? threads_->stop(grace) : true;
+  {
+    MutexLock lock(&places_mu_);  // parked threads see stopping_ and return
+    parked_cv_.SignalAll();
+    watch_cv_.SignalAll();
+  }
   const uint64_t one = 1;
   if (wake_fd_ >= 0) (void)!::write(wake_fd_, &one, sizeof(one));
   // No new connections; the descriptor itself stays open until the destructor, after the loop threads: closed here,

@@ -24,10 +24,19 @@
 // Every blocking read and write has a deadline.
 //
 // Threads: `threads` workers wait in one epoll set (EPOLLONESHOT), so at most one of them reads a given connection at a
-// time; having read a whole message it re-arms the connection and runs the message's callback itself.
+// time; having read a whole message it re-arms the connection and runs the message's callback itself. Only `running`
+// of them (the CPUs this process may use, by default) hold a place: wait in epoll or run a message. The others are
+// parked, so the kernel never wakes more threads for messages than there are cores to run them (each one beyond would
+// preempt a thread that computes). A thread whose message blocks in a Tandem wait (sync.h's waits, a socket read of
+// this channel) lends its place to a parked thread until it runs again, then parks once its message is done if too
+// many hold places. A message blocked where Tandem cannot see it (a sleep, another library's lock) is found by a parked
+// thread that watches: when every place runs a message, another is waiting, and none finished for kStuckAfter (5 ms),
+// it presumes the longest-running one blocked and takes its place, which that thread takes back when its message is
+// done.
 #pragma once
 
 #include <grpcpp/support/byte_buffer.h>
+#include <sys/epoll.h>
 #include <sys/types.h>
 
 #include <atomic>
@@ -36,6 +45,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
@@ -131,9 +141,10 @@ class Channel {
 
   // `message_timeout`: once a message has started to arrive, the rest must follow within it. With a `tcp_host`, the
   // channel also listens on TCP at that address (an ephemeral port) for peers on other hosts.
+  // `running`: how many threads run messages at once unless some block (above); 0: the CPUs this process may use.
   static absl::StatusOr<std::unique_ptr<Channel>> start(std::string token, int threads, uint64_t max_message_bytes,
                                                         absl::Duration message_timeout, Callbacks callbacks,
-                                                        const std::string& tcp_host = "");
+                                                        const std::string& tcp_host = "", int running = 0);
   ~Channel();
 
   // This worker's abstract socket name (without the leading NUL).
@@ -149,13 +160,35 @@ class Channel {
   absl::StatusOr<std::shared_ptr<Conn>> connect(const std::string& address, int my_rank, bool for_responses,
                                                 absl::Time deadline);
 
+  // How often a loop thread lent its place while its message blocked in a Tandem wait, and how often the watching
+  // thread presumed one blocked out of sight (Threads, above).
+  struct PlaceCounts {
+    int64_t lent = 0;
+    int64_t presumed_blocked = 0;
+  };
+  PlaceCounts place_counts();
+
   // Closes the listener and every connection, then stops the threads (waiting up to `grace` for running callbacks).
   // Returns false when threads were still busy.
   bool stop(std::chrono::milliseconds grace);
 
  private:
+  class Place;  // a loop thread's WaitObserver: lends its place while its message blocks
+
   Channel() = default;
   void loop();
+  void serve(const epoll_event& ev);
+  // Waits for a place (false when the channel stops); step_aside() first gives this thread's back when more than
+  // `running` are held.
+  bool take_place();
+  bool step_aside();
+  bool park() ABSL_EXCLUSIVE_LOCKS_REQUIRED(places_mu_);
+  void lend_place(Place* place);
+  void reclaim_place(Place* place, bool message_done);
+  // Every place runs a message, another waits in the epoll set, and none finished since `finished` was read.
+  bool stuck(uint64_t finished) const;
+  // Lends the place of the thread whose message has run longest, as if it blocked; false when none runs one.
+  bool presume_blocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(places_mu_);
   void handle_ready(const std::shared_ptr<Conn>& conn);
   void accept_one(int listen_fd, uint64_t tag);
   void arm(const std::shared_ptr<Conn>& conn, bool add);
@@ -175,6 +208,20 @@ class Channel {
   Mutex mu_;
   std::map<Conn*, std::shared_ptr<Conn>> conns_ ABSL_GUARDED_BY(mu_);  // epoll data points at the key
   std::atomic<bool> stopping_{false};
+
+  int places_ = 1;  // `running`
+  Mutex places_mu_;
+  CondVar parked_cv_;  // threads without a place
+  CondVar watch_cv_;   // the one of them that watches for stuck places
+  int held_ ABSL_GUARDED_BY(places_mu_) = 0;
+  int parked_ ABSL_GUARDED_BY(places_mu_) = 0;  // waiting on parked_cv_
+  bool watching_ ABSL_GUARDED_BY(places_mu_) = false;
+  PlaceCounts counts_ ABSL_GUARDED_BY(places_mu_);
+  std::vector<Place*> all_places_ ABSL_GUARDED_BY(places_mu_);  // every loop thread's
+  std::atomic<uint64_t> started_{0};                            // messages begun
+  std::atomic<bool> over_{false};      // held_ > places_: read after each message without the lock
+  std::atomic<int> in_epoll_{0};       // threads in epoll_wait
+  std::atomic<uint64_t> finished_{0};  // messages run
 };
 
 }  // namespace tandem::rpc::direct

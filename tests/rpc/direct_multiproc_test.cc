@@ -7,7 +7,11 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <atomic>
+#include <condition_variable>
 #include <cstring>
+#include <mutex>
+#include <thread>
 
 #include "absl/strings/str_split.h"
 #include "tandem/rpc/detail/direct.h"
@@ -206,6 +210,116 @@ TEST(UnitDirectTcp, HandshakeAndFramesOverLoopback) {
   auto gone = (*client)->connect(address, 3, false, soon());
   EXPECT_EQ(gone.status().code(), absl::StatusCode::kUnavailable) << gone.status();
   (*client)->stop(milliseconds(1000));
+}
+
+// The loop threads' places (direct.h, Threads), in one process over a Unix socket: a client per thread, each on its own
+// connection, calling a server whose handler is the test's.
+class UnitDirectPlaces : public ::testing::Test {
+ protected:
+  // Starts the server: `threads` loop threads, `running` places.
+  void start(int threads, int running, std::function<void(uint64_t)> handler) {
+    rpc::direct::Channel::Callbacks callbacks;
+    callbacks.on_request = [handler](const std::shared_ptr<rpc::direct::Conn>& conn, rpc::direct::Message m) {
+      handler(m.call_id);
+      (void)conn->write(rpc::direct::Kind::kResponse, m.call_id, m.body, absl::Now() + absl::Seconds(30));
+    };
+    auto server = rpc::direct::Channel::start(token_, threads, 1 << 20, absl::Seconds(30), callbacks, "", running);
+    ASSERT_TRUE(server.ok()) << server.status();
+    server_ = std::move(*server);
+    auto client = rpc::direct::Channel::start(token_, 1, 1 << 20, absl::Seconds(30), {});
+    ASSERT_TRUE(client.ok()) << client.status();
+    client_ = std::move(*client);
+  }
+  // One call on a connection of its own; the reply's status.
+  absl::Status call(uint64_t id) {
+    const absl::Time deadline = absl::Now() + absl::Seconds(30);
+    auto conn = client_->connect(server_->address(), 1, /*for_responses=*/false, deadline);
+    if (!conn.ok()) return conn.status();
+    grpc::Slice slice(std::string("x"));
+    if (auto s = (*conn)->write(rpc::direct::Kind::kRequest, id, grpc::ByteBuffer(&slice, 1), deadline); !s.ok()) {
+      return s;
+    }
+    return (*conn)->read(1 << 20, deadline).status();
+  }
+  void TearDown() override {
+    if (client_) client_->stop(milliseconds(1000));
+    if (server_) EXPECT_TRUE(server_->stop(milliseconds(5000)));
+  }
+
+  const std::string token_ = rpc::auth::derive_token("unit-secret");
+  std::unique_ptr<rpc::direct::Channel> server_, client_;
+};
+
+TEST_F(UnitDirectPlaces, AtMostRunningThreadsRunMessagesAtOnce) {
+  std::atomic<int> now{0}, most{0};
+  start(/*threads=*/4, /*running=*/1, [&](uint64_t) {
+    const int n = ++now;
+    for (int seen = most.load(); n > seen && !most.compare_exchange_weak(seen, n);) {
+    }
+    std::this_thread::sleep_for(milliseconds(1));
+    --now;
+  });
+  std::vector<std::thread> clients;
+  std::atomic<int> failed{0};
+  for (int c = 0; c < 4; ++c) {
+    clients.emplace_back([&, c] {
+      for (int i = 0; i < 10; ++i) failed += call(c * 100 + i).ok() ? 0 : 1;
+    });
+  }
+  for (auto& t : clients) t.join();
+  EXPECT_EQ(failed.load(), 0);
+  // Four threads would run four messages at once; one place runs one, and a second only when the watching thread
+  // presumed it blocked because none finished for a while (a sleep is out of Tandem's sight).
+  EXPECT_LE(most.load(), 1 + server_->place_counts().presumed_blocked);
+  EXPECT_EQ(server_->place_counts().lent, 0);
+}
+
+TEST_F(UnitDirectPlaces, AMessageBlockedInATandemWaitLendsItsPlace) {
+  Notification released;
+  std::atomic<bool> saw_release{false};
+  start(/*threads=*/2, /*running=*/1, [&](uint64_t id) {
+    if (id == 1) saw_release = released.WaitForNotificationWithTimeout(absl::Seconds(30));
+    if (id == 2) released.Notify();
+  });
+  std::thread blocked([&] { EXPECT_TRUE(call(1).ok()); });
+  // The first message has lent its place (its wait is a Tandem wait) before the second is sent: the other thread
+  // runs it in that place, not in one beyond the limit.
+  const absl::Time until = absl::Now() + absl::Seconds(30);
+  while (server_->place_counts().lent == 0 && absl::Now() < until) std::this_thread::sleep_for(milliseconds(1));
+  ASSERT_EQ(server_->place_counts().lent, 1);
+  EXPECT_TRUE(call(2).ok());
+  blocked.join();
+  EXPECT_TRUE(saw_release.load());
+  EXPECT_EQ(server_->place_counts().presumed_blocked, 0);
+}
+
+TEST_F(UnitDirectPlaces, AMessageBlockedOutOfSightGetsAnotherThreadAPlace) {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool released = false;
+  std::atomic<bool> started{false}, saw_release{false};
+  start(/*threads=*/2, /*running=*/1, [&](uint64_t id) {
+    std::unique_lock<std::mutex> lock(mu);
+    if (id == 1) {
+      started = true;
+      saw_release = cv.wait_for(lock, std::chrono::seconds(30), [&] { return released; });
+    } else {
+      released = true;
+      cv.notify_all();
+    }
+  });
+  std::thread blocked([&] { EXPECT_TRUE(call(1).ok()); });
+  const absl::Time until = absl::Now() + absl::Seconds(30);
+  while (!started && absl::Now() < until) std::this_thread::sleep_for(milliseconds(1));
+  const auto sent = std::chrono::steady_clock::now();
+  EXPECT_TRUE(call(2).ok());
+  const auto waited = std::chrono::steady_clock::now() - sent;
+  blocked.join();
+  EXPECT_TRUE(saw_release.load());
+  EXPECT_EQ(server_->place_counts().lent, 0);
+  EXPECT_EQ(server_->place_counts().presumed_blocked, 1);
+  std::cout << "the second message ran after " << std::chrono::duration<double, std::milli>(waited).count()
+            << " ms (a message is presumed blocked when none finished for 5 ms)\n";
 }
 
 TEST_F(MultiprocDirect, HostileClientsAreTurnedAway) {
