@@ -189,6 +189,11 @@ struct TransportStats {
   int64_t oneway_failures = 0;
   // One-way calls of messages (register_message) the direct channel brought and this worker ran inline.
   int64_t inline_messages = 0;
+  // The direct channel's places (docs/rpc.md, "Threads"): how often a function or reply it ran blocked in a Tandem
+  // wait and lent its thread's place, and how often one was presumed blocked out of Tandem's sight (no message done
+  // on any place for 2 x 5 ms while another waited: a sleep, a std::mutex...; each such stall delays other calls).
+  int64_t places_lent = 0;
+  int64_t presumed_blocked = 0;
 };
 TransportStats transport_stats();
 

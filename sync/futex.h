@@ -25,7 +25,7 @@ inline void futex_wait(std::atomic<uint32_t>* word, uint32_t expected, std::chro
   const auto ns = for_at_most.count();
   if (ns <= 0) return;
   timespec ts{static_cast<time_t>(ns / 1000000000), static_cast<long>(ns % 1000000000)};
-  BlockingScope blocked;  // a direct-channel loop thread lends its place meanwhile (sync.h)
+  BlockingScope blocked(word->load() == expected);  // a direct-channel loop thread lends its place meanwhile (sync.h)
   syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT, expected, &ts, nullptr, 0);
 }
 

@@ -74,8 +74,9 @@ class Agent {
   absl::StatusOr<int> resolve(const To& to) const;
   const char* route(int peer) const { return peers_[peer].transport->kind_for(peer); }
   TransportStats stats() const {
-    return {grpc_calls_.load(), direct_calls_.load(), by_reference_.load(), oneway_failures_.load(),
-            inline_messages_.load()};
+    const direct::Channel::PlaceCounts places = direct_ ? direct_->place_counts() : direct::Channel::PlaceCounts{};
+    return {grpc_calls_.load(),      direct_calls_.load(), by_reference_.load(),   oneway_failures_.load(),
+            inline_messages_.load(), places.lent,          places.presumed_blocked};
   }
 
   // True when everything outstanding was released (safe to delete).

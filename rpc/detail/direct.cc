@@ -6,6 +6,7 @@
 #include <netinet/tcp.h>
 #include <openssl/crypto.h>
 #include <poll.h>
+#include <pthread.h>
 #include <sched.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
@@ -17,6 +18,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -45,15 +47,18 @@ constexpr int kSocketBuffer = 4 << 20;
 // waits for it to empty (64 MiB between two test hosts: 2.1 GB/s sent whole, 5.7 in 256 KiB pieces; tcp_pingpong
 // --chunk). 256 and 512 KiB were the best sizes measured; 128 KiB and 1 MiB were slower.
 constexpr size_t kMaxSendBytes = 256 << 10;
-// How long every place may run messages without one finishing, while another message waits, before a parked loop
-// thread takes a place beyond the limit (the messages may be blocked where Tandem cannot see: direct.h, Threads).
-constexpr absl::Duration kStuckAfter = absl::Milliseconds(5);
-
 // The CPUs this process may run on.
 int usable_cpus() {
   cpu_set_t set;
   CPU_ZERO(&set);
-  return sched_getaffinity(0, sizeof(set), &set) == 0 ? std::max(1, CPU_COUNT(&set)) : 1;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
+  return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));  // more CPUs than a cpu_set_t holds
+}
+
+// A thread's CPU time so far (0 when it cannot be read).
+absl::Duration cpu_time(clockid_t clock) {
+  timespec ts{};
+  return clock_gettime(clock, &ts) == 0 ? absl::DurationFromTimespec(ts) : absl::ZeroDuration();
 }
 
 const volatile uint64_t kProbe = kProbeValue;  // the server reads it from our memory to test cross-memory access
@@ -481,7 +486,8 @@ absl::StatusOr<Message> Conn::read(uint64_t max_body, absl::Time deadline, std::
 
 absl::StatusOr<std::unique_ptr<Channel>> Channel::start(std::string token, int threads, uint64_t max_message_bytes,
                                                         absl::Duration message_timeout, Callbacks callbacks,
-                                                        const std::string& tcp_host, int running) {
+                                                        const std::string& tcp_host, int running,
+                                                        absl::Duration stuck_after) {
   std::unique_ptr<Channel> t(new Channel);
   t->token_ = std::move(token);
   t->max_message_bytes_ = max_message_bytes;
@@ -518,6 +524,7 @@ absl::StatusOr<std::unique_ptr<Channel>> Channel::start(std::string token, int t
   }
 
   t->places_ = std::max(1, std::min(std::max(1, threads), running > 0 ? running : usable_cpus()));
+  t->stuck_after_ = stuck_after;
   t->threads_ = std::make_unique<detail::ThreadPool>(std::max(1, threads));
   for (int i = 0; i < std::max(1, threads); ++i) t->threads_->submit([raw = t.get()] { raw->loop(); });
   return t;
@@ -554,6 +561,7 @@ void Channel::drop(const std::shared_ptr<Conn>& conn, const absl::Status& why) {
 class Channel::Place final : public WaitObserver {
  public:
   explicit Place(Channel* channel) : channel_(channel) {
+    if (pthread_getcpuclockid(pthread_self(), &cpu_clock) != 0) cpu_clock = CLOCK_THREAD_CPUTIME_ID;
     MutexLock lock(&channel_->places_mu_);
     channel_->all_places_.push_back(this);
   }
@@ -571,6 +579,7 @@ class Channel::Place final : public WaitObserver {
   std::atomic<uint64_t> running{0};
   std::atomic<bool> presumed{false};  // the watcher took it for blocked out of sight (and lent its place)
   bool lent = false;                  // guarded by places_mu_: the place is lent (blocked, or presumed blocked)
+  clockid_t cpu_clock{};              // this thread's CPU time, readable from the watching thread
 
  private:
   Channel* const channel_;
@@ -630,6 +639,8 @@ bool Channel::park() {
     if (stopping_) return false;
     if (held_ < places_) {
       ++held_;
+      // A watcher that takes a place leaves none while others stay parked: one of them watches in its stead.
+      if (!watching_ && parked_ > 0) parked_cv_.Signal();
       return true;
     }
     if (watching_) {
@@ -641,11 +652,10 @@ bool Channel::park() {
     // This thread watches the places while it waits for one.
     watching_ = true;
     const uint64_t finished = finished_.load(std::memory_order_relaxed);
-    const bool timed_out = watch_cv_.WaitWithTimeout(&places_mu_, kStuckAfter);
+    const bool timed_out = watch_cv_.WaitWithTimeout(&places_mu_, stuck_after_);
     watching_ = false;
-    if (timed_out && !stopping_ && held_ >= places_ && stuck(finished) && presume_blocked()) {
-      if (parked_ > 0) parked_cv_.Signal();  // to watch in this one's stead
-    }
+    // A place presumed blocked is free: this thread takes it on its next turn.
+    if (timed_out && !stopping_ && held_ >= places_ && stuck(finished)) presume_blocked();
   }
 }
 
@@ -657,25 +667,37 @@ bool Channel::stuck(uint64_t finished) const {
   return poll(&p, 1, 0) > 0;  // an epoll fd is readable while an event waits in its set
 }
 
-bool Channel::presume_blocked() {
+void Channel::presume_blocked() {
   Place* oldest = nullptr;
+  uint64_t message = 0;
   for (Place* p : all_places_) {
     const uint64_t running = p->running.load(std::memory_order_relaxed);
-    if (!p->lent && running != 0 && (oldest == nullptr || running < oldest->running.load(std::memory_order_relaxed))) {
-      oldest = p;
-    }
+    if (!p->lent && running != 0 && (oldest == nullptr || running < message)) oldest = p, message = running;
   }
-  if (oldest == nullptr) return false;
+  if (oldest == nullptr) return;
+  // A message that computes is not blocked: it is presumed so only when its thread used at most half the CPU over a
+  // whole stuck_after_ (seen twice), or after kComputeLimit, in case it spins waiting for another message.
+  const absl::Time now = absl::Now();
+  const absl::Duration cpu = cpu_time(oldest->cpu_clock);
+  if (suspect_.place != oldest || suspect_.message != message) {
+    suspect_ = {oldest, message, cpu, now, now};
+    return;
+  }
+  if (cpu - suspect_.cpu > (now - suspect_.seen) / 2 && now - suspect_.since < kComputeLimit) {
+    suspect_.cpu = cpu;
+    suspect_.seen = now;
+    return;
+  }
+  suspect_ = {};
   oldest->presumed.store(true);
-  if (oldest->running.load() == 0) {  // done meanwhile: it keeps its place
+  if (oldest->running.load() != message) {  // done meanwhile: it keeps its place
     oldest->presumed.store(false);
-    return false;
+    return;
   }
   oldest->lent = true;
   --held_;
   ++counts_.presumed_blocked;
   over_.store(held_ > places_, std::memory_order_relaxed);
-  return true;
 }
 
 void Channel::lend_place(Place* place) {

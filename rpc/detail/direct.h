@@ -30,9 +30,9 @@
 // preempt a thread that computes). A thread whose message blocks in a Tandem wait (sync.h's waits, a socket read of
 // this channel) lends its place to a parked thread until it runs again, then parks once its message is done if too
 // many hold places. A message blocked where Tandem cannot see it (a sleep, another library's lock) is found by a parked
-// thread that watches: when every place runs a message, another is waiting, and none finished for kStuckAfter (5 ms),
-// it presumes the longest-running one blocked and takes its place, which that thread takes back when its message is
-// done.
+// thread that watches: when every place runs a message, another is waiting, and none finished for `stuck_after` (5 ms)
+// twice in a row, it presumes the longest-running one blocked (unless its thread computed for more than half of that
+// time, and then only after 100 ms) and takes its place, which that thread takes back when its message is done.
 #pragma once
 
 #include <grpcpp/support/byte_buffer.h>
@@ -142,9 +142,11 @@ class Channel {
   // `message_timeout`: once a message has started to arrive, the rest must follow within it. With a `tcp_host`, the
   // channel also listens on TCP at that address (an ephemeral port) for peers on other hosts.
   // `running`: how many threads run messages at once unless some block (above); 0: the CPUs this process may use.
+  // `stuck_after`: how long no place may finish a message while another waits before one is presumed blocked.
   static absl::StatusOr<std::unique_ptr<Channel>> start(std::string token, int threads, uint64_t max_message_bytes,
                                                         absl::Duration message_timeout, Callbacks callbacks,
-                                                        const std::string& tcp_host = "", int running = 0);
+                                                        const std::string& tcp_host = "", int running = 0,
+                                                        absl::Duration stuck_after = absl::Milliseconds(5));
   ~Channel();
 
   // This worker's abstract socket name (without the leading NUL).
@@ -187,8 +189,8 @@ class Channel {
   void reclaim_place(Place* place, bool message_done);
   // Every place runs a message, another waits in the epoll set, and none finished since `finished` was read.
   bool stuck(uint64_t finished) const;
-  // Lends the place of the thread whose message has run longest, as if it blocked; false when none runs one.
-  bool presume_blocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(places_mu_);
+  // Lends the place of the thread whose message has run longest, as if it blocked (none when no message runs).
+  void presume_blocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(places_mu_);
   void handle_ready(const std::shared_ptr<Conn>& conn);
   void accept_one(int listen_fd, uint64_t tag);
   void arm(const std::shared_ptr<Conn>& conn, bool add);
@@ -210,6 +212,9 @@ class Channel {
   std::atomic<bool> stopping_{false};
 
   int places_ = 1;  // `running`
+  absl::Duration stuck_after_;
+  // A message that computes is presumed blocked only after this long (it may spin, waiting for another message).
+  static constexpr absl::Duration kComputeLimit = absl::Milliseconds(100);
   Mutex places_mu_;
   CondVar parked_cv_;  // threads without a place
   CondVar watch_cv_;   // the one of them that watches for stuck places
@@ -218,7 +223,15 @@ class Channel {
   bool watching_ ABSL_GUARDED_BY(places_mu_) = false;
   PlaceCounts counts_ ABSL_GUARDED_BY(places_mu_);
   std::vector<Place*> all_places_ ABSL_GUARDED_BY(places_mu_);  // every loop thread's
-  std::atomic<uint64_t> started_{0};                            // messages begun
+  // The message the watcher found stuck at its last look, its thread's CPU time then, and since when it is watched.
+  struct Suspect {
+    Place* place = nullptr;
+    uint64_t message = 0;
+    absl::Duration cpu;
+    absl::Time seen, since;
+  };
+  Suspect suspect_ ABSL_GUARDED_BY(places_mu_);
+  std::atomic<uint64_t> started_{0};   // messages begun
   std::atomic<bool> over_{false};      // held_ > places_: read after each message without the lock
   std::atomic<int> in_epoll_{0};       // threads in epoll_wait
   std::atomic<uint64_t> finished_{0};  // messages run

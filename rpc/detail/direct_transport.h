@@ -35,6 +35,7 @@ class DirectTransport final : public Transport {
 
   const std::string& address() const { return channel_->address(); }
   const std::string& tcp_address() const { return channel_->tcp_address(); }
+  direct::Channel::PlaceCounts place_counts() const { return channel_->place_counts(); }
 
   const char* kind() const override { return "direct"; }
   absl::Status add_peer(const PeerAddress& peer, absl::Time deadline) override;

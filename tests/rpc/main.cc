@@ -182,6 +182,10 @@ void register_test_functions() {
     return message_caller;
   });
   rpc::register_function("inline_messages", [] { return rpc::transport_stats().inline_messages; });
+  rpc::register_function("place_counts", [] {
+    const auto stats = rpc::transport_stats();
+    return std::vector<int64_t>{stats.places_lent, stats.presumed_blocked};
+  });
   rpc::register_function("throw_error", [](std::string msg) -> int64_t { throw std::runtime_error(msg); });
   rpc::register_function("nested_add",
                          [](std::string to, at::Tensor x) { return rpc::rpc_sync<at::Tensor>(to, "add", x, x); });
