@@ -69,7 +69,8 @@ struct RpcOptions {
   std::chrono::milliseconds shutdown_timeout{std::chrono::seconds(30)};  // graceful shutdown barrier and drain
 
   // Threads running registered functions (nested rpc_sync calls hold one each). Of the direct channel's, only as
-  // many as the process's CPUs run at once, unless some block (docs/rpc.md, "Threads").
+  // many as the CPUs the process may use (its affinity and container quota: cluster/cpus.h) run at once, unless some
+  // block (docs/rpc.md, "Threads").
   int num_worker_threads = 16;
   int64_t max_message_bytes = int64_t{1} << 30;  // larger messages are refused, in both directions
 

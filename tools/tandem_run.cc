@@ -71,6 +71,7 @@
 #include <CLI/CLI.hpp>
 
 #include "absl/strings/str_split.h"
+#include "tandem/cluster/cpus.h"
 #include "tandem/cluster/environment.h"
 #include "tandem/elastic/rendezvous.h"
 #include "tandem/rpc/detail/net.h"
@@ -144,7 +145,7 @@ struct Flag {
   const char* fallback;  // what applies when neither the command line nor the environment gives it
 };
 const Flag kFlagHelp[] = {
-    {"--nproc-per-node", "workers on this node: a number, or auto/cpu (one per CPU)", "1"},
+    {"--nproc-per-node", "workers on this node: a number, or auto/cpu (one per CPU it may use)", "1"},
     {"--nnodes", "nodes: N, or MIN:MAX for an elastic job (needs --rdzv-backend)", "1"},
     {"--rdzv-backend", "static, or an elastic rendezvous: c10d (a store one launcher serves) or etcd", "static"},
     {"--rdzv-endpoint", "HOST:PORT of the rendezvous store", ""},
@@ -197,9 +198,10 @@ void defaults_from_environment(std::map<std::string, std::string>* flags) {
   if (!taken.empty()) std::cerr << "tandem-run: from " << node->source << "'s variables:" << taken << "\n";
 }
 
-// --nproc-per-node's value: a number, or torchrun's "auto"/"cpu" (one per CPU here: no GPUs in this build).
+// --nproc-per-node's value: a number, or torchrun's "auto"/"cpu": one per CPU this launcher may use (its affinity,
+// bounded by its container's CPU quota: cluster/cpus.h; no GPUs in this build).
 int parse_nproc(const std::string& value) {
-  if (value == "auto" || value == "cpu") return std::max(1u, std::thread::hardware_concurrency());
+  if (value == "auto" || value == "cpu") return tandem::cluster::usable_cpus();
   if (value == "gpu") usage("--nproc-per-node gpu: this build has no GPU support");
   return parse_int("--nproc-per-node", value);
 }

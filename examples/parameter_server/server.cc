@@ -2,8 +2,6 @@
 
 #include <torch/torch.h>
 
-#include <sched.h>
-
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -12,6 +10,7 @@
 #include "examples/data/cnn.h"
 #include "examples/data/fashion_mnist.h"
 #include "tandem/checkpoint/checkpoint.h"
+#include "tandem/cluster/cpus.h"
 #include "tandem/dist_autograd/dist_autograd.h"
 #include "tandem/metrics/metrics.h"
 #include "tandem/rpc/rpc.h"
@@ -108,11 +107,7 @@ double on_evaluate() {
 
 }  // namespace
 
-int default_server_threads() {
-  cpu_set_t cpus;
-  const int n = sched_getaffinity(0, sizeof(cpus), &cpus) == 0 ? CPU_COUNT(&cpus) : 0;
-  return std::max(2, n);
-}
+int default_server_threads() { return std::max(2, cluster::usable_cpus()); }
 
 void register_parameter_server() {
   nn::register_module("cnn", fashion_mnist_cnn);

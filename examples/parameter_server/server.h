@@ -35,12 +35,13 @@ struct ServerOptions {
   int64_t checkpoint_every = 50;
 };
 
-// The server's RPC worker threads in bench/ps_bench.cc (both sides' servers): the CPUs this process may use, at
-// least 2. None of the server's functions waits for another worker, so threads beyond the cores only let the
-// trainers' requests preempt each other. Tandem's direct channel no longer wakes more threads than cores (docs/rpc.md,
-// "Threads": with RPC's default of 16 the server ran at 0.59-0.61 of the machine's limit against 0.73-0.75 with 2
-// before that, and at the same speed after), so the example keeps RPC's default; PyTorch's server in the same design
-// still gains from it (320 against 270 steps/s with its default of 16, README).
+// The server's RPC worker threads in bench/ps_bench.cc (both sides' servers): the CPUs this process may use
+// (cluster/cpus.h: its affinity, bounded by its container's CPU quota), at least 2. None of the server's functions
+// waits for another worker, so threads beyond the cores only let the trainers' requests preempt each other. Tandem's
+// direct channel no longer wakes more threads than cores (docs/rpc.md, "Threads": with RPC's default of 16 the server
+// ran at 0.59-0.61 of the machine's limit against 0.73-0.75 with 2 before that, and at the same speed after), so the
+// example keeps RPC's default; PyTorch's server in the same design still gains from it (320 against 270 steps/s with
+// its default of 16, README).
 int default_server_threads();
 // Registers the model factories and the server's functions (every rank, before init_rpc).
 void register_parameter_server();

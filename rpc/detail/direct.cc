@@ -7,7 +7,6 @@
 #include <openssl/crypto.h>
 #include <poll.h>
 #include <pthread.h>
-#include <sched.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
@@ -23,6 +22,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "proto/tandem_rpc.pb.h"
+#include "tandem/cluster/cpus.h"
 #include "tandem/rpc/detail/auth.h"
 #include "tandem/rpc/detail/buffer_pool.h"
 #include "tandem/rpc/detail/net.h"
@@ -47,14 +47,6 @@ constexpr int kSocketBuffer = 4 << 20;
 // waits for it to empty (64 MiB between two test hosts: 2.1 GB/s sent whole, 5.7 in 256 KiB pieces; tcp_pingpong
 // --chunk). 256 and 512 KiB were the best sizes measured; 128 KiB and 1 MiB were slower.
 constexpr size_t kMaxSendBytes = 256 << 10;
-// The CPUs this process may run on.
-int usable_cpus() {
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
-  return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));  // more CPUs than a cpu_set_t holds
-}
-
 // A thread's CPU time so far (0 when it cannot be read).
 absl::Duration cpu_time(clockid_t clock) {
   timespec ts{};
@@ -523,7 +515,7 @@ absl::StatusOr<std::unique_ptr<Channel>> Channel::start(std::string token, int t
     epoll_ctl(t->epoll_fd_, EPOLL_CTL_ADD, t->tcp_listen_fd_, &listen_ev);
   }
 
-  t->places_ = std::max(1, std::min(std::max(1, threads), running > 0 ? running : usable_cpus()));
+  t->places_ = std::max(1, std::min(std::max(1, threads), running > 0 ? running : cluster::usable_cpus()));
   t->stuck_after_ = stuck_after;
   t->threads_ = std::make_unique<detail::ThreadPool>(std::max(1, threads));
   for (int i = 0; i < std::max(1, threads); ++i) t->threads_->submit([raw = t.get()] { raw->loop(); });
@@ -595,7 +587,8 @@ void Channel::loop() {
     in_epoll_.fetch_sub(1, std::memory_order_relaxed);
     if (n < 0 && errno == EINTR) continue;
     if (n <= 0 || stopping_ || ev.data.u64 == kWakeTag) return;
-    place.running.store(started_.fetch_add(1, std::memory_order_relaxed) + 1);
+    place.running.store(started_.fetch_add(1) + 1);
+    if (watcher_resting_.load()) wake_watcher();
     WaitObserver* before = set_wait_observer(&place);
     serve(ev);
     set_wait_observer(before);
@@ -649,14 +642,39 @@ bool Channel::park() {
       --parked_;
       continue;
     }
-    // This thread watches the places while it waits for one.
+    // This thread watches the places while it waits for one; it rests while the channel is quiet.
     watching_ = true;
     const uint64_t finished = finished_.load(std::memory_order_relaxed);
-    const bool timed_out = watch_cv_.WaitWithTimeout(&places_mu_, stuck_after_);
+    absl::Duration wait = stuck_after_;
+    if (quiet_looks_ >= kQuietLooks) {
+      watcher_resting_.store(true);
+      if (started_.load() == quiet_started_ && in_epoll_.load() > 0) {
+        wait = absl::InfiniteDuration();
+      } else {
+        watcher_resting_.store(false);
+        quiet_looks_ = 0;
+      }
+    }
+    const bool timed_out = watch_cv_.WaitWithTimeout(&places_mu_, wait);
+    watcher_resting_.store(false);
     watching_ = false;
+    ++counts_.looks;
+    const uint64_t started = started_.load();
+    if (started != quiet_started_ || in_epoll_.load() == 0) {
+      quiet_looks_ = 0;
+      quiet_started_ = started;
+    } else {
+      ++quiet_looks_;
+    }
     // A place presumed blocked is free: this thread takes it on its next turn.
     if (timed_out && !stopping_ && held_ >= places_ && stuck(finished)) presume_blocked();
   }
+}
+
+void Channel::wake_watcher() {
+  if (!watcher_resting_.exchange(false)) return;
+  MutexLock lock(&places_mu_);
+  watch_cv_.Signal();
 }
 
 bool Channel::stuck(uint64_t finished) const {

@@ -33,6 +33,8 @@
 // thread that watches: when every place runs a message, another is waiting, and none finished for `stuck_after` (5 ms)
 // twice in a row, it presumes the longest-running one blocked (unless its thread computed for more than half of that
 // time, and then only after 100 ms) and takes its place, which that thread takes back when its message is done.
+// The watcher rests (sleeps without a deadline) once no message began for kQuietLooks looks while a place waited in
+// epoll; the thread that begins the next message wakes it, so an idle worker is not woken every `stuck_after`.
 #pragma once
 
 #include <grpcpp/support/byte_buffer.h>
@@ -167,6 +169,7 @@ class Channel {
   struct PlaceCounts {
     int64_t lent = 0;
     int64_t presumed_blocked = 0;
+    int64_t looks = 0;  // times the watching thread woke to look (it rests while the channel is idle)
   };
   PlaceCounts place_counts();
 
@@ -187,6 +190,8 @@ class Channel {
   bool park() ABSL_EXCLUSIVE_LOCKS_REQUIRED(places_mu_);
   void lend_place(Place* place);
   void reclaim_place(Place* place, bool message_done);
+  // The thread that began a message while the watcher rests wakes it.
+  void wake_watcher();
   // Every place runs a message, another waits in the epoll set, and none finished since `finished` was read.
   bool stuck(uint64_t finished) const;
   // Lends the place of the thread whose message has run longest, as if it blocked (none when no message runs).
@@ -215,6 +220,8 @@ class Channel {
   absl::Duration stuck_after_;
   // A message that computes is presumed blocked only after this long (it may spin, waiting for another message).
   static constexpr absl::Duration kComputeLimit = absl::Milliseconds(100);
+  // The watcher rests after this many looks in a row at which no message had begun and a place waited in epoll.
+  static constexpr int kQuietLooks = 20;
   Mutex places_mu_;
   CondVar parked_cv_;  // threads without a place
   CondVar watch_cv_;   // the one of them that watches for stuck places
@@ -231,7 +238,12 @@ class Channel {
     absl::Time seen, since;
   };
   Suspect suspect_ ABSL_GUARDED_BY(places_mu_);
-  std::atomic<uint64_t> started_{0};   // messages begun
+  int quiet_looks_ ABSL_GUARDED_BY(places_mu_) = 0;
+  uint64_t quiet_started_ ABSL_GUARDED_BY(places_mu_) = 0;  // started_ at the first of them
+  // The watcher waits without a deadline. Stored before it reads started_, read after started_ grows (both seq_cst):
+  // a message begun after the watcher's last read of started_ always finds it set.
+  std::atomic<bool> watcher_resting_{false};
+  std::atomic<uint64_t> started_{0};   // messages begun (seq_cst: watcher_resting_)
   std::atomic<bool> over_{false};      // held_ > places_: read after each message without the lock
   std::atomic<int> in_epoll_{0};       // threads in epoll_wait
   std::atomic<uint64_t> finished_{0};  // messages run

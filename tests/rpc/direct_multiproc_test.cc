@@ -319,12 +319,9 @@ TEST_F(UnitDirectPlaces, AMessageBlockedInATandemWaitLendsItsPlace) {
   EXPECT_EQ(server_->place_counts().presumed_blocked, 0);
 }
 
-TEST_F(UnitDirectPlaces, AMessageBlockedOutOfSightGetsAnotherThreadAPlace) {
-  std::mutex mu;
-  std::condition_variable cv;
-  bool released = false;
-  std::atomic<bool> started{false}, saw_release{false};
-  start(/*threads=*/2, /*running=*/1, [&](uint64_t id) {
+// A handler for two messages: the first waits out of Tandem's sight (a std::condition_variable) until the second runs.
+struct BlockedOutOfSight {
+  void operator()(uint64_t id) {
     std::unique_lock<std::mutex> lock(mu);
     if (id == 1) {
       started = true;
@@ -333,19 +330,58 @@ TEST_F(UnitDirectPlaces, AMessageBlockedOutOfSightGetsAnotherThreadAPlace) {
       released = true;
       cv.notify_all();
     }
-  });
-  std::thread blocked([&] { EXPECT_TRUE(call(1).ok()); });
-  const absl::Time until = absl::Now() + absl::Seconds(30);
-  while (!started && absl::Now() < until) std::this_thread::sleep_for(milliseconds(1));
-  const auto sent = std::chrono::steady_clock::now();
-  EXPECT_TRUE(call(2).ok());
-  const auto waited = std::chrono::steady_clock::now() - sent;
-  blocked.join();
-  EXPECT_TRUE(saw_release.load());
+  }
+  // Sends the first on a thread of its own, and the second once the first began; how long the second took.
+  std::chrono::steady_clock::duration run(const std::function<absl::Status(uint64_t)>& call) {
+    std::thread blocked([&] { EXPECT_TRUE(call(1).ok()); });
+    const absl::Time until = absl::Now() + absl::Seconds(30);
+    while (!started && absl::Now() < until) std::this_thread::sleep_for(milliseconds(1));
+    const auto sent = std::chrono::steady_clock::now();
+    EXPECT_TRUE(call(2).ok());
+    const auto waited = std::chrono::steady_clock::now() - sent;
+    blocked.join();
+    EXPECT_TRUE(saw_release.load());
+    return waited;
+  }
+  std::mutex mu;
+  std::condition_variable cv;
+  bool released = false;
+  std::atomic<bool> started{false}, saw_release{false};
+};
+
+TEST_F(UnitDirectPlaces, AMessageBlockedOutOfSightGetsAnotherThreadAPlace) {
+  BlockedOutOfSight blocked;
+  start(/*threads=*/2, /*running=*/1, [&](uint64_t id) { blocked(id); });
+  const auto waited = blocked.run([this](uint64_t id) { return call(id); });
   EXPECT_EQ(server_->place_counts().lent, 0);
   EXPECT_GE(server_->place_counts().presumed_blocked, 1);
   std::cout << "the second message ran after " << std::chrono::duration<double, std::milli>(waited).count()
             << " ms (a message is presumed blocked when none finished for 5 ms twice)\n";
+}
+
+// The watcher does not wake an idle worker every 5 ms: after 20 quiet looks it rests until a message begins, and a
+// message blocked out of sight after that rest is still found (the thread that began it woke the watcher).
+TEST_F(UnitDirectPlaces, TheWatcherRestsWhileIdleAndWakesForTheNextMessage) {
+  BlockedOutOfSight blocked;
+  start(/*threads=*/3, /*running=*/1, [&](uint64_t id) { blocked(id); });
+  // 20 looks of 5 ms: it rests after about 100 ms (later on a busy machine); then it looks no more.
+  const absl::Time until = absl::Now() + absl::Seconds(30);
+  int64_t looks = -1;
+  while (absl::Now() < until) {
+    const int64_t before = server_->place_counts().looks;
+    std::this_thread::sleep_for(milliseconds(200));
+    if (server_->place_counts().looks == before) {
+      looks = before;
+      break;
+    }
+  }
+  ASSERT_GE(looks, 20) << "the watcher never rested";
+  std::this_thread::sleep_for(milliseconds(300));
+  EXPECT_EQ(server_->place_counts().looks, looks);
+
+  blocked.run([this](uint64_t id) { return call(id); });
+  EXPECT_GE(server_->place_counts().presumed_blocked, 1);
+  EXPECT_GT(server_->place_counts().looks, looks);
 }
 
 // A chain of messages each waiting out of sight for the next, on 3 threads and 1 place: each thread that takes the
