@@ -45,6 +45,21 @@ struct Mount {
   std::string root, point;  // the hierarchy's path mounted, and where
 };
 
+// A mountinfo field with its octal escapes (\040 for a space) decoded.
+std::string unescape(const std::string& field) {
+  std::string out;
+  for (size_t i = 0; i < field.size(); ++i) {
+    if (field[i] == '\\' && i + 3 < field.size() &&
+        std::all_of(field.begin() + i + 1, field.begin() + i + 4, [](char c) { return c >= '0' && c <= '7'; })) {
+      out += static_cast<char>((field[i + 1] - '0') * 64 + (field[i + 2] - '0') * 8 + (field[i + 3] - '0'));
+      i += 3;
+    } else {
+      out += field[i];
+    }
+  }
+  return out;
+}
+
 }  // namespace
 
 std::optional<double> cpu_quota(const std::string& proc_self_cgroup, const std::string& mountinfo,
@@ -59,29 +74,36 @@ std::optional<double> cpu_quota(const std::string& proc_self_cgroup, const std::
       if (c == "cpu") v1_path = f[2];
     }
   }
-  // Where each hierarchy is mounted: "id parent dev root point options [optional...] - type source super-options".
-  std::optional<Mount> v1_mount, v2_mount;
+  // Where each hierarchy is mounted: "id parent dev root point options [optional...] - type source super-options"
+  // (single spaces; a field may be empty; root and point escape space, tab, newline and backslash as \ooo).
+  std::vector<Mount> v1_mounts, v2_mounts;
   for (absl::string_view line : absl::StrSplit(mountinfo, '\n', absl::SkipEmpty())) {
-    std::vector<std::string> f = absl::StrSplit(line, ' ', absl::SkipEmpty());
+    std::vector<std::string> f = absl::StrSplit(line, ' ');
     auto dash = std::find(f.begin(), f.end(), "-");
-    if (f.size() < 5 || dash == f.end() || f.end() - dash < 4) continue;
+    if (dash - f.begin() < 6 || f.end() - dash < 4) continue;
     const std::string& type = dash[1];
-    if (type == "cgroup2" && !v2_mount) v2_mount = Mount{f[3], f[4]};
-    if (type == "cgroup" && !v1_mount) {
-      for (absl::string_view o : absl::StrSplit(dash[3], ',')) {
-        if (o == "cpu") v1_mount = Mount{f[3], f[4]};
-      }
-    }
+    bool cpu = false;
+    for (absl::string_view o : absl::StrSplit(dash[3], ',')) cpu = cpu || o == "cpu";
+    if (type == "cgroup2") v2_mounts.push_back(Mount{unescape(f[3]), unescape(f[4])});
+    if (type == "cgroup" && cpu) v1_mounts.push_back(Mount{unescape(f[3]), unescape(f[4])});
   }
-  const bool v2 = !(v1_path && v1_mount);
+  const bool v2 = !(v1_path && !v1_mounts.empty());
   const std::optional<std::string>& path = v2 ? v2_path : v1_path;
-  const std::optional<Mount>& mount = v2 ? v2_mount : v1_mount;
-  if (!path || !mount) return std::nullopt;
-  // In a container the hierarchy's mount is the container's own cgroup (its root), which /proc/self/cgroup names in
-  // full: the part below that root is under the mount point.
-  std::string below = *path;
-  if (mount->root != "/" && absl::StartsWith(below, mount->root)) below = below.substr(mount->root.size());
+  if (!path) return std::nullopt;
+  // The mount of this process's cgroup: the one whose root (in a container, often the container's own cgroup, which
+  // /proc/self/cgroup names in full) is the longest whole-component prefix of the path; the rest is under its point.
+  const Mount* mount = nullptr;
+  std::string below;
+  for (const Mount& m : v2 ? v2_mounts : v1_mounts) {
+    const std::string prefix = m.root == "/" ? "" : m.root;
+    const bool under =
+        absl::StartsWith(*path, prefix) && (path->size() == prefix.size() || (*path)[prefix.size()] == '/');
+    if (under && (mount == nullptr || m.root.size() > mount->root.size()))
+      mount = &m, below = path->substr(prefix.size());
+  }
+  if (mount == nullptr) return std::nullopt;
   std::vector<std::string> parts = absl::StrSplit(below, '/', absl::SkipEmpty());
+  if (std::find(parts.begin(), parts.end(), "..") != parts.end()) return std::nullopt;  // outside this namespace
   std::optional<double> least;
   for (size_t depth = 0; depth <= parts.size(); ++depth) {  // the mount point, then each cgroup below it
     std::string dir = root + mount->point;
@@ -101,7 +123,8 @@ int usable_cpus() {
   int cpus = sched_getaffinity(0, sizeof(set), &set) == 0
                  ? CPU_COUNT(&set)
                  : static_cast<int>(std::thread::hardware_concurrency());  // more CPUs than a cpu_set_t holds
-  if (auto quota = cpu_quota()) cpus = std::min(cpus, static_cast<int>(std::ceil(*quota - 1e-9)));
+  if (auto quota = cpu_quota(); quota && std::ceil(*quota - 1e-9) < cpus)
+    cpus = static_cast<int>(std::ceil(*quota - 1e-9));
   return std::max(1, cpus);
 }
 

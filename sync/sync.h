@@ -112,20 +112,20 @@ class ABSL_LOCKABLE Mutex {
 
   // Unlocks until `cond` holds, then relocks (absl::Mutex::Await). The timed forms return whether `cond` holds.
   void Await(const Condition& cond) ABSL_EXCLUSIVE_LOCKS_REQUIRED(this) {
-    BlockingScope blocked(sync_detail::wait_observer != nullptr && !cond.Eval());
+    BlockingScope blocked(blocks(cond));
     TANDEM_HAPPENS_BEFORE(this);
     mu_.Await(cond);
     TANDEM_HAPPENS_AFTER(this);
   }
   bool AwaitWithTimeout(const Condition& cond, absl::Duration timeout) ABSL_EXCLUSIVE_LOCKS_REQUIRED(this) {
-    BlockingScope blocked(sync_detail::wait_observer != nullptr && !cond.Eval());
+    BlockingScope blocked(blocks(cond));
     TANDEM_HAPPENS_BEFORE(this);
     const bool held = mu_.AwaitWithTimeout(cond, timeout);
     TANDEM_HAPPENS_AFTER(this);
     return held;
   }
   bool AwaitWithDeadline(const Condition& cond, absl::Time deadline) ABSL_EXCLUSIVE_LOCKS_REQUIRED(this) {
-    BlockingScope blocked(sync_detail::wait_observer != nullptr && !cond.Eval());
+    BlockingScope blocked(blocks(cond));
     TANDEM_HAPPENS_BEFORE(this);
     const bool held = mu_.AwaitWithDeadline(cond, deadline);
     TANDEM_HAPPENS_AFTER(this);
@@ -133,6 +133,9 @@ class ABSL_LOCKABLE Mutex {
   }
 
  private:
+  // An Await blocks while `cond` is false; told only to a thread with an observer (the condition is not evaluated
+  // otherwise).
+  static bool blocks(const Condition& cond) { return sync_detail::wait_observer != nullptr && !cond.Eval(); }
   friend class CondVar;
   absl::Mutex mu_;
 };
@@ -203,24 +206,26 @@ class Notification {
     return yes;
   }
   void WaitForNotification() const {
-    BlockingScope blocked(sync_detail::wait_observer != nullptr && !n_.HasBeenNotified());
+    BlockingScope blocked(blocks());
     n_.WaitForNotification();
     TANDEM_HAPPENS_AFTER(this);
   }
   bool WaitForNotificationWithTimeout(absl::Duration timeout) const {
-    BlockingScope blocked(sync_detail::wait_observer != nullptr && !n_.HasBeenNotified());
+    BlockingScope blocked(blocks());
     const bool yes = n_.WaitForNotificationWithTimeout(timeout);
     if (yes) TANDEM_HAPPENS_AFTER(this);
     return yes;
   }
   bool WaitForNotificationWithDeadline(absl::Time deadline) const {
-    BlockingScope blocked(sync_detail::wait_observer != nullptr && !n_.HasBeenNotified());
+    BlockingScope blocked(blocks());
     const bool yes = n_.WaitForNotificationWithDeadline(deadline);
     if (yes) TANDEM_HAPPENS_AFTER(this);
     return yes;
   }
 
  private:
+  // A wait blocks until the notification; told only to a thread with an observer.
+  bool blocks() const { return sync_detail::wait_observer != nullptr && !n_.HasBeenNotified(); }
   absl::Notification n_;
 };
 

@@ -622,8 +622,7 @@ bool Channel::take_place() {
 bool Channel::step_aside() {
   MutexLock lock(&places_mu_);
   if (held_ <= places_) return true;
-  --held_;
-  over_.store(held_ > places_, std::memory_order_relaxed);
+  add_held(-1);
   return park();
 }
 
@@ -631,9 +630,15 @@ bool Channel::park() {
   for (;;) {
     if (stopping_) return false;
     if (held_ < places_) {
-      ++held_;
-      // A watcher that takes a place leaves none while others stay parked: one of them watches in its stead.
-      if (!watching_ && parked_ > 0) parked_cv_.Signal();
+      add_held(1);
+      // A place still free goes to a parked thread (a signal of lend_place may have found this one woken already,
+      // and been lost), else to the watcher; and a watcher that takes a place leaves none while others stay parked:
+      // one of them watches in its stead.
+      if (parked_ > 0 && (held_ < places_ || !watching_)) {
+        parked_cv_.Signal();
+      } else if (held_ < places_ && watching_) {
+        watch_cv_.Signal();
+      }
       return true;
     }
     if (watching_) {
@@ -677,6 +682,11 @@ void Channel::wake_watcher() {
   watch_cv_.Signal();
 }
 
+void Channel::add_held(int delta) {
+  held_ += delta;
+  over_.store(held_ > places_, std::memory_order_relaxed);
+}
+
 bool Channel::stuck(uint64_t finished) const {
   if (in_epoll_.load(std::memory_order_relaxed) > 0 || finished_.load(std::memory_order_relaxed) != finished) {
     return false;
@@ -713,18 +723,16 @@ void Channel::presume_blocked() {
     return;
   }
   oldest->lent = true;
-  --held_;
+  add_held(-1);
   ++counts_.presumed_blocked;
-  over_.store(held_ > places_, std::memory_order_relaxed);
 }
 
 void Channel::lend_place(Place* place) {
   MutexLock lock(&places_mu_);
   if (place->lent) return;  // presumed blocked already
   place->lent = true;
-  --held_;
+  add_held(-1);
   ++counts_.lent;
-  over_.store(held_ > places_, std::memory_order_relaxed);
   if (held_ >= places_) return;
   if (parked_ > 0) {
     parked_cv_.Signal();
@@ -739,8 +747,7 @@ void Channel::reclaim_place(Place* place, bool message_done) {
   if (!place->lent || (place->presumed.load() && !message_done)) return;
   place->lent = false;
   place->presumed.store(false);
-  ++held_;  // at once, even beyond the limit: the thread steps aside when its message is done
-  over_.store(held_ > places_, std::memory_order_relaxed);
+  add_held(1);  // at once, even beyond the limit: the thread steps aside when its message is done
 }
 
 Channel::PlaceCounts Channel::place_counts() {

@@ -188,6 +188,8 @@ class Channel {
   bool take_place();
   bool step_aside();
   bool park() ABSL_EXCLUSIVE_LOCKS_REQUIRED(places_mu_);
+  // held_ += delta, and over_ from it.
+  void add_held(int delta) ABSL_EXCLUSIVE_LOCKS_REQUIRED(places_mu_);
   void lend_place(Place* place);
   void reclaim_place(Place* place, bool message_done);
   // The thread that began a message while the watcher rests wakes it.

@@ -6,7 +6,7 @@
 #   bash cpu_quota.sh TANDEM_RUN
 set -euo pipefail
 run="$1"
-cpus=$(nproc)  # the affinity mask's CPUs
+cpus=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)  # the affinity mask's CPUs
 # The cpu controller's hierarchy: v1's mount (super options include cpu), else v2's with cpu enabled below its root.
 base="" v2=0
 while read -r _ _ _ _ point _ rest; do
@@ -17,12 +17,29 @@ while read -r _ _ _ _ point _ rest; do
   fi
 done < /proc/self/mountinfo
 if [ -z "$base" ]; then echo "skipped: no cgroup hierarchy with the cpu controller"; exit 77; fi
-if [ "$v2" = 1 ] && ! echo +cpu > "$base/cgroup.subtree_control" 2>/dev/null; then
-  echo "skipped: cannot enable the cpu controller under $base"; exit 77
+# The hierarchy's own quota would bound the case without one (a container's cgroup mounted as the root).
+if [ "$v2" = 0 ] && [ "$(cat "$base/cpu.cfs_quota_us" 2>/dev/null || echo -1)" != -1 ]; then
+  echo "skipped: $base has a CPU quota of its own"; exit 77
+fi
+enabled=0  # v2: whether this test enabled the cpu controller below the root (undone at the end)
+if [ "$v2" = 1 ] && ! grep -qw cpu "$base/cgroup.subtree_control"; then
+  if ! echo +cpu > "$base/cgroup.subtree_control" 2>/dev/null; then
+    echo "skipped: cannot enable the cpu controller under $base"; exit 77
+  fi
+  enabled=1
 fi
 top="$base/tandem-cpu-quota-$$"
 if ! mkdir "$top" 2>/dev/null; then echo "skipped: cannot make a cgroup under $base"; exit 77; fi
-cleanup() { rmdir "$top"/inner 2>/dev/null || true; rmdir "$top" 2>/dev/null || true; }
+# The cgroups go when their processes have (tandem-run's workers may take a moment to be reaped).
+cleanup() {
+  local d left=0
+  for d in "$top/inner" "$top"; do
+    for _ in $(seq 50); do [ -d "$d" ] || break; rmdir "$d" 2>/dev/null && break; sleep 0.1; done
+    if [ -d "$d" ]; then echo "FAIL: cannot remove $d: $(cat "$d/cgroup.procs" 2>/dev/null | tr '\n' ' ')"; left=1; fi
+  done
+  if [ "$enabled" = 1 ]; then echo -cpu > "$base/cgroup.subtree_control" 2>/dev/null || true; fi
+  if [ "$left" = 1 ]; then exit 1; fi
+}
 trap cleanup EXIT
 [ "$v2" = 1 ] && echo +cpu > "$top/cgroup.subtree_control"
 mkdir "$top/inner"
@@ -38,7 +55,7 @@ workers_in() {
     "$run" --nproc-per-node cpu /bin/echo started | grep -c 'started$'
 }
 check() {  # NAME DIR WANT
-  local got; got=$(workers_in "$2")
+  local got; got=$(workers_in "$2") || true  # grep -c prints 0 and fails when none started
   if [ "$got" = "$3" ]; then echo "ok   $1: $got"; else echo "FAIL $1: $got workers, want $3"; fail=1; fi
 }
 min() { echo $(( $1 < $2 ? $1 : $2 )); }

@@ -84,6 +84,31 @@ TEST_F(UnitCpus, AContainersMountedCgroupIsItsOwn) {
   EXPECT_DOUBLE_EQ(quota("3:cpu:/docker/abc\n", mounts).value_or(-1), 2.5);
 }
 
+// A sibling whose name begins with the mount's root is not under it; of two mounts, the one whose root is the longest
+// whole-component prefix of the path holds the cgroup; a mount point's spaces come escaped (\040).
+TEST_F(UnitCpus, TheMountIsChosenByWholePathComponents) {
+  const std::string mounts =
+      "1 0 0:29 / /sys/fs/cgroup/all rw - cgroup cgroup rw,cpu\n"
+      "2 0 0:29 /docker/abc /sys/fs/cgroup/my\\040cpu rw - cgroup cgroup rw,cpu\n";
+  put("/sys/fs/cgroup/my cpu/cpu.cfs_quota_us", "300000\n");
+  put("/sys/fs/cgroup/my cpu/cpu.cfs_period_us", "100000\n");
+  put("/sys/fs/cgroup/all/docker/abcdef/cpu.cfs_quota_us", "100000\n");
+  put("/sys/fs/cgroup/all/docker/abcdef/cpu.cfs_period_us", "100000\n");
+  EXPECT_DOUBLE_EQ(quota("4:cpu:/docker/abc\n", mounts).value_or(-1), 3.0);
+  EXPECT_DOUBLE_EQ(quota("4:cpu:/docker/abcdef\n", mounts).value_or(-1), 1.0);  // under "/" only
+  // A path outside every mount's root, or above it (a cgroup namespace's ".."), bounds nothing.
+  const std::string only_abc = "2 0 0:29 /docker/abc /sys/fs/cgroup/cpu rw - cgroup cgroup rw,cpu\n";
+  EXPECT_FALSE(quota("4:cpu:/docker/abcdef\n", only_abc).has_value());
+  EXPECT_FALSE(quota("0::/../x\n", kV2Mounts).has_value());
+}
+
+// An empty mount source keeps the fields in place.
+TEST_F(UnitCpus, AnEmptyMountSourceIsAField) {
+  put("/sys/fs/cgroup/cpu/a/cpu.cfs_quota_us", "50000\n");
+  put("/sys/fs/cgroup/cpu/a/cpu.cfs_period_us", "100000\n");
+  EXPECT_DOUBLE_EQ(quota("4:cpu:/a\n", "3 0 0:29 / /sys/fs/cgroup/cpu rw - cgroup  rw,cpu\n").value_or(-1), 0.5);
+}
+
 TEST_F(UnitCpus, UnreadableOrMalformedTextsBoundNothing) {
   EXPECT_FALSE(quota("", kV2Mounts).has_value());
   EXPECT_FALSE(quota("0::/a\n", "").has_value());
