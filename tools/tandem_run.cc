@@ -35,6 +35,12 @@
 // which loads (LibTorch's third of a second) and waits before main; a restart hands each new worker's variables to a
 // spare instead of starting the program again. Other programs are always started afresh.
 //
+// Threads: when OMP_NUM_THREADS is unset, every worker gets OMP_NUM_THREADS = its share of the CPUs this launcher may
+// use (cluster/cpus.h: its affinity, bounded by its container's CPU quota) over --nproc-per-node, at least 1, and
+// with more than one worker tandem-run says so once. LibTorch's intra-op pool and OpenBLAS otherwise take every core
+// of the machine in each worker (a container's quota unseen): N workers would run N times as many threads as cores.
+// torchrun sets 1 in the same case; the share is the same on a machine with as many cores as workers.
+//
 // CPU binding (--bind-cores 1; DeepSpeed's --bind_cores_to_rank): each local worker runs on its own share of the CPUs
 // the launcher may use (its affinity mask): local rank i of N on the i-th of N consecutive blocks (sizes differing by
 // at most one) when there are at least N CPUs, else on CPU i mod their count. Set before the program starts (a warm
@@ -1017,9 +1023,25 @@ int run_elastic(Options& o, std::vector<Standby>* pool) {
 
 }  // namespace
 
+// OMP_NUM_THREADS for the workers (and warm standbys), set in this process before any is forked (see the top).
+void share_threads(const Options& o) {
+  const char* set = std::getenv("OMP_NUM_THREADS");
+  if (set != nullptr && *set != '\0') return;
+  const int cpus = tandem::cluster::usable_cpus();
+  const int share = std::max(1, cpus / std::max(1, o.nproc));
+  setenv("OMP_NUM_THREADS", std::to_string(share).c_str(), 1);
+  if (o.nproc > 1) {
+    std::fprintf(stderr,
+                 "tandem-run: OMP_NUM_THREADS=%d for each of the %d workers (%d CPUs usable here); set it to "
+                 "choose\n",
+                 share, o.nproc, cpus);
+  }
+}
+
 int main(int argc, char** argv) {
   Options o = parse(argc, argv);
   if (o.bind_cores) (void)launcher_cpus();  // read here, before any worker is forked
+  share_threads(o);
   install_signal_handlers();
   // Warm standbys only when a restart can use them, and only for Tandem programs (which wait for their variables).
   const bool restarts = o.max_restarts > 0 || o.min_nodes != o.max_nodes;

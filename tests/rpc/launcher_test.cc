@@ -6,11 +6,13 @@
 #include <sched.h>
 #include <signal.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <string>
 #include <vector>
 
+#include "tandem/cluster/cpus.h"
 #include "tests/common/multiproc.h"
 
 namespace tandem::test {
@@ -98,6 +100,32 @@ TEST(MultiprocLauncher, BindCoresGivesEachWorkerItsShareOfTheCpus) {
   Process unbound({TANDEM_RUN_PATH, "--nproc-per-node", "2", self_exe(), "--worker", "env_dump"}, {});
   ASSERT_EQ(exit_code(unbound.wait(milliseconds(30000))), 0) << unbound.output();
   EXPECT_THAT(unbound.output(), HasSubstr("[rank1]: CPUS=" + list(allowed) + "\n"));
+}
+
+// Unset, OMP_NUM_THREADS becomes each worker's share of the CPUs the launcher may use (at least 1), said once; set, it
+// is the user's.
+TEST(MultiprocLauncher, EachWorkerGetsItsShareOfTheCpusAsOmpNumThreads) {
+  const int cpus = cluster::usable_cpus();
+  for (int nproc : {1, 2, 3}) {
+    Process p({TANDEM_RUN_PATH, "--nproc-per-node", std::to_string(nproc), self_exe(), "--worker", "env_dump"},
+              {{"OMP_NUM_THREADS", ""}});
+    ASSERT_EQ(exit_code(p.wait(milliseconds(30000))), 0) << p.output();
+    const int share = std::max(1, cpus / nproc);
+    EXPECT_THAT(p.output(), HasSubstr("[rank0]: OMP_NUM_THREADS=" + std::to_string(share) + "\n")) << nproc;
+    EXPECT_THAT(p.output(),
+                HasSubstr("[rank" + std::to_string(nproc - 1) + "]: OMP_NUM_THREADS=" + std::to_string(share) + "\n"));
+    const std::string notice = "tandem-run: OMP_NUM_THREADS=" + std::to_string(share) + " for each of the";
+    if (nproc > 1) {
+      EXPECT_THAT(p.output(), HasSubstr(notice)) << p.output();
+    } else {
+      EXPECT_THAT(p.output(), ::testing::Not(HasSubstr("tandem-run: OMP_NUM_THREADS"))) << p.output();
+    }
+  }
+  Process mine({TANDEM_RUN_PATH, "--nproc-per-node", "2", self_exe(), "--worker", "env_dump"},
+               {{"OMP_NUM_THREADS", "7"}});
+  ASSERT_EQ(exit_code(mine.wait(milliseconds(30000))), 0) << mine.output();
+  EXPECT_THAT(mine.output(), HasSubstr("[rank1]: OMP_NUM_THREADS=7\n"));
+  EXPECT_THAT(mine.output(), ::testing::Not(HasSubstr("tandem-run: OMP_NUM_THREADS")));
 }
 
 TEST(MultiprocLauncher, MultiNodeNeedsASharedSecret) {

@@ -79,7 +79,8 @@ int run_worker(const std::string& scenario) {
     return 7;
   }
   if (scenario == "env_dump") {
-    for (const char* v : {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}) {
+    for (const char* v :
+         {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS"}) {
       std::cout << v << "=" << (std::getenv(v) ? std::getenv(v) : "") << "\n";
     }
     std::cout << "SECRET_SET=" << (std::getenv("TANDEM_SECRET") && *std::getenv("TANDEM_SECRET") ? 1 : 0) << "\n";
