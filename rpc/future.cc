@@ -3,6 +3,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "tandem/rpc/detail/wait_slice.h"
 #include "tandem/sync/sync.h"
 
 namespace tandem::rpc {
@@ -39,6 +40,8 @@ bool Future::completed() const {
 }
 
 bool Future::wait_for(std::chrono::milliseconds timeout) const {
+  if (completed()) return true;
+  detail::prefer_prompt_wake();  // woken at once when it completes (detail/wait_slice.h)
   MutexLock lock(&state_->mu);
   const bool* done = &state_->done;
   return state_->mu.AwaitWithTimeout(Condition(done), absl::FromChrono(timeout));
@@ -54,6 +57,7 @@ absl::Status Future::status() const {
   // latency and what runs before the future is set), which no option describes.
   constexpr absl::Duration kCompletionMargin = absl::Seconds(2);
   until = until == absl::InfiniteFuture() ? absl::Now() + absl::FromChrono(kDefaultWait) : until + kCompletionMargin;
+  detail::prefer_prompt_wake();  // woken at once when it completes (detail/wait_slice.h)
   MutexLock lock(&state_->mu);
   const bool* done = &state_->done;
   if (!state_->mu.AwaitWithDeadline(Condition(done), until)) {

@@ -14,6 +14,7 @@
 #include "tandem/rpc/detail/grpc_transport.h"
 #include "tandem/rpc/detail/ids.h"
 #include "tandem/rpc/detail/standby.h"
+#include "tandem/rpc/detail/wait_slice.h"
 #include "tandem/rpc/extension.h"
 #include "tandem/rpc/rpc.h"
 #include "tandem/sync/sync.h"
@@ -117,7 +118,9 @@ void init_rpc(const std::string& name, int rank, int world_size, RpcOptions opti
   if (g_agent) throw RpcError(absl::FailedPreconditionError("init_rpc: RPC is already initialized"));
   metrics::set_worker(name);
   profile::set_worker(name, rank);
+  detail::set_wait_slice(options.wait_slice);  // before the agent's threads start
   auto agent = Agent::start(name, rank, world_size, options);
+  if (!agent.ok()) detail::set_wait_slice(std::chrono::microseconds(0));
   throw_if_error(agent.status());
   g_agent = std::shared_ptr<Agent>(std::move(*agent));
   detail::set_self_rank(rank);  // before set_ready: the first calls served may use it
@@ -146,6 +149,7 @@ void shutdown(bool graceful) {
     if (g_agent == agent) {
       g_agent.reset();
       detail::set_self_rank(-1);
+      detail::set_wait_slice(std::chrono::microseconds(0));
     }
   }
   dispose(agent);

@@ -27,6 +27,7 @@
 #include "tandem/rpc/detail/buffer_pool.h"
 #include "tandem/rpc/detail/net.h"
 #include "tandem/rpc/detail/version.h"
+#include "tandem/rpc/detail/wait_slice.h"
 #include "tandem/sync/sync.h"
 
 namespace tandem::rpc::direct {
@@ -87,8 +88,9 @@ absl::Status wait_fd(int fd, short events, absl::Time deadline) {
 }
 
 // Reads `len` bytes. Until `spin_until`, an empty socket is polled again at once instead of sleeping on it.
+// `prompt_wake`: the thread asks for a short slice before it sleeps on the socket (detail/wait_slice.h).
 absl::Status read_exact(int fd, void* dst, size_t len, absl::Time deadline,
-                        std::chrono::steady_clock::time_point spin_until = {}) {
+                        std::chrono::steady_clock::time_point spin_until = {}, bool prompt_wake = false) {
   auto* p = static_cast<uint8_t*>(dst);
   while (len > 0) {
     const ssize_t n = ::read(fd, p, len);
@@ -99,6 +101,7 @@ absl::Status read_exact(int fd, void* dst, size_t len, absl::Time deadline,
       return absl::UnavailableError("connection closed by the peer");
     } else if (errno == EAGAIN || errno == EWOULDBLOCK) {
       if (std::chrono::steady_clock::now() < spin_until) continue;
+      if (prompt_wake) rpc::detail::prefer_prompt_wake();
       if (auto s = wait_fd(fd, POLLIN, deadline); !s.ok()) return s;
     } else if (errno != EINTR) {
       return errno_status("read");
@@ -467,7 +470,10 @@ absl::StatusOr<Message> Conn::read_body(absl::Time deadline) {
 
 absl::StatusOr<Message> Conn::read(uint64_t max_body, absl::Time deadline, std::chrono::microseconds spin) {
   const auto spin_until = std::chrono::steady_clock::now() + spin;
-  if (auto s = read_exact(fd_, header_, sizeof(header_), deadline, spin_until); !s.ok()) return s;
+  // The caller of rpc_sync waits here for its reply: its wake-up is on the job's critical path.
+  if (auto s = read_exact(fd_, header_, sizeof(header_), deadline, spin_until, /*prompt_wake=*/true); !s.ok()) {
+    return s;
+  }
   header_got_ = sizeof(header_);
   if (auto s = check_header(max_body); !s.ok()) return s;
   return read_body(deadline);  // the caller's deadline bounds the whole message

@@ -9,6 +9,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/time/time.h"
+#include "tandem/rpc/detail/wait_slice.h"
 #include "tandem/sync/sync.h"
 
 namespace tandem::rpc::detail {
@@ -16,7 +17,12 @@ namespace tandem::rpc::detail {
 class ThreadPool {
  public:
   explicit ThreadPool(int threads) {
-    for (int i = 0; i < threads; ++i) threads_.emplace_back([this] { run(); });
+    for (int i = 0; i < threads; ++i) {
+      threads_.emplace_back([this] {
+        drop_inherited_wait_slice();  // its tasks compute at length (wait_slice.h)
+        run();
+      });
+    }
   }
   ~ThreadPool() { stop(); }
 

@@ -1,0 +1,163 @@
+// A thread that sleeps waiting for a reply asks the kernel for a short time slice (rpc/detail/wait_slice.h), so that
+// it runs at once when its reply comes instead of queueing behind a busy thread. Unit tests of the rule, and the
+// two waits that use it: rpc_sync's sleep on its reply and a Future's wait.
+#include <sched.h>
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cstdint>
+#include <thread>
+
+#include "tandem/rpc/detail/thread_pool.h"
+#include "tandem/rpc/detail/wait_slice.h"
+#include "tests/common/rpc_fixture.h"
+
+namespace tandem::test {
+namespace {
+
+namespace detail = rpc::detail;
+using std::chrono::microseconds;
+
+struct Attr {  // sched_getattr(2)'s first version
+  uint32_t size, policy;
+  uint64_t flags;
+  int32_t nice;
+  uint32_t priority;
+  uint64_t runtime, deadline, period;
+};
+
+// The calling thread's policy, nice value and slice (ns; 0 on a kernel without custom slices).
+Attr my_attr() {
+  Attr a{};
+  EXPECT_EQ(syscall(SYS_sched_getattr, 0, &a, sizeof a, 0), 0);
+  return a;
+}
+
+// Puts the calling thread back on the kernel's default slice (a new thread inherits its creator's, and the test's
+// main thread may have been given the short one).
+void use_default_slice() {
+  Attr a{};
+  a.size = sizeof a;
+  a.nice = my_attr().nice;
+  ASSERT_EQ(syscall(SYS_sched_setattr, 0, &a, 0), 0);
+}
+
+// Runs `body` on a new thread on the default slice (as a thread never given the short one) and returns its
+// attributes afterwards.
+template <typename F>
+Attr on_fresh_thread(F body) {
+  Attr out{};
+  std::thread([&] {
+    use_default_slice();
+    body();
+    out = my_attr();
+  }).join();
+  return out;
+}
+
+bool kernel_has_custom_slices() {
+  return on_fresh_thread([] {}).runtime > 0;
+}
+
+constexpr uint64_t kShort = 100'000;  // ns
+
+class UnitWaitSlice : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!kernel_has_custom_slices()) GTEST_SKIP() << "this kernel has no custom slices (Linux < 6.12)";
+    default_ = on_fresh_thread([] {}).runtime;
+    ASSERT_GT(default_, kShort) << "the kernel's default slice is as short as the one asked for";
+  }
+  void TearDown() override { detail::set_wait_slice(microseconds(0)); }
+  uint64_t default_ = 0;
+};
+
+TEST_F(UnitWaitSlice, AThreadGetsTheSliceOnceAndKeepsItsNiceValue) {
+  detail::set_wait_slice(microseconds(100));
+  const int64_t before = detail::prompt_wake_threads();
+  const Attr a = on_fresh_thread([] {
+    ASSERT_EQ(setpriority(PRIO_PROCESS, static_cast<id_t>(gettid()), 4), 0);
+    detail::prefer_prompt_wake();
+    detail::prefer_prompt_wake();  // once per thread
+  });
+  EXPECT_EQ(a.runtime, kShort);
+  EXPECT_EQ(a.nice, 4);
+  EXPECT_EQ(a.policy, static_cast<uint32_t>(SCHED_OTHER));
+  EXPECT_EQ(detail::prompt_wake_threads(), before + 1);
+}
+
+TEST_F(UnitWaitSlice, NothingChangesWithoutASliceOrForOtherPolicies) {
+  detail::set_wait_slice(microseconds(0));
+  EXPECT_EQ(on_fresh_thread([] { detail::prefer_prompt_wake(); }).runtime, default_);
+  detail::set_wait_slice(microseconds(100));
+  const Attr batch = on_fresh_thread([] {
+    sched_param p{};
+    ASSERT_EQ(sched_setscheduler(0, SCHED_BATCH, &p), 0);
+    detail::prefer_prompt_wake();
+  });
+  EXPECT_EQ(batch.policy, static_cast<uint32_t>(SCHED_BATCH));
+  EXPECT_EQ(batch.runtime, default_);
+}
+
+// Threads a short-sliced thread starts inherit its slice; the pool threads that run RPC's functions drop it.
+TEST_F(UnitWaitSlice, RpcPoolThreadsDropTheSliceTheyInherited) {
+  detail::set_wait_slice(microseconds(100));
+  Attr inherited{}, pooled{};
+  on_fresh_thread([&] {
+    detail::prefer_prompt_wake();
+    std::thread([&] { inherited = my_attr(); }).join();
+    detail::ThreadPool pool(1);
+    Notification ran;
+    pool.submit([&] {
+      pooled = my_attr();
+      ran.Notify();
+    });
+    ran.WaitForNotification();
+  });
+  EXPECT_EQ(inherited.runtime, kShort);
+  EXPECT_EQ(pooled.runtime, default_);
+}
+
+TEST_F(UnitWaitSlice, AThreadWithAShorterSliceOfItsOwnKeepsIt) {
+  detail::set_wait_slice(microseconds(500));
+  const int64_t before = detail::prompt_wake_threads();
+  const Attr a = on_fresh_thread([] {
+    Attr want{};
+    want.size = sizeof want;
+    want.runtime = 200'000;
+    ASSERT_EQ(syscall(SYS_sched_setattr, 0, &want, 0), 0);
+    detail::prefer_prompt_wake();
+  });
+  EXPECT_EQ(a.runtime, 200'000u);
+  EXPECT_EQ(detail::prompt_wake_threads(), before);
+}
+
+// rpc_sync that sleeps on its reply (the spin is over: the callee takes 50 ms), and a Future's wait.
+TEST_F(MultiprocRpc, AThreadThatSleepsOnAReplyIsGivenTheShortSlice) {
+  if (!kernel_has_custom_slices()) GTEST_SKIP() << "this kernel has no custom slices (Linux < 6.12)";
+  start({.world_size = 2});  // RpcOptions::wait_slice: 100 us by default
+  const uint64_t fallback = on_fresh_thread([] {}).runtime;
+  ASSERT_GT(fallback, kShort);
+  EXPECT_EQ(on_fresh_thread([] { rpc::rpc_sync("worker1", "sleep_ms", int64_t{50}); }).runtime, kShort);
+  EXPECT_EQ(
+      on_fresh_thread([] { ASSERT_TRUE(rpc::rpc_async("worker1", "sleep_ms", int64_t{50}).status().ok()); }).runtime,
+      kShort);
+  // A thread that never waited keeps the kernel's slice.
+  EXPECT_EQ(on_fresh_thread([] { rpc::rpc_async("worker1", "sleep_ms", int64_t{1}); }).runtime, fallback);
+}
+
+TEST_F(MultiprocRpc, WaitSliceZeroLeavesTheThreadsAlone) {
+  if (!kernel_has_custom_slices()) GTEST_SKIP() << "this kernel has no custom slices (Linux < 6.12)";
+  rpc::RpcOptions options = options_from_env();
+  options.wait_slice = microseconds(0);
+  start({.world_size = 2}, options);
+  const uint64_t fallback = on_fresh_thread([] {}).runtime;
+  EXPECT_EQ(on_fresh_thread([] { rpc::rpc_sync("worker1", "sleep_ms", int64_t{50}); }).runtime, fallback);
+  EXPECT_EQ(
+      on_fresh_thread([] { ASSERT_TRUE(rpc::rpc_async("worker1", "sleep_ms", int64_t{50}).status().ok()); }).runtime,
+      fallback);
+}
+
+}  // namespace
+}  // namespace tandem::test
