@@ -3,7 +3,11 @@ default): the server holds the MLP 784-512-512-10; 2 trainers, batch 64, random 
 forward through rpc_sync on the server, dist_autograd.backward, then rpc_sync of an async_execution `submit` on the
 server, which reads the context's gradients (dist_autograd.get_gradients), adds them to the round's sum, and when every
 trainer has submitted averages them, takes one SGD step (momentum 0.9, as Tandem's server) and answers them all: the
-same synchronous rounds as Tandem's parameter-server example, with nothing serialised but the step.
+same synchronous rounds as Tandem's parameter-server example, with nothing serialised but the step. Tandem's server
+takes the round inside the backward pass (a backward-part hook, dist_autograd.h: the reply to the gradient message waits
+for the round), saving the submit message; PyTorch's distributed autograd has no such hook (a parameter's tensor hook
+cannot hold the reply back without blocking the autograd engine's one CPU thread, which the other trainer's backward
+needs), so its trainers keep the submit call.
 
 --design tutorial: PyTorch's parameter-server tutorial ("Implementing a Parameter Server Using Distributed RPC
 Framework"): a DistributedOptimizer (SGD) over the server's parameter RRefs; with two concurrent trainers that design

@@ -3,8 +3,10 @@
 // averages their gradients each step), SGD. Random inputs (the figure is about the framework, not the data).
 //   ps_steps_per_s  training steps per second summed over the trainers (each measures its own rate and reports it
 //                   to the server, which prints the sum). The line also tells where a step's time goes:
-//                   trainer_step_us (means per step over the trainers: forward, loss_and_backward, submit, release),
-//                   server_us (the server's side: serving a forward and a backward, means; the round's step, from the
+//                   trainer_step_us (means per step over the trainers: forward; loss_backward_and_round, the loss, the
+//                   distributed backward and, in it, the wait for the other trainer and the server's step; release),
+//                   server_us (the server's side: serving a forward, and a backward with its wait for the round, means;
+//                   the round's step, from the
 //                   example's metrics gauges), against the floor's phase_us (a thread's forward and loss and
 //                   backward, the round's step),
 //                   server_cpu_per_round_us (the server's CPU time per round, warm-up included) and
@@ -58,7 +60,7 @@ namespace examples = tandem::examples;
 namespace {
 std::mutex g_mu;
 double g_rate_sum = 0;            // the trainers' own rates, reported to the server
-std::vector<double> g_phases(4);  // their mean phases per step (us), summed over trainers
+std::vector<double> g_phases(3);  // their mean phases per step (us), summed over trainers
 double g_trainers_cpu_us = 0;     // their CPU time per step (us), summed over trainers
 double g_trainers_wait_us = 0;    // their threads' time waiting for a CPU per step (us), summed over trainers
 
@@ -202,7 +204,7 @@ int main(int argc, char** argv) {
   // drifts, and a limit measured while something else runs is not one).
   Limit limit_before;
   if (rank == 0) limit_before = local_limit(steps);
-  // The server's RPC threads: its functions never block (a submit that waits for the round returns a pending future),
+  // The server's RPC threads: its functions never block (a backward that waits for the round returns a pending future),
   // so more threads than cores only let the trainers' requests preempt each other's work (see the top).
   rpc::RpcOptions rpc_options;
   if (rank == 0) rpc_options.num_worker_threads = server_threads;
@@ -247,29 +249,30 @@ int main(int argc, char** argv) {
     const int rounds = steps + steps / 10;
     std::lock_guard<std::mutex> lock(g_mu);
     auto us = [&](int i) { return std::to_string(static_cast<int64_t>(g_phases[i] / trainers)); };
-    bench::emit("ps", "ps_steps_per_s", g_rate_sum, "steps/s",
-                "\"processes\":" + std::to_string(world) + ",\"intra_op_threads\":1,\"trainers\":" +
-                    std::to_string(trainers) + ",\"server_worker_threads\":" + std::to_string(server_threads) +
-                    ",\"model\":\"mlp784-512-512-10\",\"batch\":64,\"mode\":\"sync\"," +
-                    "\"steps_per_trainer\":" + std::to_string(steps) + ",\"trainer_step_us\":{\"forward\":" + us(0) +
-                    ",\"loss_and_backward\":" + us(1) + ",\"submit\":" + us(2) + ",\"release\":" + us(3) +
-                    "},\"server_us\":{\"forward\":" + n(serve_us(snap, "__tandem.rref.call")) +
-                    ",\"backward\":" + n(serve_us(snap, "__tandem.dist_autograd.grad")) + ",\"step\":" + n(step_us) +
-                    "},\"server_cpu_per_round_us\":" + std::to_string(static_cast<int64_t>(cpu / rounds * 1e6)) +
-                    ",\"server_cores_busy\":" + std::to_string(cpu / wall) + ",\"trainers_cpu_per_round_us\":" +
-                    std::to_string(static_cast<int64_t>(g_trainers_cpu_us)) + ",\"machine_cpu_per_round_us\":" +
-                    std::to_string(static_cast<int64_t>(cpu / rounds * 1e6 + g_trainers_cpu_us)) +
-                    ",\"server_runqueue_wait_per_round_us\":" + n(wait / rounds * 1e6) +
-                    ",\"trainers_runqueue_wait_per_round_us\":" + n(g_trainers_wait_us));
+    bench::emit(
+        "ps", "ps_steps_per_s", g_rate_sum, "steps/s",
+        "\"processes\":" + std::to_string(world) + ",\"intra_op_threads\":1,\"trainers\":" + std::to_string(trainers) +
+            ",\"server_worker_threads\":" + std::to_string(server_threads) +
+            ",\"model\":\"mlp784-512-512-10\",\"batch\":64,\"mode\":\"sync\"," +
+            "\"steps_per_trainer\":" + std::to_string(steps) + ",\"trainer_step_us\":{\"forward\":" + us(0) +
+            ",\"loss_backward_and_round\":" + us(1) + ",\"release\":" + us(2) +
+            "},\"server_us\":{\"forward\":" + n(serve_us(snap, "__tandem.rref.call")) +
+            ",\"backward_and_round\":" + n(serve_us(snap, "__tandem.dist_autograd.grad")) + ",\"step\":" + n(step_us) +
+            "},\"server_cpu_per_round_us\":" + std::to_string(static_cast<int64_t>(cpu / rounds * 1e6)) +
+            ",\"server_cores_busy\":" + std::to_string(cpu / wall) + ",\"trainers_cpu_per_round_us\":" +
+            std::to_string(static_cast<int64_t>(g_trainers_cpu_us)) + ",\"machine_cpu_per_round_us\":" +
+            std::to_string(static_cast<int64_t>(cpu / rounds * 1e6 + g_trainers_cpu_us)) +
+            ",\"server_runqueue_wait_per_round_us\":" + n(wait / rounds * 1e6) +
+            ",\"trainers_runqueue_wait_per_round_us\":" + n(g_trainers_wait_us));
   } else {
     auto model = examples::server_model();
     const at::Tensor x = at::randn({64, 784});
     const at::Tensor y = at::randint(0, 10, {64}, at::kLong);
     double t0 = 0, cpu0 = 0, wait0 = 0;
     const int warmup = steps / 10;
-    // Each phase's time (us): the forward on the server, the loss here and the distributed backward, the submit
-    // (the wait for the other trainers and the server's step), the context's release.
-    std::vector<double> phases(4, 0.0);
+    // Each phase's time (us): the forward on the server; the loss here and the distributed backward, which returns
+    // with the round (the wait for the other trainers and the server's step); the context's release.
+    std::vector<double> phases(3, 0.0);
     for (int s = 0; s < warmup + steps; ++s) {
       if (s == warmup) {
         if (!trace.empty()) tandem::profile::start();
@@ -288,10 +291,8 @@ int main(int argc, char** argv) {
         at::Tensor loss = torch::nn::functional::cross_entropy(out, y);
         tandem::dist_autograd::backward(ctx.id(), {loss});
         lap(1);
-        examples::submit(ctx.id());
-        lap(2);
       }
-      lap(3);
+      lap(2);
     }
     // Measured before the trace is written, which is not training.
     const double rate = steps / ((bench::now_us() - t0) / 1e6);

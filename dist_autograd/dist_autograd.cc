@@ -373,6 +373,14 @@ rpc::Future run_local(const std::shared_ptr<Context>& ctx, const torch::autograd
   return sent.size() == 1 ? sent[0] : rpc::when_all(sent);
 }
 
+Mutex g_hook_mu;
+std::shared_ptr<const std::function<rpc::Future(int64_t)>> g_hook ABSL_GUARDED_BY(g_hook_mu);
+
+std::shared_ptr<const std::function<rpc::Future(int64_t)>> backward_part_hook() {
+  MutexLock lock(&g_hook_mu);
+  return g_hook;
+}
+
 // Worker side of a gradient message: continue the pass from send function `send_id`. `message_id` is unique per
 // message: a copy of one already received (the transport duplicated it) completes with the original's work.
 rpc::Future on_grad(int64_t context_id, int64_t send_id, std::vector<int64_t> indices, std::vector<at::Tensor> grads,
@@ -420,7 +428,29 @@ rpc::Future on_grad(int64_t context_id, int64_t send_id, std::vector<int64_t> in
       }
     });
   }
-  rpc::forward(done, work);
+  auto hook = backward_part_hook();
+  if (!hook) {
+    rpc::forward(done, work);
+    return work;
+  }
+  // Once this part is done: the hook, whose future the reply waits for.
+  done.add_callback([work, hook = std::move(hook), context_id](const rpc::Future& part) {
+    if (absl::Status s = part.status(); !s.ok()) {
+      work.set_error(std::move(s));
+      return;
+    }
+    rpc::Future after;
+    try {
+      after = (*hook)(context_id);
+    } catch (...) {
+      const absl::Status thrown = status_from_current_exception();
+      work.set_error(
+          absl::Status(thrown.code(), absl::StrCat("the backward hook on worker '", worker_name(), "' failed (context ",
+                                                   context_id, "): ", thrown.message())));
+      return;
+    }
+    after.add_callback([work](const rpc::Future& f) { work.set_status(f.status()); });
+  });
   return work;
 }
 
@@ -619,6 +649,12 @@ void adopt_context(int64_t context_id, int origin) {
   auto ctx = Container::get().get_or_create(context_id, /*unreleased=*/true);
   if (!ctx) throw RpcError(released_already(context_id));
   ctx->add_worker(origin);
+}
+
+void set_backward_part_hook(std::function<rpc::Future(int64_t context_id)> hook) {
+  auto shared = hook ? std::make_shared<const std::function<rpc::Future(int64_t)>>(std::move(hook)) : nullptr;
+  MutexLock lock(&g_hook_mu);
+  g_hook = std::move(shared);
 }
 
 rpc::Future release_context(int64_t context_id) { return release_on(context_id, -1); }

@@ -117,11 +117,7 @@ int train(const Args& args, int rank, int trainers) {
       dist_autograd::ContextGuard ctx;
       at::Tensor loss = torch::nn::functional::cross_entropy(model.forward(x), y);
       dist_autograd::backward(ctx.id(), {loss});
-      if (opt) {
-        opt->step(ctx.id());
-      } else {
-        examples::submit(ctx.id());
-      }
+      if (opt) opt->step(ctx.id());  // sync mode: the backward pass took the round's step on the server
       loss_sum += loss.item<double>();
       ++global_step;
       if (ckpt && global_step % args.checkpoint_every == 0) {
@@ -183,6 +179,7 @@ int main(int argc, char** argv) {
       examples::ServerOptions options;
       options.trainers = world - 1;
       options.lr = args.lr;
+      options.sync = args.mode == "sync";
       options.checkpoint_dir = args.checkpoint_dir;
       options.checkpoint_every = args.checkpoint_every;
       std::printf("parameter server: %d trainers, %s mode, batch %d, %d epochs, Fashion-MNIST\n", world - 1,

@@ -53,7 +53,9 @@ Server& server() {
   return *s;
 }
 
-rpc::Future on_submit(int64_t context_id) {
+// Synchronous mode's backward-part hook: a trainer's gradients (context `context_id`) join the round; the last
+// trainer's apply its average. The future completes with the round (its step taken).
+rpc::Future on_backward_part(int64_t context_id) {
   Server& s = server();
   dist_autograd::Gradients grads = dist_autograd::get_gradients(context_id);
   rpc::Future done;
@@ -112,7 +114,6 @@ int default_server_threads() { return std::max(2, cluster::usable_cpus()); }
 void register_parameter_server() {
   nn::register_module("cnn", fashion_mnist_cnn);
   nn::register_module("mlp", make_mlp);
-  rpc::register_function("ps.submit", on_submit);
   rpc::register_function("ps.evaluate", on_evaluate);
   rpc::register_function("ps.model", [] { return server().ready; });
   rpc::register_function("ps.checkpoint", [](int64_t step) {
@@ -177,6 +178,7 @@ void start_parameter_server(const ServerOptions& options) {
     MutexLock lock(&server().mu);
     return static_cast<double>(server().steps_timed);
   });
+  if (options.sync) dist_autograd::set_backward_part_hook(on_backward_part);
   s.ready.set_value(s.model.module_rref().to_ivalue());
 }
 
@@ -187,8 +189,6 @@ nn::RemoteModule server_model() {
 bool wait_for_trainers(std::chrono::milliseconds timeout) { return server().finished.wait_for(timeout); }
 
 void done() { rpc::rpc_sync("ps", "ps.done"); }
-
-void submit(int64_t context_id) { rpc::rpc_sync("ps", "ps.submit", context_id); }
 
 int64_t rounds_done() { return rpc::rpc_sync<int64_t>("ps", "ps.rounds"); }
 

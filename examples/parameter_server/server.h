@@ -2,9 +2,12 @@
 //
 // Rank 0 ("ps") owns the model, built as an nn::RemoteModule from a registered factory; ranks 1..N are trainers.
 // A trainer step: forward through the RemoteModule (the model runs on the server), loss here, distributed backward
-// (gradients land in the server's context), then
-//   - synchronous mode: submit(context) — the server sums the trainers' gradients and, once all N submitted, applies
-//     their average with one optimizer step and releases them all (no trainer's forward can see a half-updated model);
+// (gradients land in the server's context), and
+//   - synchronous mode: that is all. As each trainer's backward pass is done on the server (its backward-part hook,
+//     dist_autograd.h), the server adds its gradients to the round's and, once all N arrived, applies their average
+//     with one optimizer step; the replies to their backward passes wait for it, so no trainer's next forward can see
+//     a half-updated model. A trainer's step sends one forward to the server (each backward part is one trainer's
+//     step); no message of its own for the round (a submit call per step, before: 1-3% of the steps/s);
 //   - asynchronous mode: a DistributedOptimizer step of the trainer's own (Hogwild: trainers never wait for each other,
 //     a gradient may be computed against weights another trainer has just updated).
 // In synchronous mode the server's metrics (metrics/metrics.h) have the time its rounds' steps took, which every
@@ -26,6 +29,7 @@ struct ServerOptions {
   std::string optimizer = "adam";
   double lr = 1e-3;
   int trainers = 2;
+  bool sync = true;      // synchronous mode (the round in the backward pass); false: asynchronous (see the top)
   bool evaluate = true;  // load the test set for evaluate()
   // Synchronous mode: the server saves the model, its optimizer and the number of rounds (optimizer steps) every
   // `checkpoint_every` rounds, and resumes from the newest on start (checkpoint/checkpoint.h). The trainers' place
@@ -52,7 +56,6 @@ bool wait_for_trainers(std::chrono::milliseconds timeout);
 
 // Trainer side.
 nn::RemoteModule server_model();  // the model on "ps"
-void submit(int64_t context_id);  // synchronous mode: waits for the averaged step
 int64_t rounds_done();            // steps the server's checkpoint holds (sync: rounds; > 0 after a resume)
 // Asynchronous mode with checkpoints: waits until every trainer reached `step`; the server then saves its model.
 void checkpoint_barrier(int64_t step);

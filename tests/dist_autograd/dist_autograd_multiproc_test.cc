@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <gmock/gmock.h>
 
+#include <atomic>
 #include <thread>
 
 #include "tandem/dist_autograd/dist_autograd.h"
@@ -178,6 +179,69 @@ TEST_F(MultiprocDistAutograd, TenThousandContextsLeaveNoneBehind) {
   }
   EXPECT_EQ(wait_no_contexts(3), "");
   EXPECT_EQ(dist_autograd::stats().failed_releases, 0);
+}
+
+// A worker's backward-part hook runs once its part of the pass is done (its gradients are in the context), and the
+// caller's backward waits for the hook's future; the future's error, or what the hook throws, fails the backward.
+TEST_F(MultiprocDistAutograd, ABackwardPartHookRunsWhenThePartIsDoneAndTheBackwardWaitsForIt) {
+  start({.world_size = 2});
+  auto hooked = [] { return rpc::rpc_sync<std::vector<int64_t>>("worker1", "hooked"); };
+  // Runs a backward through worker1's layer on a thread; returns once worker1's hook has seen context `id` (bounded).
+  auto until_hooked = [&](int64_t id) {
+    const auto deadline = Clock::now() + scaled(milliseconds(20000));
+    while (Clock::now() < deadline) {
+      for (int64_t c : hooked()) {
+        if (c == id || c == -id) return c;
+      }
+      std::this_thread::sleep_for(milliseconds(5));
+    }
+    ADD_FAILURE() << "the hook never saw context " << id;
+    return int64_t{0};
+  };
+  rpc::rpc_sync("worker1", "set_hook", std::string("hold"));
+  for (bool ok : {true, false}) {
+    dist_autograd::ContextGuard ctx;
+    at::Tensor y = rpc::rpc_sync<at::Tensor>("worker1", "layer", "k1", input());
+    std::atomic<bool> returned{false};
+    std::string error;
+    std::thread pass([&] {
+      try {
+        dist_autograd::backward(ctx.id(), {y.sum()});
+      } catch (const RpcError& e) {
+        error = e.what();
+      }
+      returned = true;
+    });
+    EXPECT_EQ(until_hooked(ctx.id()), ctx.id()) << "the hook ran before this part's gradient was in the context";
+    EXPECT_FALSE(returned) << "backward returned while the hook's future was pending";
+    rpc::rpc_sync("worker1", "release_hook", ok);
+    pass.join();
+    if (ok) {
+      EXPECT_EQ(error, "");
+    } else {
+      EXPECT_THAT(error, testing::HasSubstr("the round was refused"));
+    }
+  }
+  rpc::rpc_sync("worker1", "set_hook", std::string("throw"));
+  {
+    dist_autograd::ContextGuard ctx;
+    at::Tensor y = rpc::rpc_sync<at::Tensor>("worker1", "layer", "k1", input());
+    try {
+      dist_autograd::backward(ctx.id(), {y.sum()});
+      ADD_FAILURE() << "backward succeeded";
+    } catch (const RpcError& e) {
+      EXPECT_THAT(e.what(), testing::HasSubstr("hook refused"));
+      EXPECT_THAT(e.what(), testing::HasSubstr("backward hook on worker 'worker1'"));
+    }
+  }
+  rpc::rpc_sync("worker1", "set_hook", std::string("none"));
+  const size_t seen = hooked().size();
+  {
+    dist_autograd::ContextGuard ctx;
+    at::Tensor y = rpc::rpc_sync<at::Tensor>("worker1", "layer", "k1", input());
+    dist_autograd::backward(ctx.id(), {y.sum()});
+  }
+  EXPECT_EQ(hooked().size(), seen);
 }
 
 TEST_F(MultiprocDistAutograd, AnErrorInARemoteBackwardReachesTheCaller) {

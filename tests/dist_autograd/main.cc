@@ -11,6 +11,7 @@
 
 #include "tandem/dist_autograd/dist_autograd.h"
 #include "tandem/rref/rref.h"
+#include "tandem/sync/sync.h"
 #include "tests/common/params.h"
 #include "tests/common/spawner.h"
 #include "tests/common/test_env.h"
@@ -51,7 +52,42 @@ struct SlowBackward : torch::autograd::Node {
 
 at::Tensor slowly(const at::Tensor& x, int64_t ms) { return with_backward(x, std::make_shared<SlowBackward>(ms)); }
 
+// The backward-part hook of this worker in the tests: "hold" records each context (negated when parameter "k1" had no
+// gradient in it yet) and holds the reply until "release_hook"; "throw" throws; "none" removes the hook.
+Mutex g_hook_mu;
+std::vector<int64_t> g_hooked ABSL_GUARDED_BY(g_hook_mu);
+std::vector<rpc::Future> g_held ABSL_GUARDED_BY(g_hook_mu);
+
+void set_test_hook(const std::string& mode) {
+  if (mode == "none") return dist_autograd::set_backward_part_hook(nullptr);
+  if (mode == "throw") {
+    return dist_autograd::set_backward_part_hook(
+        [](int64_t) -> rpc::Future { throw std::runtime_error("hook refused"); });
+  }
+  dist_autograd::set_backward_part_hook([](int64_t ctx) {
+    const bool has = dist_autograd::get_gradients(ctx)[param("k1", 4, 4)].defined();
+    rpc::Future held;
+    MutexLock lock(&g_hook_mu);
+    g_hooked.push_back(has ? ctx : -ctx);
+    g_held.push_back(held);
+    return held;
+  });
+}
+
 void register_functions() {
+  rpc::register_function("set_hook", set_test_hook);
+  rpc::register_function("hooked", [] {
+    MutexLock lock(&g_hook_mu);
+    return g_hooked;
+  });
+  rpc::register_function("release_hook", [](bool ok) {
+    std::vector<rpc::Future> held;
+    {
+      MutexLock lock(&g_hook_mu);
+      held.swap(g_held);
+    }
+    for (auto& f : held) ok ? f.set_value(c10::IValue()) : f.set_error(absl::AbortedError("the round was refused"));
+  });
   rpc::register_function("layer", [](std::string p, at::Tensor x) { return at::tanh(x.mm(param(p, 4, 4))); });
   // A -> B -> C: this worker's layer, then `next`'s, then a local scale.
   rpc::register_function("nested", [](std::string next, std::string p, std::string q, at::Tensor x) {
