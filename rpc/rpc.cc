@@ -88,6 +88,14 @@ WorkerInfo worker_info(const To& to) {
 
 namespace {
 
+// RpcOptions::wait_slice, else TANDEM_WAIT_SLICE_US, else 100 us.
+std::chrono::microseconds wait_slice_from(const RpcOptions& options) {
+  if (options.wait_slice.count() >= 0) return options.wait_slice;
+  int64_t us = 0;
+  const char* env = std::getenv("TANDEM_WAIT_SLICE_US");
+  return std::chrono::microseconds(env && absl::SimpleAtoi(env, &us) && us >= 0 ? us : 100);
+}
+
 // RpcOptions::metrics_file, else TANDEM_METRICS_FILE; the interval likewise (10 s when neither says).
 void start_metrics_writer(const RpcOptions& options, const std::string& name, int rank) {
   std::string path = options.metrics_file;
@@ -118,7 +126,7 @@ void init_rpc(const std::string& name, int rank, int world_size, RpcOptions opti
   if (g_agent) throw RpcError(absl::FailedPreconditionError("init_rpc: RPC is already initialized"));
   metrics::set_worker(name);
   profile::set_worker(name, rank);
-  detail::set_wait_slice(options.wait_slice);  // before the agent's threads start
+  detail::set_wait_slice(wait_slice_from(options));  // before the agent's threads start
   auto agent = Agent::start(name, rank, world_size, options);
   if (!agent.ok()) detail::set_wait_slice(std::chrono::microseconds(0));
   throw_if_error(agent.status());

@@ -98,8 +98,9 @@ struct RpcOptions {
   // runs at once when the reply comes, instead of queueing behind a busy thread for the rest of that one's slice
   // (milliseconds; a parameter server's trainer sharing the cores with it waited ~400 us per step for a CPU). It gets
   // no more CPU for it. Older kernels, threads with a policy other than SCHED_OTHER or with a shorter slice of their
-  // own: nothing changes. 0: never. The kernel takes 100 us at least.
-  std::chrono::microseconds wait_slice{100};
+  // own: nothing changes. RPC's threads that run functions never take it. 0: never. The kernel takes 100 us at least.
+  // Negative: TANDEM_WAIT_SLICE_US, else 100 us.
+  std::chrono::microseconds wait_slice{-1};
 
   // A file this worker keeps its metrics in (metrics/metrics.h; Prometheus text format), rewritten every
   // metrics_interval and at shutdown; "{worker}" and "{rank}" in it are replaced. Empty: TANDEM_METRICS_FILE, else

@@ -56,6 +56,7 @@ void prefer_prompt_wake() {
 }
 
 void drop_inherited_wait_slice() {
+  t_tried = true;  // nor does it take the slice later, when it waits for a reply: its functions compute
   const int64_t slice_us = g_slice_us.load(std::memory_order_relaxed);
   if (slice_us == 0) return;
   SchedAttr now{};

@@ -33,7 +33,7 @@ void prefer_prompt_wake();
 
 // For a thread RPC starts to run functions or messages (they compute at length): when it inherited the wait slice
 // from the thread that started it (Linux copies a thread's slice to the threads it creates), it goes back to the
-// kernel's default slice.
+// kernel's default slice; and prefer_prompt_wake does nothing on it later (a function's nested call that sleeps).
 void drop_inherited_wait_slice();
 
 // The threads of this process given the short slice (for tests).

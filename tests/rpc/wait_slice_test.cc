@@ -100,10 +100,11 @@ TEST_F(UnitWaitSlice, NothingChangesWithoutASliceOrForOtherPolicies) {
   EXPECT_EQ(batch.runtime, default_);
 }
 
-// Threads a short-sliced thread starts inherit its slice; the pool threads that run RPC's functions drop it.
+// Threads a short-sliced thread starts inherit its slice; the pool threads that run RPC's functions drop it, and do
+// not take it when they wait for a reply either (their functions compute).
 TEST_F(UnitWaitSlice, RpcPoolThreadsDropTheSliceTheyInherited) {
   detail::set_wait_slice(microseconds(100));
-  Attr inherited{}, pooled{};
+  Attr inherited{}, pooled{}, after_wait{};
   on_fresh_thread([&] {
     detail::prefer_prompt_wake();
     std::thread([&] { inherited = my_attr(); }).join();
@@ -111,12 +112,15 @@ TEST_F(UnitWaitSlice, RpcPoolThreadsDropTheSliceTheyInherited) {
     Notification ran;
     pool.submit([&] {
       pooled = my_attr();
+      detail::prefer_prompt_wake();  // as a nested rpc_sync that sleeps would
+      after_wait = my_attr();
       ran.Notify();
     });
     ran.WaitForNotification();
   });
   EXPECT_EQ(inherited.runtime, kShort);
   EXPECT_EQ(pooled.runtime, default_);
+  EXPECT_EQ(after_wait.runtime, default_);
 }
 
 TEST_F(UnitWaitSlice, AThreadWithAShorterSliceOfItsOwnKeepsIt) {
