@@ -111,12 +111,15 @@ void share_context(int64_t context_id, int worker);
 void adopt_context(int64_t context_id, int origin);
 
 // Runs on this worker each time a gradient message's part of a backward pass is done here (its local pass, and the
-// passes it sent gradients on to): context `context_id` then holds this part's gradients on this worker. The reply to
+// passes it sent gradients on to): context `context_id` then holds this part's gradients on this worker. Once per
+// message, not per pass: a pass that reaches this worker by several messages runs it for each. The reply to
 // the message, and so the backward() that sent it, waits for the future `hook` returns, and fails with its error (or
 // with what `hook` throws, naming this worker). For a worker that owns parameters and applies gradients as they come:
 // a parameter server's round, without a message of its own from each trainer (PyTorch applies optimizers inside the
 // local backward likewise, _apply_optimizer_in_backward). One hook per worker: setting replaces the last, an empty
-// function removes it. Thread-safe; `hook` runs on an RPC thread and must not block (return a pending future instead).
+// function removes it. Thread-safe; `hook` runs on the thread that finished the part (an RPC thread; a transport's
+// completion thread when the part sent gradients on and their replies came last) and must not block (it returns a
+// pending future instead).
 void set_backward_part_hook(std::function<rpc::Future(int64_t context_id)> hook);
 
 // Releases a context here and, asynchronously, on every worker it touched; the future completes when all did.

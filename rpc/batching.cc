@@ -8,6 +8,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
+#include "tandem/rpc/detail/wait_slice.h"
 #include "tandem/rpc/errors.h"
 #include "tandem/sync/sync.h"
 
@@ -23,7 +24,10 @@ class Batcher : public std::enable_shared_from_this<Batcher> {
 
   // The flushing thread holds the batcher: both live until the process ends.
   void start() {
-    std::thread([self = shared_from_this()] { self->flush_loop(); }).detach();
+    std::thread([self = shared_from_this()] {
+      detail::drop_inherited_wait_slice();  // it runs the batched function (detail/wait_slice.h)
+      self->flush_loop();
+    }).detach();
   }
 
   Future enqueue(std::vector<c10::IValue>&& args) {

@@ -20,6 +20,7 @@
 #include "tandem/sync/sync.h"
 
 #include "tandem/cluster/environment.h"
+#include "tandem/log/log.h"
 #include "tandem/metrics/metrics.h"
 
 namespace tandem::rpc {
@@ -91,9 +92,12 @@ namespace {
 // RpcOptions::wait_slice, else TANDEM_WAIT_SLICE_US, else 100 us.
 std::chrono::microseconds wait_slice_from(const RpcOptions& options) {
   if (options.wait_slice.count() >= 0) return options.wait_slice;
-  int64_t us = 0;
   const char* env = std::getenv("TANDEM_WAIT_SLICE_US");
-  return std::chrono::microseconds(env && absl::SimpleAtoi(env, &us) && us >= 0 ? us : 100);
+  if (!env || !*env) return std::chrono::microseconds(100);
+  int64_t us = 0;
+  if (absl::SimpleAtoi(env, &us) && us >= 0) return std::chrono::microseconds(us);
+  TANDEM_LOG(kWarn, "rpc") << "TANDEM_WAIT_SLICE_US='" << env << "' is not a number of microseconds >= 0: using 100";
+  return std::chrono::microseconds(100);
 }
 
 // RpcOptions::metrics_file, else TANDEM_METRICS_FILE; the interval likewise (10 s when neither says).

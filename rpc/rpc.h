@@ -93,13 +93,13 @@ struct RpcOptions {
   // when the last call of the same function to the same worker took over four times as long (but for one such call
   // in 16 of a thread, which spins to find out whether it still needs to). 0: never.
   std::chrono::microseconds sync_spin{50};
-  // A thread that sleeps waiting for a reply (rpc_sync after its spin, a Future's wait) asks the kernel for this time
-  // slice while it waits and wakes, then gets its own back: on Linux 6.12 and later (EEVDF custom slices) it then
-  // runs at once when the reply comes, instead of queueing behind a busy thread for the rest of that one's slice
-  // (milliseconds; a parameter server's trainer sharing the cores with it waited ~400 us per step for a CPU). It gets
-  // no more CPU for it. Older kernels, threads with a policy other than SCHED_OTHER or with a shorter slice of their
-  // own: nothing changes. RPC's threads that run functions never take it. 0: never. The kernel takes 100 us at least.
-  // Negative: TANDEM_WAIT_SLICE_US, else 100 us.
+  // A thread that sleeps waiting for a reply (rpc_sync after its spin, a Future's wait) first asks the kernel for this
+  // time slice, once, and keeps it (also after shutdown; threads it starts later inherit it): on Linux 6.12 and later
+  // (EEVDF custom slices) it then runs at once when a reply comes, instead of queueing behind a busy thread for the
+  // rest of that one's slice (milliseconds; a parameter server's trainer sharing the cores with it waited ~400 us per
+  // step for a CPU). It gets no more CPU for it. Older kernels, threads with a policy other than SCHED_OTHER or with a
+  // slice as short of their own: nothing changes. RPC's threads that run functions never take it. 0: never. The
+  // kernel takes 0.1-100 ms. Negative: TANDEM_WAIT_SLICE_US, else 100 us (docs/rpc.md, "Woken at once").
   std::chrono::microseconds wait_slice{-1};
 
   // A file this worker keeps its metrics in (metrics/metrics.h; Prometheus text format), rewritten every

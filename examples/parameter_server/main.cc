@@ -126,8 +126,8 @@ int train(const Args& args, int rank, int trainers) {
       }
     }
     const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    // Sync mode: once a round is complete no trainer changes the model before every trainer submits again, so all
-    // score the same model here and take the same decision.
+    // Sync mode: once a round is complete no trainer changes the model before every trainer's backward reached the
+    // server again, so all score the same model here and take the same decision.
     const bool stop_early = args.min_accuracy > 0 && args.mode == "sync";
     if (rank == 1 || stop_early) accuracy = examples::evaluate();
     if (rank == 1) {

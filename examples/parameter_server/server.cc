@@ -5,8 +5,10 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <set>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/strings/str_cat.h"
 #include "examples/data/cnn.h"
 #include "examples/data/fashion_mnist.h"
 #include "tandem/checkpoint/checkpoint.h"
@@ -36,8 +38,9 @@ struct Server {
   std::atomic<int> done{0};
 
   Mutex mu;
-  std::vector<at::Tensor> sum ABSL_GUARDED_BY(mu);       // gradients submitted in this round
-  std::vector<rpc::Future> waiting ABSL_GUARDED_BY(mu);  // the trainers that submitted them
+  std::vector<at::Tensor> sum ABSL_GUARDED_BY(mu);       // the gradients of this round's trainers so far
+  std::vector<rpc::Future> waiting ABSL_GUARDED_BY(mu);  // their backward passes, waiting for the round
+  std::set<int64_t> in_round ABSL_GUARDED_BY(mu);        // their contexts
   int64_t rounds ABSL_GUARDED_BY(mu) = 0;                // optimizer steps taken (async: the last checkpoint's step)
   // Sync mode: the time the rounds' steps took (the last trainer's sum, the average and the optimizer's step, which
   // every trainer waits for), as metrics gauges tandem_ps_step_seconds_total and tandem_ps_steps_total.
@@ -62,6 +65,12 @@ rpc::Future on_backward_part(int64_t context_id) {
   std::vector<rpc::Future> release;
   {
     MutexLock lock(&s.mu);
+    // A second part of one trainer's pass (its step sent two forwards to the server) would count it twice.
+    if (!s.in_round.insert(context_id).second) {
+      return rpc::Future::failed(absl::FailedPreconditionError(absl::StrCat(
+          "parameter server: context ", context_id, " reached the server's backward twice in one round; the ",
+          "synchronous round takes one forward per trainer step")));
+    }
     const auto arrived = std::chrono::steady_clock::now();  // the last trainer's: its sum begins the round's step
     for (size_t i = 0; i < s.params.size(); ++i) {
       at::Tensor g = grads[s.params[i]];
@@ -81,6 +90,7 @@ rpc::Future on_backward_part(int64_t context_id) {
         s.params[i].mutable_grad() = at::Tensor();
         s.sum[i] = at::Tensor();
       }
+      s.in_round.clear();
       ++s.rounds;
       s.step_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - arrived).count();
       ++s.steps_timed;

@@ -468,12 +468,10 @@ absl::StatusOr<Message> Conn::read_body(absl::Time deadline) {
   return m;
 }
 
-absl::StatusOr<Message> Conn::read(uint64_t max_body, absl::Time deadline, std::chrono::microseconds spin) {
+absl::StatusOr<Message> Conn::read(uint64_t max_body, absl::Time deadline, std::chrono::microseconds spin,
+                                   bool prompt_wake) {
   const auto spin_until = std::chrono::steady_clock::now() + spin;
-  // The caller of rpc_sync waits here for its reply: its wake-up is on the job's critical path.
-  if (auto s = read_exact(fd_, header_, sizeof(header_), deadline, spin_until, /*prompt_wake=*/true); !s.ok()) {
-    return s;
-  }
+  if (auto s = read_exact(fd_, header_, sizeof(header_), deadline, spin_until, prompt_wake); !s.ok()) return s;
   header_got_ = sizeof(header_);
   if (auto s = check_header(max_body); !s.ok()) return s;
   return read_body(deadline);  // the caller's deadline bounds the whole message

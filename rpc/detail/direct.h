@@ -99,8 +99,9 @@ class Conn {
   absl::Status write(Kind kind, uint64_t call_id, const grpc::ByteBuffer& body, absl::Time deadline);
   // Reads one whole message; fails at `deadline` (which bounds the body too), on EOF, or when the header lies. For the
   // first `spin` the caller polls instead of sleeping (a reply expected within microseconds then costs no wake-up).
+  // `prompt_wake`: a caller waiting for its reply asks for the short wait slice before it sleeps (wait_slice.h).
   absl::StatusOr<Message> read(uint64_t max_body, absl::Time deadline,
-                               std::chrono::microseconds spin = std::chrono::microseconds(0));
+                               std::chrono::microseconds spin = std::chrono::microseconds(0), bool prompt_wake = false);
   // For connections driven by epoll: reads what has arrived of the next header without waiting. True once it is
   // complete (then read_body); false when more must arrive; an error on EOF or a header that lies.
   absl::StatusOr<bool> poll_header(uint64_t max_body);

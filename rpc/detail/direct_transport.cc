@@ -152,7 +152,7 @@ absl::StatusOr<grpc::ByteBuffer> DirectTransport::call_sync(int rank, const std:
     sync_calls_.insert(conn);
   }
   const absl::Status sent = conn->write(direct::Kind::kRequest, id, request, deadline);
-  absl::StatusOr<direct::Message> msg = sent.ok() ? conn->read(max_bytes_, deadline, spin) : sent;
+  absl::StatusOr<direct::Message> msg = sent.ok() ? conn->read(max_bytes_, deadline, spin, /*prompt_wake=*/true) : sent;
   bool stopped = false;
   {
     MutexLock lock(&mu_);

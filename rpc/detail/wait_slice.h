@@ -13,8 +13,9 @@
 // same cores, such a thread is switched more often, each still getting its share. Threads it starts later inherit
 // the slice (Linux copies it); the threads RPC starts to run functions drop it (drop_inherited_wait_slice).
 //
-// Thread-safety: any thread. Errors: none; where the kernel refuses or has no custom slices, or the thread's policy
-// is not SCHED_OTHER, or its own slice is as short already, nothing changes (and the thread is not tried again).
+// Thread-safety: any thread. Errors: none; where the kernel has no custom slices, or the thread's policy is not
+// SCHED_OTHER, or its own slice is as short already, nothing changes (and the thread is not tried again); a refusal
+// (seccomp, a sandbox) is logged once at debug level. The thread keeps the slice after shutdown.
 #pragma once
 
 #include <chrono>
@@ -31,9 +32,10 @@ std::chrono::microseconds wait_slice();
 // (see the top); later calls on the thread return at once.
 void prefer_prompt_wake();
 
-// For a thread RPC starts to run functions or messages (they compute at length): when it inherited the wait slice
-// from the thread that started it (Linux copies a thread's slice to the threads it creates), it goes back to the
-// kernel's default slice; and prefer_prompt_wake does nothing on it later (a function's nested call that sleeps).
+// For a thread RPC starts to run functions or messages (they compute at length): when it inherited the slice
+// prefer_prompt_wake gave (in this or an earlier init_rpc) from the thread that started it (Linux copies a thread's
+// slice to the threads it creates), it goes back to the kernel's default slice; and prefer_prompt_wake does nothing on
+// it later (a function's nested call that sleeps).
 void drop_inherited_wait_slice();
 
 // The threads of this process given the short slice (for tests).

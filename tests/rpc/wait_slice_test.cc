@@ -56,8 +56,19 @@ Attr on_fresh_thread(F body) {
   return out;
 }
 
+// False also where sched_getattr/sched_setattr are not allowed (a sandbox's seccomp filter): the tests skip there.
 bool kernel_has_custom_slices() {
-  return on_fresh_thread([] {}).runtime > 0;
+  bool has = false;
+  std::thread([&] {
+    Attr a{};
+    if (syscall(SYS_sched_getattr, 0, &a, sizeof a, 0) != 0 || a.policy != SCHED_OTHER) return;
+    Attr want{};
+    want.size = sizeof want;
+    want.nice = a.nice;
+    has = syscall(SYS_sched_setattr, 0, &want, 0) == 0 && syscall(SYS_sched_getattr, 0, &a, sizeof a, 0) == 0 &&
+          a.runtime > 0;
+  }).join();
+  return has;
 }
 
 constexpr uint64_t kShort = 100'000;  // ns
@@ -121,6 +132,27 @@ TEST_F(UnitWaitSlice, RpcPoolThreadsDropTheSliceTheyInherited) {
   EXPECT_EQ(inherited.runtime, kShort);
   EXPECT_EQ(pooled.runtime, default_);
   EXPECT_EQ(after_wait.runtime, default_);
+}
+
+// The kernel clamps a slice to 0.1 ms at least; a pool thread still knows the slice it inherited as the one given,
+// also when RPC was shut down since (the slice set to 0) and started again.
+TEST_F(UnitWaitSlice, ASliceBelowTheKernelsMinimumIsClampedAndDroppedByLaterPools) {
+  detail::set_wait_slice(microseconds(50));
+  Attr given{}, pooled{};
+  on_fresh_thread([&] {
+    detail::prefer_prompt_wake();
+    given = my_attr();
+    detail::set_wait_slice(microseconds(0));  // as shutdown does
+    detail::ThreadPool pool(1);
+    Notification ran;
+    pool.submit([&] {
+      pooled = my_attr();
+      ran.Notify();
+    });
+    ran.WaitForNotification();
+  });
+  EXPECT_EQ(given.runtime, kShort);
+  EXPECT_EQ(pooled.runtime, default_);
 }
 
 TEST_F(UnitWaitSlice, AThreadWithAShorterSliceOfItsOwnKeepsIt) {
