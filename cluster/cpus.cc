@@ -123,8 +123,7 @@ int usable_cpus() {
   int cpus = sched_getaffinity(0, sizeof(set), &set) == 0
                  ? CPU_COUNT(&set)
                  : static_cast<int>(std::thread::hardware_concurrency());  // more CPUs than a cpu_set_t holds
-  if (auto quota = cpu_quota(); quota && std::ceil(*quota - 1e-9) < cpus)
-    cpus = static_cast<int>(std::ceil(*quota - 1e-9));
+  if (auto quota = cpu_quota()) cpus = std::min(cpus, static_cast<int>(std::ceil(*quota - 1e-9)));
   return std::max(1, cpus);
 }
 

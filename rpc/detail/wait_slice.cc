@@ -1,8 +1,6 @@
 #include "tandem/rpc/detail/wait_slice.h"
 
 #include <sched.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -10,22 +8,10 @@
 #include <cstring>
 
 #include "tandem/log/log.h"
+#include "tandem/rpc/detail/sched_attr.h"
 
 namespace tandem::rpc::detail {
 namespace {
-
-// sched_setattr(2)'s argument, its first version (SCHED_ATTR_SIZE_VER0); glibc 2.36 has no wrapper.
-struct SchedAttr {
-  uint32_t size;
-  uint32_t sched_policy;
-  uint64_t sched_flags;
-  int32_t sched_nice;
-  uint32_t sched_priority;
-  uint64_t sched_runtime;  // SCHED_OTHER on Linux >= 6.12: the thread's slice (ns); 0 before
-  uint64_t sched_deadline;
-  uint64_t sched_period;
-};
-static_assert(sizeof(SchedAttr) == 48, "SCHED_ATTR_SIZE_VER0");
 
 std::atomic<int64_t> g_slice_us{0};
 std::atomic<int64_t> g_threads{0};
@@ -38,21 +24,15 @@ thread_local bool t_tried = false;  // this thread was given the slice, or canno
 constexpr uint64_t kSchedFlagResetOnFork = 0x01;                      // SCHED_FLAG_RESET_ON_FORK
 constexpr uint64_t kMinSliceNs = 100'000, kMaxSliceNs = 100'000'000;  // the kernel's clamp
 
-bool get_attr(SchedAttr* a) {
-  *a = SchedAttr{};
-  return syscall(SYS_sched_getattr, 0, a, sizeof(SchedAttr), 0) == 0;
-}
-
 // Sets the calling thread's slice (0: the kernel's default), keeping its nice value (sched_setattr sets it too) and
 // its reset-on-fork flag (which an unprivileged thread may not clear).
 bool set_slice(const SchedAttr& now, uint64_t runtime_ns) {
-  SchedAttr want{};
-  want.size = sizeof want;
+  SchedAttr want;
   want.sched_policy = SCHED_OTHER;
   want.sched_flags = now.sched_flags & kSchedFlagResetOnFork;
   want.sched_nice = now.sched_nice;
   want.sched_runtime = runtime_ns;
-  return syscall(SYS_sched_setattr, 0, &want, 0) == 0;
+  return set_sched_attr(want);
 }
 
 }  // namespace
@@ -61,8 +41,6 @@ void set_wait_slice(std::chrono::microseconds slice) {
   g_slice_us.store(slice.count() > 0 ? slice.count() : 0, std::memory_order_relaxed);
 }
 
-std::chrono::microseconds wait_slice() { return std::chrono::microseconds(g_slice_us.load(std::memory_order_relaxed)); }
-
 void prefer_prompt_wake() {
   if (t_tried) return;
   const int64_t slice_us = g_slice_us.load(std::memory_order_relaxed);
@@ -70,7 +48,7 @@ void prefer_prompt_wake() {
   t_tried = true;
   SchedAttr now;
   // runtime 0: a kernel without custom slices (it reports the slice of SCHED_OTHER threads since 6.12).
-  if (!get_attr(&now) || now.sched_policy != SCHED_OTHER || now.sched_runtime == 0) return;
+  if (!get_sched_attr(&now) || now.sched_policy != SCHED_OTHER || now.sched_runtime == 0) return;
   const uint64_t slice_ns = std::clamp(static_cast<uint64_t>(slice_us) * 1000, kMinSliceNs, kMaxSliceNs);
   if (now.sched_runtime <= slice_ns) return;  // as short already (the thread's own choice)
   if (!set_slice(now, slice_ns)) {
@@ -83,7 +61,7 @@ void prefer_prompt_wake() {
   }
   g_threads.fetch_add(1, std::memory_order_relaxed);
   SchedAttr given;
-  if (get_attr(&given)) g_given_ns.store(given.sched_runtime, std::memory_order_relaxed);
+  if (get_sched_attr(&given)) g_given_ns.store(given.sched_runtime, std::memory_order_relaxed);
 }
 
 void drop_inherited_wait_slice() {
@@ -91,7 +69,7 @@ void drop_inherited_wait_slice() {
   const uint64_t given = g_given_ns.load(std::memory_order_relaxed);
   if (given == 0) return;
   SchedAttr now;
-  if (get_attr(&now) && now.sched_policy == SCHED_OTHER && now.sched_runtime == given) {
+  if (get_sched_attr(&now) && now.sched_policy == SCHED_OTHER && now.sched_runtime == given) {
     set_slice(now, 0);  // the kernel's default slice
   }
 }

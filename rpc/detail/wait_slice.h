@@ -26,10 +26,9 @@ namespace tandem::rpc::detail {
 // The slice asked for (RpcOptions::wait_slice, set by init_rpc); 0 turns prefer_prompt_wake off (the default until
 // init_rpc, and after shutdown).
 void set_wait_slice(std::chrono::microseconds slice);
-std::chrono::microseconds wait_slice();
 
-// Gives the calling thread wait_slice() as its time slice, the first time it is called on the thread with a slice set
-// (see the top); later calls on the thread return at once.
+// Gives the calling thread the slice set_wait_slice set as its time slice, the first time it is called on the thread
+// with a slice set (see the top); later calls on the thread return at once.
 void prefer_prompt_wake();
 
 // For a thread RPC starts to run functions or messages (they compute at length): when it inherited the slice

@@ -185,6 +185,8 @@ TEST_F(MultiprocDistAutograd, TenThousandContextsLeaveNoneBehind) {
 // caller's backward waits for the hook's future; the future's error, or what the hook throws, fails the backward.
 TEST_F(MultiprocDistAutograd, ABackwardPartHookRunsWhenThePartIsDoneAndTheBackwardWaitsForIt) {
   start({.world_size = 2});
+  // A forward through worker1's layer (in the current context).
+  auto through_worker1 = [] { return rpc::rpc_sync<at::Tensor>("worker1", "layer", "k1", input()); };
   auto hooked = [] { return rpc::rpc_sync<std::vector<int64_t>>("worker1", "hooked"); };
   // Runs a backward through worker1's layer on a thread; returns once worker1's hook has seen context `id` (bounded).
   auto until_hooked = [&](int64_t id) {
@@ -201,7 +203,7 @@ TEST_F(MultiprocDistAutograd, ABackwardPartHookRunsWhenThePartIsDoneAndTheBackwa
   rpc::rpc_sync("worker1", "set_hook", std::string("hold"));
   for (bool ok : {true, false}) {
     dist_autograd::ContextGuard ctx;
-    at::Tensor y = rpc::rpc_sync<at::Tensor>("worker1", "layer", "k1", input());
+    at::Tensor y = through_worker1();
     std::atomic<bool> returned{false};
     std::string error;
     std::thread pass([&] {
@@ -225,7 +227,7 @@ TEST_F(MultiprocDistAutograd, ABackwardPartHookRunsWhenThePartIsDoneAndTheBackwa
   rpc::rpc_sync("worker1", "set_hook", std::string("throw"));
   {
     dist_autograd::ContextGuard ctx;
-    at::Tensor y = rpc::rpc_sync<at::Tensor>("worker1", "layer", "k1", input());
+    at::Tensor y = through_worker1();
     try {
       dist_autograd::backward(ctx.id(), {y.sum()});
       ADD_FAILURE() << "backward succeeded";
@@ -238,7 +240,7 @@ TEST_F(MultiprocDistAutograd, ABackwardPartHookRunsWhenThePartIsDoneAndTheBackwa
   const size_t seen = hooked().size();
   {
     dist_autograd::ContextGuard ctx;
-    at::Tensor y = rpc::rpc_sync<at::Tensor>("worker1", "layer", "k1", input());
+    at::Tensor y = through_worker1();
     dist_autograd::backward(ctx.id(), {y.sum()});
   }
   EXPECT_EQ(hooked().size(), seen);

@@ -3,12 +3,12 @@
 // two waits that use it: rpc_sync's sleep on its reply and a Future's wait.
 #include <sched.h>
 #include <sys/resource.h>
-#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <cstdint>
 #include <thread>
 
+#include "tandem/rpc/detail/sched_attr.h"
 #include "tandem/rpc/detail/thread_pool.h"
 #include "tandem/rpc/detail/wait_slice.h"
 #include "tests/common/rpc_fixture.h"
@@ -19,18 +19,12 @@ namespace {
 namespace detail = rpc::detail;
 using std::chrono::microseconds;
 
-struct Attr {  // sched_getattr(2)'s first version
-  uint32_t size, policy;
-  uint64_t flags;
-  int32_t nice;
-  uint32_t priority;
-  uint64_t runtime, deadline, period;
-};
+using Attr = detail::SchedAttr;
 
 // The calling thread's policy, nice value and slice (ns; 0 on a kernel without custom slices).
 Attr my_attr() {
   Attr a{};
-  EXPECT_EQ(syscall(SYS_sched_getattr, 0, &a, sizeof a, 0), 0);
+  EXPECT_TRUE(detail::get_sched_attr(&a));
   return a;
 }
 
@@ -38,9 +32,8 @@ Attr my_attr() {
 // main thread may have been given the short one).
 void use_default_slice() {
   Attr a{};
-  a.size = sizeof a;
-  a.nice = my_attr().nice;
-  ASSERT_EQ(syscall(SYS_sched_setattr, 0, &a, 0), 0);
+  a.sched_nice = my_attr().sched_nice;
+  ASSERT_TRUE(detail::set_sched_attr(a));
 }
 
 // Runs `body` on a new thread on the default slice (as a thread never given the short one) and returns its
@@ -61,12 +54,10 @@ bool kernel_has_custom_slices() {
   bool has = false;
   std::thread([&] {
     Attr a{};
-    if (syscall(SYS_sched_getattr, 0, &a, sizeof a, 0) != 0 || a.policy != SCHED_OTHER) return;
+    if (!detail::get_sched_attr(&a) || a.sched_policy != SCHED_OTHER) return;
     Attr want{};
-    want.size = sizeof want;
-    want.nice = a.nice;
-    has = syscall(SYS_sched_setattr, 0, &want, 0) == 0 && syscall(SYS_sched_getattr, 0, &a, sizeof a, 0) == 0 &&
-          a.runtime > 0;
+    want.sched_nice = a.sched_nice;
+    has = detail::set_sched_attr(want) && detail::get_sched_attr(&a) && a.sched_runtime > 0;
   }).join();
   return has;
 }
@@ -77,7 +68,7 @@ class UnitWaitSlice : public ::testing::Test {
  protected:
   void SetUp() override {
     if (!kernel_has_custom_slices()) GTEST_SKIP() << "this kernel has no custom slices (Linux < 6.12)";
-    default_ = on_fresh_thread([] {}).runtime;
+    default_ = on_fresh_thread([] {}).sched_runtime;
     ASSERT_GT(default_, kShort) << "the kernel's default slice is as short as the one asked for";
   }
   void TearDown() override { detail::set_wait_slice(microseconds(0)); }
@@ -92,23 +83,23 @@ TEST_F(UnitWaitSlice, AThreadGetsTheSliceOnceAndKeepsItsNiceValue) {
     detail::prefer_prompt_wake();
     detail::prefer_prompt_wake();  // once per thread
   });
-  EXPECT_EQ(a.runtime, kShort);
-  EXPECT_EQ(a.nice, 4);
-  EXPECT_EQ(a.policy, static_cast<uint32_t>(SCHED_OTHER));
+  EXPECT_EQ(a.sched_runtime, kShort);
+  EXPECT_EQ(a.sched_nice, 4);
+  EXPECT_EQ(a.sched_policy, static_cast<uint32_t>(SCHED_OTHER));
   EXPECT_EQ(detail::prompt_wake_threads(), before + 1);
 }
 
 TEST_F(UnitWaitSlice, NothingChangesWithoutASliceOrForOtherPolicies) {
   detail::set_wait_slice(microseconds(0));
-  EXPECT_EQ(on_fresh_thread([] { detail::prefer_prompt_wake(); }).runtime, default_);
+  EXPECT_EQ(on_fresh_thread([] { detail::prefer_prompt_wake(); }).sched_runtime, default_);
   detail::set_wait_slice(microseconds(100));
   const Attr batch = on_fresh_thread([] {
     sched_param p{};
     ASSERT_EQ(sched_setscheduler(0, SCHED_BATCH, &p), 0);
     detail::prefer_prompt_wake();
   });
-  EXPECT_EQ(batch.policy, static_cast<uint32_t>(SCHED_BATCH));
-  EXPECT_EQ(batch.runtime, default_);
+  EXPECT_EQ(batch.sched_policy, static_cast<uint32_t>(SCHED_BATCH));
+  EXPECT_EQ(batch.sched_runtime, default_);
 }
 
 // Threads a short-sliced thread starts inherit its slice; the pool threads that run RPC's functions drop it, and do
@@ -129,9 +120,9 @@ TEST_F(UnitWaitSlice, RpcPoolThreadsDropTheSliceTheyInherited) {
     });
     ran.WaitForNotification();
   });
-  EXPECT_EQ(inherited.runtime, kShort);
-  EXPECT_EQ(pooled.runtime, default_);
-  EXPECT_EQ(after_wait.runtime, default_);
+  EXPECT_EQ(inherited.sched_runtime, kShort);
+  EXPECT_EQ(pooled.sched_runtime, default_);
+  EXPECT_EQ(after_wait.sched_runtime, default_);
 }
 
 // The kernel clamps a slice to 0.1 ms at least; a pool thread still knows the slice it inherited as the one given,
@@ -151,8 +142,8 @@ TEST_F(UnitWaitSlice, ASliceBelowTheKernelsMinimumIsClampedAndDroppedByLaterPool
     });
     ran.WaitForNotification();
   });
-  EXPECT_EQ(given.runtime, kShort);
-  EXPECT_EQ(pooled.runtime, default_);
+  EXPECT_EQ(given.sched_runtime, kShort);
+  EXPECT_EQ(pooled.sched_runtime, default_);
 }
 
 TEST_F(UnitWaitSlice, AThreadWithAShorterSliceOfItsOwnKeepsIt) {
@@ -160,12 +151,11 @@ TEST_F(UnitWaitSlice, AThreadWithAShorterSliceOfItsOwnKeepsIt) {
   const int64_t before = detail::prompt_wake_threads();
   const Attr a = on_fresh_thread([] {
     Attr want{};
-    want.size = sizeof want;
-    want.runtime = 200'000;
-    ASSERT_EQ(syscall(SYS_sched_setattr, 0, &want, 0), 0);
+    want.sched_runtime = 200'000;
+    ASSERT_TRUE(detail::set_sched_attr(want));
     detail::prefer_prompt_wake();
   });
-  EXPECT_EQ(a.runtime, 200'000u);
+  EXPECT_EQ(a.sched_runtime, 200'000u);
   EXPECT_EQ(detail::prompt_wake_threads(), before);
 }
 
@@ -173,14 +163,15 @@ TEST_F(UnitWaitSlice, AThreadWithAShorterSliceOfItsOwnKeepsIt) {
 TEST_F(MultiprocRpc, AThreadThatSleepsOnAReplyIsGivenTheShortSlice) {
   if (!kernel_has_custom_slices()) GTEST_SKIP() << "this kernel has no custom slices (Linux < 6.12)";
   start({.world_size = 2});  // RpcOptions::wait_slice: 100 us by default
-  const uint64_t fallback = on_fresh_thread([] {}).runtime;
+  const uint64_t fallback = on_fresh_thread([] {}).sched_runtime;
   ASSERT_GT(fallback, kShort);
-  EXPECT_EQ(on_fresh_thread([] { rpc::rpc_sync("worker1", "sleep_ms", int64_t{50}); }).runtime, kShort);
-  EXPECT_EQ(
-      on_fresh_thread([] { ASSERT_TRUE(rpc::rpc_async("worker1", "sleep_ms", int64_t{50}).status().ok()); }).runtime,
-      kShort);
+  EXPECT_EQ(on_fresh_thread([] { rpc::rpc_sync("worker1", "sleep_ms", int64_t{50}); }).sched_runtime, kShort);
+  EXPECT_EQ(on_fresh_thread([] {
+              ASSERT_TRUE(rpc::rpc_async("worker1", "sleep_ms", int64_t{50}).status().ok());
+            }).sched_runtime,
+            kShort);
   // A thread that never waited keeps the kernel's slice.
-  EXPECT_EQ(on_fresh_thread([] { rpc::rpc_async("worker1", "sleep_ms", int64_t{1}); }).runtime, fallback);
+  EXPECT_EQ(on_fresh_thread([] { rpc::rpc_async("worker1", "sleep_ms", int64_t{1}); }).sched_runtime, fallback);
 }
 
 TEST_F(MultiprocRpc, WaitSliceZeroLeavesTheThreadsAlone) {
@@ -188,11 +179,12 @@ TEST_F(MultiprocRpc, WaitSliceZeroLeavesTheThreadsAlone) {
   rpc::RpcOptions options = options_from_env();
   options.wait_slice = microseconds(0);
   start({.world_size = 2}, options);
-  const uint64_t fallback = on_fresh_thread([] {}).runtime;
-  EXPECT_EQ(on_fresh_thread([] { rpc::rpc_sync("worker1", "sleep_ms", int64_t{50}); }).runtime, fallback);
-  EXPECT_EQ(
-      on_fresh_thread([] { ASSERT_TRUE(rpc::rpc_async("worker1", "sleep_ms", int64_t{50}).status().ok()); }).runtime,
-      fallback);
+  const uint64_t fallback = on_fresh_thread([] {}).sched_runtime;
+  EXPECT_EQ(on_fresh_thread([] { rpc::rpc_sync("worker1", "sleep_ms", int64_t{50}); }).sched_runtime, fallback);
+  EXPECT_EQ(on_fresh_thread([] {
+              ASSERT_TRUE(rpc::rpc_async("worker1", "sleep_ms", int64_t{50}).status().ok());
+            }).sched_runtime,
+            fallback);
 }
 
 }  // namespace
