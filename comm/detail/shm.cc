@@ -48,6 +48,34 @@ constexpr const char* kPrefix = "tandem-pg-";
 
 enum Reason : int32_t { kGone = 1, kLate = 2 };
 
+// What an operation on the slots posts before its first barrier (ShmGroup::post): its kind, dtype, reduce op or root
+// and element count, so that ranks calling different operations or passing other sizes all fail at that barrier
+// (ShmGroup::check_posted) instead of reading each other's data as theirs. Bit 0 is 0: an allreduce of a shared tensor
+// posts a hash of its part with bit 0 set.
+enum Kind : uint64_t { kAllreduce = 1, kBroadcast = 2, kAllgather = 3, kReduceScatter = 4, kBarrier = 5 };
+constexpr int kNumelShift = 18;
+constexpr uint64_t kNumelMask = (uint64_t{1} << (64 - kNumelShift)) - 1;  // larger counts compared modulo 2^46
+
+uint64_t signature(Kind kind, c10::ScalarType dtype, int64_t op_or_root, int64_t numel) {
+  return ((static_cast<uint64_t>(numel) & kNumelMask) << kNumelShift) |
+         ((static_cast<uint64_t>(op_or_root) & 0x7f) << 11) | ((static_cast<uint64_t>(dtype) & 0x7f) << 4) |
+         (static_cast<uint64_t>(kind) << 1);
+}
+
+std::string describe(uint64_t word) {
+  if (word & 1) return "a part of a shared tensor";
+  static const char* const kinds[] = {"?", "allreduce", "broadcast", "allgather", "reduce_scatter", "barrier"};
+  static const char* const ops[] = {"sum", "avg", "min", "max", "product"};  // ReduceOp's order
+  const uint64_t kind = (word >> 1) & 7, arg = (word >> 11) & 0x7f;
+  if (kind == kBarrier) return "a barrier";
+  const auto dtype = static_cast<c10::ScalarType>((word >> 4) & 0x7f);
+  std::string out = absl::StrCat(kind < 6 ? kinds[kind] : "?", " of ", word >> kNumelShift, " ",
+                                 dtype < c10::ScalarType::NumOptions ? c10::toString(dtype) : "?", " elements");
+  if (kind == kAllreduce || kind == kReduceScatter) absl::StrAppend(&out, " (", arg < 5 ? ops[arg] : "?", ")");
+  if (kind == kBroadcast) absl::StrAppend(&out, " from rank ", arg);
+  return out;
+}
+
 struct alignas(64) RankLine {
   std::atomic<uint64_t> arrived;  // barriers this rank reached
   int64_t pid;
@@ -146,13 +174,18 @@ struct ShmGroup::Layout {
   int32_t size;
   alignas(64) std::atomic<uint32_t> generation;  // bumped at every arrival and failure: the futex word waiters sleep on
   alignas(64) std::atomic<uint32_t> sleepers;    // waiters asleep (or about to be) on `generation`
-  alignas(64) std::atomic<int32_t> culprit;      // 0, or 1 + the rank that failed the group
-  std::atomic<int32_t> reason;                   // Reason, once culprit is set
+  // 0, or the failure: (Reason << 16) | (1 + the rank that failed the group), one word so that a reader never sees the
+  // rank without its reason.
+  alignas(64) std::atomic<int32_t> culprit;
 
   RankLine* line(int r) { return reinterpret_cast<RankLine*>(reinterpret_cast<char*>(this) + kPage) + r; }
   char* slot(int r) { return reinterpret_cast<char*>(this) + data_offset() + static_cast<size_t>(r) * kSlotBytes; }
 };
 static_assert(sizeof(ShmGroup::Layout) <= kPage);
+// The segment's atomics are used where they lie in zero-filled shared memory, never constructed: only lock-free ones
+// work across processes that way.
+static_assert(std::atomic<uint64_t>::is_always_lock_free && std::atomic<uint32_t>::is_always_lock_free &&
+              std::atomic<int32_t>::is_always_lock_free);
 static_assert(sizeof(RankLine) == 64 && sizeof(RankLine) * kMaxRanks <= kPage);
 
 // One shared tensor: this rank's segment and its mappings of every other rank's (by rank), each `bytes` long.
@@ -232,8 +265,10 @@ absl::StatusOr<std::unique_ptr<ShmGroup>> ShmGroup::attach(rpc::Store& store, co
   auto* line = static_cast<Layout*>(base)->line(rank);
   char state = 0;
   uint64_t start_time = 0;
-  process_stat(getpid(), &state, &start_time);
-  line->pid = getpid();
+  // Without a readable /proc (a sandbox) nobody can tell this process ended: pid 0 keeps gone_ranks() from taking it
+  // for gone (the deadline still bounds every wait).
+  const bool known = pid_ns != 0 && process_stat(getpid(), &state, &start_time);
+  line->pid = known ? getpid() : 0;
   line->start_time = start_time;
   line->pid_ns = pid_ns;
   return std::unique_ptr<ShmGroup>(new ShmGroup(rank, std::move(labels), base, bytes, std::move(name), timeout));
@@ -282,13 +317,23 @@ std::string ShmGroup::gone_ranks() const {
 
 void ShmGroup::fail(int culprit, int reason, const std::string& message) {
   int32_t none = 0;
-  if (layout_->culprit.compare_exchange_strong(none, culprit + 1)) layout_->reason.store(reason);
+  layout_->culprit.compare_exchange_strong(none, (reason << 16) | (culprit + 1));
   layout_->generation.fetch_add(1);
   futex_wake_all(&layout_->generation);
   throw_error(reason == kLate ? absl::DeadlineExceededError(message) : absl::UnavailableError(message));
 }
 
 void ShmGroup::meet(Clock::time_point deadline) {
+  wait_for_all(deadline);
+  if (const char* what = std::exchange(check_after_meet_, nullptr)) check_posted(what);
+}
+
+void ShmGroup::begin(const char* what, uint64_t word) {
+  post(word);
+  check_after_meet_ = what;
+}
+
+void ShmGroup::wait_for_all(Clock::time_point deadline) {
   ++met_;
   layout_->line(rank_)->arrived.store(met_);
   layout_->generation.fetch_add(1);
@@ -313,8 +358,8 @@ void ShmGroup::meet(Clock::time_point deadline) {
   for (;;) {
     const uint32_t generation = layout_->generation.load();
     if (all_arrived()) return;
-    if (const int32_t c = layout_->culprit.load(); c != 0) {
-      const int reason = layout_->reason.load();
+    if (const int32_t word = layout_->culprit.load(); word != 0) {
+      const int reason = word >> 16, c = word & 0xffff;
       const std::string who = c - 1 >= 0 && c - 1 < size_ ? labels_[c - 1] : absl::StrCat("rank ", c - 1);
       throw_error(reason == kLate
                       ? absl::DeadlineExceededError(absl::StrCat(who, " did not take part within ", timeout_.count(),
@@ -340,7 +385,8 @@ void ShmGroup::meet(Clock::time_point deadline) {
         if (first < 0) first = q;
         absl::StrAppend(&late, late.empty() ? "" : ", ", labels_[q]);
       }
-      fail(first < 0 ? rank_ : first, kLate,
+      if (first < 0) continue;  // the last one arrived since all_arrived() looked: the barrier is passed
+      fail(first, kLate,
            absl::StrCat("a rank did not take part within ", timeout_.count(), " ms: ", late,
                         " did not arrive (shared memory)"));
     }
@@ -360,15 +406,16 @@ uint64_t ShmGroup::posted(int r) const {
 
 void ShmGroup::check_posted(const char* what) {
   for (int q = 1; q < size_; ++q) {
-    if (posted(q) != posted(0)) {
-      throw_error(absl::FailedPreconditionError(
-          absl::StrCat(what, ": ", labels_[q], " passed ",
-                       (posted(q) == 0) == (posted(0) == 0) ? "another part of a shared tensor"
-                       : posted(q) == 0                     ? "a plain tensor"
-                                                            : "a shared tensor",
-                       " where ", labels_[0], " passed ", posted(0) == 0 ? "a plain one" : "a shared one",
-                       ": every rank must pass the same part of the same shared tensor, or a plain tensor")));
-    }
+    const uint64_t theirs = posted(q), first = posted(0);
+    if (theirs == first) continue;
+    const bool shared = (theirs & 1) != 0 || (first & 1) != 0;
+    throw_error(absl::FailedPreconditionError(absl::StrCat(
+        what, ": ", labels_[q], " called ",
+        (theirs & 1) != 0 && (first & 1) != 0 ? "another part of a shared tensor" : describe(theirs), " where ",
+        labels_[0], " called ", describe(first),
+        shared
+            ? ": every rank must pass the same part of the same shared tensor, or a plain tensor"
+            : ": every rank must run the same collectives in the same order, on tensors of the same size and dtype")));
   }
 }
 
@@ -481,15 +528,11 @@ void ShmGroup::allreduce(const at::Tensor& t, ReduceOp op, Clock::time_point dea
                        static_cast<uint64_t>(dtype), static_cast<uint64_t>(op)}) {
       word = (word ^ v) * 1099511628211ull;
     }
-    post(word | 1);
+    begin("allreduce", word | 1);
     return push_allreduce(*s, t, op, deadline);
   }
-  post(0);
-  bool first = true;  // the first barrier: check that every rank passed a plain tensor
-  auto meet_first = [&] {
-    meet(deadline);
-    if (std::exchange(first, false)) check_posted("allreduce");
-  };
+  begin("allreduce", signature(kAllreduce, dtype, static_cast<int64_t>(op), t.numel()));
+  if (t.numel() == 0) return barrier_only(deadline);
   at::Tensor flat = raw(t);
   each_round(t.numel(), static_cast<int64_t>(kHalfBytes / es), [&](int64_t at, int64_t m) {
     const size_t bytes = static_cast<size_t>(m) * es;
@@ -497,7 +540,7 @@ void ShmGroup::allreduce(const at::Tensor& t, ReduceOp op, Clock::time_point dea
     at::Tensor mine = half(rank_, bytes, dtype);
     if (bytes <= kSmallBytes) {
       mine.copy_(out);
-      meet_first();
+      meet(deadline);
       reduce_in_rank_order(out, size_, op, [&](int q) { return half(q, bytes, dtype); });
       if (op == ReduceOp::kAvg) out.div_(size_);
       return;
@@ -512,7 +555,7 @@ void ShmGroup::allreduce(const at::Tensor& t, ReduceOp op, Clock::time_point dea
       const auto [a, b] = share(q);
       if (q != rank_) mine.slice(0, a, b).copy_(out.slice(0, a, b));
     }
-    meet_first();
+    meet(deadline);
     at::Tensor acc = out.slice(0, lo, hi);
     for (int q = 0; q < size_; ++q) {
       if (q != rank_) combine(acc, half(q, bytes, dtype).slice(0, lo, hi), op);
@@ -562,8 +605,7 @@ void ShmGroup::push_allreduce(Shared& s, const at::Tensor& t, ReduceOp op, Clock
   const size_t offset = static_cast<size_t>(static_cast<char*>(t.data_ptr()) - s.base[rank_]);
   const int64_t m = t.numel();
   auto of = [&](int q) { return at::from_blob(s.base[q] + offset, {m}, at::TensorOptions().dtype(t.scalar_type())); };
-  meet(deadline);  // every rank's values are in place
-  check_posted("allreduce");
+  meet(deadline);  // every rank's values are in place (and every rank passed the same part: begin())
   // Rank r reduces share r: its own values first, then the others' in rank order (as the copying path does), and
   // writes the result into every other rank's tensor.
   const int64_t lo = m * rank_ / size_, hi = m * (rank_ + 1) / size_;
@@ -594,6 +636,8 @@ void ShmGroup::push_allreduce(Shared& s, const at::Tensor& t, ReduceOp op, Clock
 void ShmGroup::broadcast(const at::Tensor& t, int root, Clock::time_point deadline) {
   const auto dtype = t.scalar_type();
   const size_t es = t.element_size();
+  begin("broadcast", signature(kBroadcast, dtype, root, t.numel()));
+  if (t.numel() == 0) return barrier_only(deadline);
   at::Tensor flat = raw(t);
   each_round(t.numel(), static_cast<int64_t>(kHalfBytes / es), [&](int64_t at, int64_t m) {
     at::Tensor part = flat.slice(0, at, at + m);
@@ -607,6 +651,8 @@ void ShmGroup::allgather(const at::Tensor& output, const at::Tensor& input, Cloc
   const auto dtype = input.scalar_type();
   const size_t es = input.element_size();
   const int64_t n = input.numel();
+  begin("allgather", signature(kAllgather, dtype, 0, n));
+  if (n == 0) return barrier_only(deadline);
   at::Tensor in = raw(input), out = raw(output).view({size_, n});
   each_round(n, static_cast<int64_t>(kHalfBytes / es), [&](int64_t at, int64_t m) {
     half(rank_, m * es, dtype).copy_(in.slice(0, at, at + m));
@@ -620,6 +666,8 @@ void ShmGroup::reduce_scatter(const at::Tensor& output, const at::Tensor& input,
   const auto dtype = input.scalar_type();
   const size_t es = input.element_size();
   const int64_t n = output.numel();
+  begin("reduce_scatter", signature(kReduceScatter, dtype, static_cast<int64_t>(op), n));
+  if (n == 0) return barrier_only(deadline);
   at::Tensor in = raw(input).view({size_, n}), out = raw(output);
   each_round(n, static_cast<int64_t>(kHalfBytes / (es * size_)), [&](int64_t at, int64_t m) {
     const size_t bytes = static_cast<size_t>(m * size_) * es;
@@ -632,6 +680,11 @@ void ShmGroup::reduce_scatter(const at::Tensor& output, const at::Tensor& input,
 }
 
 void ShmGroup::barrier(Clock::time_point deadline) {
+  begin("barrier", signature(kBarrier, c10::ScalarType::Byte, 0, 0));
+  barrier_only(deadline);
+}
+
+void ShmGroup::barrier_only(Clock::time_point deadline) {
   ++round_;
   meet(deadline);
 }

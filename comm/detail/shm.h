@@ -10,8 +10,10 @@
 // Shared tensors (shared_tensor below): memory each rank maps from every rank, in a segment of its own per tensor.
 // An allreduce of one (or of the same slice of it on every rank) copies nothing in or out: all meet, each rank reduces
 // its share reading the others' tensors where they are and writes the result into every rank's tensor, all meet again.
-// Before the first barrier of every allreduce each rank posts which path it takes (a shared tensor's id, offset and
-// size, or none); after it every rank compares, so ranks that disagree all fail instead of reading garbage.
+// Before the first barrier of every operation each rank posts what it runs: the operation, dtype, reduce op or root and
+// element count, or for an allreduce of a shared tensor that tensor's id, offset and size; after it every rank
+// compares, so ranks that disagree all fail (FAILED_PRECONDITION naming the first rank that differs from rank 0, and
+// what each called) instead of reading each other's data as theirs. An operation on no elements still meets once.
 //
 // Errors are thrown as tandem::Error: DEADLINE_EXCEEDED naming the ranks that did not arrive by the deadline,
 // UNAVAILABLE naming a rank whose process is gone (seen in /proc without waiting for the deadline, when the ranks
@@ -79,9 +81,15 @@ class ShmGroup {
  private:
   ShmGroup(int rank, std::vector<std::string> labels, void* base, size_t bytes, std::string name,
            std::chrono::milliseconds timeout);
-  void meet(Clock::time_point deadline);  // the barrier every round ends with
+  // The barrier every round ends with; after it, the check begin() asked for.
+  void meet(Clock::time_point deadline);
+  void wait_for_all(Clock::time_point deadline);  // meet() without the check
+  // Every operation starts so: posts `word` (what it is, on what: shm.cc's signature()) for its first barrier, after
+  // which meet() runs check_posted(what).
+  void begin(const char* what, uint64_t word);
+  void barrier_only(Clock::time_point deadline);  // a round with no data: an operation on nothing still meets once
   // Posts `word` for the next barrier; after it, check_posted(what) fails every rank (FAILED_PRECONDITION naming the
-  // first rank whose word differs from rank 0's) unless all posted the same.
+  // first rank whose word differs from rank 0's, and what each called) unless all posted the same.
   void post(uint64_t word);
   void check_posted(const char* what);
   uint64_t posted(int r) const;                            // rank r's word for the barrier just passed
@@ -101,10 +109,11 @@ class ShmGroup {
   const size_t bytes_;
   std::string name_;  // until unlink()
   Layout* layout_;
-  std::chrono::milliseconds timeout_{0};  // the group's, for messages
-  uint64_t met_ = 0;                      // barriers passed
-  uint64_t round_ = 0;                    // rounds started: round_ % 2 is the half in use
-  uint64_t shared_made_ = 0;              // shared tensors created: the next one's id
+  std::chrono::milliseconds timeout_{0};    // the group's, for messages
+  uint64_t met_ = 0;                        // barriers passed
+  const char* check_after_meet_ = nullptr;  // begin()'s operation, until its first barrier
+  uint64_t round_ = 0;                      // rounds started: round_ % 2 is the half in use
+  uint64_t shared_made_ = 0;                // shared tensors created: the next one's id
   // This rank's shared tensors by address: weak, so a storage's deleter (any thread) touches only its own mappings.
   std::map<uintptr_t, std::weak_ptr<Shared>> shared_;
 };

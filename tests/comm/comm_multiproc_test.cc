@@ -33,6 +33,12 @@ TEST_F(MultiprocComm, DebugModeReportsTheFirstMismatchingRankOnEveryRank) {
   EXPECT_EQ(everywhere(3, "mismatch"), "");
 }
 
+// Without debug mode too, over shared memory: another size, operation or dtype fails every rank at once.
+TEST_F(MultiprocComm, SharedMemoryRanksThatCallDifferentCollectivesAllFailNamingTheFirst) {
+  start({.world_size = 3});
+  EXPECT_EQ(everywhere(3, "shm_mismatch"), "");
+}
+
 TEST_F(MultiprocComm, ADeadRankIsAnErrorOnTheOthersWithinTheTimeout) { expect_last_rank_killed(3, "dead_rank"); }
 
 TEST_F(MultiprocComm, ADeadRankIsAnErrorOnTheOthersOverGloo) { expect_last_rank_killed(3, "dead_rank_gloo"); }

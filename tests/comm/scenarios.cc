@@ -439,6 +439,48 @@ std::string run(const std::string& name) {
     }
     return err;
   }
+  if (name == "shm_mismatch") {
+    // Without debug mode, over shared memory: the last rank calls another operation, or passes another size or dtype;
+    // every rank fails at the operation's first barrier (not at the deadline), naming that rank and both calls.
+    std::string err;
+    const int last = world - 1;
+    auto expect_refused = [&](const std::string& group, auto&& call, const std::string& theirs,
+                              const std::string& rank0s) {
+      auto pg = comm::ProcessGroup::create(
+          group, {}, {.timeout = std::chrono::milliseconds(20000), .shared_memory = comm::SharedMemory::kAlways});
+      comm::wait(pg->barrier());
+      const auto t0 = std::chrono::steady_clock::now();
+      const absl::Status s = call(*pg).status();
+      const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      const std::string m(s.message());
+      if (s.code() != absl::StatusCode::kFailedPrecondition ||
+          m.find("rank " + std::to_string(last) + " ") == std::string::npos || m.find(theirs) == std::string::npos ||
+          m.find(rank0s) == std::string::npos || seconds > 10) {
+        err += absl::StrCat(group, ": ", s.ToString(), " after ", seconds, " s; ");
+      }
+    };
+    expect_refused(
+        "mm_size", [&](comm::ProcessGroup& pg) { return pg.allreduce(at::ones({rank == last ? 5 : 4})); },
+        "called allreduce of 5 Float elements (sum)", "called allreduce of 4 Float elements (sum)");
+    expect_refused(
+        "mm_op",
+        [&](comm::ProcessGroup& pg) {
+          at::Tensor x = at::ones({4});
+          return rank == last ? pg.broadcast(x, 0) : pg.allreduce(x);
+        },
+        "called broadcast of 4 Float elements from rank 0", "called allreduce of 4 Float elements");
+    expect_refused(
+        "mm_empty", [&](comm::ProcessGroup& pg) { return pg.allreduce(at::ones({rank == last ? 0 : 4})); },
+        "called allreduce of 0 Float elements", "called allreduce of 4 Float elements");
+    expect_refused(
+        "mm_dtype",
+        [&](comm::ProcessGroup& pg) {
+          return pg.allgather(at::zeros({world * 3}, rank == last ? at::kDouble : at::kFloat),
+                              at::ones({3}, rank == last ? at::kDouble : at::kFloat));
+        },
+        "called allgather of 3 Double elements", "called allgather of 3 Float elements");
+    return err;
+  }
   if (name == "mismatch") {
     // Debug mode: rank 1 passes a tensor of another shape, then (in a new group) calls another collective.
     std::string err;
