@@ -496,9 +496,15 @@ class GlooGroup final : public ProcessGroup {
     MutexLock lock(&mu_);
     return broken_;
   }
-  void mark_broken(const absl::Status& error) {
+  // The first failure breaks the group for good. One on another path than the segment's (Gloo, a send or recv):
+  // over shared memory the others learn at once (their next barrier fails naming this rank) instead of waiting for it
+  // until their deadline. Not for a failure of an operation on the segment: the others see that one themselves
+  // (shm.h), and marking it would fail a barrier they all passed.
+  void mark_broken(const absl::Status& error, bool on_segment = false) {
     MutexLock lock(&mu_);
-    if (broken_.ok()) broken_ = error;
+    if (!broken_.ok()) return;
+    broken_ = error;
+    if (shm_ && !on_segment) shm_->abandon();
   }
   static absl::Status failed_earlier(const std::string& prefix, const absl::Status& cause) {
     return absl::FailedPreconditionError(prefix + "the group failed earlier (" + std::string(cause.message()) +
@@ -675,7 +681,7 @@ class GlooGroup final : public ProcessGroup {
       op.done.set_value(c10::IValue());
     } catch (...) {
       op.run = nullptr;
-      mark_broken(failure(prefix, start));
+      mark_broken(failure(prefix, start), std::string(transport_of(op.what)) == "shared_memory");
       recorder.record(Clock::now() - start, false, op.bytes, 0);
       TANDEM_LOG(kWarn, "comm") << broken().message();
       op.done.set_error(broken());

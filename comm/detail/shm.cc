@@ -46,7 +46,9 @@ constexpr auto kSpin = std::chrono::microseconds(20);           // spinning befo
 constexpr auto kLivenessCheck = std::chrono::milliseconds(50);  // how often a waiter looks for ended processes
 constexpr const char* kPrefix = "tandem-pg-";
 
-enum Reason : int32_t { kGone = 1, kLate = 2 };
+// Why the group failed (Layout::culprit): a rank's process ended, a rank did not arrive by a deadline, or a rank's
+// group broke on another path (abandon()).
+enum Reason : int32_t { kGone = 1, kLate = 2, kLeft = 3 };
 
 // What an operation on the slots posts before its first barrier (ShmGroup::post): its kind, dtype, reduce op or root
 // and element count, so that ranks calling different operations or passing other sizes all fail at that barrier
@@ -323,6 +325,13 @@ void ShmGroup::fail(int culprit, int reason, const std::string& message) {
   throw_error(reason == kLate ? absl::DeadlineExceededError(message) : absl::UnavailableError(message));
 }
 
+void ShmGroup::abandon() {
+  int32_t none = 0;
+  layout_->culprit.compare_exchange_strong(none, (kLeft << 16) | (rank_ + 1));
+  layout_->generation.fetch_add(1);
+  futex_wake_all(&layout_->generation);
+}
+
 void ShmGroup::meet(Clock::time_point deadline) {
   wait_for_all(deadline);
   if (const char* what = std::exchange(check_after_meet_, nullptr)) check_posted(what);
@@ -364,6 +373,11 @@ void ShmGroup::wait_for_all(Clock::time_point deadline) {
       throw_error(reason == kLate
                       ? absl::DeadlineExceededError(absl::StrCat(who, " did not take part within ", timeout_.count(),
                                                                  " ms (seen by another rank; shared memory)"))
+                  : reason == kLeft
+                      ? absl::UnavailableError(absl::StrCat(
+                            who,
+                            " left the group: an operation failed there (its log says which), so it takes part "
+                            "in no more"))
                       : absl::UnavailableError(absl::StrCat(who, " is gone: its process ended")));
     }
     const Clock::time_point now = Clock::now();

@@ -17,7 +17,7 @@
 //
 // Errors are thrown as tandem::Error: DEADLINE_EXCEEDED naming the ranks that did not arrive by the deadline,
 // UNAVAILABLE naming a rank whose process is gone (seen in /proc without waiting for the deadline, when the ranks
-// share a pid namespace) or that failed an operation the others wait in. After an error the segment is unusable.
+// share a pid namespace) or whose group broke on another path (abandon()). After an error the segment is unusable.
 // Not thread-safe: one thread (the group's) runs the operations.
 #pragma once
 
@@ -68,6 +68,11 @@ class ShmGroup {
   void allgather(const at::Tensor& output, const at::Tensor& input, Clock::time_point deadline);
   void reduce_scatter(const at::Tensor& output, const at::Tensor& input, ReduceOp op, Clock::time_point deadline);
   void barrier(Clock::time_point deadline);
+
+  // Marks the segment failed by this rank, whose group broke on another path (a Gloo operation, a send or a recv): the
+  // others' waits end at once with UNAVAILABLE naming it, instead of at their deadlines. Nothing when the segment has
+  // failed already. Any thread (atomics only).
+  void abandon();
 
   // Collective: a flat zeroed tensor of `numel` elements of `dtype` that every rank maps (each rank creates its own
   // segment, maps the others' and removes its name once all have mapped). Undefined, on every rank, when some rank

@@ -417,7 +417,8 @@ std::string run(const std::string& name) {
   }
   if (name == "p2p_timeout") {
     // A recv whose send never comes fails within the timeout, naming the peer. Gloo closes the connection on a
-    // timeout, so the group is broken: the next operation fails at once here, and with an error on the peer.
+    // timeout, so the group is broken: the next operation fails at once here, and with an error on the peer (at once
+    // too over shared memory, naming this rank).
     auto pg = comm::ProcessGroup::create("p2p", {}, {.timeout = std::chrono::milliseconds(1500)});
     std::string err;
     auto t = at::ones({4});
@@ -435,7 +436,15 @@ std::string run(const std::string& name) {
       throw_if_error(rpc::job_store().set("p2p_timeout/done", "1"));
     } else {
       throw_if_error(rpc::job_store().wait({"p2p_timeout/done"}, std::chrono::milliseconds(30000)));
-      if (pg->allreduce(t).status().ok()) err += "allreduce with the broken peer succeeded; ";
+      const absl::Status s = pg->allreduce(t).status();
+      if (s.ok()) err += "allreduce with the broken peer succeeded; ";
+      // Over shared memory the broken peer marked the segment: this rank fails at once, naming it (not
+      // DEADLINE_EXCEEDED at its own deadline).
+      if (std::string(pg->transport()) == "shared_memory" &&
+          (s.code() != absl::StatusCode::kUnavailable ||
+           std::string(s.message()).find("rank 0 (worker 'worker0') left the group") == std::string::npos)) {
+        err += "allreduce with the peer whose group broke: " + s.ToString() + "; ";
+      }
     }
     return err;
   }
