@@ -223,11 +223,16 @@ struct CallState {
   int64_t context_id;
 };
 
+absl::Status released_already(int64_t context_id);
+
 class Tracer final : public rpc::CallTracer {
  public:
   std::string request_out(int to, const std::string& function, const std::vector<at::Tensor>& tensors) override {
     if (t_context < 0 || function.rfind(kPrefix, 0) == 0) return "";
-    auto ctx = Container::get().get_or_create(t_context);
+    // A context released here already (a call served in it outlived its caller's guard) is not made again: nobody
+    // would release it. The call goes without it.
+    auto ctx = Container::get().get_or_create(t_context, /*unreleased=*/true);
+    if (!ctx) return "";
     ctx->add_worker(to);
     return attach(*ctx, tensors);
   }
@@ -236,7 +241,12 @@ class Tracer final : public rpc::CallTracer {
                                                    const std::vector<at::Tensor>& tensors) override {
     auto a = parse_trace(attached, tensors.size());
     if (!a.ok()) return a.status();
-    if (a->has_send()) Container::get().get_or_create(a->context_id())->add_worker(from);
+    if (a->has_send()) {
+      // A request that arrives after its context's release (an asynchronous call overtaken by it) is refused.
+      auto ctx = Container::get().get_or_create(a->context_id(), /*unreleased=*/true);
+      if (!ctx) return released_already(a->context_id());
+      ctx->add_worker(from);
+    }
     if (auto s = record_recv(*a, from, tensors); !s.ok()) return s;
     return std::shared_ptr<void>(std::make_shared<CallState>(CallState{a->context_id()}));
   }
@@ -260,7 +270,9 @@ class Tracer final : public rpc::CallTracer {
     bool any = false;
     for (const auto& t : tensors) any |= t.defined() && t.requires_grad();
     if (!any) return "";
-    auto ctx = Container::get().get_or_create(static_cast<CallState*>(state.get())->context_id);
+    // Released here while the call ran: the reply carries no history back (the caller's context is gone too).
+    auto ctx = Container::get().get_or_create(static_cast<CallState*>(state.get())->context_id, /*unreleased=*/true);
+    if (!ctx) return "";
     ctx->add_worker(to);
     return attach(*ctx, tensors);
   }
@@ -418,7 +430,15 @@ rpc::Future on_grad(int64_t context_id, int64_t send_id, std::vector<int64_t> in
     it->second = work;
   }
   const auto started = std::chrono::steady_clock::now();
-  rpc::Future done = run_local(ctx, roots, grads, std::chrono::milliseconds(0), /*may_block=*/false);
+  rpc::Future done;
+  try {
+    done = run_local(ctx, roots, grads, std::chrono::milliseconds(0), /*may_block=*/false);
+  } catch (...) {  // outside the engine (its errors are a failed future): work must complete, a duplicate waits on it
+    const absl::Status thrown = status_from_current_exception();
+    done = rpc::Future::failed(
+        absl::Status(thrown.code(), absl::StrCat("distributed backward failed on worker '", worker_name(),
+                                                 "' (context ", context_id, "): ", thrown.message())));
+  }
   if (profile::active()) {
     const rpc::CallContext* call = rpc::current_call();
     done.add_callback([started, context_id, from = call ? call->caller_name : std::string("?")](const rpc::Future&) {
@@ -456,12 +476,15 @@ rpc::Future on_grad(int64_t context_id, int64_t send_id, std::vector<int64_t> in
 
 // Release messages, batched per destination: while one is in flight to a worker, later releases for it queue and go
 // together when it completes (a training loop releases a context per step; this keeps that to a message per round
-// trip, not per step). Each release completes when the message carrying it does; failed ones count in
+// trip, not per step). Each release completes when the message carrying it does. A batch lost on the way is sent
+// again, 3 times in all (a release is idempotent: an unknown context is nothing to do), so that one slow moment does
+// not leave the contexts it carried (their graphs, their activations) on the callee for good; failed ones count in
 // failed_releases.
 rpc::detail::NoteBatcher& releases() {
   static auto* batcher = [] {
     rpc::detail::NoteBatcher::Options o;
     o.policy = rpc::detail::NoteBatcher::Policy::kOneInFlight;
+    o.attempts = 3;
     o.on_failure = [](int64_t notes) { Container::get().failed_releases.fetch_add(notes); };
     return new rpc::detail::NoteBatcher(std::move(o));
   }();  // never destroyed: release messages may complete until exit
@@ -548,8 +571,9 @@ void backward(int64_t context_id, const std::vector<at::Tensor>& roots, bool /*r
   // Each hop has its RPC deadline; this bounds the whole pass as well.
   const auto wait = timeout.count() > 0 ? timeout : rpc::default_timeout();
   if (!done.wait_for(wait)) {
-    throw RpcError(absl::DeadlineExceededError(
-        absl::StrCat("distributed backward of context ", context_id, " did not finish within ", wait.count(), " ms")));
+    throw RpcError(
+        absl::DeadlineExceededError(absl::StrCat("distributed backward of context ", context_id, " on worker '",
+                                                 worker_name(), "' did not finish within ", wait.count(), " ms")));
   }
   if (profile::active()) {
     profile::report_steady(absl::StrCat("dist_autograd:backward#", context_id), started,

@@ -246,6 +246,20 @@ TEST_F(MultiprocDistAutograd, ABackwardPartHookRunsWhenThePartIsDoneAndTheBackwa
   EXPECT_EQ(hooked().size(), seen);
 }
 
+// A call still running on its callee when its context is released there: its reply does not make the context again
+// on the callee (nobody would release it).
+TEST_F(MultiprocDistAutograd, AReplyAfterItsContextWasReleasedDoesNotBringItBack) {
+  start({.world_size = 2});
+  rpc::Future reply;
+  {
+    dist_autograd::ContextGuard ctx;
+    reply = rpc::rpc_async("worker1", "layer_after_release", std::string("r1"), input());
+  }  // released here and on worker1, where the call waits for that before it computes
+  ASSERT_TRUE(reply.wait_for(scaled(milliseconds(60000))));
+  ASSERT_TRUE(reply.status().ok()) << reply.status();
+  EXPECT_EQ(contexts_on(1), 0);
+}
+
 TEST_F(MultiprocDistAutograd, AnErrorInARemoteBackwardReachesTheCaller) {
   start({.world_size = 3});
   at::Tensor x = input().set_requires_grad(true);
