@@ -365,9 +365,10 @@ rpc::Future run_local(const std::shared_ptr<Context>& ctx, const torch::autograd
       grads.push_back(g);
     }
     if (grads.empty()) continue;  // nothing flowed into this message: its sender's part gets no gradient
-    messages.push_back({recv->from_rank,
-                        {c10::IValue(recv->context_id), c10::IValue(recv->send_id), rpc::to_ivalue(indices),
-                         rpc::to_ivalue(grads), c10::IValue(rpc::detail::next_global_id())}});
+    messages.push_back(
+        {recv->from_rank,
+         {c10::IValue(recv->context_id), c10::IValue(recv->send_id), rpc::to_ivalue(indices), rpc::to_ivalue(grads),
+          c10::IValue(rpc::detail::next_global_id()), c10::IValue(static_cast<int64_t>(timeout.count()))}});
   }
   bool budget = false;
   if (!may_block && !messages.empty()) {
@@ -395,8 +396,9 @@ std::shared_ptr<const std::function<rpc::Future(int64_t)>> backward_part_hook() 
 
 // Worker side of a gradient message: continue the pass from send function `send_id`. `message_id` is unique per
 // message: a copy of one already received (the transport duplicated it) completes with the original's work.
+// `timeout_ms`: the backward's timeout (0: RpcOptions::rpc_timeout), for this worker's hops as for the caller's.
 rpc::Future on_grad(int64_t context_id, int64_t send_id, std::vector<int64_t> indices, std::vector<at::Tensor> grads,
-                    int64_t message_id) {
+                    int64_t message_id, int64_t timeout_ms) {
   auto ctx = Container::get().find(context_id);
   if (!ctx) {
     throw_error(absl::NotFoundError(absl::StrCat("distributed autograd context ", context_id,
@@ -432,7 +434,8 @@ rpc::Future on_grad(int64_t context_id, int64_t send_id, std::vector<int64_t> in
   const auto started = std::chrono::steady_clock::now();
   rpc::Future done;
   try {
-    done = run_local(ctx, roots, grads, std::chrono::milliseconds(0), /*may_block=*/false);
+    done = run_local(ctx, roots, grads, std::chrono::milliseconds(std::max<int64_t>(0, timeout_ms)),
+                     /*may_block=*/false);
   } catch (...) {  // outside the engine (its errors are a failed future): work must complete, a duplicate waits on it
     const absl::Status thrown = status_from_current_exception();
     done = rpc::Future::failed(

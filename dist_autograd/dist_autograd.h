@@ -60,8 +60,8 @@ int64_t current_context();
 
 // Backward pass from `roots` (each must require grad; its gradient is ones) in context `context_id`, across every
 // worker the context's forward touched. `retain_graph` is accepted for PyTorch parity: the graph is kept until the
-// context is released in any case. A non-positive timeout means RpcOptions::rpc_timeout, for the whole pass as for each
-// hop. Throws tandem::Error.
+// context is released in any case. `timeout` bounds the whole pass and each hop of it, on every worker (a gradient
+// message carries it on); non-positive: RpcOptions::rpc_timeout. Throws tandem::Error.
 void backward(int64_t context_id, const std::vector<at::Tensor>& roots, bool retain_graph = false,
               std::chrono::milliseconds timeout = std::chrono::milliseconds(0));
 

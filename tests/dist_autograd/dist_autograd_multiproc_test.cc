@@ -246,6 +246,21 @@ TEST_F(MultiprocDistAutograd, ABackwardPartHookRunsWhenThePartIsDoneAndTheBackwa
   EXPECT_EQ(hooked().size(), seen);
 }
 
+// The backward's timeout holds on every hop: worker1's gradient message to worker2, whose part takes longer than the
+// RPC timeout, waits for it as long as the backward may take (before, it failed at rpc_timeout).
+TEST_F(MultiprocDistAutograd, TheBackwardsTimeoutHoldsForEveryHop) {
+  const auto rpc_timeout = scaled(milliseconds(1500));
+  rpc::RpcOptions options = options_from_env();
+  options.rpc_timeout = rpc_timeout;
+  start({.world_size = 3, .extra_env = {{"TANDEM_TEST_RPC_MS", std::to_string(rpc_timeout.count())}}}, options);
+  dist_autograd::ContextGuard ctx;
+  at::Tensor y = rpc::rpc_sync<at::Tensor>("worker1", "nested_slow", std::string("worker2"), std::string("t1"),
+                                           std::string("t2"), int64_t{2 * rpc_timeout.count()}, input());
+  dist_autograd::backward(ctx.id(), {y.sum()}, false, 4 * rpc_timeout + scaled(milliseconds(10000)));
+  EXPECT_TRUE(
+      std::get<0>(rpc::rpc_sync<std::tuple<bool, at::Tensor>>("worker2", "grad_of", ctx.id(), std::string("t2"))));
+}
+
 // A call still running on its callee when its context is released there: its reply does not make the context again
 // on the callee (nobody would release it).
 TEST_F(MultiprocDistAutograd, AReplyAfterItsContextWasReleasedDoesNotBringItBack) {

@@ -94,6 +94,11 @@ void register_functions() {
     at::Tensor h = at::tanh(x.mm(param(p, 4, 4)));
     return rpc::rpc_sync<at::Tensor>(next, "layer", q, h) * 2;
   });
+  // "nested", the next worker's layer with a backward that spends `ms` there.
+  rpc::register_function("nested_slow", [](std::string next, std::string p, std::string q, int64_t ms, at::Tensor x) {
+    at::Tensor h = at::tanh(x.mm(param(p, 4, 4)));
+    return rpc::rpc_sync<at::Tensor>(next, "slow_backward_layer", q, ms, h) * 2;
+  });
   // A parameter sent by the caller, used here with a local one.
   rpc::register_function(
       "mix", [](std::string p, at::Tensor x, at::Tensor w) { return at::sigmoid(x.mm(w) + x.mm(param(p, 4, 4))); });
