@@ -294,6 +294,15 @@ class Tracer final : public rpc::CallTracer {
 constexpr int kMaxBlockedRpcThreads = 4;
 std::atomic<int> g_blocked_rpc_threads{0};
 
+// Inside a catch: what the part of context `context_id` on this worker threw, with its code (a user's exception is
+// UNKNOWN, a tandem::Error, e.g. DDP's, keeps its own), naming the worker.
+rpc::Future failed_here(int64_t context_id) {
+  const absl::Status thrown = status_from_current_exception();
+  return rpc::Future::failed(
+      absl::Status(thrown.code(), absl::StrCat("distributed backward failed on worker '", worker_name(), "' (context ",
+                                               context_id, "): ", thrown.message())));
+}
+
 rpc::Future run_local(const std::shared_ptr<Context>& ctx, const torch::autograd::edge_list& roots,
                       const variable_list& inputs, std::chrono::milliseconds timeout, bool may_block) {
   // What to capture: every leaf (AccumulateGrad) and every recv function reachable from the roots.
@@ -335,11 +344,7 @@ rpc::Future run_local(const std::shared_ptr<Context>& ctx, const torch::autograd
                                                                      /*create_graph=*/false,
                                                                      /*accumulate_grad=*/false, outputs);
   } catch (...) {
-    // What a backward function threw: a user's exception is UNKNOWN, a tandem::Error (e.g. DDP's) keeps its code.
-    const absl::Status thrown = status_from_current_exception();
-    return rpc::Future::failed(
-        absl::Status(thrown.code(), absl::StrCat("distributed backward failed on worker '", worker_name(),
-                                                 "' (context ", ctx->id, "): ", thrown.message())));
+    return failed_here(ctx->id);  // what a backward function threw
   }
 
   size_t k = 0;
@@ -437,10 +442,7 @@ rpc::Future on_grad(int64_t context_id, int64_t send_id, std::vector<int64_t> in
     done = run_local(ctx, roots, grads, std::chrono::milliseconds(std::max<int64_t>(0, timeout_ms)),
                      /*may_block=*/false);
   } catch (...) {  // outside the engine (its errors are a failed future): work must complete, a duplicate waits on it
-    const absl::Status thrown = status_from_current_exception();
-    done = rpc::Future::failed(
-        absl::Status(thrown.code(), absl::StrCat("distributed backward failed on worker '", worker_name(),
-                                                 "' (context ", context_id, "): ", thrown.message())));
+    done = failed_here(context_id);
   }
   if (profile::active()) {
     const rpc::CallContext* call = rpc::current_call();

@@ -15,6 +15,7 @@
 #include <climits>
 #include <cstring>
 #include <fstream>
+#include <iterator>
 #include <random>
 #include <sstream>
 #include <thread>
@@ -71,9 +72,10 @@ std::string describe(uint64_t word) {
   const uint64_t kind = (word >> 1) & 7, arg = (word >> 11) & 0x7f;
   if (kind == kBarrier) return "a barrier";
   const auto dtype = static_cast<c10::ScalarType>((word >> 4) & 0x7f);
-  std::string out = absl::StrCat(kind < 6 ? kinds[kind] : "?", " of ", word >> kNumelShift, " ",
+  std::string out = absl::StrCat(kind < std::size(kinds) ? kinds[kind] : "?", " of ", word >> kNumelShift, " ",
                                  dtype < c10::ScalarType::NumOptions ? c10::toString(dtype) : "?", " elements");
-  if (kind == kAllreduce || kind == kReduceScatter) absl::StrAppend(&out, " (", arg < 5 ? ops[arg] : "?", ")");
+  if (kind == kAllreduce || kind == kReduceScatter)
+    absl::StrAppend(&out, " (", arg < std::size(ops) ? ops[arg] : "?", ")");
   if (kind == kBroadcast) absl::StrAppend(&out, " from rank ", arg);
   return out;
 }
@@ -317,20 +319,19 @@ std::string ShmGroup::gone_ranks() const {
   return out;
 }
 
-void ShmGroup::fail(int culprit, int reason, const std::string& message) {
+void ShmGroup::mark_failed(int culprit, int reason) {
   int32_t none = 0;
-  layout_->culprit.compare_exchange_strong(none, (reason << 16) | (culprit + 1));
+  layout_->culprit.compare_exchange_strong(none, (reason << 16) | (culprit + 1));  // the first failure stays
   layout_->generation.fetch_add(1);
   futex_wake_all(&layout_->generation);
+}
+
+void ShmGroup::fail(int culprit, int reason, const std::string& message) {
+  mark_failed(culprit, reason);
   throw_error(reason == kLate ? absl::DeadlineExceededError(message) : absl::UnavailableError(message));
 }
 
-void ShmGroup::abandon() {
-  int32_t none = 0;
-  layout_->culprit.compare_exchange_strong(none, (kLeft << 16) | (rank_ + 1));
-  layout_->generation.fetch_add(1);
-  futex_wake_all(&layout_->generation);
-}
+void ShmGroup::abandon() { mark_failed(rank_, kLeft); }
 
 void ShmGroup::meet(Clock::time_point deadline) {
   wait_for_all(deadline);

@@ -100,7 +100,9 @@ class ShmGroup {
   uint64_t posted(int r) const;                            // rank r's word for the barrier just passed
   std::shared_ptr<Shared> shared_of(const at::Tensor& t);  // the shared tensor holding all of t, or null
   void push_allreduce(Shared& s, const at::Tensor& t, ReduceOp op, Clock::time_point deadline);
-  [[noreturn]] void fail(int culprit, int reason, const std::string& message);
+  // Marks the segment failed by `culprit` for `reason` (unless it failed already) and wakes every waiter.
+  void mark_failed(int culprit, int reason);
+  [[noreturn]] void fail(int culprit, int reason, const std::string& message);  // mark_failed, then throws
   std::string gone_ranks() const;                               // the ranks whose processes ended, or ""
   at::Tensor half(int r, size_t bytes, c10::ScalarType dtype);  // rank r's half of this round, as a tensor
   // Calls round(at, m) for the rounds over `n` elements, `per_round` at most each ([at, at + m)), each round on the
