@@ -114,9 +114,12 @@ void register_functions() {
   });
   rpc::register_function("contexts", [] { return dist_autograd::stats().contexts; });
   // "layer", once every context on this worker has been released (the caller's guard ended while this call ran).
+  // Throws if the call's context was not here when it started (the test would prove nothing) or is never released.
   rpc::register_function("layer_after_release", [](std::string p, at::Tensor x) {
+    if (dist_autograd::stats().contexts == 0) throw std::runtime_error("the call's context is not on this worker");
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
-    while (dist_autograd::stats().contexts != 0 && std::chrono::steady_clock::now() < deadline) {
+    while (dist_autograd::stats().contexts != 0) {
+      if (std::chrono::steady_clock::now() > deadline) throw std::runtime_error("the context was not released");
       std::this_thread::sleep_for(std::chrono::milliseconds(2));
     }
     return at::tanh(x.mm(param(p, 4, 4)));
