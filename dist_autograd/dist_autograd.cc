@@ -496,6 +496,24 @@ rpc::detail::NoteBatcher& releases() {
   return *batcher;
 }
 
+// Releases a release's handler passes on to the workers the context reached from here. Not behind a batch in flight,
+// as releases() would send them: each handler's reply waits for its forwards, so around a ring of workers (A's batch
+// to B waiting for B's forward to C, C's for its forward to A, and A's forward to B queued behind A's batch) the
+// releases would wait on themselves until their RPC timeouts, and fail. A thread of the batcher's own sends what
+// is queued within a millisecond; batches to one worker may overlap.
+rpc::detail::NoteBatcher& forwarded_releases() {
+  static auto* batcher = [] {
+    rpc::detail::NoteBatcher::Options o;
+    o.policy = rpc::detail::NoteBatcher::Policy::kEveryDelay;
+    o.flush_delay = absl::Milliseconds(1);
+    o.attempts = 3;
+    o.on_failure = [](int64_t notes) { Container::get().failed_releases.fetch_add(notes); };
+    return new rpc::detail::NoteBatcher(std::move(o));
+  }();  // never destroyed: release messages may complete until exit
+  return *batcher;
+}
+
+// `except`: the worker that asked (a release's handler passes the release on to the others, see forwarded_releases).
 rpc::Future release_on(int64_t context_id, int except) {
   auto ctx = Container::get().take(context_id);
   if (!ctx) return rpc::Future::ready(c10::IValue());
@@ -508,9 +526,11 @@ rpc::Future release_on(int64_t context_id, int except) {
                                       << (except >= 0 ? " (asked by rank " + std::to_string(except) + ")" : "")
                                       << "; telling " << workers.size() << " workers it reached";
   const int self = rpc::detail::self_rank_or(0);
+  rpc::detail::NoteBatcher& batcher = except >= 0 ? forwarded_releases() : releases();
   std::vector<rpc::Future> released;
   for (int w : workers) {
-    if (w != self && w != except) released.push_back(releases().add_tracked(w, kReleaseFunction, {context_id}));
+    if (w == self || w == except) continue;
+    released.push_back(batcher.add_tracked(w, kReleaseFunction, {context_id}));
   }
   return rpc::when_all(released);
 }
@@ -525,7 +545,14 @@ bool install() {
     for (int64_t id : context_ids) released.push_back(release_on(id, call ? call->caller_rank : -1));
     return rpc::when_all(released);
   });
-  rpc::add_stop_hook([] { Container::get().clear(); });
+  rpc::add_shutdown_hook([](absl::Time) {
+    forwarded_releases().flush();  // a graceful shutdown sends what its thread would a moment later
+    return absl::OkStatus();
+  });
+  rpc::add_stop_hook([] {
+    forwarded_releases().stop();
+    Container::get().clear();
+  });
   metrics::set_gauge("tandem_dist_autograd_contexts", [] { return static_cast<double>(Container::get().size()); });
   return true;
 }
@@ -688,6 +715,8 @@ void set_backward_part_hook(std::function<rpc::Future(int64_t context_id)> hook)
 
 rpc::Future release_context(int64_t context_id) { return release_on(context_id, -1); }
 
-Stats stats() { return Stats{Container::get().size(), Container::get().failed_releases.load()}; }
+Stats stats() {
+  return Stats{Container::get().size(), Container::get().failed_releases.load(), forwarded_releases().calls_made()};
+}
 
 }  // namespace tandem::dist_autograd

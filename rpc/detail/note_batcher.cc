@@ -85,6 +85,7 @@ std::vector<NoteBatcher::Batch> NoteBatcher::take_all_locked() {
 
 void NoteBatcher::send(Batch batch, int attempts) {
   Future sent = rpc::call(batch.key.first, batch.key.second, {rpc::to_ivalue(batch.values)});
+  calls_made_.fetch_add(1, std::memory_order_relaxed);
   sent.add_callback([this, batch = std::move(batch), attempts](const Future& reply) mutable {
     const absl::Status s = reply.status();
     if (!s.ok() && lost(s) && attempts > 1) return send(std::move(batch), attempts - 1);

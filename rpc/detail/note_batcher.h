@@ -14,6 +14,7 @@
 // on the thread that completes the batch's call.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <initializer_list>
@@ -69,6 +70,8 @@ class NoteBatcher {
   // RPC stopped: drops the queued notes (their futures fail with CANCELLED) and ends the thread. Batches in flight
   // complete as their calls do. The batcher may be used again afterwards.
   void stop();
+  // Calls made so far (each batch's attempts), counted once handed to the transport.
+  int64_t calls_made() const { return calls_made_.load(std::memory_order_relaxed); }
 
  private:
   using Key = std::pair<int, std::string>;  // destination, function
@@ -96,6 +99,7 @@ class NoteBatcher {
   absl::Duration wait_bound() const;
 
   const Options options_;
+  std::atomic<int64_t> calls_made_{0};
   Mutex mu_;
   CondVar cv_;  // kEveryDelay: wakes the thread (the first note queued, a full batch, stop())
   std::map<Key, Pending> pending_ ABSL_GUARDED_BY(mu_);

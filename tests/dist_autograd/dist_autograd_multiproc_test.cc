@@ -481,6 +481,33 @@ TEST_F(MultiprocDistAutogradFaults, GradientMessageCutMidTensorFailsTheBackwardA
   EXPECT_EQ(wait_no_contexts(2), "");
 }
 
+// A release that a worker passes on does not wait behind another one in flight to the same worker: worker1's forward
+// of context X's release to worker2 is held for `held`; context Y, made on worker3 through worker1 to worker2, is
+// released meanwhile, and worker1 forwards it at once (before, behind X's: each handler's reply waits for its
+// forwards, so around a ring of workers releases waited on themselves until their RPC timeouts).
+TEST_F(MultiprocDistAutogradFaults, AForwardedReleaseDoesNotWaitBehindAnotherInFlight) {
+  const auto held = scaled(milliseconds(2000));
+  JobSpec spec{.world_size = 4};
+  spec.extra_env["TANDEM_TEST_FAULTS"] =
+      "delay worker1->worker2 request fn=__tandem.dist_autograd.release nth=1 ms=" + std::to_string(held.count());
+  start(spec, options_from_env());
+  {
+    dist_autograd::ContextGuard x;
+    rpc::rpc_sync<at::Tensor>("worker1", "nested", std::string("worker2"), std::string("x1"), std::string("x2"),
+                              input());
+  }
+  const auto deadline = Clock::now() + scaled(milliseconds(20000));
+  // X's forward sent (and so held) before Y's is queued: else both go in one batch, held together.
+  while (rpc::rpc_sync<int64_t>("worker1", "release_messages_forwarded") == 0) {
+    ASSERT_LT(Clock::now(), deadline) << "worker1 never passed X's release on";
+    std::this_thread::sleep_for(milliseconds(2));
+  }
+  const auto y_ms =
+      rpc::rpc_sync<int64_t>("worker3", "nested_then_release", std::string("worker1"), std::string("worker2"));
+  EXPECT_LT(y_ms, held.count() / 2) << "Y's release waited behind X's";
+  EXPECT_EQ(wait_no_contexts(4), "");
+}
+
 TEST_F(MultiprocDistAutogradFaults, GradientReplyThatNeverComesFailsAtTheBackwardsTimeout) {
   start_with("", "drop worker1->worker0 reply fn=__tandem.dist_autograd.grad nth=1");
   {

@@ -113,6 +113,20 @@ void register_functions() {
     return slowly(at::tanh(x.mm(param(p, 4, 4))), ms);
   });
   rpc::register_function("contexts", [] { return dist_autograd::stats().contexts; });
+  rpc::register_function("release_messages_forwarded",
+                         [] { return dist_autograd::stats().release_messages_forwarded; });
+  // Makes a context here that reaches `via` and, from it, `then` ("nested"), releases it and returns how long the
+  // release took in ms (until every worker it reached released it).
+  rpc::register_function("nested_then_release", [](std::string via, std::string then) {
+    dist_autograd::ContextGuard ctx;
+    rpc::rpc_sync<at::Tensor>(via, "nested", then, std::string("n1"), std::string("n2"), at::ones({3, 4}, at::kDouble));
+    const auto start = std::chrono::steady_clock::now();
+    rpc::Future released = dist_autograd::release_context(ctx.id());
+    if (!released.wait_for(std::chrono::seconds(60))) throw std::runtime_error("the release took more than 60 s");
+    if (!released.status().ok()) throw RpcError(released.status());
+    return static_cast<int64_t>(
+        std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - start).count());
+  });
   // "layer", once every context on this worker has been released (the caller's guard ended while this call ran).
   // Throws if the call's context was not here when it started (the test would prove nothing) or is never released.
   rpc::register_function("layer_after_release", [](std::string p, at::Tensor x) {
