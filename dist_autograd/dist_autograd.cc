@@ -10,6 +10,7 @@
 
 #include <atomic>
 #include <deque>
+#include <map>
 #include <memory>
 #include <set>
 #include <unordered_set>
@@ -496,41 +497,41 @@ rpc::detail::NoteBatcher& releases() {
   return *batcher;
 }
 
-// Releases a release's handler passes on to the workers the context reached from here. Not behind a batch in flight,
-// as releases() would send them: each handler's reply waits for its forwards, so around a ring of workers (A's batch
-// to B waiting for B's forward to C, C's for its forward to A, and A's forward to B queued behind A's batch) the
-// releases would wait on themselves until their RPC timeouts, and fail. A thread of the batcher's own sends what
-// is queued within a millisecond; batches to one worker may overlap.
-rpc::detail::NoteBatcher& forwarded_releases() {
-  static auto* batcher = [] {
-    rpc::detail::NoteBatcher::Options o;
-    o.policy = rpc::detail::NoteBatcher::Policy::kEveryDelay;
-    o.flush_delay = absl::Milliseconds(1);
-    o.attempts = 3;
-    o.on_failure = [](int64_t notes) { Container::get().failed_releases.fetch_add(notes); };
-    return new rpc::detail::NoteBatcher(std::move(o));
-  }();  // never destroyed: release messages may complete until exit
-  return *batcher;
-}
-
-// `except`: the worker that asked (a release's handler passes the release on to the others, see forwarded_releases).
-rpc::Future release_on(int64_t context_id, int except) {
+// Takes context `context_id` here; returns the workers it reached from here (this one left out), to be told.
+std::set<int> take_for_release(int64_t context_id, int asked_by) {
   auto ctx = Container::get().take(context_id);
-  if (!ctx) return rpc::Future::ready(c10::IValue());
+  if (!ctx) return {};
   std::set<int> workers;
   {
     MutexLock lock(&ctx->mu);
     workers = ctx->workers;
   }
+  workers.erase(rpc::detail::self_rank_or(0));
   TANDEM_LOG(kDebug, "dist_autograd") << "context " << context_id << " released"
-                                      << (except >= 0 ? " (asked by rank " + std::to_string(except) + ")" : "")
+                                      << (asked_by >= 0 ? " (asked by rank " + std::to_string(asked_by) + ")" : "")
                                       << "; telling " << workers.size() << " workers it reached";
-  const int self = rpc::detail::self_rank_or(0);
-  rpc::detail::NoteBatcher& batcher = except >= 0 ? forwarded_releases() : releases();
+  return workers;
+}
+
+// A release's handler: takes the contexts here and passes their release on to the workers they reached from here,
+// except the one that asked, in one message per worker sent at once (NoteBatcher::send_now). Not queued behind a
+// release message in flight to that worker, as this worker's own releases are: the reply waits for these forwards, so
+// around a ring of workers releasing several contexts at once (A's message to B waiting for B's forward to C, C's for
+// its forward to A, and that one queued behind A's message) releases would wait on themselves until their RPC
+// timeouts, and fail.
+rpc::Future forward_releases(const std::vector<int64_t>& context_ids) {
+  const rpc::CallContext* call = rpc::current_call();
+  const int asked_by = call ? call->caller_rank : -1;
+  std::map<int, std::vector<int64_t>> to;
+  for (int64_t id : context_ids) {
+    for (int w : take_for_release(id, asked_by)) {
+      if (w != asked_by) to[w].push_back(id);
+    }
+  }
   std::vector<rpc::Future> released;
-  for (int w : workers) {
-    if (w == self || w == except) continue;
-    released.push_back(batcher.add_tracked(w, kReleaseFunction, {context_id}));
+  for (auto& [w, ids] : to) {
+    const auto notes = static_cast<int64_t>(ids.size());
+    released.push_back(releases().send_now(w, kReleaseFunction, std::move(ids), notes));
   }
   return rpc::when_all(released);
 }
@@ -539,20 +540,8 @@ bool install() {
   static Tracer tracer;
   rpc::set_call_tracer(&tracer);
   rpc::register_function(kGradFunction, on_grad);
-  rpc::register_function(kReleaseFunction, [](std::vector<int64_t> context_ids) {
-    const rpc::CallContext* call = rpc::current_call();
-    std::vector<rpc::Future> released;
-    for (int64_t id : context_ids) released.push_back(release_on(id, call ? call->caller_rank : -1));
-    return rpc::when_all(released);
-  });
-  rpc::add_shutdown_hook([](absl::Time) {
-    forwarded_releases().flush();  // a graceful shutdown sends what its thread would a moment later
-    return absl::OkStatus();
-  });
-  rpc::add_stop_hook([] {
-    forwarded_releases().stop();
-    Container::get().clear();
-  });
+  rpc::register_function(kReleaseFunction, forward_releases);
+  rpc::add_stop_hook([] { Container::get().clear(); });
   metrics::set_gauge("tandem_dist_autograd_contexts", [] { return static_cast<double>(Container::get().size()); });
   return true;
 }
@@ -713,10 +702,16 @@ void set_backward_part_hook(std::function<rpc::Future(int64_t context_id)> hook)
   g_hook = std::move(shared);
 }
 
-rpc::Future release_context(int64_t context_id) { return release_on(context_id, -1); }
+rpc::Future release_context(int64_t context_id) {
+  std::vector<rpc::Future> released;
+  for (int w : take_for_release(context_id, -1)) {
+    released.push_back(releases().add_tracked(w, kReleaseFunction, {context_id}));
+  }
+  return rpc::when_all(released);
+}
 
 Stats stats() {
-  return Stats{Container::get().size(), Container::get().failed_releases.load(), forwarded_releases().calls_made()};
+  return Stats{Container::get().size(), Container::get().failed_releases.load(), releases().calls_made()};
 }
 
 }  // namespace tandem::dist_autograd

@@ -125,12 +125,12 @@ void set_backward_part_hook(std::function<rpc::Future(int64_t context_id)> hook)
 // Releases a context here and, asynchronously, on every worker it touched; the future completes when all did.
 rpc::Future release_context(int64_t context_id);
 
-// Introspection: contexts alive on this worker, release messages that could not be delivered, and the messages this
-// worker sent passing releases on (to the workers a context reached from here, when another worker released it).
+// Introspection: contexts alive on this worker, release messages that could not be delivered, and release messages
+// this worker sent (its own releases and those it passed on; each attempt; since the process started).
 struct Stats {
   int64_t contexts = 0;
   int64_t failed_releases = 0;
-  int64_t release_messages_forwarded = 0;
+  int64_t release_messages_sent = 0;
 };
 Stats stats();
 

@@ -32,6 +32,14 @@ Future NoteBatcher::add_tracked(int to, const std::string& function, std::initia
   return done;
 }
 
+Future NoteBatcher::send_now(int to, const std::string& function, std::vector<int64_t> values, int64_t notes) {
+  Future done(absl::Now() + options_.attempts * absl::FromChrono(rpc::default_timeout()));
+  Batch batch{Key(to, function), std::move(values), {done}, notes};
+  batch.queued = false;
+  send(std::move(batch), options_.attempts);
+  return done;
+}
+
 absl::Duration NoteBatcher::wait_bound() const {
   const absl::Duration batch = options_.attempts * absl::FromChrono(rpc::default_timeout());
   return options_.policy == Policy::kOneInFlight ? 2 * batch : options_.flush_delay + batch;
@@ -85,13 +93,13 @@ std::vector<NoteBatcher::Batch> NoteBatcher::take_all_locked() {
 
 void NoteBatcher::send(Batch batch, int attempts) {
   Future sent = rpc::call(batch.key.first, batch.key.second, {rpc::to_ivalue(batch.values)});
-  calls_made_.fetch_add(1, std::memory_order_relaxed);
+  calls_made_.fetch_add(1, std::memory_order_release);
   sent.add_callback([this, batch = std::move(batch), attempts](const Future& reply) mutable {
     const absl::Status s = reply.status();
     if (!s.ok() && lost(s) && attempts > 1) return send(std::move(batch), attempts - 1);
     if (!s.ok() && options_.on_failure) options_.on_failure(batch.notes);
     for (const Future& w : batch.waiters) w.set_status(s);
-    if (options_.policy == Policy::kOneInFlight) send_next(batch.key);
+    if (options_.policy == Policy::kOneInFlight && batch.queued) send_next(batch.key);
   });
 }
 

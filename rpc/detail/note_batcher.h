@@ -64,14 +64,19 @@ class NoteBatcher {
   // The same, and a future that completes with the outcome of the batch carrying the note. Its deadline covers the
   // batch ahead of it (kOneInFlight) or the flush delay (kEveryDelay), and every attempt's RPC timeout.
   Future add_tracked(int to, const std::string& function, std::initializer_list<int64_t> values);
+  // Sends `values` (`notes` notes) to `function` on worker `to` at once, as a batch of their own, outside the queue:
+  // never behind a batch in flight, nor holding one back (for notes whose sender waits for their reply while replying
+  // itself, where waiting behind a batch could close a ring of waits). Attempts and on_failure as for any batch; the
+  // future completes with its outcome.
+  Future send_now(int to, const std::string& function, std::vector<int64_t> values, int64_t notes);
   // Sends what is queued now (a graceful shutdown's drain). Under kOneInFlight notes only ever wait behind a batch in
   // flight, which sends them when it completes: nothing to do.
   void flush();
   // RPC stopped: drops the queued notes (their futures fail with CANCELLED) and ends the thread. Batches in flight
   // complete as their calls do. The batcher may be used again afterwards.
   void stop();
-  // Calls made so far (each batch's attempts), counted once handed to the transport.
-  int64_t calls_made() const { return calls_made_.load(std::memory_order_relaxed); }
+  // Calls made so far (each batch's attempts, failed ones included), counted once rpc::call returned; for tests.
+  int64_t calls_made() const { return calls_made_.load(std::memory_order_acquire); }
 
  private:
   using Key = std::pair<int, std::string>;  // destination, function
@@ -86,6 +91,7 @@ class NoteBatcher {
     std::vector<int64_t> values;
     std::vector<Future> waiters;
     int64_t notes = 0;
+    bool queued = true;  // false: send_now's, outside the pair's queue (its completion sends nothing next)
   };
 
   void queue(int to, const std::string& function, std::initializer_list<int64_t> values, const Future* waiter);

@@ -497,8 +497,8 @@ TEST_F(MultiprocDistAutogradFaults, AForwardedReleaseDoesNotWaitBehindAnotherInF
                               input());
   }
   const auto deadline = Clock::now() + scaled(milliseconds(20000));
-  // X's forward sent (and so held) before Y's is queued: else both go in one batch, held together.
-  while (rpc::rpc_sync<int64_t>("worker1", "release_messages_forwarded") == 0) {
+  // X's forward sent (and so the one held) before Y's: worker1 sends no release messages of its own.
+  while (rpc::rpc_sync<int64_t>("worker1", "release_messages_sent") == 0) {
     ASSERT_LT(Clock::now(), deadline) << "worker1 never passed X's release on";
     std::this_thread::sleep_for(milliseconds(2));
   }

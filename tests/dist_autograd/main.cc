@@ -113,8 +113,7 @@ void register_functions() {
     return slowly(at::tanh(x.mm(param(p, 4, 4))), ms);
   });
   rpc::register_function("contexts", [] { return dist_autograd::stats().contexts; });
-  rpc::register_function("release_messages_forwarded",
-                         [] { return dist_autograd::stats().release_messages_forwarded; });
+  rpc::register_function("release_messages_sent", [] { return dist_autograd::stats().release_messages_sent; });
   // Makes a context here that reaches `via` and, from it, `then` ("nested"), releases it and returns how long the
   // release took in ms (until every worker it reached released it).
   rpc::register_function("nested_then_release", [](std::string via, std::string then) {
