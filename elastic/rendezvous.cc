@@ -74,6 +74,41 @@ absl::StatusOr<RoundEnd> Rendezvous::end_round(const std::string& reason, bool f
   return RoundEnd{reason, failure};
 }
 
+// Round k's nodes from round k-1: its members (all that joined it, when it ended before closing) and those that
+// waited for a place in it, less the members that left or were lost; at most max_nodes. Without this, a node that
+// waited for a place (it ended round k-1 and joined round k at once) would close round k alone after the last call
+// while the members of round k-1 were still stopping their workers: a round started only to end.
+absl::StatusOr<int64_t> Rendezvous::expected_in(int64_t k) {
+  if (k == 0) return 0;
+  const std::string previous = key(absl::StrCat("r", k - 1, "/"));
+  auto joined = store_.add(previous + "joined", 0);
+  if (!joined.ok()) return joined.status();
+  int64_t members = *joined;
+  auto closed_present = store_.check({previous + "closed"});
+  if (!closed_present.ok()) return closed_present.status();
+  if ((*closed_present)[0]) {
+    auto bytes = store_.get(previous + "closed", to_ms(options_.keep_alive_interval));
+    if (!bytes.ok()) return bytes.status();
+    auto closed = detail::parse_round(*bytes, previous + "closed");
+    if (!closed.ok()) return closed.status();
+    members = std::min<int64_t>(members, closed->nodes());
+  }
+  std::vector<std::string> gone;
+  for (int64_t i = 0; i < members; ++i) {
+    gone.push_back(absl::StrCat(previous, "left/", i));
+    gone.push_back(absl::StrCat(previous, "lost/", i));
+  }
+  int64_t expected = *joined;
+  if (!gone.empty()) {
+    auto present = store_.check(gone);
+    if (!present.ok()) return present.status();
+    for (int64_t i = 0; i < members; ++i) {
+      if ((*present)[2 * i] || (*present)[2 * i + 1]) --expected;
+    }
+  }
+  return std::min<int64_t>(expected, options_.max_nodes);
+}
+
 absl::StatusOr<Round> Rendezvous::join() {
   const absl::Time deadline = absl::Now() + options_.join_timeout;
   auto current = store_.add(key("round"), 0);
@@ -107,7 +142,11 @@ absl::StatusOr<Round> Rendezvous::join() {
     me.set_pid(static_cast<int32_t>(getpid()));
     if (auto s = store_.set(round_key(absl::StrCat("node/", index)), me.SerializeAsString()); !s.ok()) return s;
 
-    std::optional<absl::Time> min_since;  // when this node first saw min_nodes in the round
+    auto expected = expected_in(k);
+    if (!expected.ok()) return expected.status();
+    const absl::Time entered = absl::Now();
+    const absl::Duration lost_after = options_.keep_alive_interval * options_.keep_alive_max_attempt;
+    std::optional<absl::Time> min_since;  // when this node first saw min_nodes (and the returning nodes) in the round
     bool asked_to_end = false;
     for (;;) {
       auto present = store_.check({round_key("closed"), round_key("ended")});
@@ -139,7 +178,9 @@ absl::StatusOr<Round> Rendezvous::join() {
         auto joined = store_.add(round_key("joined"), 0);
         if (!joined.ok()) return joined.status();
         const absl::Time now = absl::Now();
-        if (*joined >= options_.min_nodes && !min_since) min_since = now;
+        if (*joined >= options_.min_nodes && !min_since && (*joined >= *expected || now >= entered + lost_after)) {
+          min_since = now;
+        }
         if (*joined >= options_.max_nodes || (min_since && now >= *min_since + options_.last_call_timeout)) {
           auto vote = store_.add(round_key("close"), 1);
           if (!vote.ok()) return vote.status();
@@ -232,6 +273,8 @@ absl::Status Rendezvous::heartbeat_check() {
           absl::StrAppend(&who, " (", node->host(), ", launcher pid ", node->pid(), ")");
         }
       }
+      // Not waited for in the next round (expected_in).
+      if (auto s = store_.set(round_key(absl::StrCat("lost/", j)), ""); !s.ok()) return s;
       return end_round(absl::StrCat(who, " missed its heartbeats for ", seconds(now - seen_at_[j])),
                        /*failure=*/true)
           .status();

@@ -211,6 +211,31 @@ TEST_P(UnitElastic, ALateNodeWaitsThenTheJobReformsWithItAndThatIsNoFailure) {
   EXPECT_TRUE(a.failures().value().empty());
 }
 
+// A node waiting for a place ends the running round and joins the next at once; the round's member, still stopping
+// its workers, arrives later than the last call. The next round waits for it (up to the time that would make it a
+// lost node): before, the waiting node closed that round alone, a round started only to end.
+TEST_P(UnitElastic, TheNextRoundWaitsForThePreviousRoundsNodesStoppingTheirWorkers) {
+  auto sa = store(), sc = store();
+  RendezvousOptions oa = node("hostA", 1, 2), oc = node("hostC", 1, 2);
+  for (auto* o : {&oa, &oc}) o->keep_alive_interval = absl::Milliseconds(500);  // lost after 1.5 s
+  Rendezvous a(*sa, oa), c(*sc, oc);
+  auto ra = a.join();
+  ASSERT_TRUE(ra.ok()) << ra.status();
+  EXPECT_EQ(ra->nnodes, 1);
+  auto fc = std::async(std::launch::async, [&] { return c.join(); });
+  auto ea = monitor_until_end(a, absl::Seconds(10));
+  ASSERT_TRUE(ea);
+  EXPECT_NE(ea->reason.find("waiting to join"), std::string::npos) << ea->reason;
+  absl::SleepFor(absl::Milliseconds(800));  // a stops its workers: longer than the last call (300 ms)
+  auto ra1 = a.join();
+  auto rc1 = fc.get();
+  ASSERT_TRUE(ra1.ok() && rc1.ok()) << ra1.status() << rc1.status();
+  EXPECT_EQ(rc1->round, 1);
+  EXPECT_EQ(rc1->nnodes, 2) << "the waiting node formed round 1 alone";
+  EXPECT_EQ(ra1->round, 1);
+  EXPECT_EQ(ra1->nnodes, 2);
+}
+
 TEST_P(UnitElastic, ANodeThatStopsBeatingIsDroppedWithinTheStatedTime) {
   auto sa = store(), sb = store();
   Rendezvous a(*sa, node("hostA", 1, 2)), b(*sb, node("hostB", 1, 2));
