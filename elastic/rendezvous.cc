@@ -74,10 +74,11 @@ absl::StatusOr<RoundEnd> Rendezvous::end_round(const std::string& reason, bool f
   return RoundEnd{reason, failure};
 }
 
-// Round k's nodes from round k-1: its members (all that joined it, when it ended before closing) and those that
-// waited for a place in it, less the members that left or were lost; at most max_nodes. Without this, a node that
-// waited for a place (it ended round k-1 and joined round k at once) would close round k alone after the last call
-// while the members of round k-1 were still stopping their workers: a round started only to end.
+// Round k's nodes from round k-1, counted when a node enters round k: its members (all that joined it, when it ended
+// before closing) and those that waited for a place in it, less the members that left or were lost; at most
+// max_nodes. Without this, a node that waited for a place (it ended round k-1 and joined round k at once) would close
+// round k alone after a last call shorter than the members of round k-1 took to stop their workers: a round started
+// only to end.
 absl::StatusOr<int64_t> Rendezvous::expected_in(int64_t k) {
   if (k == 0) return 0;
   const std::string previous = key(absl::StrCat("r", k - 1, "/"));
@@ -99,11 +100,13 @@ absl::StatusOr<int64_t> Rendezvous::expected_in(int64_t k) {
     gone.push_back(absl::StrCat(previous, "lost/", i));
   }
   int64_t expected = *joined;
-  if (!gone.empty()) {
-    auto present = store_.check(gone);
+  constexpr size_t kKeysPerCheck = 64;  // etcd's default limit is 128 operations in one transaction
+  for (size_t at = 0; at < gone.size(); at += kKeysPerCheck) {
+    const std::vector<std::string> some(gone.begin() + at, gone.begin() + std::min(gone.size(), at + kKeysPerCheck));
+    auto present = store_.check(some);
     if (!present.ok()) return present.status();
-    for (int64_t i = 0; i < members; ++i) {
-      if ((*present)[2 * i] || (*present)[2 * i + 1]) --expected;
+    for (size_t i = 0; i + 1 < present->size(); i += 2) {
+      if ((*present)[i] || (*present)[i + 1]) --expected;
     }
   }
   return std::min<int64_t>(expected, options_.max_nodes);
@@ -146,7 +149,7 @@ absl::StatusOr<Round> Rendezvous::join() {
     if (!expected.ok()) return expected.status();
     const absl::Time entered = absl::Now();
     const absl::Duration lost_after = options_.keep_alive_interval * options_.keep_alive_max_attempt;
-    std::optional<absl::Time> min_since;  // when this node first saw min_nodes (and the returning nodes) in the round
+    std::optional<absl::Time> min_since;  // when this node first saw min_nodes in the round
     bool asked_to_end = false;
     for (;;) {
       auto present = store_.check({round_key("closed"), round_key("ended")});
@@ -178,10 +181,12 @@ absl::StatusOr<Round> Rendezvous::join() {
         auto joined = store_.add(round_key("joined"), 0);
         if (!joined.ok()) return joined.status();
         const absl::Time now = absl::Now();
-        if (*joined >= options_.min_nodes && !min_since && (*joined >= *expected || now >= entered + lost_after)) {
-          min_since = now;
-        }
-        if (*joined >= options_.max_nodes || (min_since && now >= *min_since + options_.last_call_timeout)) {
+        if (*joined >= options_.min_nodes && !min_since) min_since = now;
+        // After the last call, and once the returning nodes are in, or have taken as long as a lost node would (with
+        // the defaults, last call 30 s, that time, 15 s, has passed already: nothing waits longer than before).
+        const bool last_call_over = min_since && now >= *min_since + options_.last_call_timeout &&
+                                    (*joined >= *expected || now >= entered + lost_after);
+        if (*joined >= options_.max_nodes || last_call_over) {
           auto vote = store_.add(round_key("close"), 1);
           if (!vote.ok()) return vote.status();
           if (*vote == 1) {  // this node closes the round: the first arrivals up to max_nodes are in

@@ -9,9 +9,10 @@
 //   }
 //
 // Rounds. Round k opens when round k-1 ends. A launcher joins it by arriving (its arrival order is its node rank); the
-// round closes once max_nodes have arrived, or min_nodes have and `last_call` has passed since there were min_nodes
-// and the nodes of round k-1 that are coming back are in (those that did not leave and were not lost; each stops its
-// workers first), or keep_alive_interval × keep_alive_max_attempt has passed waiting for them; later arrivals wait. A
+// round closes once max_nodes have arrived, or min_nodes have and `last_call` has passed since there were min_nodes,
+// and also the nodes of round k-1 that come back are in (those that did not leave and were not lost, as counted when
+// this node arrived; each stops its workers first) or keep_alive_interval × keep_alive_max_attempt has passed since
+// this node arrived; later arrivals wait. A
 // launcher that finds itself waiting ends the running round (not a failure), if the round has room for it: the job
 // re-forms with it, as torchrun's agents do when a node waits. A round ends when any node calls end_round(): a worker
 // failed (a failure), a node missed its heartbeats for keep_alive_interval × keep_alive_max_attempt (a failure: a lost

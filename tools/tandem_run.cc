@@ -22,8 +22,9 @@
 //
 // Elastic jobs (--rdzv-backend c10d): the launchers of the nodes meet at --rdzv-endpoint in rounds
 // (elastic/rendezvous.h); the one on the endpoint's machine serves the rendezvous store there (the first to bind the
-// port). A round closes at MAX nodes, or MIN and --rdzv-conf last_call_timeout later (default 30 s); it assigns node
-// ranks in order of arrival, world size and node 0's fresh master port. Any worker failure, a node that misses its
+// port). A round closes at MAX nodes, or MIN and --rdzv-conf last_call_timeout later (default 30 s), once the last
+// round's nodes that come back are in or have taken as long as a lost node would (elastic/rendezvous.h); it assigns
+// node ranks in order of arrival, world size and node 0's fresh master port. Any worker failure, a node that misses its
 // heartbeats (keep_alive_interval x keep_alive_max_attempt, default 5 s x 3), a node waiting to join a job with room,
 // or a launcher stopped by a signal ends the round: every node stops its workers and joins the next one. Failures
 // (not membership changes) count against --max-restarts, over the whole job. The job succeeds when every node's
