@@ -393,9 +393,10 @@ rpc::Future run_local(const std::shared_ptr<Context>& ctx, const torch::autograd
 }
 
 Mutex g_hook_mu;
-std::shared_ptr<const std::function<rpc::Future(int64_t)>> g_hook ABSL_GUARDED_BY(g_hook_mu);
+using Hook = std::function<rpc::Future(const BackwardPart&)>;
+std::shared_ptr<const Hook> g_hook ABSL_GUARDED_BY(g_hook_mu);
 
-std::shared_ptr<const std::function<rpc::Future(int64_t)>> backward_part_hook() {
+std::shared_ptr<const Hook> backward_part_hook() {
   MutexLock lock(&g_hook_mu);
   return g_hook;
 }
@@ -438,6 +439,9 @@ rpc::Future on_grad(int64_t context_id, int64_t send_id, std::vector<int64_t> in
     it->second = work;
   }
   const auto started = std::chrono::steady_clock::now();
+  // When the sender's call times out (its deadline counts from its send, a transit earlier): for the hook.
+  const absl::Time deadline =
+      absl::Now() + absl::FromChrono(timeout_ms > 0 ? std::chrono::milliseconds(timeout_ms) : rpc::default_timeout());
   rpc::Future done;
   try {
     done = run_local(ctx, roots, grads, std::chrono::milliseconds(std::max<int64_t>(0, timeout_ms)),
@@ -460,19 +464,21 @@ rpc::Future on_grad(int64_t context_id, int64_t send_id, std::vector<int64_t> in
     return work;
   }
   // Once this part is done: the hook, whose future the reply waits for.
-  done.add_callback([work, hook = std::move(hook), context_id](const rpc::Future& part) {
+  const rpc::CallContext* call = rpc::current_call();
+  const BackwardPart about{context_id, call ? call->caller_rank : -1, deadline};
+  done.add_callback([work, hook = std::move(hook), about](const rpc::Future& part) {
     if (absl::Status s = part.status(); !s.ok()) {
       work.set_error(std::move(s));
       return;
     }
     rpc::Future after;
     try {
-      after = (*hook)(context_id);
+      after = (*hook)(about);
     } catch (...) {
       const absl::Status thrown = status_from_current_exception();
       work.set_error(
           absl::Status(thrown.code(), absl::StrCat("the backward hook on worker '", worker_name(), "' failed (context ",
-                                                   context_id, "): ", thrown.message())));
+                                                   about.context_id, "): ", thrown.message())));
       return;
     }
     after.add_callback([work](const rpc::Future& f) { work.set_status(f.status()); });
@@ -696,8 +702,8 @@ void adopt_context(int64_t context_id, int origin) {
   ctx->add_worker(origin);
 }
 
-void set_backward_part_hook(std::function<rpc::Future(int64_t context_id)> hook) {
-  auto shared = hook ? std::make_shared<const std::function<rpc::Future(int64_t)>>(std::move(hook)) : nullptr;
+void set_backward_part_hook(std::function<rpc::Future(const BackwardPart& part)> hook) {
+  auto shared = hook ? std::make_shared<const Hook>(std::move(hook)) : nullptr;
   MutexLock lock(&g_hook_mu);
   g_hook = std::move(shared);
 }

@@ -36,6 +36,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/time/time.h"
 #include "tandem/rpc/future.h"
 
 namespace tandem::dist_autograd {
@@ -120,7 +121,15 @@ void adopt_context(int64_t context_id, int origin);
 // function removes it. Thread-safe; `hook` runs on the thread that finished the part (an RPC thread; a transport's
 // completion thread when the part sent gradients on and their replies came last) and must not block (it returns a
 // pending future instead).
-void set_backward_part_hook(std::function<rpc::Future(int64_t context_id)> hook);
+// `part` says which: the context, the worker whose gradient message it served, and when that worker's call times out
+// (the pass's timeout, counted from the message's arrival here): a hook that holds the reply (a round waiting for
+// other trainers) can fail it before then, naming what it waited for, instead of leaving the caller a bare timeout.
+struct BackwardPart {
+  int64_t context_id = 0;
+  int from = -1;  // the rank of the worker that sent the gradient message
+  absl::Time deadline = absl::InfiniteFuture();
+};
+void set_backward_part_hook(std::function<rpc::Future(const BackwardPart& part)> hook);
 
 // Releases a context here and, asynchronously, on every worker it touched; the future completes when all did.
 rpc::Future release_context(int64_t context_id);

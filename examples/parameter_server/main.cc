@@ -1,7 +1,7 @@
 // Parameter-server training on Fashion-MNIST: rank 0 is the server ("ps"), ranks 1..N are trainers.
 //
 //   build/tandem-run --nproc-per-node 3 build/parameter_server [--epochs 4] [--lr 0.002] [--mode sync|async] [--batch
-//   64] [--checkpoint-dir D [--checkpoint-every 50]] [--min-accuracy A]
+//   64] [--checkpoint-dir D [--checkpoint-every 50]] [--min-accuracy A] [--rpc-timeout 60]
 //
 // With --min-accuracy A the job exits 1 unless the last epoch's test accuracy reaches A; in synchronous mode it also
 // stops after the first epoch that reaches it (every trainer then scores the same model, so all stop together; in
@@ -48,6 +48,7 @@ struct Args {
   double min_accuracy = 0;  // exit 1 if the final test accuracy is lower; sync mode: stop once an epoch reaches it
   std::string checkpoint_dir;
   int64_t checkpoint_every = 50;  // rounds
+  double rpc_timeout = 60;        // seconds: RpcOptions::rpc_timeout
 };
 
 Args parse(int argc, char** argv) {
@@ -66,6 +67,10 @@ Args parse(int argc, char** argv) {
                  "exit 1 if the final test accuracy is lower; sync mode: stop once an epoch reaches it");
   app.add_option("--checkpoint-dir", a.checkpoint_dir, "write checkpoints here and resume from the newest ('': none)");
   app.add_option("--checkpoint-every", a.checkpoint_every, "rounds between checkpoints")->check(CLI::PositiveNumber);
+  app.add_option("--rpc-timeout", a.rpc_timeout,
+                 "seconds: every call's timeout, a trainer's backward pass's, and so how long a synchronous round "
+                 "waits for its trainers")
+      ->check(CLI::PositiveNumber);
   tools::parse_flags(app, argc, argv);
   return a;
 }
@@ -173,6 +178,7 @@ int main(int argc, char** argv) {
     // images through the RemoteModule): a few seconds alone, more than the default 30 s on a loaded machine (it failed
     // so under ctest -j2). A worker that dies meanwhile still ends the job at once (tandem-run stops every rank).
     rpc_options.shutdown_timeout = std::chrono::minutes(5);
+    rpc_options.rpc_timeout = std::chrono::milliseconds(static_cast<int64_t>(args.rpc_timeout * 1000));
     rpc::init_rpc(rank == 0 ? "ps" : "trainer" + std::to_string(rank), rank, world, rpc_options);
     int code = 0;
     if (rank == 0) {

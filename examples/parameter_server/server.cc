@@ -5,15 +5,21 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
-#include <set>
+#include <map>
+#include <string>
+#include <thread>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/time/time.h"
 #include "examples/data/cnn.h"
 #include "examples/data/fashion_mnist.h"
 #include "tandem/checkpoint/checkpoint.h"
 #include "tandem/cluster/cpus.h"
 #include "tandem/dist_autograd/dist_autograd.h"
+#include "tandem/log/log.h"
 #include "tandem/metrics/metrics.h"
 #include "tandem/rpc/rpc.h"
 #include "tandem/sync/sync.h"
@@ -40,8 +46,11 @@ struct Server {
   Mutex mu;
   std::vector<at::Tensor> sum ABSL_GUARDED_BY(mu);       // the gradients of this round's trainers so far
   std::vector<rpc::Future> waiting ABSL_GUARDED_BY(mu);  // their backward passes, waiting for the round
-  std::set<int64_t> in_round ABSL_GUARDED_BY(mu);        // their contexts
-  int64_t rounds ABSL_GUARDED_BY(mu) = 0;                // optimizer steps taken (async: the last checkpoint's step)
+  std::map<int, int64_t> in_round ABSL_GUARDED_BY(mu);   // their ranks and contexts
+  // When the round gives up (the earliest of its trainers' calls' deadlines, less a margin): watch_rounds().
+  absl::Time round_deadline ABSL_GUARDED_BY(mu) = absl::InfiniteFuture();
+  absl::Time round_started ABSL_GUARDED_BY(mu);
+  int64_t rounds ABSL_GUARDED_BY(mu) = 0;  // optimizer steps taken (async: the last checkpoint's step)
   // Sync mode: the time the rounds' steps took (the last trainer's sum, the average and the optimizer's step, which
   // every trainer waits for), as metrics gauges tandem_ps_step_seconds_total and tandem_ps_steps_total.
   double step_seconds ABSL_GUARDED_BY(mu) = 0;
@@ -56,22 +65,49 @@ Server& server() {
   return *s;
 }
 
-// Synchronous mode's backward-part hook: a trainer's gradients (context `context_id`) join the round; the last
-// trainer's apply its average. The future completes with the round (its step taken).
-rpc::Future on_backward_part(int64_t context_id) {
+// "trainer2 (rank 2)"; the rank alone if it names no worker.
+std::string trainer_name(int rank) {
+  auto info = rpc::find_worker_info(rank);
+  return info ? absl::StrCat(info->name, " (rank ", rank, ")") : absl::StrCat("rank ", rank);
+}
+
+// A round gives up this long before its first trainer's call would time out, so that the trainers learn why (a 20th
+// of what is left, at least 100 ms): their calls' deadlines count from their sends, a transit before the server's.
+absl::Time give_up_at(absl::Time call_deadline, absl::Time now) {
+  if (call_deadline == absl::InfiniteFuture()) return call_deadline;
+  return call_deadline - std::max(absl::Milliseconds(100), (call_deadline - now) / 20);
+}
+
+// Synchronous mode's backward-part hook: a trainer's gradients (context part.context_id) join the round; the last
+// trainer's apply its average. The future completes with the round (its step taken), or fails when the round gives
+// up (watch_rounds()).
+rpc::Future on_backward_part(const dist_autograd::BackwardPart& part) {
   Server& s = server();
+  const int64_t context_id = part.context_id;
   dist_autograd::Gradients grads = dist_autograd::get_gradients(context_id);
   rpc::Future done;
   std::vector<rpc::Future> release;
   {
     MutexLock lock(&s.mu);
+    auto [it, fresh] = s.in_round.try_emplace(part.from, context_id);
     // A second part of one trainer's pass (its step sent two forwards to the server) would count it twice.
-    if (!s.in_round.insert(context_id).second) {
+    if (!fresh && it->second == context_id) {
       return rpc::Future::failed(absl::FailedPreconditionError(absl::StrCat(
           "parameter server: context ", context_id, " reached the server's backward twice in one round; the ",
           "synchronous round takes one forward per trainer step")));
     }
+    // A trainer's next step while its last one still waits in the round (it went on after its backward failed, say):
+    // the round would average two steps of one trainer and none of another.
+    if (!fresh) {
+      return rpc::Future::failed(absl::FailedPreconditionError(absl::StrCat(
+          "parameter server: trainer ", trainer_name(part.from), " sent the gradients of another step (context ",
+          context_id, ") into round ", s.rounds + 1, ", where its step of context ", it->second,
+          " still waits for the other trainers; a trainer takes one step per round")));
+    }
     const auto arrived = std::chrono::steady_clock::now();  // the last trainer's: its sum begins the round's step
+    const absl::Time now = absl::Now();
+    if (s.in_round.size() == 1) s.round_started = now;
+    s.round_deadline = std::min(s.round_deadline, give_up_at(part.deadline, now));
     for (size_t i = 0; i < s.params.size(); ++i) {
       at::Tensor g = grads[s.params[i]];
       if (!g.defined()) continue;
@@ -91,6 +127,7 @@ rpc::Future on_backward_part(int64_t context_id) {
         s.sum[i] = at::Tensor();
       }
       s.in_round.clear();
+      s.round_deadline = absl::InfiniteFuture();
       ++s.rounds;
       s.step_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - arrived).count();
       ++s.steps_timed;
@@ -100,6 +137,54 @@ rpc::Future on_backward_part(int64_t context_id) {
   }
   for (auto& f : release) f.set_value(c10::IValue());
   return done;
+}
+
+// Synchronous mode, on a thread of its own: a round that cannot complete before its first trainer's call times out
+// (another trainer hung, or died where no launcher stops the job) fails every trainer waiting in it, naming the ones
+// it waited for, and drops its gradients (no step): the trainers learn the cause instead of a bare timeout, and the
+// server holds no stale gradients that a later round would mix in.
+void watch_rounds() {
+  Server& s = server();
+  for (;;) {
+    std::vector<rpc::Future> failed;
+    absl::Status why;
+    {
+      MutexLock lock(&s.mu);
+      s.mu.Await(Condition(
+          +[](Server* sv) ABSL_NO_THREAD_SAFETY_ANALYSIS { return !sv->in_round.empty(); }, &s));
+      const int64_t round = s.rounds;
+      auto over = [&s, round]() ABSL_NO_THREAD_SAFETY_ANALYSIS { return s.rounds != round || s.in_round.empty(); };
+      // The deadline may move earlier while this waits (a later trainer's call with a shorter timeout): wait in
+      // slices of at most a second, so that such a change is seen.
+      while (!over() && absl::Now() < s.round_deadline) {
+        s.mu.AwaitWithDeadline(Condition(&over), std::min(s.round_deadline, absl::Now() + absl::Seconds(1)));
+      }
+      if (over()) continue;
+      std::vector<std::string> came, missing;
+      for (const auto& [rank, ctx] : s.in_round) came.push_back(trainer_name(rank));
+      try {  // RPC may be stopping: then the error names no absent trainer
+        const int self = rpc::get_worker_info().id;
+        for (const auto& w : rpc::get_all_worker_infos()) {
+          if (w.id != self && !s.in_round.count(w.id)) missing.push_back(trainer_name(w.id));
+        }
+      } catch (const std::exception&) {
+        missing.clear();
+      }
+      const int absent = s.options.trainers - static_cast<int>(s.in_round.size());
+      why = absl::DeadlineExceededError(absl::StrCat(
+          "parameter server: round ", s.rounds + 1, " waited ", absl::FormatDuration(absl::Now() - s.round_started),
+          " for ", absent, " of its ", s.options.trainers, " trainers",
+          static_cast<int>(missing.size()) == absent ? absl::StrCat(" (", absl::StrJoin(missing, ", "), ")") : "",
+          ", and gives up before the calls of those that came (", absl::StrJoin(came, ", "),
+          ") time out; their gradients are dropped, no step was taken"));
+      TANDEM_LOG(kWarn, "ps") << why.message();
+      failed.swap(s.waiting);
+      for (auto& g : s.sum) g = at::Tensor();
+      s.in_round.clear();
+      s.round_deadline = absl::InfiniteFuture();
+    }
+    for (auto& f : failed) f.set_error(why);
+  }
 }
 
 double on_evaluate() {
@@ -188,7 +273,10 @@ void start_parameter_server(const ServerOptions& options) {
     MutexLock lock(&server().mu);
     return static_cast<double>(server().steps_timed);
   });
-  if (options.sync) dist_autograd::set_backward_part_hook(on_backward_part);
+  if (options.sync) {
+    dist_autograd::set_backward_part_hook(on_backward_part);
+    std::thread(watch_rounds).detach();  // the server lives until the process ends (server())
+  }
   s.ready.set_value(s.model.module_rref().to_ivalue());
 }
 

@@ -7,7 +7,10 @@
 //     dist_autograd.h), the server adds its gradients to the round's and, once all N arrived, applies their average
 //     with one optimizer step; the replies to their backward passes wait for it, so no trainer's next forward can see
 //     a half-updated model. A trainer's step sends one forward to the server (each backward part is one trainer's
-//     step); no message of its own for the round (a submit call per step, before: 1-3% of the steps/s);
+//     step); no message of its own for the round (a submit call per step, before: 1-3% of the steps/s). A round that
+//     cannot complete before its first trainer's backward call would time out (another trainer hung, or died where no
+//     launcher ends the job) fails its trainers a little earlier, naming the trainers it waited for, and drops its
+//     gradients; a trainer's second step into a round it still waits in is refused;
 //   - asynchronous mode: a DistributedOptimizer step of the trainer's own (Hogwild: trainers never wait for each other,
 //     a gradient may be computed against weights another trainer has just updated).
 // In synchronous mode the server's metrics (metrics/metrics.h) have the time its rounds' steps took, which every

@@ -62,9 +62,10 @@ void set_test_hook(const std::string& mode) {
   if (mode == "none") return dist_autograd::set_backward_part_hook(nullptr);
   if (mode == "throw") {
     return dist_autograd::set_backward_part_hook(
-        [](int64_t) -> rpc::Future { throw std::runtime_error("hook refused"); });
+        [](const dist_autograd::BackwardPart&) -> rpc::Future { throw std::runtime_error("hook refused"); });
   }
-  dist_autograd::set_backward_part_hook([](int64_t ctx) {
+  dist_autograd::set_backward_part_hook([](const dist_autograd::BackwardPart& part) {
+    const int64_t ctx = part.context_id;
     const bool has = dist_autograd::get_gradients(ctx)[param("k1", 4, 4)].defined();
     rpc::Future held;
     MutexLock lock(&g_hook_mu);
