@@ -55,7 +55,7 @@ enum Reason : int32_t { kGone = 1, kLate = 2, kLeft = 3 };
 // and element count, so that ranks calling different operations or passing other sizes all fail at that barrier
 // (ShmGroup::check_posted) instead of reading each other's data as theirs. Bit 0 is 0: an allreduce of a shared tensor
 // posts a hash of its part with bit 0 set.
-enum Kind : uint64_t { kAllreduce = 1, kBroadcast = 2, kAllgather = 3, kReduceScatter = 4, kBarrier = 5 };
+enum Kind : uint64_t { kAllreduce = 1, kBroadcast = 2, kAllgather = 3, kReduceScatter = 4, kBarrier = 5, kShared = 6 };
 constexpr int kNumelShift = 18;
 constexpr uint64_t kNumelMask = (uint64_t{1} << (64 - kNumelShift)) - 1;  // larger counts compared modulo 2^46
 
@@ -67,7 +67,8 @@ uint64_t signature(Kind kind, c10::ScalarType dtype, int64_t op_or_root, int64_t
 
 std::string describe(uint64_t word) {
   if (word & 1) return "a part of a shared tensor";
-  static const char* const kinds[] = {"?", "allreduce", "broadcast", "allgather", "reduce_scatter", "barrier"};
+  static const char* const kinds[] = {"?",       "allreduce",    "broadcast", "allgather", "reduce_scatter",
+                                      "barrier", "shared_tensor"};
   static const char* const ops[] = {"sum", "avg", "min", "max", "product"};  // ReduceOp's order
   const uint64_t kind = (word >> 1) & 7, arg = (word >> 11) & 0x7f;
   if (kind == kBarrier) return "a barrier";
@@ -456,6 +457,10 @@ at::Tensor ShmGroup::shared_tensor(int64_t numel, c10::ScalarType dtype, Clock::
       if (!name.empty()) shm_unlink(name.c_str());
     }
   } mine{name_of(rank_)};
+  // First every rank says what it calls: a rank that runs another operation meanwhile (or asks for another size or
+  // dtype) fails here on every rank, naming it, instead of reading the other's signature as "could not map".
+  begin("shared_tensor", signature(kShared, dtype, 0, numel));
+  meet(deadline);
   s->base[rank_] = map(mine.name, /*create=*/true);
   if (!s->base[rank_]) mine.name.clear();  // not made (map_segment removed what it made), or not ours to remove
   auto everyone = [&](bool ok) {

@@ -488,6 +488,18 @@ std::string run(const std::string& name) {
                               at::ones({3}, rank == last ? at::kDouble : at::kFloat));
         },
         "called allgather of 3 Double elements", "called allgather of 3 Float elements");
+    expect_refused(
+        "mm_shared",
+        [&](comm::ProcessGroup& pg) -> rpc::Future {
+          if (rank != last) return pg.allreduce(at::ones({4}));
+          try {
+            pg.shared_tensor(4, at::kFloat);
+            return rpc::Future::ready(c10::IValue());
+          } catch (const Error& e) {
+            return rpc::Future::failed(e.status());
+          }
+        },
+        "called shared_tensor of 4 Float elements", "called allreduce of 4 Float elements");
     return err;
   }
   if (name == "mismatch") {
