@@ -26,6 +26,13 @@ std::chrono::milliseconds to_ms(absl::Duration d) {
 
 std::string seconds(absl::Duration d) { return absl::StrCat(absl::ToDoubleSeconds(d), " s"); }
 
+// A round's "closed" record at `key` (present: its writer wrote it), read within `wait`.
+absl::StatusOr<pb::ElasticRound> read_closed(rpc::Store& store, const std::string& key, absl::Duration wait) {
+  auto bytes = store.get(key, to_ms(wait));
+  if (!bytes.ok()) return bytes.status();
+  return detail::parse_round(*bytes, key);
+}
+
 }  // namespace
 
 Rendezvous::Rendezvous(rpc::Store& store, RendezvousOptions options) : store_(store), options_(std::move(options)) {}
@@ -88,9 +95,7 @@ absl::StatusOr<int64_t> Rendezvous::expected_in(int64_t k) {
   auto closed_present = store_.check({previous + "closed"});
   if (!closed_present.ok()) return closed_present.status();
   if ((*closed_present)[0]) {
-    auto bytes = store_.get(previous + "closed", to_ms(options_.keep_alive_interval));
-    if (!bytes.ok()) return bytes.status();
-    auto closed = detail::parse_round(*bytes, previous + "closed");
+    auto closed = read_closed(store_, previous + "closed", options_.keep_alive_interval);
     if (!closed.ok()) return closed.status();
     members = std::min<int64_t>(members, closed->nodes());
   }
@@ -157,9 +162,7 @@ absl::StatusOr<Round> Rendezvous::join() {
       // Closed first: a member of a round that has already ended still takes part (its monitor() then sees the end
       // at once), so every node goes through every round it is in and counts the same rounds.
       if ((*present)[0]) {
-        auto bytes = store_.get(round_key("closed"), to_ms(options_.keep_alive_interval));
-        if (!bytes.ok()) return bytes.status();
-        auto closed = detail::parse_round(*bytes, round_key("closed"));
+        auto closed = read_closed(store_, round_key("closed"), options_.keep_alive_interval);
         if (!closed.ok()) return closed.status();
         if (index < closed->nodes()) {
           auto round = finish_join(k, index, closed->nodes(), closed->restarts());
@@ -202,6 +205,18 @@ absl::StatusOr<Round> Rendezvous::join() {
             continue;
           }
         }
+      }
+      if (options_.interrupted && options_.interrupted()) {
+        // Left first, so that the next round does not count this node among those coming back; then the round ends
+        // if this node was to be in it (not closed yet). A node waiting for a place in a closed round ends nothing.
+        const std::string why =
+            absl::StrCat("node ", options_.host, " (launcher pid ", getpid(), ") left while joining round ", k);
+        index_ = index;  // leave() now, and the launcher's own later, say this node's place in round k
+        if (auto s = leave(); !s.ok()) return s;
+        if (!(*present)[0] && !(*present)[1]) {
+          if (auto e = end_round(why, /*failure=*/false); !e.ok()) return e.status();
+        }
+        return absl::CancelledError(absl::StrCat("rendezvous '", options_.run_id, "': ", why));
       }
       if (absl::Now() > deadline) {
         auto joined = store_.add(round_key("joined"), 0);

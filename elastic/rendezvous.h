@@ -26,12 +26,14 @@
 //
 // Thread-safety: one Rendezvous is used by one thread. Errors (absl::Status): DEADLINE_EXCEEDED when fewer than
 // min_nodes joined within join_timeout (naming how many did); ABORTED when the job has used up its restarts;
+// CANCELLED when RendezvousOptions::interrupted stopped a join;
 // UNAVAILABLE when the store cannot be reached;
 // FAILED_PRECONDITION for a record written by a launcher of another Tandem build.
 #pragma once
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -61,6 +63,10 @@ struct RendezvousOptions {
   int keep_alive_max_attempt = 3;
   // How often join() looks at the store while it waits.
   absl::Duration poll_interval = absl::Milliseconds(20);
+  // Asked between join()'s looks at the store (optional): once it returns true (the launcher got SIGTERM), join()
+  // stops waiting and returns CANCELLED. This node then leaves the round it waited in (left/<i>), and ends it (not
+  // as a failure) if it was to be a member, so that the others re-form at once without it.
+  std::function<bool()> interrupted;
 };
 
 // One closed round, as this node sees it.

@@ -26,7 +26,8 @@
 // round's nodes that come back are in or have taken as long as a lost node would (elastic/rendezvous.h); it assigns
 // node ranks in order of arrival, world size and node 0's fresh master port. Any worker failure, a node that misses its
 // heartbeats (keep_alive_interval x keep_alive_max_attempt, default 5 s x 3), a node waiting to join a job with room,
-// or a launcher stopped by a signal ends the round: every node stops its workers and joins the next one. Failures
+// or a launcher stopped by a signal ends the round: every node stops its workers and joins the next one (a launcher
+// signalled while it waits to join leaves at once, ending the round it was to be in). Failures
 // (not membership changes) count against --max-restarts, over the whole job. The job succeeds when every node's
 // workers exited 0. --rdzv-conf also takes join_timeout (default 600 s). --rdzv-backend etcd keeps the rendezvous in
 // an etcd cluster at --rdzv-endpoint instead (no launcher is a single point of failure).
@@ -744,6 +745,8 @@ Round run_round(const Options& o, const Placement& p, const std::string& secret,
       // This node leaves on purpose: the round ends as no failure before its workers stop, so the other nodes'
       // workers, which fail when these go, are not counted against --max-restarts either.
       (void)rdzv->end_round(leave_reason(node, g_signal), /*failure=*/false);
+      // Left now, not once its workers have stopped (up to --grace-seconds): the next round does not wait for it.
+      (void)rdzv->leave();
     }
     if (rdzv && !stopping) {
       if (first_failed >= 0) {
@@ -903,6 +906,7 @@ int run_elastic(Options& o, std::vector<Standby>* pool) {
   ro.keep_alive_interval = absl::Seconds(conf_seconds(conf, "keep_alive_interval", 5));
   ro.keep_alive_max_attempt = static_cast<int>(conf_seconds(conf, "keep_alive_max_attempt", 3));
   const absl::Duration lost_after = ro.keep_alive_interval * ro.keep_alive_max_attempt;
+  ro.interrupted = [] { return g_signal != 0; };  // SIGTERM while waiting to join: leave at once
   if (!o.local_addr.empty()) {
     ro.host = o.local_addr;
   } else if (auto a = elastic::address_towards(endpoint_host); a.ok()) {
@@ -944,6 +948,11 @@ int run_elastic(Options& o, std::vector<Standby>* pool) {
   for (;;) {
     rdzv.options().master_port = free_port();  // a fresh port each round: never "address already in use"
     auto round = rdzv.join();
+    if (!round.ok() && g_signal) {  // a signal while waiting (the options' `interrupted`): this node left
+      std::fprintf(stderr, "tandem-run: interrupted by signal %d while joining the rendezvous: %s\n",
+                   static_cast<int>(g_signal), std::string(round.status().message()).c_str());
+      return finish(128 + g_signal);
+    }
     if (!round.ok()) {
       std::fprintf(stderr, "tandem-run: rendezvous failed: %s\n", round.status().ToString().c_str());
       return 1;

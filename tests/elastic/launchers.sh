@@ -15,6 +15,8 @@
 #   launchers.sh leave <tandem-run> <ddp_train> slow
 #     The same with the first launcher checking the rendezvous every 2 s: its worker fails (its peer is gone) before
 #     it sees the round's end, and it still names the leave as the cause (the first end of a round wins).
+#   launchers.sh leave-joining <tandem-run>
+#     --nnodes 2 with one launcher, stopped with SIGTERM while it waits for the second: it leaves at once (exit 143).
 #   launchers.sh exhausted <tandem-run>
 #     A worker that always fails on 2 nodes: after --max-restarts 2 both launchers exit non-zero with one line naming
 #     the three failures.
@@ -185,6 +187,22 @@ leave)
   grep -q "round 2: node 0 of 1, ranks 0-0 of 1, restart 0" "$dir/a.log" || fail "the remaining node did not carry on alone"
   grep -q "final parameters" "$dir/a.log" || fail "the job did not finish"
   grep -h "round . ended" "$dir/a.log"
+  ;;
+
+leave-joining)
+  # A launcher waiting for a second node is stopped (a pod drained before its job formed): it leaves at once with 143,
+  # saying so, instead of waiting out the join timeout (60 s here) and failing then.
+  launch "$dir/a.log" --nnodes 2 --rdzv-id lj -- true
+  a=${pids[0]}
+  wait_for 30 grep -q "rendezvous 'lj' at" "$dir/a.log" || fail "the launcher did not start"
+  kill -TERM "$a"
+  c=0
+  wait "$a" || c=$?
+  pids=()
+  [ "$c" = 143 ] || fail "the stopped launcher exited $c, not 143"
+  grep -q "interrupted by signal 15 while joining the rendezvous: rendezvous 'lj': node 127.0.0.1 (launcher pid [0-9]*) left while joining round 0" \
+    "$dir/a.log" || fail "the launcher did not say it left while joining"
+  grep -h "interrupted" "$dir/a.log"
   ;;
 
 exhausted)

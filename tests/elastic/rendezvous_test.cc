@@ -8,6 +8,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstdlib>
 #include <filesystem>
 #include <future>
@@ -234,6 +235,34 @@ TEST_P(UnitElastic, TheNextRoundWaitsForThePreviousRoundsNodesStoppingTheirWorke
   EXPECT_EQ(rc1->nnodes, 2) << "the waiting node formed round 1 alone";
   EXPECT_EQ(ra1->round, 1);
   EXPECT_EQ(ra1->nnodes, 2);
+}
+
+TEST_P(UnitElastic, AnInterruptedJoinLeavesAtOnceAndTheOthersReformWithoutIt) {
+  auto sa = store(), sb = store();
+  RendezvousOptions ob = node("hostB", 2, 2);  // waits for a second node
+  std::atomic<bool> stop{false};
+  ob.interrupted = [&stop] { return stop.load(); };
+  Rendezvous b(*sb, ob);
+  auto fb = std::async(std::launch::async, [&] { return b.join(); });
+  absl::SleepFor(absl::Milliseconds(200));
+  const absl::Time asked = absl::Now();
+  stop = true;  // the launcher got SIGTERM while it waited
+  auto rb = fb.get();
+  EXPECT_EQ(rb.status().code(), absl::StatusCode::kCancelled) << rb.status();
+  EXPECT_NE(rb.status().message().find("node hostB (launcher pid"), std::string::npos) << rb.status();
+  // Not after the join timeout (20 s here): at its next look at the store.
+  EXPECT_LT(absl::Now() - asked, absl::FromChrono(test::scaled(std::chrono::milliseconds(5000))));
+
+  // The round it waited in ended as a leave, not a failure; a node that comes now forms the next round alone.
+  Rendezvous a(*sa, node("hostA", 1, 2));
+  auto ra = a.join();
+  ASSERT_TRUE(ra.ok()) << ra.status();
+  EXPECT_EQ(ra->round, 1);
+  EXPECT_EQ(ra->nnodes, 1);
+  EXPECT_EQ(ra->restarts, 0);
+  auto failures = a.failures();
+  ASSERT_TRUE(failures.ok());
+  EXPECT_TRUE(failures->empty());
 }
 
 TEST_P(UnitElastic, ANodeThatStopsBeatingIsDroppedWithinTheStatedTime) {
