@@ -406,6 +406,8 @@ std::shared_ptr<const Hook> backward_part_hook() {
 // `timeout_ms`: the backward's timeout (0: RpcOptions::rpc_timeout), for this worker's hops as for the caller's.
 rpc::Future on_grad(int64_t context_id, int64_t send_id, std::vector<int64_t> indices, std::vector<at::Tensor> grads,
                     int64_t message_id, int64_t timeout_ms) {
+  const rpc::CallContext* call = rpc::current_call();  // this message's, read before any work
+  const int from = call ? call->caller_rank : -1;
   auto ctx = Container::get().find(context_id);
   if (!ctx) {
     throw_error(absl::NotFoundError(absl::StrCat("distributed autograd context ", context_id,
@@ -439,9 +441,12 @@ rpc::Future on_grad(int64_t context_id, int64_t send_id, std::vector<int64_t> in
     it->second = work;
   }
   const auto started = std::chrono::steady_clock::now();
-  // When the sender's call times out (its deadline counts from its send, a transit earlier): for the hook.
+  auto hook = backward_part_hook();
+  // With a hook: when the sender's call times out (its deadline counts from its send, a transit earlier).
   const absl::Time deadline =
-      absl::Now() + absl::FromChrono(timeout_ms > 0 ? std::chrono::milliseconds(timeout_ms) : rpc::default_timeout());
+      !hook ? absl::InfiniteFuture()
+            : absl::Now() + absl::FromChrono(timeout_ms > 0 ? std::chrono::milliseconds(timeout_ms)
+                                                            : rpc::default_timeout());  // a sender of an older build
   rpc::Future done;
   try {
     done = run_local(ctx, roots, grads, std::chrono::milliseconds(std::max<int64_t>(0, timeout_ms)),
@@ -450,22 +455,19 @@ rpc::Future on_grad(int64_t context_id, int64_t send_id, std::vector<int64_t> in
     done = failed_here(context_id);
   }
   if (profile::active()) {
-    const rpc::CallContext* call = rpc::current_call();
-    done.add_callback([started, context_id, from = call ? call->caller_name : std::string("?")](const rpc::Future&) {
+    done.add_callback([started, context_id, caller = call ? call->caller_name : std::string("?")](const rpc::Future&) {
       if (profile::active()) {
-        profile::report_steady(absl::StrCat("dist_autograd:remote_backward#", context_id, "(from ", from, ")"), started,
-                               std::chrono::steady_clock::now());
+        profile::report_steady(absl::StrCat("dist_autograd:remote_backward#", context_id, "(from ", caller, ")"),
+                               started, std::chrono::steady_clock::now());
       }
     });
   }
-  auto hook = backward_part_hook();
   if (!hook) {
     rpc::forward(done, work);
     return work;
   }
   // Once this part is done: the hook, whose future the reply waits for.
-  const rpc::CallContext* call = rpc::current_call();
-  const BackwardPart about{context_id, call ? call->caller_rank : -1, deadline};
+  const BackwardPart about{context_id, from, deadline};
   done.add_callback([work, hook = std::move(hook), about](const rpc::Future& part) {
     if (absl::Status s = part.status(); !s.ok()) {
       work.set_error(std::move(s));
@@ -535,10 +537,7 @@ rpc::Future forward_releases(const std::vector<int64_t>& context_ids) {
     }
   }
   std::vector<rpc::Future> released;
-  for (auto& [w, ids] : to) {
-    const auto notes = static_cast<int64_t>(ids.size());
-    released.push_back(releases().send_now(w, kReleaseFunction, std::move(ids), notes));
-  }
+  for (auto& [w, ids] : to) released.push_back(releases().send_now(w, kReleaseFunction, std::move(ids)));
   return rpc::when_all(released);
 }
 
@@ -594,9 +593,11 @@ void backward(int64_t context_id, const std::vector<at::Tensor>& roots, bool /*r
   }
   TANDEM_LOG(kDebug, "dist_autograd") << "backward of context " << context_id << " from " << roots.size() << " roots";
   const auto started = std::chrono::steady_clock::now();
-  rpc::Future done = run_local(ctx, edges, grads, timeout, /*may_block=*/true);
-  // Each hop has its RPC deadline; this bounds the whole pass as well.
+  // This worker's timeout, resolved here: the gradient messages carry it to every hop (a hook there learns when this
+  // call times out, BackwardPart::deadline), not 0 for each worker's own default.
   const auto wait = timeout.count() > 0 ? timeout : rpc::default_timeout();
+  rpc::Future done = run_local(ctx, edges, grads, wait, /*may_block=*/true);
+  // Each hop has its RPC deadline; this bounds the whole pass as well.
   if (!done.wait_for(wait)) {
     throw RpcError(
         absl::DeadlineExceededError(absl::StrCat("distributed backward of context ", context_id, " on worker '",

@@ -111,8 +111,18 @@ int64_t adopt_current_context();
 void share_context(int64_t context_id, int worker);
 void adopt_context(int64_t context_id, int origin);
 
+// What a backward-part hook (below) is told: the context, the worker whose gradient message the part served, and
+// when that worker's call times out (the pass's timeout as the sender resolved it, counted from the message's arrival
+// here): a hook that holds the reply (a round waiting for other trainers) can fail it before then, naming what it
+// waited for, instead of leaving the caller a bare timeout.
+struct BackwardPart {
+  int64_t context_id = 0;
+  int from = -1;  // the rank of the worker that sent the gradient message (-1: not known)
+  absl::Time deadline = absl::InfiniteFuture();
+};
+
 // Runs on this worker each time a gradient message's part of a backward pass is done here (its local pass, and the
-// passes it sent gradients on to): context `context_id` then holds this part's gradients on this worker. Once per
+// passes it sent gradients on to): context `part.context_id` then holds this part's gradients on this worker. Once per
 // message, not per pass: a pass that reaches this worker by several messages runs it for each. The reply to
 // the message, and so the backward() that sent it, waits for the future `hook` returns, and fails with its error (or
 // with what `hook` throws, naming this worker). For a worker that owns parameters and applies gradients as they come:
@@ -121,14 +131,6 @@ void adopt_context(int64_t context_id, int origin);
 // function removes it. Thread-safe; `hook` runs on the thread that finished the part (an RPC thread; a transport's
 // completion thread when the part sent gradients on and their replies came last) and must not block (it returns a
 // pending future instead).
-// `part` says which: the context, the worker whose gradient message it served, and when that worker's call times out
-// (the pass's timeout, counted from the message's arrival here): a hook that holds the reply (a round waiting for
-// other trainers) can fail it before then, naming what it waited for, instead of leaving the caller a bare timeout.
-struct BackwardPart {
-  int64_t context_id = 0;
-  int from = -1;  // the rank of the worker that sent the gradient message
-  absl::Time deadline = absl::InfiniteFuture();
-};
 void set_backward_part_hook(std::function<rpc::Future(const BackwardPart& part)> hook);
 
 // Releases a context here and, asynchronously, on every worker it touched; the future completes when all did.

@@ -70,7 +70,7 @@ Args parse(int argc, char** argv) {
   app.add_option("--rpc-timeout", a.rpc_timeout,
                  "seconds: every call's timeout, a trainer's backward pass's, and so how long a synchronous round "
                  "waits for its trainers")
-      ->check(CLI::PositiveNumber);
+      ->check(CLI::Range(0.01, 1e6));
   tools::parse_flags(app, argc, argv);
   return a;
 }

@@ -21,6 +21,7 @@
 #include "tandem/dist_autograd/dist_autograd.h"
 #include "tandem/log/log.h"
 #include "tandem/metrics/metrics.h"
+#include "tandem/rpc/errors.h"
 #include "tandem/rpc/rpc.h"
 #include "tandem/sync/sync.h"
 
@@ -71,11 +72,13 @@ std::string trainer_name(int rank) {
   return info ? absl::StrCat(info->name, " (rank ", rank, ")") : absl::StrCat("rank ", rank);
 }
 
-// A round gives up this long before its first trainer's call would time out, so that the trainers learn why (a 20th
-// of what is left, at least 100 ms): their calls' deadlines count from their sends, a transit before the server's.
+// A round gives up this long before its first trainer's call would time out, so that the trainers learn why: a 20th
+// of what is left, at least 100 ms (their calls' deadlines count from their sends, a transit before the server's),
+// at most half of it (a short timeout still leaves the other trainers time to come).
 absl::Time give_up_at(absl::Time call_deadline, absl::Time now) {
   if (call_deadline == absl::InfiniteFuture()) return call_deadline;
-  return call_deadline - std::max(absl::Milliseconds(100), (call_deadline - now) / 20);
+  const absl::Duration left = call_deadline - now;
+  return call_deadline - std::min(std::max(absl::Milliseconds(100), left / 20), left / 2);
 }
 
 // Synchronous mode's backward-part hook: a trainer's gradients (context part.context_id) join the round; the last
@@ -87,27 +90,24 @@ rpc::Future on_backward_part(const dist_autograd::BackwardPart& part) {
   dist_autograd::Gradients grads = dist_autograd::get_gradients(context_id);
   rpc::Future done;
   std::vector<rpc::Future> release;
+  absl::Status saved;
   {
     MutexLock lock(&s.mu);
-    auto [it, fresh] = s.in_round.try_emplace(part.from, context_id);
-    // A second part of one trainer's pass (its step sent two forwards to the server) would count it twice.
-    if (!fresh && it->second == context_id) {
-      return rpc::Future::failed(absl::FailedPreconditionError(absl::StrCat(
-          "parameter server: context ", context_id, " reached the server's backward twice in one round; the ",
-          "synchronous round takes one forward per trainer step")));
-    }
-    // A trainer's next step while its last one still waits in the round (it went on after its backward failed, say):
-    // the round would average two steps of one trainer and none of another.
-    if (!fresh) {
+    if (auto it = s.in_round.find(part.from); it != s.in_round.end()) {
+      // A second part of one trainer's pass (its step sent two forwards to the server) would count it twice.
+      if (it->second == context_id) {
+        return rpc::Future::failed(absl::FailedPreconditionError(absl::StrCat(
+            "parameter server: context ", context_id, " reached the server's backward twice in one round; the ",
+            "synchronous round takes one forward per trainer step")));
+      }
+      // A trainer's next step while its last one still waits in the round (it went on after its backward failed,
+      // say): the round would average two steps of one trainer and none of another.
       return rpc::Future::failed(absl::FailedPreconditionError(absl::StrCat(
           "parameter server: trainer ", trainer_name(part.from), " sent the gradients of another step (context ",
           context_id, ") into round ", s.rounds + 1, ", where its step of context ", it->second,
           " still waits for the other trainers; a trainer takes one step per round")));
     }
     const auto arrived = std::chrono::steady_clock::now();  // the last trainer's: its sum begins the round's step
-    const absl::Time now = absl::Now();
-    if (s.in_round.size() == 1) s.round_started = now;
-    s.round_deadline = std::min(s.round_deadline, give_up_at(part.deadline, now));
     for (size_t i = 0; i < s.params.size(); ++i) {
       at::Tensor g = grads[s.params[i]];
       if (!g.defined()) continue;
@@ -116,6 +116,10 @@ rpc::Future on_backward_part(const dist_autograd::BackwardPart& part) {
       // another leaf's may share or that is expanded (add_ would write through it): that one is copied.
       s.sum[i] = s.sum[i].defined() ? s.sum[i].add_(g) : g.is_non_overlapping_and_dense() ? g : g.clone();
     }
+    const absl::Time now = absl::Now();
+    if (s.in_round.empty()) s.round_started = now;
+    s.in_round.emplace(part.from, context_id);  // after the sums: a sum that threw leaves no trainer counted
+    s.round_deadline = std::min(s.round_deadline, give_up_at(part.deadline, now));
     s.waiting.push_back(done);
     if (static_cast<int>(s.waiting.size()) == s.options.trainers) {
       for (size_t i = 0; i < s.params.size(); ++i) {
@@ -128,62 +132,84 @@ rpc::Future on_backward_part(const dist_autograd::BackwardPart& part) {
       }
       s.in_round.clear();
       s.round_deadline = absl::InfiniteFuture();
+      release.swap(s.waiting);
       ++s.rounds;
       s.step_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - arrived).count();
       ++s.steps_timed;
-      if (s.ckpt && s.rounds % s.options.checkpoint_every == 0) s.ckpt->save(s.rounds, s.state);
-      release.swap(s.waiting);
+      if (s.ckpt && s.rounds % s.options.checkpoint_every == 0) {
+        try {
+          s.ckpt->save(s.rounds, s.state);
+        } catch (...) {  // the step is taken; the trainers learn that its checkpoint is not
+          const absl::Status thrown = status_from_current_exception();
+          saved = absl::Status(thrown.code(),
+                               absl::StrCat("parameter server: round ", s.rounds,
+                                            " took its step, but its checkpoint failed: ", thrown.message()));
+        }
+      }
     }
   }
-  for (auto& f : release) f.set_value(c10::IValue());
+  for (auto& f : release) f.set_status(saved.ok() ? absl::OkStatus() : saved);
   return done;
 }
 
 // Synchronous mode, on a thread of its own: a round that cannot complete before its first trainer's call times out
-// (another trainer hung, or died where no launcher stops the job) fails every trainer waiting in it, naming the ones
+// (another trainer hung, or died where no launcher ends the job) fails every trainer waiting in it, naming the ones
 // it waited for, and drops its gradients (no step): the trainers learn the cause instead of a bare timeout, and the
-// server holds no stale gradients that a later round would mix in.
+// server holds no stale gradients that a later round would mix in. It looks at the rounds only when one's deadline
+// comes (or one comes earlier than it planned), not at each round: the rounds' hot path wakes nothing.
 void watch_rounds() {
   Server& s = server();
+  absl::Time planned = absl::InfiniteFuture();  // when this thread looks next: a round's deadline it saw
   for (;;) {
-    std::vector<rpc::Future> failed;
-    absl::Status why;
-    {
-      MutexLock lock(&s.mu);
-      s.mu.Await(Condition(
-          +[](Server* sv) ABSL_NO_THREAD_SAFETY_ANALYSIS { return !sv->in_round.empty(); }, &s));
-      const int64_t round = s.rounds;
-      auto over = [&s, round]() ABSL_NO_THREAD_SAFETY_ANALYSIS { return s.rounds != round || s.in_round.empty(); };
-      // The deadline may move earlier while this waits (a later trainer's call with a shorter timeout): wait in
-      // slices of at most a second, so that such a change is seen.
-      while (!over() && absl::Now() < s.round_deadline) {
-        s.mu.AwaitWithDeadline(Condition(&over), std::min(s.round_deadline, absl::Now() + absl::Seconds(1)));
+    try {
+      std::vector<rpc::Future> failed;
+      std::map<int, int64_t> came;
+      int64_t round = 0;
+      absl::Duration waited;
+      {
+        MutexLock lock(&s.mu);
+        auto earlier = [&s, &planned]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu) { return s.round_deadline < planned; };
+        if (planned == absl::InfiniteFuture()) {
+          s.mu.Await(Condition(&earlier));
+        } else {
+          s.mu.AwaitWithDeadline(Condition(&earlier), planned);
+        }
+        const absl::Time now = absl::Now();
+        if (s.in_round.empty() || now < s.round_deadline) {
+          planned = s.round_deadline;  // the open round's (not due yet), or none
+          continue;
+        }
+        planned = absl::InfiniteFuture();
+        came.swap(s.in_round);
+        failed.swap(s.waiting);
+        for (auto& g : s.sum) g = at::Tensor();
+        s.round_deadline = absl::InfiniteFuture();
+        round = s.rounds + 1;
+        waited = now - s.round_started;
       }
-      if (over()) continue;
-      std::vector<std::string> came, missing;
-      for (const auto& [rank, ctx] : s.in_round) came.push_back(trainer_name(rank));
-      try {  // RPC may be stopping: then the error names no absent trainer
+      // Named outside the lock (the trainers' hooks wait on it).
+      std::vector<std::string> arrived, missing;
+      for (const auto& [rank, ctx] : came) arrived.push_back(trainer_name(rank));
+      try {  // throws once RPC stops: then the error names no one absent
         const int self = rpc::get_worker_info().id;
         for (const auto& w : rpc::get_all_worker_infos()) {
-          if (w.id != self && !s.in_round.count(w.id)) missing.push_back(trainer_name(w.id));
+          if (w.id != self && !came.count(w.id)) missing.push_back(trainer_name(w.id));
         }
       } catch (const std::exception&) {
         missing.clear();
       }
-      const int absent = s.options.trainers - static_cast<int>(s.in_round.size());
-      why = absl::DeadlineExceededError(absl::StrCat(
-          "parameter server: round ", s.rounds + 1, " waited ", absl::FormatDuration(absl::Now() - s.round_started),
-          " for ", absent, " of its ", s.options.trainers, " trainers",
+      const int absent = s.options.trainers - static_cast<int>(came.size());
+      const absl::Status why = absl::DeadlineExceededError(absl::StrCat(
+          "parameter server: round ", round, " waited ", absl::FormatDuration(waited), " for ", absent, " of its ",
+          s.options.trainers, " trainers",
           static_cast<int>(missing.size()) == absent ? absl::StrCat(" (", absl::StrJoin(missing, ", "), ")") : "",
-          ", and gives up before the calls of those that came (", absl::StrJoin(came, ", "),
+          ", and gives up before the calls of those that came (", absl::StrJoin(arrived, ", "),
           ") time out; their gradients are dropped, no step was taken"));
       TANDEM_LOG(kWarn, "ps") << why.message();
-      failed.swap(s.waiting);
-      for (auto& g : s.sum) g = at::Tensor();
-      s.in_round.clear();
-      s.round_deadline = absl::InfiniteFuture();
+      for (auto& f : failed) f.set_error(why);
+    } catch (const std::exception& e) {
+      TANDEM_LOG(kError, "ps") << "the rounds' watch: " << e.what();
     }
-    for (auto& f : failed) f.set_error(why);
   }
 }
 

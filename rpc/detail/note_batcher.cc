@@ -32,16 +32,19 @@ Future NoteBatcher::add_tracked(int to, const std::string& function, std::initia
   return done;
 }
 
-Future NoteBatcher::send_now(int to, const std::string& function, std::vector<int64_t> values, int64_t notes) {
-  Future done(absl::Now() + options_.attempts * absl::FromChrono(rpc::default_timeout()));
+Future NoteBatcher::send_now(int to, const std::string& function, std::vector<int64_t> values) {
+  Future done(absl::Now() + batch_bound());
+  const auto notes = static_cast<int64_t>(values.size());
   Batch batch{Key(to, function), std::move(values), {done}, notes};
   batch.queued = false;
   send(std::move(batch), options_.attempts);
   return done;
 }
 
+absl::Duration NoteBatcher::batch_bound() const { return options_.attempts * absl::FromChrono(rpc::default_timeout()); }
+
 absl::Duration NoteBatcher::wait_bound() const {
-  const absl::Duration batch = options_.attempts * absl::FromChrono(rpc::default_timeout());
+  const absl::Duration batch = batch_bound();
   return options_.policy == Policy::kOneInFlight ? 2 * batch : options_.flush_delay + batch;
 }
 

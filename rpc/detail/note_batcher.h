@@ -64,11 +64,11 @@ class NoteBatcher {
   // The same, and a future that completes with the outcome of the batch carrying the note. Its deadline covers the
   // batch ahead of it (kOneInFlight) or the flush delay (kEveryDelay), and every attempt's RPC timeout.
   Future add_tracked(int to, const std::string& function, std::initializer_list<int64_t> values);
-  // Sends `values` (`notes` notes) to `function` on worker `to` at once, as a batch of their own, outside the queue:
+  // Sends `values` (a note each) to `function` on worker `to` at once, as a batch of their own, outside the queue:
   // never behind a batch in flight, nor holding one back (for notes whose sender waits for their reply while replying
   // itself, where waiting behind a batch could close a ring of waits). Attempts and on_failure as for any batch; the
   // future completes with its outcome.
-  Future send_now(int to, const std::string& function, std::vector<int64_t> values, int64_t notes);
+  Future send_now(int to, const std::string& function, std::vector<int64_t> values);
   // Sends what is queued now (a graceful shutdown's drain). Under kOneInFlight notes only ever wait behind a batch in
   // flight, which sends them when it completes: nothing to do.
   void flush();
@@ -102,7 +102,8 @@ class NoteBatcher {
   void send(Batch batch, int attempts);
   void send_next(const Key& key);
   void loop();
-  absl::Duration wait_bound() const;
+  absl::Duration batch_bound() const;  // a batch's attempts, each within the RPC timeout
+  absl::Duration wait_bound() const;   // a tracked note's: the batch ahead of it, or the flush delay, and its own
 
   const Options options_;
   std::atomic<int64_t> calls_made_{0};

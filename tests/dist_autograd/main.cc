@@ -66,6 +66,11 @@ void set_test_hook(const std::string& mode) {
   }
   dist_autograd::set_backward_part_hook([](const dist_autograd::BackwardPart& part) {
     const int64_t ctx = part.context_id;
+    // The sender is a worker of the job, and its call times out later than now (the pass's timeout, not 0).
+    if (part.from < 0 || part.from >= static_cast<int>(rpc::get_all_worker_infos().size()) ||
+        part.deadline <= absl::Now() || part.deadline == absl::InfiniteFuture()) {
+      throw std::runtime_error("hook told a wrong sender or deadline");
+    }
     const bool has = dist_autograd::get_gradients(ctx)[param("k1", 4, 4)].defined();
     rpc::Future held;
     MutexLock lock(&g_hook_mu);

@@ -10,9 +10,9 @@ run=$1 ps=$2
 dir=$(mktemp -d)
 victim=""
 cleanup() {
-  rm -rf "$dir"
-  if [ -n "$victim" ]; then kill -CONT "$victim" 2>/dev/null || true; fi
   if [ -n "${launcher:-}" ]; then kill "$launcher" 2>/dev/null || true; fi
+  if [ -n "$victim" ]; then kill -CONT "$victim" 2>/dev/null || true; fi
+  rm -rf "$dir"
 }
 trap cleanup EXIT
 fail() { echo "ps_round_gives_up: $*" >&2; cat "$dir/job.log" >&2; exit 1; }
@@ -20,10 +20,15 @@ fail() { echo "ps_round_gives_up: $*" >&2; cat "$dir/job.log" >&2; exit 1; }
 "$run" --nproc-per-node 3 "$ps" --epochs 1 --limit 6400 --batch 32 --rpc-timeout 10 --checkpoint-dir "$dir/ckpt" \
   --checkpoint-every 4 >"$dir/job.log" 2>&1 &
 launcher=$!
-# Once the server has saved round 8, the trainers are in the middle of the epoch (200 rounds).
-file="$dir/ckpt/step-000000000008/rank-0.ckpt"
-for _ in $(seq 1200); do [ -e "$file" ] && break; sleep 0.05; done
-[ -e "$file" ] || fail "round 8 was never saved"
+# Once the server has saved two checkpoints (rounds 4 and 8, or later: it keeps the last two), the trainers are in
+# the middle of the epoch (200 rounds).
+saved() { [ "$(ls -d "$dir"/ckpt/step-* 2>/dev/null | wc -l)" -ge 2 ]; }
+for _ in $(seq 1200); do
+  saved && break
+  kill -0 "$launcher" 2>/dev/null || fail "the job ended before round 8"
+  sleep 0.05
+done
+saved || fail "round 8 was never saved"
 for pid in $(pgrep -P "$launcher"); do
   if grep -qx "RANK=2" <<<"$(tr '\0' '\n' <"/proc/$pid/environ" 2>/dev/null)"; then victim=$pid; fi
 done
@@ -31,7 +36,7 @@ done
 kill -STOP "$victim"
 code=0
 wait "$launcher" || code=$?
-launcher=""
+launcher="" victim=""
 [ "$code" != 0 ] || fail "the job succeeded with a trainer stopped"
 grep -q "rank 1 (pid [0-9]*) failed with exit code 1" "$dir/job.log" || fail "trainer 1 did not fail first"
 grep -q "parameter_server: .*parameter server: round [0-9]* waited .* for 1 of its 2 trainers (trainer2 (rank 2)), and gives up before the calls of those that came (trainer1 (rank 1)) time out" \
