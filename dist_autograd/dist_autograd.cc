@@ -403,7 +403,8 @@ std::shared_ptr<const Hook> backward_part_hook() {
 
 // Worker side of a gradient message: continue the pass from send function `send_id`. `message_id` is unique per
 // message: a copy of one already received (the transport duplicated it) completes with the original's work.
-// `timeout_ms`: the backward's timeout (0: RpcOptions::rpc_timeout), for this worker's hops as for the caller's.
+// `timeout_ms`: the backward's timeout as its origin resolved it, for this worker's hops as for the caller's (0, from
+// a sender of an older build: this worker's RpcOptions::rpc_timeout).
 rpc::Future on_grad(int64_t context_id, int64_t send_id, std::vector<int64_t> indices, std::vector<at::Tensor> grads,
                     int64_t message_id, int64_t timeout_ms) {
   const rpc::CallContext* call = rpc::current_call();  // this message's, read before any work

@@ -82,25 +82,17 @@ absl::StatusOr<RoundEnd> Rendezvous::end_round(const std::string& reason, bool f
 }
 
 // Round k's nodes from round k-1, counted when a node enters round k: its members (all that joined it, when it ended
-// before closing) and those that waited for a place in it, less the members that left or were lost; at most
-// max_nodes. Without this, a node that waited for a place (it ended round k-1 and joined round k at once) would close
-// round k alone after a last call shorter than the members of round k-1 took to stop their workers: a round started
-// only to end.
+// before closing) and those that waited for a place in it, less those that left (a member stopped by a signal, or a
+// node that left while it waited) or were lost; at most max_nodes. Without this, a node that waited for a place (it
+// ended round k-1 and joined round k at once) would close round k alone after a last call shorter than the members of
+// round k-1 took to stop their workers: a round started only to end.
 absl::StatusOr<int64_t> Rendezvous::expected_in(int64_t k) {
   if (k == 0) return 0;
   const std::string previous = key(absl::StrCat("r", k - 1, "/"));
   auto joined = store_.add(previous + "joined", 0);
   if (!joined.ok()) return joined.status();
-  int64_t members = *joined;
-  auto closed_present = store_.check({previous + "closed"});
-  if (!closed_present.ok()) return closed_present.status();
-  if ((*closed_present)[0]) {
-    auto closed = read_closed(store_, previous + "closed", options_.keep_alive_interval);
-    if (!closed.ok()) return closed.status();
-    members = std::min<int64_t>(members, closed->nodes());
-  }
   std::vector<std::string> gone;
-  for (int64_t i = 0; i < members; ++i) {
+  for (int64_t i = 0; i < *joined; ++i) {
     gone.push_back(absl::StrCat(previous, "left/", i));
     gone.push_back(absl::StrCat(previous, "lost/", i));
   }
@@ -130,6 +122,10 @@ absl::StatusOr<Round> Rendezvous::join() {
         return absl::AbortedError(absl::StrCat("rendezvous '", options_.run_id, "': the job has used up its ",
                                                options_.max_restarts, " restarts"));
       }
+    }
+    if (options_.interrupted && options_.interrupted()) {  // before arriving: nothing to undo in round k
+      return absl::CancelledError(absl::StrCat("rendezvous '", options_.run_id, "': node ", options_.host,
+                                               " (launcher pid ", getpid(), ") left before joining round ", k));
     }
     round_ = k;
     index_ = -1;
@@ -213,7 +209,7 @@ absl::StatusOr<Round> Rendezvous::join() {
             absl::StrCat("node ", options_.host, " (launcher pid ", getpid(), ") left while joining round ", k);
         index_ = index;  // leave() now, and the launcher's own later, say this node's place in round k
         if (auto s = leave(); !s.ok()) return s;
-        if (!(*present)[0] && !(*present)[1]) {
+        if (!(*present)[0] && !(*present)[1] && index < options_.max_nodes) {  // it was to be a member
           if (auto e = end_round(why, /*failure=*/false); !e.ok()) return e.status();
         }
         return absl::CancelledError(absl::StrCat("rendezvous '", options_.run_id, "': ", why));

@@ -745,8 +745,6 @@ Round run_round(const Options& o, const Placement& p, const std::string& secret,
       // This node leaves on purpose: the round ends as no failure before its workers stop, so the other nodes'
       // workers, which fail when these go, are not counted against --max-restarts either.
       (void)rdzv->end_round(leave_reason(node, g_signal), /*failure=*/false);
-      // Left now, not once its workers have stopped (up to --grace-seconds): the next round does not wait for it.
-      (void)rdzv->leave();
     }
     if (rdzv && !stopping) {
       if (first_failed >= 0) {
@@ -948,7 +946,7 @@ int run_elastic(Options& o, std::vector<Standby>* pool) {
   for (;;) {
     rdzv.options().master_port = free_port();  // a fresh port each round: never "address already in use"
     auto round = rdzv.join();
-    if (!round.ok() && g_signal) {  // a signal while waiting (the options' `interrupted`): this node left
+    if (!round.ok() && round.status().code() == absl::StatusCode::kCancelled && g_signal) {  // `interrupted`: left
       std::fprintf(stderr, "tandem-run: interrupted by signal %d while joining the rendezvous: %s\n",
                    static_cast<int>(g_signal), std::string(round.status().message()).c_str());
       return finish(128 + g_signal);

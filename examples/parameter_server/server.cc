@@ -161,8 +161,8 @@ void watch_rounds() {
   Server& s = server();
   absl::Time planned = absl::InfiniteFuture();  // when this thread looks next: a round's deadline it saw
   for (;;) {
+    std::vector<rpc::Future> failed;  // a round given up: failed whatever happens below
     try {
-      std::vector<rpc::Future> failed;
       std::map<int, int64_t> came;
       int64_t round = 0;
       absl::Duration waited;
@@ -209,6 +209,10 @@ void watch_rounds() {
       for (auto& f : failed) f.set_error(why);
     } catch (const std::exception& e) {
       TANDEM_LOG(kError, "ps") << "the rounds' watch: " << e.what();
+      for (auto& f : failed) {
+        f.set_error(absl::DeadlineExceededError(
+            absl::StrCat("parameter server: a round gave up waiting for its trainers (", e.what(), ")")));
+      }
     }
   }
 }
