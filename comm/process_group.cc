@@ -612,8 +612,11 @@ class GlooGroup final : public ProcessGroup {
     // debug mode: the fingerprint exchange has its own), and a failure names the members gone within kPingTimeout.
     const int64_t ahead_and_this = ++pending_;
     const milliseconds per_op = options_.debug ? 2 * options_.timeout : options_.timeout;
-    rpc::Future done(absl::Now() + absl::FromChrono(ahead_and_this * per_op + kPingTimeout));
     const int64_t bytes = characteristic.defined() ? static_cast<int64_t>(characteristic.nbytes()) : 0;
+    // Named for the error of a wait that outlasts it (Gloo bounds each of its waits, not the whole operation).
+    rpc::Future done(absl::Now() + absl::FromChrono(ahead_and_this * per_op + kPingTimeout),
+                     absl::StrCat("process group '", name_, "' (rank ", rank_, " of ", size_, "), ", what, " of ",
+                                  bytes, " bytes (", ahead_and_this - 1, " operations ahead of it)"));
     queue_.push_back(Op{what, fingerprint(what, characteristic, param), std::move(run), done, bytes});
     return done;
   }

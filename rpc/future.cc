@@ -9,8 +9,9 @@
 namespace tandem::rpc {
 
 struct Future::State {
-  explicit State(absl::Time d) : deadline(d) {}
+  State(absl::Time d, std::string w) : deadline(d), what(std::move(w)) {}
   const absl::Time deadline;
+  const std::string what;
   mutable Mutex mu;
   bool done ABSL_GUARDED_BY(mu) = false;
   c10::IValue value ABSL_GUARDED_BY(mu);
@@ -18,7 +19,7 @@ struct Future::State {
   std::vector<std::function<void(const Future&)>> callbacks ABSL_GUARDED_BY(mu);
 };
 
-Future::Future(absl::Time deadline) : state_(std::make_shared<State>(deadline)) {}
+Future::Future(absl::Time deadline, std::string what) : state_(std::make_shared<State>(deadline, std::move(what))) {}
 
 Future Future::ready(c10::IValue value) {
   Future f;
@@ -61,7 +62,8 @@ absl::Status Future::status() const {
   MutexLock lock(&state_->mu);
   const bool* done = &state_->done;
   if (!state_->mu.AwaitWithDeadline(Condition(done), until)) {
-    return absl::DeadlineExceededError("future not completed before its deadline");
+    return absl::DeadlineExceededError(state_->what.empty() ? "future not completed before its deadline"
+                                                            : state_->what + ": not completed by its deadline");
   }
   return state_->error;
 }

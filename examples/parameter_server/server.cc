@@ -245,16 +245,23 @@ void register_parameter_server() {
     Server& s = server();
     rpc::Future arrived;
     std::vector<rpc::Future> release;
+    absl::Status saved;
     {
       MutexLock lock(&s.mu);
       s.at_barrier.push_back(arrived);
       if (static_cast<int>(s.at_barrier.size()) == s.options.trainers) {
         s.rounds = step;
-        if (s.ckpt) s.ckpt->save(step, s.state);
         release.swap(s.at_barrier);
+        try {
+          if (s.ckpt) s.ckpt->save(step, s.state);
+        } catch (...) {  // every trainer at the barrier learns it, not only the last to arrive
+          const absl::Status thrown = status_from_current_exception();
+          saved = absl::Status(thrown.code(), absl::StrCat("parameter server: the checkpoint of step ", step,
+                                                           " failed: ", thrown.message()));
+        }
       }
     }
-    for (auto& f : release) f.set_value(c10::IValue());
+    for (auto& f : release) f.set_status(saved);
     return arrived;
   });
   rpc::register_function("ps.rounds", [] {

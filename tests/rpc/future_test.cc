@@ -52,6 +52,12 @@ TEST(UnitFuture, WaitsAreBounded) {
   EXPECT_FALSE(f.wait_for(milliseconds(20)));
   Future with_deadline(absl::Now() + absl::Milliseconds(50));
   EXPECT_EQ(with_deadline.status().code(), absl::StatusCode::kDeadlineExceeded);  // deadline + 2 s margin, then error
+  EXPECT_EQ(with_deadline.status().message(), "future not completed before its deadline");
+  // A future that says what it stands for names it when its wait runs out.
+  Future named(absl::Now() + absl::Milliseconds(10), "process group 'g' (rank 1 of 2), allreduce of 16 bytes");
+  EXPECT_EQ(named.status().message(),
+            "process group 'g' (rank 1 of 2), allreduce of 16 bytes: not completed by its "
+            "deadline");
   std::thread t([f] { f.set_value(c10::IValue(true)); });
   EXPECT_TRUE(f.wait_for(milliseconds(10000)));
   t.join();
