@@ -741,10 +741,14 @@ Round run_round(const Options& o, const Placement& p, const std::string& secret,
     }
 
     bool round_over = false;
-    if (rdzv && !stopping && g_signal) {
+    // The signal is read once per pass: a stop for it (below) always follows its leave vote. Read twice, a signal that
+    // came between the reads (while monitor() talked to the store) stopped the workers before the vote, and another
+    // node's failure, which followed from that, could win the round's end (a leave counted as a failure).
+    const int sig = g_signal;
+    if (rdzv && !stopping && sig) {
       // This node leaves on purpose: the round ends as no failure before its workers stop, so the other nodes'
       // workers, which fail when these go, are not counted against --max-restarts either.
-      (void)rdzv->end_round(leave_reason(node, g_signal), /*failure=*/false);
+      (void)rdzv->end_round(leave_reason(node, sig), /*failure=*/false);
     }
     if (rdzv && !stopping) {
       if (first_failed >= 0) {
@@ -776,9 +780,9 @@ Round run_round(const Options& o, const Placement& p, const std::string& secret,
         std::chrono::steady_clock::now() >= refill_at) {
       while (static_cast<int>(pool->size()) < o.nproc) pool->push_back(spawn_standby(o, secret));
     }
-    if (!stopping && (first_failed >= 0 || g_signal || round_over)) {
+    if (!stopping && (first_failed >= 0 || sig || round_over)) {
       stopping = true;
-      stop_others(g_signal ? g_signal : SIGTERM);
+      stop_others(sig ? sig : SIGTERM);
       kill_deadline = std::chrono::steady_clock::now() + std::chrono::seconds(o.grace_seconds);
     }
     if (stopping && std::chrono::steady_clock::now() > kill_deadline) {
@@ -1002,7 +1006,12 @@ int run_elastic(Options& o, std::vector<Standby>* pool) {
           r.ended = (*end)->reason;
           break;
         }
-        if (g_signal) return finish(128 + g_signal);
+        if (g_signal) {  // it leaves: the others re-form without it, not after its heartbeats stop (a failure)
+          (void)rdzv.end_round(leave_reason(node, g_signal), /*failure=*/false);
+          std::fprintf(stderr, "tandem-run: interrupted by signal %d; this node's workers had finished\n",
+                       static_cast<int>(g_signal));
+          return finish(128 + g_signal);
+        }
         std::this_thread::sleep_for(rendezvous_interval(o, rdzv));
       }
     }
