@@ -500,7 +500,9 @@ rpc::detail::NoteBatcher& releases() {
     rpc::detail::NoteBatcher::Options o;
     o.policy = rpc::detail::NoteBatcher::Policy::kOneInFlight;
     o.attempts = 3;
-    o.on_failure = [](int64_t notes) { Container::get().failed_releases.fetch_add(notes); };
+    o.on_failure = [](int, const std::string&, const absl::Status&, int64_t notes) {
+      Container::get().failed_releases.fetch_add(notes);
+    };
     return new rpc::detail::NoteBatcher(std::move(o));
   }();  // never destroyed: release messages may complete until exit
   return *batcher;

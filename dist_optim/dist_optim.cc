@@ -24,6 +24,7 @@
 #include "absl/strings/str_join.h"
 #include "tandem/dist_autograd/detail/gradients.h"
 #include "tandem/dist_autograd/dist_autograd.h"
+#include "tandem/rpc/detail/note_batcher.h"
 #include "tandem/rpc/errors.h"
 #include "tandem/rpc/extension.h"
 #include "tandem/rpc/registry.h"
@@ -227,9 +228,9 @@ bool install() {
   rpc::register_function(kSaveState, on_save_state);
   rpc::register_function(kLoadState, on_load_state);
   rpc::register_function(kStep, on_step);
-  rpc::register_function(kRelease, [](int64_t id) {
+  rpc::register_function(kRelease, [](std::vector<int64_t> ids) {  // from rpc::detail::releases()
     MutexLock lock(&g_registry_mu);
-    g_optimizers.erase(id);
+    for (int64_t id : ids) g_optimizers.erase(id);
   });
   rpc::add_stop_hook([] {
     MutexLock lock(&g_registry_mu);
@@ -281,10 +282,16 @@ DistributedOptimizer::DistributedOptimizer(const std::string& kind, const std::v
 
 DistributedOptimizer::~DistributedOptimizer() { release(); }
 
+int64_t owned_optimizer_count() {
+  MutexLock lock(&g_registry_mu);
+  return static_cast<int64_t>(g_optimizers.size());
+}
+
 void DistributedOptimizer::release() {
   if (!rpc::is_initialized()) return;
-  // Not waited for: if RPC is shutting down meanwhile, the owners drop their optimizers when they stop.
-  for (const auto& [owner, id] : remote_) (void)rpc::rpc_async(owner, kRelease, id);
+  // Not waited for (failures are logged): if RPC is shutting down meanwhile, the owners drop their optimizers when
+  // they stop.
+  for (const auto& [owner, id] : remote_) rpc::detail::releases().add(owner, kRelease, {id});
   remote_.clear();
 }
 

@@ -54,7 +54,8 @@ class DistributedOptimizer {
   // (INVALID_ARGUMENT for an unknown kind or hyper-parameter, or a parameter that is not a tensor).
   DistributedOptimizer(const std::string& kind, const std::vector<rref::RRef>& parameters,
                        const std::map<std::string, double>& hyper = {}, DistributedOptimizerOptions options = {});
-  // Releases the remote optimizers (asynchronously, best effort: a dead owner has nothing to release).
+  // Releases the remote optimizers (asynchronously: a lost release is sent again, 3 times in all; one that still fails
+  // is logged as a warning naming the owner, whose optimizer then lives until its RPC stops).
   ~DistributedOptimizer();
   DistributedOptimizer(const DistributedOptimizer&) = delete;
   DistributedOptimizer& operator=(const DistributedOptimizer&) = delete;
@@ -76,5 +77,9 @@ class DistributedOptimizer {
   std::vector<std::pair<int, int64_t>> remote_;  // (owner rank, optimizer id there)
   DistributedOptimizerOptions options_;
 };
+
+// The optimizers this worker holds for DistributedOptimizers anywhere (its own and other workers'): for leak checks.
+// Thread-safe.
+int64_t owned_optimizer_count();
 
 }  // namespace tandem::dist_optim

@@ -27,6 +27,7 @@
 #include "tandem/pipeline/detail/shm_p2p.h"
 #include "tandem/pipeline/layers.h"
 #include "tandem/rpc/detail/ids.h"
+#include "tandem/rpc/detail/note_batcher.h"
 #include "tandem/rpc/errors.h"
 #include "tandem/sync/sync.h"
 
@@ -93,7 +94,7 @@ struct Pipeline::State {
     detail::drop_driver_inbox(id);
     detail::drop_outlets(id);
     if (!rpc::is_initialized()) return;
-    for (int w : workers) (void)rpc::rpc_async(w, kRelease, id);  // best effort, not waited for
+    for (int w : workers) rpc::detail::releases().add(w, kRelease, {id});  // not waited for; failures are logged
   }
 
   std::string describe_worker(int rank) const {
@@ -208,9 +209,9 @@ struct Pipeline::State {
         }
       }
       const bool by_ring = (first || last) && send_by_ring(w, opts, step_id, first, first_inputs, last, ys);
-      const std::vector<int64_t> flags{opts.checkpoint, opts.gradients == GradientsTo::kDotGrad,
-                                       opts.record_timeline,  opts.timeout.count(),
-                                       total_rows,      by_ring};
+      const std::vector<int64_t> flags{opts.checkpoint,      opts.gradients == GradientsTo::kDotGrad,
+                                       opts.record_timeline, opts.timeout.count(),
+                                       total_rows,           by_ring};
       // A worker on this host that holds the plan, has its micro-batches or targets (if any) in its inbox and
       // replied through the driver's inbox before: the step starts there without a call. Not for a replica (its
       // ReplicatedPipeline watches every replica's calls to abandon them all at the first failure).
@@ -261,7 +262,8 @@ struct Pipeline::State {
     if (!o) return false;
     const c10::IValue all_inputs = first ? c10::IValue(c10::ivalue::Tuple::create(inputs)) : c10::IValue();
     const c10::IValue all_targets = last ? c10::IValue(targets) : c10::IValue();
-    const size_t bytes = (first ? detail::encoded_size(all_inputs) : 0) + (last ? detail::encoded_size(all_targets) : 0);
+    const size_t bytes =
+        (first ? detail::encoded_size(all_inputs) : 0) + (last ? detail::encoded_size(all_targets) : 0);
     if (bytes == 0 || bytes > detail::Inbox::kRingBytes / 2) return false;
     const int n = static_cast<int>(stage_rank.size());
     // Without a ring of the bell: the run there starts after these (on the call, or the go, sent next) and looks

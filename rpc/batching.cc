@@ -99,11 +99,37 @@ class Batcher : public std::enable_shared_from_this<Batcher> {
     return next_formed_++;
   }
 
-  // Runs batch number `seq` once every batch formed before it has run; batches of this function never overlap.
+  // Hands batch number `seq` over to run once every batch formed before it has run; batches of this function never
+  // overlap. No thread waits for its turn: the thread that finds no batch running runs, in order, every batch that is
+  // ready (its own, and those handed over meanwhile); the others return at once. So a batched function that never
+  // returns holds one thread, never the RPC threads of the calls that arrive behind it (their callers time out).
   void run(int64_t seq, std::vector<Pending> batch) {
-    MutexLock running(&run_mu_);
-    auto turn = [this, seq]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(run_mu_) { return next_to_run_ == seq; };
-    run_mu_.Await(Condition(&turn));  // the batch formed just before is being handed to run() on another thread
+    {
+      MutexLock lock(&run_mu_);
+      ready_.emplace(seq, std::move(batch));
+      if (running_) return;
+      running_ = true;
+    }
+    for (;;) {
+      std::vector<Pending> next;
+      {
+        MutexLock lock(&run_mu_);
+        auto it = ready_.find(next_to_run_);
+        // The batch formed before it may still be on its way here (its thread has not taken run_mu_ yet): that
+        // thread runs it, and the rest, when it comes.
+        if (it == ready_.end()) {
+          running_ = false;
+          return;
+        }
+        next = std::move(it->second);
+        ready_.erase(it);
+        ++next_to_run_;
+      }
+      run_one(std::move(next));
+    }
+  }
+
+  void run_one(std::vector<Pending> batch) {
     std::vector<std::vector<c10::IValue>> requests;
     requests.reserve(batch.size());
     for (auto& p : batch) requests.push_back(std::move(p.args));
@@ -119,7 +145,6 @@ class Batcher : public std::enable_shared_from_this<Batcher> {
       const absl::Status thrown = status_from_current_exception();
       error = absl::Status(thrown.code(), absl::StrCat("batched function '", name_, "' threw: ", thrown.message()));
     }
-    ++next_to_run_;
     {
       MutexLock lock(&mu_);
       ++stats_.batches;
@@ -143,8 +168,10 @@ class Batcher : public std::enable_shared_from_this<Batcher> {
   std::vector<Pending> pending_ ABSL_GUARDED_BY(mu_);
   BatchStats stats_ ABSL_GUARDED_BY(mu_);
   int64_t next_formed_ ABSL_GUARDED_BY(mu_) = 0;  // the number the next batch formed gets
-  Mutex run_mu_;                                  // one batch at a time, in the order they were formed
+  Mutex run_mu_;                                  // batches formed and not yet run
+  std::map<int64_t, std::vector<Pending>> ready_ ABSL_GUARDED_BY(run_mu_);
   int64_t next_to_run_ ABSL_GUARDED_BY(run_mu_) = 0;
+  bool running_ ABSL_GUARDED_BY(run_mu_) = false;  // a thread is running batches
 };
 
 Mutex g_mu(absl::kConstInit);

@@ -8,9 +8,11 @@
 //   int64_t a = rpc::rpc_sync<int64_t>("agent", "select_action", state);
 //
 // Contract. Every call of the registered name becomes one request of the next batch; it is answered (asynchronously:
-// no server thread waits) when its batch runs. A batch runs as soon as `max_batch` requests wait (on the thread of the
-// call that completed it), or when the oldest waiting request has waited `max_delay` (on the batcher's own thread),
-// so a slow, late or dead caller never holds up the others by more than max_delay. The function gets the requests in
+// no server thread waits) when its batch runs. A batch is formed as soon as `max_batch` requests wait (by the call
+// that completed it), or when the oldest waiting request has waited `max_delay` (by the batcher's own thread), so a
+// slow, late or dead caller never holds up the others by more than max_delay. It runs on the thread that formed it,
+// or, when another batch is running then, on that batch's thread after it: no thread waits for its turn, so a
+// function that never returns holds one thread only (the calls behind it time out with their callers' timeouts). The function gets the requests in
 // arrival order and returns exactly one result per request, in the same order.
 //
 // Order: batches of one function never run concurrently, and they run in the order they were formed, so the function

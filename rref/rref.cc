@@ -254,7 +254,7 @@ class Context {
     o.flush_delay = absl::Milliseconds(1);
     o.max_values = 2 * 256;  // (a, b) pairs
     o.attempts = 3;
-    o.on_failure = [](int64_t) { ++Context::get().failed_notes; };
+    o.on_failure = [](int, const std::string&, const absl::Status&, int64_t) { ++Context::get().failed_notes; };
     return o;
   }
 

@@ -5,8 +5,8 @@
 #include <torch/nn/module.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <atomic>
+#include <cstdlib>
 #include <deque>
 #include <map>
 #include <mutex>
@@ -21,11 +21,11 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/time.h"
+#include "tandem/comm/detail/shm.h"
 #include "tandem/comm/process_group.h"
 #include "tandem/dist_autograd/dist_autograd.h"
 #include "tandem/log/log.h"
 #include "tandem/pipeline/detail/common.h"
-#include "tandem/comm/detail/shm.h"
 #include "tandem/pipeline/detail/p2p.h"
 #include "tandem/pipeline/detail/shm_p2p.h"
 #include "tandem/pipeline/detail/stage.h"
@@ -102,7 +102,7 @@ class Executor {
         };
         mu_.Await(Condition(&ready));
         inbox = inbox_;
-        if (inbox) seen = inbox->bell();  // before looking: a ring after this ends the sleep below at once
+        if (inbox) seen = inbox->bell();          // before looking: a ring after this ends the sleep below at once
         if (queue_.empty() && stopping_) return;  // stopping, and nothing left
         if (!queue_.empty()) {
           task = std::move(queue_.front());
@@ -1198,7 +1198,8 @@ bool install() {
   rpc::register_function(kAbort, [](int64_t pipe, int64_t step, std::string reason) {
     Mailbox::get().abort(pipe, step, absl::AbortedError(reason));
   });
-  rpc::register_function(kRelease, [](int64_t pipe) { release_pipes({pipe}); });
+  // Sent through rpc::detail::releases(): a list of pipelines, possibly one already released.
+  rpc::register_function(kRelease, [](std::vector<int64_t> pipes) { release_pipes(pipes); });
   rpc::add_stop_hook([] {
     Mailbox::get().abort_all(absl::CancelledError("RPC is shutting down"));
     Stages& s = stages();
@@ -1236,8 +1237,7 @@ bool shared_memory_enabled() {
   return on;
 }
 
-std::shared_ptr<Outlet> attach_outlet(int to, int64_t pipe, std::chrono::milliseconds timeout,
-                                      const char* function) {
+std::shared_ptr<Outlet> attach_outlet(int to, int64_t pipe, std::chrono::milliseconds timeout, const char* function) {
   if (!shared_memory_enabled()) return nullptr;
   const auto key = std::make_tuple(pipe, to, std::string(function));
   Outlets& all = outlets();
@@ -1247,10 +1247,10 @@ std::shared_ptr<Outlet> attach_outlet(int to, int64_t pipe, std::chrono::millise
   }
   std::shared_ptr<Outlet> o;
   try {
-    rpc::Future f = rpc::call_and_wait(to, function,
-                                       {c10::IValue(pipe), c10::IValue(int64_t{rpc::get_worker_info().id}),
-                                        c10::IValue(comm::detail::host_place())},
-                                       timeout);
+    rpc::Future f = rpc::call_and_wait(
+        to, function,
+        {c10::IValue(pipe), c10::IValue(int64_t{rpc::get_worker_info().id}), c10::IValue(comm::detail::host_place())},
+        timeout);
     const auto ends = f.status().ok() ? f.value().toIntVector() : std::vector<int64_t>{};
     if (ends.size() == 4) {  // else another host, or the peer takes no shared memory
       auto opened = Outlet::open(RingEnds{ends[0], ends[1], ends[2], ends[3]});

@@ -2,6 +2,7 @@
 
 #include <iterator>
 
+#include "tandem/log/log.h"
 #include "tandem/rpc/convert.h"
 #include "tandem/rpc/rpc.h"
 
@@ -100,7 +101,7 @@ void NoteBatcher::send(Batch batch, int attempts) {
   sent.add_callback([this, batch = std::move(batch), attempts](const Future& reply) mutable {
     const absl::Status s = reply.status();
     if (!s.ok() && lost(s) && attempts > 1) return send(std::move(batch), attempts - 1);
-    if (!s.ok() && options_.on_failure) options_.on_failure(batch.notes);
+    if (!s.ok() && options_.on_failure) options_.on_failure(batch.key.first, batch.key.second, s, batch.notes);
     for (const Future& w : batch.waiters) w.set_status(s);
     if (options_.policy == Policy::kOneInFlight && batch.queued) send_next(batch.key);
   });
@@ -169,6 +170,20 @@ void NoteBatcher::loop() {
     for (auto& b : batches) send(std::move(b), options_.attempts);
     mu_.Lock();
   }
+}
+
+NoteBatcher& releases() {
+  static auto* batcher = new NoteBatcher([] {  // never destroyed: calls in flight refer to it
+    NoteBatcher::Options o;
+    o.policy = NoteBatcher::Policy::kOneInFlight;
+    o.attempts = 3;
+    o.on_failure = [](int to, const std::string& function, const absl::Status& error, int64_t notes) {
+      TANDEM_LOG(kWarn, "rpc") << "releasing " << notes << " object(s) with '" << function << "' on worker " << to
+                               << " failed after 3 attempts (they stay until that worker stops): " << error;
+    };
+    return o;
+  }());
+  return *batcher;
 }
 
 }  // namespace tandem::rpc::detail

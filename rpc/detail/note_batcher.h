@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
 #include "absl/time/time.h"
 #include "tandem/rpc/future.h"
 #include "tandem/sync/sync.h"
@@ -49,8 +50,9 @@ class NoteBatcher {
     size_t max_values = 0;                               // kEveryDelay only; 0: no limit
     // Calls per batch. More than 1 only for functions that may safely receive the same notes twice.
     int attempts = 1;
-    // Called once for each batch that failed for good, with the number of notes it carried. Optional.
-    std::function<void(int64_t notes)> on_failure;
+    // Called once for each batch that failed for good: its destination and function, the last attempt's error, and
+    // the number of notes it carried. Optional.
+    std::function<void(int to, const std::string& function, const absl::Status& error, int64_t notes)> on_failure;
   };
 
   explicit NoteBatcher(Options options);
@@ -113,5 +115,11 @@ class NoteBatcher {
   std::thread thread_ ABSL_GUARDED_BY(mu_);  // kEveryDelay: started by the first note
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
 };
+
+// Releases of remote objects that nobody waits for (a pipeline's stages, a distributed optimizer's shards): one
+// process-wide batcher, kOneInFlight, 3 attempts, so the receiving functions take a list of ids and must accept an
+// id twice (or one already gone). A batch that still fails is logged as a warning naming the worker, the function and
+// the cause: the objects then live until that worker's RPC stops.
+NoteBatcher& releases();
 
 }  // namespace tandem::rpc::detail

@@ -110,6 +110,13 @@ TEST_F(MultiprocDistOptim, SavedStateResumesOnTheOwners) {
     step(opt);
     opt.save(saved);
   }  // released on the owners
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  auto count = [](const char* w) { return rpc::rpc_sync<int64_t>(w, "optimizer_count"); };
+  while ((count("worker1") != 0 || count("worker2") != 0) && std::chrono::steady_clock::now() < give_up) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  EXPECT_EQ(count("worker1"), 0) << "the destroyed optimizer's part on worker1 was not released";
+  EXPECT_EQ(count("worker2"), 0);
   std::ostringstream bytes;
   saved.save_to(bytes);
   torch::serialize::InputArchive in;

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include "tandem/dist_autograd/dist_autograd.h"
+#include "tandem/dist_optim/dist_optim.h"
 #include "tandem/rref/rref.h"
 #include "tests/common/params.h"
 #include "tests/common/spawner.h"
@@ -18,6 +19,7 @@ void register_functions() {
   rpc::register_function("param_ref",
                          [](std::string p) { return rref::make_local(c10::IValue(param(p, 4, 4))).to_ivalue(); });
   rpc::register_function("param_value", [](std::string p) { return param(p, 4, 4).detach().clone(); });
+  rpc::register_function("optimizer_count", [] { return dist_optim::owned_optimizer_count(); });
 }
 
 }  // namespace

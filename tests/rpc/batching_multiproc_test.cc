@@ -2,6 +2,7 @@
 // requests or after 200 ms (tests/rpc/main.cc).
 #include <gmock/gmock.h>
 
+#include <atomic>
 #include <thread>
 
 #include "tandem/rpc/batching.h"
@@ -103,6 +104,45 @@ TEST(UnitRpcBatching, BatchesRunInTheOrderTheirRequestsArrived) {
                           << next[c];
     ++next[c];
   }
+}
+
+// A batched function that does not return holds the thread that runs it, and no other: the calls that form batches
+// behind it are queued and return at once (before, each waited for its turn, so a stuck function held every RPC
+// thread that delivered a call to it). They run, in order, when the first returns.
+TEST(UnitRpcBatching, AStuckBatchHoldsNoOtherThread) {
+  static std::atomic<bool> inside{false}, go{false};
+  static std::vector<int64_t>* seen = new std::vector<int64_t>;
+  rpc::register_batched_function<int64_t, int64_t>(
+      "unit_batched_stuck", {.max_batch = 1, .max_delay = std::chrono::seconds(10)}, [](std::vector<int64_t> xs) {
+        if (xs[0] == 0) {
+          inside = true;
+          const auto until = Clock::now() + std::chrono::seconds(20);  // a bound for the test, not the point
+          while (!go.load() && Clock::now() < until) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        }
+        seen->insert(seen->end(), xs.begin(), xs.end());
+        return xs;
+      });
+  const rpc::Handler handler = rpc::find_function("unit_batched_stuck");
+  ASSERT_TRUE(handler);
+  rpc::Future first;
+  std::thread stuck([&] { first = handler({c10::IValue(int64_t{0})}); });
+  const auto give_up = Clock::now() + std::chrono::seconds(10);
+  while (!inside.load() && Clock::now() < give_up) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  if (!inside.load()) {
+    go = true;
+    stuck.join();
+    FAIL() << "the first batch never ran";
+  }
+  const auto started = Clock::now();
+  std::vector<rpc::Future> later;
+  for (int64_t i = 1; i <= 5; ++i) later.push_back(handler({c10::IValue(i)}));
+  EXPECT_LT(Clock::now() - started, std::chrono::seconds(2)) << "a call waited for the stuck batch";
+  for (auto& f : later) EXPECT_FALSE(f.completed());
+  go = true;
+  stuck.join();
+  EXPECT_EQ(first.value().toInt(), 0);
+  for (int64_t i = 1; i <= 5; ++i) EXPECT_EQ(later[i - 1].value().toInt(), i);
+  EXPECT_EQ(*seen, (std::vector<int64_t>{0, 1, 2, 3, 4, 5}));
 }
 
 // A result that is an error, or an argument that does not convert, fails that request alone; the batch's other
