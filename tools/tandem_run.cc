@@ -12,6 +12,8 @@
 //
 // When a worker fails (non-zero exit or a signal), the others get SIGTERM, then SIGKILL after the grace period, and
 // tandem-run exits non-zero with one summary line naming who failed and why. Workers die with tandem-run (PDEATHSIG).
+// A worker that has still not exited a grace period (at least 5 s) after SIGKILL (stuck in the kernel, or held by a
+// tracer) is named and left behind: tandem-run does not wait for it.
 //
 // Restarts (torchrun's --max-restarts, one node): after a failure, once every worker has stopped, all of them are
 // started again with TORCHELASTIC_RESTART_COUNT one higher and a fresh master port (so a restart never meets "address
@@ -636,6 +638,18 @@ std::string leave_reason(const std::string& node, int sig) {
   return node + " was stopped by signal " + std::to_string(sig);
 }
 
+// Ends the round as this node's leave (no failure). A store that cannot be reached is said, not fatal: the other
+// nodes then see this one's heartbeats stop (counted as a failure).
+void end_round_as_leave(tandem::elastic::Rendezvous& rdzv, const std::string& node, int sig) {
+  auto end = rdzv.end_round(leave_reason(node, sig), /*failure=*/false);
+  if (!end.ok()) {
+    std::fprintf(stderr,
+                 "tandem-run: could not record this node's leave in the rendezvous (the other nodes will count its "
+                 "missed heartbeats as a failure): %s\n",
+                 end.status().ToString().c_str());
+  }
+}
+
 // How often a launcher checks the rendezvous (and beats): every --monitor-interval, but at least every
 // keep_alive_interval, or the other nodes would take a slow monitor for a lost node.
 std::chrono::microseconds rendezvous_interval(const Options& o, tandem::elastic::Rendezvous& rdzv) {
@@ -671,6 +685,8 @@ Round run_round(const Options& o, const Placement& p, const std::string& secret,
   int first_status = 0;
   bool stopping = false;
   auto kill_deadline = std::chrono::steady_clock::time_point::max();
+  // After SIGKILL: a worker not reaped by then is left behind (uninterruptible sleep, a tracer that holds it).
+  auto abandon_deadline = std::chrono::steady_clock::time_point::max();
   auto stop_others = [&](int sig) {
     for (auto& w : workers) {
       if (w.running) kill(w.pid, sig);
@@ -748,7 +764,7 @@ Round run_round(const Options& o, const Placement& p, const std::string& secret,
     if (rdzv && !stopping && sig) {
       // This node leaves on purpose: the round ends as no failure before its workers stop, so the other nodes'
       // workers, which fail when these go, are not counted against --max-restarts either.
-      (void)rdzv->end_round(leave_reason(node, sig), /*failure=*/false);
+      end_round_as_leave(*rdzv, node, sig);
     }
     if (rdzv && !stopping) {
       if (first_failed >= 0) {
@@ -788,6 +804,19 @@ Round run_round(const Options& o, const Placement& p, const std::string& secret,
     if (stopping && std::chrono::steady_clock::now() > kill_deadline) {
       stop_others(SIGKILL);
       kill_deadline = std::chrono::steady_clock::time_point::max();
+      abandon_deadline = std::chrono::steady_clock::now() + std::chrono::seconds(std::max(o.grace_seconds, 5));
+    }
+    if (std::chrono::steady_clock::now() > abandon_deadline) {
+      for (auto& w : workers) {
+        if (!w.running) continue;
+        std::fprintf(stderr,
+                     "tandem-run: rank %d (pid %d) has not exited %d s after SIGKILL (stuck in the kernel, or held by "
+                     "a tracer): left behind\n",
+                     w.rank, static_cast<int>(w.pid), std::max(o.grace_seconds, 5));
+        w.running = false;
+        w.status = SIGKILL;  // as waitpid would report it: killed by SIGKILL
+      }
+      abandon_deadline = std::chrono::steady_clock::time_point::max();
     }
   }
 
@@ -942,18 +971,26 @@ int run_elastic(Options& o, std::vector<Standby>* pool) {
 
   // Ends this launcher: says it is done with the store; the one serving it waits for the others first.
   auto finish = [&](int code) {
-    (void)rdzv.leave();
-    if (server) (void)rdzv.wait_all_left(lost_after);
+    if (auto s = rdzv.leave(); !s.ok()) {
+      std::fprintf(stderr, "tandem-run: could not record this node's leave in the rendezvous: %s\n",
+                   s.ToString().c_str());
+    }
+    if (server) (void)rdzv.wait_all_left(lost_after);  // bounded; what it says on time-out changes nothing here
     return code;
+  };
+  // Ends this launcher on a signal: the round it is a member of (`node`; empty: none) ends as its leave.
+  auto leave_on_signal = [&](const std::string& node, const std::string& why) {
+    const int sig = g_signal;
+    if (!node.empty()) end_round_as_leave(rdzv, node, sig);
+    std::fprintf(stderr, "tandem-run: interrupted by signal %d%s\n", sig, why.c_str());
+    return finish(128 + sig);
   };
 
   for (;;) {
     rdzv.options().master_port = free_port();  // a fresh port each round: never "address already in use"
     auto round = rdzv.join();
     if (!round.ok() && round.status().code() == absl::StatusCode::kCancelled && g_signal) {  // `interrupted`: left
-      std::fprintf(stderr, "tandem-run: interrupted by signal %d while joining the rendezvous: %s\n",
-                   static_cast<int>(g_signal), std::string(round.status().message()).c_str());
-      return finish(128 + g_signal);
+      return leave_on_signal("", " while joining the rendezvous: " + std::string(round.status().message()));
     }
     if (!round.ok()) {
       std::fprintf(stderr, "tandem-run: rendezvous failed: %s\n", round.status().ToString().c_str());
@@ -975,9 +1012,7 @@ int run_elastic(Options& o, std::vector<Standby>* pool) {
 
     if (g_signal) {
       // Ended already if the signal came while the workers ran (run_round); a later one ends it here.
-      (void)rdzv.end_round(leave_reason(node, g_signal), /*failure=*/false);
-      std::fprintf(stderr, "tandem-run: interrupted by signal %d; stopped all ranks\n", static_cast<int>(g_signal));
-      return finish(128 + g_signal);
+      return leave_on_signal(node, "; stopped all ranks");
     }
     if (!r.error.empty()) {
       std::fprintf(stderr, "tandem-run: lost the rendezvous store at %s (%s): %s\n", endpoint.c_str(),
@@ -1007,10 +1042,7 @@ int run_elastic(Options& o, std::vector<Standby>* pool) {
           break;
         }
         if (g_signal) {  // it leaves: the others re-form without it, not after its heartbeats stop (a failure)
-          (void)rdzv.end_round(leave_reason(node, g_signal), /*failure=*/false);
-          std::fprintf(stderr, "tandem-run: interrupted by signal %d; this node's workers had finished\n",
-                       static_cast<int>(g_signal));
-          return finish(128 + g_signal);
+          return leave_on_signal(node, "; this node's workers had finished");
         }
         std::this_thread::sleep_for(rendezvous_interval(o, rdzv));
       }

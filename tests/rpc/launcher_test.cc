@@ -148,6 +148,27 @@ TEST(MultiprocLauncher, OneFailingRankStopsTheJob) {
   EXPECT_NE(out.find("failed with exit code 3"), std::string::npos) << out;
 }
 
+// A worker that does not go after SIGKILL (here: held by a tracer, as a process stuck in the kernel would be) is named
+// and left behind a grace period (at least 5 s) after the SIGKILL: the launcher still exits with the job's failure
+// (before: it waited as long as the worker stayed, forever for one stuck in the kernel).
+TEST(MultiprocLauncher, AWorkerThatOutlivesSigkillIsLeftBehind) {
+  const std::string mark = testing::TempDir() + "/held_by_tracer." + std::to_string(getpid());
+  std::remove(mark.c_str());
+  const auto t0 = std::chrono::steady_clock::now();
+  Process p(
+      {TANDEM_RUN_PATH, "--nproc-per-node", "2", "--grace-seconds", "1", self_exe(), "--worker", "held_by_tracer"},
+      {{"TANDEM_TEST_MARK", mark}});
+  EXPECT_EQ(exit_code(p.wait(milliseconds(40000))), 3) << p.output();
+  // The tracer lets go 30 s after rank 0 started: the launcher must be gone well before.
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, milliseconds(20000)) << p.output();
+  const std::string out = p.output();
+  EXPECT_THAT(out, HasSubstr("rank 0 is held by a tracer"));
+  EXPECT_THAT(out, HasSubstr("tandem-run: rank 0 (pid"));
+  EXPECT_THAT(out, HasSubstr("has not exited 5 s after SIGKILL"));
+  EXPECT_THAT(out, HasSubstr("failed with exit code 3"));
+  std::remove(mark.c_str());
+}
+
 TEST(MultiprocLauncher, RunsAnRpcJob) {
   Process p({TANDEM_RUN_PATH, "--nproc-per-node", "3", self_exe(), "--worker", "hello"}, {});
   ASSERT_EQ(exit_code(p.wait(milliseconds(60000))), 0) << p.output();

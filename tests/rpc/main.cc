@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <sched.h>
+#include <sys/ptrace.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -101,6 +102,42 @@ int run_worker(const std::string& scenario) {
       std::cerr << "rank 1 gives up\n";
       return 3;
     }
+    std::this_thread::sleep_for(std::chrono::seconds(60));
+    return 0;
+  }
+  if (scenario == "held_by_tracer") {
+    // Rank 0 is held by a tracer (a child of its own that never waits for it): killed, it stays a zombie its parent
+    // cannot reap until the tracer exits, 30 s later (as a worker stuck in the kernel would not go). Rank 1 fails
+    // once rank 0 is traced.
+    const char* mark = std::getenv("TANDEM_TEST_MARK");
+    if (!mark) return 5;
+    if (env_int("RANK", 0) == 1) {
+      const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+      while (!std::ifstream(mark).good() && std::chrono::steady_clock::now() < give_up) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      }
+      std::cerr << "rank 1 gives up\n";
+      return 3;
+    }
+    int ready[2];
+    if (pipe(ready) != 0) return 6;
+    const pid_t self = getpid();
+    const pid_t tracer = fork();
+    if (tracer == 0) {  // only async-signal-safe calls here
+      close(ready[0]);
+      const char ok = ptrace(PTRACE_SEIZE, self, nullptr, nullptr) == 0 ? 1 : 0;
+      (void)!write(ready[1], &ok, 1);
+      if (ok) sleep(30);
+      _exit(0);
+    }
+    close(ready[1]);
+    char ok = 0;
+    if (tracer < 0 || read(ready[0], &ok, 1) != 1 || !ok) {
+      std::cerr << "could not be traced\n";
+      return 4;
+    }
+    std::ofstream(mark) << "traced\n";
+    std::cout << "rank 0 is held by a tracer" << std::endl;
     std::this_thread::sleep_for(std::chrono::seconds(60));
     return 0;
   }
