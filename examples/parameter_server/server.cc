@@ -45,9 +45,12 @@ struct Server {
   std::atomic<int> done{0};
 
   Mutex mu;
-  std::vector<at::Tensor> sum ABSL_GUARDED_BY(mu);       // the gradients of this round's trainers so far
-  std::vector<rpc::Future> waiting ABSL_GUARDED_BY(mu);  // their backward passes, waiting for the round
-  std::map<int, int64_t> in_round ABSL_GUARDED_BY(mu);   // their ranks and contexts
+  std::vector<at::Tensor> sum ABSL_GUARDED_BY(mu);  // the gradients of this round's trainers so far
+  struct InRound {
+    int64_t context_id;
+    rpc::Future done;  // the trainer's backward pass, waiting for the round
+  };
+  std::map<int, InRound> in_round ABSL_GUARDED_BY(mu);  // this round's trainers so far, by rank
   // When the round gives up (the earliest of its trainers' calls' deadlines, less a margin): watch_rounds().
   absl::Time round_deadline ABSL_GUARDED_BY(mu) = absl::InfiniteFuture();
   absl::Time round_started ABSL_GUARDED_BY(mu);
@@ -64,6 +67,19 @@ struct Server {
 Server& server() {
   static auto* s = new Server;
   return *s;
+}
+
+// Saves the checkpoint of `step` if the server keeps them (under mu: the state must not change meanwhile). A save that
+// fails is an error starting with "parameter server: " and `what`.
+absl::Status save_checkpoint(Server& s, int64_t step, const std::string& what) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu) {
+  if (!s.ckpt) return absl::OkStatus();
+  try {
+    s.ckpt->save(step, s.state);
+    return absl::OkStatus();
+  } catch (...) {
+    const absl::Status thrown = status_from_current_exception();
+    return absl::Status(thrown.code(), absl::StrCat("parameter server: ", what, ": ", thrown.message()));
+  }
 }
 
 // "trainer2 (rank 2)"; the rank alone if it names no worker.
@@ -95,7 +111,7 @@ rpc::Future on_backward_part(const dist_autograd::BackwardPart& part) {
     MutexLock lock(&s.mu);
     if (auto it = s.in_round.find(part.from); it != s.in_round.end()) {
       // A second part of one trainer's pass (its step sent two forwards to the server) would count it twice.
-      if (it->second == context_id) {
+      if (it->second.context_id == context_id) {
         return rpc::Future::failed(absl::FailedPreconditionError(absl::StrCat(
             "parameter server: context ", context_id, " reached the server's backward twice in one round; the ",
             "synchronous round takes one forward per trainer step")));
@@ -104,7 +120,7 @@ rpc::Future on_backward_part(const dist_autograd::BackwardPart& part) {
       // say): the round would average two steps of one trainer and none of another.
       return rpc::Future::failed(absl::FailedPreconditionError(absl::StrCat(
           "parameter server: trainer ", trainer_name(part.from), " sent the gradients of another step (context ",
-          context_id, ") into round ", s.rounds + 1, ", where its step of context ", it->second,
+          context_id, ") into round ", s.rounds + 1, ", where its step of context ", it->second.context_id,
           " still waits for the other trainers; a trainer takes one step per round")));
     }
     const auto arrived = std::chrono::steady_clock::now();  // the last trainer's: its sum begins the round's step
@@ -118,10 +134,10 @@ rpc::Future on_backward_part(const dist_autograd::BackwardPart& part) {
     }
     const absl::Time now = absl::Now();
     if (s.in_round.empty()) s.round_started = now;
-    s.in_round.emplace(part.from, context_id);  // after the sums: a sum that threw leaves no trainer counted
+    // After the sums: a sum that threw leaves no trainer counted.
+    s.in_round.emplace(part.from, Server::InRound{context_id, done});
     s.round_deadline = std::min(s.round_deadline, give_up_at(part.deadline, now));
-    s.waiting.push_back(done);
-    if (static_cast<int>(s.waiting.size()) == s.options.trainers) {
+    if (static_cast<int>(s.in_round.size()) == s.options.trainers) {
       for (size_t i = 0; i < s.params.size(); ++i) {
         s.params[i].mutable_grad() = s.sum[i].defined() ? s.sum[i].div_(s.options.trainers) : at::Tensor();
       }
@@ -130,25 +146,20 @@ rpc::Future on_backward_part(const dist_autograd::BackwardPart& part) {
         s.params[i].mutable_grad() = at::Tensor();
         s.sum[i] = at::Tensor();
       }
+      for (auto& [rank, t] : s.in_round) release.push_back(t.done);
       s.in_round.clear();
       s.round_deadline = absl::InfiniteFuture();
-      release.swap(s.waiting);
       ++s.rounds;
       s.step_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - arrived).count();
       ++s.steps_timed;
-      if (s.ckpt && s.rounds % s.options.checkpoint_every == 0) {
-        try {
-          s.ckpt->save(s.rounds, s.state);
-        } catch (...) {  // the step is taken; the trainers learn that its checkpoint is not
-          const absl::Status thrown = status_from_current_exception();
-          saved = absl::Status(thrown.code(),
-                               absl::StrCat("parameter server: round ", s.rounds,
-                                            " took its step, but its checkpoint failed: ", thrown.message()));
-        }
+      if (s.ckpt &&
+          s.rounds % s.options.checkpoint_every == 0) {  // the step is taken; the trainers learn if its save is not
+        saved =
+            save_checkpoint(s, s.rounds, absl::StrCat("round ", s.rounds, " took its step, but its checkpoint failed"));
       }
     }
   }
-  for (auto& f : release) f.set_status(saved.ok() ? absl::OkStatus() : saved);
+  for (auto& f : release) f.set_status(saved);
   return done;
 }
 
@@ -163,7 +174,7 @@ void watch_rounds() {
   for (;;) {
     std::vector<rpc::Future> failed;  // a round given up: failed whatever happens below
     try {
-      std::map<int, int64_t> came;
+      std::map<int, Server::InRound> came;
       int64_t round = 0;
       absl::Duration waited;
       {
@@ -181,7 +192,7 @@ void watch_rounds() {
         }
         planned = absl::InfiniteFuture();
         came.swap(s.in_round);
-        failed.swap(s.waiting);
+        for (auto& [rank, t] : came) failed.push_back(t.done);
         for (auto& g : s.sum) g = at::Tensor();
         s.round_deadline = absl::InfiniteFuture();
         round = s.rounds + 1;
@@ -189,7 +200,7 @@ void watch_rounds() {
       }
       // Named outside the lock (the trainers' hooks wait on it).
       std::vector<std::string> arrived, missing;
-      for (const auto& [rank, ctx] : came) arrived.push_back(trainer_name(rank));
+      for (const auto& [rank, t] : came) arrived.push_back(trainer_name(rank));
       try {  // throws once RPC stops: then the error names no one absent
         const int self = rpc::get_worker_info().id;
         for (const auto& w : rpc::get_all_worker_infos()) {
@@ -252,13 +263,8 @@ void register_parameter_server() {
       if (static_cast<int>(s.at_barrier.size()) == s.options.trainers) {
         s.rounds = step;
         release.swap(s.at_barrier);
-        try {
-          if (s.ckpt) s.ckpt->save(step, s.state);
-        } catch (...) {  // every trainer at the barrier learns it, not only the last to arrive
-          const absl::Status thrown = status_from_current_exception();
-          saved = absl::Status(thrown.code(), absl::StrCat("parameter server: the checkpoint of step ", step,
-                                                           " failed: ", thrown.message()));
-        }
+        // Every trainer at the barrier learns of a failed save, not only the last to arrive.
+        saved = save_checkpoint(s, step, absl::StrCat("the checkpoint of step ", step, " failed"));
       }
     }
     for (auto& f : release) f.set_status(saved);
