@@ -347,7 +347,11 @@ absl::Status Conn::write(Kind kind, uint64_t call_id, const grpc::ByteBuffer& bo
     h.length += s.size();
     if (s.size() > 0) iov.push_back({const_cast<uint8_t*>(s.begin()), s.size()});
   }
-  MutexLock lock(&write_mu_);
+  if (auto s = start_writing(deadline); !s.ok()) return s;
+  struct Done {
+    Conn* conn;
+    ~Done() { conn->end_writing(); }
+  } done{this};
   size_t first = 0;
   std::vector<iovec> window;  // the part of iov[first..] one sendmsg offers: at most kMaxSendBytes
   window.reserve(std::min<size_t>(iov.size(), static_cast<size_t>(IOV_MAX)));
@@ -394,10 +398,9 @@ void Conn::write_half_and_shut(Kind kind, uint64_t call_id, const grpc::ByteBuff
   Header h{kMagic, static_cast<uint32_t>(kind), call_id, bytes.size()};
   std::string out(reinterpret_cast<const char*>(&h), sizeof(h));
   out.append(bytes, 0, bytes.size() / 2);
-  {
-    MutexLock lock(&write_mu_);
+  const absl::Time deadline = absl::Now() + absl::Seconds(1);  // best effort: the connection is cut either way
+  if (start_writing(deadline).ok()) {
     size_t done = 0;
-    const absl::Time deadline = absl::Now() + absl::Seconds(1);  // best effort: the connection is cut either way
     while (done < out.size()) {
       const ssize_t n = ::send(fd_, out.data() + done, out.size() - done, MSG_NOSIGNAL);
       if (n > 0) {
@@ -410,9 +413,27 @@ void Conn::write_half_and_shut(Kind kind, uint64_t call_id, const grpc::ByteBuff
         break;
       }
     }
+    end_writing();
   }
   broken = true;
   shut();
+}
+
+absl::Status Conn::start_writing(absl::Time deadline) {
+  MutexLock lock(&write_mu_);
+  auto free = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(write_mu_) { return !writing_; };
+  if (!write_mu_.AwaitWithDeadline(Condition(&free), deadline)) {
+    return absl::DeadlineExceededError(
+        "direct channel: the connection was still sending another message at this call's deadline (the peer reads "
+        "too slowly, or has stopped reading)");
+  }
+  writing_ = true;
+  return absl::OkStatus();
+}
+
+void Conn::end_writing() {
+  MutexLock lock(&write_mu_);
+  writing_ = false;
 }
 
 absl::Status Conn::check_header(uint64_t max_body) const {

@@ -95,7 +95,9 @@ class Conn {
   explicit Conn(int fd) : fd_(fd) {}
   ~Conn();
   int fd() const { return fd_; }
-  // Writes one message (header + every slice of `body`), holding the write lock; fails at `deadline`.
+  // Writes one message (header + every slice of `body`), one writer at a time; fails at `deadline`, also while it waits
+  // for another writer (a peer that stopped reading holds that one until its own deadline): then nothing was written
+  // and the connection stays usable.
   absl::Status write(Kind kind, uint64_t call_id, const grpc::ByteBuffer& body, absl::Time deadline);
   // Reads one whole message; fails at `deadline` (which bounds the body too), on EOF, or when the header lies. For the
   // first `spin` the caller polls instead of sleeping (a reply expected within microseconds then costs no wake-up).
@@ -124,8 +126,13 @@ class Conn {
  private:
   absl::Status check_header(uint64_t max_body) const;
 
+  // Takes the socket for one message, waiting for another writer at most until `deadline` (DEADLINE_EXCEEDED).
+  absl::Status start_writing(absl::Time deadline);
+  void end_writing();
+
   const int fd_;
-  Mutex write_mu_;  // one message at a time on the socket
+  Mutex write_mu_;
+  bool writing_ ABSL_GUARDED_BY(write_mu_) = false;  // one message at a time on the socket
   // The header being received (poll_header); touched by one thread at a time (EPOLLONESHOT).
   uint8_t header_[24] = {};
   size_t header_got_ = 0;

@@ -81,9 +81,19 @@ bool DirectTransport::by_reference(int rank) const {
 }
 
 absl::StatusOr<std::shared_ptr<direct::Conn>> DirectTransport::async_conn(Peer& p, absl::Time deadline) {
-  MutexLock lock(&p.mu);
-  if (p.async_conn && !p.async_conn->broken) return p.async_conn;
+  {
+    MutexLock lock(&p.mu);
+    auto idle = [&p]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(p.mu) { return !p.connecting; };
+    if (!p.mu.AwaitWithDeadline(Condition(&idle), deadline)) {
+      return absl::DeadlineExceededError(
+          "direct channel: another call was still connecting to this worker at this call's deadline");
+    }
+    if (p.async_conn && !p.async_conn->broken) return p.async_conn;
+    p.connecting = true;  // connected outside the lock: rpc_sync's idle connections stay at hand meanwhile
+  }
   auto conn = channel_->connect(p.address, my_rank_, /*for_responses=*/true, deadline);
+  MutexLock lock(&p.mu);
+  p.connecting = false;
   if (!conn.ok()) return conn.status();
   p.async_conn = *conn;
   return p.async_conn;

@@ -52,8 +52,10 @@ class DirectTransport final : public Transport {
   struct Peer {
     std::string address;
     bool cma_ok = false;
-    Mutex mu;  // held while the async connection is made: callers to one peer wait for the one connect
+    Mutex mu;
     std::shared_ptr<direct::Conn> async_conn ABSL_GUARDED_BY(mu);
+    // A call is making the async connection: the others to this peer wait for it, each until its own deadline.
+    bool connecting ABSL_GUARDED_BY(mu) = false;
     std::vector<std::shared_ptr<direct::Conn>> idle_sync ABSL_GUARDED_BY(mu);  // connections of finished rpc_sync calls
   };
   using Deadlines = std::multimap<absl::Time, uint64_t>;

@@ -15,6 +15,8 @@
 #include <set>
 #include <thread>
 
+#include <gmock/gmock.h>
+
 #include "absl/strings/str_split.h"
 #include "tandem/rpc/detail/direct.h"
 #include "tandem/rpc/store.h"
@@ -230,6 +232,54 @@ TEST(UnitDirectTcp, HandshakeAndFramesOverLoopback) {
   auto gone = (*client)->connect(address, 3, false, soon());
   EXPECT_EQ(gone.status().code(), absl::StatusCode::kUnavailable) << gone.status();
   (*client)->stop(milliseconds(1000));
+}
+
+// A message that waits for the socket behind another (whose peer has stopped reading) gives up at its own deadline,
+// not the other's, having written nothing: the connection stays usable (before, it waited out the other writer).
+TEST(UnitDirectConn, AWriterWaitsForAnotherOnlyUntilItsOwnDeadline) {
+  int fds[2];
+  ASSERT_EQ(socketpair(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK, 0, fds), 0);
+  rpc::direct::Conn conn(fds[0]);  // nobody reads fds[1] until the end
+  grpc::Slice big(std::string(32 << 20, 'x'));
+  std::atomic<bool> stuck_done{false};
+  absl::Status stuck;
+  std::thread writer([&] {
+    stuck = conn.write(rpc::direct::Kind::kRequest, 1, grpc::ByteBuffer(&big, 1), absl::Now() + absl::Seconds(8));
+    stuck_done = true;
+  });
+  std::this_thread::sleep_for(milliseconds(300));  // the big message fills the socket and waits for room
+  ASSERT_FALSE(stuck_done.load());
+  grpc::Slice small(std::string("small"));
+  const auto t0 = std::chrono::steady_clock::now();
+  const absl::Status s =
+      conn.write(rpc::direct::Kind::kRequest, 2, grpc::ByteBuffer(&small, 1), absl::Now() + absl::Milliseconds(300));
+  const auto waited = std::chrono::steady_clock::now() - t0;
+  EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+  EXPECT_THAT(std::string(s.message()), testing::HasSubstr("still sending another message"));
+  EXPECT_LT(waited, std::chrono::seconds(3)) << "the small message waited out the big one's deadline";
+  // The reader comes back: the big message goes through, and the connection still carries messages.
+  std::thread reader([&] {
+    char buf[1 << 16];
+    size_t total = 0;
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+    const size_t want = (32u << 20) + 2 * 24 + 5;  // two headers and both bodies
+    while (total < want && std::chrono::steady_clock::now() < until) {
+      const ssize_t n = ::read(fds[1], buf, sizeof buf);
+      if (n > 0) {
+        total += static_cast<size_t>(n);
+      } else {
+        std::this_thread::sleep_for(milliseconds(1));
+      }
+    }
+    EXPECT_EQ(total, want);
+  });
+  writer.join();
+  EXPECT_TRUE(stuck.ok()) << stuck;
+  EXPECT_FALSE(conn.broken.load());
+  EXPECT_TRUE(
+      conn.write(rpc::direct::Kind::kRequest, 3, grpc::ByteBuffer(&small, 1), absl::Now() + absl::Seconds(5)).ok());
+  reader.join();
+  ::close(fds[1]);
 }
 
 // The loop threads' places (direct.h, Threads), in one process over a Unix socket: a client per thread, each on its own
