@@ -75,9 +75,11 @@ void Agent::stop(std::chrono::milliseconds grace) {
     for (auto& [_, call] : in_calls_) in_calls.push_back(call);
   }
   set_ready();  // releases calls parked before init completed; they see stopped_
-  // Calls still running here (a function that never returns) are answered now, so the servers can shut down.
+  // Calls still running here (a function that never returns) are answered now, so the servers can shut down; one
+  // whose reply another thread is writing is left to it (the transports' stop below cuts that write short).
   for (auto& call : in_calls) {
-    finish_once(call, absl::CancelledError(absl::StrCat("worker '", name_, "' shut down")));
+    finish_once(call, absl::CancelledError(absl::StrCat("worker '", name_, "' shut down")), nullptr,
+                /*unless_busy=*/true);
   }
   if (faults_) faults_->stop();  // held and delayed messages go now (and fail: the transports are stopping)
   bool transports_done = true;

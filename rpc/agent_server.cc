@@ -1,5 +1,7 @@
 // Incoming calls of the agent (rpc/detail/agent.h): decode the request, run the registered function, reply once.
+#include <chrono>
 #include <cstdio>
+#include <thread>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -7,6 +9,9 @@
 #include "tandem/log/log.h"
 #include "tandem/profile/profile.h"
 #include "tandem/rpc/detail/agent.h"
+
+#include <chrono>
+#include <thread>
 #include "tandem/rpc/detail/wire.h"
 #include "tandem/rpc/errors.h"
 #include "tandem/rpc/extension.h"
@@ -315,12 +320,27 @@ void Agent::record_served(const std::string& caller, const std::string& function
   }
 }
 
-void Agent::finish_once(const std::shared_ptr<InCall>& call, const absl::Status& status, grpc::ByteBuffer* reply) {
+void Agent::finish_once(const std::shared_ptr<InCall>& call, const absl::Status& status, grpc::ByteBuffer* reply,
+                        bool unless_busy) {
   bool record = false, ok = false;
   int64_t reply_bytes = 0;
   std::string caller, function;  // copied under the lock: a handle() on another thread may still be writing them
   {
-    MutexLock call_lock(&call->mu);
+    if (unless_busy) {
+      // Held for a moment by other work on the call (its handler taking its context), or for as long as a reply
+      // takes to write: 100 ms tells the two apart.
+      const auto give_up = std::chrono::steady_clock::now() + std::chrono::milliseconds(100);
+      while (!call->mu.TryLock()) {
+        if (std::chrono::steady_clock::now() > give_up) return;
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
+    } else {
+      call->mu.Lock();
+    }
+    struct Unlock {
+      Mutex& mu;
+      ~Unlock() { mu.Unlock(); }
+    } unlock{call->mu};
     if (call->finished) return;
     call->finished = true;
     // A one-way frame's reply writes nothing: a failure given here (the worker stopping) is told here.

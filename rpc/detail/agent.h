@@ -169,7 +169,10 @@ class Agent {
   void record_served(const InCall& call, bool ok, int64_t reply_bytes) const;
   void record_served(const std::string& caller, const std::string& function, const InCall& call, bool ok,
                      int64_t reply_bytes) const;
-  void finish_once(const std::shared_ptr<InCall>& call, const absl::Status& status, grpc::ByteBuffer* reply = nullptr);
+  // `unless_busy`: returns when another thread holds the call for over 100 ms (it is answering it: its reply may take
+  // until that reply's deadline to write, and stop() must not wait for it).
+  void finish_once(const std::shared_ptr<InCall>& call, const absl::Status& status, grpc::ByteBuffer* reply = nullptr,
+                   bool unless_busy = false);
   // A one-way call's end: no result goes back (an empty Response where the transport needs an answer).
   void finish_oneway(const std::shared_ptr<InCall>& call);
   // A one-way call failed here: counted (TransportStats::oneway_failures) and written to stderr.

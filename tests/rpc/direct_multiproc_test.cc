@@ -172,6 +172,35 @@ TEST_F(MultiprocDirect, BulkPathFallsBackWhenThePeerCannotReadOurMemory) {
   EXPECT_EQ(exit_code(child.wait(milliseconds(30000))), 0) << child.output();
 }
 
+// A shutdown without waiting does not wait for a reply that cannot be written (its caller stopped reading): before, it
+// waited for the writer's hold on the call, up to the reply's deadline (the RPC timeout, 60 s here).
+TEST_F(MultiprocDirect, NonGracefulShutdownDoesNotWaitForAStalledReply) {
+  static std::atomic<bool> entered{false}, go{false};
+  rpc::register_function("test.big_reply", [] {
+    entered = true;
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+    while (!go.load() && std::chrono::steady_clock::now() < until) std::this_thread::sleep_for(milliseconds(1));
+    return at::ones({16 << 20});  // 64 MiB, written into the socket (no bulk path)
+  });
+  rpc::RpcOptions options = options_from_env();
+  options.bulk_min_bytes = 0;
+  options.rpc_timeout = std::chrono::seconds(60);
+  start_direct({.world_size = 2}, options);
+  ASSERT_EQ(rpc::transport_to(1), "direct");
+  expect_clean_children_ = false;
+  rpc::rpc_sync("worker1", "call_in_background", int64_t{0}, std::string("test.big_reply"));
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  while (!entered.load() && std::chrono::steady_clock::now() < give_up) std::this_thread::sleep_for(milliseconds(1));
+  ASSERT_TRUE(entered.load());
+  job_->child(1).kill(SIGSTOP);  // the caller stops reading
+  go = true;
+  std::this_thread::sleep_for(milliseconds(500));  // the reply fills the socket; its writer holds the call
+  const auto t0 = std::chrono::steady_clock::now();
+  rpc::shutdown(false);
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(10));
+  job_->child(1).kill(SIGKILL);
+}
+
 // The direct channel's TCP route in one process over loopback (no namespaces needed): the challenge handshake both
 // ways, frames large and small both ways, the async connection's replies read by the epoll threads, and refusals.
 TEST(UnitDirectTcp, HandshakeAndFramesOverLoopback) {

@@ -190,6 +190,10 @@ void register_test_functions() {
     return std::make_tuple(device, static_cast<int64_t>(g_device_waits_done.load()));
   });
   rpc::register_function("echo", [](c10::IValue v) { return v; });
+  // Calls `fn` on worker `to` without waiting for the reply (a test's way to make a call that worker answers).
+  rpc::register_function("call_in_background", [](int64_t to, std::string fn) {
+    rpc::rpc_async(static_cast<int>(to), fn).add_callback([](const rpc::Future&) {});
+  });
   rpc::register_function("add", [](at::Tensor a, at::Tensor b) { return a + b; });
   rpc::register_function("whoami", [] { return rpc::get_worker_info().name; });
   rpc::register_function("caller", [] { return rpc::current_call()->caller_name; });
