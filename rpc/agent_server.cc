@@ -9,9 +9,6 @@
 #include "tandem/log/log.h"
 #include "tandem/profile/profile.h"
 #include "tandem/rpc/detail/agent.h"
-
-#include <chrono>
-#include <thread>
 #include "tandem/rpc/detail/wire.h"
 #include "tandem/rpc/errors.h"
 #include "tandem/rpc/extension.h"

@@ -1,6 +1,8 @@
 // Batched functions: a queue of requests per function, flushed by count or by the oldest request's age.
 #include "tandem/rpc/batching.h"
 
+#include <deque>
+#include <limits>
 #include <map>
 #include <memory>
 #include <thread>
@@ -32,30 +34,28 @@ class Batcher : public std::enable_shared_from_this<Batcher> {
 
   Future enqueue(std::vector<c10::IValue>&& args) {
     Future reply;
-    std::vector<Pending> batch;
-    int64_t seq;
+    size_t batches;
     {
       MutexLock lock(&mu_);  // unlocking wakes the flushing thread, which starts timing the oldest request
       pending_.push_back(Pending{std::move(args), reply, Clock::now()});
       if (pending_.size() < options_.max_batch) return reply;
-      seq = take_batch_locked(&batch);
       ++stats_.full_batches;
+      if (!form_locked(&batches)) return reply;
     }
-    run(seq, std::move(batch));
+    drain(batches);
     return reply;
   }
 
   void set_max_batch(size_t n) {
-    std::vector<Pending> batch;
-    int64_t seq;
+    size_t batches;
     {
       MutexLock lock(&mu_);
       options_.max_batch = n;
       if (pending_.empty() || pending_.size() < n) return;
-      seq = take_batch_locked(&batch);
       ++stats_.full_batches;
+      if (!form_locked(&batches)) return;
     }
-    run(seq, std::move(batch));
+    drain(batches);
   }
 
   BatchStats stats() {
@@ -73,59 +73,72 @@ class Batcher : public std::enable_shared_from_this<Batcher> {
   };
 
   void flush_loop() {
-    auto some = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !pending_.empty(); };
+    auto some = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !pending_.empty() || handoff_; };
     MutexLock lock(&mu_);
     for (;;) {
       mu_.Await(Condition(&some));
+      if (handoff_) {  // a caller's thread ran its own batch; the ones formed meanwhile are this thread's to run
+        handoff_ = false;
+        mu_.Unlock();
+        drain(std::numeric_limits<size_t>::max());
+        mu_.Lock();
+        continue;
+      }
       // The oldest request's age; a full batch sent meanwhile leaves pending_ empty (wait again) or newer.
       const auto oldest = pending_.front().arrived;
       auto gone = [this, oldest]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-        return pending_.empty() || pending_.front().arrived != oldest;
+        return pending_.empty() || pending_.front().arrived != oldest || handoff_;
       };
       if (mu_.AwaitWithTimeout(Condition(&gone), absl::FromChrono(oldest + options_.max_delay - Clock::now()))) {
         continue;
       }
-      std::vector<Pending> batch;
-      const int64_t seq = take_batch_locked(&batch);
+      size_t batches;
+      if (!form_locked(&batches)) continue;
       mu_.Unlock();
-      run(seq, std::move(batch));
+      drain(std::numeric_limits<size_t>::max());
       mu_.Lock();
     }
   }
 
-  // Moves the waiting requests into `batch` and numbers it: batches run in that order.
-  int64_t take_batch_locked(std::vector<Pending>* batch) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    batch->swap(pending_);
-    return next_formed_++;
+  // Moves the waiting requests into a batch at the end of ready_: batches run in the order they were formed. Returns
+  // whether the calling thread is to run them (no thread runs batches now): then *batches is how many are ready,
+  // its own the last of them.
+  bool form_locked(size_t* batches) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    ready_.emplace_back();
+    ready_.back().swap(pending_);
+    if (running_) return false;
+    running_ = true;
+    *batches = ready_.size();
+    return true;
   }
 
-  // Hands batch number `seq` over to run once every batch formed before it has run; batches of this function never
-  // overlap. No thread waits for its turn: the thread that finds no batch running runs, in order, every batch that is
-  // ready (its own, and those handed over meanwhile); the others return at once. So a batched function that never
-  // returns holds one thread, never the RPC threads of the calls that arrive behind it (their callers time out).
-  void run(int64_t seq, std::vector<Pending> batch) {
-    {
-      MutexLock lock(&run_mu_);
-      ready_.emplace(seq, std::move(batch));
-      if (running_) return;
-      running_ = true;
-    }
-    for (;;) {
+  // Runs the ready batches in order, `limit` of them at most: a caller's thread runs up to its own batch and hands
+  // the ones formed meanwhile to the flushing thread, so that its caller's reply is not held back by others' batches
+  // (nor a transport's thread kept from its other connections). No thread waits for a batch's turn: a batched
+  // function that never returns holds one thread, never the RPC threads of the calls that arrive behind it.
+  void drain(size_t limit) {
+    for (size_t done = 0;; ++done) {
       std::vector<Pending> next;
       {
-        MutexLock lock(&run_mu_);
-        auto it = ready_.find(next_to_run_);
-        // The batch formed before it may still be on its way here (its thread has not taken run_mu_ yet): that
-        // thread runs it, and the rest, when it comes.
-        if (it == ready_.end()) {
+        MutexLock lock(&mu_);
+        if (ready_.empty()) {
           running_ = false;
           return;
         }
-        next = std::move(it->second);
-        ready_.erase(it);
-        ++next_to_run_;
+        if (done == limit) {
+          handoff_ = true;  // running_ stays set: the flushing thread runs the rest, and no one else meanwhile
+          return;
+        }
+        next = std::move(ready_.front());
+        ready_.pop_front();
       }
-      run_one(std::move(next));
+      try {
+        run_one(std::move(next));
+      } catch (...) {  // not the user's function (run_one catches that): the next batch formed runs the rest
+        MutexLock lock(&mu_);
+        running_ = false;
+        throw;
+      }
     }
   }
 
@@ -167,11 +180,9 @@ class Batcher : public std::enable_shared_from_this<Batcher> {
   const BatchHandler handler_;
   std::vector<Pending> pending_ ABSL_GUARDED_BY(mu_);
   BatchStats stats_ ABSL_GUARDED_BY(mu_);
-  int64_t next_formed_ ABSL_GUARDED_BY(mu_) = 0;  // the number the next batch formed gets
-  Mutex run_mu_;                                  // batches formed and not yet run
-  std::map<int64_t, std::vector<Pending>> ready_ ABSL_GUARDED_BY(run_mu_);
-  int64_t next_to_run_ ABSL_GUARDED_BY(run_mu_) = 0;
-  bool running_ ABSL_GUARDED_BY(run_mu_) = false;  // a thread is running batches
+  std::deque<std::vector<Pending>> ready_ ABSL_GUARDED_BY(mu_);  // batches formed and not run yet, oldest first
+  bool running_ ABSL_GUARDED_BY(mu_) = false;                    // a thread runs ready_'s batches (drain)
+  bool handoff_ ABSL_GUARDED_BY(mu_) = false;                    // ...and the flushing thread is to take over from it
 };
 
 Mutex g_mu(absl::kConstInit);

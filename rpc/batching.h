@@ -10,9 +10,10 @@
 // Contract. Every call of the registered name becomes one request of the next batch; it is answered (asynchronously:
 // no server thread waits) when its batch runs. A batch is formed as soon as `max_batch` requests wait (by the call
 // that completed it), or when the oldest waiting request has waited `max_delay` (by the batcher's own thread), so a
-// slow, late or dead caller never holds up the others by more than max_delay. It runs on the thread that formed it,
-// or, when another batch is running then, on that batch's thread after it: no thread waits for its turn, so a
-// function that never returns holds one thread only (the calls behind it time out with their callers' timeouts). The function gets the requests in
+// slow, late or dead caller never holds up the others by more than max_delay. It runs on the thread that formed it
+// when no batch is running then, else on the batcher's thread once the batches ahead of it have run: no thread waits
+// for its turn, so a function that never returns holds one thread only (the calls behind it time out with their
+// callers' timeouts). The function gets the requests in
 // arrival order and returns exactly one result per request, in the same order.
 //
 // Order: batches of one function never run concurrently, and they run in the order they were formed, so the function
@@ -64,7 +65,7 @@ absl::Status register_batched_handler(const std::string& name, BatchOptions opti
 BatchStats batch_stats(const std::string& name);
 
 // Changes how many waiting requests make a full batch (e.g. the callers still active, as some finish early); if as
-// many already wait, their batch runs now, on this thread. Fails with NOT_FOUND for a name not registered here,
+// many already wait, they form a batch at once (run as above). Fails with NOT_FOUND for a name not registered here,
 // INVALID_ARGUMENT for 0.
 absl::Status set_max_batch(const std::string& name, size_t max_batch);
 

@@ -517,6 +517,22 @@ Standby spawn_standby(const Options& o, const std::string& secret) {
   return sb;
 }
 
+// SIGKILLs a standby and reaps it, waiting 5 s at most: one stuck in the kernel (or held by a tracer) is left behind.
+void kill_and_reap(pid_t pid) {
+  kill(pid, SIGKILL);
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  for (;;) {
+    const pid_t r = waitpid(pid, nullptr, WNOHANG);
+    if (r != 0 && !(r < 0 && errno == EINTR)) return;  // reaped (or not a child of ours)
+    if (std::chrono::steady_clock::now() > give_up) {
+      std::fprintf(stderr, "tandem-run: standby pid %d has not exited 5 s after SIGKILL: left behind\n",
+                   static_cast<int>(pid));
+      return;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+}
+
 // Makes `sb` worker `w`; false when the standby has died (the caller starts the worker afresh).
 bool activate(Standby& sb, Worker& w, int local, const Options& o, const Placement& p) {
   int status = 0;
@@ -536,8 +552,7 @@ bool activate(Standby& sb, Worker& w, int local, const Options& o, const Placeme
   const bool sent = write(sb.sock, block.data(), block.size()) == static_cast<ssize_t>(block.size());
   close(sb.sock);
   if (!sent) {  // it died just now: reaped by the caller's fresh start failing over, or here
-    kill(sb.pid, SIGKILL);
-    waitpid(sb.pid, nullptr, 0);
+    kill_and_reap(sb.pid);
     close(sb.out[0]);
     close(sb.out[1]);
     return false;
@@ -552,8 +567,7 @@ bool activate(Standby& sb, Worker& w, int local, const Options& o, const Placeme
 void discard(std::vector<Standby>& pool) {
   for (auto& sb : pool) {
     close(sb.sock);  // it exits by itself once it reads the end; SIGKILL in case it is still loading
-    kill(sb.pid, SIGKILL);
-    waitpid(sb.pid, nullptr, 0);
+    kill_and_reap(sb.pid);
     close(sb.out[0]);
     close(sb.out[1]);
   }

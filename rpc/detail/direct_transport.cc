@@ -4,6 +4,7 @@
 #include "proto/tandem_rpc.pb.h"
 #include "tandem/log/log.h"
 #include "tandem/rpc/detail/wire.h"
+#include "tandem/rpc/errors.h"
 
 namespace tandem::rpc::detail {
 
@@ -91,7 +92,12 @@ absl::StatusOr<std::shared_ptr<direct::Conn>> DirectTransport::async_conn(Peer& 
     if (p.async_conn && !p.async_conn->broken) return p.async_conn;
     p.connecting = true;  // connected outside the lock: rpc_sync's idle connections stay at hand meanwhile
   }
-  auto conn = channel_->connect(p.address, my_rank_, /*for_responses=*/true, deadline);
+  absl::StatusOr<std::shared_ptr<direct::Conn>> conn = absl::UnknownError("direct channel: connect threw");
+  try {
+    conn = channel_->connect(p.address, my_rank_, /*for_responses=*/true, deadline);
+  } catch (...) {  // connecting is cleared whatever happens, or every later call to the peer would wait for it
+    conn = status_from_current_exception();
+  }
   MutexLock lock(&p.mu);
   p.connecting = false;
   if (!conn.ok()) return conn.status();
@@ -301,6 +307,9 @@ void DirectTransport::cut(int rank, const grpc::ByteBuffer* partial) {
   std::vector<std::shared_ptr<direct::Conn>> idle;
   {
     MutexLock lock(&p->mu);
+    // A connection being made now is cut too: wait for it (bounded by that connect's deadline).
+    auto idle_peer = [p]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(p->mu) { return !p->connecting; };
+    p->mu.Await(Condition(&idle_peer));
     async = std::move(p->async_conn);
     idle.swap(p->idle_sync);
   }

@@ -178,8 +178,10 @@ NoteBatcher& releases() {
     o.policy = NoteBatcher::Policy::kOneInFlight;
     o.attempts = 3;
     o.on_failure = [](int to, const std::string& function, const absl::Status& error, int64_t notes) {
+      if (error.code() == absl::StatusCode::kCancelled) return;  // RPC stops here: nothing more can be sent
       TANDEM_LOG(kWarn, "rpc") << "releasing " << notes << " object(s) with '" << function << "' on worker " << to
-                               << " failed after 3 attempts (they stay until that worker stops): " << error;
+                               << " failed (a lost message is sent again, 3 times in all; they stay until that worker "
+                               << "stops): " << error;
     };
     return o;
   }());

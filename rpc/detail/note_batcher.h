@@ -119,7 +119,7 @@ class NoteBatcher {
 // Releases of remote objects that nobody waits for (a pipeline's stages, a distributed optimizer's shards): one
 // process-wide batcher, kOneInFlight, 3 attempts, so the receiving functions take a list of ids and must accept an
 // id twice (or one already gone). A batch that still fails is logged as a warning naming the worker, the function and
-// the cause: the objects then live until that worker's RPC stops.
+// the cause (not when RPC is stopping here: CANCELLED): the objects then live until that worker's RPC stops.
 NoteBatcher& releases();
 
 }  // namespace tandem::rpc::detail

@@ -10,6 +10,7 @@ namespace tandem::rpc {
 // 3: the pipeline's micro-batches are argument tuples, its activations and gradients structured values; the direct
 // channel's one-way request (kind 6). 4: a pipeline step's workers tell each other they finished (done), no commit.
 // 5: a pipeline plan's actions carry a kind (F, B, I, W: the zero-bubble split), not a backward flag.
-constexpr uint32_t kWireVersion = 5;
+// 6: the releases of a pipeline's stages and of a distributed optimizer's shards take a list of ids.
+constexpr uint32_t kWireVersion = 6;
 
 }  // namespace tandem::rpc

@@ -158,7 +158,9 @@ TEST(MultiprocLauncher, AWorkerThatOutlivesSigkillIsLeftBehind) {
   Process p(
       {TANDEM_RUN_PATH, "--nproc-per-node", "2", "--grace-seconds", "1", self_exe(), "--worker", "held_by_tracer"},
       {{"TANDEM_TEST_MARK", mark}});
-  EXPECT_EQ(exit_code(p.wait(milliseconds(40000))), 3) << p.output();
+  const int code = exit_code(p.wait(milliseconds(40000)));
+  if (p.output().find("could not be traced") != std::string::npos) GTEST_SKIP() << "ptrace is not allowed here";
+  EXPECT_EQ(code, 3) << p.output();
   // The tracer lets go 30 s after rank 0 started: the launcher must be gone well before.
   EXPECT_LT(std::chrono::steady_clock::now() - t0, milliseconds(20000)) << p.output();
   const std::string out = p.output();

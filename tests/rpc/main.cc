@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <sched.h>
+#include <sys/prctl.h>
 #include <sys/ptrace.h>
 #include <unistd.h>
 
@@ -119,18 +120,27 @@ int run_worker(const std::string& scenario) {
       std::cerr << "rank 1 gives up\n";
       return 3;
     }
-    int ready[2];
-    if (pipe(ready) != 0) return 6;
+    int ready[2], allowed[2];
+    if (pipe(ready) != 0 || pipe(allowed) != 0) return 6;
     const pid_t self = getpid();
     const pid_t tracer = fork();
     if (tracer == 0) {  // only async-signal-safe calls here
       close(ready[0]);
+      close(allowed[1]);
+      char go = 0;
+      (void)!read(allowed[0], &go, 1);  // once the parent let it trace (Yama's ptrace_scope 1 needs that)
       const char ok = ptrace(PTRACE_SEIZE, self, nullptr, nullptr) == 0 ? 1 : 0;
       (void)!write(ready[1], &ok, 1);
       if (ok) sleep(30);
       _exit(0);
     }
     close(ready[1]);
+    close(allowed[0]);
+    if (tracer > 0) {
+      (void)prctl(PR_SET_PTRACER, tracer, 0, 0, 0);  // EINVAL without Yama: nothing to allow then
+      const char go = 1;
+      (void)!write(allowed[1], &go, 1);
+    }
     char ok = 0;
     if (tracer < 0 || read(ready[0], &ok, 1) != 1 || !ok) {
       std::cerr << "could not be traced\n";
