@@ -42,6 +42,7 @@
 #include "tandem/rpc/rpc.h"
 #include "tandem/rpc/store.h"
 #include "tandem/sync/sync.h"
+#include "tandem/sync/threads.h"
 
 namespace tandem::comm {
 namespace {
@@ -259,14 +260,8 @@ class GlooGroup final : public ProcessGroup {
       MutexLock lock(&mu_);
       stopping_ = true;
     }
-    thread_.join();  // an operation in progress ends within its timeout
-    std::list<std::pair<std::thread, std::shared_ptr<std::atomic<bool>>>> waiters;
-    {
-      MutexLock lock(&mu_);
-      waiters.swap(waiters_);
-    }
-    // Joined without the lock: a waiter that fails takes it (mark_broken). Each ends within the timeout.
-    for (auto& w : waiters) w.first.join();
+    thread_.join();       // an operation in progress ends within its timeout
+    waiters_.join_all();  // each ends within the timeout
   }
 
   int rank() const override { return rank_; }
@@ -467,8 +462,7 @@ class GlooGroup final : public ProcessGroup {
     }
     // Done within the timeout, or failed (after naming the members gone, within kPingTimeout).
     rpc::Future done(absl::Now() + absl::FromChrono(options_.timeout + kPingTimeout));
-    auto finished = std::make_shared<std::atomic<bool>>(false);
-    std::thread waiter([this, buffer, t, done, sending, prefix, finished, start] {
+    waiters_.start([this, buffer, t, done, sending, prefix, start] {
       try {
         const bool ok = sending ? buffer->waitSend(options_.timeout) : buffer->waitRecv(options_.timeout);
         ok ? done.set_value(c10::IValue()) : done.set_error(absl::AbortedError(prefix + "aborted"));
@@ -477,18 +471,7 @@ class GlooGroup final : public ProcessGroup {
         mark_broken(error);
         done.set_error(error);
       }
-      *finished = true;
     });
-    MutexLock lock(&mu_);
-    for (auto it = waiters_.begin(); it != waiters_.end();) {
-      if (*it->second) {
-        it->first.join();
-        it = waiters_.erase(it);
-      } else {
-        ++it;
-      }
-    }
-    waiters_.emplace_back(std::move(waiter), std::move(finished));
     return done;
   }
 
@@ -701,8 +684,7 @@ class GlooGroup final : public ProcessGroup {
   Mutex mu_;
   std::deque<Op> queue_ ABSL_GUARDED_BY(mu_);
   int64_t pending_ ABSL_GUARDED_BY(mu_) = 0;  // operations submitted and not completed yet (queued or running)
-  // Threads waiting for p2p transfers, each with whether it finished (joined by the next transfer or ~GlooGroup).
-  std::list<std::pair<std::thread, std::shared_ptr<std::atomic<bool>>>> waiters_ ABSL_GUARDED_BY(mu_);
+  ReapedThreads waiters_;                     // threads waiting for p2p transfers
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   absl::Status broken_ ABSL_GUARDED_BY(mu_);  // the first failure
   std::thread thread_;

@@ -489,22 +489,14 @@ rpc::Future on_grad(int64_t context_id, int64_t send_id, std::vector<int64_t> in
   return work;
 }
 
-// Release messages, batched per destination: while one is in flight to a worker, later releases for it queue and go
-// together when it completes (a training loop releases a context per step; this keeps that to a message per round
-// trip, not per step). Each release completes when the message carrying it does. A batch lost on the way is sent
-// again, 3 times in all (a release is idempotent: an unknown context is nothing to do), so that one slow moment does
-// not leave the contexts it carried (their graphs, their activations) on the callee for good; failed ones count in
+// Release messages, batched per destination as rpc::detail::release_options() says (a release is idempotent: an
+// unknown context is nothing to do). Each release completes when the message carrying it does; failed ones count in
 // failed_releases.
 rpc::detail::NoteBatcher& releases() {
-  static auto* batcher = [] {
-    rpc::detail::NoteBatcher::Options o;
-    o.policy = rpc::detail::NoteBatcher::Policy::kOneInFlight;
-    o.attempts = 3;
-    o.on_failure = [](int, const std::string&, const absl::Status&, int64_t notes) {
-      Container::get().failed_releases.fetch_add(notes);
-    };
-    return new rpc::detail::NoteBatcher(std::move(o));
-  }();  // never destroyed: release messages may complete until exit
+  static auto* batcher = new rpc::detail::NoteBatcher(  // never destroyed: release messages may complete until exit
+      rpc::detail::release_options([](int, const std::string&, const absl::Status&, int64_t notes) {
+        Container::get().failed_releases.fetch_add(notes);
+      }));
   return *batcher;
 }
 

@@ -3,6 +3,7 @@
 #include <cstdio>
 #include <thread>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "proto/tandem_rpc.pb.h"
@@ -334,10 +335,7 @@ void Agent::finish_once(const std::shared_ptr<InCall>& call, const absl::Status&
     } else {
       call->mu.Lock();
     }
-    struct Unlock {
-      Mutex& mu;
-      ~Unlock() { mu.Unlock(); }
-    } unlock{call->mu};
+    absl::Cleanup unlock = [&call]() ABSL_NO_THREAD_SAFETY_ANALYSIS { call->mu.Unlock(); };
     if (call->finished) return;
     call->finished = true;
     // A one-way frame's reply writes nothing: a failure given here (the worker stopping) is told here.

@@ -8,7 +8,9 @@
 // Each worker gets RANK, LOCAL_RANK, GROUP_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT (torchrun's
 // variables) and TANDEM_SECRET, the job secret: generated when the job is on one node (unless TANDEM_SECRET is set),
 // taken from TANDEM_SECRET or --secret-file when it spans nodes. On one node without --master-port a free port is
-// chosen. Every output line of a worker is prefixed with "[rankN]: ".
+// chosen. Every output line of a worker is prefixed with "[rankN]: ". A reader that stops reading the launcher's own
+// output never stops the launcher (tools/output_relay.h: up to 64 MiB per stream wait; beyond, output is dropped and
+// counted).
 //
 // When a worker fails (non-zero exit or a signal), the others get SIGTERM, then SIGKILL after the grace period, and
 // tandem-run exits non-zero with one summary line naming who failed and why. Workers die with tandem-run (PDEATHSIG).
@@ -86,6 +88,7 @@
 #include "tandem/elastic/rendezvous.h"
 #include "tandem/rpc/detail/net.h"
 #include "tandem/rpc/store.h"
+#include "tools/output_relay.h"
 
 namespace {
 
@@ -1103,6 +1106,11 @@ void share_threads(const Options& o) {
 
 int main(int argc, char** argv) {
   Options o = parse(argc, argv);
+  // From here a reader that stops reading this launcher's output no longer stops it (tools/output_relay.h).
+  if (!tandem::tools::relay_own_output())
+    std::fprintf(
+        stderr,
+        "tandem-run: cannot relay its own output (no pipe): a reader that stops reading it will stop the launcher\n");
   if (o.bind_cores) (void)launcher_cpus();  // read here, before any worker is forked
   share_threads(o);
   install_signal_handlers();

@@ -20,6 +20,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "proto/tandem_rpc.pb.h"
 #include "tandem/cluster/cpus.h"
@@ -348,10 +349,7 @@ absl::Status Conn::write(Kind kind, uint64_t call_id, const grpc::ByteBuffer& bo
     if (s.size() > 0) iov.push_back({const_cast<uint8_t*>(s.begin()), s.size()});
   }
   if (auto s = start_writing(deadline); !s.ok()) return s;
-  struct Done {
-    Conn* conn;
-    ~Done() { conn->end_writing(); }
-  } done{this};
+  absl::Cleanup done = [this] { end_writing(); };
   size_t first = 0;
   std::vector<iovec> window;  // the part of iov[first..] one sendmsg offers: at most kMaxSendBytes
   window.reserve(std::min<size_t>(iov.size(), static_cast<size_t>(IOV_MAX)));

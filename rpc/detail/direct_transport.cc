@@ -291,11 +291,16 @@ void DirectTransport::run_timer() {
       for (const auto& [id, p] : pending_) expired.push_back(id);
     }
     if (expired.empty()) continue;
-    mu_.Unlock();
-    for (uint64_t id : expired) {
-      complete(id, stopping ? absl::CancelledError("RPC was shut down on this worker")
-                            : absl::DeadlineExceededError("no reply by the deadline"));
+    if (!stopping) {
+      // Their callbacks run on a thread of their own: one that blocks (a note batch sent again, writing to a peer
+      // that stopped reading, until that call's deadline) must not hold back the deadlines of every other call.
+      expiring_.start([this, expired = std::move(expired)] {
+        for (uint64_t id : expired) complete(id, absl::DeadlineExceededError("no reply by the deadline"));
+      });
+      continue;
     }
+    mu_.Unlock();
+    for (uint64_t id : expired) complete(id, absl::CancelledError("RPC was shut down on this worker"));
     mu_.Lock();
   }
 }
@@ -332,6 +337,7 @@ bool DirectTransport::stop(std::chrono::milliseconds grace) {
   }
   const bool done = channel_->stop(grace);  // fails async calls with CANCELLED (on_lost)
   if (timer_.joinable()) timer_.join();     // fails what is left of them
+  expiring_.join_all();
   return done;
 }
 

@@ -18,6 +18,7 @@
 #include "tandem/rpc/detail/direct.h"
 #include "tandem/rpc/transport.h"
 #include "tandem/sync/sync.h"
+#include "tandem/sync/threads.h"
 
 namespace tandem::rpc::detail {
 
@@ -81,6 +82,7 @@ class DirectTransport final : public Transport {
   IncomingFn on_request_;
   std::unique_ptr<direct::Channel> channel_;
   std::thread timer_;
+  ReapedThreads expiring_;  // threads completing calls that ran out of time (run_timer)
 
   Mutex peers_mu_;
   std::map<int, std::unique_ptr<Peer>> peers_ ABSL_GUARDED_BY(peers_mu_);

@@ -172,19 +172,25 @@ void NoteBatcher::loop() {
   }
 }
 
+constexpr int kReleaseAttempts = 3;
+
+NoteBatcher::Options release_options(
+    std::function<void(int to, const std::string& function, const absl::Status& error, int64_t notes)> on_failure) {
+  NoteBatcher::Options o;
+  o.policy = NoteBatcher::Policy::kOneInFlight;
+  o.attempts = kReleaseAttempts;
+  o.on_failure = std::move(on_failure);
+  return o;
+}
+
 NoteBatcher& releases() {
-  static auto* batcher = new NoteBatcher([] {  // never destroyed: calls in flight refer to it
-    NoteBatcher::Options o;
-    o.policy = NoteBatcher::Policy::kOneInFlight;
-    o.attempts = 3;
-    o.on_failure = [](int to, const std::string& function, const absl::Status& error, int64_t notes) {
-      if (error.code() == absl::StatusCode::kCancelled) return;  // RPC stops here: nothing more can be sent
-      TANDEM_LOG(kWarn, "rpc") << "releasing " << notes << " object(s) with '" << function << "' on worker " << to
-                               << " failed (a lost message is sent again, 3 times in all; they stay until that worker "
-                               << "stops): " << error;
-    };
-    return o;
-  }());
+  static auto* batcher = new NoteBatcher(  // never destroyed: calls in flight refer to it
+      release_options([](int to, const std::string& function, const absl::Status& error, int64_t notes) {
+        if (error.code() == absl::StatusCode::kCancelled) return;  // RPC stops here: nothing more can be sent
+        TANDEM_LOG(kWarn, "rpc") << "releasing " << notes << " object(s) with '" << function << "' on worker " << to
+                                 << " failed (sent " << kReleaseAttempts
+                                 << " times; they stay until that worker stops): " << error;
+      }));
   return *batcher;
 }
 

@@ -116,10 +116,17 @@ class NoteBatcher {
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
 };
 
+// The options of a batcher of releases (of remote objects, of autograd contexts): kOneInFlight, so that a loop that
+// releases one a step sends a message per round trip, and each batch sent up to 3 times (a lost message must not leave
+// what it released on the callee for good), so the receiving functions take a list of ids and must accept an id twice
+// (or one already gone). `on_failure` as Options'.
+NoteBatcher::Options release_options(
+    std::function<void(int to, const std::string& function, const absl::Status& error, int64_t notes)> on_failure);
+
 // Releases of remote objects that nobody waits for (a pipeline's stages, a distributed optimizer's shards): one
-// process-wide batcher, kOneInFlight, 3 attempts, so the receiving functions take a list of ids and must accept an
-// id twice (or one already gone). A batch that still fails is logged as a warning naming the worker, the function and
-// the cause (not when RPC is stopping here: CANCELLED): the objects then live until that worker's RPC stops.
+// process-wide batcher with release_options(). A batch that still fails is logged as a warning naming the worker, the
+// function and the cause (not when RPC is stopping here: CANCELLED): the objects then live until that worker's RPC
+// stops.
 NoteBatcher& releases();
 
 }  // namespace tandem::rpc::detail

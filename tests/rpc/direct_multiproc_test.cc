@@ -203,6 +203,36 @@ TEST_F(MultiprocDirect, NonGracefulShutdownDoesNotWaitForAStalledReply) {
   job_->child(1).kill(SIGKILL);
 }
 
+// A callback of a call that ran out of time and blocks (here for 3 s; a note batch sent again from its callback would,
+// writing to a peer that stopped reading) does not hold back another call's deadline: before, the transport's one
+// timer thread ran both, so the second call completed only once the first's callback returned.
+TEST_F(MultiprocDirect, ABlockedTimeoutCallbackDoesNotDelayOtherDeadlines) {
+  start_direct({.world_size = 2});
+  ASSERT_EQ(rpc::transport_to(1), "direct");
+  using Clock = std::chrono::steady_clock;
+  auto released = std::make_shared<std::atomic<bool>>(false);
+  auto second_done = std::make_shared<std::atomic<int64_t>>(0);  // ms after t0, once completed
+  const auto t0 = Clock::now();
+  rpc::Future first = rpc::rpc_async("worker1", "sleep_ms", int64_t{2500}, milliseconds(200));
+  first.add_callback([released](const rpc::Future&) {
+    const auto until = Clock::now() + std::chrono::seconds(3);
+    while (!released->load() && Clock::now() < until) std::this_thread::sleep_for(milliseconds(1));
+  });
+  rpc::Future second = rpc::rpc_async("worker1", "sleep_ms", int64_t{2500}, milliseconds(600));
+  second.add_callback([second_done, t0](const rpc::Future&) {
+    second_done->store(std::chrono::duration_cast<milliseconds>(Clock::now() - t0).count() + 1);
+  });
+  const auto give_up = Clock::now() + std::chrono::seconds(10);
+  while (second_done->load() == 0 && Clock::now() < give_up) std::this_thread::sleep_for(milliseconds(1));
+  released->store(true);
+  EXPECT_EQ(first.status().code(), absl::StatusCode::kDeadlineExceeded) << first.status();
+  EXPECT_EQ(second.status().code(), absl::StatusCode::kDeadlineExceeded) << second.status();
+  EXPECT_GT(second_done->load(), 0);
+  // Its 600 ms deadline and some slack; the first call's callback alone holds its thread for 3 s.
+  EXPECT_LT(second_done->load(), (milliseconds(600) + scaled(milliseconds(1400))).count())
+      << "the second call's deadline waited for the first call's callback";
+}
+
 // The direct channel's TCP route in one process over loopback (no namespaces needed): the challenge handshake both
 // ways, frames large and small both ways, the async connection's replies read by the epoll threads, and refusals.
 TEST(UnitDirectTcp, HandshakeAndFramesOverLoopback) {
