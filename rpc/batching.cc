@@ -37,6 +37,20 @@ class Batcher : public std::enable_shared_from_this<Batcher> {
     size_t batches;
     {
       MutexLock lock(&mu_);  // unlocking wakes the flushing thread, which starts timing the oldest request
+      if (waiting_ >= options_.max_waiting) {
+        ++stats_.refused;
+        const std::string running =
+            running_since_ == Clock::time_point()
+                ? std::string()
+                : absl::StrCat(
+                      "; the batch running has run for ",
+                      std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - running_since_).count(),
+                      " ms");
+        return Future::failed(absl::ResourceExhaustedError(
+            absl::StrCat("batched function '", name_, "' has ", waiting_, " requests waiting (max_waiting ",
+                         options_.max_waiting, "): its batches run slower than its calls come", running)));
+      }
+      ++waiting_;
       pending_.push_back(Pending{std::move(args), reply, Clock::now()});
       if (pending_.size() < options_.max_batch) return reply;
       ++stats_.full_batches;
@@ -46,16 +60,21 @@ class Batcher : public std::enable_shared_from_this<Batcher> {
     return reply;
   }
 
-  void set_max_batch(size_t n) {
+  absl::Status set_max_batch(size_t n) {
     size_t batches;
     {
       MutexLock lock(&mu_);
+      if (n > options_.max_waiting) {
+        return absl::InvalidArgumentError(absl::StrCat("batched function '", name_, "': max_batch ", n,
+                                                       " exceeds its max_waiting ", options_.max_waiting));
+      }
       options_.max_batch = n;
-      if (pending_.empty() || pending_.size() < n) return;
+      if (pending_.empty() || pending_.size() < n) return absl::OkStatus();
       ++stats_.full_batches;
-      if (!form_locked(&batches)) return;
+      if (!form_locked(&batches)) return absl::OkStatus();
     }
     drain(batches);
+    return absl::OkStatus();
   }
 
   BatchStats stats() {
@@ -131,6 +150,8 @@ class Batcher : public std::enable_shared_from_this<Batcher> {
         }
         next = std::move(ready_.front());
         ready_.pop_front();
+        waiting_ -= next.size();
+        running_since_ = Clock::now();
       }
       try {
         run_one(std::move(next));
@@ -162,6 +183,7 @@ class Batcher : public std::enable_shared_from_this<Batcher> {
       MutexLock lock(&mu_);
       ++stats_.batches;
       stats_.requests += static_cast<int64_t>(batch.size());
+      running_since_ = Clock::time_point();
     }
     for (size_t i = 0; i < batch.size(); ++i) {
       if (!error.ok()) {
@@ -183,6 +205,8 @@ class Batcher : public std::enable_shared_from_this<Batcher> {
   std::deque<std::vector<Pending>> ready_ ABSL_GUARDED_BY(mu_);  // batches formed and not run yet, oldest first
   bool running_ ABSL_GUARDED_BY(mu_) = false;                    // a thread runs ready_'s batches (drain)
   bool handoff_ ABSL_GUARDED_BY(mu_) = false;                    // ...and the flushing thread is to take over from it
+  size_t waiting_ ABSL_GUARDED_BY(mu_) = 0;                      // requests in pending_ and ready_
+  Clock::time_point running_since_ ABSL_GUARDED_BY(mu_);         // when the batch running started (none: epoch)
 };
 
 Mutex g_mu(absl::kConstInit);
@@ -195,6 +219,9 @@ std::map<std::string, std::shared_ptr<Batcher>>& batchers() ABSL_EXCLUSIVE_LOCKS
 
 absl::Status register_batched_handler(const std::string& name, BatchOptions options, BatchHandler handler) {
   if (options.max_batch == 0) return absl::InvalidArgumentError("a batched function needs max_batch of at least 1");
+  if (options.max_waiting < options.max_batch) {
+    return absl::InvalidArgumentError("a batched function's max_waiting must be at least its max_batch");
+  }
   auto batcher = std::make_shared<Batcher>(name, options, std::move(handler));
   absl::Status s =
       register_handler(name, [batcher](std::vector<c10::IValue>&& args) { return batcher->enqueue(std::move(args)); });
@@ -216,8 +243,7 @@ absl::Status set_max_batch(const std::string& name, size_t max_batch) {
     if (it == batchers().end()) return absl::NotFoundError("no batched function '" + name + "' is registered here");
     batcher = it->second;
   }
-  batcher->set_max_batch(max_batch);
-  return absl::OkStatus();
+  return batcher->set_max_batch(max_batch);
 }
 
 BatchStats batch_stats(const std::string& name) {

@@ -24,7 +24,7 @@
 // arguments do not convert (the function never sees it). If the function throws, or returns another number of
 // results, every request of that batch gets an error naming the function and the cause. A caller that dies while
 // waiting changes nothing for the others (its reply goes nowhere). Each caller's wait is bounded by its own RPC
-// timeout.
+// timeout. At most max_waiting requests wait: one beyond fails at once (RESOURCE_EXHAUSTED).
 // Thread-safety: registration may happen at any time from any thread; a batcher lives until the process ends.
 #pragma once
 
@@ -46,6 +46,10 @@ namespace tandem::rpc {
 struct BatchOptions {
   size_t max_batch = 8;                                               // run as soon as this many requests wait
   std::chrono::microseconds max_delay{std::chrono::milliseconds(5)};  // or once the oldest has waited this long
+  // At most this many requests wait (in batches formed and not run yet, or not in one yet): a call beyond it fails at
+  // once with RESOURCE_EXHAUSTED, naming the function, instead of piling up in memory behind a function that has
+  // stopped returning or runs slower than its calls come.
+  size_t max_waiting = 16384;
 };
 
 struct BatchStats {
@@ -53,12 +57,13 @@ struct BatchStats {
   int64_t requests = 0;
   int64_t full_batches = 0;  // run because max_batch requests were waiting (the others ran at max_delay)
   int64_t max_batch = 0;     // the current max_batch (set_max_batch changes it)
+  int64_t refused = 0;       // calls failed because max_waiting requests were waiting
 };
 
 // The type-erased form: each request is the argument list of one call; one result (or error) per request.
 using BatchHandler =
     std::function<std::vector<absl::StatusOr<c10::IValue>>(std::vector<std::vector<c10::IValue>>& requests)>;
-// Fails with ALREADY_EXISTS when the name is taken, INVALID_ARGUMENT for max_batch 0.
+// Fails with ALREADY_EXISTS when the name is taken, INVALID_ARGUMENT for max_batch 0 or max_waiting below max_batch.
 absl::Status register_batched_handler(const std::string& name, BatchOptions options, BatchHandler handler);
 
 // Counts for a function registered here (zeros for an unknown name).
@@ -66,7 +71,7 @@ BatchStats batch_stats(const std::string& name);
 
 // Changes how many waiting requests make a full batch (e.g. the callers still active, as some finish early); if as
 // many already wait, they form a batch at once (run as above). Fails with NOT_FOUND for a name not registered here,
-// INVALID_ARGUMENT for 0.
+// INVALID_ARGUMENT for 0 or more than its max_waiting.
 absl::Status set_max_batch(const std::string& name, size_t max_batch);
 
 namespace detail {

@@ -3,6 +3,8 @@
 #include <gmock/gmock.h>
 
 #include <atomic>
+#include <memory>
+#include <mutex>
 #include <thread>
 
 #include "tandem/rpc/batching.h"
@@ -76,7 +78,10 @@ TEST(UnitRpcBatching, BatchesRunInTheOrderTheirRequestsArrived) {
   static std::vector<int64_t>* seen =
       new std::vector<int64_t>;  // appended by the function only (batches never overlap)
   rpc::register_batched_function<int64_t, int64_t>(
-      "unit_batched_order", {.max_batch = 3, .max_delay = std::chrono::microseconds(1)}, [](std::vector<int64_t> xs) {
+      "unit_batched_order",
+      // Every request is queued before any reply is looked at: all of them may wait at once.
+      {.max_batch = 3, .max_delay = std::chrono::microseconds(1), .max_waiting = kCallers * kEach},
+      [](std::vector<int64_t> xs) {
         seen->insert(seen->end(), xs.begin(), xs.end());
         const auto until = Clock::now() + std::chrono::microseconds(20);
         while (Clock::now() < until) {
@@ -106,43 +111,97 @@ TEST(UnitRpcBatching, BatchesRunInTheOrderTheirRequestsArrived) {
   }
 }
 
+// A batched function `name` (max_batch 1) whose request 0 does not return until release() (or 20 s, a bound for the
+// test); the others return their argument. seen(): the requests it got, in order.
+class StuckBatchedFunction {
+ public:
+  StuckBatchedFunction(const std::string& name, size_t max_waiting) : state_(std::make_shared<State>()) {
+    rpc::register_batched_function<int64_t, int64_t>(
+        name, {.max_batch = 1, .max_delay = std::chrono::seconds(10), .max_waiting = max_waiting},
+        [state = state_](std::vector<int64_t> xs) {
+          if (xs[0] == 0) {
+            state->inside = true;
+            const auto until = Clock::now() + std::chrono::seconds(20);
+            while (!state->go.load() && Clock::now() < until) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+          }
+          std::lock_guard<std::mutex> lock(state->mu);
+          state->seen.insert(state->seen.end(), xs.begin(), xs.end());
+          return xs;
+        });
+    handler_ = rpc::find_function(name);
+  }
+  ~StuckBatchedFunction() { release(); }
+  // Calls request 0 on a thread of its own; returns whether the function is inside it (within 10 s).
+  bool get_stuck() {
+    if (!handler_) return false;
+    stuck_ = std::thread([this] { first_ = handler_({c10::IValue(int64_t{0})}); });
+    const auto give_up = Clock::now() + std::chrono::seconds(10);
+    while (!state_->inside.load() && Clock::now() < give_up) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    return state_->inside.load();
+  }
+  rpc::Future call(int64_t x) { return handler_({c10::IValue(x)}); }
+  // Lets request 0 return; returns its reply.
+  rpc::Future release() {
+    state_->go = true;
+    if (stuck_.joinable()) stuck_.join();
+    return first_;
+  }
+  std::vector<int64_t> seen() {
+    std::lock_guard<std::mutex> lock(state_->mu);
+    return state_->seen;
+  }
+
+ private:
+  struct State {
+    std::atomic<bool> inside{false}, go{false};
+    std::mutex mu;
+    std::vector<int64_t> seen;
+  };
+  std::shared_ptr<State> state_;
+  rpc::Handler handler_;
+  std::thread stuck_;
+  rpc::Future first_;
+};
+
 // A batched function that does not return holds the thread that runs it, and no other: the calls that form batches
 // behind it are queued and return at once (before, each waited for its turn, so a stuck function held every RPC
 // thread that delivered a call to it). They run, in order, when the first returns.
 TEST(UnitRpcBatching, AStuckBatchHoldsNoOtherThread) {
-  static std::atomic<bool> inside{false}, go{false};
-  static std::vector<int64_t>* seen = new std::vector<int64_t>;
-  rpc::register_batched_function<int64_t, int64_t>(
-      "unit_batched_stuck", {.max_batch = 1, .max_delay = std::chrono::seconds(10)}, [](std::vector<int64_t> xs) {
-        if (xs[0] == 0) {
-          inside = true;
-          const auto until = Clock::now() + std::chrono::seconds(20);  // a bound for the test, not the point
-          while (!go.load() && Clock::now() < until) std::this_thread::sleep_for(std::chrono::milliseconds(1));
-        }
-        seen->insert(seen->end(), xs.begin(), xs.end());
-        return xs;
-      });
-  const rpc::Handler handler = rpc::find_function("unit_batched_stuck");
-  ASSERT_TRUE(handler);
-  rpc::Future first;
-  std::thread stuck([&] { first = handler({c10::IValue(int64_t{0})}); });
-  const auto give_up = Clock::now() + std::chrono::seconds(10);
-  while (!inside.load() && Clock::now() < give_up) std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  if (!inside.load()) {
-    go = true;
-    stuck.join();
-    FAIL() << "the first batch never ran";
-  }
+  StuckBatchedFunction f("unit_batched_stuck", rpc::BatchOptions().max_waiting);
+  ASSERT_TRUE(f.get_stuck()) << "the first batch never ran";
   const auto started = Clock::now();
   std::vector<rpc::Future> later;
-  for (int64_t i = 1; i <= 5; ++i) later.push_back(handler({c10::IValue(i)}));
+  for (int64_t i = 1; i <= 5; ++i) later.push_back(f.call(i));
   EXPECT_LT(Clock::now() - started, std::chrono::seconds(2)) << "a call waited for the stuck batch";
-  for (auto& f : later) EXPECT_FALSE(f.completed());
-  go = true;
-  stuck.join();
-  EXPECT_EQ(first.value().toInt(), 0);
+  for (auto& r : later) EXPECT_FALSE(r.completed());
+  EXPECT_EQ(f.release().value().toInt(), 0);
   for (int64_t i = 1; i <= 5; ++i) EXPECT_EQ(later[i - 1].value().toInt(), i);
-  EXPECT_EQ(*seen, (std::vector<int64_t>{0, 1, 2, 3, 4, 5}));
+  EXPECT_EQ(f.seen(), (std::vector<int64_t>{0, 1, 2, 3, 4, 5}));
+}
+
+// Requests behind a batched function that stopped returning do not pile up without bound: beyond max_waiting a call
+// fails at once, naming the function (before: every call was kept, in memory, until the function returned).
+TEST(UnitRpcBatching, CallsBeyondMaxWaitingFailAtOnce) {
+  StuckBatchedFunction f("unit_batched_capped", /*max_waiting=*/3);
+  ASSERT_TRUE(f.get_stuck()) << "the first batch never ran";
+  std::vector<rpc::Future> later;
+  for (int64_t i = 1; i <= 5; ++i) later.push_back(f.call(i));
+  for (int i = 0; i < 3; ++i) EXPECT_FALSE(later[i].completed()) << "request " << i + 1 << " is within max_waiting";
+  for (int i = 3; i < 5; ++i) {
+    EXPECT_TRUE(later[i].completed()) << "request " << i + 1 << " is beyond max_waiting";
+    const absl::Status s = later[i].status();
+    EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+    EXPECT_THAT(std::string(s.message()),
+                ::testing::HasSubstr("batched function 'unit_batched_capped' has 3 requests waiting"));
+    EXPECT_THAT(std::string(s.message()), ::testing::HasSubstr("the batch running has run for"));
+  }
+  EXPECT_EQ(rpc::batch_stats("unit_batched_capped").refused, 2);
+  EXPECT_EQ(rpc::set_max_batch("unit_batched_capped", 4).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(f.release().value().toInt(), 0);
+  for (int64_t i = 1; i <= 3; ++i) EXPECT_EQ(later[i - 1].value().toInt(), i);
+  EXPECT_EQ(f.call(7).value().toInt(), 7) << "room again once they ran";
+  EXPECT_EQ(rpc::register_batched_handler("unit_batched_bad_cap", {.max_batch = 4, .max_waiting = 2}, nullptr).code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 // The thread whose call formed a batch runs that batch, and not the batches formed behind it while it ran (those go to
