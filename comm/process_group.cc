@@ -33,6 +33,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/time/time.h"
 #include "tandem/comm/detail/shm.h"
 #include "tandem/log/log.h"
 #include "tandem/metrics/metrics.h"
@@ -655,6 +656,17 @@ class GlooGroup final : public ProcessGroup {
       TANDEM_LOG(kDebug, "comm") << "process group '" << name_ << "' (rank " << rank_ << " of " << size_
                                  << "): " << op.what << " of " << op.bytes << " bytes over " << transport_of(op.what);
       op.run(++tag);
+      // Gloo bounds each of its waits by the timeout, not a whole operation: one that ends after its future's deadline
+      // may have been reported failed to its waiter meanwhile, while its tensors were still being written. It fails,
+      // and the group with it, as any operation that outlived its bound (before, the group went on as if nothing
+      // happened: the caller saw an error, the next operation ran on).
+      if (const absl::Time due = op.done.deadline(), now = absl::Now(); now > due) {
+        throw_error(absl::DeadlineExceededError(
+            absl::StrCat("ended ", absl::FormatDuration(absl::Trunc(now - due, absl::Milliseconds(1))),
+                         " after its deadline (each operation ahead of it and itself within the group's timeout of ",
+                         options_.timeout.count(), " ms, plus ", kPingTimeout.count(),
+                         " ms); a wait on it may have failed meanwhile, so the group stops here")));
+      }
       // The operation's tensors go before its future completes: a waiter that takes memory next finds theirs free
       // (fsdp's pool would map a buffer afresh instead of reusing the one a reduction just released).
       op.run = nullptr;

@@ -50,8 +50,8 @@ class Batcher : public std::enable_shared_from_this<Batcher> {
             absl::StrCat("batched function '", name_, "' has ", waiting_, " requests waiting (max_waiting ",
                          options_.max_waiting, "): its batches run slower than its calls come", running)));
       }
-      ++waiting_;
       pending_.push_back(Pending{std::move(args), reply, Clock::now()});
+      ++waiting_;
       if (pending_.size() < options_.max_batch) return reply;
       ++stats_.full_batches;
       if (!form_locked(&batches)) return reply;

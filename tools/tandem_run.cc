@@ -1110,7 +1110,8 @@ int main(int argc, char** argv) {
   if (!tandem::tools::relay_own_output())
     std::fprintf(
         stderr,
-        "tandem-run: cannot relay its own output (no pipe): a reader that stops reading it will stop the launcher\n");
+        "tandem-run: cannot relay its own output (no pipe or thread): a reader that stops reading it will stop the "
+        "launcher\n");
   if (o.bind_cores) (void)launcher_cpus();  // read here, before any worker is forked
   share_threads(o);
   install_signal_handlers();

@@ -1,5 +1,7 @@
 #include "tandem/rpc/detail/direct_transport.h"
 
+#include <functional>
+
 #include "absl/strings/str_cat.h"
 #include "proto/tandem_rpc.pb.h"
 #include "tandem/log/log.h"
@@ -293,10 +295,15 @@ void DirectTransport::run_timer() {
     if (expired.empty()) continue;
     if (!stopping) {
       // Their callbacks run on a thread of their own: one that blocks (a note batch sent again, writing to a peer
-      // that stopped reading, until that call's deadline) must not hold back the deadlines of every other call.
-      expiring_.start([this, expired = std::move(expired)] {
+      // that stopped reading, until that call's deadline) must not hold back the deadlines of every other call. At
+      // most kMaxExpiringThreads (8) such threads at once (and none when no thread can be made): beyond, the callbacks
+      // run here, as they all did before.
+      mu_.Unlock();
+      std::function<void()> fail = [this, expired = std::move(expired)] {
         for (uint64_t id : expired) complete(id, absl::DeadlineExceededError("no reply by the deadline"));
-      });
+      };
+      if (!expiring_.try_start(fail)) fail();
+      mu_.Lock();
       continue;
     }
     mu_.Unlock();

@@ -3,10 +3,12 @@
 //
 // Async calls share one connection per peer whose replies the channel's epoll threads read (paired by call id);
 // rpc_sync calls each take an idle connection of their own and read the reply on the calling thread. A timer thread
-// fails async calls at their deadline. Incoming requests run on the channel's thread that read them.
+// fails async calls at their deadline, their callbacks run on a short-lived thread per batch of expired calls (at most
+// 8 at once; beyond, on the timer thread). Incoming requests run on the channel's thread that read them.
 #pragma once
 
 #include <chrono>
+#include <cstddef>
 #include <map>
 #include <memory>
 #include <set>
@@ -82,7 +84,9 @@ class DirectTransport final : public Transport {
   IncomingFn on_request_;
   std::unique_ptr<direct::Channel> channel_;
   std::thread timer_;
-  ReapedThreads expiring_;  // threads completing calls that ran out of time (run_timer)
+  // Threads completing calls that ran out of time (run_timer).
+  static constexpr size_t kMaxExpiringThreads = 8;
+  ReapedThreads expiring_{kMaxExpiringThreads};
 
   Mutex peers_mu_;
   std::map<int, std::unique_ptr<Peer>> peers_ ABSL_GUARDED_BY(peers_mu_);

@@ -9,5 +9,11 @@ TEST_F(HostFaults, LinkCutMidAllreduceFailsEveryRankWithinTheGroupsTimeout) {
   EXPECT_EQ(everywhere(3, "cut_link"), "");
 }
 
+// Gloo bounds each wait, not a whole operation: one that outlives its future's deadline (a slow link) breaks the group.
+TEST_F(HostFaults, AGlooOperationThatEndsAfterItsDeadlineBreaksTheGroup) {
+  start_on_hosts(milliseconds(30000));
+  EXPECT_EQ(everywhere(3, "late_gloo_op"), "");
+}
+
 }  // namespace
 }  // namespace tandem::test

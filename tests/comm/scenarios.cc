@@ -415,6 +415,36 @@ std::string run(const std::string& name) {
     }
     return err;
   }
+  if (name == "late_gloo_op") {
+    // On test hosts: host 1 sends at 32 Mbit/s, so an allreduce of 24 MiB takes about 8 s (a ring: each rank sends
+    // two thirds of it twice) while each of Gloo's waits (a segment of 1 MiB) takes a fraction of a second, within the
+    // group's timeout (2.5 s). The allreduce's future is due after that timeout plus the 1 s ping: its wait fails
+    // then, and when the allreduce ends, late, the group is broken on every rank: the barrier queued behind it fails,
+    // naming why (before, it ran as if nothing had happened).
+    auto pg = comm::ProcessGroup::create("late_gloo", {}, {.timeout = std::chrono::milliseconds(2500)});
+    if (std::string(pg->transport()) != "gloo") return std::string("not over Gloo: ") + pg->transport();
+    comm::wait(pg->barrier());
+    if (rank == 0) host_fault("rate", 1, "32mbit");
+    comm::wait(pg->barrier());
+    std::string err;
+    auto t = at::ones({6 << 20});
+    const absl::Status late = pg->allreduce(t).status();  // waits until the future's deadline
+    if (late.code() != absl::StatusCode::kDeadlineExceeded)
+      err += "the late allreduce's wait: " + late.ToString() + "; ";
+    rpc::Future next = pg->barrier();
+    if (!next.wait_for(std::chrono::seconds(60))) {
+      err += "the barrier behind the late allreduce never completed; ";
+    } else {
+      const absl::Status s = next.status();
+      if (s.code() != absl::StatusCode::kFailedPrecondition ||
+          std::string(s.message()).find("allreduce: ended ") == std::string::npos ||
+          std::string(s.message()).find("after its deadline") == std::string::npos) {
+        err += "the barrier behind the late allreduce: " + s.ToString() + "; ";
+      }
+    }
+    if (rank == 0) host_fault("rate", 1, "off");
+    return err;
+  }
   if (name == "p2p_timeout") {
     // A recv whose send never comes fails within the timeout, naming the peer. Gloo closes the connection on a
     // timeout, so the group is broken: the next operation fails at once here, and with an error on the peer (at once

@@ -203,9 +203,9 @@ TEST_F(MultiprocDirect, NonGracefulShutdownDoesNotWaitForAStalledReply) {
   job_->child(1).kill(SIGKILL);
 }
 
-// A callback of a call that ran out of time and blocks (here for 3 s; a note batch sent again from its callback would,
-// writing to a peer that stopped reading) does not hold back another call's deadline: before, the transport's one
-// timer thread ran both, so the second call completed only once the first's callback returned.
+// A callback of a call that ran out of time and blocks (here until the test ends; a note batch sent again from its
+// callback would, writing to a peer that stopped reading) does not hold back another call's deadline: before, the
+// transport's one timer thread ran both, so the second call completed only once the first's callback returned.
 TEST_F(MultiprocDirect, ABlockedTimeoutCallbackDoesNotDelayOtherDeadlines) {
   start_direct({.world_size = 2});
   ASSERT_EQ(rpc::transport_to(1), "direct");
@@ -215,20 +215,22 @@ TEST_F(MultiprocDirect, ABlockedTimeoutCallbackDoesNotDelayOtherDeadlines) {
   const auto t0 = Clock::now();
   rpc::Future first = rpc::rpc_async("worker1", "sleep_ms", int64_t{2500}, milliseconds(200));
   first.add_callback([released](const rpc::Future&) {
-    const auto until = Clock::now() + std::chrono::seconds(3);
+    const auto until = Clock::now() + scaled(std::chrono::seconds(20));  // a bound for the test, not the point
     while (!released->load() && Clock::now() < until) std::this_thread::sleep_for(milliseconds(1));
   });
   rpc::Future second = rpc::rpc_async("worker1", "sleep_ms", int64_t{2500}, milliseconds(600));
   second.add_callback([second_done, t0](const rpc::Future&) {
     second_done->store(std::chrono::duration_cast<milliseconds>(Clock::now() - t0).count() + 1);
   });
-  const auto give_up = Clock::now() + std::chrono::seconds(10);
+  // Past the bound checked below, under any time scale: a second call held back by the first's callback completes
+  // only after the release.
+  const auto give_up = Clock::now() + scaled(std::chrono::seconds(10));
   while (second_done->load() == 0 && Clock::now() < give_up) std::this_thread::sleep_for(milliseconds(1));
   released->store(true);
   EXPECT_EQ(first.status().code(), absl::StatusCode::kDeadlineExceeded) << first.status();
   EXPECT_EQ(second.status().code(), absl::StatusCode::kDeadlineExceeded) << second.status();
   EXPECT_GT(second_done->load(), 0);
-  // Its 600 ms deadline and some slack; the first call's callback alone holds its thread for 3 s.
+  // Its 600 ms deadline and some slack; the first call's callback holds its thread until the release.
   EXPECT_LT(second_done->load(), (milliseconds(600) + scaled(milliseconds(1400))).count())
       << "the second call's deadline waited for the first call's callback";
 }
