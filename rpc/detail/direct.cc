@@ -605,13 +605,13 @@ void Channel::loop() {
   Place place(this);
   for (;;) {
     epoll_event ev{};
-    in_epoll_.fetch_add(1, std::memory_order_relaxed);
+    in_epoll_.fetch_add(1);
     const int n = epoll_wait(epoll_fd_, &ev, 1, -1);
-    in_epoll_.fetch_sub(1, std::memory_order_relaxed);
+    // The last thread to leave epoll wakes a resting watcher: every place may now run a message that gets stuck.
+    if (in_epoll_.fetch_sub(1) == 1 && watcher_resting_.load()) wake_watcher();
     if (n < 0 && errno == EINTR) continue;
     if (n <= 0 || stopping_ || ev.data.u64 == kWakeTag) return;
     place.running.store(started_.fetch_add(1) + 1);
-    if (watcher_resting_.load()) wake_watcher();
     WaitObserver* before = set_wait_observer(&place);
     serve(ev);
     set_wait_observer(before);
@@ -670,30 +670,23 @@ bool Channel::park() {
       --parked_;
       continue;
     }
-    // This thread watches the places while it waits for one; it rests while the channel is quiet.
+    // This thread watches the places while it waits for one. It rests once a place waited in epoll (where no message
+    // can be stuck: that thread would take it) at kQuietLooks looks in a row, until the last thread leaves epoll.
     watching_ = true;
     const uint64_t finished = finished_.load(std::memory_order_relaxed);
-    absl::Duration wait = stuck_after_;
+    bool rest = false;
     if (quiet_looks_ >= kQuietLooks) {
       watcher_resting_.store(true);
-      if (started_.load() == quiet_started_ && in_epoll_.load() > 0) {
-        wait = absl::InfiniteDuration();
-      } else {
-        watcher_resting_.store(false);
-        quiet_looks_ = 0;
-      }
+      rest = in_epoll_.load() > 0;
+      if (!rest) watcher_resting_.store(false);
     }
-    const bool timed_out = watch_cv_.WaitWithTimeout(&places_mu_, wait);
+    const bool timed_out = watch_cv_.WaitWithTimeout(&places_mu_, rest ? absl::InfiniteDuration() : stuck_after_);
     watcher_resting_.store(false);
     watching_ = false;
     ++counts_.looks;
-    const uint64_t started = started_.load();
-    if (started != quiet_started_ || in_epoll_.load() == 0) {
-      quiet_looks_ = 0;
-      quiet_started_ = started;
-    } else {
-      ++quiet_looks_;
-    }
+    // Woken from rest (the last thread left epoll), it watches kQuietLooks more looks before it rests again: a worker
+    // whose places all run now and then is woken no more than about once per stuck_after_.
+    quiet_looks_ = (rest && !timed_out) || in_epoll_.load() == 0 ? 0 : quiet_looks_ + 1;
     // A place presumed blocked is free: this thread takes it on its next turn.
     if (timed_out && !stopping_ && held_ >= places_ && stuck(finished)) presume_blocked();
   }

@@ -33,8 +33,10 @@
 // thread that watches: when every place runs a message, another is waiting, and none finished for `stuck_after` (5 ms)
 // twice in a row, it presumes the longest-running one blocked (unless its thread computed for more than half of that
 // time, and then only after 100 ms) and takes its place, which that thread takes back when its message is done.
-// The watcher rests (sleeps without a deadline) once no message began for kQuietLooks looks while a place waited in
-// epoll; the thread that begins the next message wakes it, so an idle worker is not woken every `stuck_after`.
+// The watcher rests (sleeps without a deadline) once a place waited in epoll at kQuietLooks looks in a row, as long as
+// one does: no message can be stuck then. The last thread to leave epoll wakes it. So neither an idle worker nor one
+// whose places are not all busy (a trainer between its calls) is woken every `stuck_after`, and a worker whose places
+// all run messages now and then is woken no more often than that.
 #pragma once
 
 #include <grpcpp/support/byte_buffer.h>
@@ -230,8 +232,8 @@ class Channel {
   absl::Duration stuck_after_;
   // A message that computes is presumed blocked only after this long (it may spin, waiting for another message).
   static constexpr absl::Duration kComputeLimit = absl::Milliseconds(100);
-  // The watcher rests after this many looks in a row at which no message had begun and a place waited in epoll.
-  static constexpr int kQuietLooks = 20;
+  // The watcher rests after this many looks in a row at which a place waited in epoll.
+  static constexpr int kQuietLooks = 4;
   Mutex places_mu_;
   CondVar parked_cv_;  // threads without a place
   CondVar watch_cv_;   // the one of them that watches for stuck places
@@ -249,13 +251,12 @@ class Channel {
   };
   Suspect suspect_ ABSL_GUARDED_BY(places_mu_);
   int quiet_looks_ ABSL_GUARDED_BY(places_mu_) = 0;
-  uint64_t quiet_started_ ABSL_GUARDED_BY(places_mu_) = 0;  // started_ at the first of them
-  // The watcher waits without a deadline. Stored before it reads started_, read after started_ grows (both seq_cst):
-  // a message begun after the watcher's last read of started_ always finds it set.
+  // The watcher waits without a deadline. Stored before it reads in_epoll_, read after in_epoll_ falls (both
+  // seq_cst): the thread that takes in_epoll_ to 0 after the watcher's read always finds it set.
   std::atomic<bool> watcher_resting_{false};
-  std::atomic<uint64_t> started_{0};   // messages begun (seq_cst: watcher_resting_)
+  std::atomic<uint64_t> started_{0};   // messages begun
   std::atomic<bool> over_{false};      // held_ > places_: read after each message without the lock
-  std::atomic<int> in_epoll_{0};       // threads in epoll_wait
+  std::atomic<int> in_epoll_{0};       // threads in epoll_wait (seq_cst: watcher_resting_)
   std::atomic<uint64_t> finished_{0};  // messages run
 };
 

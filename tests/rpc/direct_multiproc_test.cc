@@ -376,6 +376,15 @@ class UnitDirectPlaces : public ::testing::Test {
     }
     return (*conn)->read(1 << 20, deadline).status();
   }
+  // The watcher's looks once it rests (none for 200 ms); -1 if it did not within 30 s.
+  int64_t looks_once_resting() {
+    for (const absl::Time until = absl::Now() + absl::Seconds(30); absl::Now() < until;) {
+      const int64_t before = server_->place_counts().looks;
+      std::this_thread::sleep_for(milliseconds(200));
+      if (server_->place_counts().looks == before) return before;
+    }
+    return -1;
+  }
   void TearDown() override {
     if (client_) client_->stop(milliseconds(1000));
     if (server_) EXPECT_TRUE(server_->stop(milliseconds(5000)));
@@ -472,29 +481,50 @@ TEST_F(UnitDirectPlaces, AMessageBlockedOutOfSightGetsAnotherThreadAPlace) {
             << " ms (a message is presumed blocked when none finished for 5 ms twice)\n";
 }
 
-// The watcher does not wake an idle worker every 5 ms: after 20 quiet looks it rests until a message begins, and a
-// message blocked out of sight after that rest is still found (the thread that began it woke the watcher).
+// The watcher does not wake an idle worker every 5 ms: after 4 looks at which a place waited in epoll it rests, and a
+// message blocked out of sight after that rest is still found (the thread that took the last place out of epoll woke
+// the watcher).
 TEST_F(UnitDirectPlaces, TheWatcherRestsWhileIdleAndWakesForTheNextMessage) {
   BlockedOutOfSight blocked;
   start(/*threads=*/3, /*running=*/1, [&](uint64_t id) { blocked(id); });
-  // 20 looks of 5 ms: it rests after about 100 ms (later on a busy machine); then it looks no more.
-  const absl::Time until = absl::Now() + absl::Seconds(30);
-  int64_t looks = -1;
-  while (absl::Now() < until) {
-    const int64_t before = server_->place_counts().looks;
-    std::this_thread::sleep_for(milliseconds(200));
-    if (server_->place_counts().looks == before) {
-      looks = before;
-      break;
-    }
-  }
-  ASSERT_GE(looks, 20) << "the watcher never rested";
+  // 4 looks of 5 ms: it rests after about 20 ms (later on a busy machine); then it looks no more.
+  const int64_t looks = looks_once_resting();
+  ASSERT_GE(looks, 4) << "the watcher never rested";
   std::this_thread::sleep_for(milliseconds(300));
   EXPECT_EQ(server_->place_counts().looks, looks);
 
   blocked.run([this](uint64_t id) { return call(id); });
   EXPECT_GE(server_->place_counts().presumed_blocked, 1);
   EXPECT_GT(server_->place_counts().looks, looks);
+}
+
+// Nor a busy one whose places are not all taken (a trainer between its calls, a server with a message at a time): the
+// watcher rested before kept resting while messages ran one at a time on one of two places (before, it looked every
+// 5 ms as long as messages kept beginning: about 100 times in these 500 ms).
+TEST_F(UnitDirectPlaces, TheWatcherRestsWhileMessagesLeaveAPlaceFree) {
+  start(/*threads=*/3, /*running=*/2, [](uint64_t) {});
+  const int64_t looks = looks_once_resting();
+  ASSERT_GE(looks, 4) << "the watcher never rested";
+  // One connection, one call at a time, a millisecond apart (the caller computes between its calls; calls back to
+  // back would find both places out of epoll now and then: the next request taken while the last reply's thread
+  // finishes).
+  auto conn = client_->connect(server_->address(), 1, /*for_responses=*/false, absl::Now() + absl::Seconds(30));
+  ASSERT_TRUE(conn.ok()) << conn.status();
+  // Under a slower build (TANDEM_TEST_TIME_SCALE) the calls are as much further apart, so that a message's thread is
+  // back in epoll before the next one comes, and the window as much longer (the old watcher looked more often still).
+  const auto apart = scaled(milliseconds(1));
+  int calls = 0;
+  const absl::Time end = absl::Now() + absl::FromChrono(scaled(milliseconds(500)));
+  for (; absl::Now() < end; ++calls) {
+    const absl::Time deadline = absl::Now() + absl::Seconds(30);
+    grpc::Slice slice(std::string("x"));
+    ASSERT_TRUE((*conn)->write(rpc::direct::Kind::kRequest, calls, grpc::ByteBuffer(&slice, 1), deadline).ok());
+    ASSERT_TRUE((*conn)->read(1 << 20, deadline).ok());
+    std::this_thread::sleep_for(apart);
+  }
+  const int64_t busy_looks = server_->place_counts().looks - looks;
+  std::cout << calls << " calls in " << scaled(milliseconds(500)).count() << " ms, " << busy_looks << " looks\n";
+  EXPECT_LT(busy_looks, 25);
 }
 
 // A chain of messages each waiting out of sight for the next, on 3 threads and 1 place: each thread that takes the
