@@ -24,7 +24,7 @@ class Batcher : public std::enable_shared_from_this<Batcher> {
   Batcher(std::string name, BatchOptions options, BatchHandler handler)
       : name_(std::move(name)), options_(options), handler_(std::move(handler)) {}
 
-  // The flushing thread holds the batcher: both live until the process ends.
+  // The flushing thread holds the batcher: both live until the function is unregistered (retire()).
   void start() {
     std::thread([self = shared_from_this()] {
       detail::drop_inherited_wait_slice();  // it runs the batched function (detail/wait_slice.h)
@@ -77,6 +77,13 @@ class Batcher : public std::enable_shared_from_this<Batcher> {
     return absl::OkStatus();
   }
 
+  // The function was unregistered and no call is under way (its registration, which every call holds, is gone): the
+  // requests still waiting run at once, then the flushing thread ends.
+  void retire() {
+    MutexLock lock(&mu_);
+    retired_ = true;
+  }
+
   BatchStats stats() {
     MutexLock lock(&mu_);
     BatchStats s = stats_;
@@ -92,7 +99,7 @@ class Batcher : public std::enable_shared_from_this<Batcher> {
   };
 
   void flush_loop() {
-    auto some = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !pending_.empty() || handoff_; };
+    auto some = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !pending_.empty() || handoff_ || retired_; };
     MutexLock lock(&mu_);
     for (;;) {
       mu_.Await(Condition(&some));
@@ -103,10 +110,24 @@ class Batcher : public std::enable_shared_from_this<Batcher> {
         mu_.Lock();
         continue;
       }
+      if (retired_) {  // no call can come any more: what waits runs now, then this thread ends
+        size_t batches;
+        if (pending_.empty() || !form_locked(&batches)) {
+          // A thread still running batches (none should: calls are over) finishes them or hands them over.
+          auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !running_ || handoff_; };
+          mu_.Await(Condition(&idle));
+          if (handoff_ || !pending_.empty()) continue;
+          return;
+        }
+        mu_.Unlock();
+        drain(std::numeric_limits<size_t>::max());
+        mu_.Lock();
+        continue;
+      }
       // The oldest request's age; a full batch sent meanwhile leaves pending_ empty (wait again) or newer.
       const auto oldest = pending_.front().arrived;
       auto gone = [this, oldest]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-        return pending_.empty() || pending_.front().arrived != oldest || handoff_;
+        return pending_.empty() || pending_.front().arrived != oldest || handoff_ || retired_;
       };
       if (mu_.AwaitWithTimeout(Condition(&gone), absl::FromChrono(oldest + options_.max_delay - Clock::now()))) {
         continue;
@@ -207,12 +228,34 @@ class Batcher : public std::enable_shared_from_this<Batcher> {
   bool handoff_ ABSL_GUARDED_BY(mu_) = false;                    // ...and the flushing thread is to take over from it
   size_t waiting_ ABSL_GUARDED_BY(mu_) = 0;                      // requests in pending_ and ready_
   Clock::time_point running_since_ ABSL_GUARDED_BY(mu_);         // when the batch running started (none: epoch)
+  bool retired_ ABSL_GUARDED_BY(mu_) = false;                    // unregistered: the flushing thread ends
+};
+
+// A batched function's registration, held by its registered handler (and so by every call under way): when the
+// function is unregistered and the last call returned, the batcher retires.
+struct Registration {
+  explicit Registration(std::shared_ptr<Batcher> b) : batcher(std::move(b)) {}
+  Registration(const Registration&) = delete;
+  Registration& operator=(const Registration&) = delete;
+  ~Registration() { batcher->retire(); }
+  const std::shared_ptr<Batcher> batcher;
 };
 
 Mutex g_mu(absl::kConstInit);
-std::map<std::string, std::shared_ptr<Batcher>>& batchers() ABSL_EXCLUSIVE_LOCKS_REQUIRED(g_mu) {
-  static auto* m = new std::map<std::string, std::shared_ptr<Batcher>>;
+// The registered batched functions (an entry expires when its function is unregistered).
+std::map<std::string, std::weak_ptr<Registration>>& batchers() ABSL_EXCLUSIVE_LOCKS_REQUIRED(g_mu) {
+  static auto* m = new std::map<std::string, std::weak_ptr<Registration>>;
   return *m;
+}
+
+// The batched function registered as `name` now, or null.
+std::shared_ptr<Registration> find_batched(const std::string& name) {
+  MutexLock lock(&g_mu);
+  auto it = batchers().find(name);
+  if (it == batchers().end()) return nullptr;
+  std::shared_ptr<Registration> r = it->second.lock();
+  if (!r) batchers().erase(it);
+  return r;
 }
 
 }  // namespace
@@ -223,12 +266,14 @@ absl::Status register_batched_handler(const std::string& name, BatchOptions opti
     return absl::InvalidArgumentError("a batched function's max_waiting must be at least its max_batch");
   }
   auto batcher = std::make_shared<Batcher>(name, options, std::move(handler));
-  absl::Status s =
-      register_handler(name, [batcher](std::vector<c10::IValue>&& args) { return batcher->enqueue(std::move(args)); });
+  auto registration = std::make_shared<Registration>(batcher);
+  absl::Status s = register_handler(name, [registration](std::vector<c10::IValue>&& args) {
+    return registration->batcher->enqueue(std::move(args));
+  });
   if (!s.ok()) return s;
   {
     MutexLock lock(&g_mu);
-    batchers()[name] = batcher;
+    batchers()[name] = registration;
   }
   batcher->start();
   return absl::OkStatus();
@@ -236,20 +281,14 @@ absl::Status register_batched_handler(const std::string& name, BatchOptions opti
 
 absl::Status set_max_batch(const std::string& name, size_t max_batch) {
   if (max_batch == 0) return absl::InvalidArgumentError("a batched function needs max_batch of at least 1");
-  std::shared_ptr<Batcher> batcher;
-  {
-    MutexLock lock(&g_mu);
-    auto it = batchers().find(name);
-    if (it == batchers().end()) return absl::NotFoundError("no batched function '" + name + "' is registered here");
-    batcher = it->second;
-  }
-  return batcher->set_max_batch(max_batch);
+  const std::shared_ptr<Registration> r = find_batched(name);
+  if (!r) return absl::NotFoundError("no batched function '" + name + "' is registered here");
+  return r->batcher->set_max_batch(max_batch);
 }
 
 BatchStats batch_stats(const std::string& name) {
-  MutexLock lock(&g_mu);
-  auto it = batchers().find(name);
-  return it == batchers().end() ? BatchStats{} : it->second->stats();
+  const std::shared_ptr<Registration> r = find_batched(name);
+  return r ? r->batcher->stats() : BatchStats{};
 }
 
 }  // namespace tandem::rpc

@@ -64,9 +64,11 @@ struct BatchStats {
 using BatchHandler =
     std::function<std::vector<absl::StatusOr<c10::IValue>>(std::vector<std::vector<c10::IValue>>& requests)>;
 // Fails with ALREADY_EXISTS when the name is taken, INVALID_ARGUMENT for max_batch 0 or max_waiting below max_batch.
+// unregister_function(name) ends it: once the calls under way returned, the requests still waiting run at once (not
+// after max_delay), then its thread ends; batch_stats and set_max_batch no longer know the name.
 absl::Status register_batched_handler(const std::string& name, BatchOptions options, BatchHandler handler);
 
-// Counts for a function registered here (zeros for an unknown name).
+// Counts for a function registered here (zeros for an unknown or unregistered name).
 BatchStats batch_stats(const std::string& name);
 
 // Changes how many waiting requests make a full batch (e.g. the callers still active, as some finish early); if as

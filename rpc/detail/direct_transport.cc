@@ -293,21 +293,19 @@ void DirectTransport::run_timer() {
       for (const auto& [id, p] : pending_) expired.push_back(id);
     }
     if (expired.empty()) continue;
-    if (!stopping) {
+    mu_.Unlock();
+    if (stopping) {
+      for (uint64_t id : expired) complete(id, absl::CancelledError("RPC was shut down on this worker"));
+    } else {
       // Their callbacks run on a thread of their own: one that blocks (a note batch sent again, writing to a peer
       // that stopped reading, until that call's deadline) must not hold back the deadlines of every other call. At
       // most kMaxExpiringThreads (8) such threads at once (and none when no thread can be made): beyond, the callbacks
       // run here, as they all did before.
-      mu_.Unlock();
       std::function<void()> fail = [this, expired = std::move(expired)] {
         for (uint64_t id : expired) complete(id, absl::DeadlineExceededError("no reply by the deadline"));
       };
       if (!expiring_.try_start(fail)) fail();
-      mu_.Lock();
-      continue;
     }
-    mu_.Unlock();
-    for (uint64_t id : expired) complete(id, absl::CancelledError("RPC was shut down on this worker"));
     mu_.Lock();
   }
 }

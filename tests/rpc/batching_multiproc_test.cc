@@ -15,6 +15,12 @@ namespace {
 
 using Reply = std::tuple<int64_t, int64_t>;  // the batch's sum, its size
 
+// Unregisters a function when the test ends, so that the test can run again in this process (--gtest_repeat).
+struct UnregisterAtEnd {
+  std::string name;
+  ~UnregisterAtEnd() { rpc::unregister_function(name); }
+};
+
 std::vector<int64_t> stats(const std::string& on) {
   return rpc::rpc_sync<std::vector<int64_t>>(on, "batch_stats", std::string("batched_sum"));
 }
@@ -77,6 +83,8 @@ TEST(UnitRpcBatching, BatchesRunInTheOrderTheirRequestsArrived) {
   constexpr int64_t kCallers = 8, kEach = 3000;
   static std::vector<int64_t>* seen =
       new std::vector<int64_t>;  // appended by the function only (batches never overlap)
+  seen->clear();
+  const UnregisterAtEnd unregister{"unit_batched_order"};
   rpc::register_batched_function<int64_t, int64_t>(
       "unit_batched_order",
       // Every request is queued before any reply is looked at: all of them may wait at once.
@@ -115,7 +123,8 @@ TEST(UnitRpcBatching, BatchesRunInTheOrderTheirRequestsArrived) {
 // test); the others return their argument. seen(): the requests it got, in order.
 class StuckBatchedFunction {
  public:
-  StuckBatchedFunction(const std::string& name, size_t max_waiting) : state_(std::make_shared<State>()) {
+  StuckBatchedFunction(const std::string& name, size_t max_waiting)
+      : state_(std::make_shared<State>()), unregister_{name} {
     rpc::register_batched_function<int64_t, int64_t>(
         name, {.max_batch = 1, .max_delay = std::chrono::seconds(10), .max_waiting = max_waiting},
         [state = state_](std::vector<int64_t> xs) {
@@ -130,7 +139,10 @@ class StuckBatchedFunction {
         });
     handler_ = rpc::find_function(name);
   }
-  ~StuckBatchedFunction() { release(); }
+  ~StuckBatchedFunction() {
+    release();
+    handler_ = nullptr;  // the registration goes with the last handler (unregister_ follows)
+  }
   // Calls request 0 on a thread of its own; returns whether the function is inside it (within 10 s).
   bool get_stuck() {
     if (!handler_) return false;
@@ -158,6 +170,7 @@ class StuckBatchedFunction {
     std::vector<int64_t> seen;
   };
   std::shared_ptr<State> state_;
+  const UnregisterAtEnd unregister_;
   rpc::Handler handler_;
   std::thread stuck_;
   rpc::Future first_;
@@ -210,6 +223,9 @@ TEST(UnitRpcBatching, CallsBeyondMaxWaitingFailAtOnce) {
 TEST(UnitRpcBatching, AThreadRunsItsOwnBatchNotTheOnesBehindIt) {
   static std::vector<int64_t>* seen = new std::vector<int64_t>;
   static std::atomic<int> entered{0};
+  seen->clear();
+  entered = 0;
+  const UnregisterAtEnd unregister{"unit_batched_own"};
   rpc::register_batched_function<int64_t, int64_t>(
       "unit_batched_own", {.max_batch = 1, .max_delay = std::chrono::seconds(10)}, [](std::vector<int64_t> xs) {
         ++entered;
@@ -241,6 +257,7 @@ TEST(UnitRpcBatching, AThreadRunsItsOwnBatchNotTheOnesBehindIt) {
 // A result that is an error, or an argument that does not convert, fails that request alone; the batch's other
 // requests get their answers.
 TEST(UnitRpcBatching, ABadRequestFailsAlone) {
+  const UnregisterAtEnd unregister{"unit_batched_errors"};
   rpc::register_batched_function<int64_t, absl::StatusOr<int64_t>>(
       "unit_batched_errors", {.max_batch = 3, .max_delay = std::chrono::seconds(10)}, [](std::vector<int64_t> xs) {
         std::vector<absl::StatusOr<int64_t>> out;
@@ -259,6 +276,34 @@ TEST(UnitRpcBatching, ABadRequestFailsAlone) {
   EXPECT_THAT(std::string(b.status().message()), ::testing::HasSubstr("negative"));
   EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(rpc::batch_stats("unit_batched_errors").batches, 1);
+}
+
+// Unregistering a batched function ends it: the request waiting for its delay (10 s) runs at once, its thread ends
+// (the function, which it held, is destroyed), its name is unknown to batch_stats and set_max_batch, and it can be
+// registered again afresh (before, its batcher and thread lived on, and set_max_batch still found it).
+TEST(UnitRpcBatching, UnregisteringABatchedFunctionEndsIt) {
+  auto token = std::make_shared<int>(0);  // held by the function
+  const std::weak_ptr<int> held = token;
+  rpc::register_batched_function<int64_t, int64_t>("unit_batched_gone",
+                                                   {.max_batch = 4, .max_delay = std::chrono::seconds(10)},
+                                                   [token = std::move(token)](std::vector<int64_t> xs) { return xs; });
+  rpc::Future waiting = rpc::find_function("unit_batched_gone")({c10::IValue(int64_t{5})});
+  EXPECT_EQ(rpc::batch_stats("unit_batched_gone").max_batch, 4);
+  const auto unregistered = Clock::now();
+  ASSERT_TRUE(rpc::unregister_function("unit_batched_gone"));
+  EXPECT_EQ(waiting.value().toInt(), 5);
+  EXPECT_LT(Clock::now() - unregistered, std::chrono::seconds(5)) << "the waiting request ran at its delay";
+  const auto give_up = Clock::now() + std::chrono::seconds(10);
+  while (!held.expired() && Clock::now() < give_up) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  EXPECT_TRUE(held.expired()) << "the batcher (and its thread) outlived the function's registration";
+  EXPECT_EQ(rpc::batch_stats("unit_batched_gone").max_batch, 0);
+  EXPECT_EQ(rpc::set_max_batch("unit_batched_gone", 2).code(), absl::StatusCode::kNotFound);
+
+  const UnregisterAtEnd unregister{"unit_batched_gone"};
+  rpc::register_batched_function<int64_t, int64_t>("unit_batched_gone", {.max_batch = 1},
+                                                   [](std::vector<int64_t> xs) { return xs; });
+  EXPECT_EQ(rpc::find_function("unit_batched_gone")({c10::IValue(int64_t{6})}).value().toInt(), 6);
+  EXPECT_EQ(rpc::batch_stats("unit_batched_gone").batches, 1);
 }
 
 TEST(UnitRpcBatching, BadOptionsAndNamesAreRefused) {
