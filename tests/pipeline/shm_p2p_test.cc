@@ -17,6 +17,7 @@
 #include "tandem/pipeline/detail/p2p.h"
 #include "tandem/pipeline/detail/shm_p2p.h"
 #include "tests/common/time_scale.h"
+#include "tests/pipeline/fresh_pipe.h"
 
 namespace tandem::pipeline::detail {
 namespace {
@@ -94,12 +95,13 @@ TEST(UnitPipelineShm, TruncatedOrCorruptedBytesAreAnErrorNeverACrash) {
 }
 
 TEST(UnitPipelineShm, AReceiveWaitingBeforeTheInboxExistedIsWokenByTheBell) {
+  const int64_t pipe = fresh_pipe();
   Mailbox& box = Mailbox::get();
-  const MailKey k{301, 0, 1, 0, false};
+  const MailKey k{pipe, 0, 1, 0, false};
   auto taken = std::async(std::launch::async, [&] { return box.take(k, within(milliseconds(10000)), "m0"); });
   std::this_thread::sleep_for(milliseconds(30));
   auto inbox = std::make_shared<Inbox>();
-  box.set_inbox(301, inbox);
+  box.set_inbox(pipe, inbox);
   auto outlet = Outlet::open(inbox->ends_for(5));
   ASSERT_TRUE(outlet.ok()) << outlet.status();
   std::this_thread::sleep_for(milliseconds(30));
@@ -111,65 +113,70 @@ TEST(UnitPipelineShm, AReceiveWaitingBeforeTheInboxExistedIsWokenByTheBell) {
   // Another sender's ring, and a receive on the bell from the start.
   auto second = Outlet::open(inbox->ends_for(6));
   ASSERT_TRUE(second.ok()) << second.status();
-  const MailKey g{301, 0, 0, 3, true};
+  const MailKey g{pipe, 0, 0, 3, true};
   auto taken2 = std::async(std::launch::async, [&] { return box.take(g, within(milliseconds(10000)), "g3"); });
   std::this_thread::sleep_for(milliseconds(30));
   ASSERT_TRUE((*second)->send(g, c10::IValue(at::full({2}, 4.0))));
   auto got2 = taken2.get();
   ASSERT_TRUE(got2.ok()) << got2.status();
   EXPECT_TRUE(at::equal(got2->toTensor(), at::full({2}, 4.0)));
-  box.release(301);
+  box.release(pipe);
   EXPECT_EQ(box.held(), 0u);
 }
 
 TEST(UnitPipelineShm, AnAbortWakesAReceiveSleepingOnTheBell) {
+  const int64_t pipe = fresh_pipe();
   Mailbox& box = Mailbox::get();
   auto inbox = std::make_shared<Inbox>();
-  box.set_inbox(302, inbox);
-  auto taken = std::async(std::launch::async, [&] { return box.take({302, 4, 1, 0, false}, within(milliseconds(10000)), "m0"); });
+  box.set_inbox(pipe, inbox);
+  auto taken = std::async(std::launch::async, [&] {
+    return box.take({pipe, 4, 1, 0, false}, within(milliseconds(10000)), "m0");
+  });
   std::this_thread::sleep_for(milliseconds(30));
-  box.abort(302, 4, absl::AbortedError("stage 1 failed"));
+  box.abort(pipe, 4, absl::AbortedError("stage 1 failed"));
   ASSERT_EQ(taken.wait_for(test::scaled(milliseconds(5000))), std::future_status::ready);
   auto got = taken.get();
   EXPECT_EQ(got.status().code(), absl::StatusCode::kAborted);
   EXPECT_NE(got.status().message().find("stage 1 failed"), std::string::npos) << got.status();
   // The deadline ends a wait on the bell too.
-  auto late = box.take({302, 5, 1, 0, false}, Clock::now() + milliseconds(50), "m0");
+  auto late = box.take({pipe, 5, 1, 0, false}, Clock::now() + milliseconds(50), "m0");
   EXPECT_EQ(late.status().code(), absl::StatusCode::kDeadlineExceeded);
-  box.release(302);
+  box.release(pipe);
   EXPECT_EQ(box.held(), 0u);
 }
 
 TEST(UnitPipelineShm, WhatDoesNotFitIsRefusedForRpcAndTheRingIsReusedOnceRead) {
+  const int64_t pipe = fresh_pipe();
   Mailbox& box = Mailbox::get();
   auto inbox = std::make_shared<Inbox>();
-  box.set_inbox(303, inbox);
+  box.set_inbox(pipe, inbox);
   auto outlet = Outlet::open(inbox->ends_for(1));
   ASSERT_TRUE(outlet.ok()) << outlet.status();
   const int64_t half = static_cast<int64_t>(Inbox::kRingBytes / 2 / sizeof(float));
-  EXPECT_FALSE((*outlet)->send({303, 0, 1, 0, false}, c10::IValue(at::zeros({half}))));  // larger than half a ring
-  const at::Tensor mib = at::ones({int64_t{1} << 18});                                 // 1 MiB
+  EXPECT_FALSE((*outlet)->send({pipe, 0, 1, 0, false}, c10::IValue(at::zeros({half}))));  // larger than half a ring
+  const at::Tensor mib = at::ones({int64_t{1} << 18});                                    // 1 MiB
   int sent = 0;
-  while ((*outlet)->send({303, 0, 1, sent, false}, c10::IValue(mib))) ++sent;
+  while ((*outlet)->send({pipe, 0, 1, sent, false}, c10::IValue(mib))) ++sent;
   EXPECT_EQ(sent, 3);  // 4 MiB hold three records of 1 MiB and their headers
   for (int mb = 0; mb < sent; ++mb) {
-    auto got = box.take({303, 0, 1, mb, false}, within(milliseconds(5000)), "m");
+    auto got = box.take({pipe, 0, 1, mb, false}, within(milliseconds(5000)), "m");
     ASSERT_TRUE(got.ok()) << got.status();
     EXPECT_TRUE(at::equal(got->toTensor(), mib));
   }
   for (int mb = sent; mb < sent + 8; ++mb) {  // around the ring's end and over its start again
-    ASSERT_TRUE((*outlet)->send({303, 0, 1, mb, false}, c10::IValue(mib * mb))) << mb;
-    auto got = box.take({303, 0, 1, mb, false}, within(milliseconds(5000)), "m");
+    ASSERT_TRUE((*outlet)->send({pipe, 0, 1, mb, false}, c10::IValue(mib * mb))) << mb;
+    auto got = box.take({pipe, 0, 1, mb, false}, within(milliseconds(5000)), "m");
     ASSERT_TRUE(got.ok()) << got.status();
     EXPECT_TRUE(at::equal(got->toTensor(), mib * mb));
   }
-  box.release(303);
+  box.release(pipe);
 }
 
 TEST(UnitPipelineShm, MalformedMemoryFailsTheReceiveNamingTheSender) {
+  const int64_t pipe = fresh_pipe();
   Mailbox& box = Mailbox::get();
   auto inbox = std::make_shared<Inbox>();
-  box.set_inbox(304, inbox);
+  box.set_inbox(pipe, inbox);
   const RingEnds ends = inbox->ends_for(2);
   // A broken sender: a record whose length is not a multiple of 8, published.
   const std::string path = absl::StrCat("/proc/self/fd/", ends.ring_fd);
@@ -184,11 +191,11 @@ TEST(UnitPipelineShm, MalformedMemoryFailsTheReceiveNamingTheSender) {
   std::memcpy(base + 256, &len, 4);
   std::memcpy(base + 256 + 4, &kind, 4);
   reinterpret_cast<std::atomic<uint64_t>*>(base + 64)->store(64);  // the tail (RingHeader: after a cache line)
-  auto got = box.take({304, 0, 1, 0, false}, within(milliseconds(2000)), "m0");
+  auto got = box.take({pipe, 0, 1, 0, false}, within(milliseconds(2000)), "m0");
   EXPECT_EQ(got.status().code(), absl::StatusCode::kInvalidArgument) << got.status();
   EXPECT_NE(got.status().message().find("malformed"), std::string::npos) << got.status();
   munmap(base, bytes);
-  box.release(304);
+  box.release(pipe);
 }
 
 }  // namespace
