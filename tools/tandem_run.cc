@@ -436,9 +436,47 @@ void bind_worker(pid_t pid, int local, const Options& o) {
   }
 }
 
-// Forks a process of the program with its output on two new pipes; `env` runs in the child before exec (after
-// PDEATHSIG: it never outlives the launcher). Returns the pid and the read ends.
-pid_t fork_program(const Options& o, int out[2], const std::function<void()>& env) {
+using EnvVars = std::vector<std::pair<std::string, std::string>>;
+
+// This process's environment with `vars` set (added, or replacing the same name's value), as NAME=value strings.
+std::vector<std::string> environment_with(const EnvVars& vars) {
+  std::vector<std::string> env;
+  for (char** e = environ; *e != nullptr; ++e) {
+    const std::string entry(*e);
+    const std::string name = entry.substr(0, entry.find('='));
+    const bool replaced = std::any_of(vars.begin(), vars.end(), [&](const auto& v) { return v.first == name; });
+    if (!replaced) env.push_back(entry);
+  }
+  for (size_t i = 0; i < vars.size(); ++i) {  // a name set twice: the later value, as setenv would leave it
+    const bool later = std::any_of(vars.begin() + static_cast<std::ptrdiff_t>(i) + 1, vars.end(),
+                                   [&](const auto& v) { return v.first == vars[i].first; });
+    if (!later) env.push_back(vars[i].first + "=" + vars[i].second);
+  }
+  return env;
+}
+
+// The variables every process of the job gets.
+EnvVars job_env(const Options& o, const std::string& secret) {
+  return {{"TANDEM_SECRET", secret},
+          {"ROLE_NAME", "default"},
+          {"TORCHELASTIC_MAX_RESTARTS", std::to_string(o.max_restarts)},
+          {"TORCHELASTIC_RUN_ID", o.run_id}};
+}
+
+// Forks a process of the program with its output on two new pipes and `vars` added to this process's environment.
+// Everything the child needs is made here, before fork: between fork and exec it allocates nothing (other threads of
+// the launcher may hold the allocator's locks) and runs only `in_child` (which must not allocate either) after
+// PDEATHSIG: it never outlives the launcher. Returns the pid and the read ends.
+pid_t fork_program(const Options& o, int out[2], const EnvVars& vars, const std::function<void()>& in_child) {
+  const std::vector<std::string> env = environment_with(vars);
+  std::vector<char*> envp;
+  for (const auto& e : env) envp.push_back(const_cast<char*>(e.c_str()));
+  envp.push_back(nullptr);
+  std::vector<char*> argv;
+  for (const auto& a : o.command) argv.push_back(const_cast<char*>(a.c_str()));
+  argv.push_back(nullptr);
+  const std::string cannot = "cannot execute " + o.command[0] + ": ";
+  (void)launcher_cpus();  // computed (and allocated) here, not in the child's bind_worker
   int pipes[2][2];
   if (pipe2(pipes[0], O_CLOEXEC) != 0 || pipe2(pipes[1], O_CLOEXEC) != 0) {
     std::perror("tandem-run: pipe");
@@ -455,12 +493,12 @@ pid_t fork_program(const Options& o, int out[2], const std::function<void()>& en
     if (getppid() != parent) _exit(1);
     dup2(pipes[0][1], STDOUT_FILENO);
     dup2(pipes[1][1], STDERR_FILENO);
-    env();
-    std::vector<char*> argv;
-    for (const auto& a : o.command) argv.push_back(const_cast<char*>(a.c_str()));
-    argv.push_back(nullptr);
-    execvp(argv[0], argv.data());
-    std::fprintf(stderr, "cannot execute %s: %s\n", argv[0], std::strerror(errno));
+    if (in_child) in_child();
+    execvpe(argv[0], argv.data(), envp.data());
+    const char* why = strerrordesc_np(errno);  // a static string: no allocation, unlike strerror's unknown codes
+    (void)!write(STDERR_FILENO, cannot.data(), cannot.size());
+    (void)!write(STDERR_FILENO, why ? why : "?", why ? std::strlen(why) : 1);
+    (void)!write(STDERR_FILENO, "\n", 1);
     _exit(127);
   }
   close(pipes[0][1]);
@@ -470,20 +508,11 @@ pid_t fork_program(const Options& o, int out[2], const std::function<void()>& en
   return pid;
 }
 
-void set_job_env(const Options& o, const std::string& secret) {
-  setenv("TANDEM_SECRET", secret.c_str(), 1);
-  setenv("ROLE_NAME", "default", 1);
-  setenv("TORCHELASTIC_MAX_RESTARTS", std::to_string(o.max_restarts).c_str(), 1);
-  setenv("TORCHELASTIC_RUN_ID", o.run_id.c_str(), 1);
-}
-
 void spawn(Worker& w, int local, const Options& o, const Placement& p, const std::string& secret) {
   int out[2];
-  w.pid = fork_program(o, out, [&] {
-    set_job_env(o, secret);
-    for (const auto& [k, v] : round_env(w.rank, local, o, p)) setenv(k.c_str(), v.c_str(), 1);
-    bind_worker(0, local, o);
-  });
+  EnvVars vars = job_env(o, secret);
+  for (auto& kv : round_env(w.rank, local, o, p)) vars.push_back(std::move(kv));
+  w.pid = fork_program(o, out, vars, [&] { bind_worker(0, local, o); });
   w.running = true;
   w.streams[0] = {out[0], "", stdout};
   w.streams[1] = {out[1], "", stderr};
@@ -506,14 +535,14 @@ Standby spawn_standby(const Options& o, const std::string& secret) {
     std::perror("tandem-run: socketpair");
     std::exit(1);
   }
-  sb.pid = fork_program(o, sb.out, [&] {
+  EnvVars vars = job_env(o, secret);
+  Placement none;
+  for (const auto& [k, v] : round_env(0, 0, o, none)) {
+    vars.emplace_back(k, std::string(k == "MASTER_ADDR" ? 255 : 20, '_'));
+  }
+  vars.emplace_back("TANDEM_STANDBY_FD", std::to_string(pair[1]));
+  sb.pid = fork_program(o, sb.out, vars, [&] {
     fcntl(pair[1], F_SETFD, 0);  // the child's end survives exec
-    set_job_env(o, secret);
-    Placement none;
-    for (const auto& [k, v] : round_env(0, 0, o, none)) {
-      setenv(k.c_str(), std::string(k == "MASTER_ADDR" ? 255 : 20, '_').c_str(), 1);
-    }
-    setenv("TANDEM_STANDBY_FD", std::to_string(pair[1]).c_str(), 1);
   });
   close(pair[1]);
   sb.sock = pair[0];
