@@ -112,6 +112,13 @@ class Batcher : public std::enable_shared_from_this<Batcher> {
       }
       if (retired_) {  // no call can come any more: what waits runs now, then this thread ends
         size_t batches;
+        if (!running_ && !ready_.empty()) {  // batches a thread left when it threw (drain): nobody else runs them
+          running_ = true;
+          mu_.Unlock();
+          drain(std::numeric_limits<size_t>::max());
+          mu_.Lock();
+          continue;
+        }
         if (pending_.empty() || !form_locked(&batches)) {
           // A thread still running batches (none should: calls are over) finishes them or hands them over.
           auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !running_ || handoff_; };

@@ -25,7 +25,8 @@
 // results, every request of that batch gets an error naming the function and the cause. A caller that dies while
 // waiting changes nothing for the others (its reply goes nowhere). Each caller's wait is bounded by its own RPC
 // timeout. At most max_waiting requests wait: one beyond fails at once (RESOURCE_EXHAUSTED).
-// Thread-safety: registration may happen at any time from any thread; a batcher lives until the process ends.
+// Thread-safety: registration may happen at any time from any thread; a batched function's thread lives until it is
+// unregistered.
 #pragma once
 
 #include <ATen/core/ivalue.h>
@@ -64,8 +65,9 @@ struct BatchStats {
 using BatchHandler =
     std::function<std::vector<absl::StatusOr<c10::IValue>>(std::vector<std::vector<c10::IValue>>& requests)>;
 // Fails with ALREADY_EXISTS when the name is taken, INVALID_ARGUMENT for max_batch 0 or max_waiting below max_batch.
-// unregister_function(name) ends it: once the calls under way returned, the requests still waiting run at once (not
-// after max_delay), then its thread ends; batch_stats and set_max_batch no longer know the name.
+// unregister_function(name) ends it: once the last copy of its handler is gone (calls being delivered hold one, a
+// caller of find_function too), the requests still waiting run at once (not after max_delay), then its thread ends;
+// batch_stats and set_max_batch no longer know the name.
 absl::Status register_batched_handler(const std::string& name, BatchOptions options, BatchHandler handler);
 
 // Counts for a function registered here (zeros for an unknown or unregistered name).

@@ -35,9 +35,18 @@ absl::Status register_handler(const std::string& name, Handler handler) {
 
 bool unregister_function(const std::string& name) {
   auto& r = registry();
+  Handler handler;  // destroyed after the lock: what it holds (a batched function's batcher) may take locks of its own
+  std::shared_ptr<const MessageHandler> message;
   MutexLock lock(&r.mu);
-  r.messages.erase(name);
-  return r.handlers.erase(name) > 0;
+  if (auto m = r.messages.find(name); m != r.messages.end()) {
+    message = std::move(m->second);
+    r.messages.erase(m);
+  }
+  auto it = r.handlers.find(name);
+  if (it == r.handlers.end()) return false;
+  handler = std::move(it->second);
+  r.handlers.erase(it);
+  return true;
 }
 
 std::shared_ptr<const MessageHandler> find_message(const std::string& name) {

@@ -607,9 +607,10 @@ void Channel::loop() {
     epoll_event ev{};
     in_epoll_.fetch_add(1);
     const int n = epoll_wait(epoll_fd_, &ev, 1, -1);
+    const int error = errno;  // before wake_watcher(), whose lock may set errno
     // The last thread to leave epoll wakes a resting watcher: every place may now run a message that gets stuck.
     if (in_epoll_.fetch_sub(1) == 1 && watcher_resting_.load()) wake_watcher();
-    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && error == EINTR) continue;
     if (n <= 0 || stopping_ || ev.data.u64 == kWakeTag) return;
     place.running.store(started_.fetch_add(1) + 1);
     WaitObserver* before = set_wait_observer(&place);
@@ -686,7 +687,7 @@ bool Channel::park() {
     ++counts_.looks;
     // Woken from rest (the last thread left epoll), it watches kQuietLooks more looks before it rests again: a worker
     // whose places all run now and then is woken no more than about once per stuck_after_.
-    quiet_looks_ = (rest && !timed_out) || in_epoll_.load() == 0 ? 0 : quiet_looks_ + 1;
+    quiet_looks_ = rest || in_epoll_.load() == 0 ? 0 : quiet_looks_ + 1;
     // A place presumed blocked is free: this thread takes it on its next turn.
     if (timed_out && !stopping_ && held_ >= places_ && stuck(finished)) presume_blocked();
   }

@@ -179,7 +179,7 @@ class Channel {
   struct PlaceCounts {
     int64_t lent = 0;
     int64_t presumed_blocked = 0;
-    int64_t looks = 0;  // times the watching thread woke to look (it rests while the channel is idle)
+    int64_t looks = 0;  // times the watching thread woke to look (it rests while a place waits in epoll)
   };
   PlaceCounts place_counts();
 
@@ -202,7 +202,7 @@ class Channel {
   void add_held(int delta) ABSL_EXCLUSIVE_LOCKS_REQUIRED(places_mu_);
   void lend_place(Place* place);
   void reclaim_place(Place* place, bool message_done);
-  // The thread that began a message while the watcher rests wakes it.
+  // The last thread to leave epoll wakes a resting watcher.
   void wake_watcher();
   // Every place runs a message, another waits in the epoll set, and none finished since `finished` was read.
   bool stuck(uint64_t finished) const;

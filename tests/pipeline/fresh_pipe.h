@@ -10,7 +10,7 @@ namespace tandem::pipeline::detail {
 // --gtest_repeat) finds none of the steps that ended or pipelines that were released before it: the mailbox keeps
 // those for the process's life.
 inline int64_t fresh_pipe() {
-  static std::atomic<int64_t> next{100};
+  static std::atomic<int64_t> next{int64_t{1} << 62};  // far above the ids the process's own pipelines take
   return next++;
 }
 
