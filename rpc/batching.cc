@@ -110,22 +110,16 @@ class Batcher : public std::enable_shared_from_this<Batcher> {
         mu_.Lock();
         continue;
       }
-      if (retired_) {  // no call can come any more: what waits runs now, then this thread ends
-        size_t batches;
-        if (!running_ && !ready_.empty()) {  // batches a thread left when it threw (drain): nobody else runs them
-          running_ = true;
-          mu_.Unlock();
-          drain(std::numeric_limits<size_t>::max());
-          mu_.Lock();
-          continue;
-        }
-        if (pending_.empty() || !form_locked(&batches)) {
-          // A thread still running batches (none should: calls are over) finishes them or hands them over.
+      if (retired_) {    // no call can come any more: what waits runs now, then this thread ends
+        if (running_) {  // a thread still runs batches (none should: calls are over): it finishes or hands them over
           auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !running_ || handoff_; };
           mu_.Await(Condition(&idle));
-          if (handoff_ || !pending_.empty()) continue;
-          return;
+          continue;
         }
+        if (pending_.empty() && ready_.empty()) return;
+        size_t batches;
+        if (!pending_.empty()) (void)form_locked(&batches);
+        running_ = true;  // also for batches a thread left in ready_ when it threw (drain): nobody else runs them
         mu_.Unlock();
         drain(std::numeric_limits<size_t>::max());
         mu_.Lock();
@@ -238,8 +232,9 @@ class Batcher : public std::enable_shared_from_this<Batcher> {
   bool retired_ ABSL_GUARDED_BY(mu_) = false;                    // unregistered: the flushing thread ends
 };
 
-// A batched function's registration, held by its registered handler (and so by every call under way): when the
-// function is unregistered and the last call returned, the batcher retires.
+// A batched function's registration, held by its registered handler (and so by every copy of it: calls being
+// delivered, callers of find_function): when the function is unregistered and the last copy is gone, the batcher
+// retires.
 struct Registration {
   explicit Registration(std::shared_ptr<Batcher> b) : batcher(std::move(b)) {}
   Registration(const Registration&) = delete;

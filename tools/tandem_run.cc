@@ -476,7 +476,6 @@ pid_t fork_program(const Options& o, int out[2], const EnvVars& vars, const std:
   for (const auto& a : o.command) argv.push_back(const_cast<char*>(a.c_str()));
   argv.push_back(nullptr);
   const std::string cannot = "cannot execute " + o.command[0] + ": ";
-  (void)launcher_cpus();  // computed (and allocated) here, not in the child's bind_worker
   int pipes[2][2];
   if (pipe2(pipes[0], O_CLOEXEC) != 0 || pipe2(pipes[1], O_CLOEXEC) != 0) {
     std::perror("tandem-run: pipe");
