@@ -29,7 +29,8 @@ cores="$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)"
 export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1  # one intra-op thread per process, BLAS included
 # Both sides keep the memory they free (docs/deploy.md, "Memory"): with glibc's defaults every large tensor PyTorch
 # receives or allocates is faulted in afresh, at ~10 us a page on these VMs, which cut its 64 MiB RPC transfer from
-# 5.2 to 0.17 GB/s in one run here. BENCH_GLIBC_DEFAULTS=1 measures with the defaults instead.
+# 5.2 to 0.17 GB/s in one run here (ps keeps an arena per thread: see there). BENCH_GLIBC_DEFAULTS=1 measures with
+# the defaults instead.
 if [ "${BENCH_GLIBC_DEFAULTS:-0}" != 1 ]; then
   export MALLOC_ARENA_MAX=1 MALLOC_MMAP_THRESHOLD_=1073741824 MALLOC_TRIM_THRESHOLD_=1073741824
 fi
@@ -239,7 +240,13 @@ case "$name" in
   autograd) bench autograd_bench 2 peer_autograd.py "$@" ;;
   # The peer in PyTorch's best configuration for Tandem's synchronous rounds (bench/peer_ps.py), over both transports,
   # and the tutorial's design with its lock ("torch_tutorial").
-  ps) PEER_MODES="default tcp default+tutorial" bench ps_bench 3 peer_ps.py "$@" ;;
+  # Each thread its own malloc arena, on both sides and in the limit: the server computes for its trainers on two threads
+  # at once, and on one arena they queue on its lock (the limit alone made ~2,900 futex calls a second on it). Its
+  # tensors (at most 1.6 MB) fit in a thread's arena, whose freed memory stays with the thresholds above.
+  ps) (
+    [ "${BENCH_GLIBC_DEFAULTS:-0}" = 1 ] || unset MALLOC_ARENA_MAX
+    PEER_MODES="default tcp default+tutorial" bench ps_bench 3 peer_ps.py "$@"
+  ) ;;
   collectives) PEER_MODES=default bench collectives_bench 2 peer_collectives.py "$@" ;;
   ddp) PEER_MODES=default bench ddp_bench 2 peer_ddp.py "$@" ;;
   # Both sides' ranks bound to the CPUs as tandem-run --bind-cores 1 binds them (bench/peer_common.py does the same):
