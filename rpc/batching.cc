@@ -269,13 +269,21 @@ absl::Status register_batched_handler(const std::string& name, BatchOptions opti
   }
   auto batcher = std::make_shared<Batcher>(name, options, std::move(handler));
   auto registration = std::make_shared<Registration>(batcher);
-  absl::Status s = register_handler(name, [registration](std::vector<c10::IValue>&& args) {
-    return registration->batcher->enqueue(std::move(args));
-  });
-  if (!s.ok()) return s;
   {
+    // Registered and published under one lock: another thread's unregister and register of the same name cannot
+    // publish its registration between the two and then be overwritten by this one's (then expired) entry. Lock
+    // order: g_mu, then the registry's (unregister_function destroys a handler, and so may end a Registration,
+    // after it lets go of the registry's lock, and ~Registration takes neither).
     MutexLock lock(&g_mu);
-    batchers()[name] = registration;
+    absl::Status s = register_handler(name, [registration](std::vector<c10::IValue>&& args) {
+      return registration->batcher->enqueue(std::move(args));
+    });
+    if (!s.ok()) return s;
+    auto& published = batchers();
+    for (auto it = published.begin(); it != published.end();) {  // functions unregistered since: their entries go
+      it = it->second.expired() ? published.erase(it) : std::next(it);
+    }
+    published[name] = registration;
   }
   batcher->start();
   return absl::OkStatus();
