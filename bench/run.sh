@@ -241,8 +241,9 @@ case "$name" in
   # The peer in PyTorch's best configuration for Tandem's synchronous rounds (bench/peer_ps.py), over both transports,
   # and the tutorial's design with its lock ("torch_tutorial").
   # Each thread its own malloc arena, on both sides and in the limit: the server computes for its trainers on two threads
-  # at once, and on one arena they queue on its lock (the limit alone made ~2,900 futex calls a second on it). Its
-  # tensors (at most 1.6 MB) fit in a thread's arena, whose freed memory stays with the thresholds above.
+  # at once, and on one arena they queue on its lock (the limit alone made ~2,900 futex calls a second on it). Each
+  # thread's live memory (tensors of at most 1.6 MB) fits in one 64 MiB heap of its arena, whose freed memory the trim
+  # threshold above keeps (docs/deploy.md, "Memory").
   ps) (
     [ "${BENCH_GLIBC_DEFAULTS:-0}" = 1 ] || unset MALLOC_ARENA_MAX
     PEER_MODES="default tcp default+tutorial" bench ps_bench 3 peer_ps.py "$@"

@@ -310,7 +310,8 @@ TEST(UnitRpcBatching, UnregisteringABatchedFunctionEndsIt) {
 // set_max_batch reach the registered function (a registration published after another's, though unregistered before
 // it, would leave them an expired entry). The invariant under churn (and, in the TSan stage, the lock order of
 // register_batched_handler): the old code's losing interleaving needs a thread preempted between its registration
-// and its publishing, which 3,000 rounds here did not produce, so this does not reproduce that defect on demand.
+// and its publishing, which 3,000 rounds of this loop did not produce, so this does not reproduce that defect on
+// demand.
 TEST(UnitRpcBatching, RegisteringAndUnregisteringAtOnceKeepsTheRegisteredOneReachable) {
   const std::string name = "unit_batched_churn";
   const UnregisterAtEnd unregister{name};
