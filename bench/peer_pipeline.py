@@ -204,7 +204,7 @@ def run(rank, port, args):
         if "bubble" in parts:
             shards = [rpc.remote(f"w{r}", SleepShard, args=(tf, tb)) for r in range(1, p + 1)]
             step = make_step(shards, torch.randn(16, 8), None, m, lambda out, _: out.sum())
-            step_ms = median_time(args.steps, 1, step, scale=1e3)
+            step_ms = median_time(args.steps, 2, step, scale=1e3)  # 2 warm-up steps, as Tandem's side
             ideal_ms = (m + p - 1) * (tf + tb)
             emit_line("pipeline", impl, "pipeline_bubble_ratio", step_ms / ideal_ms, "x", processes=5,
                       schedule="rpc_tutorial", p=p, m=m, tf_ms=tf, tb_ms=tb, step_ms=round(step_ms, 3),

@@ -19,8 +19,9 @@
 //                                previous action ended before the sender's did): a message's delivery (socket, decode,
 //                                the hand-off to the stage's thread), over 5 more steps at each m. Beside it
 //                                (impl "floor") pipeline_p2p_floor_us: half the median round trip of a blocking
-//                                ping-pong of 128 B over a Unix socket between two processes, measured first (the
-//                                two processes take turns on one core: no wake-up of another core is in it). And
+//                                ping-pong of 128 B over a Unix socket between two processes, measured first (on two
+//                                cores, as two stages are: under bench/run.sh's --bind-cores 1 the forked child moves
+//                                to the next core, bench/common.h's away_from_parent; each side sleeps in read). And
 //                                pipeline_p2p_wake_floor_us: the median one-way latency of 128 B to a process asleep
 //                                in read while the sender computes on for 300 us, as a stage does after sending (the
 //                                sleeper is woken on the other core). With 2 stages in 1F1B each micro-batch waits for
