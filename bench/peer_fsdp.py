@@ -7,8 +7,11 @@ side measures it, the largest rank's (each rank's beside it): a rank's VmHWM ove
 /proc/self/clear_refs) above its VmRSS before the model was built, and own_peak_mib without file-backed pages (VmHWM
 less RssFile when the timed iterations began, above VmRSS less RssFile before the model was built).
 
-  python3 bench/peer_fsdp.py default --config ddp|zero1 [--iters N]
+--trim 1: malloc_trim(0) after each step, as Tandem's lean mode (bench/run.sh fsdp runs each configuration both ways).
+
+  python3 bench/peer_fsdp.py default --config ddp|zero1 [--iters N] [--trim 0|1]
 """
+import ctypes
 import os
 
 import torch
@@ -46,10 +49,14 @@ def run(rank, port, args):
     else:
         opt = torch.optim.Adam(net.parameters(), lr=1e-4)
 
+    trim = ctypes.CDLL("libc.so.6").malloc_trim if args.trim else None
+
     def step():
         opt.zero_grad()
         F.mse_loss(net(x), y).backward()
         opt.step()
+        if trim:
+            trim(0)  # malloc's free pages back to the kernel after each step, as Tandem's lean mode does
     for _ in range(3):
         step()
     with open("/proc/self/clear_refs", "w") as f:
@@ -69,7 +76,7 @@ def run(rank, port, args):
         mib = 4 / (1 << 20)
         state = 4 * params * mib if args.config == "ddp" else (2 * params + 2 * params / 2) * mib
         cond = dict(processes=2, model="mlp1024-2048-2048-1024", params=params, optimizer="adam", batch_per_rank=64,
-                    mode=args.config, iters=args.iters, gradient_as_bucket_view=True)
+                    mode=args.config, iters=args.iters, gradient_as_bucket_view=True, malloc_trim=bool(args.trim))
         emit("fsdp", "torch", "fsdp_iter_ms", ms, "ms", **cond)
         emit("fsdp", "torch", "fsdp_peak_mib", peak, "MiB", model_state_mib=round(state, 3),
              own_peak_mib=round(own_peak, 3), file_growth_kib=file_growth, rank_peak_mib=rank_peaks[0],
@@ -78,4 +85,4 @@ def run(rank, port, args):
 
 
 if __name__ == "__main__":
-    peer_main(__file__, run, 2, {"--iters": 20, "--config": "ddp"})
+    peer_main(__file__, run, 2, {"--iters": 20, "--config": "ddp", "--trim": 0})

@@ -261,7 +261,10 @@ case "$name" in
       for mode in ddp zero2 full lean; do
         build/tandem-run --nproc-per-node 2 build/fsdp_bench --mode "$mode" "$@" | sed -n 's/^\[rank0\]: {/{/p'
       done
-      for mode in ddp zero1; do "$PY" bench/peer_fsdp.py default --config "$mode" "$@"; done
+      # The peer also with malloc_trim(0) after each step, as Tandem's lean mode (it may lower a peak).
+      for mode in ddp zero1; do
+        for trim in 0 1; do "$PY" bench/peer_fsdp.py default --config "$mode" --trim "$trim" "$@"; done
+      done
     done ;;
   rl) PEER_MODES=default bench rl_bench 11 peer_rl.py "$@" ;;
   hybrid) bench hybrid_bench 4 peer_hybrid.py "$@" ;;
