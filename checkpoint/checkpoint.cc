@@ -26,6 +26,7 @@
 #include "tandem/ddp/sampler.h"
 #include "tandem/ddp/zero.h"
 #include "tandem/fsdp/fsdp.h"
+#include "tandem/log/log.h"
 #include "tandem/rpc/errors.h"
 
 namespace tandem::checkpoint {
@@ -365,8 +366,9 @@ void write_atomically(const std::string& dir, const std::string& path, const std
     return true;
   };
   const bool written = write_all(header) && write_all(payload) && (!sync || ::fsync(fd) == 0);
-  const absl::Status failed = written ? absl::OkStatus() : io_error("cannot write", tmp);
-  ::close(fd);
+  absl::Status failed = written ? absl::OkStatus() : io_error("cannot write", tmp);
+  // close() may report a write the kernel deferred (NFS, a quota): the file is not renamed into place then.
+  if (::close(fd) != 0 && failed.ok()) failed = io_error("cannot write (close)", tmp);
   if (!failed.ok()) {
     ::unlink(tmp.c_str());
     throw_error(failed);
@@ -383,7 +385,12 @@ void write_atomically(const std::string& dir, const std::string& path, const std
 // for a restore, a missing part is as lost as a torn one).
 absl::StatusOr<std::string> read_payload(const std::string& path) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return absl::DataLossError(absl::StrCat("checkpoint ", path, ": ", std::strerror(errno)));
+  if (fd < 0) {
+    // A file that is not there is a step this rank lacks; one it cannot open (permissions, no descriptors left) is not
+    // a damaged step to pass over.
+    if (errno == ENOENT) return absl::DataLossError(absl::StrCat("checkpoint ", path, ": ", std::strerror(errno)));
+    return io_error("cannot open", path);
+  }
   std::string data;
   char buf[1 << 16];
   for (;;) {
@@ -466,7 +473,10 @@ std::vector<int64_t> Checkpointer::steps() const { return steps_of(rank_); }
 std::vector<int64_t> Checkpointer::steps_of(int rank) const {
   std::vector<int64_t> out;
   DIR* d = ::opendir(dir_.c_str());
-  if (!d) return out;
+  if (!d) {
+    if (errno == ENOENT) return out;  // no checkpoint yet
+    throw_error(io_error("cannot list", dir_));
+  }
   const std::string mine = absl::StrCat("rank-", rank, ".ckpt");
   while (dirent* e = ::readdir(d)) {
     const std::string name = e->d_name;
@@ -534,13 +544,23 @@ void Checkpointer::load_payload(const std::string& file, const std::string& payl
   }
 }
 
-std::optional<std::pair<int64_t, std::string>> Checkpointer::newest_intact_at_most(int64_t bound, int rank) const {
-  const std::vector<int64_t> all = steps_of(rank);
+absl::StatusOr<std::optional<std::pair<int64_t, std::string>>> Checkpointer::newest_intact_at_most(int64_t bound,
+                                                                                                   int rank) const {
+  std::vector<int64_t> all;
+  try {
+    all = steps_of(rank);
+  } catch (...) {
+    return status_from_current_exception();
+  }
   for (auto it = all.rbegin(); it != all.rend(); ++it) {
     if (*it > bound) continue;
-    if (auto payload = read_payload(path_of(*it, rank)); payload.ok()) return std::make_pair(*it, std::move(*payload));
+    auto payload = read_payload(path_of(*it, rank));
+    if (payload.ok()) return std::make_optional(std::make_pair(*it, std::move(*payload)));
+    // A torn or damaged file is passed over for an older step (said here); any other failure to read one is an error.
+    if (!absl::IsDataLoss(payload.status())) return payload.status();
+    TANDEM_LOG(kWarn, "checkpoint") << "passing over step " << *it << ": " << payload.status().message();
   }
-  return std::nullopt;
+  return std::optional<std::pair<int64_t, std::string>>();
 }
 
 std::optional<int64_t> Checkpointer::restore(State& state, comm::ProcessGroup* group, Layout layout) {
@@ -553,15 +573,28 @@ std::optional<int64_t> Checkpointer::restore(State& state, comm::ProcessGroup* g
     comm::wait(group->allreduce(t, comm::ReduceOp::kMin));
     return t.item<int64_t>();
   };
+  // A rank that cannot read its files (other than a torn or damaged one) takes part with kUnreadable, so that every
+  // rank fails instead of agreeing on an older step or a fresh start; that rank's error says why.
+  constexpr int64_t kUnreadable = -2;
+  auto unreadable = [&](const absl::Status& own) {
+    if (!own.ok()) throw_error(own);
+    throw_error(
+        absl::UnavailableError(absl::StrCat("checkpoint: another rank of the group could not read its files of ", dir_,
+                                            " (its error says why); not restored")));
+  };
   int64_t bound = std::numeric_limits<int64_t>::max();
   for (;;) {
     auto mine = newest_intact_at_most(bound, source);  // the file is read once, and loaded from memory if agreed on
-    const int64_t agreed = min_over_group(mine ? mine->first : -1);
+    const int64_t agreed = min_over_group(!mine.ok() ? kUnreadable : *mine ? (*mine)->first : -1);
+    if (agreed == kUnreadable) unreadable(mine.status());
     if (agreed < 0) return std::nullopt;
-    absl::StatusOr<std::string> payload = mine && mine->first == agreed
-                                              ? absl::StatusOr<std::string>(std::move(mine->second))
+    absl::StatusOr<std::string> payload = *mine && (*mine)->first == agreed
+                                              ? absl::StatusOr<std::string>(std::move((*mine)->second))
                                               : read_payload(path_of(agreed, source));
-    if (min_over_group(payload.ok() ? 1 : 0) == 1) {
+    const bool damaged = !payload.ok() && absl::IsDataLoss(payload.status());
+    const int64_t read = min_over_group(payload.ok() ? 1 : damaged ? 0 : -1);
+    if (read < 0) unreadable(damaged ? absl::OkStatus() : payload.status());
+    if (read == 1) {
       load_payload(path_of(agreed, source), *payload, state);
       return agreed;
     }

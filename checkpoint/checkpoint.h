@@ -37,6 +37,8 @@
 #include <utility>
 #include <vector>
 
+#include "absl/status/statusor.h"
+
 namespace at {
 class Tensor;
 }
@@ -135,6 +137,8 @@ class Checkpointer {
 
   // Restores `state` from the newest step that every rank of `group` has intact (this rank alone when `group` is
   // null), and returns it; nullopt when there is none (a fresh start: `state` is untouched). Collective over `group`.
+  // Torn or damaged files are passed over for older steps (and logged); a directory or file that cannot be read
+  // otherwise (permissions, no descriptors left) fails every rank with UNAVAILABLE instead of a silent older start.
   std::optional<int64_t> restore(State& state, comm::ProcessGroup* group = nullptr, Layout layout = Layout::kPerRank);
 
   // Restores `state` from exactly `step` (DATA_LOSS when this rank's file of it is torn or missing).
@@ -146,8 +150,9 @@ class Checkpointer {
   std::string path(int64_t step) const;
 
  private:
-  // The newest step <= bound whose file of `rank` is intact, with that file's payload.
-  std::optional<std::pair<int64_t, std::string>> newest_intact_at_most(int64_t bound, int rank) const;
+  // The newest step <= bound whose file of `rank` is intact, with its payload; none when there is none; an error when a
+  // file or the directory cannot be read (a torn or damaged file is passed over, and logged).
+  absl::StatusOr<std::optional<std::pair<int64_t, std::string>>> newest_intact_at_most(int64_t bound, int rank) const;
   std::vector<int64_t> steps_of(int rank) const;
   std::string path_of(int64_t step, int rank) const;
   void load_payload(const std::string& file, const std::string& payload, State& state);

@@ -91,6 +91,9 @@ absl::StatusOr<int64_t> Rendezvous::expected_in(int64_t k) {
   const std::string previous = key(absl::StrCat("r", k - 1, "/"));
   auto joined = store_.add(previous + "joined", 0);
   if (!joined.ok()) return joined.status();
+  if (*joined < 0 || *joined > detail::kMaxCount) {
+    return absl::DataLossError(absl::StrCat("rendezvous: the counter at ", previous, "joined reads ", *joined));
+  }
   std::vector<std::string> gone;
   for (int64_t i = 0; i < *joined; ++i) {
     gone.push_back(absl::StrCat(previous, "left/", i));

@@ -1313,7 +1313,12 @@ void FullyShardedDataParallel::load_full_optimizer_state_dict(torch::optim::Opti
 FullyShardedDataParallel::StateDict FullyShardedDataParallel::consolidate(const std::vector<ShardedStateDict>& ranks) {
   if (ranks.empty()) throw_error(absl::InvalidArgumentError("fsdp: consolidate() of no sharded state dict"));
   const ShardedStateDict& first = ranks[0];
-  std::vector<bool> seen(static_cast<size_t>(std::max<int64_t>(first.world_size, 0)));
+  // Before anything is sized by the files' world size.
+  if (static_cast<int64_t>(ranks.size()) != first.world_size) {
+    throw_error(absl::InvalidArgumentError(absl::StrCat(
+        "fsdp: consolidate() of ", ranks.size(), " sharded state dicts; the job had ", first.world_size, " ranks")));
+  }
+  std::vector<bool> seen(ranks.size());
   for (const ShardedStateDict& d : ranks) {
     if (d.pieces.size() != first.pieces.size() || d.world_size != first.world_size) {
       throw_error(absl::InvalidArgumentError("fsdp: consolidate() of sharded state dicts of different models or jobs"));
@@ -1323,10 +1328,6 @@ FullyShardedDataParallel::StateDict FullyShardedDataParallel::consolidate(const 
           absl::StrCat("fsdp: consolidate(): rank ", d.rank, " of ", d.world_size, " is out of range or given twice")));
     }
     seen[static_cast<size_t>(d.rank)] = true;
-  }
-  if (static_cast<int64_t>(ranks.size()) != first.world_size) {
-    throw_error(absl::InvalidArgumentError(absl::StrCat(
-        "fsdp: consolidate() of ", ranks.size(), " sharded state dicts; the job had ", first.world_size, " ranks")));
   }
   StateDict out;
   for (size_t i = 0; i < first.pieces.size(); ++i) {
@@ -1339,11 +1340,20 @@ FullyShardedDataParallel::StateDict FullyShardedDataParallel::consolidate(const 
       }
       numel *= d;
     }
+    // The whole is as large as its pieces together (checked before it is allocated: a shape read from a file does not
+    // size an allocation alone).
+    int64_t pieces = 0;
+    for (const ShardedStateDict& d : ranks) pieces += d.pieces[i].values.numel();
+    if (pieces != numel) {
+      throw_error(
+          absl::InvalidArgumentError(absl::StrCat("fsdp: consolidate(): the pieces of '", p.name, "' hold ", pieces,
+                                                  " elements; its shape ", shape_of(p.shape), " has ", numel)));
+    }
     at::Tensor whole = at::empty({numel}, p.values.options());
     at::Tensor seen = at::zeros({numel}, at::kBool);  // every element from exactly one piece
     for (const ShardedStateDict& d : ranks) {
       const Piece& q = d.pieces[i];
-      if (q.name != p.name || q.shape != p.shape || q.offset < 0 || q.offset + q.values.numel() > numel ||
+      if (q.name != p.name || q.shape != p.shape || q.offset < 0 || q.offset > numel - q.values.numel() ||
           q.values.scalar_type() != p.values.scalar_type()) {
         throw_error(absl::InvalidArgumentError(
             absl::StrCat("fsdp: consolidate(): rank ", d.rank, "'s piece ", i, " ('", q.name, "') does not fit")));

@@ -111,7 +111,7 @@ void Future::add_callback(std::function<void(const Future&)> callback) const {
 }
 
 Future Future::then(std::function<c10::IValue(const Future&)> fn) const {
-  Future next(state_->deadline);
+  Future next(state_->deadline, state_->what);  // a wait on it that runs out names the same work
   add_callback([next, fn = std::move(fn)](const Future& self) mutable {
     try {
       next.set_value(fn(self));

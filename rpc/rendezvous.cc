@@ -240,7 +240,12 @@ absl::Status Agent::start_transports(const std::string& listen, const std::strin
   if (allow_direct) {
     auto direct = DirectTransport::start(token_, rank_, threads, static_cast<uint64_t>(options_.max_message_bytes),
                                          options_.rpc_timeout, handler, tcp_host);
-    if (direct.ok()) direct_ = std::move(*direct);  // else gRPC carries everything
+    if (direct.ok()) {
+      direct_ = std::move(*direct);
+    } else {  // gRPC carries everything
+      TANDEM_LOG(kWarn, "rpc") << "the direct channel did not start (" << direct.status().message()
+                               << "); every call goes over gRPC";
+    }
   }
   grpc_route_ = grpc_.get();
   direct_route_ = direct_.get();
@@ -327,7 +332,15 @@ absl::Status Agent::rendezvous(const std::string& master, const std::string& adv
   for (const auto& a : addresses) {
     if (auto s = grpc_route_->add_peer(a, deadline); !s.ok()) return s;
     peers_[a.rank].transport = grpc_route_;
-    if (direct_route_ && direct_route_->add_peer(a, deadline).ok()) peers_[a.rank].transport = direct_route_;
+    if (direct_route_) {
+      const absl::Status direct = direct_route_->add_peer(a, deadline);
+      if (direct.ok()) {
+        peers_[a.rank].transport = direct_route_;
+      } else if (direct.code() == absl::StatusCode::kUnauthenticated ||
+                 direct.code() == absl::StatusCode::kFailedPrecondition) {
+        return direct;  // a peer that refuses this job's token or speaks another version: not a route to fall back on
+      }
+    }
     TANDEM_LOG(kDebug, "rpc") << "route to " << a.name << " (rank " << a.rank
                               << "): " << (peers_[a.rank].transport == direct_route_ ? "direct channel" : "gRPC")
                               << " (" << (a.same_host ? "same host" : "other host") << ", gRPC " << a.grpc_address

@@ -697,7 +697,8 @@ rpc::Future RRef::to_here_async(std::chrono::milliseconds timeout) const {
     auto value = detail::Context::get().value_of(impl.rref_id_);
     if (!value.ok()) return rpc::Future::failed(value.status());
     // The value may still be being made: the wait on it is bounded by the timeout, as a fetch's would be.
-    rpc::Future result(absl::Now() + absl::FromChrono(or_default(timeout)));
+    rpc::Future result(absl::Now() + absl::FromChrono(or_default(timeout)),
+                       absl::StrCat("to_here() of RRef ", impl.rref_id_, " on its owner '", impl.ownerName(), "'"));
     rpc::forward(*value, result);
     return result;
   }

@@ -23,7 +23,8 @@ absl::StatusOr<M> parse(const std::string& bytes, const std::string& key) {
 
 absl::StatusOr<wire::ElasticNode> parse_node(const std::string& bytes, const std::string& key) {
   auto node = parse<wire::ElasticNode>(bytes, key);
-  if (node.ok() && (node->nproc() < 1 || node->master_port() < 0 || node->master_port() > 65535)) {
+  if (node.ok() &&
+      (node->nproc() < 1 || node->nproc() > kMaxCount || node->master_port() < 0 || node->master_port() > 65535)) {
     return absl::DataLossError(absl::StrCat("rendezvous: the record at ", key, " has ", node->nproc(),
                                             " workers and master port ", node->master_port()));
   }
@@ -32,7 +33,7 @@ absl::StatusOr<wire::ElasticNode> parse_node(const std::string& bytes, const std
 
 absl::StatusOr<wire::ElasticRound> parse_round(const std::string& bytes, const std::string& key) {
   auto round = parse<wire::ElasticRound>(bytes, key);
-  if (round.ok() && (round->nodes() < 1 || round->restarts() < 0)) {
+  if (round.ok() && (round->nodes() < 1 || round->nodes() > kMaxCount || round->restarts() < 0)) {
     return absl::DataLossError(absl::StrCat("rendezvous: the record at ", key, " has ", round->nodes(), " nodes and ",
                                             round->restarts(), " restarts"));
   }

@@ -527,7 +527,10 @@ class Run {
     for (const Action& a : p_.kept->actions) {
       try {
         reduce_across_replicas(a.stage, false);
-      } catch (...) {  // the run's own error is what the driver hears
+      } catch (...) {  // the run's own error is what the driver hears; this one is said here
+        TANDEM_LOG(kWarn, "pipeline") << "pipeline " << p_.pipe << ", step " << p_.step << ": stage " << a.stage
+                                      << " could not take part in the replicas' sum after a failed run: "
+                                      << status_from_current_exception().message();
       }
     }
   }
@@ -891,7 +894,9 @@ void error_to_driver(int64_t pipe, int64_t step, int driver, const absl::Status&
     TANDEM_LOG(kWarn, "pipeline") << "step " << step << " of pipeline " << pipe
                                   << " failed here, and the driver's inbox cannot take the error: " << status.message();
   }
-} catch (...) {  // RPC stopping: the driver's wait ends at its deadline
+} catch (...) {  // RPC stopping: the driver's wait ends at its deadline; the step's error is said here
+  TANDEM_LOG(kWarn, "pipeline") << "step " << step << " of pipeline " << pipe << " failed here (" << status.message()
+                                << "), and telling the driver failed: " << status_from_current_exception().message();
 }
 
 // Runs a step's plan here and answers it: a call's `result` (on one host the reply goes into the driver's inbox and
@@ -1256,8 +1261,10 @@ std::shared_ptr<Outlet> attach_outlet(int to, int64_t pipe, std::chrono::millise
       auto opened = Outlet::open(RingEnds{ends[0], ends[1], ends[2], ends[3]});
       if (opened.ok()) o = std::move(*opened);
     }
-  } catch (const std::exception&) {
+  } catch (const std::exception& e) {
     o = nullptr;  // the messages go by RPC, which reports what is wrong with the peer
+    TANDEM_LOG(kDebug, "pipeline") << "pipeline " << pipe << ": no shared-memory ring to rank " << to << " ("
+                                   << e.what() << "); its messages go by RPC";
   }
   MutexLock lock(&all.mu);
   return all.by.emplace(key, std::move(o)).first->second;  // another thread's, if it came first
@@ -1286,8 +1293,10 @@ std::shared_ptr<Inbox> driver_inbox(int64_t pipe, bool create) {
   std::shared_ptr<Inbox> inbox;
   try {
     inbox = std::make_shared<Inbox>();
-  } catch (const std::exception&) {
+  } catch (const std::exception& e) {
     // No shared memory here (memfd refused, out of descriptors): the replies come by RPC. Kept as null.
+    TANDEM_LOG(kWarn, "pipeline") << "pipeline " << pipe << ": no shared-memory inbox for the driver (" << e.what()
+                                  << "); its replies come by RPC";
   }
   return d.by_pipe[pipe] = inbox;
 }

@@ -15,6 +15,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <thread>
@@ -24,6 +25,7 @@
 #include "absl/strings/str_cat.h"
 #include "proto/tandem_rpc.pb.h"
 #include "tandem/cluster/cpus.h"
+#include "tandem/log/log.h"
 #include "tandem/rpc/detail/auth.h"
 #include "tandem/rpc/detail/buffer_pool.h"
 #include "tandem/rpc/detail/net.h"
@@ -559,7 +561,13 @@ void Channel::arm(const std::shared_ptr<Conn>& conn, bool add) {
   ev.events = EPOLLIN | EPOLLRDHUP | EPOLLONESHOT;
   ev.data.ptr = conn.get();
   TANDEM_HAPPENS_BEFORE(conn.get());  // the next loop thread to get it sees what this one did (EPOLLONESHOT)
-  epoll_ctl(epoll_fd_, add ? EPOLL_CTL_ADD : EPOLL_CTL_MOD, conn->fd(), &ev);
+  if (epoll_ctl(epoll_fd_, add ? EPOLL_CTL_ADD : EPOLL_CTL_MOD, conn->fd(), &ev) != 0) {
+    // Not armed, the connection would never be read again: its calls would fail only at their deadlines, unexplained.
+    const absl::Status why = absl::UnavailableError(
+        absl::StrCat("direct channel: cannot watch a connection (epoll_ctl): ", std::strerror(errno)));
+    TANDEM_LOG(kError, "rpc") << why.message();
+    drop(conn, why);
+  }
 }
 
 void Channel::drop(const std::shared_ptr<Conn>& conn, const absl::Status& why) {
@@ -774,6 +782,18 @@ Channel::PlaceCounts Channel::place_counts() {
 
 void Channel::accept_one(int listen_fd, uint64_t tag) {
   const int fd = accept4(listen_fd, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
+  if (fd < 0 && (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM)) {
+    // Out of descriptors or memory: the connection stays pending, so the listener re-armed at once would be ready
+    // again and the loop threads would spin on it. Said at most once a second; retried after 10 ms.
+    const int e = errno;
+    static std::atomic<int64_t> said_at{0};
+    const int64_t now = absl::ToUnixSeconds(absl::Now());
+    if (said_at.exchange(now) != now) {
+      TANDEM_LOG(kError, "rpc") << "direct channel: cannot accept a connection: " << std::strerror(e)
+                                << " (retrying every 10 ms)";
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
   epoll_event listen_ev{};
   listen_ev.events = EPOLLIN | EPOLLONESHOT;
   listen_ev.data.u64 = tag;

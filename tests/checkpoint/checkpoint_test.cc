@@ -151,6 +151,25 @@ TEST_F(UnitCheckpoint, TornOrDamagedFileIsNeverLoaded) {
   EXPECT_EQ(counter, 42);
 }
 
+// A step's file that cannot be read (an I/O error, not a torn or damaged file) fails the restore, naming it, instead
+// of a silent start from an older step.
+TEST_F(UnitCheckpoint, AStepThatCannotBeReadFailsTheRestoreInsteadOfAnOlderStart) {
+  int64_t counter = 0;
+  checkpoint::State state;
+  state.add("counter", counter);
+  checkpoint::Checkpointer ckpt(dir_, 0, {.keep = 3});
+  for (int64_t s = 1; s <= 2; ++s) {
+    counter = s;
+    ckpt.save(s, state);
+  }
+  // Step 2's file replaced by a directory: it opens, and reading it fails (EISDIR) as a failing disk's read would.
+  fs::remove(ckpt.path(2));
+  fs::create_directory(ckpt.path(2));
+  counter = 0;
+  expect_error([&] { ckpt.restore(state); }, absl::StatusCode::kUnavailable, {"cannot read", ckpt.path(2)});
+  EXPECT_EQ(counter, 0);
+}
+
 TEST_F(UnitCheckpoint, MismatchesNameTheItemAndTheFile) {
   torch::nn::Linear small(4, 3);
   at::Tensor t = at::zeros({2, 2});
