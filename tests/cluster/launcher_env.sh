@@ -6,7 +6,8 @@
 set -euo pipefail
 run="$1"
 fail=0
-# check NAME "WANT ..." ENV_ASSIGNMENTS... -- TANDEM_RUN_FLAGS...: every WANT ("#" for a space) is in the output.
+# check NAME "WANT ..." ENV_ASSIGNMENTS... -- TANDEM_RUN_FLAGS...: every WANT ("#" for a space) is in the output
+# (a WANT starting "]:#" is a variable at the start of a worker's line: PET_MASTER_ADDR=... does not match it).
 check() {
   local name="$1" want="$2"; shift 2
   local envs=() flags=()
@@ -23,7 +24,7 @@ check() {
   echo "ok   $name"
 }
 check "PET_* as flag defaults (Kubeflow, plain job)" \
-  "[rank2]:#RANK=2 [rank3]:#RANK=3 WORLD_SIZE=4 GROUP_RANK=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=29999 from#PET_" \
+  "[rank2]:#RANK=2 [rank3]:#RANK=3 ]:#WORLD_SIZE=4 ]:#GROUP_RANK=1 ]:#MASTER_ADDR=127.0.0.1 ]:#MASTER_PORT=29999 from#PET_" \
   PET_NNODES=2 PET_NODE_RANK=1 PET_NPROC_PER_NODE=2 PET_MASTER_ADDR=127.0.0.1 PET_MASTER_PORT=29999 -- 
 check "a flag wins over its PET_ variable" \
   "[rank1]:#RANK=1 WORLD_SIZE=2 LOCAL_WORLD_SIZE=1" \

@@ -151,9 +151,14 @@ TEST(UnitPipelineMailbox, AGoNotTakenBeforeItsStepWasAbandonedIsKeptWithTheReaso
 TEST(UnitPipelineMailbox, StoppingEndsTheWaitsInProgressOnly) {
   Mailbox& box = Mailbox::get();
   const int64_t pipe = fresh_pipe();
+  const size_t before = box.held();
   auto waiting = std::async(std::launch::async,
                             [&] { return box.take(key(pipe, 0, 0), in(test::scaled(milliseconds(10000))), "m0"); });
-  std::this_thread::sleep_for(milliseconds(50));
+  // The stop must come while the receive waits (a receive that begins after it is not ended by it): its slot appears
+  // under the mailbox's lock, which it holds until it sleeps.
+  const auto until = std::chrono::steady_clock::now() + test::scaled(milliseconds(5000));
+  while (box.held() == before && std::chrono::steady_clock::now() < until) std::this_thread::sleep_for(milliseconds(1));
+  ASSERT_GT(box.held(), before) << "the receive never started waiting";
   box.abort_all(absl::CancelledError("RPC is shutting down"));
   ASSERT_EQ(waiting.wait_for(test::scaled(milliseconds(5000))), std::future_status::ready);
   EXPECT_EQ(waiting.get().status().code(), absl::StatusCode::kCancelled);

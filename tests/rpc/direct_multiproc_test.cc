@@ -642,10 +642,10 @@ class TestNetns {
     host_if_ = "tdmA" + id;
     const std::string ns_if = "tdmB" + id;
     const std::string cmd = "ip netns add " + name_ + " && ip link add " + host_if_ + " type veth peer name " + ns_if +
-                            " && ip link set " + ns_if + " netns " + name_ + " && ip addr add " + kHostIp + "/30 dev " +
-                            host_if_ + " && ip link set " + host_if_ + " up && ip -n " + name_ + " addr add " + kNsIp +
-                            "/30 dev " + ns_if + " && ip -n " + name_ + " link set " + ns_if + " up && ip -n " + name_ +
-                            " link set lo up";
+                            " && ip link set " + ns_if + " netns " + name_ + " && ip addr add " + host_ip() +
+                            "/30 dev " + host_if_ + " && ip link set " + host_if_ + " up && ip -n " + name_ +
+                            " addr add " + ns_ip() + "/30 dev " + ns_if + " && ip -n " + name_ + " link set " + ns_if +
+                            " up && ip -n " + name_ + " link set lo up";
     ok_ = std::system((cmd + " >/dev/null 2>&1").c_str()) == 0;
   }
   ~TestNetns() {
@@ -653,8 +653,13 @@ class TestNetns {
   }
   bool ok() const { return ok_; }
   const std::string& name() const { return name_; }
-  static constexpr const char* kHostIp = "10.213.7.1";
-  static constexpr const char* kNsIp = "10.213.7.2";
+  static std::string ip(int host) {
+    const int base = static_cast<int>(getpid() % 16384) * 4;
+    return "10.213." + std::to_string(base / 256) + "." + std::to_string(base % 256 + host);
+  }
+  // A /30 of 10.213.0.0/16 of this process's own (ctest may run the namespace tests at once): host .1, namespace .2.
+  static std::string host_ip() { return ip(1); }
+  static std::string ns_ip() { return ip(2); }
 
  private:
   std::string name_, host_if_;
@@ -667,13 +672,13 @@ std::unique_ptr<Process> join_with_peer_in(const TestNetns& netns, const std::st
   *job = std::make_unique<Job>(JobSpec{.world_size = 1});  // only for its port and secret
   auto env = (*job)->env_for(1);
   env["WORLD_SIZE"] = "2";
-  env["MASTER_ADDR"] = TestNetns::kHostIp;
+  env["MASTER_ADDR"] = TestNetns::host_ip();
   env["TANDEM_TRANSPORT"] = transport;
   auto child = std::make_unique<Process>(
       std::vector<std::string>{"/usr/sbin/ip", "netns", "exec", netns.name(), self_exe(), "--worker", "serve"}, env);
   rpc::RpcOptions options = options_from_env();
   options.transport = transport;
-  options.master_addr = TestNetns::kHostIp;
+  options.master_addr = TestNetns::host_ip();
   options.master_port = (*job)->port();
   options.secret = (*job)->secret();
   rpc::init_rpc("worker0", 0, 2, options);
@@ -688,7 +693,7 @@ TEST_F(MultiprocDirect, PeerInAnotherNetworkNamespaceIsReachedOverTcp) {
   if (!netns.ok()) GTEST_SKIP() << "cannot create a network namespace here";
   auto child = join_with_peer_in(netns, "auto", &job_);
   EXPECT_EQ(rpc::transport_to(1), "tcp");
-  EXPECT_EQ(rpc::get_worker_info(1).address.rfind(TestNetns::kNsIp, 0), 0u) << rpc::get_worker_info(1).address;
+  EXPECT_EQ(rpc::get_worker_info(1).address.rfind(TestNetns::ns_ip(), 0), 0u) << rpc::get_worker_info(1).address;
   const auto before = rpc::transport_stats();
   at::Tensor t = random_tensor(at::kFloat, {300000});
   EXPECT_TRUE(bit_equal(rpc::rpc_sync<at::Tensor>(1, "echo", t), t));
@@ -723,14 +728,14 @@ TEST_F(MultiprocDirect, TcpRouteRefusesStrangers) {
   if (!netns.ok()) GTEST_SKIP() << "cannot create a network namespace here";
   auto child = join_with_peer_in(netns, "auto", &job_);
   auto channel =
-      rpc::net::make_channel(std::string(TestNetns::kHostIp) + ":" + std::to_string(job_->port()), nullptr, -1);
+      rpc::net::make_channel(std::string(TestNetns::host_ip()) + ":" + std::to_string(job_->port()), nullptr, -1);
   auto store = rpc::connect_store(channel, rpc::auth::derive_token(job_->secret()), false);
   auto record = store->get("worker/1", milliseconds(5000));
   ASSERT_TRUE(record.ok()) << record.status();
   tandem::wire::RendezvousRecord parsed;
   ASSERT_TRUE(parsed.ParseFromString(*record));
   const std::string address = parsed.worker().tcp_address();
-  ASSERT_EQ(address.rfind(std::string("tcp:") + TestNetns::kNsIp + ":", 0), 0u) << address;
+  ASSERT_EQ(address.rfind(std::string("tcp:") + TestNetns::ns_ip() + ":", 0), 0u) << address;
   const auto soon = [] { return absl::Now() + absl::Seconds(10); };
   auto intruder = rpc::direct::Channel::start(rpc::auth::derive_token("guess"), 1, 1 << 20, absl::Seconds(10), {});
   ASSERT_TRUE(intruder.ok());
