@@ -462,8 +462,10 @@ class GlooGroup final : public ProcessGroup {
       return rpc::Future::failed(broken());
     }
     // Done within the timeout, or failed (after naming the members gone, within kPingTimeout).
-    rpc::Future done(absl::Now() + absl::FromChrono(options_.timeout + kPingTimeout));
-    waiters_.start([this, buffer, t, done, sending, prefix, start] {
+    // A wait on it that runs out names the operation (prefix without its ": ").
+    rpc::Future done(absl::Now() + absl::FromChrono(options_.timeout + kPingTimeout),
+                     prefix.substr(0, prefix.size() - 2));
+    auto wait = [this, buffer, t, done, sending, prefix, start] {
       try {
         const bool ok = sending ? buffer->waitSend(options_.timeout) : buffer->waitRecv(options_.timeout);
         ok ? done.set_value(c10::IValue()) : done.set_error(absl::AbortedError(prefix + "aborted"));
@@ -472,7 +474,13 @@ class GlooGroup final : public ProcessGroup {
         mark_broken(error);
         done.set_error(error);
       }
-    });
+    };
+    if (!waiters_.try_start(wait)) {
+      // No thread to wait for it (the system refused one; waiters_ has no cap): the operation is under way in Gloo
+      // and its buffer must live until it ends, so this thread waits for it, within the same timeout.
+      TANDEM_LOG(kWarn, "comm") << prefix << "no thread to wait for it; waiting on the caller's thread";
+      wait();
+    }
     return done;
   }
 

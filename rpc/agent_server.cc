@@ -267,6 +267,13 @@ void Agent::reply(const std::shared_ptr<InCall>& call, const Future& result) {
     }
   }
   grpc::ByteBuffer frame = encoder.frame(response);
+  // A result above this worker's message limit is refused here, with an error the caller can read, instead of a
+  // frame the caller's transport would refuse (a dropped connection on the direct channel).
+  if (frame.Length() > static_cast<uint64_t>(options_.max_message_bytes)) {
+    return reply_error(call, absl::ResourceExhaustedError(
+                                 absl::StrCat("the result of ", frame.Length(), " bytes exceeds the message limit of ",
+                                              options_.max_message_bytes, " bytes (RpcOptions::max_message_bytes)")));
+  }
   finish_once(call, absl::OkStatus(), &frame);
 }
 

@@ -1019,12 +1019,25 @@ TEST_F(MultiprocPipeline, AFailedStepLeavesNoGradientAnywhere) {
         {{1, "pipe_faulty", {int64_t{0}}}, {2, "pipe_faulty", {int64_t{0}}}, {3, "pipe_slow_backward", {int64_t{400}}}},
         {.schedule = Schedule::kGPipe, .n_microbatches = 4, .gradients = to, .timeout = milliseconds(1000)});
     const at::Tensor x = at::ones({8, 4}, at::kDouble), y = at::zeros({8, 4}, at::kDouble);
+    // The ends of the last stage's backwards ('b' in its log).
+    auto backwards_ended = [] {
+      const auto log = rpc::rpc_sync<std::vector<int64_t>>(3, "pipe_slow_log");
+      int64_t n = 0;
+      for (size_t i = 0; i + 1 < log.size(); i += 2) n += log[i] == 'b';
+      return n;
+    };
+    const int64_t before = backwards_ended();
     {
       dist_autograd::ContextGuard ctx;
       EXPECT_THROW(pipe.step(x, y), RpcError);
     }
-    // The last stage's run ends about 1.6 s after the step began (4 backwards of 400 ms).
-    std::this_thread::sleep_for(milliseconds(2500));
+    // The last stage's run goes on after the step failed (4 backwards of 400 ms, about 1.6 s): the check is made once
+    // its fourth backward has ended, and what follows it (the rest of that backward, its gradient's delivery) had a
+    // moment more. A fixed sleep could check before the run ended, and pass without testing anything.
+    const auto until = Clock::now() + scaled(milliseconds(10000));
+    while (backwards_ended() < before + 4 && Clock::now() < until) std::this_thread::sleep_for(milliseconds(50));
+    ASSERT_GE(backwards_ended(), before + 4) << "the last stage's run did not end";
+    std::this_thread::sleep_for(scaled(milliseconds(300)));
     EXPECT_EQ(poll_until({1, 2, 3}, "pipe_contexts", 0, milliseconds(5000)), (std::vector<int64_t>{0, 0, 0}));
     for (int s = 0; s < 3; ++s) {
       const auto grads = rpc::rpc_sync<std::vector<at::Tensor>>(pipe.stage_worker(s), "pipe_dot_grads", pipe.id(), s);
@@ -1071,7 +1084,10 @@ TEST_F(MultiprocPipeline, AFailedCreationLeavesNoStageBehind) {
   EXPECT_THROW(Pipeline::create({{1, "pipe_slow_build", {int64_t{1500}}}, {2, "no_such_factory", {}}},
                                 {.timeout = milliseconds(500)}),
                RpcError);
-  std::this_thread::sleep_for(milliseconds(2000));  // the slow build has ended
+  // Checked once the slow build has ended (its count on worker 1), and what follows it had a moment more: a fixed
+  // sleep could check before it ended, and pass without testing anything.
+  EXPECT_EQ(poll_until({1}, "pipe_slow_builds", 1, milliseconds(10000)), (std::vector<int64_t>{1}));
+  std::this_thread::sleep_for(scaled(milliseconds(300)));
   EXPECT_EQ(poll_until({1, 2}, "pipe_stage_count", 0, milliseconds(5000)), (std::vector<int64_t>{0, 0}));
 }
 

@@ -70,6 +70,7 @@ struct Faulty : torch::nn::Module {
 // An identity Linear(4, 4) whose backward sleeps `ms` milliseconds (a hook on its output's gradient); counts its
 // forwards in this process (slow_forwards).
 std::atomic<int64_t> slow_forwards{0};
+std::atomic<int64_t> slow_builds{0};  // pipe_slow_build's builds ended in this process
 // Every forward of such modules in this process ('f' with gradients, 'i' without: its start) and every backward ('b':
 // its end), in order, with the steady clock's microseconds.
 std::mutex slow_log_mu;
@@ -193,8 +194,10 @@ void register_pipeline_stages() {
     std::this_thread::sleep_for(std::chrono::milliseconds(ms));
     torch::nn::Linear l(4, 4);
     l->to(torch::kDouble);
+    ++slow_builds;
     return l;
   });
+  rpc::register_function("pipe_slow_builds", [] { return slow_builds.load(); });
   rpc::register_function("pipe_slow_forwards", [] { return slow_forwards.load(); });
   rpc::register_function("pipe_slow_log", [] {
     std::lock_guard<std::mutex> lock(slow_log_mu);

@@ -322,8 +322,18 @@ TEST_F(MultiprocRpc, OversizedMessagesAreRefused) {
     EXPECT_EQ(e.code(), absl::StatusCode::kResourceExhausted) << e.what();
     EXPECT_NE(std::string(e.what()).find("worker 'worker1'"), std::string::npos) << e.what();
   }
-  // A request under the limit whose reply would exceed it.
+  // A request and its reply under the limit.
   EXPECT_EQ(rpc::rpc_async("worker1", "echo", at::zeros({kLimit / 8})).status().code(), absl::StatusCode::kOk);
+  // A small request whose reply (2 MiB) would exceed it: refused by the callee, an error naming it and the limit; the
+  // connection and the worker go on.
+  try {
+    rpc::rpc_sync("worker1", "pattern", static_cast<int64_t>(at::kFloat), std::vector<int64_t>{kLimit / 2});
+    FAIL() << "a reply above the message limit was delivered";
+  } catch (const RpcError& e) {
+    EXPECT_EQ(e.code(), absl::StatusCode::kResourceExhausted) << e.what();
+    EXPECT_NE(std::string(e.what()).find("worker 'worker1'"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("exceeds the message limit"), std::string::npos) << e.what();
+  }
   EXPECT_EQ(rpc::rpc_sync<std::string>("worker1", "whoami"), "worker1");
 }
 
