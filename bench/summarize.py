@@ -5,7 +5,8 @@
 A figure is keyed by its metric and the fields that say what was measured: every field whose value is a string, a
 boolean or an integer (bucket_cap_mb, gradient_as_bucket_view, mode, config, size, m, schedule, replicas, observers,
 ...), except the line's own (impl, unit, value, bench), free text (what, note), the seed (rounds with different seeds
-are one figure) and measurements (names ending in a unit: _us, _ms, _mib, ...). Lines that differ in any of these are
+are one figure), results that are counts or flags (samples, uncounted_allocations, solved_all, buckets) and
+measurements (names ending in a unit: _us, _ms, _mib, ...). Lines that differ in any of these are
 separate figures. A Tandem figure is compared with each peer figure of the same metric whose fields agree with its
 own on every field both have (a field only one side prints, such as Tandem's shared_buckets, does not keep them
 apart); the ratio is tandem / peer (for times lower is better for Tandem, for rates and bandwidths higher)."""
@@ -14,7 +15,10 @@ import json
 import statistics
 import sys
 
-OWN = {"impl", "unit", "value", "bench", "metric", "what", "note", "seed"}
+# Not what was measured: the line's own fields, free text, the seed, and results that are counts or flags (they vary
+# between rounds of one configuration).
+OWN = {"impl", "unit", "value", "bench", "metric", "what", "note", "seed", "samples", "uncounted_allocations",
+       "solved_all", "buckets"}
 MEASURED = ("_us", "_ms", "_s", "_mib", "_kib", "_gib", "_bytes_per_s", "_gbps", "_per_s", "_ratio", "_busy",
             "_efficiency", "_run")
 

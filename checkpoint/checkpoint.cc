@@ -483,7 +483,14 @@ std::vector<int64_t> Checkpointer::steps_of(int rank) const {
     int64_t step = 0;
     if (!absl::StartsWith(name, "step-") || !absl::SimpleAtoi(name.substr(5), &step)) continue;
     struct stat st;
-    if (::stat(absl::StrCat(dir_, "/", name, "/", mine).c_str(), &st) == 0) out.push_back(step);
+    const std::string file = absl::StrCat(dir_, "/", name, "/", mine);
+    if (::stat(file.c_str(), &st) == 0) {
+      out.push_back(step);
+    } else if (errno != ENOENT && errno != ENOTDIR) {
+      const absl::Status why = io_error("cannot read", file);  // errno before closedir
+      ::closedir(d);
+      throw_error(why);  // a step this rank may have but cannot see (permissions, an I/O error) is not passed over
+    }
   }
   ::closedir(d);
   std::sort(out.begin(), out.end());
