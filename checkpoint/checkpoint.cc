@@ -15,6 +15,7 @@
 #include <cstring>
 #include <limits>
 #include <map>
+#include <new>
 #include <set>
 
 #include "absl/status/statusor.h"
@@ -393,16 +394,23 @@ absl::StatusOr<std::string> read_payload(const std::string& path) {
   }
   std::string data;
   char buf[1 << 16];
-  for (;;) {
-    const ssize_t n = ::read(fd, buf, sizeof(buf));
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) {
-      const absl::Status s = io_error("cannot read", path);
-      ::close(fd);
-      return s;
+  try {
+    for (;;) {
+      const ssize_t n = ::read(fd, buf, sizeof(buf));
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0) {
+        const absl::Status s = io_error("cannot read", path);
+        ::close(fd);
+        return s;
+      }
+      if (n == 0) break;
+      data.append(buf, static_cast<size_t>(n));
     }
-    if (n == 0) break;
-    data.append(buf, static_cast<size_t>(n));
+  } catch (const std::bad_alloc&) {
+    // A file larger than this process can hold is not a damaged step to pass over either (restore fails on every rank).
+    ::close(fd);
+    return absl::ResourceExhaustedError(
+        absl::StrCat("checkpoint ", path, ": out of memory reading it (", data.size(), " bytes read)"));
   }
   ::close(fd);
   if (data.size() < kHeader || std::memcmp(data.data(), kMagic, sizeof(kMagic)) != 0) {
@@ -414,9 +422,9 @@ absl::StatusOr<std::string> read_payload(const std::string& path) {
     return absl::DataLossError(
         absl::StrCat("checkpoint ", path, " is torn: ", data.size() - kHeader, " of ", length, " bytes"));
   }
-  std::string payload = data.substr(kHeader);
-  if (crc_of(payload) != crc) return absl::DataLossError(absl::StrCat("checkpoint ", path, " is damaged (CRC)"));
-  return payload;
+  data.erase(0, kHeader);  // in place: a second copy of a large file could fail where the first did not
+  if (crc_of(data) != crc) return absl::DataLossError(absl::StrCat("checkpoint ", path, " is damaged (CRC)"));
+  return data;
 }
 
 }  // namespace

@@ -15,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "tandem/profile/profile.h"
+#include "tandem/rpc/errors.h"
 
 namespace tandem::ddp::detail {
 
@@ -356,7 +357,12 @@ void Reducer::launch_ready() {
     try {
       b.work = reduce(b);
     } catch (const std::exception& e) {
-      b.work = rpc::Future::failed(absl::InternalError(absl::StrCat("the communication hook threw: ", e.what())));
+      // The error names the reduction: the user's hook or the group's allreduce, the bucket and this rank.
+      const absl::Status cause = status_from_exception(e);
+      b.work = rpc::Future::failed(absl::Status(
+          hook ? absl::StatusCode::kInternal : cause.code(),
+          absl::StrCat(hook ? "the communication hook threw" : "the allreduce could not start", " for bucket ", index,
+                       " (", b.flat.nbytes(), " bytes) on ", where(), ": ", cause.message())));
     }
     if (profile::active()) {
       b.work.add_callback([index, launched, bytes = b.flat.nbytes()](const rpc::Future&) {

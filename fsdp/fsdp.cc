@@ -1340,17 +1340,11 @@ FullyShardedDataParallel::StateDict FullyShardedDataParallel::consolidate(const 
       }
       numel *= d;
     }
-    // The whole is as large as its pieces together (checked before it is allocated: a shape read from a file does not
+    // Every piece belongs to this parameter and fits in it, the pieces do not overlap, and together they are as large
+    // as the whole: so they cover it. All checked before the whole is allocated (a shape read from a file does not
     // size an allocation alone).
+    std::vector<std::pair<int64_t, const ShardedStateDict*>> by_offset;
     int64_t pieces = 0;
-    for (const ShardedStateDict& d : ranks) pieces += d.pieces[i].values.numel();
-    if (pieces != numel) {
-      throw_error(
-          absl::InvalidArgumentError(absl::StrCat("fsdp: consolidate(): the pieces of '", p.name, "' hold ", pieces,
-                                                  " elements; its shape ", shape_of(p.shape), " has ", numel)));
-    }
-    at::Tensor whole = at::empty({numel}, p.values.options());
-    at::Tensor seen = at::zeros({numel}, at::kBool);  // every element from exactly one piece
     for (const ShardedStateDict& d : ranks) {
       const Piece& q = d.pieces[i];
       if (q.name != p.name || q.shape != p.shape || q.offset < 0 || q.offset > numel - q.values.numel() ||
@@ -1358,17 +1352,26 @@ FullyShardedDataParallel::StateDict FullyShardedDataParallel::consolidate(const 
         throw_error(absl::InvalidArgumentError(
             absl::StrCat("fsdp: consolidate(): rank ", d.rank, "'s piece ", i, " ('", q.name, "') does not fit")));
       }
-      at::Tensor mark = seen.narrow(0, q.offset, q.values.numel());
-      if (mark.any().item<bool>()) {
-        throw_error(absl::InvalidArgumentError(
-            absl::StrCat("fsdp: consolidate(): rank ", d.rank, "'s piece of '", q.name, "' overlaps another rank's")));
-      }
-      mark.fill_(true);
-      whole.narrow(0, q.offset, q.values.numel()).copy_(q.values.reshape({-1}));
+      pieces += q.values.numel();
+      if (q.values.numel() > 0) by_offset.emplace_back(q.offset, &d);  // an empty piece overlaps nothing
     }
-    if (const int64_t covered = seen.sum().item<int64_t>(); covered != numel) {
-      throw_error(absl::InvalidArgumentError(absl::StrCat("fsdp: consolidate(): the pieces of '", p.name, "' cover ",
-                                                          covered, " of its ", numel, " elements")));
+    std::sort(by_offset.begin(), by_offset.end(), [&](const auto& a, const auto& b) { return a.first < b.first; });
+    for (size_t k = 1; k < by_offset.size(); ++k) {
+      const Piece& before = by_offset[k - 1].second->pieces[i];
+      if (before.offset + before.values.numel() > by_offset[k].first) {
+        throw_error(absl::InvalidArgumentError(absl::StrCat("fsdp: consolidate(): rank ", by_offset[k].second->rank,
+                                                            "'s piece of '", p.name, "' overlaps another rank's")));
+      }
+    }
+    if (pieces != numel) {
+      throw_error(
+          absl::InvalidArgumentError(absl::StrCat("fsdp: consolidate(): the pieces of '", p.name, "' hold ", pieces,
+                                                  " elements; its shape ", shape_of(p.shape), " has ", numel)));
+    }
+    at::Tensor whole = at::empty({numel}, p.values.options());
+    for (const ShardedStateDict& d : ranks) {
+      const Piece& q = d.pieces[i];
+      whole.narrow(0, q.offset, q.values.numel()).copy_(q.values.reshape({-1}));
     }
     out.emplace_back(p.name, whole.view(p.shape));
   }

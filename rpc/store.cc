@@ -5,6 +5,8 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <cerrno>
+#include <cstring>
 #include <list>
 #include <map>
 
@@ -323,18 +325,31 @@ absl::StatusOr<std::unique_ptr<StoreServer>> serve_store(const std::string& addr
     if (host.size() > 1 && host.front() == '[') host = host.substr(1, host.size() - 2);
     addrinfo* found = nullptr;
     if (getaddrinfo(host.c_str(), address.substr(colon + 1).c_str(), &hints, &found) == 0) {
-      bool bound = false;
+      bool bound = false, in_use = false;
+      int error = 0;
       for (addrinfo* a = found; a && !bound; a = a->ai_next) {
         const int fd = socket(a->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
-        if (fd < 0) continue;
+        if (fd < 0) {
+          error = errno;
+          continue;
+        }
         const int one = 1;
         setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));  // as gRPC binds
         bound = bind(fd, a->ai_addr, a->ai_addrlen) == 0;
+        if (!bound) {
+          error = errno;
+          in_use = in_use || errno == EADDRINUSE;
+        }
         close(fd);
       }
       freeaddrinfo(found);
-      if (!bound)
+      if (!bound && in_use)
         return absl::UnavailableError(absl::StrCat("cannot serve a store on ", address, ": the port is in use"));
+      // Not this machine's address, a port it may not bind, no sockets left: no other launcher serves it either.
+      if (!bound) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("cannot serve a store on ", address, ": ", std::strerror(error)));
+      }
     }
   }
   auto s = std::make_unique<StandaloneStoreServer>();

@@ -49,7 +49,8 @@ std::unique_ptr<grpc::Service> make_store_service(std::string token, std::string
 // A store served on its own, outside any agent: the launchers' elastic rendezvous (elastic/). It listens on
 // `address` ("host:port"; port 0 picks one) until destroyed, and accepts calls carrying the token derived from
 // `secret`. The port is never shared (no SO_REUSEPORT): a port in use fails with UNAVAILABLE, which is how one of
-// several launchers started with the same endpoint becomes its host.
+// several launchers started with the same endpoint becomes its host; an address that cannot be bound for another
+// reason (not this machine's, a port it may not use) fails with FAILED_PRECONDITION and the system's reason.
 class StoreServer {
  public:
   virtual ~StoreServer() = default;

@@ -1002,7 +1002,12 @@ int run_elastic(Options& o, std::vector<Standby>* pool) {
       if (std::strstr(args->message, "No address added") != nullptr) return;
       std::fprintf(stderr, "tandem-run: grpc: %s (%s:%d)\n", args->message, args->file, args->line);
     });
-    if (auto s = tandem::rpc::serve_store(endpoint, secret); s.ok()) server = std::move(*s);
+    if (auto s = tandem::rpc::serve_store(endpoint, secret); s.ok()) {
+      server = std::move(*s);
+    } else if (s.status().code() != absl::StatusCode::kUnavailable) {  // in use: another launcher serves it
+      std::fprintf(stderr, "tandem-run: %s\n", s.status().ToString().c_str());
+      return 1;
+    }
   }
   auto store = o.rdzv_backend == "etcd"
                    ? elastic::connect_etcd_store(endpoint, absl::ToChronoMilliseconds(lost_after))

@@ -250,4 +250,11 @@ size_t Mailbox::held() {
   return slots_.size() + dropped_goes_.size();
 }
 
+Mailbox::Waiting Mailbox::waiting(const MailKey& key) {
+  MutexLock lock(&mu_);
+  auto it = slots_.find(key);
+  if (it == slots_.end()) return Waiting::kNo;
+  return it->second.waiter ? Waiting::kAlone : it->second.bell ? Waiting::kOnTheBell : Waiting::kNo;
+}
+
 }  // namespace tandem::pipeline::detail

@@ -98,6 +98,10 @@ class Mailbox {
 
   // How many messages, waits and unanswered goes are held now (tests: nothing is left behind).
   size_t held();
+  // How a receive of `key` waits now (tests: an event must come while it waits, not before): not at all, on its own
+  // condition variable, or on its inbox's bell (its bell already read: a later ring wakes it).
+  enum class Waiting { kNo, kAlone, kOnTheBell };
+  Waiting waiting(const MailKey& key);
 
  private:
   struct Slot {

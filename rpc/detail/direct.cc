@@ -556,7 +556,7 @@ Channel::~Channel() {
   if (wake_fd_ >= 0) ::close(wake_fd_);
 }
 
-void Channel::arm(const std::shared_ptr<Conn>& conn, bool add) {
+bool Channel::arm(const std::shared_ptr<Conn>& conn, bool add) {
   epoll_event ev{};
   ev.events = EPOLLIN | EPOLLRDHUP | EPOLLONESHOT;
   ev.data.ptr = conn.get();
@@ -567,7 +567,9 @@ void Channel::arm(const std::shared_ptr<Conn>& conn, bool add) {
         absl::StrCat("direct channel: cannot watch a connection (epoll_ctl): ", std::strerror(errno)));
     TANDEM_LOG(kError, "rpc") << why.message();
     drop(conn, why);
+    return false;
   }
+  return true;
 }
 
 void Channel::drop(const std::shared_ptr<Conn>& conn, const absl::Status& why) {
@@ -826,7 +828,10 @@ void Channel::handle_ready(const std::shared_ptr<Conn>& conn) {
   // authenticated peer's message follows within message_timeout_; a stranger's hello gets one second.
   auto header = conn->poll_header(authenticated ? max_message_bytes_ : kMaxHelloBytes);
   if (!header.ok()) return drop(conn, header.status());
-  if (!*header) return arm(conn, /*add=*/false);
+  if (!*header) {
+    arm(conn, /*add=*/false);
+    return;
+  }
   auto msg = conn->read_body(absl::Now() + (authenticated ? message_timeout_ : absl::Seconds(1)));
   if (!msg.ok()) return drop(conn, msg.status());
   if (!authenticated) {
@@ -862,9 +867,12 @@ void Channel::handle_ready(const std::shared_ptr<Conn>& conn) {
     if (!conn->write(Kind::kWelcome, 0, serialize(welcome), absl::Now() + message_timeout_).ok()) {
       return drop(conn, absl::UnavailableError("welcome failed"));
     }
-    return arm(conn, /*add=*/false);
+    arm(conn, /*add=*/false);
+    return;
   }
-  arm(conn, /*add=*/false);  // another worker may read the next message while this one runs
+  // Another worker may read the next message while this one runs. A connection that cannot be watched was dropped
+  // with the cause (its calls fail with it); its message is not run.
+  if (!arm(conn, /*add=*/false)) return;
   switch (msg->kind) {
     case Kind::kRequest:
     case Kind::kOneway:
@@ -930,7 +938,10 @@ absl::StatusOr<std::shared_ptr<Conn>> Channel::connect(const std::string& addres
       if (stopping_) return absl::CancelledError("direct channel stopped");
       conns_[conn.get()] = conn;
     }
-    arm(conn, /*add=*/true);
+    // Not watched, its responses would never be read: the caller falls back as for any failed connection.
+    if (!arm(conn, /*add=*/true)) {
+      return absl::UnavailableError(absl::StrCat("direct channel: cannot watch the connection to ", address));
+    }
   }
   return conn;
 }

@@ -210,7 +210,8 @@ class Channel {
   void presume_blocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(places_mu_);
   void handle_ready(const std::shared_ptr<Conn>& conn);
   void accept_one(int listen_fd, uint64_t tag);
-  void arm(const std::shared_ptr<Conn>& conn, bool add);
+  // false when the connection could not be watched: it has been dropped, with the cause.
+  bool arm(const std::shared_ptr<Conn>& conn, bool add);
   void drop(const std::shared_ptr<Conn>& conn, const absl::Status& why);
 
   std::string token_;

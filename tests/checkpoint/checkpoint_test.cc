@@ -46,6 +46,14 @@ void train(Net& net, torch::optim::Optimizer& opt, int64_t from, int64_t steps) 
 class UnitCheckpoint : public ::testing::Test {
  protected:
   void TearDown() override { fs::remove_all(dir_); }
+  // Steps 1..n saved by `ckpt` of a state holding one counter, set to the step before each save.
+  static void save_counter_steps(checkpoint::Checkpointer& ckpt, checkpoint::State& state, int64_t& counter,
+                                 int64_t n) {
+    for (int64_t s = 1; s <= n; ++s) {
+      counter = s;
+      ckpt.save(s, state);
+    }
+  }
   std::string dir_ = make_temp_dir();
 };
 
@@ -122,10 +130,7 @@ TEST_F(UnitCheckpoint, TornOrDamagedFileIsNeverLoaded) {
   checkpoint::State state;
   state.add("counter", counter);
   checkpoint::Checkpointer ckpt(dir_, 0, {.keep = 3});
-  for (int64_t s = 1; s <= 3; ++s) {
-    counter = s;
-    ckpt.save(s, state);
-  }
+  save_counter_steps(ckpt, state, counter, 3);
   // Step 3 cut short, step 2 with one byte flipped in its body: the restore goes back to step 1.
   fs::resize_file(ckpt.path(3), fs::file_size(ckpt.path(3)) / 2);
   {
@@ -158,10 +163,7 @@ TEST_F(UnitCheckpoint, AStepThatCannotBeReadFailsTheRestoreInsteadOfAnOlderStart
   checkpoint::State state;
   state.add("counter", counter);
   checkpoint::Checkpointer ckpt(dir_, 0, {.keep = 3});
-  for (int64_t s = 1; s <= 2; ++s) {
-    counter = s;
-    ckpt.save(s, state);
-  }
+  save_counter_steps(ckpt, state, counter, 2);
   // Step 2's file replaced by a directory: it opens, and reading it fails (EISDIR) as a failing disk's read would.
   fs::remove(ckpt.path(2));
   fs::create_directory(ckpt.path(2));

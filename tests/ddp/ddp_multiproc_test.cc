@@ -95,6 +95,11 @@ TEST_F(MultiprocDdp, AParameterWithoutGradientIsAnErrorNamingIt) {
   EXPECT_EQ(everywhere(2, "missing_gradient"), "");
 }
 
+TEST_F(MultiprocDdp, AThrowingCommHookFailsTheBackwardNamingTheBucketAndGroup) {
+  start({.world_size = 2});
+  EXPECT_EQ(everywhere(2, "hook_throws"), "");
+}
+
 TEST_F(MultiprocDdp, DifferentModelsAreRefusedNamingTheRank) {
   start({.world_size = 3});
   EXPECT_EQ(everywhere(3, "shape_mismatch"), "");

@@ -594,6 +594,33 @@ std::string run(const std::string& name) {
     torch::mse_loss(ddp.forward(at::ones({2, kIn}), true), at::zeros({2, kOut})).backward();
     return err;
   }
+  if (name == "hook_throws") {
+    // A communication hook that throws fails the backward with an error naming the hook, the bucket and the group,
+    // with the hook's own message; the next iteration (the hook no longer throwing) works. It throws on every rank,
+    // so no rank is left in a collective.
+    auto model = std::make_shared<Net>(false, false);
+    ddp::DistributedDataParallel<Net> ddp(model, comm::ProcessGroup::create("hook"));
+    bool fail = true;
+    ddp.register_comm_hook([&fail](comm::ProcessGroup& group, at::Tensor bucket) {
+      if (fail) throw std::runtime_error("the hook's own failure");
+      return group.allreduce(bucket, comm::ReduceOp::kAvg);
+    });
+    std::string err;
+    try {
+      torch::mse_loss(ddp.forward(at::ones({2, kIn})), at::zeros({2, kOut})).backward();
+      err += "backward with a throwing hook succeeded; ";
+    } catch (const std::exception& e) {
+      const std::string m = e.what();
+      for (const char* part :
+           {"the communication hook threw for bucket ", "process group 'hook'", "the hook's own failure"}) {
+        if (m.find(part) == std::string::npos) err += absl::StrCat("error without \"", part, "\": ", m, "; ");
+      }
+    }
+    fail = false;
+    torch::mse_loss(ddp.forward(at::ones({2, kIn})), at::zeros({2, kOut})).backward();
+    if (!model->parameters()[0].grad().defined()) err += "no gradient after the hook's failure; ";
+    return err;
+  }
   if (name == "shape_mismatch") {
     auto model = std::make_shared<Net>(false, false, rank == 1 ? kHidden + 1 : kHidden);
     try {

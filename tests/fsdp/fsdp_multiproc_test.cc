@@ -3,6 +3,8 @@
 
 #include <filesystem>
 
+#include "tandem/fsdp/fsdp.h"
+#include "tandem/rpc/errors.h"
 #include "tests/common/multiproc.h"
 #include "tests/common/scenario_fixture.h"
 
@@ -87,6 +89,46 @@ TEST_F(MultiprocFsdp, AKilledRankBetweenStepsFailsTheOthersNextForward) {
 }
 TEST_F(MultiprocFsdp, AKilledRankBeforeItsBackwardFailsTheOthersBackward) {
   expect_last_rank_killed(3, "killed/backward");
+}
+
+// consolidate() refuses dicts that do not make one whole parameter, with the message naming what is wrong, before
+// allocating anything: pieces of another parameter, overlapping pieces, pieces that leave a gap.
+std::string consolidate_error(const std::vector<fsdp::FullyShardedDataParallel::ShardedStateDict>& ranks) {
+  try {
+    fsdp::FullyShardedDataParallel::consolidate(ranks);
+    return "";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), absl::StatusCode::kInvalidArgument) << e.what();
+    return e.what();
+  }
+}
+
+TEST(UnitFsdpConsolidate, RefusesPiecesThatDoNotMakeTheWhole) {
+  using Dict = fsdp::FullyShardedDataParallel::ShardedStateDict;
+  auto piece = [](std::string name, int64_t offset, int64_t n) {
+    return fsdp::FullyShardedDataParallel::Piece{
+        std::move(name), {2, 3}, offset, at::arange(offset, offset + n, at::kFloat)};
+  };
+  const Dict a{2, 0, {piece("w", 0, 3)}, {}};
+  const Dict b{2, 1, {piece("w", 3, 3)}, {}};
+  const auto whole = fsdp::FullyShardedDataParallel::consolidate({b, a});
+  ASSERT_EQ(whole.size(), 1u);
+  EXPECT_TRUE(whole[0].second.equal(at::arange(6, at::kFloat).view({2, 3})));
+  // A rank may hold an empty piece (a parameter smaller than the ranks), at any offset: it overlaps nothing.
+  const Dict all{3, 0, {piece("w", 0, 6)}, {}};
+  const auto again = fsdp::FullyShardedDataParallel::consolidate(
+      {all, Dict{3, 1, {piece("w", 4, 0)}, {}}, Dict{3, 2, {piece("w", 6, 0)}, {}}});
+  EXPECT_TRUE(again[0].second.equal(at::arange(6, at::kFloat).view({2, 3})));
+
+  EXPECT_NE(consolidate_error({a, Dict{2, 1, {piece("v", 3, 3)}, {}}}).find("rank 1's piece 0 ('v') does not fit"),
+            std::string::npos);
+  // A piece of another model, even one that would also leave the sizes wrong, is named as not fitting.
+  EXPECT_NE(consolidate_error({a, Dict{2, 1, {piece("v", 3, 2)}, {}}}).find("('v') does not fit"), std::string::npos);
+  EXPECT_NE(consolidate_error({a, Dict{2, 1, {piece("w", 2, 3)}, {}}}).find("overlaps another rank's"),
+            std::string::npos);
+  EXPECT_NE(consolidate_error({a, Dict{2, 1, {piece("w", 4, 2)}, {}}}).find("hold 5 elements; its shape"),
+            std::string::npos);
+  EXPECT_NE(consolidate_error({a, Dict{2, 0, {piece("w", 3, 3)}, {}}}).find("given twice"), std::string::npos);
 }
 
 }  // namespace

@@ -18,6 +18,7 @@
 #include <fstream>
 #include <numeric>
 #include <set>
+#include <sstream>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -287,56 +288,138 @@ std::string mixed(const std::string& variant) {
   return "";
 }
 
-// A memory cgroup (v1) this process joins: what it allocates from then on is charged to it, and above `cap` bytes the
-// kernel's OOM killer ends the process. Pages it held before joining stay charged where they were.
+// A memory cgroup this process joins: what it allocates from then on is charged to it, and above `cap` bytes the
+// kernel's OOM killer ends the process. Pages it held before joining stay charged where they were. It is made in the
+// hierarchy that has the memory controller, whichever is mounted: cgroup v1's (memory.limit_in_bytes; the peak in
+// memory.max_usage_in_bytes) or else v2's (memory.max; the peak in memory.peak), at the hierarchy's root. As root.
 class MemoryCap {
  public:
-  explicit MemoryCap(int64_t cap) : dir_(absl::StrCat(kRoot, "/tandem_fsdp_", getpid())) {
-    remove_abandoned();
-    if (::mkdir(dir_.c_str(), 0755) != 0) {
-      error_ = absl::StrCat("cannot make the memory cgroup ", dir_,
-                            " (cgroup v1's memory controller, as root): ", std::strerror(errno));
+  explicit MemoryCap(int64_t cap) {
+    if (!find_hierarchy()) {
+      error_ = "no memory cgroup controller is mounted (cgroup v1's memory hierarchy, or v2's with memory available)";
       return;
     }
-    if (!write("memory.limit_in_bytes", std::to_string(cap)) || !write("cgroup.procs", std::to_string(getpid()))) {
+    remove_abandoned();
+    // v2 gives a cgroup the memory controller only when its parent enables it for its children (a systemd host's
+    // root does; a container's may not yet). Left enabled: another rank's cgroup beside this one may be using it.
+    if (v2_ && !has_word(read(base_ + "/cgroup.subtree_control"), "memory") &&
+        !write_file(base_ + "/cgroup.subtree_control", "+memory")) {
+      error_ = absl::StrCat(
+          "cannot enable the memory controller for the children of ", base_,
+          " (cgroup v2; a cgroup with processes of its own, not the root, cannot): ", std::strerror(errno));
+      return;
+    }
+    const std::string dir = absl::StrCat(base_, "/tandem_fsdp_", getpid());
+    if (::mkdir(dir.c_str(), 0755) != 0) {
+      error_ = absl::StrCat("cannot make the memory cgroup ", dir, " (cgroup ", v2_ ? "v2" : "v1",
+                            "'s memory controller, as root): ", std::strerror(errno));
+      return;
+    }
+    dir_ = dir;
+    if (!write(v2_ ? "memory.max" : "memory.limit_in_bytes", std::to_string(cap)) ||
+        !write("cgroup.procs", std::to_string(getpid()))) {
       error_ = absl::StrCat("cannot cap ", dir_, " at ", cap, " bytes and join it: ", std::strerror(errno));
     }
   }
   ~MemoryCap() {
-    std::ofstream(std::string(kRoot) + "/cgroup.procs") << getpid() << std::flush;
-    write("memory.force_empty", "0");
+    if (dir_.empty()) return;
+    // Back to the cgroup it came from, so that the emptied one can go.
+    write_file(home_ + "/cgroup.procs", std::to_string(getpid()));
+    if (!v2_) write("memory.force_empty", "0");  // v2 has none: pages still charged stay with the removed cgroup
     ::rmdir(dir_.c_str());
   }
   const std::string& error() const { return error_; }
   int64_t peak() const {  // the most charged at once since joining
-    std::ifstream in(dir_ + "/memory.max_usage_in_bytes");
     int64_t bytes = -1;
-    in >> bytes;
+    // A v2 kernel before 5.19 has no memory.peak: then what is charged now, which shows at least that the cgroup
+    // held the process and its memory.
+    if (!v2_) {
+      std::ifstream(dir_ + "/memory.max_usage_in_bytes") >> bytes;
+    } else if (!(std::ifstream(dir_ + "/memory.peak") >> bytes)) {
+      std::ifstream(dir_ + "/memory.current") >> bytes;
+    }
     return bytes;
   }
 
  private:
-  static constexpr const char* kRoot = "/sys/fs/cgroup/memory";
+  static std::string read(const std::string& path) {
+    std::ifstream in(path);
+    std::stringstream text;
+    text << in.rdbuf();
+    return text.str();
+  }
+  // Whether `word` is one of the words of `list`, separated by spaces, commas or newlines.
+  static bool has_word(const std::string& list, const std::string& word) {
+    std::string spaced = " " + list + " ";
+    std::replace(spaced.begin(), spaced.end(), ',', ' ');
+    std::replace(spaced.begin(), spaced.end(), '\n', ' ');
+    return spaced.find(" " + word + " ") != std::string::npos;
+  }
+  // Where the memory controller's hierarchy is mounted, from /proc/self/mountinfo ("id parent dev root point options
+  // [optional...] - type source super-options"): v1's mount whose super options include memory, else a v2 mount
+  // whose root offers memory (in v1 and v2 side by side, v2's holds no controller v1 has). And the cgroup this
+  // process is in there, from /proc/self/cgroup ("4:memory:/a/b" in v1, "0::/a/b" in v2), when its directory is
+  // under the mount point (in a container the mount's root may be the container's own cgroup: then the mount point).
+  bool find_hierarchy() {
+    std::string v2_point;
+    std::istringstream mounts(read("/proc/self/mountinfo"));
+    for (std::string line; std::getline(mounts, line);) {
+      std::istringstream f(line);
+      std::string id, parent, dev, root, point, field, type, source, options;
+      f >> id >> parent >> dev >> root >> point;
+      while (f >> field && field != "-") {
+      }
+      f >> type >> source >> options;
+      if (type == "cgroup" && has_word(options, "memory")) {
+        base_ = point;
+        break;
+      }
+      if (type == "cgroup2" && v2_point.empty() && has_word(read(point + "/cgroup.controllers"), "memory")) {
+        v2_point = point;
+      }
+    }
+    if (base_.empty()) {
+      if (v2_point.empty()) return false;
+      base_ = v2_point;
+      v2_ = true;
+    }
+    home_ = base_;
+    std::istringstream lines(read("/proc/self/cgroup"));
+    for (std::string line; std::getline(lines, line);) {
+      const size_t a = line.find(':'), b = a == std::string::npos ? a : line.find(':', a + 1);
+      if (b == std::string::npos) continue;
+      const bool mine = v2_ ? line.compare(0, b + 1, "0::") == 0 : has_word(line.substr(a + 1, b - a - 1), "memory");
+      struct stat st;
+      const std::string dir = base_ + line.substr(b + 1);
+      if (mine && ::stat(dir.c_str(), &st) == 0 && S_ISDIR(st.st_mode)) home_ = dir;
+    }
+    return true;
+  }
   // Earlier runs' cgroups whose process died inside them (the OOM killer's): named after a process that no longer
   // exists. (Not "no process inside": another rank may have made its own and not joined it yet.)
-  static void remove_abandoned() {
-    DIR* root = ::opendir(kRoot);
+  void remove_abandoned() const {
+    DIR* root = ::opendir(base_.c_str());
     if (root == nullptr) return;
     const std::string prefix = "tandem_fsdp_";
     while (const dirent* e = ::readdir(root)) {
       const std::string name = e->d_name;
       if (name.rfind(prefix, 0) != 0) continue;
       const pid_t pid = static_cast<pid_t>(std::atoi(name.c_str() + prefix.size()));
-      if (pid > 0 && ::kill(pid, 0) != 0 && errno == ESRCH) ::rmdir((std::string(kRoot) + "/" + name).c_str());
+      if (pid > 0 && ::kill(pid, 0) != 0 && errno == ESRCH) ::rmdir((base_ + "/" + name).c_str());
     }
     ::closedir(root);
   }
-  bool write(const std::string& file, const std::string& value) const {
-    std::ofstream out(dir_ + "/" + file);
+  static bool write_file(const std::string& path, const std::string& value) {
+    std::ofstream out(path);
     out << value << std::flush;
     return static_cast<bool>(out);
   }
-  std::string dir_, error_;
+  bool write(const std::string& file, const std::string& value) const { return write_file(dir_ + "/" + file, value); }
+  bool v2_ = false;
+  std::string base_;  // the hierarchy's mount point, under which the cgroup is made
+  std::string home_;  // the cgroup this process was in, to go back to
+  std::string dir_;   // the cgroup made; empty when none was
+  std::string error_;
 };
 
 // An MLP whose parameters, gradients and Adam's two moments (4 x 128 MiB) do not fit a 400 MiB cap trains fully

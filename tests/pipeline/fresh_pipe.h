@@ -1,8 +1,14 @@
-// Pipeline ids for the tests that use this process's mailbox (pipeline/detail/p2p.h) directly.
+// Pipeline ids for the tests that use this process's mailbox (pipeline/detail/p2p.h) directly, and a wait for a
+// receive to be waiting.
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
+#include <thread>
+
+#include "tandem/pipeline/detail/p2p.h"
+#include "tests/common/time_scale.h"
 
 namespace tandem::pipeline::detail {
 
@@ -12,6 +18,17 @@ namespace tandem::pipeline::detail {
 inline int64_t fresh_pipe() {
   static std::atomic<int64_t> next{int64_t{1} << 62};  // far above the ids the process's own pipelines take
   return next++;
+}
+
+// Whether a receive of `key` (on another thread) came to wait as `how` within 5 s (scaled): an event a test means to
+// end a wait with must come while the receive waits, or the test would check another path and could pass untested.
+inline bool await_waiting(Mailbox& box, const MailKey& key, Mailbox::Waiting how) {
+  const auto until = std::chrono::steady_clock::now() + test::scaled(std::chrono::milliseconds(5000));
+  while (box.waiting(key) != how) {
+    if (std::chrono::steady_clock::now() >= until) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  return true;
 }
 
 }  // namespace tandem::pipeline::detail

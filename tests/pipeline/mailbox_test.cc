@@ -43,7 +43,8 @@ TEST(UnitPipelineMailbox, AReceiveIsWokenByItsOwnMessageAndAnotherKeepsWaiting) 
                           [&] { return box.take(key(pipe, 0, 0), in(test::scaled(milliseconds(10000))), "m0"); });
   auto second = std::async(
       std::launch::async, [&] { return box.take(key(pipe, 0, 1, true), in(test::scaled(milliseconds(10000))), "g1"); });
-  std::this_thread::sleep_for(milliseconds(50));
+  ASSERT_TRUE(await_waiting(box, key(pipe, 0, 0), Mailbox::Waiting::kAlone));
+  ASSERT_TRUE(await_waiting(box, key(pipe, 0, 1, true), Mailbox::Waiting::kAlone));
   box.put(key(pipe, 0, 0), at::full({1}, 7.0));
   ASSERT_EQ(first.wait_for(test::scaled(milliseconds(5000))), std::future_status::ready);
   auto a = first.get();
@@ -66,7 +67,7 @@ TEST(UnitPipelineMailbox, AnAbandonedStepEndsItsWaitsWithTheReasonAndDropsWhatCo
   auto waiting = std::async(std::launch::async, [&] {
     return box.take(key(pipe, 4, 0), in(test::scaled(milliseconds(10000))), "the activation from stage 0");
   });
-  std::this_thread::sleep_for(milliseconds(50));
+  ASSERT_TRUE(await_waiting(box, key(pipe, 4, 0), Mailbox::Waiting::kAlone));
   box.abort(pipe, 4, absl::UnavailableError("worker 'w2' is gone"));
   ASSERT_EQ(waiting.wait_for(test::scaled(milliseconds(5000))), std::future_status::ready);
   auto got = waiting.get();
@@ -102,7 +103,7 @@ TEST(UnitPipelineMailbox, AReleasedPipelineEndsItsWaitsAndKeepsNothing) {
   box.put(key(pipe, 0, 1), at::ones({1}));
   auto waiting = std::async(std::launch::async,
                             [&] { return box.take(key(pipe, 0, 0), in(test::scaled(milliseconds(10000))), "m0"); });
-  std::this_thread::sleep_for(milliseconds(50));
+  ASSERT_TRUE(await_waiting(box, key(pipe, 0, 0), Mailbox::Waiting::kAlone));
   box.release(pipe);
   ASSERT_EQ(waiting.wait_for(test::scaled(milliseconds(5000))), std::future_status::ready);
   EXPECT_EQ(waiting.get().status().code(), absl::StatusCode::kAborted);
@@ -151,14 +152,10 @@ TEST(UnitPipelineMailbox, AGoNotTakenBeforeItsStepWasAbandonedIsKeptWithTheReaso
 TEST(UnitPipelineMailbox, StoppingEndsTheWaitsInProgressOnly) {
   Mailbox& box = Mailbox::get();
   const int64_t pipe = fresh_pipe();
-  const size_t before = box.held();
   auto waiting = std::async(std::launch::async,
                             [&] { return box.take(key(pipe, 0, 0), in(test::scaled(milliseconds(10000))), "m0"); });
-  // The stop must come while the receive waits (a receive that begins after it is not ended by it): its slot appears
-  // under the mailbox's lock, which it holds until it sleeps.
-  const auto until = std::chrono::steady_clock::now() + test::scaled(milliseconds(5000));
-  while (box.held() == before && std::chrono::steady_clock::now() < until) std::this_thread::sleep_for(milliseconds(1));
-  ASSERT_GT(box.held(), before) << "the receive never started waiting";
+  // The stop must come while the receive waits (a receive that begins after it is not ended by it).
+  ASSERT_TRUE(await_waiting(box, key(pipe, 0, 0), Mailbox::Waiting::kAlone)) << "the receive never started waiting";
   box.abort_all(absl::CancelledError("RPC is shutting down"));
   ASSERT_EQ(waiting.wait_for(test::scaled(milliseconds(5000))), std::future_status::ready);
   EXPECT_EQ(waiting.get().status().code(), absl::StatusCode::kCancelled);

@@ -99,12 +99,12 @@ TEST(UnitPipelineShm, AReceiveWaitingBeforeTheInboxExistedIsWokenByTheBell) {
   Mailbox& box = Mailbox::get();
   const MailKey k{pipe, 0, 1, 0, false};
   auto taken = std::async(std::launch::async, [&] { return box.take(k, within(milliseconds(10000)), "m0"); });
-  std::this_thread::sleep_for(milliseconds(30));
+  ASSERT_TRUE(await_waiting(box, k, Mailbox::Waiting::kAlone));
   auto inbox = std::make_shared<Inbox>();
   box.set_inbox(pipe, inbox);
   auto outlet = Outlet::open(inbox->ends_for(5));
   ASSERT_TRUE(outlet.ok()) << outlet.status();
-  std::this_thread::sleep_for(milliseconds(30));
+  ASSERT_TRUE(await_waiting(box, k, Mailbox::Waiting::kOnTheBell)) << "the inbox did not move the receive to its bell";
   ASSERT_TRUE((*outlet)->send(k, shm_sample()));
   ASSERT_EQ(taken.wait_for(test::scaled(milliseconds(5000))), std::future_status::ready);
   auto got = taken.get();
@@ -115,7 +115,7 @@ TEST(UnitPipelineShm, AReceiveWaitingBeforeTheInboxExistedIsWokenByTheBell) {
   ASSERT_TRUE(second.ok()) << second.status();
   const MailKey g{pipe, 0, 0, 3, true};
   auto taken2 = std::async(std::launch::async, [&] { return box.take(g, within(milliseconds(10000)), "g3"); });
-  std::this_thread::sleep_for(milliseconds(30));
+  ASSERT_TRUE(await_waiting(box, g, Mailbox::Waiting::kOnTheBell));
   ASSERT_TRUE((*second)->send(g, c10::IValue(at::full({2}, 4.0))));
   auto got2 = taken2.get();
   ASSERT_TRUE(got2.ok()) << got2.status();
@@ -132,7 +132,7 @@ TEST(UnitPipelineShm, AnAbortWakesAReceiveSleepingOnTheBell) {
   auto taken = std::async(std::launch::async, [&] {
     return box.take({pipe, 4, 1, 0, false}, within(milliseconds(10000)), "m0");
   });
-  std::this_thread::sleep_for(milliseconds(30));
+  ASSERT_TRUE(await_waiting(box, {pipe, 4, 1, 0, false}, Mailbox::Waiting::kOnTheBell));
   box.abort(pipe, 4, absl::AbortedError("stage 1 failed"));
   ASSERT_EQ(taken.wait_for(test::scaled(milliseconds(5000))), std::future_status::ready);
   auto got = taken.get();

@@ -195,8 +195,15 @@ TEST_F(MultiprocDirect, NonGracefulShutdownDoesNotWaitForAStalledReply) {
   while (!entered.load() && std::chrono::steady_clock::now() < give_up) std::this_thread::sleep_for(milliseconds(1));
   ASSERT_TRUE(entered.load());
   job_->child(1).kill(SIGSTOP);  // the caller stops reading
+  const int64_t lent = rpc::transport_stats().places_lent;
   go = true;
-  std::this_thread::sleep_for(scaled(milliseconds(500)));  // the reply fills the socket; its writer holds the call
+  // The reply fills the socket and its writer waits for room, holding the call (a wait that lends its place): the
+  // shutdown must come after that, or the test would pass without testing it.
+  const auto stalled_by = std::chrono::steady_clock::now() + scaled(std::chrono::seconds(20));
+  while (rpc::transport_stats().places_lent == lent && std::chrono::steady_clock::now() < stalled_by) {
+    std::this_thread::sleep_for(milliseconds(1));
+  }
+  ASSERT_GT(rpc::transport_stats().places_lent, lent) << "the reply's writer never waited";
   const auto t0 = std::chrono::steady_clock::now();
   rpc::shutdown(false);
   EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(10));
