@@ -344,9 +344,20 @@ void Reducer::copy_scaled(size_t i, at::Tensor& slice, const at::Tensor& grad) c
   }
 }
 
-rpc::Future Reducer::reduce(const Bucket& b) {
-  if (hook) return hook(*group, b.flat);
-  return group->allreduce(b.flat, reduce_averages(b) ? comm::ReduceOp::kAvg : comm::ReduceOp::kSum);
+rpc::Future Reducer::reduce(size_t index) {
+  const Bucket& b = buckets[index];
+  try {
+    if (hook) return hook(*group, b.flat);
+    return group->allreduce(b.flat, reduce_averages(b) ? comm::ReduceOp::kAvg : comm::ReduceOp::kSum);
+  } catch (const std::exception& e) {
+    // The error names the reduction (the user's hook or the group's allreduce), the bucket and this rank; a hook's
+    // own error keeps its code (a plain exception's is INTERNAL).
+    const absl::Status cause = status_from_exception(e);
+    return rpc::Future::failed(absl::Status(
+        hook && cause.code() == absl::StatusCode::kUnknown ? absl::StatusCode::kInternal : cause.code(),
+        absl::StrCat(hook ? "the communication hook threw" : "the allreduce could not start", " for bucket ", index,
+                     " (", b.flat.nbytes(), " bytes) on ", where(), ": ", cause.message())));
+  }
 }
 
 void Reducer::launch_ready() {
@@ -354,16 +365,7 @@ void Reducer::launch_ready() {
     const size_t index = next_launch;
     Bucket& b = buckets[next_launch++];
     const auto launched = std::chrono::steady_clock::now();
-    try {
-      b.work = reduce(b);
-    } catch (const std::exception& e) {
-      // The error names the reduction: the user's hook or the group's allreduce, the bucket and this rank.
-      const absl::Status cause = status_from_exception(e);
-      b.work = rpc::Future::failed(absl::Status(
-          hook ? absl::StatusCode::kInternal : cause.code(),
-          absl::StrCat(hook ? "the communication hook threw" : "the allreduce could not start", " for bucket ", index,
-                       " (", b.flat.nbytes(), " bytes) on ", where(), ": ", cause.message())));
-    }
+    b.work = reduce(index);
     if (profile::active()) {
       b.work.add_callback([index, launched, bytes = b.flat.nbytes()](const rpc::Future&) {
         if (profile::active()) {
@@ -464,7 +466,8 @@ void Reducer::reduce_external(const GradientOf& grad_of, const SetAverage& set_a
     fail_missing(std::move(missing), what);
   }
   for (size_t i = 0; i < params.size(); ++i) locally_used[i] = locally_used[i] || grads[i].defined();
-  for (auto& b : buckets) {
+  for (size_t k = 0; k < buckets.size(); ++k) {
+    Bucket& b = buckets[k];
     for (size_t i : b.params) {
       at::Tensor s = slice(i);
       if (grads[i].defined()) {
@@ -473,7 +476,7 @@ void Reducer::reduce_external(const GradientOf& grad_of, const SetAverage& set_a
         s.zero_();
       }
     }
-    b.work = reduce(b);
+    b.work = reduce(k);
   }
   write_averages(wait_all(), set_average);
 }
@@ -527,9 +530,9 @@ void Reducer::join() {
     if (!sync) continue;
     // Shadow the others' backward: the same buckets, in the same order, with zero gradients.
     unshare_gradients();
-    for (auto& b : buckets) {
-      b.flat.zero_();
-      b.work = reduce(b);
+    for (size_t i = 0; i < buckets.size(); ++i) {
+      buckets[i].flat.zero_();
+      buckets[i].work = reduce(i);
     }
     wait_all();
     finish_iteration();

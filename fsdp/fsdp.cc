@@ -1347,12 +1347,11 @@ FullyShardedDataParallel::StateDict FullyShardedDataParallel::consolidate(const 
     int64_t pieces = 0;
     for (const ShardedStateDict& d : ranks) {
       const Piece& q = d.pieces[i];
-      if (q.name != p.name || q.shape != p.shape || q.offset < 0 || q.offset > numel - q.values.numel() ||
-          q.values.scalar_type() != p.values.scalar_type()) {
+      if (!q.values.defined() || !p.values.defined() || q.name != p.name || q.shape != p.shape || q.offset < 0 ||
+          q.offset > numel - q.values.numel() || q.values.scalar_type() != p.values.scalar_type()) {
         throw_error(absl::InvalidArgumentError(
             absl::StrCat("fsdp: consolidate(): rank ", d.rank, "'s piece ", i, " ('", q.name, "') does not fit")));
       }
-      pieces += q.values.numel();
       if (q.values.numel() > 0) by_offset.emplace_back(q.offset, &d);  // an empty piece overlaps nothing
     }
     std::sort(by_offset.begin(), by_offset.end(), [&](const auto& a, const auto& b) { return a.first < b.first; });
@@ -1363,6 +1362,8 @@ FullyShardedDataParallel::StateDict FullyShardedDataParallel::consolidate(const 
                                                             "'s piece of '", p.name, "' overlaps another rank's")));
       }
     }
+    // Pieces that fit and do not overlap hold at most the whole: no overflow.
+    for (const auto& [offset, d] : by_offset) pieces += d->pieces[i].values.numel();
     if (pieces != numel) {
       throw_error(
           absl::InvalidArgumentError(absl::StrCat("fsdp: consolidate(): the pieces of '", p.name, "' hold ", pieces,

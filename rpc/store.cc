@@ -325,9 +325,11 @@ absl::StatusOr<std::unique_ptr<StoreServer>> serve_store(const std::string& addr
     if (host.size() > 1 && host.front() == '[') host = host.substr(1, host.size() - 2);
     addrinfo* found = nullptr;
     if (getaddrinfo(host.c_str(), address.substr(colon + 1).c_str(), &hints, &found) == 0) {
-      bool bound = false, in_use = false;
+      // Every address is tried: a port in use on any of them is another launcher's store (gRPC would serve on the
+      // others and make a second one).
+      bool bound = false, in_use = false, listening = false;
       int error = 0;
-      for (addrinfo* a = found; a && !bound; a = a->ai_next) {
+      for (addrinfo* a = found; a; a = a->ai_next) {
         const int fd = socket(a->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
         if (fd < 0) {
           error = errno;
@@ -335,17 +337,26 @@ absl::StatusOr<std::unique_ptr<StoreServer>> serve_store(const std::string& addr
         }
         const int one = 1;
         setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));  // as gRPC binds
-        bound = bind(fd, a->ai_addr, a->ai_addrlen) == 0;
-        if (!bound) {
+        if (bind(fd, a->ai_addr, a->ai_addrlen) == 0) {
+          bound = true;
+        } else {
           error = errno;
           in_use = in_use || errno == EADDRINUSE;
         }
         close(fd);
       }
+      // Not bound for another reason (a port this process may not use, say): a launcher allowed to may serve it; a
+      // connection it accepts tells. (A local address: refused or accepted at once.)
+      for (addrinfo* a = found; a && !bound && !in_use && !listening; a = a->ai_next) {
+        const int fd = socket(a->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+        if (fd < 0) continue;
+        listening = ::connect(fd, a->ai_addr, a->ai_addrlen) == 0;
+        close(fd);
+      }
       freeaddrinfo(found);
-      if (!bound && in_use)
+      if (in_use || listening)
         return absl::UnavailableError(absl::StrCat("cannot serve a store on ", address, ": the port is in use"));
-      // Not this machine's address, a port it may not bind, no sockets left: no other launcher serves it either.
+      // Not this machine's address, a port it may not bind, no sockets left, and nobody serves it either.
       if (!bound) {
         return absl::FailedPreconditionError(
             absl::StrCat("cannot serve a store on ", address, ": ", std::strerror(error)));

@@ -158,8 +158,9 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // same division as land()'s in place, so that both gradient modes give bit-identical results.
   void copy_scaled(size_t i, at::Tensor& slice, const at::Tensor& grad) const;
 
-  // A complete bucket's reduction: the comm hook's, an average (shared), or a sum of the already divided gradients.
-  rpc::Future reduce(const Bucket& b);
+  // Bucket `index`'s reduction, once complete: the comm hook's, an average (shared), or a sum of the already divided
+  // gradients. One that cannot start is a failed future naming the bucket and this rank.
+  rpc::Future reduce(size_t index);
 
   // Buckets start in index order only, so every rank issues the same collectives in the same order.
   void launch_ready();

@@ -556,20 +556,25 @@ Channel::~Channel() {
   if (wake_fd_ >= 0) ::close(wake_fd_);
 }
 
-bool Channel::arm(const std::shared_ptr<Conn>& conn, bool add) {
+absl::Status Channel::watch(const std::shared_ptr<Conn>& conn, bool add) {
   epoll_event ev{};
   ev.events = EPOLLIN | EPOLLRDHUP | EPOLLONESHOT;
   ev.data.ptr = conn.get();
   TANDEM_HAPPENS_BEFORE(conn.get());  // the next loop thread to get it sees what this one did (EPOLLONESHOT)
   if (epoll_ctl(epoll_fd_, add ? EPOLL_CTL_ADD : EPOLL_CTL_MOD, conn->fd(), &ev) != 0) {
-    // Not armed, the connection would never be read again: its calls would fail only at their deadlines, unexplained.
-    const absl::Status why = absl::UnavailableError(
+    return absl::UnavailableError(
         absl::StrCat("direct channel: cannot watch a connection (epoll_ctl): ", std::strerror(errno)));
-    TANDEM_LOG(kError, "rpc") << why.message();
-    drop(conn, why);
-    return false;
   }
-  return true;
+  return absl::OkStatus();
+}
+
+bool Channel::arm(const std::shared_ptr<Conn>& conn, bool add) {
+  const absl::Status watched = watch(conn, add);
+  if (watched.ok()) return true;
+  // Not armed, the connection would never be read again: its calls would fail only at their deadlines, unexplained.
+  TANDEM_LOG(kError, "rpc") << watched.message();
+  drop(conn, watched);
+  return false;
 }
 
 void Channel::drop(const std::shared_ptr<Conn>& conn, const absl::Status& why) {
@@ -870,21 +875,35 @@ void Channel::handle_ready(const std::shared_ptr<Conn>& conn) {
     arm(conn, /*add=*/false);
     return;
   }
-  // Another worker may read the next message while this one runs. A connection that cannot be watched was dropped
-  // with the cause (its calls fail with it); its message is not run.
-  if (!arm(conn, /*add=*/false)) return;
+  // Another worker may read the next message while this one runs. A connection that cannot be watched any more is
+  // dropped with the cause (its other calls fail with it): a request read from it is not run (its caller learns that
+  // the connection failed), a response or a one-way message is delivered first (its call ran; a one-way message's
+  // sender was told it was sent).
+  const absl::Status watched = watch(conn, /*add=*/false);
+  if (!watched.ok()) {
+    TANDEM_LOG(kError, "rpc") << watched.message();
+    if (msg->kind == Kind::kRequest) return drop(conn, watched);
+  }
+  bool delivered = false;
   switch (msg->kind) {
     case Kind::kRequest:
     case Kind::kOneway:
-      if (conn->inbound) return callbacks_.on_request(conn, std::move(*msg));
+      if (conn->inbound) {
+        callbacks_.on_request(conn, std::move(*msg));
+        delivered = true;
+      }
       break;
     case Kind::kResponse:
-      if (!conn->inbound) return callbacks_.on_response(conn, std::move(*msg));
+      if (!conn->inbound) {
+        callbacks_.on_response(conn, std::move(*msg));
+        delivered = true;
+      }
       break;
     default:
       break;
   }
-  drop(conn, absl::InvalidArgumentError("direct channel: unexpected message kind"));
+  if (!watched.ok()) return drop(conn, watched);
+  if (!delivered) drop(conn, absl::InvalidArgumentError("direct channel: unexpected message kind"));
 }
 
 absl::StatusOr<std::shared_ptr<Conn>> Channel::connect(const std::string& address, int my_rank, bool for_responses,

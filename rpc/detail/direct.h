@@ -210,7 +210,9 @@ class Channel {
   void presume_blocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(places_mu_);
   void handle_ready(const std::shared_ptr<Conn>& conn);
   void accept_one(int listen_fd, uint64_t tag);
-  // false when the connection could not be watched: it has been dropped, with the cause.
+  // Watches `conn` for its next message (EPOLLONESHOT); the error says why it cannot be.
+  absl::Status watch(const std::shared_ptr<Conn>& conn, bool add);
+  // watch(), and a connection that cannot be watched is dropped with the cause (logged): then false.
   bool arm(const std::shared_ptr<Conn>& conn, bool add);
   void drop(const std::shared_ptr<Conn>& conn, const absl::Status& why);
 

@@ -5,10 +5,13 @@
 #include <ATen/ATen.h>
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstring>
+#include <fstream>
 #include <future>
 #include <random>
 #include <thread>
@@ -25,6 +28,33 @@ namespace {
 using std::chrono::milliseconds;
 
 Clock::time_point within(milliseconds ms) { return Clock::now() + test::scaled(ms); }
+
+// Whether a receive of `key` on thread `tid` came to sleep on its inbox's bell within 5 s (scaled): waiting on it, and
+// the thread asleep (it sleeps nowhere else on the bell's path: after reading the bell it drains the rings and spins
+// before the futex). A send or an abort that comes then can only end the wait by ringing the bell.
+bool await_asleep_on_bell(Mailbox& box, const MailKey& key, const std::atomic<pid_t>& tid) {
+  const auto until = std::chrono::steady_clock::now() + test::scaled(milliseconds(5000));
+  for (;;) {
+    if (tid.load() != 0 && box.waiting(key) == Mailbox::Waiting::kOnTheBell) {
+      std::ifstream stat("/proc/self/task/" + std::to_string(tid.load()) + "/stat");
+      std::string line;
+      std::getline(stat, line);
+      const size_t paren = line.rfind(')');  // "tid (comm) S ...": the state follows the name
+      if (paren != std::string::npos && paren + 2 < line.size() && line[paren + 2] == 'S') return true;
+    }
+    if (std::chrono::steady_clock::now() >= until) return false;
+    std::this_thread::sleep_for(milliseconds(1));
+  }
+}
+
+// take() on a thread of its own, which says its id first.
+std::future<absl::StatusOr<c10::IValue>> take_async(Mailbox& box, const MailKey& key, std::atomic<pid_t>& tid,
+                                                    const std::string& what) {
+  return std::async(std::launch::async, [&box, key, &tid, what] {
+    tid = static_cast<pid_t>(syscall(SYS_gettid));
+    return box.take(key, within(milliseconds(10000)), what);
+  });
+}
 
 c10::IValue shm_sample() {
   at::Tensor transposed = at::arange(6, at::kFloat).reshape({2, 3}).t();  // not contiguous
@@ -98,13 +128,14 @@ TEST(UnitPipelineShm, AReceiveWaitingBeforeTheInboxExistedIsWokenByTheBell) {
   const int64_t pipe = fresh_pipe();
   Mailbox& box = Mailbox::get();
   const MailKey k{pipe, 0, 1, 0, false};
-  auto taken = std::async(std::launch::async, [&] { return box.take(k, within(milliseconds(10000)), "m0"); });
+  std::atomic<pid_t> tid{0};
+  auto taken = take_async(box, k, tid, "m0");
   ASSERT_TRUE(await_waiting(box, k, Mailbox::Waiting::kAlone));
   auto inbox = std::make_shared<Inbox>();
   box.set_inbox(pipe, inbox);
   auto outlet = Outlet::open(inbox->ends_for(5));
   ASSERT_TRUE(outlet.ok()) << outlet.status();
-  ASSERT_TRUE(await_waiting(box, k, Mailbox::Waiting::kOnTheBell)) << "the inbox did not move the receive to its bell";
+  ASSERT_TRUE(await_asleep_on_bell(box, k, tid)) << "the inbox did not move the receive to sleep on its bell";
   ASSERT_TRUE((*outlet)->send(k, shm_sample()));
   ASSERT_EQ(taken.wait_for(test::scaled(milliseconds(5000))), std::future_status::ready);
   auto got = taken.get();
@@ -114,8 +145,9 @@ TEST(UnitPipelineShm, AReceiveWaitingBeforeTheInboxExistedIsWokenByTheBell) {
   auto second = Outlet::open(inbox->ends_for(6));
   ASSERT_TRUE(second.ok()) << second.status();
   const MailKey g{pipe, 0, 0, 3, true};
-  auto taken2 = std::async(std::launch::async, [&] { return box.take(g, within(milliseconds(10000)), "g3"); });
-  ASSERT_TRUE(await_waiting(box, g, Mailbox::Waiting::kOnTheBell));
+  std::atomic<pid_t> tid2{0};
+  auto taken2 = take_async(box, g, tid2, "g3");
+  ASSERT_TRUE(await_asleep_on_bell(box, g, tid2));
   ASSERT_TRUE((*second)->send(g, c10::IValue(at::full({2}, 4.0))));
   auto got2 = taken2.get();
   ASSERT_TRUE(got2.ok()) << got2.status();
@@ -129,10 +161,9 @@ TEST(UnitPipelineShm, AnAbortWakesAReceiveSleepingOnTheBell) {
   Mailbox& box = Mailbox::get();
   auto inbox = std::make_shared<Inbox>();
   box.set_inbox(pipe, inbox);
-  auto taken = std::async(std::launch::async, [&] {
-    return box.take({pipe, 4, 1, 0, false}, within(milliseconds(10000)), "m0");
-  });
-  ASSERT_TRUE(await_waiting(box, {pipe, 4, 1, 0, false}, Mailbox::Waiting::kOnTheBell));
+  std::atomic<pid_t> tid{0};
+  auto taken = take_async(box, {pipe, 4, 1, 0, false}, tid, "m0");
+  ASSERT_TRUE(await_asleep_on_bell(box, {pipe, 4, 1, 0, false}, tid));
   box.abort(pipe, 4, absl::AbortedError("stage 1 failed"));
   ASSERT_EQ(taken.wait_for(test::scaled(milliseconds(5000))), std::future_status::ready);
   auto got = taken.get();

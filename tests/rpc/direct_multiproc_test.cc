@@ -20,6 +20,7 @@
 #include "absl/strings/str_split.h"
 #include "tandem/rpc/detail/direct.h"
 #include "tandem/rpc/store.h"
+#include "tandem/sync/sync.h"
 #include "tests/common/rpc_fixture.h"
 
 namespace tandem::test {
@@ -179,9 +180,14 @@ TEST_F(MultiprocDirect, NonGracefulShutdownDoesNotWaitForAStalledReply) {
   entered = false;
   go = false;
   rpc::register_function("test.big_reply", [] {
-    entered = true;
-    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
-    while (!go.load() && std::chrono::steady_clock::now() < until) std::this_thread::sleep_for(milliseconds(1));
+    {
+      // Said to be a wait (it lends this thread's place, as Tandem's own waits do), so that the place is not presumed
+      // blocked and the reply's writer, waiting for room later, lends it again: what the test waits for below.
+      BlockingScope waiting;
+      entered = true;
+      const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+      while (!go.load() && std::chrono::steady_clock::now() < until) std::this_thread::sleep_for(milliseconds(1));
+    }
     return at::ones({16 << 20});  // 64 MiB, written into the socket (no bulk path)
   });
   rpc::RpcOptions options = options_from_env();
