@@ -494,8 +494,12 @@ rpc::Future on_grad(int64_t context_id, int64_t send_id, std::vector<int64_t> in
 // failed_releases.
 rpc::detail::NoteBatcher& releases() {
   static auto* batcher = new rpc::detail::NoteBatcher(  // never destroyed: release messages may complete until exit
-      rpc::detail::release_options([](int, const std::string&, const absl::Status&, int64_t notes) {
+      rpc::detail::release_options([](int to, const std::string& function, const absl::Status& error, int64_t notes) {
         Container::get().failed_releases.fetch_add(notes);
+        if (error.code() == absl::StatusCode::kCancelled) return;  // RPC stops here: nothing more can be sent
+        // Contexts that stay on that worker (their graphs and gradients) until it stops.
+        TANDEM_LOG(kWarn, "dist_autograd") << "releasing " << notes << " context(s) with '" << function
+                                           << "' on worker " << to << " failed for good: " << error;
       }));
   return *batcher;
 }

@@ -320,22 +320,30 @@ void DistributedOptimizer::step(int64_t context_id) {
   for (size_t i = 0; i + 1 < others.size(); ++i) {
     steps.push_back(rpc::rpc_async(others[i].first, kStep, others[i].second, context_id, options_.timeout));
   }
-  absl::Status local = absl::OkStatus();
+  std::vector<absl::Status> failed;  // every owner's failure is named; the first one's code is kept
   for (int64_t id : mine) {
     try {
       on_step(id, context_id);
     } catch (...) {  // as the same step on another owner would report it
       const absl::Status thrown = status_from_current_exception();
-      local = absl::Status(thrown.code(), absl::StrCat("optimizer step on worker '", rpc::get_worker_info().name,
-                                                       "': ", thrown.message()));
+      failed.push_back(absl::Status(thrown.code(), absl::StrCat("optimizer step on worker '",
+                                                                rpc::get_worker_info().name, "': ", thrown.message())));
     }
   }
   if (!others.empty()) {
     const auto& [owner, id] = others.back();
     steps.push_back(rpc::call_and_wait(owner, kStep, {c10::IValue(id), c10::IValue(context_id)}, options_.timeout));
   }
-  for (const auto& f : steps) throw_if_error(f.status());
-  throw_if_error(local);
+  for (const auto& f : steps) {
+    if (!f.status().ok()) failed.push_back(f.status());
+  }
+  if (failed.size() == 1) throw_error(failed[0]);
+  if (!failed.empty()) {
+    std::string errors;
+    for (const absl::Status& s : failed) errors += std::string(errors.empty() ? "" : "; ") + std::string(s.message());
+    throw_error(absl::Status(failed[0].code(), absl::StrCat("DistributedOptimizer: ", failed.size(), " of ",
+                                                            mine.size() + others.size(), " steps failed: ", errors)));
+  }
 }
 
 void DistributedOptimizer::save(torch::serialize::OutputArchive& archive) const {

@@ -154,6 +154,8 @@ absl::StatusOr<Round> Rendezvous::join() {
     const absl::Time entered = absl::Now();
     const absl::Duration lost_after = options_.keep_alive_interval * options_.keep_alive_max_attempt;
     std::optional<absl::Time> min_since;  // when this node first saw min_nodes in the round
+    std::optional<absl::Time> outvoted;   // when another node won the vote to close the round
+    bool ended_unpublished = false;       // this node ended the round its closer never published
     bool asked_to_end = false;
     for (;;) {
       auto present = store_.check({round_key("closed"), round_key("ended")});
@@ -188,9 +190,22 @@ absl::StatusOr<Round> Rendezvous::join() {
         // the defaults, last call 30 s, that time, 15 s, has passed already: nothing waits longer than before).
         const bool last_call_over = min_since && now >= *min_since + options_.last_call_timeout &&
                                     (*joined >= *expected || now >= entered + lost_after);
-        if (*joined >= options_.max_nodes || last_call_over) {
+        if (outvoted) {
+          // The node that won the vote has not published the round in the time a lost node is given (it died, or its
+          // store calls failed, between its vote and "closed"): the round ends, not a failure, and every node re-forms,
+          // instead of waiting for it until the join timeout.
+          if (now >= *outvoted + lost_after && !ended_unpublished) {
+            ended_unpublished = true;
+            if (auto s = end_round(absl::StrCat("the node that closed round ", k, " never published it"),
+                                   /*failure=*/false);
+                !s.ok()) {
+              return s.status();
+            }
+          }
+        } else if (*joined >= options_.max_nodes || last_call_over) {
           auto vote = store_.add(round_key("close"), 1);
           if (!vote.ok()) return vote.status();
+          if (*vote != 1) outvoted = now;
           if (*vote == 1) {  // this node closes the round: the first arrivals up to max_nodes are in
             auto final_count = store_.add(round_key("joined"), 0);
             auto failures = store_.add(key("failures"), 0);

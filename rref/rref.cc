@@ -50,6 +50,8 @@ class RRefImpl : public c10::RRefInterface {
   rpc::Future confirmed_;
 };
 
+std::string name_of(int rank);  // below
+
 namespace {
 
 using Descriptor = tandem::wire::RRefDescriptor;
@@ -248,13 +250,20 @@ class Context {
   std::atomic<int64_t> user_refs{0};
 
  private:
+  static constexpr int kNoteAttempts = 3;
   static rpc::detail::NoteBatcher::Options batcher_options() {
     rpc::detail::NoteBatcher::Options o;
     o.policy = rpc::detail::NoteBatcher::Policy::kEveryDelay;
     o.flush_delay = absl::Milliseconds(1);
     o.max_values = 2 * 256;  // (a, b) pairs
-    o.attempts = 3;
-    o.on_failure = [](int, const std::string&, const absl::Status&, int64_t) { ++Context::get().failed_notes; };
+    o.attempts = kNoteAttempts;
+    o.on_failure = [](int to, const std::string& function, const absl::Status& error, int64_t notes) {
+      ++Context::get().failed_notes;
+      if (error.code() == absl::StatusCode::kCancelled) return;  // RPC stops here: nothing more can be sent
+      // Deletes or accepts that never arrived: their values stay on that worker until it stops.
+      TANDEM_LOG(kWarn, "rref") << notes << " reference note(s) with '" << function << "' to worker " << name_of(to)
+                                << " failed for good (" << kNoteAttempts << " attempts): " << error;
+    };
     return o;
   }
 

@@ -66,6 +66,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -305,8 +306,9 @@ Options parse(int argc, char** argv) {
   } else {
     if (o.rdzv_endpoint.empty()) usage("--rdzv-backend " + o.rdzv_backend + " needs --rdzv-endpoint HOST:PORT");
     if (o.min_nodes < 1 || o.max_nodes < o.min_nodes) usage("bad --nnodes MIN:MAX");
-    if (o.monitor_interval <= 0) usage("bad value for --monitor-interval");
   }
+  // Positive and finite, at most a day (a NaN passes a "<= 0" test; the value becomes a count of microseconds).
+  if (!(o.monitor_interval > 0 && o.monitor_interval <= 86400)) usage("bad value for --monitor-interval");
   return o;
 }
 
@@ -633,18 +635,33 @@ bool supports_standby(const std::string& program) {
   return false;
 }
 
+// Writes the worker's complete lines, each prefixed with its rank. A line longer than kLongestLine (progress bars
+// redrawn with '\r', binary output) is written in pieces of that size, so that the launcher's memory and its search for
+// the end of a line stay bounded whatever a worker prints.
 void emit(const Worker& w, Stream& s, const char* data, size_t n, bool eof) {
+  constexpr size_t kLongestLine = 64 << 10;
+  auto line = [&](const char* p, size_t len) {
+    std::fprintf(s.out, "[rank%d]: ", w.rank);
+    std::fwrite(p, 1, len, s.out);  // not %s: a worker's bytes may hold a NUL
+    std::fputc('\n', s.out);
+  };
+  size_t searched = s.partial.size();  // what was kept holds no newline
   s.partial.append(data, n);
   size_t start = 0;
   for (;;) {
-    size_t nl = s.partial.find('\n', start);
-    if (nl == std::string::npos) break;
-    std::fprintf(s.out, "[rank%d]: %.*s\n", w.rank, static_cast<int>(nl - start), s.partial.data() + start);
+    const size_t nl = s.partial.find('\n', std::max(start, searched));
+    if (nl == std::string::npos) {
+      if (s.partial.size() - start < kLongestLine) break;
+      line(s.partial.data() + start, kLongestLine);
+      start += kLongestLine;
+      continue;
+    }
+    line(s.partial.data() + start, nl - start);
     start = nl + 1;
   }
   s.partial.erase(0, start);
   if (eof && !s.partial.empty()) {
-    std::fprintf(s.out, "[rank%d]: %s\n", w.rank, s.partial.c_str());
+    line(s.partial.data(), s.partial.size());
     s.partial.clear();
   }
   std::fflush(s.out);
@@ -938,7 +955,10 @@ double conf_seconds(const std::map<std::string, std::string>& conf, const std::s
   try {
     size_t used = 0;
     const double v = std::stod(it->second, &used);
-    if (used == it->second.size() && v > 0) return v;
+    // Positive and finite, at most about 11 days (the store's deadlines add it to the clock); the attempts a whole
+    // number.
+    const bool in_range = used == it->second.size() && v > 0 && v <= 1e6;
+    if (in_range && (key != "keep_alive_max_attempt" || (v >= 1 && v == std::floor(v)))) return v;
   } catch (...) {
   }
   usage("bad value in --rdzv-conf: " + key + "=" + it->second);

@@ -140,23 +140,31 @@ class EtcdStore final : public rpc::Store {
     return std::optional<pb::KeyValue>(resp.kvs(0));
   }
 
-  // One transaction of ranges: every key looked up at the same revision, in one call.
+  // Transactions of ranges, 64 keys each (etcd refuses more than 128 operations in one by default): the keys of a
+  // transaction looked up at one revision. A round's checks name one key per node, up to 32768.
   absl::StatusOr<std::vector<bool>> check_until(const std::vector<std::string>& keys, Clock::time_point deadline) {
-    pb::TxnRequest txn;
-    for (const auto& k : keys) {
-      pb::RangeRequest* r = txn.add_success()->mutable_request_range();
-      r->set_key(kPrefix + k);
-      r->set_limit(1);
-    }
-    pb::TxnResponse resp;
-    auto ctx = context(deadline);
-    if (auto s = annotate(stub_->Txn(ctx.get(), txn, &resp), "check", absl::StrJoin(keys, ",")); !s.ok()) return s;
-    if (resp.responses_size() != static_cast<int>(keys.size())) {
-      return absl::DataLossError(absl::StrCat("store check: etcd at ", endpoint_, " answered ", resp.responses_size(),
-                                              " ranges for ", keys.size(), " keys"));
-    }
+    constexpr size_t kKeysPerTxn = 64;
     std::vector<bool> out;
-    for (const auto& r : resp.responses()) out.push_back(r.response_range().kvs_size() > 0);
+    out.reserve(keys.size());
+    for (size_t first = 0; first < keys.size(); first += kKeysPerTxn) {
+      const size_t last = std::min(keys.size(), first + kKeysPerTxn);
+      pb::TxnRequest txn;
+      for (size_t i = first; i < last; ++i) {
+        pb::RangeRequest* r = txn.add_success()->mutable_request_range();
+        r->set_key(kPrefix + keys[i]);
+        r->set_limit(1);
+      }
+      pb::TxnResponse resp;
+      auto ctx = context(deadline);
+      const std::vector<std::string> part(keys.begin() + static_cast<std::ptrdiff_t>(first),
+                                          keys.begin() + static_cast<std::ptrdiff_t>(last));
+      if (auto s = annotate(stub_->Txn(ctx.get(), txn, &resp), "check", absl::StrJoin(part, ",")); !s.ok()) return s;
+      if (resp.responses_size() != static_cast<int>(last - first)) {
+        return absl::DataLossError(absl::StrCat("store check: etcd at ", endpoint_, " answered ", resp.responses_size(),
+                                                " ranges for ", last - first, " keys"));
+      }
+      for (const auto& r : resp.responses()) out.push_back(r.response_range().kvs_size() > 0);
+    }
     return out;
   }
 

@@ -134,16 +134,23 @@ std::vector<absl::StatusOr<int64_t>> Agent::select(const std::vector<Request>& r
 
 double Agent::finish_round(const std::vector<int>& observers, const std::vector<Trajectory>& trajectories) {
   MutexLock lock(&mu_);
+  // The round's steps are taken out first: a round that fails below (an observer that died mid-episode, a malformed
+  // trajectory) leaves none behind to break the next one.
+  std::vector<Steps> round(steps_.size());
+  round.swap(steps_);
+  if (trajectories.size() != observers.size()) {
+    throw std::logic_error(absl::StrCat(trajectories.size(), " trajectories for ", observers.size(), " observers"));
+  }
   std::vector<double> returns;
   std::vector<float> states;
   std::vector<int64_t> actions;
   for (size_t k = 0; k < observers.size(); ++k) {
-    const Steps& taken = steps_.at(observers[k]);
+    const Steps& taken = round.at(observers[k]);
     const auto& r = trajectories[k].rewards;
     const auto& ends = trajectories[k].ends;
-    if (taken.actions.size() != r.size()) {
-      throw std::logic_error(
-          absl::StrCat("observer ", observers[k], ": ", taken.actions.size(), " actions for ", r.size(), " rewards"));
+    if (taken.actions.size() != r.size() || ends.size() != r.size()) {
+      throw std::logic_error(absl::StrCat("observer ", observers[k], ": ", taken.actions.size(), " actions for ",
+                                          r.size(), " rewards and ", ends.size(), " episode ends"));
     }
     std::vector<double> g(r.size());
     double R = 0;
@@ -156,7 +163,6 @@ double Agent::finish_round(const std::vector<int>& observers, const std::vector<
     states.insert(states.end(), taken.states.begin(), taken.states.end());
     actions.insert(actions.end(), taken.actions.begin(), taken.actions.end());
   }
-  for (auto& s : steps_) s = Steps{};
   if (actions.empty()) return 0;
   const auto n = static_cast<int64_t>(actions.size());
   at::Tensor R = at::tensor(returns, at::kDouble).to(at::kFloat);

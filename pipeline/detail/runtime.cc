@@ -8,6 +8,7 @@
 #include <atomic>
 #include <cstdlib>
 #include <deque>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <numeric>
@@ -1174,6 +1175,13 @@ bool install() {
   rpc::register_function(kForward, on_forward);
   rpc::register_function(kPing, [] {});
   rpc::register_message(kAct, [](int64_t pipe, int64_t step, int64_t stage, int64_t mb, bool grad, c10::IValue t) {
+    // A stage's activation or gradient only: a stage below zero is a worker's end of a run or a driver's start of a
+    // step (kDone and the same-host rings bring those, checked there), never this message. Refused (the worker's log
+    // says so: nobody waits for a one-way message's reply).
+    if (stage < 0 || stage > std::numeric_limits<int>::max() || mb < -1 || mb > std::numeric_limits<int>::max()) {
+      throw_error(absl::InvalidArgumentError(absl::StrCat("pipeline ", pipe, ": an activation for stage ", stage,
+                                                          ", micro-batch ", mb, " names no stage's message")));
+    }
     Mailbox::get().put(MailKey{pipe, step, static_cast<int>(stage), static_cast<int>(mb), grad}, std::move(t));
   });
   // A peer's request for a ring in this worker's inbox for `pipe`: [pid, bell fd, ring fd, token], or [] where

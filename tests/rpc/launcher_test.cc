@@ -136,6 +136,47 @@ TEST(MultiprocLauncher, MultiNodeNeedsASharedSecret) {
   EXPECT_NE(p.output().find("needs the same secret"), std::string::npos) << p.output();
 }
 
+// A worker's line longer than 64 KiB is passed on in pieces of 64 KiB, each with the rank's prefix, every byte kept (a
+// NUL too): the launcher holds at most that much of a line whatever a worker prints ('\r' progress, binary output).
+TEST(MultiprocLauncher, AVeryLongLineIsPassedOnInPiecesWithEveryByte) {
+  Process p({TANDEM_RUN_PATH, "--nproc-per-node", "1", self_exe(), "--worker", "long_line"}, {});
+  ASSERT_EQ(exit_code(p.wait(milliseconds(30000))), 0) << p.output().substr(0, 2000);
+  const std::string out = p.output();
+  std::vector<std::string> pieces;
+  for (size_t at = 0; (at = out.find("[rank0]: ", at)) != std::string::npos;) {
+    at += 9;
+    const size_t nl = out.find('\n', at);
+    pieces.push_back(out.substr(at, nl == std::string::npos ? std::string::npos : nl - at));
+  }
+  ASSERT_EQ(pieces.size(), 5u) << out.size();
+  EXPECT_EQ(pieces[0].size(), size_t{65536});
+  EXPECT_EQ(pieces[1].size(), size_t{65536});
+  std::string line = pieces[0] + pieces[1] + pieces[2];
+  std::string want(150000, 'x');
+  want[70000] = '\0';
+  EXPECT_TRUE(line == want) << line.size();
+  EXPECT_EQ(pieces[3], "short");
+  EXPECT_EQ(pieces[4], "last-without-newline");
+}
+
+// Flags whose values would make a duration nonsense (not a number, not finite, out of range) are refused.
+TEST(MultiprocLauncher, NonsenseDurationsAreRefused) {
+  for (std::vector<std::string> flags : {std::vector<std::string>{"--monitor-interval", "nan"},
+                                         {"--monitor-interval", "inf"},
+                                         {"--monitor-interval", "-1"},
+                                         {"--nnodes", "1:2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:1",
+                                          "--rdzv-conf", "keep_alive_max_attempt=0.5"},
+                                         {"--nnodes", "1:2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:1",
+                                          "--rdzv-conf", "keep_alive_interval=1e10"}}) {
+    std::vector<std::string> argv = {TANDEM_RUN_PATH};
+    argv.insert(argv.end(), flags.begin(), flags.end());
+    argv.insert(argv.end(), {"--nproc-per-node", "1", self_exe(), "--worker", "env_dump"});
+    Process p(argv, {{"TANDEM_SECRET", "launcher-test-secret"}});  // a job on several nodes needs one
+    EXPECT_NE(exit_code(p.wait(milliseconds(30000))), 0) << flags[1];
+    EXPECT_THAT(p.output(), HasSubstr("bad value")) << flags[1];
+  }
+}
+
 TEST(MultiprocLauncher, OneFailingRankStopsTheJob) {
   const auto t0 = std::chrono::steady_clock::now();
   Process p({TANDEM_RUN_PATH, "--nproc-per-node", "3", self_exe(), "--worker", "fail_if_rank1"}, {});

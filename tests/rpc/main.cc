@@ -97,6 +97,13 @@ int run_worker(const std::string& scenario) {
     std::cout << "CPUS=" << list << "\n";
     return 0;
   }
+  // A line of 150,000 bytes with a NUL in it, another line, and a last one without a newline (MultiprocLauncher).
+  if (scenario == "long_line") {
+    std::string line(150000, 'x');
+    line[70000] = '\0';
+    std::cout << line << "\nshort\nlast-without-newline" << std::flush;
+    return 0;
+  }
   if (scenario == "fail_if_rank1") {
     if (env_int("RANK", 0) == 1) {
       std::this_thread::sleep_for(std::chrono::milliseconds(100));
