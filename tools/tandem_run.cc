@@ -468,8 +468,10 @@ EnvVars job_env(const Options& o, const std::string& secret) {
 // Forks a process of the program with its output on two new pipes and `vars` added to this process's environment.
 // Everything the child needs is made here, before fork: between fork and exec it allocates nothing (other threads of
 // the launcher may hold the allocator's locks) and runs only `in_child` (which must not allocate either) after
-// PDEATHSIG: it never outlives the launcher. Returns the pid and the read ends.
-pid_t fork_program(const Options& o, int out[2], const EnvVars& vars, const std::function<void()>& in_child) {
+// PDEATHSIG: it never outlives the launcher. Returns the pid and the read ends. When no pipe or process can be made
+// (out of descriptors or processes): with `error`, -1 and the cause there; without, the launcher exits.
+pid_t fork_program(const Options& o, int out[2], const EnvVars& vars, const std::function<void()>& in_child,
+                   std::string* error = nullptr) {
   const std::vector<std::string> env = environment_with(vars);
   std::vector<char*> envp;
   for (const auto& e : env) envp.push_back(const_cast<char*>(e.c_str()));
@@ -478,17 +480,25 @@ pid_t fork_program(const Options& o, int out[2], const EnvVars& vars, const std:
   for (const auto& a : o.command) argv.push_back(const_cast<char*>(a.c_str()));
   argv.push_back(nullptr);
   const std::string cannot = "cannot execute " + o.command[0] + ": ";
-  int pipes[2][2];
-  if (pipe2(pipes[0], O_CLOEXEC) != 0 || pipe2(pipes[1], O_CLOEXEC) != 0) {
-    std::perror("tandem-run: pipe");
-    std::exit(1);
-  }
+  int pipes[2][2] = {{-1, -1}, {-1, -1}};
+  auto fail = [&](const char* what) -> pid_t {
+    const std::string why = std::string(what) + ": " + std::strerror(errno);
+    for (auto& p : pipes) {
+      for (int fd : p) {
+        if (fd >= 0) close(fd);
+      }
+    }
+    if (!error) {
+      std::fprintf(stderr, "tandem-run: %s\n", why.c_str());
+      std::exit(1);
+    }
+    *error = why;
+    return -1;
+  };
+  if (pipe2(pipes[0], O_CLOEXEC) != 0 || pipe2(pipes[1], O_CLOEXEC) != 0) return fail("pipe");
   const pid_t parent = getpid();
   const pid_t pid = fork();
-  if (pid < 0) {
-    std::perror("tandem-run: fork");
-    std::exit(1);
-  }
+  if (pid < 0) return fail("fork");
   if (pid == 0) {
     prctl(PR_SET_PDEATHSIG, SIGKILL);  // never outlive the launcher
     if (getppid() != parent) _exit(1);
@@ -528,13 +538,14 @@ struct Standby {
 };
 
 // Its placeholders are as wide as any value a restart gives them, so the values land in the process's initial
-// environment (/proc/<pid>/environ) too.
-Standby spawn_standby(const Options& o, const std::string& secret) {
+// environment (/proc/<pid>/environ) too. None when it cannot be made (`error` says why): a standby is only ahead of
+// time, the round goes on without it.
+std::optional<Standby> spawn_standby(const Options& o, const std::string& secret, std::string* error) {
   Standby sb;
   int pair[2];
   if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, pair) != 0) {
-    std::perror("tandem-run: socketpair");
-    std::exit(1);
+    *error = std::string("socketpair: ") + std::strerror(errno);
+    return std::nullopt;
   }
   EnvVars vars = job_env(o, secret);
   Placement none;
@@ -542,10 +553,14 @@ Standby spawn_standby(const Options& o, const std::string& secret) {
     vars.emplace_back(k, std::string(k == "MASTER_ADDR" ? 255 : 20, '_'));
   }
   vars.emplace_back("TANDEM_STANDBY_FD", std::to_string(pair[1]));
-  sb.pid = fork_program(o, sb.out, vars, [&] {
-    fcntl(pair[1], F_SETFD, 0);  // the child's end survives exec
-  });
+  sb.pid = fork_program(
+      o, sb.out, vars, [&] { fcntl(pair[1], F_SETFD, 0); },  // the child's end survives exec
+      error);
   close(pair[1]);
+  if (sb.pid < 0) {
+    close(pair[0]);
+    return std::nullopt;
+  }
   sb.sock = pair[0];
   return sb;
 }
@@ -741,6 +756,7 @@ Round run_round(const Options& o, const Placement& p, const std::string& secret,
     std::fprintf(stderr, "tandem-run: %d of %d workers started from warm standbys\n", warm, o.nproc);
   }
   const auto refill_at = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+  bool refill_failed = false;
 
   Round r;
   int first_failed = -1;  // index into workers
@@ -854,9 +870,20 @@ Round run_round(const Options& o, const Placement& p, const std::string& secret,
         }
       }
     }
-    if (pool && !stopping && static_cast<int>(pool->size()) < o.nproc &&
+    if (pool && !stopping && !refill_failed && static_cast<int>(pool->size()) < o.nproc &&
         std::chrono::steady_clock::now() >= refill_at) {
-      while (static_cast<int>(pool->size()) < o.nproc) pool->push_back(spawn_standby(o, secret));
+      while (static_cast<int>(pool->size()) < o.nproc) {
+        std::string why;
+        std::optional<Standby> sb = spawn_standby(o, secret, &why);
+        if (!sb) {
+          // The workers run on; a restart starts its workers cold instead.
+          std::fprintf(stderr, "tandem-run: cannot start a warm standby (%s): not refilling them this round\n",
+                       why.c_str());
+          refill_failed = true;
+          break;
+        }
+        pool->push_back(*sb);
+      }
     }
     if (!stopping && (first_failed >= 0 || sig || round_over)) {
       stopping = true;
