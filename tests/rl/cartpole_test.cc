@@ -106,6 +106,27 @@ TEST(UnitRlAgent, ABadRequestFailsAloneAndTheRoundOfTheOthersFinishes) {
   EXPECT_NO_THROW(agent.finish_round({0, 1}, {one_step, one_step}));
 }
 
+// A round whose trajectories do not match the steps taken (an observer that died mid-episode, a malformed one) fails
+// alone: the next round starts from no steps and finishes; a trajectory whose episode ends are short is refused, not
+// read past its end.
+TEST(UnitRlAgent, AMismatchedRoundFailsAloneAndTheNextFinishes) {
+  Agent agent(2, 3);
+  const Request r0{0, 0.01, -0.02, 0.03, 0.1, 0.3}, r1{1, 0.02, 0.01, -0.03, 0.0, 0.6};
+  ASSERT_TRUE(agent.select({r0, r1})[0].ok());
+  ASSERT_TRUE(agent.select({r0})[0].ok());  // observer 0 took two steps
+  Trajectory one_step;
+  one_step.rewards = {1.0};
+  one_step.ends = {1};
+  EXPECT_THROW(agent.finish_round({0, 1}, {one_step, one_step}), std::logic_error);
+  Trajectory no_ends = one_step;
+  no_ends.ends.clear();
+  ASSERT_TRUE(agent.select({r0, r1})[0].ok());
+  EXPECT_THROW(agent.finish_round({0, 1}, {one_step, no_ends}), std::logic_error);
+  EXPECT_THROW(agent.finish_round({0, 1}, {one_step}), std::logic_error);
+  ASSERT_TRUE(agent.select({r0, r1})[0].ok());
+  EXPECT_NO_THROW(agent.finish_round({0, 1}, {one_step, one_step}));
+}
+
 // Observers that finish at the same moment each make the batch one smaller: when all have finished, max_batch is 1
 // (issue 27: the count and max_batch changed in two steps, and a stale larger max_batch could win).
 TEST(UnitRlAgent, ObserversFinishingTogetherLeaveTheRightBatchSize) {
