@@ -70,9 +70,13 @@ struct RecvRpcBackward : Node {
 
 struct Context {
   explicit Context(int64_t i) : id(i) {}
-  void add_worker(int worker) ABSL_LOCKS_EXCLUDED(mu) {
+  // Records that this context reached `worker` (its release goes there too); false once the context was taken for
+  // release here (its workers were already told: one added now would never hear of it).
+  bool add_worker(int worker) ABSL_LOCKS_EXCLUDED(mu) {
     MutexLock lock(&mu);
+    if (released) return false;
     workers.insert(worker);
+    return true;
   }
   // Adds `g` to `leaf`'s gradient in this context.
   void accumulate(const at::Tensor& leaf, const at::Tensor& g) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
@@ -85,6 +89,7 @@ struct Context {
   std::unordered_map<int64_t, std::shared_ptr<SendRpcBackward>> sends ABSL_GUARDED_BY(mu);
   Gradients::Map grads ABSL_GUARDED_BY(mu);
   std::set<int> workers ABSL_GUARDED_BY(mu);  // workers this context sent to or received from: release goes there
+  bool released ABSL_GUARDED_BY(mu) = false;  // taken for release: `workers` was read for the last time
   // Gradient messages received, by message id, with the work each started: a duplicate (a retried or duplicated
   // message) joins that work instead of adding its gradients a second time.
   std::unordered_map<int64_t, rpc::Future> grad_messages ABSL_GUARDED_BY(mu);
@@ -233,8 +238,7 @@ class Tracer final : public rpc::CallTracer {
     // A context released here already (a call served in it outlived its caller's guard) is not made again: nobody
     // would release it. The call goes without it.
     auto ctx = Container::get().get_or_create(t_context, /*unreleased=*/true);
-    if (!ctx) return "";
-    ctx->add_worker(to);
+    if (!ctx || !ctx->add_worker(to)) return "";  // released meanwhile, as above
     return attach(*ctx, tensors);
   }
 
@@ -245,8 +249,7 @@ class Tracer final : public rpc::CallTracer {
     if (a->has_send()) {
       // A request that arrives after its context's release (an asynchronous call overtaken by it) is refused.
       auto ctx = Container::get().get_or_create(a->context_id(), /*unreleased=*/true);
-      if (!ctx) return released_already(a->context_id());
-      ctx->add_worker(from);
+      if (!ctx || !ctx->add_worker(from)) return released_already(a->context_id());
     }
     if (auto s = record_recv(*a, from, tensors); !s.ok()) return s;
     return std::shared_ptr<void>(std::make_shared<CallState>(CallState{a->context_id()}));
@@ -273,8 +276,7 @@ class Tracer final : public rpc::CallTracer {
     if (!any) return "";
     // Released here while the call ran: the reply carries no history back (the caller's context is gone too).
     auto ctx = Container::get().get_or_create(static_cast<CallState*>(state.get())->context_id, /*unreleased=*/true);
-    if (!ctx) return "";
-    ctx->add_worker(to);
+    if (!ctx || !ctx->add_worker(to)) return "";
     return attach(*ctx, tensors);
   }
 
@@ -511,6 +513,7 @@ std::set<int> take_for_release(int64_t context_id, int asked_by) {
   std::set<int> workers;
   {
     MutexLock lock(&ctx->mu);
+    ctx->released = true;  // a call adding a worker from now on goes without this context (add_worker)
     workers = ctx->workers;
   }
   workers.erase(rpc::detail::self_rank_or(0));
@@ -652,7 +655,7 @@ std::shared_ptr<Context> adopt(int64_t context_id) {
   const rpc::CallContext* call = rpc::current_call();
   if (call == nullptr || context_id < 0 || t_context != context_id) return nullptr;
   auto ctx = Container::get().get_or_create(context_id, /*unreleased=*/true);
-  if (ctx) ctx->add_worker(call->caller_rank);
+  if (ctx && !ctx->add_worker(call->caller_rank)) return nullptr;  // released meanwhile
   return ctx;
 }
 
@@ -689,17 +692,15 @@ int64_t adopt_current_context() {
 
 void share_context(int64_t context_id, int worker) {
   auto ctx = Container::get().find(context_id);
-  if (!ctx) {
+  if (!ctx || !ctx->add_worker(worker)) {  // (or was released meanwhile)
     throw RpcError(absl::NotFoundError(
         absl::StrCat("distributed autograd context ", context_id, " does not exist on worker '", worker_name(), "'")));
   }
-  ctx->add_worker(worker);
 }
 
 void adopt_context(int64_t context_id, int origin) {
   auto ctx = Container::get().get_or_create(context_id, /*unreleased=*/true);
-  if (!ctx) throw RpcError(released_already(context_id));
-  ctx->add_worker(origin);
+  if (!ctx || !ctx->add_worker(origin)) throw RpcError(released_already(context_id));
 }
 
 void set_backward_part_hook(std::function<rpc::Future(const BackwardPart& part)> hook) {
