@@ -191,10 +191,12 @@ absl::StatusOr<Round> Rendezvous::join() {
         const bool last_call_over = min_since && now >= *min_since + options_.last_call_timeout &&
                                     (*joined >= *expected || now >= entered + lost_after);
         if (outvoted) {
-          // The node that won the vote has not published the round in the time a lost node is given (it died, or its
-          // store calls failed, between its vote and "closed"): the round ends, not a failure, and every node re-forms,
-          // instead of waiting for it until the join timeout.
-          if (now >= *outvoted + lost_after && !ended_unpublished) {
+          // The node that won the vote has not published the round in the time its store calls may take (3 after its
+          // vote, each within a lost node's time, as tandem-run sets the store's timeout; one more to spare): it died,
+          // or its calls failed, between its vote and "closed". The round ends, not a failure, and every node
+          // re-forms, instead of waiting for it until the join timeout.
+          constexpr int kCloserCalls = 4;
+          if (absl::Now() >= *outvoted + kCloserCalls * lost_after && !ended_unpublished) {
             ended_unpublished = true;
             if (auto s = end_round(absl::StrCat("the node that closed round ", k, " never published it"),
                                    /*failure=*/false);
@@ -205,7 +207,7 @@ absl::StatusOr<Round> Rendezvous::join() {
         } else if (*joined >= options_.max_nodes || last_call_over) {
           auto vote = store_.add(round_key("close"), 1);
           if (!vote.ok()) return vote.status();
-          if (*vote != 1) outvoted = now;
+          if (*vote != 1) outvoted = absl::Now();  // after the vote: the closer's calls begin no earlier
           if (*vote == 1) {  // this node closes the round: the first arrivals up to max_nodes are in
             auto final_count = store_.add(round_key("joined"), 0);
             auto failures = store_.add(key("failures"), 0);

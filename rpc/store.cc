@@ -2,6 +2,7 @@
 
 #include <grpcpp/grpcpp.h>
 #include <netdb.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -9,6 +10,7 @@
 #include <cstring>
 #include <list>
 #include <map>
+#include <vector>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -329,6 +331,7 @@ absl::StatusOr<std::unique_ptr<StoreServer>> serve_store(const std::string& addr
       // others and make a second one).
       bool bound = false, in_use = false, listening = false;
       int error = 0;
+      std::vector<const addrinfo*> refused;  // bind refused for lack of privilege (a port below 1024)
       for (addrinfo* a = found; a; a = a->ai_next) {
         const int fd = socket(a->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
         if (fd < 0) {
@@ -342,15 +345,24 @@ absl::StatusOr<std::unique_ptr<StoreServer>> serve_store(const std::string& addr
         } else {
           error = errno;
           in_use = in_use || errno == EADDRINUSE;
+          if (errno == EACCES || errno == EPERM) refused.push_back(a);
         }
         close(fd);
       }
-      // Not bound for another reason (a port this process may not use, say): a launcher allowed to may serve it; a
-      // connection it accepts tells. (A local address: refused or accepted at once.)
-      for (addrinfo* a = found; a && !bound && !in_use && !listening; a = a->ai_next) {
-        const int fd = socket(a->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+      // A port this process may not bind: a launcher allowed to may serve it, which a connection it accepts tells (a
+      // local address: accepted or refused at once; bounded all the same).
+      for (size_t k = 0; k < refused.size() && !bound && !in_use && !listening; ++k) {
+        const int fd = socket(refused[k]->ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
         if (fd < 0) continue;
-        listening = ::connect(fd, a->ai_addr, a->ai_addrlen) == 0;
+        if (::connect(fd, refused[k]->ai_addr, refused[k]->ai_addrlen) == 0) {
+          listening = true;
+        } else if (errno == EINPROGRESS) {
+          pollfd p{fd, POLLOUT, 0};
+          int so_error = 0;
+          socklen_t len = sizeof(so_error);
+          listening =
+              poll(&p, 1, 500) == 1 && getsockopt(fd, SOL_SOCKET, SO_ERROR, &so_error, &len) == 0 && so_error == 0;
+        }
         close(fd);
       }
       freeaddrinfo(found);

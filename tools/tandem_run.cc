@@ -116,6 +116,7 @@ struct Stream {
   int fd = -1;
   std::string partial;
   FILE* out = nullptr;
+  bool cut = false;  // the last piece written was cut at the longest line's length
 };
 
 struct Worker {
@@ -307,8 +308,8 @@ Options parse(int argc, char** argv) {
     if (o.rdzv_endpoint.empty()) usage("--rdzv-backend " + o.rdzv_backend + " needs --rdzv-endpoint HOST:PORT");
     if (o.min_nodes < 1 || o.max_nodes < o.min_nodes) usage("bad --nnodes MIN:MAX");
   }
-  // Positive and finite, at most a day (a NaN passes a "<= 0" test; the value becomes a count of microseconds).
-  if (!(o.monitor_interval > 0 && o.monitor_interval <= 86400)) usage("bad value for --monitor-interval");
+  // From 1 ms to a day (a NaN passes a "<= 0" test; the value becomes a count of microseconds).
+  if (!(o.monitor_interval >= 1e-3 && o.monitor_interval <= 86400)) usage("bad value for --monitor-interval");
   return o;
 }
 
@@ -519,14 +520,18 @@ pid_t fork_program(const Options& o, int out[2], const EnvVars& vars, const std:
   return pid;
 }
 
-void spawn(Worker& w, int local, const Options& o, const Placement& p, const std::string& secret) {
+// False (and `error` says why) when no process or pipe could be made for it.
+bool spawn(Worker& w, int local, const Options& o, const Placement& p, const std::string& secret, std::string* error) {
   int out[2];
   EnvVars vars = job_env(o, secret);
   for (auto& kv : round_env(w.rank, local, o, p)) vars.push_back(std::move(kv));
-  w.pid = fork_program(o, out, vars, [&] { bind_worker(0, local, o); });
+  w.pid = fork_program(
+      o, out, vars, [&] { bind_worker(0, local, o); }, error);
+  if (w.pid < 0) return false;
   w.running = true;
   w.streams[0] = {out[0], "", stdout};
   w.streams[1] = {out[1], "", stderr};
+  return true;
 }
 
 // A warm standby (rpc/detail/standby.h): the program started ahead of a restart, loaded, waiting before main for the
@@ -665,13 +670,16 @@ void emit(const Worker& w, Stream& s, const char* data, size_t n, bool eof) {
   size_t start = 0;
   for (;;) {
     const size_t nl = s.partial.find('\n', std::max(start, searched));
-    if (nl == std::string::npos) {
-      if (s.partial.size() - start < kLongestLine) break;
+    // A line longer than a piece is cut there, however the reads brought its bytes.
+    if ((nl == std::string::npos ? s.partial.size() : nl) - start > kLongestLine) {
       line(s.partial.data() + start, kLongestLine);
       start += kLongestLine;
+      s.cut = true;
       continue;
     }
-    line(s.partial.data() + start, nl - start);
+    if (nl == std::string::npos) break;
+    if (!(s.cut && nl == start)) line(s.partial.data() + start, nl - start);  // (the end of a line just cut)
+    s.cut = false;
     start = nl + 1;
   }
   s.partial.erase(0, start);
@@ -741,15 +749,20 @@ Round run_round(const Options& o, const Placement& p, const std::string& secret,
                 const std::string& node, std::vector<Standby>* pool) {
   std::vector<Worker> workers(o.nproc);
   int warm = 0;
-  for (int i = 0; i < o.nproc; ++i) {
-    workers[i].rank = p.rank_offset + i;
+  int cannot_start = -1;  // a worker no process could be made for: the round fails as if it had exited at once
+  for (int i = 0; i < o.nproc; ++i) workers[i].rank = p.rank_offset + i;
+  for (int i = 0; i < o.nproc && cannot_start < 0; ++i) {
     bool started = false;
     while (pool && !pool->empty() && !started) {
       Standby sb = pool->front();
       pool->erase(pool->begin());
       started = activate(sb, workers[i], i, o, p);
     }
-    if (!started) spawn(workers[i], i, o, p, secret);
+    std::string why;
+    if (!started && !spawn(workers[i], i, o, p, secret, &why)) {
+      std::fprintf(stderr, "tandem-run: cannot start rank %d: %s\n", workers[i].rank, why.c_str());
+      cannot_start = i;
+    }
     warm += started;
   }
   if (warm > 0) {
@@ -761,6 +774,10 @@ Round run_round(const Options& o, const Placement& p, const std::string& secret,
   Round r;
   int first_failed = -1;  // index into workers
   int first_status = 0;
+  if (cannot_start >= 0) {  // as a program that cannot be executed ends (127): the others are stopped below
+    first_failed = cannot_start;
+    first_status = W_EXITCODE(127, 0);
+  }
   bool stopping = false;
   auto kill_deadline = std::chrono::steady_clock::time_point::max();
   // After SIGKILL: a worker not reaped by then is left behind (uninterruptible sleep, a tracer that holds it).
@@ -917,7 +934,8 @@ Round run_round(const Options& o, const Placement& p, const std::string& secret,
   for (int i = 0; i < o.nproc; ++i) {
     if (i == first_failed) continue;
     if (!r.others.empty()) r.others += ", ";
-    r.others += std::to_string(workers[i].rank) + " (" + describe_status(workers[i].status) + ")";
+    r.others += std::to_string(workers[i].rank) + " (" +
+                (workers[i].pid < 0 ? std::string("not started") : describe_status(workers[i].status)) + ")";
   }
   return r;
 }
@@ -984,7 +1002,8 @@ double conf_seconds(const std::map<std::string, std::string>& conf, const std::s
     const double v = std::stod(it->second, &used);
     // Positive and finite, at most about 11 days (the store's deadlines add it to the clock); the attempts a whole
     // number.
-    const bool in_range = used == it->second.size() && v > 0 && v <= 1e6;
+    // Durations from 1 ms (the store's deadlines are whole milliseconds: less would be none at all).
+    const bool in_range = used == it->second.size() && v >= (key == "keep_alive_max_attempt" ? 1 : 1e-3) && v <= 1e6;
     if (in_range && (key != "keep_alive_max_attempt" || (v >= 1 && v == std::floor(v)))) return v;
   } catch (...) {
   }
@@ -1029,6 +1048,9 @@ int run_elastic(Options& o, std::vector<Standby>* pool) {
   ro.keep_alive_interval = absl::Seconds(conf_seconds(conf, "keep_alive_interval", 5));
   ro.keep_alive_max_attempt = static_cast<int>(conf_seconds(conf, "keep_alive_max_attempt", 3));
   const absl::Duration lost_after = ro.keep_alive_interval * ro.keep_alive_max_attempt;
+  if (lost_after > absl::Seconds(1e6)) {  // the store's deadlines add it to the clock
+    usage("bad value in --rdzv-conf: keep_alive_interval x keep_alive_max_attempt is above 1e6 s");
+  }
   ro.interrupted = [] { return g_signal != 0; };  // SIGTERM while waiting to join: leave at once
   if (!o.local_addr.empty()) {
     ro.host = o.local_addr;

@@ -1176,9 +1176,10 @@ bool install() {
   rpc::register_function(kPing, [] {});
   rpc::register_message(kAct, [](int64_t pipe, int64_t step, int64_t stage, int64_t mb, bool grad, c10::IValue t) {
     // A stage's activation or gradient only: a stage below zero is a worker's end of a run or a driver's start of a
-    // step (kDone and the same-host rings bring those, checked there), never this message. Refused (the worker's log
+    // step, micro-batch -1 the driver's inputs or targets (kDone and the same-host rings bring those, checked there),
+    // never this message. Refused (the worker's log
     // says so: nobody waits for a one-way message's reply).
-    if (stage < 0 || stage > std::numeric_limits<int>::max() || mb < -1 || mb > std::numeric_limits<int>::max()) {
+    if (stage < 0 || stage > std::numeric_limits<int>::max() || mb < 0 || mb > std::numeric_limits<int>::max()) {
       throw_error(absl::InvalidArgumentError(absl::StrCat("pipeline ", pipe, ": an activation for stage ", stage,
                                                           ", micro-batch ", mb, " names no stage's message")));
     }

@@ -159,11 +159,33 @@ TEST(MultiprocLauncher, AVeryLongLineIsPassedOnInPiecesWithEveryByte) {
   EXPECT_EQ(pieces[4], "last-without-newline");
 }
 
+// A worker that no process can be made for (here: out of descriptors for its pipes) fails the job as a program that
+// cannot be executed does (127), naming the cause, and the workers already started are stopped; the launcher does not
+// exit from under them.
+TEST(MultiprocLauncher, AWorkerThatCannotBeStartedFailsTheJobAndStopsTheOthers) {
+  // 8 workers need 32 descriptors for their pipes: with 20 at most, one of them cannot be started (which one depends
+  // on what the launcher holds open besides).
+  const auto t0 = std::chrono::steady_clock::now();
+  Process p({"/usr/bin/prlimit", "--nofile=20:20", TANDEM_RUN_PATH, "--nproc-per-node", "8", "/bin/sleep", "60"}, {});
+  EXPECT_EQ(exit_code(p.wait(milliseconds(30000))), 127) << p.output();
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, milliseconds(30000));  // the sleeping workers were stopped
+  const std::string out = p.output();
+  EXPECT_THAT(out, HasSubstr("tandem-run: cannot start rank ")) << out;
+  EXPECT_THAT(out, HasSubstr("Too many open files")) << out;
+  EXPECT_THAT(out, HasSubstr("failed with exit code 127")) << out;
+  EXPECT_THAT(out, HasSubstr("(not started)")) << out;  // the ranks after it
+}
+
 // Flags whose values would make a duration nonsense (not a number, not finite, out of range) are refused.
 TEST(MultiprocLauncher, NonsenseDurationsAreRefused) {
   for (std::vector<std::string> flags : {std::vector<std::string>{"--monitor-interval", "nan"},
                                          {"--monitor-interval", "inf"},
                                          {"--monitor-interval", "-1"},
+                                         {"--monitor-interval", "1e-9"},
+                                         {"--nnodes", "1:2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:1",
+                                          "--rdzv-conf", "keep_alive_interval=0.0001"},
+                                         {"--nnodes", "1:2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:1",
+                                          "--rdzv-conf", "keep_alive_interval=1e6,keep_alive_max_attempt=5"},
                                          {"--nnodes", "1:2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:1",
                                           "--rdzv-conf", "keep_alive_max_attempt=0.5"},
                                          {"--nnodes", "1:2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:1",
