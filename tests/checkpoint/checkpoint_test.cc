@@ -232,9 +232,7 @@ TEST_F(MultiprocCheckpointKill, KilledWhileWritingLeavesTheLastCompleteOne) {
     checkpoint::Checkpointer ckpt(dir_, 0);
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
     const size_t before = ckpt.steps().size();
-    while (ckpt.steps().size() < before + 1 && std::chrono::steady_clock::now() < deadline) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    }
+    test::poll_until(std::chrono::seconds(60), [&] { return ckpt.steps().size() >= before + 1; });
     if (round % 3 == 2) {  // a random moment
       std::this_thread::sleep_for(std::chrono::milliseconds(std::uniform_int_distribution<int>(0, 60)(rng)));
     } else {  // inside a write

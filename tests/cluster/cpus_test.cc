@@ -21,6 +21,8 @@
 #include <thread>
 #include <vector>
 
+#include "tests/common/files.h"
+
 namespace {
 
 namespace cluster = tandem::cluster;
@@ -125,12 +127,7 @@ TEST_F(UnitCpus, UnreadableOrMalformedTextsBoundNothing) {
   EXPECT_FALSE(quota("0::/a\n", kV2Mounts).has_value());
 }
 
-std::string read_text(const fs::path& path) {
-  std::ifstream in(path);
-  std::stringstream text;
-  text << in.rdbuf();
-  return text.str();
-}
+std::string read_text(const fs::path& path) { return tandem::test::read_file(path.string()); }
 
 // One cgroup directory's quota in CPUs: v2's cpu.max ("max 100000" or "150000 100000"), v1's cpu.cfs_quota_us (-1:
 // none) over cpu.cfs_period_us; nullopt for none or no files.

@@ -9,6 +9,7 @@
 
 #include <chrono>
 #include <cstdlib>
+#include <thread>
 
 namespace tandem::test {
 
@@ -25,6 +26,18 @@ inline double time_scale() {
 // `bound` times time_scale().
 inline std::chrono::milliseconds scaled(std::chrono::milliseconds bound) {
   return std::chrono::milliseconds(static_cast<std::chrono::milliseconds::rep>(bound.count() * time_scale()));
+}
+
+// Calls `done` every millisecond until it returns true or `bound` has passed (unscaled: pass scaled(...) for slack);
+// returns its last answer. The waits of tests for a state another thread or process reaches.
+template <typename Pred>
+bool poll_until(std::chrono::milliseconds bound, Pred&& done) {
+  const auto until = std::chrono::steady_clock::now() + bound;
+  while (!done()) {
+    if (std::chrono::steady_clock::now() >= until) return done();
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  return true;
 }
 
 }  // namespace tandem::test

@@ -28,6 +28,7 @@
 #include "tandem/optim/adam.h"
 #include "tandem/rpc/errors.h"
 #include "tandem/rpc/rpc.h"
+#include "tests/common/files.h"
 #include "tests/common/scenario.h"
 
 namespace tandem::test {
@@ -342,12 +343,7 @@ class MemoryCap {
   }
 
  private:
-  static std::string read(const std::string& path) {
-    std::ifstream in(path);
-    std::stringstream text;
-    text << in.rdbuf();
-    return text.str();
-  }
+  static std::string read(const std::string& path) { return test::read_file(path); }
   // Whether `word` is one of the words of `list`, separated by spaces, commas or newlines.
   static bool has_word(const std::string& list, const std::string& word) {
     std::string spaced = " " + list + " ";

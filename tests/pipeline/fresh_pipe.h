@@ -23,12 +23,7 @@ inline int64_t fresh_pipe() {
 // Whether a receive of `key` (on another thread) came to wait as `how` within 5 s (scaled): an event a test means to
 // end a wait with must come while the receive waits, or the test would check another path and could pass untested.
 inline bool await_waiting(Mailbox& box, const MailKey& key, Mailbox::Waiting how) {
-  const auto until = std::chrono::steady_clock::now() + test::scaled(std::chrono::milliseconds(5000));
-  while (box.waiting(key) != how) {
-    if (std::chrono::steady_clock::now() >= until) return false;
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  }
-  return true;
+  return test::poll_until(test::scaled(std::chrono::milliseconds(5000)), [&] { return box.waiting(key) == how; });
 }
 
 }  // namespace tandem::pipeline::detail

@@ -19,6 +19,7 @@
 #include "absl/strings/str_cat.h"
 #include "tandem/pipeline/detail/p2p.h"
 #include "tandem/pipeline/detail/shm_p2p.h"
+#include "tests/common/files.h"
 #include "tests/common/time_scale.h"
 #include "tests/pipeline/fresh_pipe.h"
 
@@ -33,18 +34,12 @@ Clock::time_point within(milliseconds ms) { return Clock::now() + test::scaled(m
 // the thread asleep (it sleeps nowhere else on the bell's path: after reading the bell it drains the rings and spins
 // before the futex). A send or an abort that comes then can only end the wait by ringing the bell.
 bool await_asleep_on_bell(Mailbox& box, const MailKey& key, const std::atomic<pid_t>& tid) {
-  const auto until = std::chrono::steady_clock::now() + test::scaled(milliseconds(5000));
-  for (;;) {
-    if (tid.load() != 0 && box.waiting(key) == Mailbox::Waiting::kOnTheBell) {
-      std::ifstream stat("/proc/self/task/" + std::to_string(tid.load()) + "/stat");
-      std::string line;
-      std::getline(stat, line);
-      const size_t paren = line.rfind(')');  // "tid (comm) S ...": the state follows the name
-      if (paren != std::string::npos && paren + 2 < line.size() && line[paren + 2] == 'S') return true;
-    }
-    if (std::chrono::steady_clock::now() >= until) return false;
-    std::this_thread::sleep_for(milliseconds(1));
-  }
+  return test::poll_until(test::scaled(milliseconds(5000)), [&] {
+    if (tid.load() == 0 || box.waiting(key) != Mailbox::Waiting::kOnTheBell) return false;
+    const std::string line = test::read_file("/proc/self/task/" + std::to_string(tid.load()) + "/stat");
+    const size_t paren = line.rfind(')');  // "tid (comm) S ...": the state follows the name
+    return paren != std::string::npos && paren + 2 < line.size() && line[paren + 2] == 'S';
+  });
 }
 
 // take() on a thread of its own, which says its id first.

@@ -9,6 +9,7 @@
 
 #include "tandem/rpc/batching.h"
 #include "tests/common/rpc_fixture.h"
+#include "tests/common/time_scale.h"
 
 namespace tandem::test {
 namespace {
@@ -147,9 +148,7 @@ class StuckBatchedFunction {
   bool get_stuck() {
     if (!handler_) return false;
     stuck_ = std::thread([this] { first_ = handler_({c10::IValue(int64_t{0})}); });
-    const auto give_up = Clock::now() + std::chrono::seconds(10);
-    while (!state_->inside.load() && Clock::now() < give_up) std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    return state_->inside.load();
+    return poll_until(std::chrono::seconds(10), [&] { return state_->inside.load(); });
   }
   rpc::Future call(int64_t x) { return handler_({c10::IValue(x)}); }
   // Lets request 0 return; returns its reply.
@@ -242,8 +241,7 @@ TEST(UnitRpcBatching, AThreadRunsItsOwnBatchNotTheOnesBehindIt) {
     first = handler({c10::IValue(int64_t{0})});
     first_took = Clock::now() - t0;
   });
-  const auto give_up = Clock::now() + std::chrono::seconds(10);
-  while (entered.load() == 0 && Clock::now() < give_up) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  poll_until(std::chrono::seconds(10), [&] { return entered.load() != 0; });
   EXPECT_EQ(entered.load(), 1);  // the first caller's batch is running
   std::vector<rpc::Future> later;
   for (int64_t i = 1; i <= 5; ++i) later.push_back(handler({c10::IValue(i)}));
@@ -293,9 +291,8 @@ TEST(UnitRpcBatching, UnregisteringABatchedFunctionEndsIt) {
   ASSERT_TRUE(rpc::unregister_function("unit_batched_gone"));
   EXPECT_EQ(waiting.value().toInt(), 5);
   EXPECT_LT(Clock::now() - unregistered, std::chrono::seconds(5)) << "the waiting request ran at its delay";
-  const auto give_up = Clock::now() + std::chrono::seconds(10);
-  while (!held.expired() && Clock::now() < give_up) std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  EXPECT_TRUE(held.expired()) << "the batcher (and its thread) outlived the function's registration";
+  EXPECT_TRUE(poll_until(std::chrono::seconds(10), [&] { return held.expired(); }))
+      << "the batcher (and its thread) outlived the function's registration";
   EXPECT_EQ(rpc::batch_stats("unit_batched_gone").max_batch, 0);
   EXPECT_EQ(rpc::set_max_batch("unit_batched_gone", 2).code(), absl::StatusCode::kNotFound);
 

@@ -22,6 +22,7 @@
 #include "tandem/rpc/store.h"
 #include "tandem/sync/sync.h"
 #include "tests/common/rpc_fixture.h"
+#include "tests/common/time_scale.h"
 
 namespace tandem::test {
 namespace {
@@ -197,19 +198,14 @@ TEST_F(MultiprocDirect, NonGracefulShutdownDoesNotWaitForAStalledReply) {
   ASSERT_EQ(rpc::transport_to(1), "direct");
   expect_clean_children_ = false;
   rpc::rpc_sync("worker1", "call_in_background", int64_t{0}, std::string("test.big_reply"));
-  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(20);
-  while (!entered.load() && std::chrono::steady_clock::now() < give_up) std::this_thread::sleep_for(milliseconds(1));
-  ASSERT_TRUE(entered.load());
+  ASSERT_TRUE(poll_until(std::chrono::seconds(20), [&] { return entered.load(); }));
   job_->child(1).kill(SIGSTOP);  // the caller stops reading
   const int64_t lent = rpc::transport_stats().places_lent;
   go = true;
   // The reply fills the socket and its writer waits for room, holding the call (a wait that lends its place): the
   // shutdown must come after that, or the test would pass without testing it.
-  const auto stalled_by = std::chrono::steady_clock::now() + scaled(std::chrono::seconds(20));
-  while (rpc::transport_stats().places_lent == lent && std::chrono::steady_clock::now() < stalled_by) {
-    std::this_thread::sleep_for(milliseconds(1));
-  }
-  ASSERT_GT(rpc::transport_stats().places_lent, lent) << "the reply's writer never waited";
+  ASSERT_TRUE(poll_until(scaled(std::chrono::seconds(20)), [&] { return rpc::transport_stats().places_lent > lent; }))
+      << "the reply's writer never waited";
   const auto t0 = std::chrono::steady_clock::now();
   rpc::shutdown(false);
   EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(10));
@@ -237,8 +233,7 @@ TEST_F(MultiprocDirect, ABlockedTimeoutCallbackDoesNotDelayOtherDeadlines) {
   });
   // Past the bound checked below, under any time scale: a second call held back by the first's callback completes
   // only after the release.
-  const auto give_up = Clock::now() + scaled(std::chrono::seconds(10));
-  while (second_done->load() == 0 && Clock::now() < give_up) std::this_thread::sleep_for(milliseconds(1));
+  poll_until(scaled(std::chrono::seconds(10)), [&] { return second_done->load() != 0; });
   released->store(true);
   EXPECT_EQ(first.status().code(), absl::StatusCode::kDeadlineExceeded) << first.status();
   EXPECT_EQ(second.status().code(), absl::StatusCode::kDeadlineExceeded) << second.status();
@@ -445,8 +440,7 @@ TEST_F(UnitDirectPlaces, AMessageBlockedInATandemWaitLendsItsPlace) {
   std::thread blocked([&] { EXPECT_TRUE(call(1).ok()); });
   // The first message has lent its place (its wait is a Tandem wait) before the second is sent: the other thread
   // runs it in that place, not in one beyond the limit.
-  const absl::Time until = absl::Now() + absl::Seconds(30);
-  while (server_->place_counts().lent == 0 && absl::Now() < until) std::this_thread::sleep_for(milliseconds(1));
+  poll_until(std::chrono::seconds(30), [&] { return server_->place_counts().lent != 0; });
   ASSERT_EQ(server_->place_counts().lent, 1);
   EXPECT_TRUE(call(2).ok());
   blocked.join();
@@ -469,8 +463,7 @@ struct BlockedOutOfSight {
   // Sends the first on a thread of its own, and the second once the first began; how long the second took.
   std::chrono::steady_clock::duration run(const std::function<absl::Status(uint64_t)>& call) {
     std::thread blocked([&] { EXPECT_TRUE(call(1).ok()); });
-    const absl::Time until = absl::Now() + absl::Seconds(30);
-    while (!started && absl::Now() < until) std::this_thread::sleep_for(milliseconds(1));
+    poll_until(std::chrono::seconds(30), [&] { return started.load(); });
     const auto sent = std::chrono::steady_clock::now();
     EXPECT_TRUE(call(2).ok());
     const auto waited = std::chrono::steady_clock::now() - sent;
@@ -560,8 +553,7 @@ TEST_F(UnitDirectPlaces, AChainOfMessagesBlockedOutOfSightUnwinds) {
   std::vector<std::thread> callers;
   for (uint64_t id = 1; id <= 3; ++id) {
     callers.emplace_back([this, id] { EXPECT_TRUE(call(id).ok()); });
-    const absl::Time until = absl::Now() + absl::Seconds(30);
-    while (started < static_cast<int>(id) && absl::Now() < until) std::this_thread::sleep_for(milliseconds(1));
+    poll_until(std::chrono::seconds(30), [&] { return started >= static_cast<int>(id); });
   }
   for (auto& t : callers) t.join();
   EXPECT_EQ(released.load(), 2);

@@ -6,6 +6,7 @@
 
 #include "tandem/rref/rref.h"
 #include "tests/common/rpc_fixture.h"
+#include "tests/common/time_scale.h"
 
 namespace tandem::test {
 namespace {
@@ -43,9 +44,7 @@ TEST_F(MultiprocRRef, RemoteReturnsAtOnceAndToHereFetches) {
   EXPECT_FALSE(r.is_owner());
   EXPECT_TRUE(r.to_here<at::Tensor>().equal(at::arange(5, at::kFloat)));
   // The creation's acknowledgement travels independently of the fetch: confirmation follows, it need not precede.
-  const auto deadline = Clock::now() + scaled(milliseconds(10000));
-  while (!r.confirmed_by_owner() && Clock::now() < deadline) std::this_thread::sleep_for(milliseconds(1));
-  EXPECT_TRUE(r.confirmed_by_owner());
+  EXPECT_TRUE(poll_until(scaled(milliseconds(10000)), [&] { return r.confirmed_by_owner(); }));
   EXPECT_THROW(r.local_value(), RpcError);  // only the owner holds the value
   rref::TypedRRef<at::Tensor> typed = rref::remote_as<at::Tensor>(1, "make_tensor", int64_t{3});
   EXPECT_TRUE(typed.to_here().equal(at::arange(3, at::kFloat)));
