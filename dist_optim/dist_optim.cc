@@ -9,10 +9,14 @@
 #include <torch/optim/sgd.h>
 #include <torch/serialize/archive.h>
 
+#include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstring>
+#include <deque>
 #include <memory>
 #include <optional>
+#include <random>
 #include <set>
 #include <sstream>
 #include <unordered_map>
@@ -132,28 +136,63 @@ struct LocalOptimizer {
 ABSL_CONST_INIT Mutex g_owner_lock(absl::kConstInit);
 ABSL_CONST_INIT Mutex g_registry_mu(absl::kConstInit);
 std::unordered_map<int64_t, std::shared_ptr<LocalOptimizer>> g_optimizers ABSL_GUARDED_BY(g_registry_mu);
-std::atomic<int64_t> g_next_id{1};
+// Ids released before their optimizer was registered here (a caller whose creation failed releases it on every owner
+// it asked, and the release may overtake a creation still waiting for its parameters): such a creation is refused.
+// Oldest first; at most kMaxReleasedEarly are kept (each is removed by the creation it refuses).
+constexpr size_t kMaxReleasedEarly = 4096;
+std::deque<int64_t> g_released_early ABSL_GUARDED_BY(g_registry_mu);
 
-// create(kind, names, values, hogwild, rref...) -> optimizer id
+// The id a DistributedOptimizer gives its optimizers on every owner: unique in the job (the caller's rank in the top
+// bits, then a counter that starts at a random point, so that a restarted caller does not reuse its predecessor's).
+int64_t next_id() {
+  static std::atomic<int64_t> counter{[] {
+    std::random_device random;
+    return static_cast<int64_t>(random() & 0xffffff) << 16;
+  }()};
+  const int64_t rank = rpc::get_worker_info().id;
+  return ((rank & 0x7fff) << 48) | (counter.fetch_add(1) & ((int64_t{1} << 48) - 1));
+}
+
+// create(id, timeout_ms, kind, names, values, hogwild, rref...) -> id. The caller gives up after timeout_ms: a
+// creation still waiting for its parameters' values (RRefs being made) by then is refused, not registered for nobody.
 rpc::Future on_create(std::vector<c10::IValue>&& args) {
-  if (args.size() < 4) throw_error(absl::InvalidArgumentError("malformed optimizer creation"));
-  const std::string kind = rpc::from_ivalue<std::string>(args[0]);
-  auto names = rpc::from_ivalue<std::vector<std::string>>(args[1]);
-  auto values = rpc::from_ivalue<std::vector<double>>(args[2]);
-  const bool hogwild = rpc::from_ivalue<bool>(args[3]);
+  const auto arrived = std::chrono::steady_clock::now();
+  if (args.size() < 6) throw_error(absl::InvalidArgumentError("malformed optimizer creation"));
+  const int64_t id = rpc::from_ivalue<int64_t>(args[0]);
+  const auto timeout = std::chrono::milliseconds(rpc::from_ivalue<int64_t>(args[1]));
+  const std::string kind = rpc::from_ivalue<std::string>(args[2]);
+  auto names = rpc::from_ivalue<std::vector<std::string>>(args[3]);
+  auto values = rpc::from_ivalue<std::vector<double>>(args[4]);
+  const bool hogwild = rpc::from_ivalue<bool>(args[5]);
   if (names.size() != values.size()) throw_error(absl::InvalidArgumentError("malformed optimizer hyper-parameters"));
   Hyper hyper;
   for (size_t i = 0; i < names.size(); ++i) hyper[names[i]] = values[i];
   std::vector<at::Tensor> params;
-  for (size_t i = 4; i < args.size(); ++i) {
+  for (size_t i = 6; i < args.size(); ++i) {
     c10::IValue v = rref::RRef::from_ivalue(args[i]).local_value();
-    if (!v.isTensor()) throw_error(absl::InvalidArgumentError(absl::StrCat("parameter ", i - 4, " is not a tensor")));
+    if (!v.isTensor()) throw_error(absl::InvalidArgumentError(absl::StrCat("parameter ", i - 6, " is not a tensor")));
     params.push_back(v.toTensor());
   }
   auto local = std::make_shared<LocalOptimizer>(kind, std::move(params), hogwild, hyper);
-  const int64_t id = g_next_id.fetch_add(1);
+  const auto took = std::chrono::steady_clock::now() - arrived;
   MutexLock lock(&g_registry_mu);
-  g_optimizers.emplace(id, std::move(local));
+  const auto early = std::find(g_released_early.begin(), g_released_early.end(), id);
+  const bool released = early != g_released_early.end();
+  if (released) g_released_early.erase(early);  // this creation was what it waited for
+  if (took >= timeout) {
+    throw_error(absl::DeadlineExceededError(
+        absl::StrCat("optimizer ", id, " on worker '", rpc::get_worker_info().name, "': its parameters took ",
+                     std::chrono::duration_cast<std::chrono::milliseconds>(took).count(),
+                     " ms to be made, past its creator's timeout of ", timeout.count(), " ms")));
+  }
+  if (released) {
+    throw_error(absl::CancelledError(absl::StrCat("optimizer ", id, " on worker '", rpc::get_worker_info().name,
+                                                  "': its creator released it before it was made")));
+  }
+  if (!g_optimizers.emplace(id, std::move(local)).second) {
+    throw_error(absl::AlreadyExistsError(
+        absl::StrCat("optimizer ", id, " on worker '", rpc::get_worker_info().name, "' exists already")));
+  }
   return rpc::Future::ready(c10::IValue(id));
 }
 
@@ -230,11 +269,16 @@ bool install() {
   rpc::register_function(kStep, on_step);
   rpc::register_function(kRelease, [](std::vector<int64_t> ids) {  // from rpc::detail::releases()
     MutexLock lock(&g_registry_mu);
-    for (int64_t id : ids) g_optimizers.erase(id);
+    for (int64_t id : ids) {
+      if (g_optimizers.erase(id) != 0) continue;
+      g_released_early.push_back(id);
+      if (g_released_early.size() > kMaxReleasedEarly) g_released_early.pop_front();
+    }
   });
   rpc::add_stop_hook([] {
     MutexLock lock(&g_registry_mu);
     g_optimizers.clear();
+    g_released_early.clear();
   });
   return true;
 }
@@ -254,28 +298,33 @@ DistributedOptimizer::DistributedOptimizer(const std::string& kind, const std::v
     names.push_back(k);
     values.push_back(v);
   }
+  const std::chrono::milliseconds timeout = options.timeout.count() > 0 ? options.timeout : rpc::default_timeout();
+  // One id on every owner, chosen here: if the creation fails anywhere (or times out while an owner still waits for
+  // its parameters), every owner asked is told to release it, including those whose creation is still under way.
+  const int64_t id = next_id();
   std::map<int, std::vector<c10::IValue>> by_owner;
   for (const auto& p : parameters) {
     auto& args = by_owner[p.owner()];
     if (args.empty()) {
-      args = {c10::IValue(kind), rpc::to_ivalue(names), rpc::to_ivalue(values), c10::IValue(options.hogwild)};
+      args = {c10::IValue(id),        c10::IValue(static_cast<int64_t>(timeout.count())),
+              c10::IValue(kind),      rpc::to_ivalue(names),
+              rpc::to_ivalue(values), c10::IValue(options.hogwild)};
     }
     args.push_back(p.to_ivalue());
   }
   std::vector<std::pair<int, rpc::Future>> created;
-  for (auto& [owner, args] : by_owner) created.emplace_back(owner, rpc::call(owner, kCreate, args, options.timeout));
+  for (auto& [owner, args] : by_owner) created.emplace_back(owner, rpc::call(owner, kCreate, args, timeout));
   std::string errors;
   absl::StatusCode code = absl::StatusCode::kOk;  // the first owner's: every owner's error is named, one code is kept
   for (auto& [owner, f] : created) {
+    remote_.emplace_back(owner, id);
     if (absl::Status s = f.status(); !s.ok()) {
       errors += std::string(errors.empty() ? "" : "; ") + std::string(s.message());
       if (code == absl::StatusCode::kOk) code = s.code();
-    } else {
-      remote_.emplace_back(owner, f.get<int64_t>());
     }
   }
   if (!errors.empty()) {
-    release();  // the optimizers that were created
+    release();  // on every owner asked: those that made it drop it, those still making it refuse it
     throw_error(absl::Status(code, "DistributedOptimizer: " + errors));
   }
 }

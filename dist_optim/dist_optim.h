@@ -51,7 +51,10 @@ struct DistributedOptimizerOptions {
 class DistributedOptimizer {
  public:
   // Throws tandem::Error naming every owner that cannot create its optimizer, with the first one's code
-  // (INVALID_ARGUMENT for an unknown kind or hyper-parameter, or a parameter that is not a tensor).
+  // (INVALID_ARGUMENT for an unknown kind or hyper-parameter, or a parameter that is not a tensor; DEADLINE_EXCEEDED
+  // when an owner did not reply within the timeout, e.g. while its parameters' values were still being made). On
+  // failure no optimizer stays on any owner: every owner asked is told to release it, and an owner still waiting for
+  // its parameters refuses to register one past the timeout.
   DistributedOptimizer(const std::string& kind, const std::vector<rref::RRef>& parameters,
                        const std::map<std::string, double>& hyper = {}, DistributedOptimizerOptions options = {});
   // Releases the remote optimizers (asynchronously: a lost release is sent again, 3 times in all; one that still fails

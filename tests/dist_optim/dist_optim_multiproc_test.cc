@@ -11,9 +11,12 @@
 #include "tandem/dist_optim/dist_optim.h"
 #include "tests/common/params.h"
 #include "tests/common/rpc_fixture.h"
+#include "tests/common/time_scale.h"
 
 namespace tandem::test {
 namespace {
+
+using std::chrono::milliseconds;
 
 at::Tensor input() {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(7);
@@ -215,6 +218,34 @@ TEST_F(MultiprocDistOptim, BadKindsAndHyperParametersNameTheOwner) {
   } catch (const RpcError& e) {
     EXPECT_THAT(e.what(), testing::HasSubstr("has no hyper-parameter betas"));
   }
+}
+
+// A creation that times out on the caller while an owner still waits for its parameter's value (an RRef being made)
+// leaves no optimizer there: the owner refuses to register it past the caller's timeout, and the caller releases the
+// id on every owner it asked. Before, the owner registered it once the value came, for nobody, until RPC stopped.
+TEST_F(MultiprocDistOptim, ACreationThatTimesOutLeavesNoOptimizerOnAnyOwner) {
+  start({.world_size = 3});
+  rref::RRef slow = rref::remote(1, "slow_param", std::string("t1"), int64_t{1500});
+  rref::RRef quick = param_ref(2, "t2");
+  dist_optim::DistributedOptimizerOptions options;
+  options.timeout = milliseconds(300);
+  try {
+    dist_optim::DistributedOptimizer opt("sgd", {slow, quick}, {{"lr", 0.1}}, options);
+    FAIL() << "created";
+  } catch (const RpcError& e) {
+    EXPECT_EQ(e.code(), absl::StatusCode::kDeadlineExceeded) << e.what();
+    EXPECT_THAT(e.what(), testing::HasSubstr("worker1"));
+  }
+  (void)slow.to_here();  // the value is made: worker1's creation has gone on from its wait by now
+  // worker2 created its optimizer at once and is told to release it; worker1 refuses its own.
+  EXPECT_TRUE(poll_until(scaled(milliseconds(5000)), [] {
+    return rpc::rpc_sync<int64_t>("worker1", "optimizer_count") == 0 &&
+           rpc::rpc_sync<int64_t>("worker2", "optimizer_count") == 0;
+  }));
+  // The refusal does not stay: a new optimizer over the same parameter is made and steps.
+  dist_optim::DistributedOptimizer opt("sgd", {slow, quick}, {{"lr", 0.1}});
+  EXPECT_EQ(rpc::rpc_sync<int64_t>("worker1", "optimizer_count"), 1);
+  EXPECT_EQ(rpc::rpc_sync<int64_t>("worker2", "optimizer_count"), 1);
 }
 
 }  // namespace

@@ -3,6 +3,9 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <chrono>
+#include <thread>
+
 #include "tandem/dist_autograd/dist_autograd.h"
 #include "tandem/dist_optim/dist_optim.h"
 #include "tandem/rref/rref.h"
@@ -20,6 +23,10 @@ void register_functions() {
                          [](std::string p) { return rref::make_local(c10::IValue(param(p, 4, 4))).to_ivalue(); });
   rpc::register_function("param_value", [](std::string p) { return param(p, 4, 4).detach().clone(); });
   rpc::register_function("optimizer_count", [] { return dist_optim::owned_optimizer_count(); });
+  rpc::register_function("slow_param", [](std::string p, int64_t ms) {  // a parameter whose RRef is made slowly
+    std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+    return param(p, 4, 4);
+  });
 }
 
 }  // namespace
