@@ -66,11 +66,14 @@ struct OwnerEntry {
   int64_t local_handles = 0;
 };
 
-// Pending children are released by the child's accept; one whose message was never delivered would keep its parent
-// forever, so they expire. The message carrying the child may legitimately take as long as a call (rpc_timeout, or a
-// longer timeout given to that call), so the expiry is twice the RPC timeout, and at least 10 minutes for calls given
+// Pending children are released by the child's accept, and a fork the owner sent (provisional) is made final by its
+// receiver's accept; one whose message was never decoded (a reply that came after its call's timeout, a message
+// refused or over the size limit) would keep its parent, or the owner's value, forever, so they expire. The message
+// carrying the child may legitimately take as long as a call (rpc_timeout, or a longer timeout given to that call), so
+// the expiry is RRefOptions::unaccepted_ttl, by default twice the RPC timeout and at least 10 minutes for calls given
 // longer timeouts than the default: expiring too early frees a parent that is still needed, too late only keeps memory.
-std::chrono::milliseconds pending_child_ttl() {
+std::chrono::milliseconds pending_child_ttl(const RRefOptions& options) {
+  if (options.unaccepted_ttl.count() > 0) return options.unaccepted_ttl;
   return std::max<std::chrono::milliseconds>(std::chrono::minutes(10), 2 * rpc::default_timeout());
 }
 
@@ -130,19 +133,36 @@ class Context {
     if (it == owners_.end()) return missing(rref_id);
     return it->second.value;
   }
-  // From the owner's own codec (it holds a handle: the entry exists) or from a user's fork request (the entry may not
-  // exist yet, see create_entry).
+  // From a user's fork request (the entry may not exist yet, see create_entry).
   absl::Status add_fork(int64_t rref_id, int64_t fork_id, int holder) {
     create_entry(rref_id, fork_id, holder);
     return absl::OkStatus();
   }
+  // From the owner's own codec (it holds a handle: the entry exists): a fork sent to `holder`, provisional until the
+  // holder's accept says it decoded it (accepted()); dropped after the expiry otherwise (see pending_child_ttl).
+  void add_sent_fork(int64_t rref_id, int64_t fork_id, int holder) {
+    create_entry(rref_id, fork_id, holder);
+    MutexLock lock(&mu_);
+    provisional_[fork_id] = {rref_id, std::chrono::steady_clock::now()};
+  }
   void remove_fork(int64_t rref_id, int64_t fork_id) {
     std::vector<rpc::Future> freed;  // destroyed after the lock is released (see maybe_free_locked)
     MutexLock lock(&mu_);
+    provisional_.erase(fork_id);
     auto it = owners_.find(rref_id);
     if (it == owners_.end()) return;  // deletes are idempotent
     it->second.forks.erase(fork_id);
     maybe_free_locked(it, &freed);
+  }
+  // A receiver's accept of `child`: the parent this worker kept for it may go, or the fork this owner sent is final.
+  void accepted(int64_t child) {
+    c10::intrusive_ptr<RRefImpl> keep;  // destroyed outside the lock (its destructor may send a delete)
+    MutexLock lock(&mu_);
+    provisional_.erase(child);
+    auto it = pending_children_.find(child);
+    if (it == pending_children_.end()) return;
+    keep = std::move(it->second.first);
+    pending_children_.erase(it);
   }
   // A handle on the owner. The entry may not exist yet when the reference overtook its own creation (see
   // create_entry); the creation will fill the value.
@@ -194,7 +214,7 @@ class Context {
     s.owned_values = static_cast<int64_t>(owners_.size());
     for (const auto& [id, e] : owners_) s.known_forks += static_cast<int64_t>(e.forks.size());
     s.user_refs = user_refs.load();
-    s.pending_children = static_cast<int64_t>(pending_children_.size());
+    s.pending_children = static_cast<int64_t>(pending_children_.size() + provisional_.size());
     s.pending_confirmations = static_cast<int64_t>(pending_users_.size());
     s.failed_notes = failed_notes.load();
     return s;
@@ -232,6 +252,7 @@ class Context {
       owners.swap(owners_);
       users.swap(pending_users_);
       children.swap(pending_children_);
+      provisional_.clear();
       awaiting_.clear();
       probe = std::move(probe_);
     }
@@ -305,7 +326,7 @@ class Context {
         }
       }
       const auto now = std::chrono::steady_clock::now();
-      const auto ttl = pending_child_ttl();
+      const auto ttl = pending_child_ttl(options_);
       std::vector<c10::intrusive_ptr<RRefImpl>> expired;
       for (auto it = pending_children_.begin(); it != pending_children_.end();) {
         if (now - it->second.second > ttl) {
@@ -313,6 +334,22 @@ class Context {
           it = pending_children_.erase(it);
         } else {
           ++it;
+        }
+      }
+      std::vector<rpc::Future> unread;  // values only forks nobody decoded kept
+      for (auto it = provisional_.begin(); it != provisional_.end();) {
+        if (now - it->second.second <= ttl) {
+          ++it;
+          continue;
+        }
+        const auto [rref_id, fork_id] = std::pair(it->second.first, it->first);
+        it = provisional_.erase(it);
+        TANDEM_LOG(kWarn, "rref") << "rref " << rref_id << ": fork " << fork_id
+                                  << " sent by this owner was never accepted by its receiver within " << ttl.count()
+                                  << " ms (the message was not decoded there): dropped";
+        if (auto entry = owners_.find(rref_id); entry != owners_.end()) {
+          entry->second.forks.erase(fork_id);
+          maybe_free_locked(entry, &unread);
         }
       }
       std::vector<std::pair<int64_t, rpc::Future>> timed_out;
@@ -330,6 +367,7 @@ class Context {
       }
       mu_.Unlock();
       expired.clear();
+      unread.clear();
       for (auto& [id, f] : timed_out) f.set_error(missing(id));
       std::vector<int> dead;
       for (int h : holders) {
@@ -370,6 +408,9 @@ class Context {
   std::unordered_map<int64_t, std::pair<c10::intrusive_ptr<RRefImpl>, std::chrono::steady_clock::time_point>>
       pending_children_ ABSL_GUARDED_BY(mu_);
   std::unordered_map<int64_t, std::vector<std::pair<std::chrono::steady_clock::time_point, rpc::Future>>> awaiting_
+      ABSL_GUARDED_BY(mu_);
+  // Forks this owner sent and their receivers have not accepted yet: fork id -> (rref id, when sent).
+  std::unordered_map<int64_t, std::pair<int64_t, std::chrono::steady_clock::time_point>> provisional_
       ABSL_GUARDED_BY(mu_);
   std::atomic<uint64_t> generation_{1};
   RRefOptions options_ ABSL_GUARDED_BY(mu_);  // configure() may run while the probe reads it
@@ -415,7 +456,7 @@ absl::StatusOr<std::string> encode(const c10::IValue& v, int to) {
       ctx.hold_pending_child(w.fork_id(), c10::intrusive_ptr<RRefImpl>::reclaim_copy(impl));
     } else {
       w.set_kind(kFromOwner);
-      if (auto s = ctx.add_fork(impl->rref_id_, w.fork_id(), to); !s.ok()) return s;
+      ctx.add_sent_fork(impl->rref_id_, w.fork_id(), to);
     }
   } else {
     w.set_kind(to == impl->owner_ ? kToOwner : kUserFork);
@@ -438,6 +479,7 @@ absl::StatusOr<c10::IValue> decode(const std::string& data, int from, std::vecto
     return c10::IValue(c10::intrusive_ptr<c10::RRefInterface>(*handle));
   }
   if (w.kind() == kFromOwner) {
+    send_accept(w.owner(), w.fork_id());  // the owner's fork for this reference is final
     return c10::IValue(c10::intrusive_ptr<c10::RRefInterface>(
         c10::make_intrusive<RRefImpl>(w.owner(), w.rref_id(), w.fork_id(), false, true, ctx.generation())));
   }
@@ -521,7 +563,7 @@ rpc::Future on_delete(std::vector<c10::IValue>&& args) {  // (rref, fork) pairs
 
 rpc::Future on_accept(std::vector<c10::IValue>&& args) {  // (child, 0) pairs, on the parent's holder
   const auto v = note_pairs(args);
-  for (size_t i = 0; i < v.size(); i += 2) Context::get().release_pending_child(v[i]);
+  for (size_t i = 0; i < v.size(); i += 2) Context::get().accepted(v[i]);
   return rpc::Future::ready(c10::IValue());
 }
 

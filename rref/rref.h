@@ -197,7 +197,7 @@ struct Stats {
   int64_t owned_values = 0;           // values this worker owns
   int64_t known_forks = 0;            // user references the owner knows of, over all its values
   int64_t user_refs = 0;              // live user references held here
-  int64_t pending_children = 0;       // references sent on, whose receivers the owner has not confirmed yet
+  int64_t pending_children = 0;       // references sent on, whose receivers have not accepted them yet
   int64_t pending_confirmations = 0;  // references received here, not yet confirmed by their owner
   int64_t failed_notes = 0;           // delete/accept batches that could not be delivered (their worker was gone)
 };
@@ -207,6 +207,12 @@ struct RRefOptions {
   // How often an owner checks that the workers holding its references are alive; a worker that cannot be reached is
   // dropped with all its references.
   std::chrono::milliseconds probe_interval{1000};
+  // How long a reference sent to another worker keeps what it refers to until the receiver accepts it (says it decoded
+  // the message): the parent a sender keeps for it, or, for a reference its owner sent, the owner's value. A message
+  // never decoded (a reply that came after its call's timeout, a message refused or over the size limit) frees them
+  // after this. Non-positive: twice RpcOptions::rpc_timeout, at least 10 minutes (a message may take a call's whole
+  // timeout, which may be longer than the default). Checked every probe_interval.
+  std::chrono::milliseconds unaccepted_ttl{0};
 };
 // Optional; call before init_rpc.
 void configure(RRefOptions options);

@@ -214,6 +214,34 @@ TEST_F(MultiprocRRef, KilledOwnerFailsWithinTheDeadline) {
   rpc::shutdown(false);
 }
 
+// A reference its owner sends is provisional until the receiver accepts it: a reply nobody decodes (here it comes after
+// the caller's timeout) frees the owner's value after RRefOptions::unaccepted_ttl. Before, the owner kept the fork,
+// and the value, until the job ended. A reference that is received and held stays past that time.
+TEST_F(MultiprocRRef, AReferenceItsOwnerSentThatNobodyDecodedIsFreedAfterTheTtl) {
+  rref::configure({.probe_interval = milliseconds(100), .unaccepted_ttl = milliseconds(1000)});
+  start({.world_size = 2});
+  rref::RRef held = rref::make_local(c10::IValue(at::ones({2})));
+  rpc::rpc_sync("worker1", "hold", std::vector<c10::IValue>{held.to_ivalue()});
+  held = rref::RRef();
+  // worker1 asks this worker for a reference it owns and gives up after 200 ms; the reply, 600 ms late, is dropped.
+  const auto asked = Clock::now();
+  EXPECT_EQ(rpc::rpc_sync<int64_t>("worker1", "call_with_timeout", int64_t{0}, std::string("own_value_late"),
+                                   int64_t{3}, int64_t{600}, int64_t{200}),
+            static_cast<int64_t>(absl::StatusCode::kDeadlineExceeded));
+  EXPECT_TRUE(poll_until(scaled(milliseconds(5000)), [] { return stats_of(0)[0] == 2; }))
+      << "the late reply's value was never made";
+  // Freed after the ttl (1 s, checked every 100 ms), not before: the held one stays.
+  EXPECT_TRUE(poll_until(scaled(milliseconds(10000)), [] { return stats_of(0)[0] == 1; }))
+      << "the value of a reference nobody decoded is still kept";
+  EXPECT_GE(Clock::now() - asked, milliseconds(600 + 1000));
+  std::this_thread::sleep_for(milliseconds(1500));
+  EXPECT_EQ(stats_of(0)[0], 1) << "the reference worker1 holds lost its value";
+  EXPECT_EQ(rpc::rpc_sync<int64_t>("worker1", "drop_held"), 1);
+  EXPECT_TRUE(poll_until(scaled(milliseconds(5000)), [] { return stats_of(0)[0] == 0; }));
+  rpc::shutdown(true);
+  rref::configure({});
+}
+
 TEST_F(MultiprocRRef, KilledUserIsDroppedByTheOwner) {
   rref::configure({.probe_interval = milliseconds(200)});
   start({.world_size = 3, .extra_env = {{"TANDEM_TEST_SHUTDOWN_MS", "3000"}}});

@@ -2,7 +2,10 @@
 
 #include <ATen/ATen.h>
 
+#include <chrono>
 #include <mutex>
+#include <string>
+#include <thread>
 #include <vector>
 
 #include "tandem/rref/rref.h"
@@ -58,6 +61,17 @@ void register_rref_test_functions() {
   rpc::register_function("echo_rref", [](c10::IValue r) { return r; });
   // An RRef owned by this worker, returned to the caller (owner -> user).
   rpc::register_function("own_value", [](int64_t n) { return rref::make_local(at::full({n}, 2.0)).to_ivalue(); });
+  // The same after `ms` milliseconds: a reply that comes after its caller gave up.
+  rpc::register_function("own_value_late", [](int64_t n, int64_t ms) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+    return rref::make_local(at::full({n}, 2.0)).to_ivalue();
+  });
+  // Calls `to`'s `function` (int, int) with a timeout of `timeout_ms`; the code of its status.
+  rpc::register_function(
+      "call_with_timeout", [](int64_t to, std::string function, int64_t a, int64_t b, int64_t timeout_ms) {
+        rpc::Future f = rpc::rpc_async(static_cast<int>(to), function, a, b, std::chrono::milliseconds(timeout_ms));
+        return static_cast<int64_t>(f.status().code());
+      });
   rpc::register_function("rref_stats", [] {
     auto s = rref::stats();
     return std::vector<int64_t>{s.owned_values, s.known_forks, s.user_refs, s.pending_children,
