@@ -20,6 +20,7 @@
 #include <set>
 #include <sstream>
 #include <unordered_map>
+#include <unordered_set>
 
 #include "absl/base/attributes.h"
 #include "absl/base/thread_annotations.h"
@@ -28,6 +29,7 @@
 #include "absl/strings/str_join.h"
 #include "tandem/dist_autograd/detail/gradients.h"
 #include "tandem/dist_autograd/dist_autograd.h"
+#include "tandem/log/log.h"
 #include "tandem/rpc/detail/note_batcher.h"
 #include "tandem/rpc/errors.h"
 #include "tandem/rpc/extension.h"
@@ -136,11 +138,30 @@ struct LocalOptimizer {
 ABSL_CONST_INIT Mutex g_owner_lock(absl::kConstInit);
 ABSL_CONST_INIT Mutex g_registry_mu(absl::kConstInit);
 std::unordered_map<int64_t, std::shared_ptr<LocalOptimizer>> g_optimizers ABSL_GUARDED_BY(g_registry_mu);
-// Ids released before their optimizer was registered here (a caller whose creation failed releases it on every owner
-// it asked, and the release may overtake a creation still waiting for its parameters): such a creation is refused.
-// Oldest first; at most kMaxReleasedEarly are kept (each is removed by the creation it refuses).
+// Ids released while no optimizer was registered under them here (a caller whose creation failed releases it on every
+// owner it asked, and the release may overtake a creation still under way): such a creation is refused. An id stays
+// until the creation it refuses comes, or for released_early_ttl() (a creation still under way by then is past its
+// caller's timeout and refuses itself; an id whose creation failed here, or a release sent again, is never claimed),
+// at most kMaxReleasedEarly ids (the oldest go first).
 constexpr size_t kMaxReleasedEarly = 4096;
-std::deque<int64_t> g_released_early ABSL_GUARDED_BY(g_registry_mu);
+std::deque<std::pair<std::chrono::steady_clock::time_point, int64_t>> g_released_order ABSL_GUARDED_BY(g_registry_mu);
+std::unordered_set<int64_t> g_released_early ABSL_GUARDED_BY(g_registry_mu);
+
+std::chrono::milliseconds released_early_ttl() {
+  return std::max<std::chrono::milliseconds>(std::chrono::minutes(10), 2 * rpc::default_timeout());
+}
+
+void add_released_early(int64_t id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(g_registry_mu) {
+  const auto now = std::chrono::steady_clock::now();
+  g_released_order.emplace_back(now, id);
+  g_released_early.insert(id);
+  const auto ttl = released_early_ttl();
+  while (!g_released_order.empty() &&
+         (g_released_order.size() > kMaxReleasedEarly || now - g_released_order.front().first > ttl)) {
+    g_released_early.erase(g_released_order.front().second);
+    g_released_order.pop_front();
+  }
+}
 
 // The id a DistributedOptimizer gives its optimizers on every owner: unique in the job (the caller's rank in the top
 // bits, then a counter that starts at a random point, so that a restarted caller does not reuse its predecessor's).
@@ -175,19 +196,24 @@ rpc::Future on_create(std::vector<c10::IValue>&& args) {
   }
   auto local = std::make_shared<LocalOptimizer>(kind, std::move(params), hogwild, hyper);
   const auto took = std::chrono::steady_clock::now() - arrived;
+  const auto* call = rpc::current_call();
+  const std::string creator = call ? call->caller_name : "?";
   MutexLock lock(&g_registry_mu);
-  const auto early = std::find(g_released_early.begin(), g_released_early.end(), id);
-  const bool released = early != g_released_early.end();
-  if (released) g_released_early.erase(early);  // this creation was what it waited for
+  const bool released = g_released_early.erase(id) != 0;  // this creation was what it waited for
+  // Both refusals reach a caller that has given up already: the log says what happened to its optimizer.
   if (took >= timeout) {
-    throw_error(absl::DeadlineExceededError(
-        absl::StrCat("optimizer ", id, " on worker '", rpc::get_worker_info().name, "': its parameters took ",
-                     std::chrono::duration_cast<std::chrono::milliseconds>(took).count(),
-                     " ms to be made, past its creator's timeout of ", timeout.count(), " ms")));
+    const std::string why =
+        absl::StrCat("optimizer ", id, " of worker '", creator, "' on worker '", rpc::get_worker_info().name,
+                     "': its parameters took ", std::chrono::duration_cast<std::chrono::milliseconds>(took).count(),
+                     " ms to be made, past its creator's timeout of ", timeout.count(), " ms: not created");
+    TANDEM_LOG(kWarn, "dist_optim") << why;
+    throw_error(absl::DeadlineExceededError(why));
   }
   if (released) {
-    throw_error(absl::CancelledError(absl::StrCat("optimizer ", id, " on worker '", rpc::get_worker_info().name,
-                                                  "': its creator released it before it was made")));
+    const std::string why = absl::StrCat("optimizer ", id, " of worker '", creator, "' on worker '",
+                                         rpc::get_worker_info().name, "': released by its creator before it was made");
+    TANDEM_LOG(kWarn, "dist_optim") << why;
+    throw_error(absl::CancelledError(why));
   }
   if (!g_optimizers.emplace(id, std::move(local)).second) {
     throw_error(absl::AlreadyExistsError(
@@ -270,15 +296,14 @@ bool install() {
   rpc::register_function(kRelease, [](std::vector<int64_t> ids) {  // from rpc::detail::releases()
     MutexLock lock(&g_registry_mu);
     for (int64_t id : ids) {
-      if (g_optimizers.erase(id) != 0) continue;
-      g_released_early.push_back(id);
-      if (g_released_early.size() > kMaxReleasedEarly) g_released_early.pop_front();
+      if (g_optimizers.erase(id) == 0) add_released_early(id);
     }
   });
   rpc::add_stop_hook([] {
     MutexLock lock(&g_registry_mu);
     g_optimizers.clear();
     g_released_early.clear();
+    g_released_order.clear();
   });
   return true;
 }
@@ -317,8 +342,11 @@ DistributedOptimizer::DistributedOptimizer(const std::string& kind, const std::v
   std::string errors;
   absl::StatusCode code = absl::StatusCode::kOk;  // the first owner's: every owner's error is named, one code is kept
   for (auto& [owner, f] : created) {
-    remote_.emplace_back(owner, id);
-    if (absl::Status s = f.status(); !s.ok()) {
+    const absl::Status s = f.status();
+    // An owner that has another optimizer under this id (ALREADY_EXISTS: a restarted caller met its predecessor's)
+    // keeps it: the release below goes to every other owner asked.
+    if (s.code() != absl::StatusCode::kAlreadyExists) remote_.emplace_back(owner, id);
+    if (!s.ok()) {
       errors += std::string(errors.empty() ? "" : "; ") + std::string(s.message());
       if (code == absl::StatusCode::kOk) code = s.code();
     }

@@ -69,12 +69,14 @@ struct OwnerEntry {
 // Pending children are released by the child's accept, and a fork the owner sent (provisional) is made final by its
 // receiver's accept; one whose message was never decoded (a reply that came after its call's timeout, a message
 // refused or over the size limit) would keep its parent, or the owner's value, forever, so they expire. The message
-// carrying the child may legitimately take as long as a call (rpc_timeout, or a longer timeout given to that call), so
-// the expiry is RRefOptions::unaccepted_ttl, by default twice the RPC timeout and at least 10 minutes for calls given
-// longer timeouts than the default: expiring too early frees a parent that is still needed, too late only keeps memory.
+// carrying the child may take as long as a call (rpc_timeout), and the accept as long as its batch's attempts (3, each
+// up to rpc_timeout), so the expiry is RRefOptions::unaccepted_ttl, by default 4 x the RPC timeout and at least 10
+// minutes for calls given longer timeouts than the default: expiring too early frees a parent (or a value) that is
+// still needed, too late only keeps memory.
+constexpr int kNoteAttempts = 3;
 std::chrono::milliseconds pending_child_ttl(const RRefOptions& options) {
   if (options.unaccepted_ttl.count() > 0) return options.unaccepted_ttl;
-  return std::max<std::chrono::milliseconds>(std::chrono::minutes(10), 2 * rpc::default_timeout());
+  return std::max<std::chrono::milliseconds>(std::chrono::minutes(10), (kNoteAttempts + 1) * rpc::default_timeout());
 }
 
 // The longest wait for an unknown reference a peer may ask of an owner (on_fetch). Real waits are the caller's call
@@ -271,7 +273,6 @@ class Context {
   std::atomic<int64_t> user_refs{0};
 
  private:
-  static constexpr int kNoteAttempts = 3;
   static rpc::detail::NoteBatcher::Options batcher_options() {
     rpc::detail::NoteBatcher::Options o;
     o.policy = rpc::detail::NoteBatcher::Policy::kEveryDelay;
@@ -392,7 +393,14 @@ class Context {
   void drop_holder_locked(int holder, std::vector<rpc::Future>* freed) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     for (auto it = owners_.begin(); it != owners_.end();) {
       auto& forks = it->second.forks;
-      for (auto f = forks.begin(); f != forks.end();) f = f->second == holder ? forks.erase(f) : std::next(f);
+      for (auto f = forks.begin(); f != forks.end();) {
+        if (f->second != holder) {
+          ++f;
+          continue;
+        }
+        provisional_.erase(f->first);
+        f = forks.erase(f);
+      }
       if (forks.empty() && it->second.local_handles == 0) {
         freed->push_back(std::move(it->second.value));
         it = owners_.erase(it);

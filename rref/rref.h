@@ -210,8 +210,10 @@ struct RRefOptions {
   // How long a reference sent to another worker keeps what it refers to until the receiver accepts it (says it decoded
   // the message): the parent a sender keeps for it, or, for a reference its owner sent, the owner's value. A message
   // never decoded (a reply that came after its call's timeout, a message refused or over the size limit) frees them
-  // after this. Non-positive: twice RpcOptions::rpc_timeout, at least 10 minutes (a message may take a call's whole
-  // timeout, which may be longer than the default). Checked every probe_interval.
+  // after this. Non-positive: 4 x RpcOptions::rpc_timeout, at least 10 minutes (a message may take a call's whole
+  // timeout, which may be longer than the default, and its accept 3 attempts of up to rpc_timeout each). Checked
+  // every probe_interval. A receiver whose accept takes longer (a partition outlasting its attempts) finds the value
+  // gone (NOT_FOUND): set it above the longest time a message and its accept may take.
   std::chrono::milliseconds unaccepted_ttl{0};
 };
 // Optional; call before init_rpc.

@@ -225,7 +225,8 @@ TEST_F(MultiprocDistOptim, BadKindsAndHyperParametersNameTheOwner) {
 // id on every owner it asked. Before, the owner registered it once the value came, for nobody, until RPC stopped.
 TEST_F(MultiprocDistOptim, ACreationThatTimesOutLeavesNoOptimizerOnAnyOwner) {
   start({.world_size = 3});
-  rref::RRef slow = rref::remote(1, "slow_param", std::string("t1"), int64_t{1500});
+  rref::RRef slow =
+      rref::remote(1, "slow_param", std::string("t1"), static_cast<int64_t>(scaled(milliseconds(1500)).count()));
   rref::RRef quick = param_ref(2, "t2");
   dist_optim::DistributedOptimizerOptions options;
   options.timeout = milliseconds(300);
@@ -236,12 +237,14 @@ TEST_F(MultiprocDistOptim, ACreationThatTimesOutLeavesNoOptimizerOnAnyOwner) {
     EXPECT_EQ(e.code(), absl::StatusCode::kDeadlineExceeded) << e.what();
     EXPECT_THAT(e.what(), testing::HasSubstr("worker1"));
   }
-  (void)slow.to_here();  // the value is made: worker1's creation has gone on from its wait by now
-  // worker2 created its optimizer at once and is told to release it; worker1 refuses its own.
+  (void)slow.to_here();  // the value is made: worker1's creation goes on from its wait now, to its refusal
+  // worker2 created its optimizer at once and is told to release it; worker1 refuses its own (checked again below:
+  // a new optimizer there makes 1, not 2).
   EXPECT_TRUE(poll_until(scaled(milliseconds(5000)), [] {
     return rpc::rpc_sync<int64_t>("worker1", "optimizer_count") == 0 &&
            rpc::rpc_sync<int64_t>("worker2", "optimizer_count") == 0;
   }));
+  std::this_thread::sleep_for(milliseconds(200));
   // The refusal does not stay: a new optimizer over the same parameter is made and steps.
   dist_optim::DistributedOptimizer opt("sgd", {slow, quick}, {{"lr", 0.1}});
   EXPECT_EQ(rpc::rpc_sync<int64_t>("worker1", "optimizer_count"), 1);

@@ -218,7 +218,9 @@ TEST_F(MultiprocRRef, KilledOwnerFailsWithinTheDeadline) {
 // the caller's timeout) frees the owner's value after RRefOptions::unaccepted_ttl. Before, the owner kept the fork,
 // and the value, until the job ended. A reference that is received and held stays past that time.
 TEST_F(MultiprocRRef, AReferenceItsOwnerSentThatNobodyDecodedIsFreedAfterTheTtl) {
-  rref::configure({.probe_interval = milliseconds(100), .unaccepted_ttl = milliseconds(1000)});
+  // Scaled: the accept of the reference worker1 holds must come within it.
+  const milliseconds ttl = scaled(milliseconds(1500));
+  rref::configure({.probe_interval = milliseconds(100), .unaccepted_ttl = ttl});
   start({.world_size = 2});
   rref::RRef held = rref::make_local(c10::IValue(at::ones({2})));
   rpc::rpc_sync("worker1", "hold", std::vector<c10::IValue>{held.to_ivalue()});
@@ -230,10 +232,11 @@ TEST_F(MultiprocRRef, AReferenceItsOwnerSentThatNobodyDecodedIsFreedAfterTheTtl)
             static_cast<int64_t>(absl::StatusCode::kDeadlineExceeded));
   EXPECT_TRUE(poll_until(scaled(milliseconds(5000)), [] { return stats_of(0)[0] == 2; }))
       << "the late reply's value was never made";
-  // Freed after the ttl (1 s, checked every 100 ms), not before: the held one stays.
-  EXPECT_TRUE(poll_until(scaled(milliseconds(10000)), [] { return stats_of(0)[0] == 1; }))
+  // Freed after the ttl (checked every 100 ms), not before; the held one stays (were it dropped at its own expiry, the
+  // count would be 0 once the late one's came, within 600 ms and a probe of this).
+  EXPECT_TRUE(poll_until(ttl + scaled(milliseconds(10000)), [] { return stats_of(0)[0] == 1; }))
       << "the value of a reference nobody decoded is still kept";
-  EXPECT_GE(Clock::now() - asked, milliseconds(600 + 1000));
+  EXPECT_GE(Clock::now() - asked, milliseconds(600) + ttl);
   std::this_thread::sleep_for(milliseconds(1500));
   EXPECT_EQ(stats_of(0)[0], 1) << "the reference worker1 holds lost its value";
   EXPECT_EQ(rpc::rpc_sync<int64_t>("worker1", "drop_held"), 1);
