@@ -359,6 +359,11 @@ DistributedOptimizer::DistributedOptimizer(const std::string& kind, const std::v
 
 DistributedOptimizer::~DistributedOptimizer() { release(); }
 
+void detail::with_owner_lock(const std::function<void()>& f) {
+  MutexLock lock(&g_owner_lock);
+  f();
+}
+
 int64_t owned_optimizer_count() {
   MutexLock lock(&g_registry_mu);
   return static_cast<int64_t>(g_optimizers.size());

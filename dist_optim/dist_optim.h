@@ -28,6 +28,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <string>
 #include <utility>
@@ -84,5 +85,11 @@ class DistributedOptimizer {
 // The optimizers this worker holds for DistributedOptimizers anywhere (its own and other workers'): for leak checks.
 // Thread-safe.
 int64_t owned_optimizer_count();
+
+namespace detail {
+// Runs `f` holding the lock every step of a non-hogwild optimizer on this worker takes (hogwild steps do not): for
+// tests that show which steps wait for it. Thread-safe.
+void with_owner_lock(const std::function<void()>& f);
+}  // namespace detail
 
 }  // namespace tandem::dist_optim

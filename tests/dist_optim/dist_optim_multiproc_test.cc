@@ -188,6 +188,38 @@ TEST_F(MultiprocDistOptim, HogwildTrainersRunWithoutTheLock) {
   concurrent_trainers(true, "hogwild", 4, 25);
 }
 
+// A context whose backward gave `name` (on worker1) a gradient.
+std::unique_ptr<dist_autograd::ContextGuard> context_with_gradient(const std::string& name) {
+  auto ctx = std::make_unique<dist_autograd::ContextGuard>();
+  at::Tensor y = rpc::rpc_sync<at::Tensor>("worker1", "linear", name, input());
+  dist_autograd::backward(ctx->id(), {y.sum()});
+  return ctx;
+}
+
+// While the owner lock is held on worker1, a hogwild step there completes and a locked one waits for the lock.
+TEST_F(MultiprocDistOptim, HogwildStepsDoNotWaitForTheOwnerLockThatLockedStepsTake) {
+  start({.world_size = 2});
+  dist_optim::DistributedOptimizer hogwild("sgd", {param_ref(1, "h_free")}, {{"lr", 0.01}}, {.hogwild = true});
+  dist_optim::DistributedOptimizer locked("sgd", {param_ref(1, "h_locked")}, {{"lr", 0.01}});
+  const at::Tensor free_before = rpc::rpc_sync<at::Tensor>("worker1", "param_value", "h_free");
+  const at::Tensor locked_before = rpc::rpc_sync<at::Tensor>("worker1", "param_value", "h_locked");
+  auto free_ctx = context_with_gradient("h_free");
+  auto locked_ctx = context_with_gradient("h_locked");
+  // Held for longer than any step takes here, under any time scale.
+  rpc::Future hold = rpc::rpc_async("worker1", "hold_owner_lock", scaled(milliseconds(4000)).count());
+  ASSERT_TRUE(poll_until(scaled(milliseconds(5000)), [] { return rpc::rpc_sync<bool>("worker1", "owner_lock_held"); }));
+  rpc::Future locked_step = locked.step_async(locked_ctx->id());
+  EXPECT_TRUE(hogwild.step_async(free_ctx->id()).status().ok());
+  EXPECT_TRUE(rpc::rpc_sync<bool>("worker1", "owner_lock_held")) << "the hogwild step waited for the lock";
+  EXPECT_FALSE(locked_step.completed()) << "the locked step did not wait for the lock";
+  EXPECT_FALSE(rpc::rpc_sync<at::Tensor>("worker1", "param_value", "h_free").equal(free_before));
+  EXPECT_TRUE(rpc::rpc_sync<at::Tensor>("worker1", "param_value", "h_locked").equal(locked_before));
+  EXPECT_TRUE(locked_step.status().ok()) << locked_step.status();
+  EXPECT_FALSE(rpc::rpc_sync<bool>("worker1", "owner_lock_held"));
+  EXPECT_FALSE(rpc::rpc_sync<at::Tensor>("worker1", "param_value", "h_locked").equal(locked_before));
+  EXPECT_TRUE(hold.status().ok()) << hold.status();
+}
+
 TEST_F(MultiprocDistOptim, AContextWithoutGradientsHereChangesNothing) {
   start({.world_size = 3});
   dist_optim::DistributedOptimizer opt("sgd", {param_ref(1, "n1"), param_ref(2, "n2")}, {{"lr", 1.0}});

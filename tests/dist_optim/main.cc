@@ -3,18 +3,22 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <chrono>
 #include <thread>
 
 #include "tandem/dist_autograd/dist_autograd.h"
 #include "tandem/dist_optim/dist_optim.h"
 #include "tandem/rref/rref.h"
+#include "tandem/sync/sync.h"
 #include "tests/common/params.h"
 #include "tests/common/spawner.h"
 #include "tests/common/test_env.h"
 
 namespace tandem::test {
 namespace {
+
+std::atomic<bool> g_owner_lock_held{false};
 
 void register_functions() {
   rpc::register_function("layer", [](std::string p, at::Tensor x) { return at::tanh(x.mm(param(p, 4, 4))); });
@@ -23,6 +27,16 @@ void register_functions() {
                          [](std::string p) { return rref::make_local(c10::IValue(param(p, 4, 4))).to_ivalue(); });
   rpc::register_function("param_value", [](std::string p) { return param(p, 4, 4).detach().clone(); });
   rpc::register_function("optimizer_count", [] { return dist_optim::owned_optimizer_count(); });
+  // Holds the lock locked steps take on this worker for `ms` milliseconds; owner_lock_held() says when it is held.
+  rpc::register_function("hold_owner_lock", [](int64_t ms) {
+    dist_optim::detail::with_owner_lock([ms] {
+      g_owner_lock_held = true;
+      BlockingScope waiting;  // a wait: its RPC thread's place goes to other requests meanwhile
+      std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+      g_owner_lock_held = false;
+    });
+  });
+  rpc::register_function("owner_lock_held", [] { return g_owner_lock_held.load(); });
   rpc::register_function("slow_param", [](std::string p, int64_t ms) {  // a parameter whose RRef is made slowly
     std::this_thread::sleep_for(std::chrono::milliseconds(ms));
     return param(p, 4, 4);
