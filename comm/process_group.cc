@@ -553,8 +553,9 @@ class GlooGroup final : public ProcessGroup {
   };
 
   // An operation's fingerprint: its name, its parameter (root, reduce op), and the dtype and shape of the tensor that
-  // characterises it (the same on every rank).
-  static constexpr size_t kFingerprint = 8;
+  // characterises it (the same on every rank): its first 4 sizes as they are, and a hash of all of them (shapes that
+  // differ past the fourth dimension differ there).
+  static constexpr size_t kFingerprint = 9;
   static constexpr const char* kOps[] = {"allreduce", "broadcast",  "allgather", "reduce",         "gather",
                                          "scatter",   "all_to_all", "barrier",   "reduce_scatter", "shared_tensor"};
   static std::vector<int64_t> fingerprint(const std::string& what, const at::Tensor& t, int64_t param) {
@@ -567,6 +568,9 @@ class GlooGroup final : public ProcessGroup {
       f[2] = static_cast<int64_t>(t.scalar_type());
       f[3] = t.dim();
       for (int64_t d = 0; d < std::min<int64_t>(t.dim(), 4); ++d) f[4 + d] = t.size(d);
+      uint64_t h = 1469598103934665603ull;  // FNV-1a over the sizes
+      for (int64_t d = 0; d < t.dim(); ++d) h = (h ^ static_cast<uint64_t>(t.size(d))) * 1099511628211ull;
+      f[8] = static_cast<int64_t>(h);
     }
     return f;
   }
@@ -575,7 +579,8 @@ class GlooGroup final : public ProcessGroup {
     if (f[2] < 0) return s + "()";
     s += absl::StrCat("(", c10::toString(static_cast<c10::ScalarType>(f[2])), "[");
     for (int64_t d = 0; d < std::min<int64_t>(f[3], 4); ++d) s += absl::StrCat(d ? ", " : "", f[4 + d]);
-    return s + absl::StrCat(f[3] > 4 ? ", ..." : "", "], parameter ", f[1], ")");
+    return s + absl::StrCat(f[3] > 4 ? absl::StrCat(", ... (", f[3], " dimensions, sizes hashed ", f[8], ")") : "",
+                            "], parameter ", f[1], ")");
   }
 
   // Debug mode: all ranks exchange the fingerprint of the operation they are about to run; the first rank whose

@@ -511,8 +511,16 @@ at::Tensor Reducer::wait_all() {
     used = at::tensor(std::vector<int32_t>(locally_used.begin(), locally_used.end()), at::kInt);
     used_work = group->allreduce(used, comm::ReduceOp::kMax);
   }
-  for (auto& b : buckets) throw_if_error(b.work.status());
-  if (used.defined()) throw_if_error(used_work.status());
+  // Every launched operation is waited for before an error is thrown: one still running after the throw would write
+  // into a bucket the next iteration fills.
+  absl::Status first;
+  for (auto& b : buckets) {
+    if (absl::Status s = b.work.status(); first.ok()) first = s;
+  }
+  if (used.defined()) {
+    if (absl::Status s = used_work.status(); first.ok()) first = s;
+  }
+  throw_if_error(first);
   return used;
 }
 

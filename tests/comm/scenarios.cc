@@ -560,6 +560,18 @@ std::string run(const std::string& name) {
         err += "operation mismatch report: " + m + "; ";
       }
     }
+    // Shapes that differ only past the fourth dimension (before, the fingerprint held the first four sizes).
+    auto pg3 = comm::ProcessGroup::create("debug3", {}, {.timeout = std::chrono::milliseconds(10000), .debug = true});
+    try {
+      auto x = at::ones({1, 1, 1, 1, rank == 1 ? 5 : 4});
+      comm::wait(pg3->allreduce(x));
+      err += "a mismatch in the fifth dimension went through; ";
+    } catch (const RpcError& e) {
+      const std::string m = e.what();
+      if (m.find("rank 1 called allreduce(Float[1, 1, 1, 1, ... (5 dimensions") == std::string::npos) {
+        err += "fifth-dimension mismatch report: " + m + "; ";
+      }
+    }
     return err;
   }
   return "unknown scenario " + name;
