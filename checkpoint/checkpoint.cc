@@ -23,6 +23,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "tandem/comm/process_group.h"
 #include "tandem/ddp/sampler.h"
 #include "tandem/ddp/zero.h"
@@ -473,7 +474,7 @@ void Checkpointer::save(int64_t step, const State& state) {
       if (attempt == 3 || ::stat(step_dir.c_str(), &st) == 0) throw;
     }
   }
-  prune();
+  prune(step);
 }
 
 std::vector<int64_t> Checkpointer::steps() const { return steps_of(rank_); }
@@ -505,8 +506,12 @@ std::vector<int64_t> Checkpointer::steps_of(int rank) const {
   return out;
 }
 
-void Checkpointer::prune() const {
-  const std::vector<int64_t> all = steps();
+void Checkpointer::prune(int64_t saved) const {
+  // The newest `keep` steps up to the one just saved: steps above it are another run's (a job started afresh in a
+  // directory with newer steps; restore() refuses to start afresh beside them) and must not make this run's saves go
+  // as soon as they are written.
+  std::vector<int64_t> all = steps();
+  all.erase(std::upper_bound(all.begin(), all.end(), saved), all.end());
   const std::set<int64_t> kept(all.end() - std::min<size_t>(all.size(), options_.keep), all.end());
   DIR* d = ::opendir(dir_.c_str());
   if (!d) return;
@@ -582,6 +587,14 @@ std::optional<int64_t> Checkpointer::restore(State& state, comm::ProcessGroup* g
   const int source = layout == Layout::kReplicated ? 0 : rank_;  // whose files this rank reads
   // Each round, the ranks agree on the smallest of their newest intact steps; if one of them lacks that step intact
   // (it kept other ones), they look again below it. Every round lowers the bound, so this ends.
+  // Every rank's value `v`, by group rank (this rank's alone without a group).
+  auto each_rank = [group](int64_t v) {
+    if (!group) return std::vector<int64_t>{v};
+    at::Tensor t = at::full({group->size()}, std::numeric_limits<int64_t>::min(), at::kLong);
+    t.data_ptr<int64_t>()[group->rank()] = v;
+    comm::wait(group->allreduce(t, comm::ReduceOp::kMax));
+    return std::vector<int64_t>(t.data_ptr<int64_t>(), t.data_ptr<int64_t>() + t.numel());
+  };
   auto min_over_group = [group](int64_t v) {
     if (!group) return v;
     at::Tensor t = at::tensor(v);
@@ -600,9 +613,27 @@ std::optional<int64_t> Checkpointer::restore(State& state, comm::ProcessGroup* g
   int64_t bound = std::numeric_limits<int64_t>::max();
   for (;;) {
     auto mine = newest_intact_at_most(bound, source);  // the file is read once, and loaded from memory if agreed on
-    const int64_t agreed = min_over_group(!mine.ok() ? kUnreadable : *mine ? (*mine)->first : -1);
+    const std::vector<int64_t> newest = each_rank(!mine.ok() ? kUnreadable : *mine ? (*mine)->first : -1);
+    const int64_t agreed = *std::min_element(newest.begin(), newest.end());
     if (agreed == kUnreadable) unreadable(mine.status());
-    if (agreed < 0) return std::nullopt;
+    if (agreed < 0) {
+      const int64_t most = *std::max_element(newest.begin(), newest.end());
+      if (most < 0) return std::nullopt;  // no rank has a step: a fresh start
+      // Some ranks have steps and others none they share: starting afresh would drop the others' state silently (a
+      // job grown under Layout::kPerRank, a directory rank 0 does not share under kReplicated, a rank whose every
+      // file is damaged).
+      std::vector<std::string> without;
+      for (size_t r = 0; r < newest.size(); ++r) {
+        if (newest[r] < 0) without.push_back(std::to_string(r));
+      }
+      throw_error(absl::FailedPreconditionError(absl::StrCat(
+          "checkpoint: rank(s) ", absl::StrJoin(without, ", "), " of the group have no intact step",
+          bound == std::numeric_limits<int64_t>::max() ? "" : absl::StrCat(" up to ", bound), " of ",
+          layout == Layout::kReplicated ? "rank 0's files in " : "their own in ", dir_,
+          " while others have (up to step ", most,
+          "): not restored, and not started afresh beside them (a job of another world size resumes with "
+          "Layout::kReplicated from a directory every rank shares; a fresh start takes an empty directory)")));
+    }
     absl::StatusOr<std::string> payload = *mine && (*mine)->first == agreed
                                               ? absl::StatusOr<std::string>(std::move((*mine)->second))
                                               : read_payload(path_of(agreed, source));

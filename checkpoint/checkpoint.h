@@ -132,11 +132,14 @@ class Checkpointer {
   Checkpointer(std::string dir, int rank, CheckpointOptions options = {});
 
   // Writes this rank's part of checkpoint `step` (>= 0) atomically, then removes this rank's files of steps older than
-  // the newest `keep`. Not collective: every rank saves its own part.
+  // the newest `keep` up to `step` (steps above it, another run's, are left: they never make this one's go). Not
+  // collective: every rank saves its own part.
   void save(int64_t step, const State& state);
 
   // Restores `state` from the newest step that every rank of `group` has intact (this rank alone when `group` is
-  // null), and returns it; nullopt when there is none (a fresh start: `state` is untouched). Collective over `group`.
+  // null), and returns it; nullopt when no rank has one (a fresh start: `state` is untouched). Collective over `group`.
+  // When some ranks have intact steps and others none they share (a job grown under kPerRank, rank 0's files not
+  // shared under kReplicated): FAILED_PRECONDITION on every rank, naming the ranks without.
   // Torn or damaged files are passed over for older steps (and logged); a directory or file that cannot be read
   // otherwise (permissions, no descriptors left) fails every rank with UNAVAILABLE instead of a silent older start.
   std::optional<int64_t> restore(State& state, comm::ProcessGroup* group = nullptr, Layout layout = Layout::kPerRank);
@@ -156,7 +159,7 @@ class Checkpointer {
   std::vector<int64_t> steps_of(int rank) const;
   std::string path_of(int64_t step, int rank) const;
   void load_payload(const std::string& file, const std::string& payload, State& state);
-  void prune() const;
+  void prune(int64_t saved) const;
 
   std::string dir_;
   int rank_;

@@ -38,28 +38,36 @@ void Reducer::collect() {
   locally_used.assign(params.size(), 0);
 }
 
-void Reducer::verify_same_parameters() {
+absl::Status same_on_every_rank(comm::ProcessGroup& group, const std::vector<at::Tensor>& tensors,
+                                const std::string& what) {
   int64_t numel = 0;
   uint64_t digest = 1469598103934665603ull;
   auto mix = [&](uint64_t v) { digest = (digest ^ v) * 1099511628211ull; };
-  for (const auto& p : params) {
-    numel += p.tensor.numel();
-    mix(static_cast<uint64_t>(p.tensor.scalar_type()));
-    for (int64_t d : p.tensor.sizes()) mix(static_cast<uint64_t>(d));
+  for (const auto& t : tensors) {
+    numel += t.numel();
+    mix(static_cast<uint64_t>(t.scalar_type()));
+    for (int64_t d : t.sizes()) mix(static_cast<uint64_t>(d));
   }
-  auto mine = at::tensor({static_cast<int64_t>(params.size()), numel, static_cast<int64_t>(digest >> 1)}, at::kLong);
-  auto all = at::empty({3 * group->size()}, at::kLong);
-  comm::wait(group->allgather(all, mine));
+  auto mine = at::tensor({static_cast<int64_t>(tensors.size()), numel, static_cast<int64_t>(digest >> 1)}, at::kLong);
+  auto all = at::empty({3 * group.size()}, at::kLong);
+  comm::wait(group.allgather(all, mine));
   auto a = all.accessor<int64_t, 1>();
-  for (int r = 1; r < group->size(); ++r) {
+  for (int r = 1; r < group.size(); ++r) {
     if (a[3 * r] != a[0] || a[3 * r + 1] != a[1] || a[3 * r + 2] != a[2]) {
-      fail(absl::StatusCode::kFailedPrecondition,
-           absl::StrCat("rank ", r, " of process group '", group->name(), "' holds ", a[3 * r], " parameters with ",
-                        a[3 * r + 1], " elements where rank 0 holds ", a[0], " with ", a[1],
-                        a[3 * r] == a[0] && a[3 * r + 1] == a[1] ? " (shapes or dtypes differ)" : "",
-                        ": every rank must wrap the same model"));
+      return absl::FailedPreconditionError(
+          absl::StrCat("rank ", r, " of process group '", group.name(), "' holds ", a[3 * r], " parameters with ",
+                       a[3 * r + 1], " elements where rank 0 holds ", a[0], " with ", a[1],
+                       a[3 * r] == a[0] && a[3 * r + 1] == a[1] ? " (shapes or dtypes differ)" : "", ": ", what));
     }
   }
+  return absl::OkStatus();
+}
+
+void Reducer::verify_same_parameters() {
+  std::vector<at::Tensor> tensors;
+  for (const auto& p : params) tensors.push_back(p.tensor);
+  if (absl::Status s = same_on_every_rank(*group, tensors, "every rank must wrap the same model"); !s.ok())
+    fail(s.code(), std::string(s.message()));
 }
 
 void Reducer::broadcast_from(int root, bool with_params) {

@@ -9,6 +9,7 @@
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
+#include "tandem/ddp/detail/reducer.h"
 #include "tandem/rpc/errors.h"
 
 namespace tandem::ddp {
@@ -18,6 +19,11 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::vector<at::Tensor> paramet
     : parameters_(std::move(parameters)), owner_(parameters_.size(), 0), group_(std::move(group)) {
   if (!group_ || !make)
     throw RpcError(absl::InvalidArgumentError("ZeroRedundancyOptimizer: a group and a factory are required"));
+  // Each parameter's owner follows from the list: ranks holding other lists would broadcast from other roots or sizes.
+  if (absl::Status s = detail::same_on_every_rank(*group_, parameters_, "every rank must pass the same parameters");
+      !s.ok()) {
+    throw RpcError(absl::Status(s.code(), "ZeroRedundancyOptimizer: " + std::string(s.message())));
+  }
   std::vector<size_t> by_size(parameters_.size());
   std::iota(by_size.begin(), by_size.end(), 0);
   std::stable_sort(by_size.begin(), by_size.end(),

@@ -190,6 +190,10 @@ struct UnitState {
   at::Tensor shard;  // {S}: this rank's, a leaf for the optimizer
   Held held = Held::kReleased;
   bool memory = false;  // full's storage is taken
+  // A collective into `full` failed or ran out of time and may still write into it (a Gloo operation can outlive its
+  // deadline): its memory is never released by resizing (that frees it under the writer); the storage's deleter
+  // returns it once the operation and the tensors let go of it. The group is broken then: nothing gathers again.
+  bool written_late = false;
   rpc::Future gather;
   // A Linear unit's backward wrote its gradients into `full`, over the parameters it no longer needed (see
   // LinearIntoBuffer): its reduction starts from there, and the memory goes once it is done.
@@ -332,14 +336,16 @@ struct detail::ModelState {
     drop_memory(u);
   }
   // Waits for a collective nobody else waits for now (a prefetch the model will not use, a reduction of a failed
-  // backward), within the group's deadline; its failure is logged.
-  static void settle(const rpc::Future& pending) {
+  // backward), within the group's deadline; its failure is logged, and the unit's buffer is then kept from release
+  // (UnitState::written_late) when the collective wrote into it.
+  static void settle(const rpc::Future& pending, UnitState* into = nullptr) {
     if (absl::Status st = pending.status(); !st.ok()) {
       TANDEM_LOG(kWarn, "fsdp") << "a collective left behind failed: " << st.message();
+      if (into) into->written_late = true;
     }
   }
   void drop_memory(UnitState& u) {
-    if (!u.memory) return;
+    if (!u.memory || u.written_late) return;
     release(u.full);
     u.memory = false;
     gathered_elements -= u.full.numel();
@@ -461,7 +467,7 @@ struct detail::ModelState {
     for (UnitState& u : units) {
       if (u.grads_in_full || u.release_after_reduce) {  // left by a backward that failed
         // A reduction of the buffer in place may still run: the group writes into that memory until it ends.
-        if (u.release_after_reduce && u.reduce_out.defined()) settle(u.reduce);
+        if (u.release_after_reduce && u.reduce_out.defined()) settle(u.reduce, &u);
         u.grads_in_full = u.release_after_reduce = false;
         drop_memory(u);
       }
@@ -806,10 +812,10 @@ FullyShardedDataParallel::~FullyShardedDataParallel() {
   }
   std::lock_guard<std::mutex> lock(s.mu);
   for (UnitState& u : s.units) {
-    if (u.held == Held::kGathering) s.settle(u.gather);
-    if (u.reduce_out.defined()) s.settle(u.reduce);
+    if (u.held == Held::kGathering) s.settle(u.gather, &u);
+    if (u.reduce_out.defined()) s.settle(u.reduce, u.release_after_reduce ? &u : nullptr);  // in place: into full
     u.reduce_in = at::Tensor(), u.reduce_out = at::Tensor();
-    release(u.full);
+    if (!u.written_late) release(u.full);
   }
   pool().trim();
 }

@@ -20,6 +20,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/time.h"
 #include "tandem/dist_autograd/dist_autograd.h"
+#include "tandem/log/log.h"
 #include "tandem/nn/remote_module.h"
 #include "tandem/pipeline/detail/common.h"
 #include "tandem/pipeline/detail/microbatch.h"
@@ -47,6 +48,20 @@ using detail::kTie;
 using detail::merge_batch;
 using detail::sizes_of;
 using detail::split_batch;
+
+namespace {
+// Tells worker `w` to abandon step `step_id` of pipeline `id`. Not waited for; a failure is logged naming the worker
+// (its run then holds its executor until its own deadline, and its next step may start late).
+void send_abort(int w, int64_t id, int64_t step_id, const std::string& why) {
+  const std::string name = rpc::get_worker_info(w).name;  // now: the callback may run once RPC stopped
+  rpc::rpc_async(w, kAbort, id, step_id, why, kErrorGrace).add_callback([name, id, step_id](const rpc::Future& f) {
+    if (absl::Status s = f.status(); !s.ok()) {
+      TANDEM_LOG(kWarn, "pipeline") << "pipeline " << id << ": the abort of step " << step_id
+                                    << " did not reach worker '" << name << "': " << s.message();
+    }
+  });
+}
+}  // namespace
 
 struct Pipeline::State {
   explicit State(PipelineOptions o) : options(std::move(o)) {}
@@ -454,7 +469,7 @@ struct Pipeline::State {
       }
     }
     for (int w : workers) {
-      (void)rpc::rpc_async(w, kAbort, id, step_id, std::string("another stage failed"), kErrorGrace);
+      send_abort(w, id, step_id, "another stage failed");
     }
     // The others' errors, for a moment: the calls' and, from the workers started without one, the inbox's.
     const auto grace = Clock::now() + kErrorGrace;
@@ -521,6 +536,10 @@ Pipeline Pipeline::create(std::vector<StageSpec> stages, PipelineOptions options
   detail::ensure_runtime();
   if (stages.empty()) fail(absl::StatusCode::kInvalidArgument, "a pipeline needs at least one stage");
   if (options.timeout.count() <= 0) options.timeout = rpc::default_timeout();
+  if (options.timeout > detail::kMaxTimeout) {
+    fail(absl::StatusCode::kInvalidArgument, absl::StrCat("a step timeout of ", options.timeout.count(),
+                                                          " ms: at most ", detail::kMaxTimeout.count(), " ms"));
+  }
   for (size_t t = 0; t < options.tied.size(); ++t) {
     const auto& copies = options.tied[t].copies;
     if (copies.size() < 2) {
@@ -815,8 +834,25 @@ double ReplicatedPipeline::step(const at::Tensor& input, const at::Tensor& targe
   for (auto& p : replicas_) locks.push_back(std::make_unique<MutexLock>(&p.state_->step_mu));
   std::vector<Pipeline::State::Started> started;
   for (int64_t r = 0; r < R; ++r) {
-    // Only the first replica's inputs can be refused here (the checks above hold for all): nothing is running yet.
-    started.push_back(replicas_[r].state_->begin_step({c10::IValue(xs[r])}, {}, ys[r], rows));
+    try {
+      started.push_back(replicas_[r].state_->begin_step({c10::IValue(xs[r])}, {}, ys[r], rows));
+    } catch (const Error& e) {
+      // A later replica refused (its plans, say) while the earlier ones run: they are aborted and ended before the
+      // error goes up, or their workers would wait until the deadline for a sum this replica never joins.
+      for (int64_t q = 0; q < r; ++q) {
+        for (int w : replicas_[q].state_->workers) {
+          send_abort(w, replicas_[q].id(), started[q].step_id,
+                     absl::StrCat("replica ", r, " could not start its step"));
+        }
+      }
+      for (int64_t q = 0; q < r; ++q) {
+        try {
+          (void)replicas_[q].state_->end_step(started[q]);
+        } catch (const Error&) {  // the abort's error: the cause is the refusal below
+        }
+      }
+      throw_error(absl::Status(e.code(), absl::StrCat("replica ", r, ": ", e.status().message())));
+    }
   }
   // The first failure in any replica abandons every replica's step at once: a stage worker of another replica would
   // otherwise wait until the deadline for a sum its failed peer never joins. One replica: its own wait does that (and
@@ -851,8 +887,7 @@ double ReplicatedPipeline::step(const at::Tensor& input, const at::Tensor& targe
   if (failed) {
     for (int64_t r = 0; r < R; ++r) {
       for (int w : replicas_[r].state_->workers) {
-        (void)rpc::rpc_async(w, kAbort, replicas_[r].id(), started[r].step_id,
-                             std::string("another stage or replica failed"), kErrorGrace);
+        send_abort(w, replicas_[r].id(), started[r].step_id, "another stage or replica failed");
       }
     }
   }

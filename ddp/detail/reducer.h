@@ -19,6 +19,11 @@
 namespace tandem::ddp::detail {
 
 [[noreturn]] void fail(absl::StatusCode code, const std::string& message);
+// Compares `tensors`' count, elements, shapes and dtypes across `group` (an allgather): OK when every rank holds the
+// same; otherwise FAILED_PRECONDITION naming the first rank that differs from rank 0 (what it holds against rank 0's,
+// then `rule`). Collective.
+absl::Status same_on_every_rank(comm::ProcessGroup& group, const std::vector<at::Tensor>& tensors,
+                                const std::string& rule);
 // Whether the coming backward runs on another engine (set_external_backward_probe).
 bool external_backward_ahead();
 

@@ -6,6 +6,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -23,6 +24,12 @@ namespace tandem::pipeline::detail {
 inline constexpr const char* kCreate = "__tandem.pipeline.create";
 inline constexpr const char* kRun = "__tandem.pipeline.run";
 inline constexpr const char* kAct = "__tandem.pipeline.act";
+// The longest step timeout a pipeline takes (1e6 s, as the launcher's durations): longer ones would overflow the
+// deadline arithmetic (Clock::now() + timeout); a timeout from the wire is clamped to it.
+inline constexpr std::chrono::milliseconds kMaxTimeout{int64_t{1000000} * 1000};
+inline std::chrono::milliseconds wire_timeout(int64_t ms) {
+  return std::chrono::milliseconds(std::clamp<int64_t>(ms, 1, kMaxTimeout.count()));
+}
 inline constexpr const char* kAbort = "__tandem.pipeline.abort";
 inline constexpr const char* kRelease = "__tandem.pipeline.release";
 inline constexpr const char* kForward = "__tandem.pipeline.forward";

@@ -303,9 +303,11 @@ std::shared_ptr<const CachedPlan> find_plan(int64_t pipe, int64_t m) {
 void release_pipes(const std::vector<int64_t>& pipes);
 
 // Every `kDriverCheck`, asks each driver of a pipeline held here whether it is alive; the pipelines of a driver that
-// is gone (UNAVAILABLE) are released. Ends at RPC stop.
+// is gone (UNAVAILABLE to two pings in a row: one connection reset is not a driver's end) are released. Ends at RPC
+// stop.
 void sweep_loop() {
   Stages& s = stages();
+  std::map<int, int> unanswered;  // by driver: pings in a row that found it unavailable
   for (;;) {
     std::map<int, std::vector<int64_t>> by_driver;
     {
@@ -319,7 +321,15 @@ void sweep_loop() {
     for (const auto& [driver, pipes] : by_driver) {
       if (driver < 0 || driver == self) continue;
       rpc::Future ping = rpc::call(driver, kPing, {}, kDriverCheck);
-      if (ping.status().code() == absl::StatusCode::kUnavailable) release_pipes(pipes);
+      if (ping.status().code() != absl::StatusCode::kUnavailable) {
+        unanswered.erase(driver);
+      } else if (++unanswered[driver] >= 2) {
+        unanswered.erase(driver);
+        release_pipes(pipes);
+      }
+    }
+    for (auto it = unanswered.begin(); it != unanswered.end();) {  // drivers that hold nothing here any more
+      it = by_driver.count(it->first) ? std::next(it) : unanswered.erase(it);
     }
   }
 }
@@ -604,6 +614,10 @@ class Run {
   // Every copy held here of a tied parameter gets the sum of all its copies' gradients, added in copy order on every
   // worker: the same tensor bit for bit, so that the copies, stepped alike, stay equal.
   void sum_tied_gradients(const std::map<std::pair<int, int>, at::Tensor>& received) {
+    std::map<int, at::Tensor> local;  // by tie: the gradient of a copy held here, which the others must match
+    for (const TieCopy& c : p_.kept->ties) {
+      if (c.param >= 0 && tie_held_by(c.tie, self_) && !local.count(c.tie)) local[c.tie] = tied_gradient(c);
+    }
     std::map<int, at::Tensor> sums;
     for (const TieCopy& c : p_.kept->ties) {  // tie by tie, copy by copy
       if (!tie_held_by(c.tie, self_)) continue;
@@ -617,6 +631,15 @@ class Run {
               absl::StrCat("no gradient came for copy ", c.copy, " (stage ", c.stage, ") of tied parameter ", c.tie)));
         }
         g = it->second;
+        const at::Tensor& want = local.at(c.tie);  // a tie held here has a copy here
+        if (!g.defined() || g.sizes() != want.sizes() || g.scalar_type() != want.scalar_type()) {
+          tandem::throw_error(absl::InvalidArgumentError(
+              absl::StrCat("the gradient of copy ", c.copy, " (stage ", c.stage, ") of tied parameter ", c.tie, " is ",
+                           g.defined() ? absl::StrCat(c10::toString(g.scalar_type()), c10::str(g.sizes()))
+                                       : std::string("undefined"),
+                           ", the copy here ", c10::toString(want.scalar_type()), c10::str(want.sizes()),
+                           ": the tied parameters differ in shape or dtype")));
+        }
       }
       auto [sum, fresh] = sums.emplace(c.tie, at::Tensor());
       sum->second = fresh ? g.clone() : sum->second.add(g);
@@ -958,7 +981,7 @@ void run_direct(const Mailbox::Go& go) {
     }
     plan.kept = plan_of(pipe, static_cast<int64_t>(plan.sizes.size()), {}, {}, "", {}, {});
     plan.checkpoint = flags[0] != 0, plan.to_grad = flags[1] != 0, plan.record = flags[2] != 0;
-    plan.timeout = std::chrono::milliseconds(std::max<int64_t>(1, flags[3]));
+    plan.timeout = wire_timeout(flags[3]);
     plan.total_rows = flags[4];
     plan.by_ring = flags[5] != 0;
     if (!plan.to_grad) {
@@ -996,7 +1019,7 @@ rpc::Future on_run(int64_t pipe, int64_t step, std::vector<int64_t> actions, std
   }
   plan.targets = std::move(targets);
   plan.checkpoint = flags[0] != 0, plan.to_grad = flags[1] != 0, plan.record = flags[2] != 0;
-  plan.timeout = std::chrono::milliseconds(std::max<int64_t>(1, flags[3]));
+  plan.timeout = wire_timeout(flags[3]);
   if (!plan.to_grad) {
     // The gradients go to the caller's context here: known on this worker from now on, so the run's own thread may
     // add to it and the caller's release reaches it. Not for a step the driver already abandoned (its release may
@@ -1034,7 +1057,8 @@ rpc::Future on_forward(int64_t pipe, int64_t index, std::vector<int64_t> ranks, 
     throw_error(absl::NotFoundError(
         absl::StrCat("pipeline ", pipe, " has no stage ", index, " on worker '", self_name(), "' (released?)")));
   }
-  const auto timeout = std::chrono::milliseconds(timeout_ms);
+  const auto timeout = wire_timeout(timeout_ms);
+  const auto deadline = Clock::now() + timeout;
   rpc::Future result(absl::Now() + absl::FromChrono(timeout));
   const bool queued = executor->submit([=]() mutable {
     try {
@@ -1065,8 +1089,17 @@ rpc::Future on_forward(int64_t pipe, int64_t index, std::vector<int64_t> ranks, 
         result.set_value(std::move(y));
         return;
       }
+      // The next hop gets what is left, less a tenth (at most 1 s) for its reply to come back: a stage that stalls
+      // makes its caller's call run out first, which names it, instead of the driver's call to stage 0.
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+      const auto hop = left - std::min<std::chrono::milliseconds>(left / 10, std::chrono::seconds(1));
+      if (hop.count() <= 0) {
+        throw_error(absl::DeadlineExceededError(absl::StrCat("stage ", index, " on worker '", self_name(),
+                                                             "': no time left of the ", timeout.count(),
+                                                             " ms timeout for stage ", index + 1)));
+      }
       rpc::Future next = rpc::rpc_async(static_cast<int>(ranks[index + 1]), kForward, pipe, index + 1, ranks,
-                                        args_of(std::move(y)), timeout_ms, timeout);
+                                        args_of(std::move(y)), static_cast<int64_t>(hop.count()), hop);
       next.add_callback([result](const rpc::Future& done) {
         const absl::Status s = done.status();
         result.set_status(s, s.ok() ? done.value() : c10::IValue());
@@ -1158,7 +1191,7 @@ bool install() {
         std::vector<int> members(ranks.begin(), ranks.end());
         // Its operations wait as long as the pipeline's steps may take.
         comm::ProcessGroupOptions group_options;
-        group_options.timeout = std::chrono::milliseconds(std::max<int64_t>(1, timeout_ms));
+        group_options.timeout = wire_timeout(timeout_ms);
         auto group = comm::ProcessGroup::create(name, members, group_options);
         // Every replica starts from replica 0's parameters (ranks[0]'s; the group numbers its ranks in sorted order).
         std::sort(members.begin(), members.end());

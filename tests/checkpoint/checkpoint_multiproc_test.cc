@@ -17,6 +17,13 @@ TEST_F(MultiprocCheckpoint, RanksAgreeOnTheNewestStepEveryRankHasIntact) {
   std::filesystem::remove_all(dir);
 }
 
+TEST_F(MultiprocCheckpoint, AGrownJobFailsNamingTheRanksWithoutFilesInsteadOfStartingAfresh) {
+  start({.world_size = 3});
+  const std::string dir = make_temp_dir();
+  EXPECT_EQ(everywhere(3, "grown|" + dir), "");
+  std::filesystem::remove_all(dir);
+}
+
 TEST_F(MultiprocCheckpoint, ZeroShardsResumeBitExact) {
   start({.world_size = 2});
   const std::string dir = make_temp_dir();

@@ -125,6 +125,20 @@ TEST_F(UnitCheckpoint, KeepsTheNewestStepsAndRemovesTheRest) {
   EXPECT_FALSE(fs::exists(fs::path(ckpt.path(30)).parent_path()));  // its directory went with its last file
 }
 
+// A run started afresh in a directory with another run's newer steps keeps its own saves (before, its prune kept the
+// newest steps, the old run's, and removed each step as soon as it was saved).
+TEST_F(UnitCheckpoint, StepsAboveTheOneSavedDoNotMakeItGo) {
+  int64_t counter = 0;
+  checkpoint::State state;
+  state.add("counter", counter);
+  checkpoint::Checkpointer old_run(dir_, 0, {.keep = 2});
+  old_run.save(999, state);
+  old_run.save(1000, state);
+  checkpoint::Checkpointer ckpt(dir_, 0, {.keep = 2});
+  for (int64_t s = 5; s <= 7; ++s) ckpt.save(s, state);
+  EXPECT_EQ(ckpt.steps(), (std::vector<int64_t>{6, 7, 999, 1000}));
+}
+
 TEST_F(UnitCheckpoint, TornOrDamagedFileIsNeverLoaded) {
   int64_t counter = 0;
   checkpoint::State state;

@@ -40,6 +40,32 @@ std::string agree(const std::string& dir, const std::string& torn_rank) {
   return "";
 }
 
+// Ranks 0 and 1 save steps 1 and 2 of their own state (Layout::kPerRank); the job then restores with 3 ranks: rank 2
+// has no file, so every rank fails naming it (before, every rank started afresh, dropping the others' state).
+std::string grown(const std::string& dir) {
+  const int rank = rpc::get_worker_info().id;
+  auto group = comm::ProcessGroup::create("grown");
+  checkpoint::Checkpointer ckpt(dir, rank);
+  int64_t counter = 0;
+  checkpoint::State state;
+  state.add("counter", counter);
+  if (rank < 2) {
+    for (int64_t step = 1; step <= 2; ++step) ckpt.save(step, state);
+  }
+  comm::wait(group->barrier());
+  try {
+    const std::optional<int64_t> step = ckpt.restore(state, group.get());
+    return "restored " + (step ? "step " + std::to_string(*step) : std::string("nothing: a fresh start"));
+  } catch (const Error& e) {
+    const std::string m = e.what();
+    if (e.code() != absl::StatusCode::kFailedPrecondition || m.find("rank(s) 2 of the group") == std::string::npos ||
+        m.find("up to step 2") == std::string::npos) {
+      return "error: " + m;
+    }
+  }
+  return "";
+}
+
 // The ZeRO scenarios' optimizer of each shard.
 std::unique_ptr<torch::optim::Optimizer> adam(std::vector<at::Tensor> shard) {
   return std::make_unique<torch::optim::Adam>(shard, torch::optim::AdamOptions(0.01));
@@ -141,6 +167,7 @@ std::string run(const std::string& scenario) {
   std::vector<std::string> parts = absl::StrSplit(scenario, '|');
   if (parts[0] == "agree" && parts.size() == 3) return agree(parts[1], parts[2]);
   if (parts[0] == "zero" && parts.size() == 2) return zero(parts[1]);
+  if (parts[0] == "grown" && parts.size() == 2) return grown(parts[1]);
   if (parts[0] == "zero-consolidated" && parts.size() == 2) return zero_consolidated(parts[1]);
   return "unknown scenario " + scenario;
 }

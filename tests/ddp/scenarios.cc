@@ -630,6 +630,20 @@ std::string run(const std::string& name) {
       const std::string m = e.what();
       if (m.find("rank 1 of process group 'shapes'") == std::string::npos) return "error does not name rank 1: " + m;
     }
+    // ZeRO likewise: each parameter's owner follows from the list (before, ranks with other lists broadcast from other
+    // roots or sizes, and failed at a deadline naming nobody, or overwrote parameters silently).
+    try {
+      ddp::ZeroRedundancyOptimizer zero(
+          model->parameters(), comm::ProcessGroup::create("zero-shapes"),
+          [](std::vector<at::Tensor> shard) { return std::make_unique<torch::optim::SGD>(shard, 0.1); });
+      return "a ZeroRedundancyOptimizer over different parameters was made";
+    } catch (const RpcError& e) {
+      const std::string m = e.what();
+      if (e.code() != absl::StatusCode::kFailedPrecondition ||
+          m.find("ZeroRedundancyOptimizer: rank 1 of process group 'zero-shapes'") == std::string::npos) {
+        return "the ZeroRedundancyOptimizer's error does not name rank 1: " + m;
+      }
+    }
     return "";
   }
   if (name == "buffers") {

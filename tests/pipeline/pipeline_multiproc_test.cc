@@ -585,6 +585,13 @@ TEST_F(MultiprocPipeline, BadInputIsAClearErrorBeforeAnyWork) {
       EXPECT_THAT(e.what(), ::testing::HasSubstr(text));
     }
   };
+  // A timeout meant as "none" would overflow every deadline of the step.
+  expect_error(
+      [] {
+        Pipeline::from_sequential("pipe_mlp", {kLayers, kWidth, kSeed}, stage_workers(2), {.n_stages = 2},
+                                  {.n_microbatches = 4, .timeout = std::chrono::milliseconds::max()});
+      },
+      "ms: at most 1000000000 ms");
   {
     dist_autograd::ContextGuard ctx;
     expect_error(
