@@ -144,7 +144,9 @@ class Checkpointer {
   // otherwise (permissions, no descriptors left) fails every rank with UNAVAILABLE instead of a silent older start.
   std::optional<int64_t> restore(State& state, comm::ProcessGroup* group = nullptr, Layout layout = Layout::kPerRank);
 
-  // Restores `state` from exactly `step` (DATA_LOSS when this rank's file of it is torn or missing).
+  // Restores `state` from exactly `step` (DATA_LOSS when this rank's file of it is torn or missing). Items are loaded
+  // in the order they were added, in place: when one does not fit (INVALID_ARGUMENT), the ones before it are loaded
+  // already, so a caller that goes on after the error starts from objects made afresh (as restore()'s callers do).
   void load(int64_t step, State& state);
 
   // The steps for which this rank has a file, oldest first (intact or not: load() tells).
