@@ -326,7 +326,9 @@ std::string run(const std::string& name) {
     // Rank 1 is alive but joins the allreduce after the others' deadline: they fail with DEADLINE_EXCEEDED naming it.
     auto pg = comm::ProcessGroup::create("late", {}, {.timeout = std::chrono::milliseconds(1500)});
     if (std::string(pg->transport()) != "shared_memory") return "not on shared memory";
-    if (rank == 1) std::this_thread::sleep_for(std::chrono::milliseconds(2500));
+    // Past the others' deadline by a margin for their own start-up, scaled for slow builds.
+    if (rank == 1)
+      std::this_thread::sleep_for(std::chrono::milliseconds(1500) + scaled(std::chrono::milliseconds(1000)));
     auto t = at::ones({10});
     const absl::Status s = pg->allreduce(t).status();
     if (rank == 1) return s.ok() ? "the late rank's allreduce succeeded" : "";
