@@ -511,7 +511,14 @@ void Checkpointer::prune(int64_t saved) const {
   // directory with newer steps; restore() refuses to start afresh beside them) and must not make this run's saves go
   // as soon as they are written.
   std::vector<int64_t> all = steps();
-  all.erase(std::upper_bound(all.begin(), all.end(), saved), all.end());
+  const auto above = std::upper_bound(all.begin(), all.end(), saved);
+  if (above != all.end() && !warned_newer_) {
+    warned_newer_ = true;
+    TANDEM_LOG(kWarn, "checkpoint") << dir_ << " holds steps above step " << saved << " (up to " << all.back()
+                                    << ") of another run: they stay, and restore() would resume from them, not from "
+                                       "this run's";
+  }
+  all.erase(above, all.end());
   const std::set<int64_t> kept(all.end() - std::min<size_t>(all.size(), options_.keep), all.end());
   DIR* d = ::opendir(dir_.c_str());
   if (!d) return;

@@ -25,7 +25,8 @@
 // during save() or restore(). Errors: tandem::Error — INVALID_ARGUMENT (a bad item name; an item missing from the
 // checkpoint, or of another shape or dtype: the message names the item and the file), DATA_LOSS (load() of a file that
 // is torn or damaged), UNAVAILABLE (an I/O error, naming the path and the system's reason), FAILED_PRECONDITION (a
-// sharded optimizer state written by a job of another world size); restore() is collective over the group and fails
+// sharded optimizer state written by a job of another world size; restore() when some ranks of the group have steps
+// and others none they share); restore() is collective over the group and fails
 // as its collectives do (docs/errors.md).
 #pragma once
 
@@ -166,6 +167,7 @@ class Checkpointer {
   std::string dir_;
   int rank_;
   CheckpointOptions options_;
+  mutable bool warned_newer_ = false;  // prune() said once that the directory holds another run's newer steps
 };
 
 // The full state (parameters and buffers by name, as a plain module has them) of a fully sharded model that every rank

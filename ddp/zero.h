@@ -8,7 +8,8 @@
 // Partition (PyTorch's): parameters sorted by size, largest first, each to the rank whose shard is smallest so far.
 // step(): the local optimizer updates this rank's shard, then every parameter is broadcast from the rank that owns it,
 // so all ranks end the step with the same parameters. Optimizer memory per rank is about 1/world of a plain optimizer.
-// Collective: every rank of the group calls step() and zero_grad() in the same order. Errors: RpcError.
+// Collective: every rank of the group constructs it (the parameter lists are compared: FAILED_PRECONDITION naming the
+// first rank that holds others) and calls step() and zero_grad() in the same order. Errors: RpcError.
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -53,13 +53,19 @@ namespace {
 // Tells worker `w` to abandon step `step_id` of pipeline `id`. Not waited for; a failure is logged naming the worker
 // (its run then holds its executor until its own deadline, and its next step may start late).
 void send_abort(int w, int64_t id, int64_t step_id, const std::string& why) {
-  const std::string name = rpc::get_worker_info(w).name;  // now: the callback may run once RPC stopped
-  rpc::rpc_async(w, kAbort, id, step_id, why, kErrorGrace).add_callback([name, id, step_id](const rpc::Future& f) {
-    if (absl::Status s = f.status(); !s.ok()) {
-      TANDEM_LOG(kWarn, "pipeline") << "pipeline " << id << ": the abort of step " << step_id
-                                    << " did not reach worker '" << name << "': " << s.message();
-    }
-  });
+  const auto info = rpc::find_worker_info(w);  // now (never throws): the callback may run once RPC stopped
+  const std::string name = info ? info->name : absl::StrCat("rank ", w);
+  auto log = [name, id, step_id](const absl::Status& s) {
+    TANDEM_LOG(kWarn, "pipeline") << "pipeline " << id << ": the abort of step " << step_id << " did not reach worker '"
+                                  << name << "': " << s.message();
+  };
+  try {
+    rpc::rpc_async(w, kAbort, id, step_id, why, kErrorGrace).add_callback([log](const rpc::Future& f) {
+      if (absl::Status s = f.status(); !s.ok()) log(s);
+    });
+  } catch (...) {  // on an error path: the cause being reported matters more
+    log(status_from_current_exception());
+  }
 }
 }  // namespace
 
@@ -197,8 +203,7 @@ struct Pipeline::State {
     const std::vector<int64_t> sizes = sizes_of(ys);
     std::vector<c10::IValue> first_inputs;  // stage 0's micro-batches, each its arguments as a tuple
     for (const auto& x : xs) first_inputs.emplace_back(c10::ivalue::Tuple::create(x));
-    auto& plan = plans[m];
-    if (plan.empty()) plan = plans_for(opts, m);
+    const auto& plan = plan_of(opts);
     const int64_t step_id = next_step++;
     std::vector<int64_t> ranks(stage_rank.begin(), stage_rank.end());
     const auto t0 = Clock::now();
@@ -245,6 +250,13 @@ struct Pipeline::State {
     }
     first_went_direct = direct_workers[static_cast<size_t>(stage_worker.front())];
     return Started{opts, m, step_id, sizes, t0, std::move(replies), std::move(direct_workers)};
+  }
+
+  // The plans of steps of opts.n_microbatches, made the first time (a schedule this pipeline cannot run throws).
+  const std::vector<std::vector<Action>>& plan_of(const PipelineOptions& opts) ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu) {
+    auto& plan = plans[opts.n_microbatches];
+    if (plan.empty()) plan = plans_for(opts, opts.n_microbatches);
+    return plan;
   }
 
   // When this step will likely start without a call on stage 0's worker (it did so or replied through shared
@@ -537,8 +549,9 @@ Pipeline Pipeline::create(std::vector<StageSpec> stages, PipelineOptions options
   if (stages.empty()) fail(absl::StatusCode::kInvalidArgument, "a pipeline needs at least one stage");
   if (options.timeout.count() <= 0) options.timeout = rpc::default_timeout();
   if (options.timeout > detail::kMaxTimeout) {
-    fail(absl::StatusCode::kInvalidArgument, absl::StrCat("a step timeout of ", options.timeout.count(),
-                                                          " ms: at most ", detail::kMaxTimeout.count(), " ms"));
+    fail(absl::StatusCode::kInvalidArgument,
+         absl::StrCat("a step timeout (PipelineOptions::timeout, else RpcOptions::rpc_timeout) of ",
+                      options.timeout.count(), " ms: at most ", detail::kMaxTimeout.count(), " ms"));
   }
   for (size_t t = 0; t < options.tied.size(); ++t) {
     const auto& copies = options.tied[t].copies;
@@ -832,6 +845,14 @@ double ReplicatedPipeline::step(const at::Tensor& input, const at::Tensor& targe
   const std::vector<at::Tensor> xs = at::tensor_split(input, R), ys = at::tensor_split(target, R);
   std::vector<std::unique_ptr<MutexLock>> locks;
   for (auto& p : replicas_) locks.push_back(std::make_unique<MutexLock>(&p.state_->step_mu));
+  // Every replica's plans first (a schedule a replica's placement cannot run throws): nothing has started yet.
+  for (int64_t r = 0; r < R; ++r) {
+    try {
+      (void)replicas_[r].state_->plan_of(replicas_[r].state_->current_options());
+    } catch (const Error& e) {
+      throw_error(absl::Status(e.code(), absl::StrCat("replica ", r, ": ", e.status().message())));
+    }
+  }
   std::vector<Pipeline::State::Started> started;
   for (int64_t r = 0; r < R; ++r) {
     try {
@@ -851,7 +872,10 @@ double ReplicatedPipeline::step(const at::Tensor& input, const at::Tensor& targe
         } catch (const Error&) {  // the abort's error: the cause is the refusal below
         }
       }
-      throw_error(absl::Status(e.code(), absl::StrCat("replica ", r, ": ", e.status().message())));
+      throw_error(absl::Status(
+          e.code(), absl::StrCat("replica ", r, ": ", e.status().message(),
+                                 " (the replicas started before it were aborted: their stage groups may be out of step "
+                                 "now; make a new ReplicatedPipeline)")));
     }
   }
   // The first failure in any replica abandons every replica's step at once: a stage worker of another replica would

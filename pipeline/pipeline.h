@@ -120,7 +120,8 @@ struct PipelineOptions {
   // Recompute each stage's forward in its backward (activation memory: inputs only), with the same results (above).
   bool checkpoint = false;
   // The whole step, and every wait inside it; also each stage's creation and each forward(). Non-positive (the
-  // default): RpcOptions::rpc_timeout, resolved when the pipeline is created (options() then shows it).
+  // default): RpcOptions::rpc_timeout, resolved when the pipeline is created (options() then shows it). At most 1e6 s
+  // (INVALID_ARGUMENT at creation).
   std::chrono::milliseconds timeout{0};
   bool record_timeline = false;  // every action's start and end, for write_chrome_trace / write_svg
   // Schedule::kCustom: each worker's plan for n_microbatches micro-batches (schedule.h; in code, or parse_plans_csv).

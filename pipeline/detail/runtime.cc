@@ -638,7 +638,7 @@ class Run {
                            g.defined() ? absl::StrCat(c10::toString(g.scalar_type()), c10::str(g.sizes()))
                                        : std::string("undefined"),
                            ", the copy here ", c10::toString(want.scalar_type()), c10::str(want.sizes()),
-                           ": the tied parameters differ in shape or dtype")));
+                           " on worker '", self_name(), "': the tied parameters differ in shape or dtype")));
         }
       }
       auto [sum, fresh] = sums.emplace(c.tie, at::Tensor());

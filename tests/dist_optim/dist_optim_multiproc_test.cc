@@ -205,8 +205,9 @@ TEST_F(MultiprocDistOptim, HogwildStepsDoNotWaitForTheOwnerLockThatLockedStepsTa
   const at::Tensor locked_before = rpc::rpc_sync<at::Tensor>("worker1", "param_value", "h_locked");
   auto free_ctx = context_with_gradient("h_free");
   auto locked_ctx = context_with_gradient("h_locked");
-  // Held for longer than any step takes here, under any time scale.
-  rpc::Future hold = rpc::rpc_async("worker1", "hold_owner_lock", scaled(milliseconds(4000)).count());
+  // Held until released below (a bound for the test, not the point).
+  const milliseconds most = scaled(milliseconds(30000));
+  rpc::Future hold = rpc::rpc_async("worker1", "hold_owner_lock", most.count(), most + scaled(milliseconds(10000)));
   ASSERT_TRUE(poll_until(scaled(milliseconds(5000)), [] { return rpc::rpc_sync<bool>("worker1", "owner_lock_held"); }));
   rpc::Future locked_step = locked.step_async(locked_ctx->id());
   EXPECT_TRUE(hogwild.step_async(free_ctx->id()).status().ok());
@@ -214,6 +215,7 @@ TEST_F(MultiprocDistOptim, HogwildStepsDoNotWaitForTheOwnerLockThatLockedStepsTa
   EXPECT_FALSE(locked_step.completed()) << "the locked step did not wait for the lock";
   EXPECT_FALSE(rpc::rpc_sync<at::Tensor>("worker1", "param_value", "h_free").equal(free_before));
   EXPECT_TRUE(rpc::rpc_sync<at::Tensor>("worker1", "param_value", "h_locked").equal(locked_before));
+  rpc::rpc_sync("worker1", "release_owner_lock");
   EXPECT_TRUE(locked_step.status().ok()) << locked_step.status();
   EXPECT_FALSE(rpc::rpc_sync<bool>("worker1", "owner_lock_held"));
   EXPECT_FALSE(rpc::rpc_sync<at::Tensor>("worker1", "param_value", "h_locked").equal(locked_before));

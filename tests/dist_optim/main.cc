@@ -18,7 +18,7 @@
 namespace tandem::test {
 namespace {
 
-std::atomic<bool> g_owner_lock_held{false};
+std::atomic<bool> g_owner_lock_held{false}, g_owner_lock_release{false};
 
 void register_functions() {
   rpc::register_function("layer", [](std::string p, at::Tensor x) { return at::tanh(x.mm(param(p, 4, 4))); });
@@ -27,15 +27,21 @@ void register_functions() {
                          [](std::string p) { return rref::make_local(c10::IValue(param(p, 4, 4))).to_ivalue(); });
   rpc::register_function("param_value", [](std::string p) { return param(p, 4, 4).detach().clone(); });
   rpc::register_function("optimizer_count", [] { return dist_optim::owned_optimizer_count(); });
-  // Holds the lock locked steps take on this worker for `ms` milliseconds; owner_lock_held() says when it is held.
+  // Holds the lock locked steps take on this worker until release_owner_lock() (at most `ms` milliseconds);
+  // owner_lock_held() says when it is held.
   rpc::register_function("hold_owner_lock", [](int64_t ms) {
     dist_optim::detail::with_owner_lock([ms] {
+      g_owner_lock_release = false;
       g_owner_lock_held = true;
       BlockingScope waiting;  // a wait: its RPC thread's place goes to other requests meanwhile
-      std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+      const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(ms);
+      while (!g_owner_lock_release && std::chrono::steady_clock::now() < until) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
       g_owner_lock_held = false;
     });
   });
+  rpc::register_function("release_owner_lock", [] { g_owner_lock_release = true; });
   rpc::register_function("owner_lock_held", [] { return g_owner_lock_held.load(); });
   rpc::register_function("slow_param", [](std::string p, int64_t ms) {  // a parameter whose RRef is made slowly
     std::this_thread::sleep_for(std::chrono::milliseconds(ms));
