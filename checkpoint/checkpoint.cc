@@ -618,13 +618,21 @@ std::optional<int64_t> Checkpointer::restore(State& state, comm::ProcessGroup* g
                                             " (its error says why); not restored")));
   };
   int64_t bound = std::numeric_limits<int64_t>::max();
+  int64_t first_newest = -1;  // the newest intact step any rank had in the first round
   for (;;) {
     auto mine = newest_intact_at_most(bound, source);  // the file is read once, and loaded from memory if agreed on
     const std::vector<int64_t> newest = each_rank(!mine.ok() ? kUnreadable : *mine ? (*mine)->first : -1);
     const int64_t agreed = *std::min_element(newest.begin(), newest.end());
     if (agreed == kUnreadable) unreadable(mine.status());
+    if (bound == std::numeric_limits<int64_t>::max()) first_newest = *std::max_element(newest.begin(), newest.end());
     if (agreed < 0) {
       const int64_t most = *std::max_element(newest.begin(), newest.end());
+      if (most < 0 && first_newest >= 0) {
+        // Every rank had steps, but none that every rank has intact (each lacks another's): no fresh start either.
+        throw_error(absl::FailedPreconditionError(
+            absl::StrCat("checkpoint: the ranks of the group have steps in ", dir_, " (up to step ", first_newest,
+                         ") but none that every rank has intact: not restored, and not started afresh beside them")));
+      }
       if (most < 0) return std::nullopt;  // no rank has a step: a fresh start
       // Some ranks have steps and others none they share: starting afresh would drop the others' state silently (a
       // job grown under Layout::kPerRank, a directory rank 0 does not share under kReplicated, a rank whose every

@@ -210,43 +210,55 @@ struct Pipeline::State {
     replies_inbox = detail::driver_inbox(id, true);
     std::vector<rpc::Future> replies;
     std::vector<bool> direct_workers;
-    for (size_t w = 0; w < workers.size(); ++w) {
-      // The plan goes once per shape (the number of micro-batches); then the worker has it.
-      const bool held = plan_held.count({w, m}) > 0;
-      std::vector<int64_t> actions, plan_ranks;
-      if (!held) {
-        for (const Action& a : plan[w])
-          actions.insert(actions.end(), {a.stage, a.microbatch, static_cast<int64_t>(a.kind)});
-        plan_ranks = ranks;
-      }
-      const bool first = stage_worker.front() == static_cast<int>(w), last = stage_worker.back() == static_cast<int>(w);
-      std::vector<int64_t> ties;  // with the plan: (tie, copy, stage) and the name of every tied copy
-      std::vector<std::string> tie_names;
-      for (size_t t = 0; t < opts.tied.size() && !held; ++t) {
-        for (size_t c = 0; c < opts.tied[t].copies.size(); ++c) {
-          ties.insert(ties.end(), {static_cast<int64_t>(t), static_cast<int64_t>(c), opts.tied[t].copies[c].first});
-          tie_names.push_back(opts.tied[t].copies[c].second);
+    // A worker that cannot be sent its part (a ring or a call that throws) leaves the ones started before it waiting:
+    // they are told to abandon the step before the error goes up.
+    size_t w = 0;
+    try {
+      for (; w < workers.size(); ++w) {
+        // The plan goes once per shape (the number of micro-batches); then the worker has it.
+        const bool held = plan_held.count({w, m}) > 0;
+        std::vector<int64_t> actions, plan_ranks;
+        if (!held) {
+          for (const Action& a : plan[w])
+            actions.insert(actions.end(), {a.stage, a.microbatch, static_cast<int64_t>(a.kind)});
+          plan_ranks = ranks;
         }
+        const bool first = stage_worker.front() == static_cast<int>(w),
+                   last = stage_worker.back() == static_cast<int>(w);
+        std::vector<int64_t> ties;  // with the plan: (tie, copy, stage) and the name of every tied copy
+        std::vector<std::string> tie_names;
+        for (size_t t = 0; t < opts.tied.size() && !held; ++t) {
+          for (size_t c = 0; c < opts.tied[t].copies.size(); ++c) {
+            ties.insert(ties.end(), {static_cast<int64_t>(t), static_cast<int64_t>(c), opts.tied[t].copies[c].first});
+            tie_names.push_back(opts.tied[t].copies[c].second);
+          }
+        }
+        const bool by_ring = (first || last) && send_by_ring(w, opts, step_id, first, first_inputs, last, ys);
+        const std::vector<int64_t> flags{opts.checkpoint,      opts.gradients == GradientsTo::kDotGrad,
+                                         opts.record_timeline, opts.timeout.count(),
+                                         total_rows,           by_ring};
+        // A worker on this host that holds the plan, has its micro-batches or targets (if any) in its inbox and
+        // replied through the driver's inbox before: the step starts there without a call. Not for a replica (its
+        // ReplicatedPipeline watches every replica's calls to abandon them all at the first failure).
+        const bool direct = !replica && held && (by_ring || !(first || last)) && replies_by_ring.count(w) > 0 &&
+                            send_direct(w, opts, step_id, sizes, flags);
+        direct_workers.push_back(direct);
+        if (direct) {
+          replies.emplace_back(absl::Now() + absl::FromChrono(opts.timeout + kReplyMargin));
+          continue;
+        }
+        replies.push_back(rpc::rpc_async(workers[w], kRun, id, step_id, actions, plan_ranks, sizes,
+                                         first && !by_ring ? first_inputs : std::vector<c10::IValue>{},
+                                         last && !by_ring ? ys : std::vector<at::Tensor>{},
+                                         held ? std::string() : opts.loss, flags, ties, tie_names,
+                                         opts.timeout + kReplyMargin));
       }
-      const bool by_ring = (first || last) && send_by_ring(w, opts, step_id, first, first_inputs, last, ys);
-      const std::vector<int64_t> flags{opts.checkpoint,      opts.gradients == GradientsTo::kDotGrad,
-                                       opts.record_timeline, opts.timeout.count(),
-                                       total_rows,           by_ring};
-      // A worker on this host that holds the plan, has its micro-batches or targets (if any) in its inbox and
-      // replied through the driver's inbox before: the step starts there without a call. Not for a replica (its
-      // ReplicatedPipeline watches every replica's calls to abandon them all at the first failure).
-      const bool direct = !replica && held && (by_ring || !(first || last)) && replies_by_ring.count(w) > 0 &&
-                          send_direct(w, opts, step_id, sizes, flags);
-      direct_workers.push_back(direct);
-      if (direct) {
-        replies.emplace_back(absl::Now() + absl::FromChrono(opts.timeout + kReplyMargin));
-        continue;
+    } catch (...) {
+      // Worker w too: its ring may have its part.
+      for (size_t v = 0; v <= w && v < workers.size(); ++v) {
+        send_abort(workers[v], id, step_id, "the step could not be sent to every worker");
       }
-      replies.push_back(rpc::rpc_async(workers[w], kRun, id, step_id, actions, plan_ranks, sizes,
-                                       first && !by_ring ? first_inputs : std::vector<c10::IValue>{},
-                                       last && !by_ring ? ys : std::vector<at::Tensor>{},
-                                       held ? std::string() : opts.loss, flags, ties, tie_names,
-                                       opts.timeout + kReplyMargin));
+      throw;
     }
     first_went_direct = direct_workers[static_cast<size_t>(stage_worker.front())];
     return Started{opts, m, step_id, sizes, t0, std::move(replies), std::move(direct_workers)};

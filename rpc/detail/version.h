@@ -11,6 +11,8 @@ namespace tandem::rpc {
 // channel's one-way request (kind 6). 4: a pipeline step's workers tell each other they finished (done), no commit.
 // 5: a pipeline plan's actions carry a kind (F, B, I, W: the zero-bubble split), not a backward flag.
 // 6: the releases of a pipeline's stages and of a distributed optimizer's shards take a list of ids.
-constexpr uint32_t kWireVersion = 6;
+// 7: a distributed optimizer's creation carries its id and timeout first; a reference its owner sends is accepted by
+// its receiver (accept), as user-sent ones are.
+constexpr uint32_t kWireVersion = 7;
 
 }  // namespace tandem::rpc

@@ -24,6 +24,13 @@ TEST_F(MultiprocCheckpoint, AGrownJobFailsNamingTheRanksWithoutFilesInsteadOfSta
   std::filesystem::remove_all(dir);
 }
 
+TEST_F(MultiprocCheckpoint, RanksWithoutACommonIntactStepFailInsteadOfStartingAfresh) {
+  start({.world_size = 2});
+  const std::string dir = make_temp_dir();
+  EXPECT_EQ(everywhere(2, "no-common|" + dir), "");
+  std::filesystem::remove_all(dir);
+}
+
 TEST_F(MultiprocCheckpoint, ZeroShardsResumeBitExact) {
   start({.world_size = 2});
   const std::string dir = make_temp_dir();

@@ -66,6 +66,31 @@ std::string grown(const std::string& dir) {
   return "";
 }
 
+// Every rank has steps but none that all have intact: rank 0 keeps steps 2 and 3, rank 1 steps 1 and 2 with 2 torn.
+// Every rank fails (before, the second round found nothing below step 1 and every rank started afresh).
+std::string no_common(const std::string& dir) {
+  const int rank = rpc::get_worker_info().id;
+  auto group = comm::ProcessGroup::create("no-common");
+  checkpoint::Checkpointer ckpt(dir, rank, {.keep = 2});
+  int64_t counter = 0;
+  checkpoint::State state;
+  state.add("counter", counter);
+  for (int64_t step = rank == 0 ? 2 : 1; step <= (rank == 0 ? 3 : 2); ++step) ckpt.save(step, state);
+  if (rank == 1 && ::truncate(ckpt.path(2).c_str(), 40) != 0) return "cannot truncate " + ckpt.path(2);
+  comm::wait(group->barrier());
+  try {
+    const std::optional<int64_t> step = ckpt.restore(state, group.get());
+    return "restored " + (step ? "step " + std::to_string(*step) : std::string("nothing: a fresh start"));
+  } catch (const Error& e) {
+    const std::string m = e.what();
+    if (e.code() != absl::StatusCode::kFailedPrecondition ||
+        m.find("none that every rank has intact") == std::string::npos) {
+      return "error: " + m;
+    }
+  }
+  return "";
+}
+
 // The ZeRO scenarios' optimizer of each shard.
 std::unique_ptr<torch::optim::Optimizer> adam(std::vector<at::Tensor> shard) {
   return std::make_unique<torch::optim::Adam>(shard, torch::optim::AdamOptions(0.01));
@@ -168,6 +193,7 @@ std::string run(const std::string& scenario) {
   if (parts[0] == "agree" && parts.size() == 3) return agree(parts[1], parts[2]);
   if (parts[0] == "zero" && parts.size() == 2) return zero(parts[1]);
   if (parts[0] == "grown" && parts.size() == 2) return grown(parts[1]);
+  if (parts[0] == "no-common" && parts.size() == 2) return no_common(parts[1]);
   if (parts[0] == "zero-consolidated" && parts.size() == 2) return zero_consolidated(parts[1]);
   return "unknown scenario " + scenario;
 }
