@@ -115,6 +115,13 @@ absl::StatusOr<c10::IValue> Mailbox::take(const MailKey& key, Clock::time_point 
       slot.bell = nullptr;
       return t;
     }
+    if (auto e = ring_errors_.find(key.pipe); e != ring_errors_.end()) {
+      const absl::Status lost = std::move(e->second);
+      ring_errors_.erase(e);
+      forget();
+      return absl::Status(lost.code(),
+                          absl::StrCat("waiting for ", what, ": a message before it was lost: ", lost.message()));
+    }
     if (Clock::now() >= deadline) {
       forget();
       return absl::DeadlineExceededError("nothing arrived in time: waited for " + what + " until the step's deadline");
@@ -164,7 +171,11 @@ absl::StatusOr<std::optional<Mailbox::Go>> Mailbox::take_go(int64_t pipe) {
     if (auto it = inboxes_.find(pipe); it != inboxes_.end()) inbox = it->second;
   }
   if (inbox) {
-    if (absl::Status drained = pump(*inbox, nullptr); !drained.ok()) return drained;
+    if (absl::Status drained = pump(*inbox, nullptr); !drained.ok()) {
+      MutexLock lock(&mu_);
+      if (!released_.count(pipe)) ring_errors_[pipe] = drained;
+      return drained;
+    }
   }
   MutexLock lock(&mu_);
   for (auto it = dropped_goes_.begin(); it != dropped_goes_.end(); ++it) {
@@ -235,6 +246,7 @@ void Mailbox::release(int64_t pipe) {
   remember(&released_, &released_order_, pipe, kRemembered);
   drop_locked([&](const MailKey& k) { return k.pipe == pipe; });
   inboxes_.erase(pipe);
+  ring_errors_.erase(pipe);
   dropped_goes_.erase(
       std::remove_if(dropped_goes_.begin(), dropped_goes_.end(), [&](const Go& go) { return go.pipe == pipe; }),
       dropped_goes_.end());

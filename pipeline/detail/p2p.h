@@ -80,7 +80,8 @@ class Mailbox {
   };
   // Without waiting, after moving what the pipeline's inbox holds into the mailbox: a go of `pipe` dropped untaken
   // (its step abandoned), else the earliest go delivered and not yet taken, else none; an error when a ring held a
-  // malformed message (as take()).
+  // malformed message (as take()). The messages after it in that ring are lost, and a run may wait for one: the next
+  // take() of `pipe` that finds its message not arrived fails at once with that error (not at its deadline).
   absl::StatusOr<std::optional<Go>> take_go(int64_t pipe);
   // The step is abandoned here: its waits end with `reason`, what is here of it goes (a go not yet taken is kept
   // for take_go, with `reason`), later deliveries are dropped (a go kept so too).
@@ -140,6 +141,8 @@ class Mailbox {
   std::deque<int64_t> released_order_ ABSL_GUARDED_BY(mu_);
   int64_t epoch_ ABSL_GUARDED_BY(mu_) = 0;     // abort_all() calls so far
   absl::Status stopped_ ABSL_GUARDED_BY(mu_);  // the last one's reason
+  // A malformed ring seen by take_go, by pipeline: the next take() of it that finds nothing arrived fails with it.
+  std::map<int64_t, absl::Status> ring_errors_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace tandem::pipeline::detail

@@ -117,7 +117,7 @@ class Executor {
       }
       auto go = Mailbox::get().take_go(pipe_);
       if (!go.ok()) {
-        // The ring's unread messages are gone: the runs waiting for them fail at their deadlines, naming them.
+        // The ring's unread messages are gone: the next receive of this pipeline that finds nothing fails with it.
         TANDEM_LOG(kWarn, "pipeline") << "pipeline " << pipe_ << ": " << go.status().message();
       } else if (go->has_value()) {
         run_direct(**go);

@@ -198,13 +198,8 @@ TEST(UnitPipelineShm, WhatDoesNotFitIsRefusedForRpcAndTheRingIsReusedOnceRead) {
   box.release(pipe);
 }
 
-TEST(UnitPipelineShm, MalformedMemoryFailsTheReceiveNamingTheSender) {
-  const int64_t pipe = fresh_pipe();
-  Mailbox& box = Mailbox::get();
-  auto inbox = std::make_shared<Inbox>();
-  box.set_inbox(pipe, inbox);
-  const RingEnds ends = inbox->ends_for(2);
-  // A broken sender: a record whose length is not a multiple of 8, published.
+// Publishes, in the ring `ends` names, what a broken sender would: a record whose length is not a multiple of 8.
+void publish_malformed_record(const RingEnds& ends) {
   const std::string path = absl::StrCat("/proc/self/fd/", ends.ring_fd);
   const int fd = open(path.c_str(), O_RDWR);
   ASSERT_GE(fd, 0);
@@ -217,11 +212,47 @@ TEST(UnitPipelineShm, MalformedMemoryFailsTheReceiveNamingTheSender) {
   std::memcpy(base + 256, &len, 4);
   std::memcpy(base + 256 + 4, &kind, 4);
   reinterpret_cast<std::atomic<uint64_t>*>(base + 64)->store(64);  // the tail (RingHeader: after a cache line)
-  auto got = box.take({pipe, 0, 1, 0, false}, within(milliseconds(2000)), "m0");
-  EXPECT_EQ(got.status().code(), absl::StatusCode::kInvalidArgument) << got.status();
-  EXPECT_NE(got.status().message().find("malformed"), std::string::npos) << got.status();
   munmap(base, bytes);
+}
+
+// The error a malformed record from rank 2 (no worker of this process's RPC) gives.
+void expect_malformed_from_rank_2(const absl::Status& status) {
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+  EXPECT_NE(status.message().find("malformed"), std::string::npos) << status;
+  EXPECT_NE(status.message().find("from worker '2'"), std::string::npos) << status;
+}
+
+TEST(UnitPipelineShm, MalformedMemoryFailsTheReceiveNamingTheSender) {
+  const int64_t pipe = fresh_pipe();
+  Mailbox& box = Mailbox::get();
+  auto inbox = std::make_shared<Inbox>();
+  box.set_inbox(pipe, inbox);
+  publish_malformed_record(inbox->ends_for(2));
+  auto got = box.take({pipe, 0, 1, 0, false}, within(milliseconds(2000)), "m0");
+  expect_malformed_from_rank_2(got.status());
   box.release(pipe);
+}
+
+// The idle executor's take_go meets the malformed record: the receive that comes next (its message may have been
+// after the record, lost with it) fails at once with that error instead of waiting for its deadline.
+TEST(UnitPipelineShm, AMalformedRecordTheIdleExecutorMeetsFailsTheNextReceiveAtOnce) {
+  const int64_t pipe = fresh_pipe();
+  Mailbox& box = Mailbox::get();
+  auto inbox = std::make_shared<Inbox>();
+  box.set_inbox(pipe, inbox);
+  publish_malformed_record(inbox->ends_for(2));
+  auto go = box.take_go(pipe);
+  expect_malformed_from_rank_2(go.status());
+  const auto start = Clock::now();
+  auto got = box.take({pipe, 0, 1, 0, false}, within(milliseconds(60000)), "m0");
+  expect_malformed_from_rank_2(got.status());
+  EXPECT_NE(got.status().message().find("waiting for m0"), std::string::npos) << got.status();
+  EXPECT_LT(Clock::now() - start, milliseconds(30000)) << "the receive waited for its deadline";
+  // Once: the receive after it waits as usual.
+  auto later = box.take({pipe, 0, 1, 1, false}, within(milliseconds(50)), "m1");
+  EXPECT_EQ(later.status().code(), absl::StatusCode::kDeadlineExceeded) << later.status();
+  box.release(pipe);
+  EXPECT_EQ(box.held(), 0u);
 }
 
 }  // namespace
