@@ -602,11 +602,9 @@ std::optional<int64_t> Checkpointer::restore(State& state, comm::ProcessGroup* g
     comm::wait(group->allreduce(t, comm::ReduceOp::kMax));
     return std::vector<int64_t>(t.data_ptr<int64_t>(), t.data_ptr<int64_t>() + t.numel());
   };
-  auto min_over_group = [group](int64_t v) {
-    if (!group) return v;
-    at::Tensor t = at::tensor(v);
-    comm::wait(group->allreduce(t, comm::ReduceOp::kMin));
-    return t.item<int64_t>();
+  auto min_over_group = [&each_rank](int64_t v) {
+    const std::vector<int64_t> all = each_rank(v);
+    return *std::min_element(all.begin(), all.end());
   };
   // A rank that cannot read its files (other than a torn or damaged one) takes part with kUnreadable, so that every
   // rank fails instead of agreeing on an older step or a fresh start; that rank's error says why.

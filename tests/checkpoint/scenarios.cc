@@ -15,80 +15,73 @@
 namespace tandem::test {
 namespace {
 
+// A rank's part in the counter scenarios below: its group (named for the scenario), its checkpointer of `dir` and a
+// state of one counter.
+struct Counter {
+  Counter(const std::string& scenario, const std::string& dir, int keep)
+      : rank(rpc::get_worker_info().id), group(comm::ProcessGroup::create(scenario)), ckpt(dir, rank, {.keep = keep}) {
+    state.add("counter", value);
+  }
+  // Restores, expecting the refusal: FAILED_PRECONDITION whose message holds each of `needles`; "" when so.
+  std::string expect_refused(std::initializer_list<const char*> needles) {
+    try {
+      const std::optional<int64_t> step = ckpt.restore(state, group.get());
+      return "restored " + (step ? "step " + std::to_string(*step) : std::string("nothing: a fresh start"));
+    } catch (const Error& e) {
+      const std::string m = e.what();
+      if (e.code() != absl::StatusCode::kFailedPrecondition) return "error: " + m;
+      for (const char* needle : needles) {
+        if (m.find(needle) == std::string::npos) return "error: " + m;
+      }
+    }
+    return "";
+  }
+  const int rank;
+  std::shared_ptr<comm::ProcessGroup> group;
+  checkpoint::Checkpointer ckpt;
+  int64_t value = 0;
+  checkpoint::State state;
+};
+
 // Every rank saves steps 1..3; one rank's newest file is then torn (cut in half): all ranks must resume from step 2,
 // that rank included, and only from it.
 std::string agree(const std::string& dir, const std::string& torn_rank) {
-  const int rank = rpc::get_worker_info().id;
-  auto group = comm::ProcessGroup::create("agree");
-  checkpoint::Checkpointer ckpt(dir, rank, {.keep = 3});
-  int64_t counter = 0;
-  checkpoint::State state;
-  state.add("counter", counter);
+  Counter c("agree", dir, 3);
   for (int64_t step = 1; step <= 3; ++step) {
-    counter = 100 * step + rank;
-    ckpt.save(step, state);
+    c.value = 100 * step + c.rank;
+    c.ckpt.save(step, c.state);
   }
-  if (std::to_string(rank) == torn_rank) {
-    const std::string path = ckpt.path(3);
+  if (std::to_string(c.rank) == torn_rank) {
+    const std::string path = c.ckpt.path(3);
     if (::truncate(path.c_str(), 40) != 0) return "cannot truncate " + path;
   }
-  comm::wait(group->barrier());
-  counter = -1;
-  const std::optional<int64_t> step = ckpt.restore(state, group.get());
+  comm::wait(c.group->barrier());
+  c.value = -1;
+  const std::optional<int64_t> step = c.ckpt.restore(c.state, c.group.get());
   if (!step || *step != 2) return "resumed from " + (step ? std::to_string(*step) : "nothing") + ", not step 2";
-  if (counter != 200 + rank) return "counter " + std::to_string(counter) + " after the restore";
+  if (c.value != 200 + c.rank) return "counter " + std::to_string(c.value) + " after the restore";
   return "";
 }
 
 // Ranks 0 and 1 save steps 1 and 2 of their own state (Layout::kPerRank); the job then restores with 3 ranks: rank 2
 // has no file, so every rank fails naming it (before, every rank started afresh, dropping the others' state).
 std::string grown(const std::string& dir) {
-  const int rank = rpc::get_worker_info().id;
-  auto group = comm::ProcessGroup::create("grown");
-  checkpoint::Checkpointer ckpt(dir, rank);
-  int64_t counter = 0;
-  checkpoint::State state;
-  state.add("counter", counter);
-  if (rank < 2) {
-    for (int64_t step = 1; step <= 2; ++step) ckpt.save(step, state);
+  Counter c("grown", dir, 2);
+  if (c.rank < 2) {
+    for (int64_t step = 1; step <= 2; ++step) c.ckpt.save(step, c.state);
   }
-  comm::wait(group->barrier());
-  try {
-    const std::optional<int64_t> step = ckpt.restore(state, group.get());
-    return "restored " + (step ? "step " + std::to_string(*step) : std::string("nothing: a fresh start"));
-  } catch (const Error& e) {
-    const std::string m = e.what();
-    if (e.code() != absl::StatusCode::kFailedPrecondition || m.find("rank(s) 2 of the group") == std::string::npos ||
-        m.find("up to step 2") == std::string::npos) {
-      return "error: " + m;
-    }
-  }
-  return "";
+  comm::wait(c.group->barrier());
+  return c.expect_refused({"rank(s) 2 of the group", "up to step 2"});
 }
 
 // Every rank has steps but none that all have intact: rank 0 keeps steps 2 and 3, rank 1 steps 1 and 2 with 2 torn.
 // Every rank fails (before, the second round found nothing below step 1 and every rank started afresh).
 std::string no_common(const std::string& dir) {
-  const int rank = rpc::get_worker_info().id;
-  auto group = comm::ProcessGroup::create("no-common");
-  checkpoint::Checkpointer ckpt(dir, rank, {.keep = 2});
-  int64_t counter = 0;
-  checkpoint::State state;
-  state.add("counter", counter);
-  for (int64_t step = rank == 0 ? 2 : 1; step <= (rank == 0 ? 3 : 2); ++step) ckpt.save(step, state);
-  if (rank == 1 && ::truncate(ckpt.path(2).c_str(), 40) != 0) return "cannot truncate " + ckpt.path(2);
-  comm::wait(group->barrier());
-  try {
-    const std::optional<int64_t> step = ckpt.restore(state, group.get());
-    return "restored " + (step ? "step " + std::to_string(*step) : std::string("nothing: a fresh start"));
-  } catch (const Error& e) {
-    const std::string m = e.what();
-    if (e.code() != absl::StatusCode::kFailedPrecondition ||
-        m.find("none that every rank has intact") == std::string::npos) {
-      return "error: " + m;
-    }
-  }
-  return "";
+  Counter c("no-common", dir, 2);
+  for (int64_t step = c.rank == 0 ? 2 : 1; step <= (c.rank == 0 ? 3 : 2); ++step) c.ckpt.save(step, c.state);
+  if (c.rank == 1 && ::truncate(c.ckpt.path(2).c_str(), 40) != 0) return "cannot truncate " + c.ckpt.path(2);
+  comm::wait(c.group->barrier());
+  return c.expect_refused({"none that every rank has intact"});
 }
 
 // The ZeRO scenarios' optimizer of each shard.
