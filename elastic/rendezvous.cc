@@ -140,6 +140,9 @@ absl::StatusOr<Round> Rendezvous::join() {
     }
     auto arrived = store_.add(round_key("joined"), 1);
     if (!arrived.ok()) return arrived.status();
+    if (*arrived < 1 || *arrived > detail::kMaxCount) {
+      return absl::DataLossError(absl::StrCat("rendezvous: the counter at ", round_key("joined"), " reads ", *arrived));
+    }
     const int index = static_cast<int>(*arrived - 1);
     pb::ElasticNode me;
     me.set_wire_version(rpc::kWireVersion);
@@ -348,6 +351,10 @@ absl::Status Rendezvous::wait_all_left(absl::Duration timeout) {
 absl::StatusOr<std::vector<std::string>> Rendezvous::failures() {
   auto n = store_.add(key("failures"), 0);
   if (!n.ok()) return n.status();
+  // A counter no launcher wrote (a damaged or foreign store) would have this wait a keep-alive interval per count.
+  if (*n < 0 || *n > detail::kMaxCount) {
+    return absl::DataLossError(absl::StrCat("rendezvous: the counter at ", key("failures"), " reads ", *n));
+  }
   std::vector<std::string> out;
   for (int64_t i = 1; i <= *n; ++i) {
     auto reason = store_.get(key(absl::StrCat("failure/", i)), to_ms(options_.keep_alive_interval));

@@ -67,6 +67,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -86,6 +87,7 @@
 #include "absl/strings/str_split.h"
 #include "tandem/cluster/cpus.h"
 #include "tandem/cluster/environment.h"
+#include "tandem/elastic/detail/records.h"
 #include "tandem/elastic/rendezvous.h"
 #include "tandem/rpc/detail/net.h"
 #include "tandem/rpc/store.h"
@@ -294,6 +296,12 @@ Options parse(int argc, char** argv) {
   }
   if (o.command.empty()) usage("no program to run");
   if (o.nproc < 1 || o.nnodes < 1 || o.node_rank < 0 || o.node_rank >= o.nnodes) usage("bad node/process counts");
+  // Ranks and world sizes are ints, and a rendezvous record holds at most tandem::elastic::detail::kMaxCount workers.
+  if (o.nproc > tandem::elastic::detail::kMaxCount || int64_t{std::max(o.nnodes, o.max_nodes)} * o.nproc > INT32_MAX) {
+    usage("too many processes: --nproc-per-node at most " + std::to_string(tandem::elastic::detail::kMaxCount) +
+          ", and nodes x processes below 2^31");
+  }
+  if (o.grace_seconds < 0) usage("bad value for --grace-seconds");
   if (o.master_port > 65535) usage("bad master port");
   if (o.max_restarts < 0) usage("bad value for --max-restarts");
   if (o.rdzv_backend != "static" && o.rdzv_backend != "c10d" && o.rdzv_backend != "etcd") {
@@ -503,6 +511,15 @@ pid_t fork_program(const Options& o, int out[2], const EnvVars& vars, const std:
   if (pid == 0) {
     prctl(PR_SET_PDEATHSIG, SIGKILL);  // never outlive the launcher
     if (getppid() != parent) _exit(1);
+    // A session (and process group) of its own, as torchrun's workers: a stop reaches what the program starts too
+    // (signal_group), and a terminal's signals reach the launcher alone, which passes them on.
+    setsid();
+    // The launcher's own dispositions are not the program's: SIGPIPE ignored (install_signal_handlers) would stay so
+    // across exec, and a blocked signal stays blocked.
+    signal(SIGPIPE, SIG_DFL);
+    sigset_t none;
+    sigemptyset(&none);
+    sigprocmask(SIG_SETMASK, &none, nullptr);
     dup2(pipes[0][1], STDOUT_FILENO);
     dup2(pipes[1][1], STDERR_FILENO);
     if (in_child) in_child();
@@ -570,9 +587,36 @@ std::optional<Standby> spawn_standby(const Options& o, const std::string& secret
   return sb;
 }
 
+// Sends `sig` to the process group of the program started as `pid` (fork_program: its own session), which holds
+// what it started (unless they left it); to `pid` alone before the child has made its session. `pid` must not be
+// reaped yet (then its id, and the group's, cannot be another process's).
+void signal_group(pid_t pid, int sig) {
+  if (kill(-pid, sig) != 0 && errno == ESRCH) kill(pid, sig);
+}
+
+// Reaps `pid` if it has exited (its exit status into `status`): true then. Before reaping, what it started and left
+// in its process group is SIGKILLed: a program's processes end with it (a wrapper script's training process would
+// otherwise hold the job's ports and files into the next round, and outlive the launcher). A child that cannot be
+// waited for (not ours) counts as exited, with exit code 255.
+bool reap_if_exited(pid_t pid, int* status) {
+  siginfo_t info{};
+  if (waitid(P_PID, pid, &info, WEXITED | WNOHANG | WNOWAIT) != 0) {
+    if (errno == EINTR) return false;
+    std::fprintf(stderr, "tandem-run: cannot wait for pid %d (%s): taken as exited\n", static_cast<int>(pid),
+                 std::strerror(errno));
+    *status = W_EXITCODE(255, 0);
+    return true;
+  }
+  if (info.si_pid != pid) return false;  // still running
+  kill(-pid, SIGKILL);                   // its group's leftovers (none: ESRCH)
+  while (waitpid(pid, status, 0) < 0 && errno == EINTR) {
+  }
+  return true;
+}
+
 // SIGKILLs a standby and reaps it, waiting 5 s at most: one stuck in the kernel (or held by a tracer) is left behind.
 void kill_and_reap(pid_t pid) {
-  kill(pid, SIGKILL);
+  signal_group(pid, SIGKILL);
   const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(5);
   for (;;) {
     const pid_t r = waitpid(pid, nullptr, WNOHANG);
@@ -784,7 +828,7 @@ Round run_round(const Options& o, const Placement& p, const std::string& secret,
   auto abandon_deadline = std::chrono::steady_clock::time_point::max();
   auto stop_others = [&](int sig) {
     for (auto& w : workers) {
-      if (w.running) kill(w.pid, sig);
+      if (w.running) signal_group(w.pid, sig);
     }
   };
   const int poll_ms = std::clamp(static_cast<int>(o.monitor_interval * 1000), 1, 100);
@@ -841,7 +885,7 @@ Round run_round(const Options& o, const Placement& p, const std::string& secret,
       Worker& w = workers[i];
       if (!w.running) continue;
       int status = 0;
-      if (waitpid(w.pid, &status, WNOHANG) == w.pid) {
+      if (reap_if_exited(w.pid, &status)) {
         w.running = false;
         w.status = status;
         if (failed(status) && first_failed < 0 && !stopping) {
@@ -948,6 +992,9 @@ void install_signal_handlers() {
   sigaction(SIGINT, &sa, nullptr);
   sigaction(SIGTERM, &sa, nullptr);
   signal(SIGPIPE, SIG_IGN);
+  // Inherited as ignored (a parent that set it so), SIGCHLD would make the kernel reap the workers itself: their
+  // exits would never be seen, and their pids could be signalled after reuse.
+  signal(SIGCHLD, SIG_DFL);
 }
 
 // A job with a fixed set of nodes (--node-rank, --master-addr/port): restarts only on one node.
@@ -1001,10 +1048,11 @@ double conf_seconds(const std::map<std::string, std::string>& conf, const std::s
     size_t used = 0;
     const double v = std::stod(it->second, &used);
     // Positive and finite, at most about 11 days (the store's deadlines add it to the clock); the attempts a whole
-    // number.
+    // number of at least 2 (a node beats, and checks the others, once an interval: with one attempt, a check that
+    // comes a little before the other's beat would count a healthy node lost).
     // Durations from 1 ms (the store's deadlines are whole milliseconds: less would be none at all).
-    const bool in_range = used == it->second.size() && v >= (key == "keep_alive_max_attempt" ? 1 : 1e-3) && v <= 1e6;
-    if (in_range && (key != "keep_alive_max_attempt" || (v >= 1 && v == std::floor(v)))) return v;
+    const bool in_range = used == it->second.size() && v >= (key == "keep_alive_max_attempt" ? 2 : 1e-3) && v <= 1e6;
+    if (in_range && (key != "keep_alive_max_attempt" || v == std::floor(v))) return v;
   } catch (...) {
   }
   usage("bad value in --rdzv-conf: " + key + "=" + it->second);
@@ -1032,6 +1080,11 @@ int run_elastic(Options& o, std::vector<Standby>* pool) {
     endpoint_host = o.rdzv_endpoint.substr(0, colon);
     endpoint_port = parse_int("--rdzv-endpoint", o.rdzv_endpoint.substr(colon + 1));
   }
+  // An IPv6 address in brackets ([::1]:29400): the host is the address.
+  if (endpoint_host.size() > 2 && endpoint_host.front() == '[' && endpoint_host.back() == ']') {
+    endpoint_host = endpoint_host.substr(1, endpoint_host.size() - 2);
+  }
+  if (endpoint_port < 1 || endpoint_port > 65535) usage("bad port in --rdzv-endpoint '" + o.rdzv_endpoint + "'");
   if (o.max_nodes > 1 && !std::getenv("TANDEM_SECRET") && o.secret_file.empty()) {
     usage("a job on several nodes needs the same secret on each: set TANDEM_SECRET or --secret-file");
   }

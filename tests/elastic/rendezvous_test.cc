@@ -5,11 +5,14 @@
 
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
+#include <cerrno>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <future>
 #include <set>
@@ -20,6 +23,7 @@
 #include "proto/tandem_rpc.pb.h"
 #include "tandem/rpc/detail/net.h"
 #include "tandem/rpc/store.h"
+#include "tests/common/files.h"
 #include "tests/common/time_scale.h"
 
 namespace tandem::elastic {
@@ -35,6 +39,12 @@ int free_port() {
   return *port;
 }
 
+// The last 2000 bytes of the file at `path` (its directory is removed with the test's etcd).
+std::string read_log(const std::string& path) {
+  const std::string text = test::read_file(path);
+  return text.size() > 2000 ? text.substr(text.size() - 2000) : text;
+}
+
 // A one-member etcd cluster on 127.0.0.1, in a temporary directory, for one test.
 class Etcd {
  public:
@@ -42,18 +52,26 @@ class Etcd {
   // Starts it and waits until it answers; false (and a reason in `why`) when it cannot.
   bool start(std::string* why) {
     char tmpl[] = "/tmp/tandem-etcd-XXXXXX";
-    dir_ = ::mkdtemp(tmpl);
+    if (!::mkdtemp(tmpl)) {
+      *why = std::string("mkdtemp: ") + std::strerror(errno);
+      return false;
+    }
+    dir_ = tmpl;
     const int client = free_port(), peer = free_port();
     endpoint_ = "127.0.0.1:" + std::to_string(client);
     const std::string c = "http://" + endpoint_, p = "http://127.0.0.1:" + std::to_string(peer);
+    // Made before the fork: the child only execs.
+    const std::string log = dir_ + "/etcd.log", data = dir_ + "/data", cluster = "t=" + p;
+    const pid_t parent = ::getpid();
     pid_ = ::fork();
     if (pid_ == 0) {
-      const std::string log = dir_ + "/etcd.log";
-      freopen(log.c_str(), "w", stderr);
-      freopen("/dev/null", "w", stdout);
-      ::execl("/usr/bin/etcd", "etcd", "--name", "t", "--data-dir", (dir_ + "/data").c_str(), "--listen-client-urls",
-              c.c_str(), "--advertise-client-urls", c.c_str(), "--listen-peer-urls", p.c_str(),
-              "--initial-advertise-peer-urls", p.c_str(), "--initial-cluster", ("t=" + p).c_str(), nullptr);
+      ::prctl(PR_SET_PDEATHSIG, SIGKILL);  // a test killed at its ctest timeout leaves no etcd behind
+      if (::getppid() != parent) ::_exit(1);
+      (void)!freopen(log.c_str(), "w", stderr);
+      (void)!freopen("/dev/null", "w", stdout);
+      ::execl("/usr/bin/etcd", "etcd", "--name", "t", "--data-dir", data.c_str(), "--listen-client-urls", c.c_str(),
+              "--advertise-client-urls", c.c_str(), "--listen-peer-urls", p.c_str(), "--initial-advertise-peer-urls",
+              p.c_str(), "--initial-cluster", cluster.c_str(), nullptr);
       ::_exit(127);
     }
     auto probe = connect_etcd_store(endpoint_, std::chrono::milliseconds(500));
@@ -62,7 +80,7 @@ class Etcd {
       int status = 0;
       if (::waitpid(pid_, &status, WNOHANG) == pid_) {
         pid_ = -1;
-        *why = "etcd exited at start (see " + dir_ + "/etcd.log)";
+        *why = "etcd exited at start; its log: " + read_log(log);
         return false;
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(100));

@@ -132,6 +132,7 @@ int run_worker(const std::string& scenario) {
     const pid_t self = getpid();
     const pid_t tracer = fork();
     if (tracer == 0) {  // only async-signal-safe calls here
+      setsid();         // outside rank 0's process group, as a debugger would be: the launcher's stop does not reach it
       close(ready[0]);
       close(allowed[1]);
       char go = 0;
