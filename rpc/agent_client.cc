@@ -72,9 +72,14 @@ absl::StatusOr<grpc::ByteBuffer> Agent::encode_request(int peer, const std::stri
   grpc::ByteBuffer frame = encoder.frame(request);
   by_reference_ += static_cast<int64_t>(encoder.referenced().size());
   referenced->swap(encoder.referenced());
-  if (frame.Length() > static_cast<uint64_t>(options_.max_message_bytes)) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "a request of ", frame.Length(), " bytes exceeds the message limit of ", options_.max_message_bytes));
+  // Tensors sent by reference count as if the frame carried them (the receiver holds the message to that bound).
+  uint64_t bytes = frame.Length();
+  for (const at::Tensor& t : *referenced) bytes += t.nbytes();
+  if (bytes > static_cast<uint64_t>(options_.max_message_bytes)) {
+    return absl::ResourceExhaustedError(absl::StrCat("a request of ", bytes, " bytes (", referenced->size(),
+                                                     " tensor(s) sent by reference among them) exceeds the message "
+                                                     "limit of ",
+                                                     options_.max_message_bytes));
   }
   return frame;
 }

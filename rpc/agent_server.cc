@@ -167,7 +167,9 @@ void Agent::handle(std::shared_ptr<InCall> call, Parsed* parsed) {
   {
     MutexLock call_lock(&call->mu);  // a stop() on another thread may finish the call meanwhile, reading them
     call->caller = request.caller_rank();
-    call->function = request.function();
+    // The metrics label (record_served): a name nobody registered makes no series of its own, even for a request that
+    // fails before run() looks it up (a malformed argument): else a caller could make series without bound.
+    call->function = find_function(request.function()) ? request.function() : "(not registered)";
     call->caller_name = request.caller_name();
     call->oneway = request.oneway();
   }

@@ -3,7 +3,9 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "tandem/log/log.h"
 #include "tandem/rpc/detail/wait_slice.h"
+#include "tandem/rpc/errors.h"
 #include "tandem/sync/sync.h"
 
 namespace tandem::rpc {
@@ -85,6 +87,19 @@ bool Future::set_status(const absl::Status& status, c10::IValue value) const {
   return status.ok() ? set_value(std::move(value)) : set_error(status);
 }
 
+namespace {
+// A callback's exception would end the completing thread (an RPC completion thread: std::terminate) and skip the
+// callbacks after it: it is logged instead.
+void run_callback(const std::function<void(const Future&)>& callback, const Future& future) noexcept {
+  try {
+    callback(future);
+  } catch (...) {
+    TANDEM_LOG(kError, "rpc") << "a future's callback threw (dropped; the other callbacks run): "
+                              << status_from_current_exception();
+  }
+}
+}  // namespace
+
 bool Future::complete(c10::IValue value, absl::Status error) const {
   std::vector<std::function<void(const Future&)>> callbacks;
   {
@@ -95,7 +110,7 @@ bool Future::complete(c10::IValue value, absl::Status error) const {
     state_->done = true;
     callbacks.swap(state_->callbacks);
   }
-  for (auto& cb : callbacks) cb(*this);
+  for (auto& cb : callbacks) run_callback(cb, *this);
   return true;
 }
 
@@ -107,7 +122,7 @@ void Future::add_callback(std::function<void(const Future&)> callback) const {
       return;
     }
   }
-  callback(*this);
+  run_callback(callback, *this);
 }
 
 Future Future::then(std::function<c10::IValue(const Future&)> fn) const {

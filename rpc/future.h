@@ -13,6 +13,7 @@
 //
 // Callbacks always fire exactly once: inline in add_callback() when already completed, otherwise on the thread that
 // completes the future (for RPC replies, a gRPC completion thread: keep callbacks short and non-blocking).
+// A callback that throws has its exception logged (kError, "rpc") and dropped; the other callbacks run.
 //
 // Thread-safety: all methods may be called concurrently from any thread.
 #pragma once

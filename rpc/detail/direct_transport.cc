@@ -114,13 +114,18 @@ void DirectTransport::call(int rank, const std::string& function, grpc::ByteBuff
   auto conn = async_conn(*p, deadline);
   if (!conn.ok()) return done(conn.status());
   uint64_t id = 0;
+  bool stopped = false;
   {
     MutexLock lock(&mu_);
-    if (stopped_) return done(absl::CancelledError("RPC was shut down on this worker"));
-    id = next_id_++;
-    // run_timer waits on mu_ for the earliest of these.
-    pending_.emplace(id, Pending{std::move(done), conn->get(), deadlines_.emplace(deadline, id)});
+    stopped = stopped_;
+    if (!stopped) {
+      id = next_id_++;
+      // run_timer waits on mu_ for the earliest of these.
+      pending_.emplace(id, Pending{std::move(done), conn->get(), deadlines_.emplace(deadline, id)});
+    }
   }
+  // Outside mu_: `done` runs the caller's callbacks, which may block or call back into the transport.
+  if (stopped) return done(absl::CancelledError("RPC was shut down on this worker"));
   if (auto s = (*conn)->write(direct::Kind::kRequest, id, request, deadline); !s.ok()) {
     if ((*conn)->broken) (*conn)->shut();  // a half-written message: the channel is done; its calls fail
     complete(id, s);
@@ -133,10 +138,12 @@ void DirectTransport::send(int rank, const std::string& function, grpc::ByteBuff
   if (!p) return done(absl::UnavailableError("no direct channel to this worker"));
   auto conn = async_conn(*p, deadline);  // after the calls and sends on it before this one
   if (!conn.ok()) return done(conn.status());
+  bool stopped = false;
   {
     MutexLock lock(&mu_);
-    if (stopped_) return done(absl::CancelledError("RPC was shut down on this worker"));
+    stopped = stopped_;
   }
+  if (stopped) return done(absl::CancelledError("RPC was shut down on this worker"));  // outside mu_, as in call()
   if (auto s = (*conn)->write(direct::Kind::kOneway, 0, request, deadline); !s.ok()) {
     if ((*conn)->broken) (*conn)->shut();  // a half-written message: the channel is done; its calls fail
     return done(s);

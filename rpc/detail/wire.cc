@@ -423,6 +423,19 @@ absl::StatusOr<c10::IValue> Frame::decode_value(const Value& v, const Payload& p
 }
 
 absl::StatusOr<std::vector<c10::IValue>> Frame::decode(const Payload& payload, const Origin& origin) const {
+  // The bound holds for the message's tensors read by reference together, as for a frame that carries them: else one
+  // message could claim any number of them (each under it, or one address many times) and exhaust this worker's
+  // memory.
+  if (origin.max_referenced_bytes > 0) {
+    uint64_t total = 0;
+    for (const auto& meta : payload.tensors()) {
+      if (meta.by_reference() &&
+          (__builtin_add_overflow(total, meta.nbytes(), &total) || total > origin.max_referenced_bytes)) {
+        return absl::ResourceExhaustedError(absl::StrCat("the message's tensors sent by reference exceed the message ",
+                                                         "limit of ", origin.max_referenced_bytes, " bytes together"));
+      }
+    }
+  }
   std::vector<c10::IValue> tensors(payload.tensors_size());  // None until first referenced
   std::vector<c10::IValue> values;
   values.reserve(payload.values_size());

@@ -99,7 +99,9 @@ class Frame {
 
 // Upper bounds on what a header may claim (protects the decoder from absurd allocations).
 constexpr int kMaxDims = 64;
-constexpr int kMaxNesting = 64;
+// Containers in containers: below protobuf's own bound on a header's nesting (100 messages, two per level), so that a
+// value nested too deeply gets this error, not "the header does not parse".
+constexpr int kMaxNesting = 32;
 constexpr uint32_t kMaxHeaderBytes = 64u << 20;
 constexpr uint64_t kAlign = 64;
 constexpr uint64_t align_up(uint64_t n) { return (n + kAlign - 1) / kAlign * kAlign; }

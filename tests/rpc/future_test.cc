@@ -23,6 +23,20 @@ TEST(UnitFuture, CompletesOnceAndRunsCallbacksOnce) {
   EXPECT_EQ(f.get<int64_t>(), 1);
 }
 
+// A callback that throws (value() of a failed call, say) does not end the completing thread, and the callbacks after
+// it still run, whether added before the completion or after it.
+TEST(UnitFuture, ACallbackThatThrowsLeavesTheOthersRunning) {
+  Future f;
+  std::atomic<int> ran{0};
+  f.add_callback([](const Future& self) { (void)self.value(); });
+  f.add_callback([&](const Future&) { ++ran; });
+  EXPECT_TRUE(f.set_error(absl::UnavailableError("peer gone")));
+  EXPECT_EQ(ran.load(), 1);
+  f.add_callback([](const Future&) { throw std::runtime_error("late"); });
+  f.add_callback([&](const Future&) { ++ran; });
+  EXPECT_EQ(ran.load(), 2);
+}
+
 TEST(UnitFuture, ErrorsThrowRpcErrorWithTheStatus) {
   Future f = Future::failed(absl::UnavailableError("peer gone"));
   EXPECT_EQ(f.status().code(), absl::StatusCode::kUnavailable);

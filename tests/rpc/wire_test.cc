@@ -185,11 +185,41 @@ TEST(UnitWire, BadReferencesAndTypesAreRejected) {
   empty_value.mutable_args()->add_values();
   EXPECT_EQ(decode_status(test::make_frame(empty_value, "")).code(), absl::StatusCode::kInvalidArgument);
 
+  // 40 tuples deep: a header protobuf parses (its bound is about 48), refused by the decoder's own bound.
   pb::Request deep;
   auto* v = deep.mutable_args()->add_values();
-  for (int i = 0; i < 90; ++i) v = v->mutable_tuple()->add_items();
+  for (int i = 0; i < 40; ++i) v = v->mutable_tuple()->add_items();
   v->set_i(1);
-  EXPECT_FALSE(decode_status(test::make_frame(deep, "")).ok());
+  const absl::Status too_deep = decode_status(test::make_frame(deep, ""));
+  EXPECT_EQ(too_deep.code(), absl::StatusCode::kInvalidArgument) << too_deep;
+  EXPECT_NE(too_deep.message().find("nested too deeply"), std::string::npos) << too_deep;
+  // The sender refuses it first.
+  c10::IValue nested(int64_t{1});
+  for (int i = 0; i < 40; ++i) nested = c10::ivalue::Tuple::create({nested});
+  Encoder encoder;
+  pb::Request sent;
+  EXPECT_EQ(encoder.encode({nested}, sent.mutable_args()).code(), absl::StatusCode::kInvalidArgument);
+}
+
+// The bound on tensors read by reference holds for a message's together, not for each alone.
+TEST(UnitWire, TensorsByReferenceOverTheLimitTogetherAreRefused) {
+  pb::Request request;
+  for (int i = 0; i < 3; ++i) {
+    pb::TensorMeta* m = request.mutable_args()->add_tensors();
+    *m = float_meta({256}, 1024);
+    m->set_by_reference(true);
+    m->set_remote_addr(4096);
+    request.mutable_args()->add_values()->set_tensor(i);
+  }
+  pb::Request got;
+  auto frame = Frame::parse(test::make_frame(request, ""), &got);
+  ASSERT_TRUE(frame.ok()) << frame.status();
+  Frame::Origin origin;
+  origin.cma_pid = getpid();
+  origin.max_referenced_bytes = 2048;  // each of the three is under it, their 3072 bytes are not
+  const absl::Status s = frame->decode(got.args(), origin).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+  EXPECT_NE(s.message().find("together"), std::string::npos) << s;
 }
 
 TEST(UnitWire, ZeroCopyReceiveAliasesTheBuffer) {
