@@ -58,7 +58,7 @@ std::string Agent::describe(int peer, const std::string& function) const {
 
 absl::StatusOr<grpc::ByteBuffer> Agent::encode_request(int peer, const std::string& function,
                                                        const std::vector<c10::IValue>& args, bool by_reference,
-                                                       std::vector<at::Tensor>* referenced, bool oneway) {
+                                                       Referenced* referenced, bool oneway) {
   tandem::wire::Request request;
   request.set_oneway(oneway);
   request.set_function(function);
@@ -69,14 +69,19 @@ absl::StatusOr<grpc::ByteBuffer> Agent::encode_request(int peer, const std::stri
     return error_with(s, "cannot send the arguments: ");
   }
   if (CallTracer* tracer = call_tracer()) request.set_trace(tracer->request_out(peer, function, encoder.sent()));
+  if (!encoder.referenced().empty()) {  // the callee reads them only while this lease holds (lease.h)
+    referenced->lease = Lease::take();
+    request.set_lease_address(referenced->lease.address());
+    request.set_lease_id(referenced->lease.id());
+  }
   grpc::ByteBuffer frame = encoder.frame(request);
   by_reference_ += static_cast<int64_t>(encoder.referenced().size());
-  referenced->swap(encoder.referenced());
+  referenced->tensors.swap(encoder.referenced());
   // Tensors sent by reference count as if the frame carried them (the receiver holds the message to that bound).
   uint64_t bytes = frame.Length();
-  for (const at::Tensor& t : *referenced) bytes += t.nbytes();
+  for (const at::Tensor& t : referenced->tensors) bytes += t.nbytes();
   if (bytes > static_cast<uint64_t>(options_.max_message_bytes)) {
-    return absl::ResourceExhaustedError(absl::StrCat("a request of ", bytes, " bytes (", referenced->size(),
+    return absl::ResourceExhaustedError(absl::StrCat("a request of ", bytes, " bytes (", referenced->tensors.size(),
                                                      " tensor(s) sent by reference among them) exceeds the message "
                                                      "limit of ",
                                                      options_.max_message_bytes));
@@ -157,8 +162,8 @@ void Agent::count_call(int peer) {
 
 absl::StatusOr<Agent::Outgoing> Agent::start_call(const To& to, const std::string& function,
                                                   std::vector<c10::IValue>& args, std::chrono::milliseconds timeout,
-                                                  bool by_reference_ok, bool oneway,
-                                                  std::vector<at::Tensor>* referenced, const char* kind) {
+                                                  bool by_reference_ok, bool oneway, Referenced* referenced,
+                                                  const char* kind) {
   auto peer = resolve(to);
   if (!peer.ok()) return error_with(peer.status(), absl::StrCat("rpc calling '", function, "': "));
   Outgoing out;
@@ -175,7 +180,7 @@ absl::StatusOr<Agent::Outgoing> Agent::start_call(const To& to, const std::strin
   out.frame = std::move(*frame);  // swapped in
   out.record.sent_bytes = static_cast<int64_t>(out.frame.Length());
   if (referenced) {
-    for (const auto& t : *referenced) out.record.sent_bytes += static_cast<int64_t>(t.nbytes());
+    for (const auto& t : referenced->tensors) out.record.sent_bytes += static_cast<int64_t>(t.nbytes());
   }
   out.record.recorder = &metrics::call_recorder(peers_[*peer].info.name, function, "out");
   args.clear();
@@ -190,7 +195,7 @@ absl::StatusOr<Agent::Outgoing> Agent::start_call(const To& to, const std::strin
 
 Future Agent::call(const To& to, const std::string& function, std::vector<c10::IValue> args,
                    std::chrono::milliseconds timeout) {
-  auto referenced = std::make_shared<std::vector<at::Tensor>>();  // read by the callee from our memory until the reply
+  auto referenced = std::make_shared<Referenced>();  // read by the callee from our memory until the reply
   auto out = start_call(to, function, args, timeout, /*by_reference_ok=*/true, /*oneway=*/false, referenced.get(),
                         "rpc_async#");
   if (!out.ok()) return Future::failed(out.status());
@@ -216,7 +221,7 @@ Future Agent::send(const To& to, const std::string& function, std::vector<c10::I
                    std::chrono::milliseconds timeout) {
   // Tensors large enough for the same-host bulk path go by reference: the callee reads them from our memory, so the
   // request is then a call whose (empty) answer says when they may go.
-  auto referenced = std::make_shared<std::vector<at::Tensor>>();
+  auto referenced = std::make_shared<Referenced>();
   auto out =
       start_call(to, function, args, timeout, /*by_reference_ok=*/true, /*oneway=*/true, referenced.get(), "rpc_send#");
   if (!out.ok()) return Future::failed(out.status());
@@ -249,7 +254,7 @@ Future Agent::send(const To& to, const std::string& function, std::vector<c10::I
 
 Future Agent::call_and_wait(const To& to, const std::string& function, std::vector<c10::IValue> args,
                             std::chrono::milliseconds timeout) {
-  std::vector<at::Tensor> referenced;  // alive until the reply: the callee reads them from our memory
+  Referenced referenced;  // alive until the reply: the callee reads them from our memory
   auto out =
       start_call(to, function, args, timeout, /*by_reference_ok=*/true, /*oneway=*/false, &referenced, "rpc_sync#");
   if (!out.ok()) return Future::failed(out.status());

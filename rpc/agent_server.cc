@@ -68,7 +68,8 @@ bool Agent::serve_message(Incoming& in, Parsed* parsed) {
   try {
     std::vector<Future> wait;  // stays empty: no extension values
     auto args = frame->decode(request.args(), {in.cma_pid, request.caller_rank(), &wait, nullptr,
-                                               static_cast<uint64_t>(options_.max_message_bytes), false});
+                                               static_cast<uint64_t>(options_.max_message_bytes), false,
+                                               request.lease_address(), request.lease_id()});
     if (!args.ok()) {
       status = args.status();
     } else {
@@ -181,7 +182,8 @@ void Agent::handle(std::shared_ptr<InCall> call, Parsed* parsed) {
   try {
     args =
         frame->decode(request.args(), {call->in.cma_pid, request.caller_rank(), &wait, tracer ? &wire_tensors : nullptr,
-                                       static_cast<uint64_t>(options_.max_message_bytes), client});
+                                       static_cast<uint64_t>(options_.max_message_bytes), client,
+                                       request.lease_address(), request.lease_id()});
     if (args.ok() && tracer) {
       auto state = tracer->request_in(request.caller_rank(), request.trace(), wire_tensors);
       if (!state.ok()) return reply_error(call, state.status());
@@ -192,7 +194,10 @@ void Agent::handle(std::shared_ptr<InCall> call, Parsed* parsed) {
     args =
         absl::InternalError(absl::StrCat("decoding the request failed: ", status_from_current_exception().message()));
   }
-  if (!args.ok()) return reply_error(call, args.status());
+  if (!args.ok()) {
+    if (args.status().code() == absl::StatusCode::kAborted && request.lease_id() != 0) ++leases_lapsed_;
+    return reply_error(call, args.status());
+  }
   // A one-way request that a transport must answer (gRPC; tensors read by reference) is answered now: its arguments
   // have been read, and nobody waits for the function. What the function does later is told here only.
   if (call->oneway && !call->in.oneway) finish_oneway(call);

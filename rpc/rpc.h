@@ -203,6 +203,9 @@ struct TransportStats {
   // on any place for 2 x 5 ms while another waited: a sleep, a std::mutex...; each such stall delays other calls).
   int64_t places_lent = 0;
   int64_t presumed_blocked = 0;
+  // Calls received here refused because their caller had let go of the tensors it sent by reference before they
+  // were read (its call had ended: timed out or cancelled; rpc/detail/lease.h): not run.
+  int64_t leases_lapsed = 0;
 };
 TransportStats transport_stats();
 

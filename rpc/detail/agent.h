@@ -38,6 +38,7 @@
 #include "tandem/rpc/detail/direct_transport.h"
 #include "tandem/rpc/detail/fault_transport.h"
 #include "tandem/rpc/detail/grpc_transport.h"
+#include "tandem/rpc/detail/lease.h"
 #include "tandem/rpc/detail/thread_pool.h"
 #include "tandem/rpc/detail/wire.h"
 #include "tandem/rpc/rpc.h"
@@ -75,8 +76,8 @@ class Agent {
   const char* route(int peer) const { return peers_[peer].transport->kind_for(peer); }
   TransportStats stats() const {
     const direct::Channel::PlaceCounts places = direct_ ? direct_->place_counts() : direct::Channel::PlaceCounts{};
-    return {grpc_calls_.load(),      direct_calls_.load(), by_reference_.load(),   oneway_failures_.load(),
-            inline_messages_.load(), places.lent,          places.presumed_blocked};
+    return {grpc_calls_.load(),      direct_calls_.load(), by_reference_.load(),    oneway_failures_.load(),
+            inline_messages_.load(), places.lent,          places.presumed_blocked, leases_lapsed_.load()};
   }
 
   // True when everything outstanding was released (safe to delete).
@@ -179,9 +180,21 @@ class Agent {
   void note_oneway_failure(const InCall& call, const absl::Status& error);
 
   // agent_client.cc
+  // A request's tensors sent by reference, and their lease (lease.h): kept until the call completes; clear() ends the
+  // lease before the tensors go.
+  struct Referenced {
+    std::vector<at::Tensor> tensors;
+    Lease lease;
+    bool empty() const { return tensors.empty(); }
+    void clear() {
+      lease.end();
+      tensors.clear();
+    }
+    ~Referenced() { clear(); }
+  };
   absl::StatusOr<grpc::ByteBuffer> encode_request(int peer, const std::string& function,
                                                   const std::vector<c10::IValue>& args, bool by_reference,
-                                                  std::vector<at::Tensor>* referenced, bool oneway = false);
+                                                  Referenced* referenced, bool oneway = false);
   // What the end of an outgoing call reports: its metrics series, profile range and start.
   struct CallRecord {
     int peer = -1;
@@ -206,7 +219,7 @@ class Agent {
   void call_finished(const CallRecord& record, bool ok, int64_t received_bytes);
   absl::StatusOr<Outgoing> start_call(const To& to, const std::string& function, std::vector<c10::IValue>& args,
                                       std::chrono::milliseconds timeout, bool by_reference_ok, bool oneway,
-                                      std::vector<at::Tensor>* referenced, const char* kind);
+                                      Referenced* referenced, const char* kind);
   // The value of a reply frame from `peer` to a call of `function`; `wait` receives the futures value codecs need
   // completed before it is used. Its errors name the worker and the call (describe()).
   absl::StatusOr<c10::IValue> parse_reply(const grpc::ByteBuffer& frame, int peer, const std::string& function,
@@ -249,7 +262,8 @@ class Agent {
   int64_t outstanding_ ABSL_GUARDED_BY(mu_) = 0;  // outgoing calls not completed yet
   std::map<InCall*, std::shared_ptr<InCall>> in_calls_ ABSL_GUARDED_BY(mu_);
   bool stopped_ ABSL_GUARDED_BY(mu_) = false;
-  std::atomic<int64_t> grpc_calls_{0}, direct_calls_{0}, by_reference_{0}, oneway_failures_{0}, inline_messages_{0};
+  std::atomic<int64_t> grpc_calls_{0}, direct_calls_{0}, by_reference_{0}, oneway_failures_{0}, inline_messages_{0},
+      leases_lapsed_{0};
   bool stopped_cleanly_ = false;
   Notification ready_;
 };

@@ -12,7 +12,8 @@ namespace tandem::rpc {
 // 5: a pipeline plan's actions carry a kind (F, B, I, W: the zero-bubble split), not a backward flag.
 // 6: the releases of a pipeline's stages and of a distributed optimizer's shards take a list of ids.
 // 7: a distributed optimizer's creation carries its id and timeout first; a reference its owner sends is accepted by
-// its receiver (accept), as user-sent ones are.
-constexpr uint32_t kWireVersion = 7;
+// its receiver (accept), as user-sent ones are. 8: a request with tensors sent by reference carries the caller's lease
+// on them (lease.h).
+constexpr uint32_t kWireVersion = 8;
 
 }  // namespace tandem::rpc

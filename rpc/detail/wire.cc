@@ -444,6 +444,26 @@ absl::StatusOr<std::vector<c10::IValue>> Frame::decode(const Payload& payload, c
     if (!d.ok()) return d.status();
     values.push_back(std::move(*d));
   }
+  bool read_by_reference = false;
+  for (int i = 0; i < payload.tensors_size(); ++i) {
+    read_by_reference |= payload.tensors(i).by_reference() && payload.tensors(i).nbytes() > 0 && !tensors[i].isNone();
+  }
+  if (read_by_reference) {
+    if (origin.lease_id == 0) {
+      return absl::InvalidArgumentError("malformed message: tensors sent by reference without the caller's lease");
+    }
+    // After the tensors: the caller ends the lease before it lets them go, so a word still holding the id means
+    // they were alive when read.
+    uint64_t word = 0;
+    iovec local{&word, sizeof word};
+    iovec far{reinterpret_cast<void*>(origin.lease_address), sizeof word};
+    if (process_vm_readv(origin.cma_pid, &local, 1, &far, 1, 0) != static_cast<ssize_t>(sizeof word) ||
+        word != origin.lease_id) {
+      return absl::AbortedError(
+          "the caller let go of the tensors it sent by reference before they were read (its call had ended: timed "
+          "out or cancelled); the call is not run");
+    }
+  }
   if (origin.tensors) {
     origin.tensors->assign(tensors.size(), at::Tensor());
     for (size_t i = 0; i < tensors.size(); ++i) {

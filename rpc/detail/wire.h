@@ -75,6 +75,9 @@ class Frame {
     std::vector<at::Tensor>* tensors = nullptr;
     uint64_t max_referenced_bytes = 0;  // bound on a tensor read by reference (the message limit); 0: none
     bool from_client = false;           // a client outside the job sent it: extension values are refused
+    // The caller's lease on its tensors sent by reference (Request.lease_address/lease_id, lease.h): read after them
+    // from cma_pid; a message with such tensors is refused unless it holds lease_id then.
+    uint64_t lease_address = 0, lease_id = 0;
   };
   // Decodes the values of `payload`, validating every tensor against the frame.
   absl::StatusOr<std::vector<c10::IValue>> decode(const tandem::wire::Payload& payload, const Origin& origin) const;

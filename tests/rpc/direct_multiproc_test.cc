@@ -11,6 +11,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstring>
+#include <filesystem>
 #include <mutex>
 #include <set>
 #include <thread>
@@ -21,6 +22,7 @@
 #include "tandem/rpc/detail/direct.h"
 #include "tandem/rpc/store.h"
 #include "tandem/sync/sync.h"
+#include "tests/common/files.h"
 #include "tests/common/rpc_fixture.h"
 #include "tests/common/time_scale.h"
 
@@ -176,6 +178,48 @@ TEST_F(MultiprocDirect, BulkPathFallsBackWhenThePeerCannotReadOurMemory) {
 
 // A shutdown without waiting does not wait for a reply that cannot be written (its caller stopped reading): before, it
 // waited for the writer's hold on the call, up to the reply's deadline (the RPC timeout, 60 s here).
+// Stops process `pid` (SIGSTOP) and returns once every thread of it is stopped: the signal takes effect after kill()
+// returns, and a thread still running meanwhile could read a request sent at once.
+bool stop_fully(pid_t pid) {
+  if (::kill(pid, SIGSTOP) != 0) return false;
+  const std::string tasks = "/proc/" + std::to_string(pid) + "/task";
+  return poll_until(scaled(milliseconds(10000)), [&] {
+    for (const auto& task : std::filesystem::directory_iterator(tasks)) {
+      // The state follows the command name in parentheses, which may itself hold spaces or parentheses.
+      const std::string stat = read_file(task.path().string() + "/stat");
+      const size_t close = stat.rfind(')');
+      if (close == std::string::npos || close + 2 >= stat.size() || stat[close + 2] != 'T') return false;
+    }
+    return true;
+  });
+}
+
+// A call whose tensors go by reference times out before the callee reads them (the callee is stopped): once it goes
+// on, it refuses the call (the caller may have freed or reused that memory) instead of running it on what it reads.
+// The caller still holds the tensor here, so a callee without the lease check would read it intact and run the call.
+TEST_F(MultiprocDirect, ACallWhoseCallerLetGoOfItsTensorsBeforeTheyWereReadIsNotRun) {
+  rpc::RpcOptions options = options_from_env();
+  options.bulk_min_bytes = 1024;
+  start_direct({.world_size = 2}, options);
+  ASSERT_EQ(rpc::transport_to(1), "direct");
+  const int64_t bumps = rpc::rpc_sync<int64_t>("worker1", "bumps");
+  const int64_t lapsed = rpc::rpc_sync<int64_t>("worker1", "leases_lapsed");
+  const at::Tensor t = at::ones({1 << 16});  // 256 KiB: by reference
+  ASSERT_TRUE(stop_fully(job_->child(1).pid()));
+  rpc::Future late = rpc::rpc_async("worker1", "bump_tensor", t, milliseconds(300));
+  EXPECT_FALSE(late.wait_for(scaled(milliseconds(20000))) && late.status().ok());
+  EXPECT_EQ(late.status().code(), absl::StatusCode::kDeadlineExceeded) << late.status();
+  job_->child(1).kill(SIGCONT);
+  EXPECT_TRUE(poll_until(scaled(milliseconds(20000)), [&] {
+    return rpc::rpc_sync<int64_t>("worker1", "leases_lapsed") > lapsed;
+  })) << "the late request was never refused";
+  EXPECT_EQ(rpc::rpc_sync<int64_t>("worker1", "bumps"), bumps) << "the call ran after its caller let go of its tensor";
+  // A call in time reads its tensor by reference and runs.
+  const int64_t by_reference = rpc::transport_stats().tensors_by_reference;
+  EXPECT_EQ(rpc::rpc_sync<int64_t>("worker1", "bump_tensor", t), bumps + 1);
+  EXPECT_EQ(rpc::transport_stats().tensors_by_reference, by_reference + 1);
+}
+
 TEST_F(MultiprocDirect, NonGracefulShutdownDoesNotWaitForAStalledReply) {
   static std::atomic<bool> entered, go;
   entered = false;

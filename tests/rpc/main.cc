@@ -242,6 +242,7 @@ void register_test_functions() {
     return message_caller;
   });
   rpc::register_function("inline_messages", [] { return rpc::transport_stats().inline_messages; });
+  rpc::register_function("leases_lapsed", [] { return rpc::transport_stats().leases_lapsed; });
   rpc::register_function("place_counts", [] {
     const auto stats = rpc::transport_stats();
     return std::vector<int64_t>{stats.places_lent, stats.presumed_blocked};

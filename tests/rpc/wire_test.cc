@@ -1,9 +1,12 @@
 // The frame codec in one process: every dtype bit-exact, views, containers, fragmented frames, and frames that lie.
 #include "tandem/rpc/detail/wire.h"
 
+#include <unistd.h>
+
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include "tandem/rpc/detail/lease.h"
 #include "tests/common/test_env.h"
 
 namespace tandem::rpc::wire {
@@ -199,6 +202,47 @@ TEST(UnitWire, BadReferencesAndTypesAreRejected) {
   Encoder encoder;
   pb::Request sent;
   EXPECT_EQ(encoder.encode({nested}, sent.mutable_args()).code(), absl::StatusCode::kInvalidArgument);
+}
+
+// A tensor sent by reference is read only while the caller's lease on it holds (rpc/detail/lease.h): once the caller
+// ended it (its call timed out, and the tensor may be freed), the message is refused, and it is read as before.
+TEST(UnitWire, TensorsByReferenceAreReadOnlyWhileTheCallersLeaseHolds) {
+  const at::Tensor t = at::arange(1024, at::kFloat);
+  auto frame_of = [&](const detail::Lease& lease, pb::Request* got) {
+    Encoder encoder(/*by_reference_min_bytes=*/1);
+    pb::Request request;
+    EXPECT_TRUE(encoder.encode({t}, request.mutable_args()).ok());
+    EXPECT_EQ(encoder.referenced().size(), 1u);
+    request.set_lease_address(lease.address());
+    request.set_lease_id(lease.id());
+    return Frame::parse(encoder.frame(request), got);
+  };
+  auto origin = [](const pb::Request& got) {
+    Frame::Origin o;
+    o.cma_pid = getpid();
+    o.lease_address = got.lease_address();
+    o.lease_id = got.lease_id();
+    return o;
+  };
+  detail::Lease lease = detail::Lease::take();
+  pb::Request got;
+  auto frame = frame_of(lease, &got);
+  ASSERT_TRUE(frame.ok()) << frame.status();
+  auto read = frame->decode(got.args(), origin(got));
+  ASSERT_TRUE(read.ok()) << read.status();
+  EXPECT_TRUE(at::equal((*read)[0].toTensor(), t));
+
+  lease.end();  // the call ended at the caller: the callee must not use what it reads now
+  auto late = frame->decode(got.args(), origin(got));
+  EXPECT_EQ(late.status().code(), absl::StatusCode::kAborted) << late.status();
+  // The word reused by another call holds another id: still refused.
+  detail::Lease next = detail::Lease::take();
+  EXPECT_EQ(frame->decode(got.args(), origin(got)).status().code(), absl::StatusCode::kAborted);
+  // Without a lease at all: malformed.
+  pb::Request none;
+  auto unleased = frame_of(detail::Lease(), &none);
+  ASSERT_TRUE(unleased.ok());
+  EXPECT_EQ(unleased->decode(none.args(), origin(none)).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
 // The bound on tensors read by reference holds for a message's together, not for each alone.
