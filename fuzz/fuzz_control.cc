@@ -18,12 +18,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   grpc::Slice slice(bytes);
   const grpc::ByteBuffer buffer(&slice, 1);
   const std::string token(64, 'a');
-  switch (data[0] % 13) {
+  switch (data[0] % 12) {
     case 0:
       (void)tandem::rpc::detail::parse_record(bytes, 1, 4);
       break;
     case 1:
-      (void)tandem::rpc::direct::parse_hello(buffer, token);
+      (void)tandem::rpc::direct::parse_hello(buffer, token, std::string(64, 'c'));
       break;
     case 2:
       (void)tandem::rpc::direct::parse_welcome(buffer);
@@ -55,9 +55,6 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       break;
     case 11:
       (void)tandem::rpc::direct::parse_challenge(buffer);
-      break;
-    case 12:
-      (void)tandem::rpc::direct::parse_tcp_hello(buffer, token, std::string(64, 'c'));
       break;
     default: {
       tandem::wire::StoreWaitRequest m;

@@ -91,7 +91,8 @@ int main(int argc, char** argv) {
     w->set_direct_address("tandem-1-x");
     w->set_pid(42);
     write(root / "fuzz_control", "record", std::string(1, 0) + rec.SerializeAsString());
-    const std::string hello = dump(tandem::rpc::direct::encode_hello(std::string(64, 'a'), 1, 42, 0x1000));
+    const std::string hello = dump(
+        tandem::rpc::direct::encode_hello(std::string(64, 'a'), 1, std::string(64, 'c'), std::string(32, 'n'), 0x1000));
     write(root / "fuzz_control", "hello", std::string(1, 1) + hello);
     tandem::wire::DirectWelcome welcome;
     welcome.set_wire_version(tandem::rpc::kWireVersion);

@@ -237,33 +237,6 @@ bool parse_body(const grpc::ByteBuffer& body, google::protobuf::MessageLite* m) 
 // ---------------------------------------------------------------------------------------------------------------------
 // Handshake
 
-grpc::ByteBuffer encode_hello(const std::string& token, int rank, pid_t pid, uint64_t probe_address) {
-  tandem::wire::DirectHello hello;
-  hello.set_wire_version(kWireVersion);
-  hello.set_token(token);
-  hello.set_rank(rank);
-  hello.set_pid(pid);
-  hello.set_probe_address(probe_address);
-  return serialize(hello);
-}
-
-absl::StatusOr<tandem::wire::DirectHello> parse_hello(const grpc::ByteBuffer& body, const std::string& token) {
-  tandem::wire::DirectHello hello;
-  if (body.Length() > kMaxHelloBytes || !parse_body(body, &hello)) {
-    return absl::InvalidArgumentError("direct channel: malformed hello");
-  }
-  if (hello.token().size() != token.size() || token.empty() ||
-      CRYPTO_memcmp(hello.token().data(), token.data(), token.size()) != 0) {
-    return absl::UnauthenticatedError("direct channel: wrong job token");
-  }
-  if (hello.wire_version() != kWireVersion) {
-    return absl::FailedPreconditionError(absl::StrCat("direct channel: the client speaks Tandem wire version ",
-                                                      hello.wire_version(), ", this worker version ", kWireVersion));
-  }
-  if (hello.rank() < 0 || hello.pid() <= 0) return absl::InvalidArgumentError("direct channel: malformed hello");
-  return hello;
-}
-
 absl::StatusOr<tandem::wire::DirectWelcome> parse_welcome(const grpc::ByteBuffer& body) {
   tandem::wire::DirectWelcome welcome;
   if (!parse_body(body, &welcome)) return absl::UnavailableError("handshake: malformed welcome");
@@ -301,24 +274,25 @@ absl::StatusOr<std::string> parse_challenge(const grpc::ByteBuffer& body) {
   return challenge.nonce();
 }
 
-grpc::ByteBuffer encode_tcp_hello(const std::string& token, int rank, const std::string& challenge,
-                                  const std::string& client_nonce) {
+grpc::ByteBuffer encode_hello(const std::string& token, int rank, const std::string& challenge,
+                              const std::string& client_nonce, uint64_t probe_address) {
   tandem::wire::DirectHello hello;
   hello.set_wire_version(kWireVersion);
   hello.set_rank(rank);
   hello.set_pid(getpid());
+  hello.set_probe_address(probe_address);
   hello.set_client_nonce(client_nonce);
   hello.set_proof(auth::tcp_proof(token, "client", challenge, client_nonce, rank));
   return serialize(hello);
 }
 
-absl::StatusOr<tandem::wire::DirectHello> parse_tcp_hello(const grpc::ByteBuffer& body, const std::string& token,
-                                                          const std::string& challenge) {
+absl::StatusOr<tandem::wire::DirectHello> parse_hello(const grpc::ByteBuffer& body, const std::string& token,
+                                                      const std::string& challenge) {
   tandem::wire::DirectHello hello;
   if (body.Length() > kMaxHelloBytes || !parse_body(body, &hello)) {
     return absl::InvalidArgumentError("direct channel: malformed hello");
   }
-  if (hello.rank() < 0 || hello.client_nonce().size() < 16 || hello.client_nonce().size() > 128) {
+  if (hello.rank() < 0 || hello.pid() <= 0 || hello.client_nonce().size() < 16 || hello.client_nonce().size() > 128) {
     return absl::InvalidArgumentError("direct channel: malformed hello");
   }
   if (token.empty() || challenge.empty() ||
@@ -808,16 +782,18 @@ void Channel::accept_one(int listen_fd, uint64_t tag) {
   if (fd < 0) return;
   auto conn = std::make_shared<Conn>(fd);
   conn->inbound = true;
-  if (tag == kTcpListenTag) {
+  conn->tcp = tag == kTcpListenTag;
+  if (conn->tcp) {
     set_tcp_options(fd);
-    // The server speaks first over TCP: a fresh nonce the client's proof must cover. A new socket's send buffer is
-    // empty, so this write does not wait; a client that never reads it only loses its own connection.
-    conn->challenge = auth::random_secret();
-    if (!conn->write(Kind::kChallenge, 0, encode_challenge(conn->challenge), absl::Now() + absl::Seconds(1)).ok()) {
-      return;
-    }
   } else {
     set_socket_options(fd);
+  }
+  // The server speaks first: a fresh nonce the client's proof must cover (on a Unix socket too: whoever holds its
+  // name, after a worker died, say, must not learn the token from a hello). A new socket's send buffer is empty, so
+  // this write does not wait; a client that never reads it only loses its own connection.
+  conn->challenge = auth::random_secret();
+  if (!conn->write(Kind::kChallenge, 0, encode_challenge(conn->challenge), absl::Now() + absl::Seconds(1)).ok()) {
+    return;
   }
   {
     MutexLock lock(&mu_);
@@ -841,10 +817,8 @@ void Channel::handle_ready(const std::shared_ptr<Conn>& conn) {
   if (!msg.ok()) return drop(conn, msg.status());
   if (!authenticated) {
     // The first message of an inbound connection must be a valid hello; anything else closes it.
-    const bool tcp = !conn->challenge.empty();
     auto hello = msg->kind != Kind::kHello ? absl::InvalidArgumentError("the first message is not a hello")
-                 : tcp                     ? parse_tcp_hello(msg->body, token_, conn->challenge)
-                                           : parse_hello(msg->body, token_);
+                                           : parse_hello(msg->body, token_, conn->challenge);
     tandem::wire::DirectWelcome welcome;
     welcome.set_wire_version(kWireVersion);
     if (!hello.ok()) {
@@ -857,9 +831,8 @@ void Channel::handle_ready(const std::shared_ptr<Conn>& conn) {
     }
     ucred cred{};
     socklen_t len = sizeof(cred);
-    if (tcp) {
-      welcome.set_proof(auth::tcp_proof(token_, "server", conn->challenge, hello->client_nonce(), hello->rank()));
-    } else if (getsockopt(conn->fd(), SOL_SOCKET, SO_PEERCRED, &cred, &len) == 0 && cred.pid == hello->pid()) {
+    welcome.set_proof(auth::tcp_proof(token_, "server", conn->challenge, hello->client_nonce(), hello->rank()));
+    if (!conn->tcp && getsockopt(conn->fd(), SOL_SOCKET, SO_PEERCRED, &cred, &len) == 0 && cred.pid == hello->pid()) {
       uint64_t seen = 0;
       iovec local{&seen, sizeof(seen)};
       iovec far{reinterpret_cast<void*>(hello->probe_address()), sizeof(seen)};
@@ -927,26 +900,24 @@ absl::StatusOr<std::shared_ptr<Conn>> Channel::connect(const std::string& addres
       if (auto s = wait_fd(fd, POLLOUT, deadline); !s.ok()) return s;
     }
   }
-  std::string challenge, client_nonce;
-  if (tcp) {
-    auto first = conn->read(kMaxChallengeBytes, deadline);
-    if (!first.ok())
-      return absl::UnavailableError(absl::StrCat("handshake with ", address, ": ", first.status().message()));
-    if (first->kind != Kind::kChallenge) return absl::UnavailableError("handshake: the server sent no challenge");
-    auto nonce = parse_challenge(first->body);
-    if (!nonce.ok()) return nonce.status();
-    challenge = *nonce;
-    client_nonce = auth::random_secret();
+  // The server's challenge first; the hello proves the token without sending it, and so must the server's welcome.
+  auto first = conn->read(kMaxChallengeBytes, deadline);
+  if (!first.ok()) {
+    return absl::UnavailableError(absl::StrCat("handshake with ", address, ": ", first.status().message()));
   }
-  const grpc::ByteBuffer hello = tcp ? encode_tcp_hello(token_, my_rank, challenge, client_nonce)
-                                     : encode_hello(token_, my_rank, getpid(), reinterpret_cast<uintptr_t>(&kProbe));
+  if (first->kind != Kind::kChallenge) return absl::UnavailableError("handshake: the server sent no challenge");
+  auto nonce = parse_challenge(first->body);
+  if (!nonce.ok()) return nonce.status();
+  const std::string challenge = *nonce, client_nonce = auth::random_secret();
+  const grpc::ByteBuffer hello =
+      encode_hello(token_, my_rank, challenge, client_nonce, tcp ? 0 : reinterpret_cast<uintptr_t>(&kProbe));
   if (auto s = conn->write(Kind::kHello, 0, hello, deadline); !s.ok()) return s;
   auto reply = conn->read(kMaxWelcomeBytes, deadline);
   if (!reply.ok()) return absl::UnavailableError(absl::StrCat("handshake: ", reply.status().message()));
   if (reply->kind != Kind::kWelcome) return absl::UnavailableError("handshake: the server did not answer the hello");
   auto welcome = parse_welcome(reply->body);
   if (!welcome.ok()) return welcome.status();
-  if (tcp && !auth::equal(welcome->proof(), auth::tcp_proof(token_, "server", challenge, client_nonce, my_rank))) {
+  if (!auth::equal(welcome->proof(), auth::tcp_proof(token_, "server", challenge, client_nonce, my_rank))) {
     return absl::UnauthenticatedError(
         absl::StrCat("direct channel: the server at ", address, " does not prove the job token"));
   }

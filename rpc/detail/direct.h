@@ -70,27 +70,27 @@ struct Message {
   FrameBuffer body;  // moves (transport.h)
 };
 
-// The handshake's bodies, as functions of bytes (tests and fuzzing call them directly).
-grpc::ByteBuffer encode_hello(const std::string& token, int rank, pid_t pid, uint64_t probe_address);
-// The hello of a client holding `token` that speaks this build's wire version. INVALID_ARGUMENT when it does not parse
-// or is out of range, UNAUTHENTICATED for another token, FAILED_PRECONDITION for another wire version.
-absl::StatusOr<tandem::wire::DirectHello> parse_hello(const grpc::ByteBuffer& body, const std::string& token);
-// The server's answer; the refusal it carries (UNAUTHENTICATED, FAILED_PRECONDITION, ...) as an error.
-absl::StatusOr<tandem::wire::DirectWelcome> parse_welcome(const grpc::ByteBuffer& body);
-// Whether `address` is a TCP listener's ("tcp:host:port", Channel::tcp_address) rather than an abstract socket name.
-bool is_tcp_address(const std::string& address);
-// The TCP handshake. The server's challenge: a fresh nonce.
+// The handshake's bodies, as functions of bytes (tests and fuzzing call them directly). On a Unix socket as over TCP,
+// the server speaks first with a challenge (a fresh nonce); the client's hello proves the job token without sending
+// it (auth::tcp_proof over both nonces and its rank), and so does the server's welcome: neither side shows the token
+// to whoever holds the other end.
 grpc::ByteBuffer encode_challenge(const std::string& nonce);
 // The challenge's nonce; INVALID_ARGUMENT when it does not parse or has no nonce, FAILED_PRECONDITION for another
 // wire version.
 absl::StatusOr<std::string> parse_challenge(const grpc::ByteBuffer& body);
-// A client's TCP hello answering `challenge` (no token in it: a proof of it).
-grpc::ByteBuffer encode_tcp_hello(const std::string& token, int rank, const std::string& challenge,
-                                  const std::string& client_nonce);
-// The TCP hello of a client holding `token`, answering `challenge`: as parse_hello, with the proof checked instead of
-// the token (UNAUTHENTICATED when it is wrong or missing).
-absl::StatusOr<tandem::wire::DirectHello> parse_tcp_hello(const grpc::ByteBuffer& body, const std::string& token,
-                                                          const std::string& challenge);
+// A client's hello answering `challenge`: this process's pid, and `probe_address` (0 over TCP) where the server may
+// read a known value to test cross-memory reads.
+grpc::ByteBuffer encode_hello(const std::string& token, int rank, const std::string& challenge,
+                              const std::string& client_nonce, uint64_t probe_address);
+// The hello of a client holding `token` that answers `challenge` and speaks this build's wire version.
+// INVALID_ARGUMENT when it does not parse or is out of range (no nonce), UNAUTHENTICATED for a wrong or missing
+// proof, FAILED_PRECONDITION for another wire version.
+absl::StatusOr<tandem::wire::DirectHello> parse_hello(const grpc::ByteBuffer& body, const std::string& token,
+                                                      const std::string& challenge);
+// The server's answer; the refusal it carries (UNAUTHENTICATED, FAILED_PRECONDITION, ...) as an error.
+absl::StatusOr<tandem::wire::DirectWelcome> parse_welcome(const grpc::ByteBuffer& body);
+// Whether `address` is a TCP listener's ("tcp:host:port", Channel::tcp_address) rather than an abstract socket name.
+bool is_tcp_address(const std::string& address);
 
 class Conn {
  public:
@@ -122,7 +122,8 @@ class Conn {
   pid_t cma_pid = 0;
   bool cma_ok = false;  // outbound: the server can read our memory
   bool inbound = false;
-  std::string challenge;  // inbound over TCP: the nonce this server sent (empty: a Unix-socket connection)
+  bool tcp = false;       // inbound: over TCP (else a Unix socket)
+  std::string challenge;  // inbound: the nonce this server sent
   std::atomic<bool> broken{false};
 
  private:

@@ -13,7 +13,7 @@ namespace tandem::rpc {
 // 6: the releases of a pipeline's stages and of a distributed optimizer's shards take a list of ids.
 // 7: a distributed optimizer's creation carries its id and timeout first; a reference its owner sends is accepted by
 // its receiver (accept), as user-sent ones are. 8: a request with tensors sent by reference carries the caller's lease
-// on them (lease.h).
+// on them (lease.h); the direct channel's Unix-socket handshake is the TCP one (a challenge, proofs, no token).
 constexpr uint32_t kWireVersion = 8;
 
 }  // namespace tandem::rpc

@@ -20,6 +20,7 @@
 
 #include "absl/strings/str_split.h"
 #include "tandem/rpc/detail/direct.h"
+#include "tandem/rpc/detail/version.h"
 #include "tandem/rpc/store.h"
 #include "tandem/sync/sync.h"
 #include "tests/common/files.h"
@@ -347,6 +348,52 @@ TEST(UnitDirectTcp, HandshakeAndFramesOverLoopback) {
   auto gone = (*client)->connect(address, 3, false, soon());
   EXPECT_EQ(gone.status().code(), absl::StatusCode::kUnavailable) << gone.status();
   (*client)->stop(milliseconds(1000));
+}
+
+// Whoever holds a worker's Unix-socket name (bound after the worker died) gets no job token from a member that
+// connects: the hello proves the token without carrying it, and a server that cannot prove it in turn is refused
+// (before, a Unix-socket hello carried the token in clear).
+TEST(UnitDirectHandshake, AServerHoldingTheSocketNameLearnsNoTokenAndIsRefused) {
+  const std::string token = rpc::auth::derive_token("unit-secret");
+  const std::string name = "tandem-test-squat-" + std::to_string(getpid());
+  const int listener = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  ASSERT_GE(listener, 0);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path + 1, name.data(), name.size());  // abstract, as the channel's own names
+  const socklen_t len = offsetof(sockaddr_un, sun_path) + 1 + name.size();
+  ASSERT_EQ(bind(listener, reinterpret_cast<sockaddr*>(&addr), len), 0) << std::strerror(errno);
+  ASSERT_EQ(listen(listener, 1), 0);
+  const auto soon = [] { return absl::Now() + absl::Seconds(10); };
+  std::string hello_bytes;
+  std::thread squatter([&] {
+    const int fd = accept4(listener, nullptr, nullptr, SOCK_CLOEXEC);
+    if (fd < 0) return;
+    rpc::direct::Conn conn(fd);
+    (void)conn.write(rpc::direct::Kind::kChallenge, 0, rpc::direct::encode_challenge(rpc::auth::random_secret()),
+                     soon());
+    auto hello = conn.read(1 << 16, soon());
+    if (hello.ok()) {
+      grpc::Slice flat;
+      if (hello->body.buffer().DumpToSingleSlice(&flat).ok()) {
+        hello_bytes.assign(reinterpret_cast<const char*>(flat.begin()), flat.size());
+      }
+    }
+    tandem::wire::DirectWelcome welcome;  // no proof: it does not hold the token
+    welcome.set_wire_version(rpc::kWireVersion);
+    welcome.set_cma_ok(true);
+    grpc::Slice welcome_bytes(welcome.SerializeAsString());
+    (void)conn.write(rpc::direct::Kind::kWelcome, 0, grpc::ByteBuffer(&welcome_bytes, 1), soon());
+  });
+  auto member = rpc::direct::Channel::start(token, 1, 1 << 20, absl::Seconds(10), {});
+  ASSERT_TRUE(member.ok()) << member.status();
+  auto conn = (*member)->connect(name, 3, /*for_responses=*/false, soon());
+  squatter.join();
+  close(listener);
+  EXPECT_EQ(conn.status().code(), absl::StatusCode::kUnauthenticated) << conn.status();
+  ASSERT_FALSE(hello_bytes.empty()) << "the member sent no hello";
+  EXPECT_EQ(hello_bytes.find(token), std::string::npos) << "the hello carries the job token";
+  (*member)->stop(milliseconds(1000));
 }
 
 // A message that waits for the socket behind another (whose peer has stopped reading) gives up at its own deadline,
@@ -811,12 +858,16 @@ TEST_F(MultiprocDirect, TcpRouteRefusesStrangers) {
   auto challenge = raw.read(1024, soon());
   ASSERT_TRUE(challenge.ok()) << challenge.status();
   EXPECT_EQ(challenge->kind, rpc::direct::Kind::kChallenge);
-  ASSERT_TRUE(raw.write(rpc::direct::Kind::kHello, 0,
-                        rpc::direct::encode_hello(rpc::auth::derive_token(job_->secret()), 5, getpid(), 0), soon())
-                  .ok());
+  tandem::wire::DirectHello in_clear;  // the token itself, as Unix-socket hellos carried it up to wire version 7
+  in_clear.set_wire_version(rpc::kWireVersion);
+  in_clear.set_token(rpc::auth::derive_token(job_->secret()));
+  in_clear.set_rank(5);
+  in_clear.set_pid(getpid());
+  grpc::Slice in_clear_bytes(in_clear.SerializeAsString());
+  ASSERT_TRUE(raw.write(rpc::direct::Kind::kHello, 0, grpc::ByteBuffer(&in_clear_bytes, 1), soon()).ok());
   auto answer = raw.read(1024, soon());
   ASSERT_TRUE(answer.ok()) << answer.status();
-  // Refused although the token is right: a hello without a nonce and a proof is malformed over TCP.
+  // Refused although the token is right: a hello without a nonce and a proof is malformed.
   EXPECT_EQ(rpc::direct::parse_welcome(answer->body).status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_FALSE(raw.read(1024, soon()).ok());  // and closed
   (*intruder)->stop(milliseconds(1000));

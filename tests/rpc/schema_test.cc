@@ -62,22 +62,37 @@ TEST(UnitWireSchema, RendezvousRecordIsChecked) {
   EXPECT_NE(f.status().message().find("rank 1 failed to join: worker name 'x'"), std::string::npos);
 }
 
+// The hello of builds up to wire version 7 on a Unix socket: the job token in clear, no proof.
+grpc::ByteBuffer token_in_clear_hello(const std::string& token) {
+  tandem::wire::DirectHello hello;
+  hello.set_wire_version(kWireVersion);
+  hello.set_token(token);
+  hello.set_rank(1);
+  hello.set_pid(42);
+  return buffer(hello.SerializeAsString());
+}
+
 TEST(UnitWireSchema, DirectHandshakeChecksTokenAndVersion) {
-  const std::string token(64, 'a');
-  EXPECT_TRUE(direct::parse_hello(direct::encode_hello(token, 1, 42, 0x1000), token).ok());
-  EXPECT_EQ(direct::parse_hello(direct::encode_hello(std::string(64, 'b'), 1, 42, 0), token).status().code(),
+  const std::string token(64, 'a'), challenge = auth::random_secret(), nonce = auth::random_secret();
+  EXPECT_TRUE(direct::parse_hello(direct::encode_hello(token, 1, challenge, nonce, 0x1000), token, challenge).ok());
+  EXPECT_EQ(direct::parse_hello(direct::encode_hello(std::string(64, 'b'), 1, challenge, nonce, 0), token, challenge)
+                .status()
+                .code(),
             absl::StatusCode::kUnauthenticated);
   tandem::wire::DirectHello other;
+  grpc::Slice flat;
+  ASSERT_TRUE(direct::encode_hello(token, 1, challenge, nonce, 0).DumpToSingleSlice(&flat).ok());
+  ASSERT_TRUE(other.ParseFromArray(flat.begin(), static_cast<int>(flat.size())));
   other.set_wire_version(kWireVersion + 1);
-  other.set_token(token);
-  other.set_pid(42);
-  auto s = direct::parse_hello(buffer(other.SerializeAsString()), token);
+  auto s = direct::parse_hello(buffer(other.SerializeAsString()), token, challenge);
   EXPECT_EQ(s.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_NE(s.status().message().find(absl::StrCat("wire version ", kWireVersion + 1)), std::string::npos)
       << s.status();
   // The 80-byte binary hello of builds from before versioning: token, rank, pid, probe address.
   std::string old = token + std::string(16, '\x01');
-  EXPECT_FALSE(direct::parse_hello(buffer(old), token).ok());
+  EXPECT_FALSE(direct::parse_hello(buffer(old), token, challenge).ok());
+  // The token in clear, as Unix-socket hellos carried it up to version 7: no proof, refused.
+  EXPECT_FALSE(direct::parse_hello(token_in_clear_hello(token), token, challenge).ok());
 
   tandem::wire::DirectWelcome refused;
   refused.set_wire_version(kWireVersion);
@@ -87,40 +102,39 @@ TEST(UnitWireSchema, DirectHandshakeChecksTokenAndVersion) {
   EXPECT_EQ(w.status().code(), absl::StatusCode::kUnauthenticated);
 }
 
-TEST(UnitWireSchema, TcpHandshakeProvesTheTokenWithoutSendingIt) {
+TEST(UnitWireSchema, TheHandshakeProvesTheTokenWithoutSendingIt) {
   const std::string token(64, 'a');
   const std::string challenge = auth::random_secret(), nonce = auth::random_secret();
   auto parsed_challenge = direct::parse_challenge(direct::encode_challenge(challenge));
   ASSERT_TRUE(parsed_challenge.ok()) << parsed_challenge.status();
   EXPECT_EQ(*parsed_challenge, challenge);
-  const grpc::ByteBuffer hello = direct::encode_tcp_hello(token, 3, challenge, nonce);
+  const grpc::ByteBuffer hello = direct::encode_hello(token, 3, challenge, nonce, 0x1000);
   grpc::Slice flat;
   ASSERT_TRUE(hello.DumpToSingleSlice(&flat).ok());
   const std::string bytes(reinterpret_cast<const char*>(flat.begin()), flat.size());
   EXPECT_EQ(bytes.find(token), std::string::npos) << "the token itself is on the wire";
-  auto ok = direct::parse_tcp_hello(hello, token, challenge);
+  auto ok = direct::parse_hello(hello, token, challenge);
   ASSERT_TRUE(ok.ok()) << ok.status();
   EXPECT_EQ(ok->rank(), 3);
   // Another secret, a replay against a new challenge, a changed rank, no proof: refused.
-  EXPECT_EQ(
-      direct::parse_tcp_hello(direct::encode_tcp_hello(std::string(64, 'b'), 3, challenge, nonce), token, challenge)
-          .status()
-          .code(),
-      absl::StatusCode::kUnauthenticated);
-  EXPECT_EQ(direct::parse_tcp_hello(hello, token, auth::random_secret()).status().code(),
+  EXPECT_EQ(direct::parse_hello(direct::encode_hello(std::string(64, 'b'), 3, challenge, nonce, 0), token, challenge)
+                .status()
+                .code(),
+            absl::StatusCode::kUnauthenticated);
+  EXPECT_EQ(direct::parse_hello(hello, token, auth::random_secret()).status().code(),
             absl::StatusCode::kUnauthenticated);
   tandem::wire::DirectHello forged;
   ASSERT_TRUE(forged.ParseFromString(bytes));
   forged.set_rank(0);
-  EXPECT_EQ(direct::parse_tcp_hello(buffer(forged.SerializeAsString()), token, challenge).status().code(),
+  EXPECT_EQ(direct::parse_hello(buffer(forged.SerializeAsString()), token, challenge).status().code(),
             absl::StatusCode::kUnauthenticated);
   forged.set_rank(3);
   forged.clear_proof();
-  EXPECT_EQ(direct::parse_tcp_hello(buffer(forged.SerializeAsString()), token, challenge).status().code(),
+  EXPECT_EQ(direct::parse_hello(buffer(forged.SerializeAsString()), token, challenge).status().code(),
             absl::StatusCode::kUnauthenticated);
-  // A Unix-socket hello (token, no proof) is no TCP hello; malformed bytes and another version are named.
-  EXPECT_FALSE(direct::parse_tcp_hello(direct::encode_hello(token, 1, 42, 0), token, challenge).ok());
-  EXPECT_EQ(direct::parse_tcp_hello(buffer("\xff\xff"), token, challenge).status().code(),
+  // The token in clear is no proof; malformed bytes and another version are named.
+  EXPECT_FALSE(direct::parse_hello(token_in_clear_hello(token), token, challenge).ok());
+  EXPECT_EQ(direct::parse_hello(buffer("\xff\xff"), token, challenge).status().code(),
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(direct::parse_challenge(buffer("")).status().code(), absl::StatusCode::kInvalidArgument);
   tandem::wire::DirectChallenge newer;
