@@ -366,6 +366,9 @@ struct Plan {
   bool by_ring = false;    // inputs and targets are not in the plan: the driver wrote them into this worker's inbox
   std::chrono::milliseconds timeout{0};
   int64_t context = -1;
+  // Not OK: the step was abandoned before its plan reached this worker. The run only takes part in the replicas' sums
+  // (with zeros, in order with the previous run's), then fails with this.
+  absl::Status abandoned;
 };
 
 struct StageRun {
@@ -386,6 +389,12 @@ class Run {
   // Returns (loss, [stage, peak, busy_us]..., [stage, mb, kind, start_us, end_us]..., this process's peak resident
   // memory in KiB).
   c10::IValue execute() {
+    if (!p_.abandoned.ok()) {
+      // The other replicas' stages sum with this one's, step by step: without its zeros they would pair this step's
+      // sums with the next, or wait for ever.
+      reduce_failed();
+      throw RpcError(p_.abandoned);
+    }
     const int n = static_cast<int>(p_.kept->stage_rank.size());
     const int64_t batch =
         p_.total_rows > 0 ? p_.total_rows : std::accumulate(p_.sizes.begin(), p_.sizes.end(), int64_t{0});
@@ -1028,10 +1037,13 @@ rpc::Future on_run(int64_t pipe, int64_t step, std::vector<int64_t> actions, std
       throw_error(absl::FailedPreconditionError("the plan came without a distributed autograd context"));
     }
     if (Mailbox::get().aborted(pipe, step)) {
-      throw_error(absl::AbortedError(absl::StrCat(
-          "step ", step, " of pipeline ", pipe, " was abandoned before its plan reached worker '", self_name(), "'")));
+      // The context is not adopted (its release may have come before this late call: it would stay), but the run is
+      // queued: a replicated stage must still take part in its sums (Run::execute).
+      plan.abandoned = absl::AbortedError(absl::StrCat(
+          "step ", step, " of pipeline ", pipe, " was abandoned before its plan reached worker '", self_name(), "'"));
+    } else {
+      plan.context = dist_autograd::adopt_current_context();
     }
-    plan.context = dist_autograd::adopt_current_context();
   }
   auto executor = executor_of(pipe);
   if (!executor) {

@@ -339,8 +339,8 @@ TEST_F(MultiprocPipeline, ReplicatedPipelinesEqualOneProcessOnTheWholeBatch) {
 // abandons every replica's step at the first failure, and the other replica's stage workers waiting to sum their
 // gradients with the failed one stop waiting. The failed replica's stages still take part in the sums (with zeros and
 // a flag that says so), so the next step works.
-TEST_F(MultiprocPipeline, AReplicaThatFailsAbandonsEveryReplicasStepAtOnce) {
-  start({.world_size = 5});
+// The body of the tests below: replica 1's stage 0 (worker3) throws at its second micro-batch; then a step that works.
+void a_replica_fails_then_the_next_step_works() {
   auto pipe =
       pipeline::ReplicatedPipeline::create({{{1, "pipe_faulty", {int64_t{0}}}, {2, "pipe_faulty", {int64_t{0}}}},
                                             {{3, "pipe_faulty", {int64_t{1}}}, {4, "pipe_faulty", {int64_t{0}}}}},
@@ -376,6 +376,39 @@ TEST_F(MultiprocPipeline, AReplicaThatFailsAbandonsEveryReplicasStepAtOnce) {
   }
   // A replica's own step() would wait for sums its peers never join: refused.
   EXPECT_THROW(pipe.replica(0).step(x, y), RpcError);
+}
+
+TEST_F(MultiprocPipeline, AReplicaThatFailsAbandonsEveryReplicasStepAtOnce) {
+  start({.world_size = 5});
+  a_replica_fails_then_the_next_step_works();
+}
+
+// As above, with the plan of one stage worker held back 1 s (scaled), so that the step's abort reaches that worker
+// before its plan: the run it then queues still takes part in its stage's sums with zeros (before, it refused at once
+// and posted none: the next step's sums paired with the other replica's leftover ones and failed, and that replica's
+// stranded sum held the pipeline's release, and the job's end, for the whole 30 s timeout).
+class MultiprocPipelineLatePlan : public MultiprocRpc {
+ protected:
+  void run_with_late_plan(int late) {
+    rpc::RpcOptions options = options_from_env();
+    options.faults = rpc::parse_faults("delay worker0->worker" + std::to_string(late) +
+                                       " request fn=__tandem.pipeline.run nth=1 ms=" +
+                                       std::to_string(scaled(milliseconds(1000)).count()))
+                         .value();
+    start({.world_size = 5}, options);
+    const auto t0 = Clock::now();
+    a_replica_fails_then_the_next_step_works();
+    rpc::shutdown(true);  // releases the pipelines: nothing of theirs may be left waiting
+    EXPECT_LT(Clock::now() - t0, scaled(milliseconds(15000))) << "the job's end waited for a stranded sum";
+  }
+};
+
+TEST_F(MultiprocPipelineLatePlan, TheFailedReplicasWorkerTakesPartInTheSumsWhenItsPlanComesAfterTheAbort) {
+  run_with_late_plan(4);
+}
+
+TEST_F(MultiprocPipelineLatePlan, TheOtherReplicasWorkerTakesPartInTheSumsWhenItsPlanComesAfterTheAbort) {
+  run_with_late_plan(2);
 }
 
 // A replica whose stage worker dies fails the step of every replica, within the step's timeout: the dead worker's
