@@ -436,7 +436,8 @@ void Reducer::unshare_gradients() {
 }
 
 void Reducer::reduce_external(const GradientOf& grad_of, const SetAverage& set_average, const std::string& what) {
-  if (armed && tapping) {  // buckets launched as the backward computed their gradients
+  MutexLock lock(&tap_mu);  // after every tap of the backward (a late one waits, then finds the reducer disarmed)
+  if (armed && tapping) {   // buckets launched as the backward computed their gradients
     armed = false;
     std::vector<std::string> missing;
     for (size_t i = 0; i < params.size(); ++i) {

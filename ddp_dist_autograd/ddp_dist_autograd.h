@@ -22,7 +22,8 @@
 // Contract: every rank of the DDP group calls reduce_context_gradients once per synchronised iteration, after its
 // backward, with the context it used; uneven inputs and join() work as without distributed autograd. Errors:
 // RpcError (a missing gradient without find_unused_parameters, naming it; a dead rank, naming group and operation).
-// Thread-safety: as DDP (one thread drives forward, backward and this).
+// Thread-safety: as DDP (one thread drives forward, backward and this); the gradients a distributed backward brings on
+// several RPC threads at once (outputs sent to several workers) reach the reducer one at a time.
 #pragma once
 
 #include <cstdint>

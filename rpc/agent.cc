@@ -74,7 +74,8 @@ void Agent::stop(std::chrono::milliseconds grace) {
     stopped_ = true;
     for (auto& [_, call] : in_calls_) in_calls.push_back(call);
   }
-  set_ready();  // releases calls parked before init completed; they see stopped_
+  set_ready();                                    // releases calls parked before init completed; they see stopped_
+  if (direct_) direct_->cap_reply_writes(grace);  // the answers below wait at most the grace for their connection
   // Calls still running here (a function that never returns) are answered now, so the servers can shut down; one
   // whose reply another thread is writing is left to it (the transports' stop below cuts that write short).
   for (auto& call : in_calls) {

@@ -208,7 +208,8 @@ void Agent::handle(std::shared_ptr<InCall> call, Parsed* parsed) {
   when_all(wait).add_callback([life = lifeline_, call, shared_args, function = request.function(),
                                caller = request.caller_name()](const Future& ready) {
     Agent* self = life->enter();
-    if (!self) return;  // gone (see Lifeline)
+    if (!self) return;                                // gone (see Lifeline)
+    absl::Cleanup left = [&life] { life->leave(); };  // also when replying throws: else a stop would wait for ever
     if (absl::Status s = ready.status(); !s.ok()) {
       self->reply_error(call, s);
     } else if (!self->pool_->submit([self, call, shared_args, function, caller] {
@@ -216,7 +217,6 @@ void Agent::handle(std::shared_ptr<InCall> call, Parsed* parsed) {
                })) {
       self->reply_error(call, absl::UnavailableError(absl::StrCat("worker '", self->name_, "' is shutting down")));
     }
-    life->leave();
   });
 }
 
@@ -250,9 +250,9 @@ void Agent::run(const std::shared_ptr<InCall>& call, const std::string& function
   t_current_call = nullptr;
   result.add_callback([life = lifeline_, call](const Future& f) {
     Agent* self = life->enter();
-    if (!self) return;  // gone: its shutdown answered the call CANCELLED
+    if (!self) return;                                // gone: its shutdown answered the call CANCELLED
+    absl::Cleanup left = [&life] { life->leave(); };  // also when replying throws
     self->reply(call, f);
-    life->leave();
   });
 }
 

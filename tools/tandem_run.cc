@@ -989,8 +989,9 @@ int exit_code(int status) { return WIFEXITED(status) ? WEXITSTATUS(status) : 128
 void install_signal_handlers() {
   struct sigaction sa {};
   sa.sa_handler = [](int sig) { g_signal = sig; };
-  sigaction(SIGINT, &sa, nullptr);
-  sigaction(SIGTERM, &sa, nullptr);
+  // As torchrun: the workers run in sessions of their own, so a terminal's hang-up or Ctrl-\ reaches the launcher
+  // alone, which stops them with it (else it would die, and they with it by PDEATHSIG, without their grace period).
+  for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGQUIT}) sigaction(sig, &sa, nullptr);
   signal(SIGPIPE, SIG_IGN);
   // Inherited as ignored (a parent that set it so), SIGCHLD would make the kernel reap the workers itself: their
   // exits would never be seen, and their pids could be signalled after reuse.

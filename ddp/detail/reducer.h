@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "tandem/ddp/ddp.h"
+#include "tandem/sync/sync.h"
 
 namespace tandem::ddp::detail {
 
@@ -65,6 +66,10 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // This accumulation window had a no_sync forward before an external backward: its gradients are summed in the
   // context, not seen by taps, so the window is reduced after backward from what the context holds.
   bool window_accumulates_externally = false;
+  // Serialises the taps of an external backward with each other and with its reduction: distributed autograd runs
+  // the gradient messages of one context on several RPC threads at once (outputs sent to two workers), and each may
+  // reach taps (GradTap).
+  Mutex tap_mu;
   bool armed = false;            // post_forward readied the reducer: the next backward reduces
   bool callback_queued = false;  // finalize() is queued on the autograd engine
   std::vector<char> ready;
@@ -124,7 +129,10 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   struct GradTap : torch::autograd::Node {
     GradTap(std::weak_ptr<Reducer> impl, size_t index) : impl(std::move(impl)), index(index) {}
     torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
-      if (auto s = impl.lock()) s->tapped(index, grads.at(0));
+      if (auto s = impl.lock()) {
+        MutexLock lock(&s->tap_mu);
+        s->tapped(index, grads.at(0));
+      }
       return std::move(grads);
     }
     std::string name() const override { return "tandem::ddp::GradTap"; }

@@ -4,10 +4,12 @@
 #include <torch/nn/modules/activation.h>
 #include <torch/nn/modules/linear.h>
 
+#include <atomic>
 #include <optional>
 
 #include "absl/base/attributes.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "examples/rl/cartpole.h"
 #include "tandem/rpc/batching.h"
 #include "tandem/rpc/errors.h"
@@ -59,6 +61,17 @@ class Observer {
   // Plays for the agent on worker `agent_rank`: `steps` steps, or one episode when steps is 0.
   std::tuple<std::vector<double>, std::vector<int64_t>, std::vector<int64_t>, std::vector<double>> run(
       int64_t agent_rank, int64_t steps, bool batched) {
+    // One run at a time: a round retried while the last one's run still plays here (its caller gave up on it) would
+    // race on the environment and its random numbers.
+    if (running_.exchange(true)) {
+      throw RpcError(absl::FailedPreconditionError(
+          absl::StrCat("observer ", id_, " on worker '", rpc::get_worker_info().name,
+                       "' is still playing an earlier round (its agent gave up on it); it takes one round at a time")));
+    }
+    struct Done {
+      std::atomic<bool>& running;
+      ~Done() { running = false; }
+    } done{running_};
     Trajectory t;
     CartPole::State s = env_.reset();
     std::uniform_real_distribution<double> uniform(0.0, 1.0);
@@ -83,6 +96,7 @@ class Observer {
   }
 
  private:
+  std::atomic<bool> running_{false};
   int64_t id_;
   CartPole env_;
   std::mt19937_64 rng_;
@@ -224,7 +238,13 @@ Round run_round(const std::vector<rref::RRef>& observers, const RoundOptions& op
   const auto deadline = std::chrono::steady_clock::now() + options.timeout + std::chrono::seconds(1);
   for (size_t left = runs.size(); left > 0;) {
     if (std::chrono::steady_clock::now() > deadline) {
-      throw RpcError(absl::DeadlineExceededError("rl: observers did not finish the round in time"));
+      std::vector<std::string> late;
+      for (size_t i = 0; i < runs.size(); ++i) {
+        if (!handled[i]) late.push_back(absl::StrCat("observer ", i, " (worker '", observers[i].owner_name(), "')"));
+      }
+      throw RpcError(absl::DeadlineExceededError(
+          absl::StrCat("rl: ", absl::StrJoin(late, ", "), " did not finish the round within ",
+                       std::chrono::duration_cast<std::chrono::milliseconds>(options.timeout).count(), " ms")));
     }
     for (size_t i = 0; i < runs.size(); ++i) {
       if (handled[i] || !runs[i].wait_for(std::chrono::milliseconds(runs.size() == 1 ? 100 : 2))) continue;

@@ -12,10 +12,13 @@
 // Without a stop within --max-seconds the agent gives up (exit 1).
 #include <ATen/ATen.h>
 
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <mutex>
+#include <stdexcept>
 #include <string>
 
 #include "examples/rl/agent.h"
@@ -61,12 +64,13 @@ std::vector<double> values_of(const at::Tensor& t, int64_t n, const char* what) 
 }  // namespace
 
 int main(int argc, char** argv) {
+  // Outside the try: the registered functions refer to them until RPC stops, in the catch too.
+  Notification stopped;
+  std::once_flag stop_once;  // two observers may both ask: the notification is given once
   try {
     const Args args = parse(argc, argv);
     at::set_num_threads(1);
     auto agent = std::make_shared<rl::Agent>(1, args.seed, args.lr);
-    Notification stopped;
-    std::once_flag stop_once;  // two observers may both ask: the notification is given once
     rpc::register_function("agent.act", [agent](at::Tensor observation, double u) {
       const std::vector<double> s = values_of(observation, 4, "the observation");
       auto action = agent->select({rl::Request{0, s[0], s[1], s[2], s[3], u}})[0];
@@ -89,8 +93,13 @@ int main(int argc, char** argv) {
     std::fflush(stdout);
     if (!args.address_file.empty()) {  // written whole under another name, then renamed: a reader never sees half
       const std::string tmp = args.address_file + ".tmp";
-      std::ofstream(tmp) << address << "\n";
-      std::rename(tmp.c_str(), args.address_file.c_str());
+      std::ofstream out(tmp);
+      out << address << "\n";
+      out.close();
+      if (!out || std::rename(tmp.c_str(), args.address_file.c_str()) != 0) {
+        const std::string why = std::strerror(errno);
+        throw std::runtime_error("cannot write the address file " + args.address_file + ": " + why);
+      }
     }
     const bool ok = stopped.WaitForNotificationWithTimeout(absl::Seconds(args.max_seconds));
     rpc::shutdown();
@@ -100,6 +109,14 @@ int main(int argc, char** argv) {
     return ok ? 0 : 1;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "rl_python_agent: %s\n", e.what());
+    // The registered functions refer to `stopped` and `stop_once`: RPC stops before they go.
+    if (rpc::is_initialized()) {
+      try {
+        rpc::shutdown(false);
+      } catch (const std::exception& stop) {
+        std::fprintf(stderr, "rl_python_agent: stopping RPC: %s\n", stop.what());
+      }
+    }
     return 1;
   }
 }

@@ -286,6 +286,7 @@ bool add_stage(int64_t pipe, int index, int driver, std::shared_ptr<Stage> stage
   return true;
 }
 std::atomic<int64_t> g_plans_received{0};
+std::atomic<int64_t> g_runs_ended{0};
 std::atomic<int64_t> g_direct_runs{0};
 
 // Keeps `plan` for steps of `m` micro-batches; false when the pipeline is not held here.
@@ -937,6 +938,9 @@ void error_to_driver(int64_t pipe, int64_t step, int driver, const absl::Status&
 // alone: the reply, or the error as (kErrorTag, code, message).
 void run_and_reply(Plan plan, rpc::Future* result, int driver) {
   const int64_t pipe = plan.pipe, step = plan.step;
+  struct Ended {
+    ~Ended() { g_runs_ended.fetch_add(1); }
+  } ended;
   const auto timeout = std::min(plan.timeout, std::chrono::milliseconds(5000));
   absl::Status status;
   try {
@@ -1286,6 +1290,7 @@ const bool g_installed = install();
 void ensure_runtime() { (void)g_installed; }
 
 int64_t plans_received() { return g_plans_received.load(); }
+int64_t runs_ended() { return g_runs_ended.load(); }
 int64_t runs_started_directly() { return g_direct_runs.load(); }
 
 bool shared_memory_enabled() {

@@ -22,6 +22,8 @@ void ensure_runtime();
 int64_t plans_received();
 // How many step runs a driver on this host started here without a call (go_key).
 int64_t runs_started_directly();
+// How many step runs ended here (answered: done, failed or abandoned).
+int64_t runs_ended();
 
 class Inbox;  // shm_p2p.h
 class Outlet;
@@ -43,6 +45,5 @@ void drop_outlets(int64_t pipe);
 // call (`create`); dropped by drop_driver_inbox when the pipeline goes.
 std::shared_ptr<Inbox> driver_inbox(int64_t pipe, bool create);
 void drop_driver_inbox(int64_t pipe);
-
 
 }  // namespace tandem::pipeline::detail

@@ -13,12 +13,12 @@
 // pooled buffer. No cross-memory reads over TCP: the peer's pid means nothing on another host.
 //
 // Messages: [Header (24 bytes)][body] (proto/tandem_rpc.proto describes both).
-//   kChallenge server -> client, TCP only, on accept: a DirectChallenge (a fresh nonce)
-//   kHello    client -> server: a DirectHello. Unix socket: wire version, job token, rank, pid, the address of a probe
-//             value. TCP: wire version, rank, its own nonce and a proof of the token bound to both nonces
-//   kWelcome  server -> client: a DirectWelcome: cma_ok when a cross-memory read of the probe from the kernel-reported
-//             pid worked; over TCP the server's proof; or `refused` (wrong token, other wire version) and then the
-//             server closes
+//   kChallenge server -> client, on accept: a DirectChallenge (a fresh nonce)
+//   kHello    client -> server: a DirectHello: wire version, rank, pid, its own nonce and a proof of the job token
+//             bound to both nonces (never the token itself); on a Unix socket also the address of a probe value
+//   kWelcome  server -> client: a DirectWelcome: the server's proof; cma_ok when a cross-memory read of the probe
+//             from the kernel-reported pid worked (Unix socket); or `refused` (wrong proof, other wire version) and
+//             then the server closes
 //   kRequest / kResponse: a frame of rpc/detail/wire.h; call_id pairs them.
 // A server closes a connection whose hello is wrong or whose header lies (bad magic, body over the message limit).
 // Every blocking read and write has a deadline.

@@ -219,7 +219,8 @@ void DirectTransport::on_request(const std::shared_ptr<direct::Conn>& conn, dire
   const uint64_t call_id = msg.call_id;
   const uint64_t max_bytes = max_bytes_;
   const absl::Duration write_timeout = message_timeout_;
-  in.reply = [conn, call_id, max_bytes, write_timeout](grpc::ByteBuffer* reply, const absl::Status& status) {
+  in.reply = [conn, call_id, max_bytes, write_timeout, cap = reply_write_cap_ms_](grpc::ByteBuffer* reply,
+                                                                                  const absl::Status& status) {
     grpc::ByteBuffer body;
     if (status.ok() && reply && reply->Length() <= max_bytes) {
       body.Swap(reply);  // taken, not copied (ReplyFn)
@@ -233,8 +234,11 @@ void DirectTransport::on_request(const std::shared_ptr<direct::Conn>& conn, dire
       response.mutable_error()->set_message(std::string(error.message()));
       body = wire::Encoder().frame(response);
     }
-    // A caller that stopped reading holds this thread for message_timeout at most; the connection is then dropped.
-    if (!conn->write(direct::Kind::kResponse, call_id, body, absl::Now() + write_timeout).ok()) conn->shut();
+    // A caller that stopped reading holds this thread for message_timeout at most (once the worker stops, for its
+    // grace); the connection is then dropped.
+    const int64_t capped_ms = cap->load();
+    const absl::Duration wait = capped_ms > 0 ? std::min(write_timeout, absl::Milliseconds(capped_ms)) : write_timeout;
+    if (!conn->write(direct::Kind::kResponse, call_id, body, absl::Now() + wait).ok()) conn->shut();
   };
   in.cut = [conn, call_id](const grpc::ByteBuffer* partial) {
     if (partial) return conn->write_half_and_shut(direct::Kind::kResponse, call_id, *partial);

@@ -7,6 +7,7 @@
 // 8 at once; beyond, on the timer thread). Incoming requests run on the channel's thread that read them.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <map>
@@ -50,6 +51,10 @@ class DirectTransport final : public Transport {
   void send(int peer, const std::string& function, grpc::ByteBuffer request, absl::Time deadline, DoneFn done) override;
   void cut(int peer, const grpc::ByteBuffer* partial) override;
   bool stop(std::chrono::milliseconds grace) override;
+  // From now on a reply waits at most `grace` to be written (not the message timeout): the agent's stop answers the
+  // calls still running with CANCELLED, and one whose connection another reply holds (its caller stopped reading)
+  // must not hold the stop for the message timeout. Before stop().
+  void cap_reply_writes(std::chrono::milliseconds grace) { reply_write_cap_ms_->store(grace.count()); }
 
  private:
   struct Peer {
@@ -81,6 +86,8 @@ class DirectTransport final : public Transport {
   const int my_rank_;
   const uint64_t max_bytes_;
   absl::Duration message_timeout_;
+  // cap_reply_writes(): 0, or the longest a reply's write waits (ms); shared with the replies' functions.
+  std::shared_ptr<std::atomic<int64_t>> reply_write_cap_ms_ = std::make_shared<std::atomic<int64_t>>(0);
   IncomingFn on_request_;
   std::unique_ptr<direct::Channel> channel_;
   std::thread timer_;

@@ -52,8 +52,11 @@ Lease& Lease::operator=(Lease&& other) noexcept {
 
 void Lease::end() {
   if (!word_) return;
-  // Before the tensors go (the caller ends the lease first): a callee reading the word after this sees 0.
-  word_->store(0, std::memory_order_seq_cst);
+  // Before the tensors go (the caller ends the lease first): a callee reading the word after this sees 0. The fence
+  // keeps every later store of this thread (into the tensors' memory, reused) from becoming visible before the zero,
+  // on any architecture (a release store alone orders only what came before it).
+  word_->store(0, std::memory_order_relaxed);
+  std::atomic_thread_fence(std::memory_order_seq_cst);
   Words& w = words();
   {
     std::lock_guard<std::mutex> lock(w.mu);

@@ -3,6 +3,7 @@
 // ports chosen at run time. The launchers themselves: tests/elastic/launchers.sh.
 #include "tandem/elastic/rendezvous.h"
 
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/prctl.h>
@@ -60,20 +61,29 @@ class Etcd {
     const int client = free_port(), peer = free_port();
     endpoint_ = "127.0.0.1:" + std::to_string(client);
     const std::string c = "http://" + endpoint_, p = "http://127.0.0.1:" + std::to_string(peer);
-    // Made before the fork: the child only execs.
+    // Made before the fork (strings, files): the child makes only async-signal-safe calls, then execs (this process
+    // may have threads holding malloc's locks).
     const std::string log = dir_ + "/etcd.log", data = dir_ + "/data", cluster = "t=" + p;
+    const int log_fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    const int null_fd = ::open("/dev/null", O_WRONLY | O_CLOEXEC);
+    if (log_fd < 0 || null_fd < 0) {
+      *why = "cannot open " + log + " or /dev/null: " + std::strerror(errno);
+      return false;
+    }
     const pid_t parent = ::getpid();
     pid_ = ::fork();
     if (pid_ == 0) {
       ::prctl(PR_SET_PDEATHSIG, SIGKILL);  // a test killed at its ctest timeout leaves no etcd behind
       if (::getppid() != parent) ::_exit(1);
-      (void)!freopen(log.c_str(), "w", stderr);
-      (void)!freopen("/dev/null", "w", stdout);
+      ::dup2(log_fd, STDERR_FILENO);  // dup2's copies do not close on exec
+      ::dup2(null_fd, STDOUT_FILENO);
       ::execl("/usr/bin/etcd", "etcd", "--name", "t", "--data-dir", data.c_str(), "--listen-client-urls", c.c_str(),
               "--advertise-client-urls", c.c_str(), "--listen-peer-urls", p.c_str(), "--initial-advertise-peer-urls",
               p.c_str(), "--initial-cluster", cluster.c_str(), nullptr);
       ::_exit(127);
     }
+    ::close(log_fd);
+    ::close(null_fd);
     auto probe = connect_etcd_store(endpoint_, std::chrono::milliseconds(500));
     for (int i = 0; i < 100; ++i) {
       if (probe->check({"probe"}).ok()) return true;

@@ -104,8 +104,11 @@ TEST(UnitMetrics, TheWriterKeepsTheFileFreshAndWritesOnceMoreAtStop) {
   EXPECT_THAT(read_file(path), HasSubstr("tandem_unit_probe{worker="));
   metrics::set_gauge("tandem_unit_probe", [] { return 7.0; });
   metrics::start_writer(dir + "/{worker}-{rank}.prom", std::chrono::hours(1), "unitw", 5);  // replaces the first
-  metrics::stop_writer();                                                                   // writes once more
-  EXPECT_THAT(read_file(path), HasSubstr("} 7\n"));
+  EXPECT_THAT(read_file(path), HasSubstr("} 7\n"));  // the first's last write, at its stop
+  // Set after the second writer started (it writes next in an hour): only stop_writer()'s own write can show it.
+  metrics::set_gauge("tandem_unit_probe", [] { return 9.0; });
+  metrics::stop_writer();  // writes once more
+  EXPECT_THAT(read_file(path), HasSubstr("} 9\n"));
   std::system(("rm -rf " + dir).c_str());
 }
 

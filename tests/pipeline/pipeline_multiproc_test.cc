@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <fstream>
+#include <functional>
 #include <limits>
 #include <sstream>
 #include <thread>
@@ -339,8 +340,9 @@ TEST_F(MultiprocPipeline, ReplicatedPipelinesEqualOneProcessOnTheWholeBatch) {
 // abandons every replica's step at the first failure, and the other replica's stage workers waiting to sum their
 // gradients with the failed one stop waiting. The failed replica's stages still take part in the sums (with zeros and
 // a flag that says so), so the next step works.
-// The body of the tests below: replica 1's stage 0 (worker3) throws at its second micro-batch; then a step that works.
-void a_replica_fails_then_the_next_step_works() {
+// The body of the tests below: replica 1's stage 0 (worker3) throws at its second micro-batch; then (after
+// `between`) a step that works.
+void a_replica_fails_then_the_next_step_works(const std::function<void()>& between = [] {}) {
   auto pipe =
       pipeline::ReplicatedPipeline::create({{{1, "pipe_faulty", {int64_t{0}}}, {2, "pipe_faulty", {int64_t{0}}}},
                                             {{3, "pipe_faulty", {int64_t{1}}}, {4, "pipe_faulty", {int64_t{0}}}}},
@@ -358,6 +360,7 @@ void a_replica_fails_then_the_next_step_works() {
     EXPECT_THAT(e.what(), ::testing::HasSubstr("replica 0: "));
   }
   EXPECT_LT(Clock::now() - t0, scaled(milliseconds(6000)));  // the timeout is 30 s
+  between();
   // The failed replica's stages took part in the sums with zeros: the groups stay matched, and the next step works,
   // every stage's gradients the whole batch's (one process: two identity Linears, MSE against zeros).
   x[6][0] = 1;
@@ -397,7 +400,13 @@ class MultiprocPipelineLatePlan : public MultiprocRpc {
                          .value();
     start({.world_size = 5}, options);
     const auto t0 = Clock::now();
-    a_replica_fails_then_the_next_step_works();
+    // The next step only once the late plan's run has ended there (its first run): else that step's plan, not held
+    // back, could overtake it (only the fault rule reorders them; a connection delivers in order).
+    a_replica_fails_then_the_next_step_works([late] {
+      EXPECT_TRUE(poll_until(scaled(milliseconds(20000)),
+                             [late] { return rpc::rpc_sync<std::vector<int64_t>>(late, "pipe_plans").at(3) >= 1; }))
+          << "worker" << late << "'s late run never ended";
+    });
     rpc::shutdown(true);  // releases the pipelines: nothing of theirs may be left waiting
     EXPECT_LT(Clock::now() - t0, scaled(milliseconds(15000))) << "the job's end waited for a stranded sum";
   }

@@ -227,7 +227,7 @@ TEST(UnitPipelineShm, MalformedMemoryFailsTheReceiveNamingTheSender) {
   Mailbox& box = Mailbox::get();
   auto inbox = std::make_shared<Inbox>();
   box.set_inbox(pipe, inbox);
-  publish_malformed_record(inbox->ends_for(2));
+  ASSERT_NO_FATAL_FAILURE(publish_malformed_record(inbox->ends_for(2)));
   auto got = box.take({pipe, 0, 1, 0, false}, within(milliseconds(2000)), "m0");
   expect_malformed_from_rank_2(got.status());
   box.release(pipe);
@@ -240,7 +240,7 @@ TEST(UnitPipelineShm, AMalformedRecordTheIdleExecutorMeetsFailsTheNextReceiveAtO
   Mailbox& box = Mailbox::get();
   auto inbox = std::make_shared<Inbox>();
   box.set_inbox(pipe, inbox);
-  publish_malformed_record(inbox->ends_for(2));
+  ASSERT_NO_FATAL_FAILURE(publish_malformed_record(inbox->ends_for(2)));
   auto go = box.take_go(pipe);
   expect_malformed_from_rank_2(go.status());
   const auto start = Clock::now();

@@ -206,7 +206,7 @@ void register_pipeline_stages() {
   rpc::register_function("pipe_seed", [](int64_t seed) { torch::manual_seed(seed); });
   rpc::register_function("pipe_plans", [] {
     return std::vector<int64_t>{pipeline::detail::plans_received(), pipeline::local_plan_count(),
-                                pipeline::detail::runs_started_directly()};
+                                pipeline::detail::runs_started_directly(), pipeline::detail::runs_ended()};
   });
   rpc::register_function("pipe_buffers", [](int64_t pipe, int64_t stage) {
     auto m = pipeline::local_stage(pipe, static_cast<int>(stage));

@@ -38,7 +38,7 @@ c10::IValue masked_block_forward(MaskedBlock& block, const at::Tensor& x, const 
 
 // Also registers "pipe_slow_backward"(ms) (an identity Linear(4, 4) whose backward sleeps; "pipe_slow_forwards" counts
 // its forwards), "pipe_slow_build"(ms) (a Linear(4, 4) whose factory sleeps), "pipe_plans" ({plans received, plans
-// held} by the worker), "pipe_seed", "pipe_buffers",
+// held, runs started directly, runs ended} by the worker), "pipe_seed", "pipe_buffers",
 // "pipe_training", "pipe_stage_count", "pipe_contexts" and "pipe_create_and_die" (see stages.cc); "pipe_linear"(in,
 // out) (float64 Linear); "pipe_faulty"(mode): a float64 identity Linear(4, 4) whose forward, when a row's first value
 // is 999, throws (mode 1) or kills its process with exit code 9 (mode 2); and the functions "pipe_grads"(pipeline,

@@ -177,8 +177,6 @@ TEST_F(MultiprocDirect, BulkPathFallsBackWhenThePeerCannotReadOurMemory) {
   EXPECT_EQ(exit_code(child.wait(milliseconds(30000))), 0) << child.output();
 }
 
-// A shutdown without waiting does not wait for a reply that cannot be written (its caller stopped reading): before, it
-// waited for the writer's hold on the call, up to the reply's deadline (the RPC timeout, 60 s here).
 // Stops process `pid` (SIGSTOP) and returns once every thread of it is stopped: the signal takes effect after kill()
 // returns, and a thread still running meanwhile could read a request sent at once.
 bool stop_fully(pid_t pid) {
@@ -221,40 +219,63 @@ TEST_F(MultiprocDirect, ACallWhoseCallerLetGoOfItsTensorsBeforeTheyWereReadIsNot
   EXPECT_EQ(rpc::transport_stats().tensors_by_reference, by_reference + 1);
 }
 
-TEST_F(MultiprocDirect, NonGracefulShutdownDoesNotWaitForAStalledReply) {
-  static std::atomic<bool> entered, go;
-  entered = false;
-  go = false;
-  rpc::register_function("test.big_reply", [] {
-    {
-      // Said to be a wait (it lends this thread's place, as Tandem's own waits do), so that the place is not presumed
-      // blocked and the reply's writer, waiting for room later, lends it again: what the test waits for below.
+// A shutdown without waiting, while a reply cannot be written (its caller stopped reading), and, with
+// `another_call_running`, a second call of that caller still running here (its CANCELLED answer waits for the
+// connection the stalled reply holds): the shutdown takes less than 10 s (before, the first waited for the writer's
+// hold on the call, the second for its answer's write: each up to the reply's deadline, the RPC timeout, 60 s here).
+class MultiprocDirectStalledReply : public MultiprocDirect {
+ protected:
+  void shut_down_behind_a_stalled_reply(bool another_call_running) {
+    static std::atomic<bool> entered, hanging, go, release;
+    entered = hanging = go = release = false;
+    rpc::register_function("test.big_reply", [] {
+      {
+        // Said to be a wait (it lends this thread's place, as Tandem's own waits do), so that the place is not
+        // presumed blocked and the reply's writer, waiting for room later, lends it again: what is waited for below.
+        BlockingScope waiting;
+        entered = true;
+        const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+        while (!go.load() && std::chrono::steady_clock::now() < until) std::this_thread::sleep_for(milliseconds(1));
+      }
+      return at::ones({16 << 20});  // 64 MiB, written into the socket (no bulk path)
+    });
+    rpc::register_function("test.hang", [] {
       BlockingScope waiting;
-      entered = true;
-      const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
-      while (!go.load() && std::chrono::steady_clock::now() < until) std::this_thread::sleep_for(milliseconds(1));
-    }
-    return at::ones({16 << 20});  // 64 MiB, written into the socket (no bulk path)
-  });
-  rpc::RpcOptions options = options_from_env();
-  options.bulk_min_bytes = 0;
-  options.rpc_timeout = std::chrono::seconds(60);
-  start_direct({.world_size = 2}, options);
-  ASSERT_EQ(rpc::transport_to(1), "direct");
-  expect_clean_children_ = false;
-  rpc::rpc_sync("worker1", "call_in_background", int64_t{0}, std::string("test.big_reply"));
-  ASSERT_TRUE(poll_until(std::chrono::seconds(20), [&] { return entered.load(); }));
-  job_->child(1).kill(SIGSTOP);  // the caller stops reading
-  const int64_t lent = rpc::transport_stats().places_lent;
-  go = true;
-  // The reply fills the socket and its writer waits for room, holding the call (a wait that lends its place): the
-  // shutdown must come after that, or the test would pass without testing it.
-  ASSERT_TRUE(poll_until(scaled(std::chrono::seconds(20)), [&] { return rpc::transport_stats().places_lent > lent; }))
-      << "the reply's writer never waited";
-  const auto t0 = std::chrono::steady_clock::now();
-  rpc::shutdown(false);
-  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(10));
-  job_->child(1).kill(SIGKILL);
+      hanging = true;
+      const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+      while (!release.load() && std::chrono::steady_clock::now() < until) std::this_thread::sleep_for(milliseconds(1));
+      return int64_t{0};
+    });
+    rpc::RpcOptions options = options_from_env();
+    options.bulk_min_bytes = 0;
+    options.rpc_timeout = std::chrono::seconds(60);
+    start_direct({.world_size = 2}, options);
+    ASSERT_EQ(rpc::transport_to(1), "direct");
+    expect_clean_children_ = false;
+    rpc::rpc_sync("worker1", "call_in_background", int64_t{0}, std::string("test.big_reply"));
+    if (another_call_running) rpc::rpc_sync("worker1", "call_in_background", int64_t{0}, std::string("test.hang"));
+    ASSERT_TRUE(poll_until(std::chrono::seconds(20), [&] { return entered && (hanging || !another_call_running); }));
+    job_->child(1).kill(SIGSTOP);  // the caller stops reading
+    const int64_t lent = rpc::transport_stats().places_lent;
+    go = true;
+    // The reply fills the socket and its writer waits for room, holding the call (a wait that lends its place): the
+    // shutdown must come after that, or the test would pass without testing it.
+    ASSERT_TRUE(poll_until(scaled(std::chrono::seconds(20)), [&] { return rpc::transport_stats().places_lent > lent; }))
+        << "the reply's writer never waited";
+    const auto t0 = std::chrono::steady_clock::now();
+    rpc::shutdown(false);
+    EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(10));
+    release = true;
+    job_->child(1).kill(SIGKILL);
+  }
+};
+
+TEST_F(MultiprocDirectStalledReply, NonGracefulShutdownDoesNotWaitForAStalledReply) {
+  shut_down_behind_a_stalled_reply(false);
+}
+
+TEST_F(MultiprocDirectStalledReply, NonGracefulShutdownDoesNotWaitBehindAStalledReplyToAnswerAnotherCall) {
+  shut_down_behind_a_stalled_reply(true);
 }
 
 // A callback of a call that ran out of time and blocks (here until the test ends; a note batch sent again from its

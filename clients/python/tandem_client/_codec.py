@@ -26,7 +26,7 @@ except ImportError:  # pragma: no cover - depends on the machine
     torch = None
 
 ALIGN = 64
-MAX_NESTING = 64  # rpc/detail/wire.h kMaxNesting
+MAX_NESTING = 32  # rpc/detail/wire.h kMaxNesting
 MAX_DIMS = 64
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 
