@@ -61,23 +61,82 @@ absl::StatusOr<std::optional<RoundEnd>> Rendezvous::ended() {
   return std::optional<RoundEnd>(*end);
 }
 
+absl::StatusOr<bool> Rendezvous::first_to_add(const std::string& key) {
+  auto n = store_.add(key, 1);
+  if (!n.ok()) return n.status();
+  return *n == 1;
+}
+
 absl::StatusOr<RoundEnd> Rendezvous::end_round(const std::string& reason, bool failure) {
-  auto vote = store_.add(round_key("end"), 1);
-  if (!vote.ok()) return vote.status();
-  if (*vote != 1) {  // another node ended it first; it writes why right after its vote
-    return recorded_end(options_.keep_alive_interval * options_.keep_alive_max_attempt);
+  auto won = first_to_add(round_key("end"));
+  if (!won.ok()) return won.status();
+  if (!*won) {  // another node ended it first; it records why right after its vote
+    auto end = recorded_end(options_.keep_alive_interval * options_.keep_alive_max_attempt);
+    if (end.status().code() != absl::StatusCode::kDeadlineExceeded) return end;
+    // Nothing recorded in a lost node's time: the winner died, or its store calls failed, between its vote and the
+    // record. This node ends the round in its place (before, every node's end failed here and the round never ended).
   }
+  return publish_end(reason, failure);
+}
+
+// The nodes that end a round (the vote's winner at once, an outvoted node whose winner recorded nothing in a lost
+// node's time) claim the right to record the end in turns: the first to add to r<k>/publish/<t> writes it, the others
+// wait for its record (rpc::Store has no compare-and-set: a counter's add is the only step one node alone can win).
+// - A winner that was only slow, and claims after an outvoted node did, finds turn 0 taken and returns the end that
+//   node recorded: one end, counted once.
+// - A claimer that records nothing in the time its store calls may take (its claim's reply and five more in
+//   write_end(), each within a lost node's time, as tandem-run sets the store's timeout) died or failed after its
+//   claim: the next turn is claimed. Each turn's claimer records the end or has stopped ending the round (its error
+//   returned, its process gone), so there are at most as many turns as nodes that end the round.
+// - A claimer slower than that (a process paused) is stopped by write_end()'s look for a record, short of a pause
+//   between that look and its write: the record it then overwrites names another cause, but neither the failure nor
+//   the round counter is counted twice.
+absl::StatusOr<RoundEnd> Rendezvous::publish_end(const std::string& reason, bool failure) {
+  // This node's earlier call claimed a turn and failed midway (tandem-run ends a round again as it leaves): it is not
+  // writing now (one thread), so it writes at once instead of waiting out its own turn.
+  if (claimed_ == round_) return write_end(reason, failure);
+  constexpr int kWriterCalls = 6;
+  const absl::Duration lost_after = options_.keep_alive_interval * options_.keep_alive_max_attempt;
+  for (int64_t turn = 0;; ++turn) {
+    auto claimed = first_to_add(round_key(absl::StrCat("publish/", turn)));
+    if (!claimed.ok()) return claimed.status();
+    if (*claimed) {
+      claimed_ = round_;
+      return write_end(reason, failure);
+    }
+    auto end = recorded_end(kWriterCalls * lost_after);
+    if (end.status().code() != absl::StatusCode::kDeadlineExceeded) return end;
+  }
+}
+
+// The failure is counted before "ended" (the next round's closer reads the count once it sees the end), the round
+// counter moved on after it. Each count is taken by the first writer to add to a key of its own, so a second writer
+// (publish_end()) counts nothing again. A writer that dies between that add and the count leaves a failure uncounted,
+// or the round counter behind: join() steps over a round that has ended, so a counter behind costs a look, where one
+// ahead would have the nodes skip the round the others form.
+absl::StatusOr<RoundEnd> Rendezvous::write_end(const std::string& reason, bool failure) {
+  auto recorded = ended();
+  if (!recorded.ok()) return recorded.status();
+  if (recorded->has_value()) return **recorded;  // a later turn's claimer recorded it: this one was slow
   if (failure) {
-    auto n = store_.add(key("failures"), 1);
-    if (!n.ok()) return n.status();
-    if (auto s = store_.set(key(absl::StrCat("failure/", *n)), reason); !s.ok()) return s;
+    auto first = first_to_add(round_key("counted"));
+    if (!first.ok()) return first.status();
+    if (*first) {
+      auto n = store_.add(key("failures"), 1);
+      if (!n.ok()) return n.status();
+      if (auto s = store_.set(key(absl::StrCat("failure/", *n)), reason); !s.ok()) return s;
+    }
   }
   pb::ElasticEnd end;
   end.set_wire_version(rpc::kWireVersion);
   end.set_reason(reason);
   end.set_failure(failure);
   if (auto s = store_.set(round_key("ended"), end.SerializeAsString()); !s.ok()) return s;
-  if (auto s = store_.add(key("round"), 1); !s.ok()) return s.status();
+  auto first = first_to_add(round_key("advanced"));
+  if (!first.ok()) return first.status();
+  if (*first) {
+    if (auto s = store_.add(key("round"), 1); !s.ok()) return s.status();
+  }
   return RoundEnd{reason, failure};
 }
 

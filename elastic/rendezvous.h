@@ -102,9 +102,11 @@ class Rendezvous {
   // nullopt while it goes on.
   absl::StatusOr<std::optional<RoundEnd>> monitor();
 
-  // Ends the current round for every node. The first end of a round wins; a failure is counted once. Returns the end
-  // that won: this call's, or the one another node recorded first (read within keep_alive_interval ×
-  // keep_alive_max_attempt: a node that won and died before writing its reason gives DEADLINE_EXCEEDED).
+  // Ends the current round for every node. The first end of a round recorded wins; a failure is counted, and the
+  // round counter moved on, once. Returns the end that won: this call's, or the one another node recorded first. When
+  // the node that won the vote to end the round records nothing within keep_alive_interval × keep_alive_max_attempt
+  // (it died, or its store calls failed, after its vote), this call ends the round in its place, as a node that was
+  // outvoted at the same time may too: see publish_end() for how one of them records it.
   absl::StatusOr<RoundEnd> end_round(const std::string& reason, bool failure);
 
   // This node's workers all exited 0. Then monitor() until all_succeeded() (or the round ends: then join again).
@@ -125,6 +127,11 @@ class Rendezvous {
   absl::StatusOr<std::optional<RoundEnd>> ended();
   // The current round's end as recorded, waiting for it up to `wait`.
   absl::StatusOr<RoundEnd> recorded_end(absl::Duration wait);
+  // Records this node's end of the current round, or returns the end another node recorded (end_round()).
+  absl::StatusOr<RoundEnd> publish_end(const std::string& reason, bool failure);
+  absl::StatusOr<RoundEnd> write_end(const std::string& reason, bool failure);
+  // Whether this call is the first to add to the counter at `key`: a vote, won once whoever asks.
+  absl::StatusOr<bool> first_to_add(const std::string& key);
   absl::StatusOr<Round> finish_join(int64_t k, int index, int nodes, int restarts);
   absl::Status heartbeat_check();
   // The nodes round k waits for before its last call: see join().
@@ -135,6 +142,7 @@ class Rendezvous {
   int64_t round_ = -1;  // the round this node is in (after join)
   int index_ = -1;      // its node rank in it
   int nnodes_ = 0;
+  int64_t claimed_ = -1;  // the last round whose end this node claimed to write (publish_end())
   // Heartbeats seen: each other node's last counter and when it last changed (this node's clock).
   std::vector<int64_t> seen_beats_;
   std::vector<absl::Time> seen_at_;

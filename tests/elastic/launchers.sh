@@ -29,8 +29,12 @@ set -euo pipefail
 mode=$1 run=$2
 dir=$(mktemp -d)
 pids=()
-etcd_pid=""
-trap 'for p in "${pids[@]}" $etcd_pid; do kill -9 "$p" 2>/dev/null || true; done; rm -rf "$dir"' EXIT
+# At exit, what this script started and bash has not reaped (`jobs -r`): a pid it has reaped (a launcher waited for,
+# or one that exited) may name another process by now.
+trap 'left=$(jobs -rp); [ -z "$left" ] || kill -9 $left 2>/dev/null || true; rm -rf "$dir"' EXIT
+# tests/common/time_scale.h's factor (a sanitizer build sets it), rounded up, at least 1: it scales the slack of the
+# waits below, never the rendezvous' own timeouts.
+scale="$(awk -v s="${TANDEM_TEST_TIME_SCALE:-1}" 'BEGIN { s += 0; n = int(s); if (n < s) n++; print (n < 1 ? 1 : n) }')"
 fail() {
   echo "launchers: $*" >&2
   for f in "$dir"/*.log; do [ -f "$f" ] && { echo "--- $f"; tail -60 "$f"; }; done
@@ -60,7 +64,6 @@ if [ "$backend" = etcd ]; then
     --advertise-client-urls "http://127.0.0.1:$port" --listen-peer-urls "http://127.0.0.1:$peer" \
     --initial-advertise-peer-urls "http://127.0.0.1:$peer" --initial-cluster "t=http://127.0.0.1:$peer" \
     >"$dir/etcd.out" 2>&1 &
-  etcd_pid=$!
   for _ in $(seq 200); do
     python3 -c "import socket; socket.create_connection(('127.0.0.1', $port), 0.2)" 2>/dev/null && break
     sleep 0.05
@@ -84,11 +87,38 @@ worker_of() {
     if grep -qx "RANK=$2" <<<"$(tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null)"; then echo "$p"; fi
   done
 }
-wait_for() {  # wait_for <seconds> <test command...>
+wait_for() {  # wait_for <seconds, scaled> <test command...>
   local limit=$1
   shift
-  for _ in $(seq $((limit * 20))); do "$@" && return 0; sleep 0.05; done
+  for _ in $(seq $((limit * scale * 20))); do "$@" && return 0; sleep 0.05; done
   return 1
+}
+# signal_job <signal> <pid>: signals a launcher this script started, if it still runs (bash has not reaped it: a
+# reaped pid may name another process by now); a launcher that has exited already fails the test.
+signal_job() {
+  jobs -rp | grep -x "$2" >/dev/null || fail "launcher $2 had exited before it was sent $1"
+  kill "$1" "$2"
+}
+# kill_worker <pid> <launcher> <rank>: SIGKILLs the worker <pid> through a pidfd, if it is still <launcher>'s child
+# with RANK=<rank>: its pid, read from /proc before, may name another process by now (the worker exited and its
+# launcher reaped it).
+kill_worker() {
+  python3 - "$@" <<'EOF'
+import os, signal, sys
+pid, launcher, rank = sys.argv[1:]
+try:
+    fd = os.pidfd_open(int(pid))  # this process from now on, whatever becomes of its pid
+    # Read after the pidfd is open: if its process has gone since, the signal below fails (ESRCH) and kills nothing.
+    with open(f"/proc/{pid}/stat") as f:
+        ppid = f.read().rsplit(")", 1)[1].split()[1]
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        env = f.read().split(b"\0")
+    if ppid != launcher or f"RANK={rank}".encode() not in env:
+        sys.exit(f"pid {pid} is no longer rank {rank} under launcher {launcher}")
+    signal.pidfd_send_signal(fd, signal.SIGKILL)
+except OSError as e:
+    sys.exit(f"rank {rank} (pid {pid}): {e}")
+EOF
 }
 
 case "$mode" in
@@ -106,10 +136,12 @@ resume)
   launch "$dir/killed1.log" --nnodes 2 --max-restarts 1 --rdzv-id killed -- "$train" "${args[@]}" --checkpoint-dir "$dir/killed"
   # Once rank 1 has saved step 12 (epoch 1 of 2), SIGKILL it.
   wait_for 60 test -e "$dir/killed/step-000000000012/rank-1.ckpt" || fail "rank 1 never saved step 12"
-  victim=""
-  for l in "${pids[@]}"; do [ -z "$victim" ] && victim=$(worker_of "$l" 1); done
+  victim="" parent=""
+  for l in "${pids[@]}"; do
+    if [ -z "$victim" ]; then victim=$(worker_of "$l" 1) parent=$l; fi
+  done
   [ -n "$victim" ] || fail "no rank 1 under the launchers"
-  kill -9 "$victim"
+  kill_worker "$victim" "$parent" 1 || fail "could not kill rank 1"
   for i in 0 1; do wait "${pids[$i]}" || fail "launcher $i of the restarted job failed"; done
   pids=()
   grep -q "rank 1 on node [01] (127.0.0.1) (pid $victim) failed with killed by signal 9 (Killed)" "$dir"/killed*.log ||
@@ -141,7 +173,7 @@ membership)
   # checkpoint of the 2-node job (rank 1 writes one), then kill the second node's launcher.
   wait_for 60 bash -c "ls '$dir'/ckpt/step-*/rank-1.ckpt >/dev/null 2>&1" || fail "the 2-node job never saved a checkpoint"
   killed_at=$(date +%s.%N)
-  kill -9 "$b"
+  signal_job -9 "$b"
   wait_for 60 grep -q "round 1 ended" "$dir/a.log" || fail "the survivor never noticed"
   noticed_at=$(date +%s.%N)
   wait "$a" || fail "the survivor's job failed"
@@ -154,8 +186,10 @@ membership)
   grep -q "final parameters" "$dir/a.log" || fail "the job did not finish"
   # Heartbeat timeout 2 s + one heartbeat interval between checks 0.5 s + monitor interval 0.1 s = 2.6 s: no process
   # waits longer for a lost node. (When the lost node was node 0, the survivor's worker fails sooner.) 3 s of slack
-  # for this machine's scheduling; a hang would take the join timeout.
-  python3 -c "import sys; d = $noticed_at - $killed_at; print(f'lost node noticed after {d:.2f} s'); sys.exit(d > 5.6)" ||
+  # for this machine's scheduling, scaled (the 2.6 s run on the launchers' own timers); a hang would take the join
+  # timeout.
+  python3 -c "import sys; d = $noticed_at - $killed_at; b = 2.6 + 3 * $scale
+print(f'lost node noticed after {d:.2f} s (bound {b:.1f} s)'); sys.exit(d > b)" ||
     fail "the survivor took too long to notice the lost node"
   grep -h "round . ended\|round .:\|resumed from" "$dir/a.log" "$dir/b.log"
   ;;
@@ -176,7 +210,7 @@ leave)
   b=${pids[1]}
   wait_for 60 grep -q "round 1: node [01] of 2" "$dir/b.log" || fail "the second node never joined"
   wait_for 60 bash -c "ls '$dir'/ckpt/step-*/rank-1.ckpt >/dev/null 2>&1" || fail "the 2-node job never saved"
-  kill -TERM "$b"
+  signal_job -TERM "$b"
   c=0
   wait "$b" || c=$?
   [ "$c" = 143 ] || fail "the stopped launcher exited $c, not 143"
@@ -195,7 +229,7 @@ leave-joining)
   launch "$dir/a.log" --nnodes 2 --rdzv-id lj -- true
   a=${pids[0]}
   wait_for 30 grep -q "rendezvous 'lj' at" "$dir/a.log" || fail "the launcher did not start"
-  kill -TERM "$a"
+  signal_job -TERM "$a"
   c=0
   wait "$a" || c=$?
   pids=()

@@ -12,13 +12,18 @@
 
 #include <atomic>
 #include <cerrno>
+#include <chrono>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <future>
+#include <memory>
 #include <set>
 #include <stdexcept>
+#include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "proto/tandem_rpc.pb.h"
@@ -176,6 +181,66 @@ std::optional<RoundEnd> monitor_until_end(Rendezvous& r, absl::Duration limit) {
   }
   return std::nullopt;
 }
+
+// Every node joins its next round at the same time; their rounds, in the nodes' order.
+std::vector<absl::StatusOr<Round>> join_together(const std::vector<Rendezvous*>& nodes) {
+  std::vector<std::future<absl::StatusOr<Round>>> joins;
+  for (Rendezvous* n : nodes) joins.push_back(std::async(std::launch::async, [n] { return n->join(); }));
+  std::vector<absl::StatusOr<Round>> rounds;
+  for (auto& j : joins) rounds.push_back(j.get());
+  return rounds;
+}
+
+// Every node ends its round at the same time as a failure ("node <i> failed"); their ends, in the nodes' order.
+std::vector<absl::StatusOr<RoundEnd>> end_together(const std::vector<Rendezvous*>& nodes) {
+  std::vector<std::future<absl::StatusOr<RoundEnd>>> ends;
+  for (size_t i = 0; i < nodes.size(); ++i) {
+    Rendezvous* n = nodes[i];
+    ends.push_back(
+        std::async(std::launch::async, [n, i] { return n->end_round(absl::StrCat("node ", i, " failed"), true); }));
+  }
+  std::vector<absl::StatusOr<RoundEnd>> out;
+  for (auto& e : ends) out.push_back(e.get());
+  return out;
+}
+
+// A node's store whose first add to `key` stalls once made, until release() (or a minute): the node voted, then
+// stopped (its process paused, its store slow) while the others went on.
+class StallAfterAdd : public rpc::Store {
+ public:
+  StallAfterAdd(std::unique_ptr<rpc::Store> inner, std::string key)
+      : inner_(std::move(inner)), key_(std::move(key)), released_(release_.get_future()) {}
+  // Ready once the add has been made and stalls. Called once.
+  std::future<void> stalled() { return stalled_.get_future(); }
+  // Called once.
+  void release() { release_.set_value(); }
+
+  absl::StatusOr<int64_t> add(const std::string& key, int64_t delta) override {
+    auto n = inner_->add(key, delta);
+    if (key == key_ && !done_) {
+      done_ = true;
+      stalled_.set_value();
+      (void)released_.wait_for(std::chrono::minutes(1));
+    }
+    return n;
+  }
+  absl::Status set(const std::string& key, const std::string& value) override { return inner_->set(key, value); }
+  absl::StatusOr<std::string> get(const std::string& key, std::chrono::milliseconds timeout) override {
+    return inner_->get(key, timeout);
+  }
+  absl::Status wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) override {
+    return inner_->wait(keys, timeout);
+  }
+  absl::StatusOr<std::vector<bool>> check(const std::vector<std::string>& keys) override { return inner_->check(keys); }
+  absl::Status remove(const std::string& key) override { return inner_->remove(key); }
+
+ private:
+  std::unique_ptr<rpc::Store> inner_;
+  const std::string key_;
+  bool done_ = false;  // used by its Rendezvous's one thread
+  std::promise<void> stalled_, release_;
+  std::future<void> released_;
+};
 
 TEST_P(UnitElastic, ARoundAtMaxNodesClosesAtOnceWithRanksInArrivalOrder) {
   auto sa = store(), sb = store(), sc = store();
@@ -372,6 +437,77 @@ TEST_P(UnitElastic, ARoundWhoseCloserNeverPublishedItEndsAndTheNodesReform) {
   EXPECT_EQ(ra->restarts, 0);
   EXPECT_EQ(ra->nnodes, 2);
   EXPECT_EQ(a.failures().value(), std::vector<std::string>{});
+}
+
+// A node that won the vote to end a round and died before recording the end (its vote here, its "ended" never; in
+// round 1 it had also claimed the right to write it, r1/publish/0): the outvoted nodes, ending the round at the same
+// time, take the end over once a lost node's time has passed. One of them records it and the other reads it, the
+// failure counts once and the round counter moves on once a round, and the nodes re-form. Before, each outvoted
+// end_round failed (DEADLINE_EXCEEDED) after that time and the round never ended: the job could not re-form.
+TEST_P(UnitElastic, ARoundWhoseEnderDiedBeforeRecordingItIsEndedOnceByTheOthers) {
+  auto sa = store(), sb = store();
+  auto opts = [&](const std::string& host) {
+    auto o = node(host, 2, 2);
+    o.keep_alive_interval = absl::Milliseconds(100);  // lost after 300 ms; a claimer waited for 6 x that
+    return o;
+  };
+  Rendezvous a(*sa, opts("hostA")), b(*sb, opts("hostB"));
+  for (int k = 0; k < 2; ++k) {
+    auto joined = join_together({&a, &b});
+    ASSERT_TRUE(joined[0].ok() && joined[1].ok()) << joined[0].status() << joined[1].status();
+    ASSERT_EQ(joined[0]->round, k);
+    EXPECT_EQ(joined[0]->restarts, k);
+    const std::string r = absl::StrCat("rdzv/job/r", k, "/");
+    ASSERT_EQ(sa->add(r + "end", 1).value_or(0), 1);
+    if (k == 1) ASSERT_EQ(sa->add(r + "publish/0", 1).value_or(0), 1);
+    auto ends = end_together({&a, &b});
+    ASSERT_TRUE(ends[0].ok() && ends[1].ok()) << ends[0].status() << ends[1].status();
+    EXPECT_EQ(ends[0]->reason, ends[1]->reason) << "both recorded an end";
+    EXPECT_TRUE(ends[0]->failure);
+    auto seen = a.monitor();
+    ASSERT_TRUE(seen.ok() && seen->has_value()) << seen.status();
+    EXPECT_EQ((*seen)->reason, ends[0]->reason);
+    EXPECT_EQ(sa->add("rdzv/job/round", 0).value_or(-1), k + 1);
+    EXPECT_EQ(a.failures().value().size(), static_cast<size_t>(k + 1));
+  }
+  auto joined = join_together({&a, &b});
+  ASSERT_TRUE(joined[0].ok() && joined[1].ok()) << joined[0].status() << joined[1].status();
+  EXPECT_EQ(joined[0]->round, 2);
+  EXPECT_EQ(joined[1]->round, 2);
+  EXPECT_EQ(joined[0]->restarts, 2);
+}
+
+// The node that won the vote to end a round was only slow: it stalls right after its vote while the others, ending
+// the round too, take the end over. When it goes on it records nothing of its own: it returns the end they recorded,
+// the failure has counted once and the round counter moved on once (the three meet again in round 1, not 2).
+TEST_P(UnitElastic, AnEnderThatWasOnlySlowFindsTheEndTakenOverAndRecordsNothing) {
+  auto sa = store(), sb = store();
+  StallAfterAdd sc(store(), "rdzv/job/r0/end");
+  auto opts = [&](const std::string& host) {
+    auto o = node(host, 3, 3);
+    o.keep_alive_interval = absl::Milliseconds(100);  // lost after 300 ms
+    return o;
+  };
+  Rendezvous a(*sa, opts("hostA")), b(*sb, opts("hostB")), c(sc, opts("hostC"));
+  auto joined = join_together({&a, &b, &c});
+  for (const auto& j : joined) ASSERT_TRUE(j.ok()) << j.status();
+  std::future<void> stalled = sc.stalled();
+  auto fc = std::async(std::launch::async, [&] { return c.end_round("the slow node's end", true); });
+  ASSERT_EQ(stalled.wait_for(std::chrono::seconds(10)), std::future_status::ready);
+  auto ends = end_together({&a, &b});
+  sc.release();
+  auto ec = fc.get();
+  ASSERT_TRUE(ends[0].ok() && ends[1].ok() && ec.ok()) << ends[0].status() << ends[1].status() << ec.status();
+  EXPECT_EQ(ends[0]->reason, ends[1]->reason);
+  EXPECT_EQ(ec->reason, ends[0]->reason) << "the slow node recorded its own end after the others'";
+  EXPECT_EQ(a.failures().value(), std::vector<std::string>{ends[0]->reason});
+  EXPECT_EQ(sa->add("rdzv/job/round", 0).value_or(-1), 1);
+  joined = join_together({&a, &b, &c});
+  for (const auto& j : joined) {
+    ASSERT_TRUE(j.ok()) << j.status();
+    EXPECT_EQ(j->round, 1);
+    EXPECT_EQ(j->restarts, 1);
+  }
 }
 
 // A round's checks name a key per node, beyond the 128 operations etcd takes in one transaction.
