@@ -71,9 +71,12 @@ int main(int argc, char** argv) {
     const Args args = parse(argc, argv);
     at::set_num_threads(1);
     auto agent = std::make_shared<rl::Agent>(1, args.seed, args.lr);
+    // Its observer plays one episode at a time, each call after the last one's answer, and stops at its first failed
+    // call: there are no rounds given up to tell apart, so the agent stays in its first one (Agent::begin_round).
     rpc::register_function("agent.act", [agent](at::Tensor observation, double u) {
       const std::vector<double> s = values_of(observation, 4, "the observation");
-      auto action = agent->select({rl::Request{0, s[0], s[1], s[2], s[3], u}})[0];
+      const auto round = static_cast<double>(agent->round());
+      auto action = agent->select({rl::Request{0, s[0], s[1], s[2], s[3], u, round}})[0];
       throw_if_error(action.status());
       return *action;
     });

@@ -79,7 +79,7 @@ TEST(UnitCartPole, ResetIsSeededAndSmall) {
 TEST(UnitRlAgent, OneBatchedForwardAnswersAsSingleOnesDo) {
   Agent batched(5, 3), single(5, 3);
   std::vector<Request> requests;
-  for (int o = 0; o < 5; ++o) requests.push_back({double(o), 0.01 * o, -0.02, 0.03 * o, 0.1, 0.1 + 0.2 * o});
+  for (int o = 0; o < 5; ++o) requests.push_back({double(o), 0.01 * o, -0.02, 0.03 * o, 0.1, 0.1 + 0.2 * o, 0});
   const auto together = batched.select(requests);
   for (int o = 0; o < 5; ++o) {
     ASSERT_TRUE(together[o].ok()) << together[o].status();
@@ -91,8 +91,8 @@ TEST(UnitRlAgent, OneBatchedForwardAnswersAsSingleOnesDo) {
 // (issue 27: steps were recorded before the bad request was found, and the whole batch failed).
 TEST(UnitRlAgent, ABadRequestFailsAloneAndTheRoundOfTheOthersFinishes) {
   Agent agent(2, 3);
-  const Request good0{0, 0.01, -0.02, 0.03, 0.1, 0.3}, good1{1, 0.02, 0.01, -0.03, 0.0, 0.6};
-  const Request unknown_observer{7, 0, 0, 0, 0, 0.5}, too_short{1, 0, 0, 0, 0.5};
+  const Request good0{0, 0.01, -0.02, 0.03, 0.1, 0.3, 0}, good1{1, 0.02, 0.01, -0.03, 0.0, 0.6, 0};
+  const Request unknown_observer{7, 0, 0, 0, 0, 0.5, 0}, too_short{1, 0, 0, 0, 0.5, 0};
   const auto actions = agent.select({good0, unknown_observer, good1, too_short});
   ASSERT_EQ(actions.size(), 4u);
   EXPECT_TRUE(actions[0].ok());
@@ -111,7 +111,7 @@ TEST(UnitRlAgent, ABadRequestFailsAloneAndTheRoundOfTheOthersFinishes) {
 // read past its end.
 TEST(UnitRlAgent, AMismatchedRoundFailsAloneAndTheNextFinishes) {
   Agent agent(2, 3);
-  const Request r0{0, 0.01, -0.02, 0.03, 0.1, 0.3}, r1{1, 0.02, 0.01, -0.03, 0.0, 0.6};
+  const Request r0{0, 0.01, -0.02, 0.03, 0.1, 0.3, 0}, r1{1, 0.02, 0.01, -0.03, 0.0, 0.6, 0};
   ASSERT_TRUE(agent.select({r0, r1})[0].ok());
   ASSERT_TRUE(agent.select({r0})[0].ok());  // observer 0 took two steps
   Trajectory one_step;
@@ -134,20 +134,78 @@ TEST(UnitRlAgent, ObserversFinishingTogetherLeaveTheRightBatchSize) {
   ASSERT_TRUE(done);
   constexpr int kObservers = 16;
   for (int round = 0; round < 200; ++round) {
-    set_active_observers(kObservers);
+    set_active_observers(round + 1, kObservers);
     std::atomic<int> ready{0};
     std::vector<std::thread> threads;
     for (int i = 0; i < kObservers; ++i) {
-      threads.emplace_back([&] {
+      threads.emplace_back([&, i] {
         ++ready;
         while (ready.load() < kObservers) std::this_thread::yield();
-        done({}).value();
+        done({c10::IValue(int64_t{round + 1}), c10::IValue(int64_t{i})}).value();
       });
     }
     for (auto& t : threads) t.join();
     ASSERT_EQ(active_observers(), 0) << "round " << round;
     ASSERT_EQ(rpc::batch_stats("rl.select_action_batch").max_batch, 1) << "round " << round;
   }
+}
+
+// Rounds (agent.h): a request of another round than the agent's open one, earlier (an observer still playing a round
+// that gave up) or later, is refused alone and leaves no step; the others are answered.
+TEST(UnitRlAgent, ARequestOfAnotherRoundIsRefusedAloneAndLeavesNoStep) {
+  Agent agent(2, 3);
+  agent.begin_round(4);
+  const Request now{0, 0.01, -0.02, 0.03, 0.1, 0.3, 4}, late{1, 0.02, 0.01, -0.03, 0.0, 0.6, 3};
+  const Request ahead{1, 0.02, 0.01, -0.03, 0.0, 0.6, 5}, no_round{1, 0.02, 0.01, -0.03, 0.0, 0.6, 4.5};
+  const auto actions = agent.select({now, late, ahead, no_round});
+  ASSERT_EQ(actions.size(), 4u);
+  EXPECT_TRUE(actions[0].ok()) << actions[0].status();
+  EXPECT_EQ(actions[1].status().code(), absl::StatusCode::kAborted);
+  EXPECT_THAT(std::string(actions[1].status().message()),
+              ::testing::HasSubstr("observer 1: a request of round 3, but the agent is in round 4"));
+  EXPECT_EQ(actions[2].status().code(), absl::StatusCode::kAborted);
+  EXPECT_EQ(actions[3].status().code(), absl::StatusCode::kInvalidArgument);
+  Trajectory one_step;
+  one_step.rewards = {1.0};
+  one_step.ends = {1};
+  EXPECT_NO_THROW(agent.finish_round({0, 1}, {one_step, Trajectory{}}));  // observer 1 took no step
+}
+
+// A round that gave up (ended without finish_round) leaves nothing to the next: its late requests are refused, and
+// the next round starts from no steps.
+TEST(UnitRlAgent, ARoundThatGaveUpLeavesNothingToTheNext) {
+  Agent agent(2, 3);
+  agent.begin_round(1);
+  const Request a1{0, 0.01, -0.02, 0.03, 0.1, 0.3, 1}, b1{1, 0.02, 0.01, -0.03, 0.0, 0.6, 1};
+  ASSERT_TRUE(agent.select({a1, b1})[1].ok());
+  agent.end_round(1);
+  EXPECT_EQ(agent.select({a1})[0].status().code(), absl::StatusCode::kAborted);
+  agent.begin_round(2);
+  EXPECT_EQ(agent.round(), 2);
+  Request a2 = a1;
+  a2[6] = 2;
+  ASSERT_TRUE(agent.select({a2})[0].ok());
+  EXPECT_EQ(agent.select({b1})[0].status().code(), absl::StatusCode::kAborted);
+  Trajectory one_step;
+  one_step.rewards = {1.0};
+  one_step.ends = {1};
+  EXPECT_NO_THROW(agent.finish_round({0, 1}, {one_step, Trajectory{}}));  // round 1's two steps are gone
+}
+
+// An observer's report of another round (one that gave up), of no slot, or a second one of its slot (a failed observer
+// the round counted out) leaves the batch size alone.
+TEST(UnitRlAgent, AReportOfAnotherRoundOrASecondOneLeavesTheBatchSize) {
+  const rpc::Handler done = rpc::find_function("rl.observer_done");
+  ASSERT_TRUE(done);
+  const auto report = [&](int64_t round, int64_t slot) { done({c10::IValue(round), c10::IValue(slot)}).value(); };
+  set_active_observers(7, 3);
+  report(6, 0);
+  report(7, 3);
+  EXPECT_EQ(active_observers(), 3);
+  report(7, 1);
+  report(7, 1);
+  EXPECT_EQ(active_observers(), 2);
+  EXPECT_EQ(rpc::batch_stats("rl.select_action_batch").max_batch, 2);
 }
 
 }  // namespace

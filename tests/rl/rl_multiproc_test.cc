@@ -73,6 +73,40 @@ TEST_F(MultiprocRl, WithSkipFailedTheRoundCarriesOnWithoutAKilledObserver) {
   EXPECT_EQ(job_->wait_children(milliseconds(30000))[1], 9);
 }
 
+// A round that gives up while an observer still plays it (its 5th action request is held back past the round's
+// timeout), then the next round at once: the observer stops its old run (the agent refuses that request, of a round
+// that gave up) and plays the new one, which completes with each observer's own steps and nothing of the old round's
+// (finish_round checks each observer's steps against its trajectory). Before rounds were numbered, the next round
+// failed at once (the observer refused a run while its old one played), and had it waited, the old round's steps and
+// the late request would have been counted in the new one.
+TEST_F(MultiprocRl, TheRoundAfterOneThatGaveUpOnADelayedObserverCompletesUnmixed) {
+  const milliseconds first_timeout = scaled(milliseconds(1000));
+  const milliseconds held = first_timeout + scaled(milliseconds(2000));
+  start({.world_size = 3,
+         .extra_env = {{"TANDEM_TEST_FAULTS", "delay worker2->worker0 request fn=rl.select_action_batch nth=5 ms=" +
+                                                  std::to_string(held.count())}}});
+  auto agent = std::make_shared<rl::Agent>(2, 7);
+  rl::set_agent(agent);
+  auto obs = observers(2, 7);
+  try {
+    rl::run_round(obs, {.batched = true, .steps = 10, .timeout = first_timeout});
+    ADD_FAILURE() << "a round whose observer was held back past its timeout succeeded";
+  } catch (const RpcError& e) {
+    EXPECT_EQ(e.code(), absl::StatusCode::kDeadlineExceeded) << e.what();
+    EXPECT_THAT(e.what(), ::testing::HasSubstr("observer 1 (worker 'worker2')"));
+  }
+  for (int next = 0; next < 2; ++next) {  // the round after, while the old run still plays; and one more
+    SCOPED_TRACE(next == 0 ? "the round after the one that gave up" : "the round after that");
+    rl::Round r = rl::run_round(obs, {.batched = true, .steps = 10, .timeout = held + scaled(milliseconds(20000))});
+    ASSERT_EQ(r.observers, (std::vector<int>{0, 1}));
+    for (const auto& t : r.trajectories) {
+      EXPECT_EQ(t.rewards.size(), 10u);
+      EXPECT_EQ(t.actions.size(), 10u);
+    }
+    EXPECT_NO_THROW(agent->finish_round(r.observers, r.trajectories));
+  }
+}
+
 // SIGTERM to the launcher stops the agent and every observer of the example.
 TEST(MultiprocRlExample, SigtermStopsEveryProcess) {
   const pid_t pid = fork();
