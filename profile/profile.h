@@ -5,10 +5,13 @@
 //   profile::stop("/tmp/step-{worker}.json");            // one Chrome trace (chrome://tracing, Perfetto) per worker
 //
 // The trace holds LibTorch's operator events (aten::*, RECORD_FUNCTION ranges) of the thread that started the profile
-// and of Tandem's threads while they work for this worker (a registered function serving a call: its operators too),
-// and Tandem's ranges, as PyTorch names its own where it has one:
+// and of Tandem's threads while they work for this worker (a registered function serving a call, a batched function's
+// batch on whichever thread runs it: their operators too), and Tandem's ranges, as PyTorch names its own where it has
+// one:
 //   rpc_sync#f(worker0 -> worker1), rpc_async#..., rpc_send#...   a call, from its start to its reply (caller's side)
 //   rpc_serve#f(worker0 -> worker1)                               serving it, request read to reply written (callee)
+//   rpc_batch#f(3 requests)                                       a batched function running one batch (rpc/batching.h;
+//                                                                 each request is also an rpc_serve# range)
 //   comm:allreduce(group g, 64 bytes, shared_memory)              a collective on the group's thread
 //   dist_autograd:backward#ctx, dist_autograd:remote_backward#ctx(from worker1)   backward passes of a context
 //   ddp:bucket#i(N bytes)                                         a DDP bucket's allreduce, launch to completion

@@ -69,7 +69,7 @@ bool Agent::serve_message(Incoming& in, Parsed* parsed) {
     std::vector<Future> wait;  // stays empty: no extension values
     auto args = frame->decode(request.args(), {in.cma_pid, request.caller_rank(), &wait, nullptr,
                                                static_cast<uint64_t>(options_.max_message_bytes), false,
-                                               request.lease_address(), request.lease_id()});
+                                               request.lease_address(), request.lease_id(), &leases_lapsed_});
     if (!args.ok()) {
       status = args.status();
     } else {
@@ -165,12 +165,14 @@ void Agent::handle(std::shared_ptr<InCall> call, Parsed* parsed) {
           call, absl::FailedPreconditionError("a client outside the job cannot take part in distributed autograd"));
     }
   }
+  // Looked up once: the handler found here labels the call and is the one run() calls.
+  Handler handler = find_function(request.function());
   {
     MutexLock call_lock(&call->mu);  // a stop() on another thread may finish the call meanwhile, reading them
     call->caller = request.caller_rank();
     // The metrics label (record_served): a name nobody registered makes no series of its own, even for a request that
-    // fails before run() looks it up (a malformed argument): else a caller could make series without bound.
-    call->function = find_function(request.function()) ? request.function() : "(not registered)";
+    // fails before run() (a malformed argument): else a caller could make series without bound.
+    call->function = handler ? request.function() : "(not registered)";
     call->caller_name = request.caller_name();
     call->oneway = request.oneway();
   }
@@ -183,7 +185,7 @@ void Agent::handle(std::shared_ptr<InCall> call, Parsed* parsed) {
     args =
         frame->decode(request.args(), {call->in.cma_pid, request.caller_rank(), &wait, tracer ? &wire_tensors : nullptr,
                                        static_cast<uint64_t>(options_.max_message_bytes), client,
-                                       request.lease_address(), request.lease_id()});
+                                       request.lease_address(), request.lease_id(), &leases_lapsed_});
     if (args.ok() && tracer) {
       auto state = tracer->request_in(request.caller_rank(), request.trace(), wire_tensors);
       if (!state.ok()) return reply_error(call, state.status());
@@ -194,40 +196,32 @@ void Agent::handle(std::shared_ptr<InCall> call, Parsed* parsed) {
     args =
         absl::InternalError(absl::StrCat("decoding the request failed: ", status_from_current_exception().message()));
   }
-  if (!args.ok()) {
-    if (args.status().code() == absl::StatusCode::kAborted && request.lease_id() != 0) ++leases_lapsed_;
-    return reply_error(call, args.status());
-  }
+  if (!args.ok()) return reply_error(call, args.status());
   // A one-way request that a transport must answer (gRPC; tensors read by reference) is answered now: its arguments
   // have been read, and nobody waits for the function. What the function does later is told here only.
   if (call->oneway && !call->in.oneway) finish_oneway(call);
-  if (wait.empty()) return run(call, request.function(), std::move(*args), request.caller_name());
+  if (wait.empty()) return run(call, handler, request.function(), std::move(*args), request.caller_name());
   // Some argument needs protocol work first (e.g. a remote reference its owner must confirm): run after it, on the
   // pool.
   auto shared_args = std::make_shared<std::vector<c10::IValue>>(std::move(*args));
-  when_all(wait).add_callback([life = lifeline_, call, shared_args, function = request.function(),
-                               caller = request.caller_name()](const Future& ready) {
+  when_all(wait).add_callback([life = lifeline_, call, shared_args, handler = std::move(handler),
+                               function = request.function(), caller = request.caller_name()](const Future& ready) {
     Agent* self = life->enter();
     if (!self) return;                                // gone (see Lifeline)
     absl::Cleanup left = [&life] { life->leave(); };  // also when replying throws: else a stop would wait for ever
     if (absl::Status s = ready.status(); !s.ok()) {
       self->reply_error(call, s);
-    } else if (!self->pool_->submit([self, call, shared_args, function, caller] {
-                 self->run(call, function, std::move(*shared_args), caller);
+    } else if (!self->pool_->submit([self, call, shared_args, handler, function, caller] {
+                 self->run(call, handler, function, std::move(*shared_args), caller);
                })) {
       self->reply_error(call, absl::UnavailableError(absl::StrCat("worker '", self->name_, "' is shutting down")));
     }
   });
 }
 
-void Agent::run(const std::shared_ptr<InCall>& call, const std::string& function, std::vector<c10::IValue> args,
-                const std::string& caller_name) {
-  Handler handler = find_function(function);
-  if (!handler) {
-    {
-      MutexLock call_lock(&call->mu);
-      call->function = "(not registered)";  // the metrics label: a caller's typos make no series of their own
-    }
+void Agent::run(const std::shared_ptr<InCall>& call, const Handler& handler, const std::string& function,
+                std::vector<c10::IValue> args, const std::string& caller_name) {
+  if (!handler) {  // handle() labelled it "(not registered)": a caller's typos make no series of their own
     return reply_error(call, absl::NotFoundError(absl::StrCat("no function named '", function,
                                                               "' is registered on worker '", name_, "'")));
   }

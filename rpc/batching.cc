@@ -10,6 +10,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
+#include "tandem/profile/profile.h"
 #include "tandem/rpc/detail/wait_slice.h"
 #include "tandem/rpc/errors.h"
 #include "tandem/sync/sync.h"
@@ -191,15 +192,27 @@ class Batcher : public std::enable_shared_from_this<Batcher> {
     for (auto& p : batch) requests.push_back(std::move(p.args));
     absl::Status error;
     std::vector<absl::StatusOr<c10::IValue>> results;
-    try {
-      results = handler_(requests);
-      if (results.size() != batch.size()) {  // the user's function is wrong, not Tandem: as if it had thrown
-        error = absl::UnknownError(absl::StrCat("batched function '", name_, "' returned ", results.size(),
-                                                " results for ", batch.size(), " requests"));
+    {
+      // As a served call's function (agent_server.cc's run()), the batch's operators go into a running profile,
+      // whichever thread runs it (a caller's or the batcher's own), within one range naming the function and the
+      // batch's size (profile.h). Each request's own range (rpc_serve#) is the agent's, as for any call.
+      profile::OnThisThread profiled;
+      const Clock::time_point started = Clock::now();
+      try {
+        results = handler_(requests);
+        if (results.size() != batch.size()) {  // the user's function is wrong, not Tandem: as if it had thrown
+          error = absl::UnknownError(absl::StrCat("batched function '", name_, "' returned ", results.size(),
+                                                  " results for ", batch.size(), " requests"));
+        }
+      } catch (...) {
+        const absl::Status thrown = status_from_current_exception();
+        error = absl::Status(thrown.code(), absl::StrCat("batched function '", name_, "' threw: ", thrown.message()));
       }
-    } catch (...) {
-      const absl::Status thrown = status_from_current_exception();
-      error = absl::Status(thrown.code(), absl::StrCat("batched function '", name_, "' threw: ", thrown.message()));
+      if (profile::active()) {
+        profile::report_steady(absl::StrCat("rpc_batch#", name_, "(", batch.size(),
+                                            batch.size() == 1 ? " request)" : " requests)"),
+                               started, Clock::now());
+      }
     }
     {
       MutexLock lock(&mu_);

@@ -25,6 +25,8 @@
 // results, every request of that batch gets an error naming the function and the cause. A caller that dies while
 // waiting changes nothing for the others (its reply goes nowhere). Each caller's wait is bounded by its own RPC
 // timeout. At most max_waiting requests wait: one beyond fails at once (RESOURCE_EXHAUSTED).
+// Profiling: each batch is one range of a running profile, rpc_batch#name(N requests), with the function's operators,
+// whichever thread runs it (profile/profile.h).
 // Thread-safety: registration may happen at any time from any thread; a batched function's thread lives until it is
 // unregistered.
 #pragma once

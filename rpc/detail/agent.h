@@ -158,8 +158,10 @@ class Agent {
   bool serve_message(Incoming& in, Parsed* parsed);
   // `parsed`: the request as serve_message parsed it on this thread, or null.
   void handle(std::shared_ptr<InCall> call, Parsed* parsed = nullptr);
-  void run(const std::shared_ptr<InCall>& call, const std::string& function, std::vector<c10::IValue> args,
-           const std::string& caller_name);
+  // Calls `handler`, the one handle() looked up for `function` and labelled the call with (empty: not registered,
+  // NOT_FOUND naming the function and this worker).
+  void run(const std::shared_ptr<InCall>& call, const Handler& handler, const std::string& function,
+           std::vector<c10::IValue> args, const std::string& caller_name);
   void reply(const std::shared_ptr<InCall>& call, const Future& result);
   void reply_error(const std::shared_ptr<InCall>& call, const absl::Status& error);
   // Answers the call unless it already was, first moving `reply` (if any) into it.

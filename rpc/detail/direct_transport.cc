@@ -107,6 +107,24 @@ absl::StatusOr<std::shared_ptr<direct::Conn>> DirectTransport::async_conn(Peer& 
   return p.async_conn;
 }
 
+template <typename F>
+bool DirectTransport::admit(DoneFn& done, F&& while_locked) {
+  {
+    MutexLock lock(&mu_);
+    if (!stopped_) {
+      while_locked();
+      return true;
+    }
+  }
+  // Outside mu_: `done` runs the caller's callbacks, which may block or call back into the transport.
+  done(absl::CancelledError("RPC was shut down on this worker"));
+  return false;
+}
+
+bool DirectTransport::admit(DoneFn& done) {
+  return admit(done, [] {});
+}
+
 void DirectTransport::call(int rank, const std::string& function, grpc::ByteBuffer request, absl::Time deadline,
                            DoneFn done) {
   Peer* p = peer(rank);
@@ -114,18 +132,12 @@ void DirectTransport::call(int rank, const std::string& function, grpc::ByteBuff
   auto conn = async_conn(*p, deadline);
   if (!conn.ok()) return done(conn.status());
   uint64_t id = 0;
-  bool stopped = false;
-  {
-    MutexLock lock(&mu_);
-    stopped = stopped_;
-    if (!stopped) {
-      id = next_id_++;
-      // run_timer waits on mu_ for the earliest of these.
-      pending_.emplace(id, Pending{std::move(done), conn->get(), deadlines_.emplace(deadline, id)});
-    }
-  }
-  // Outside mu_: `done` runs the caller's callbacks, which may block or call back into the transport.
-  if (stopped) return done(absl::CancelledError("RPC was shut down on this worker"));
+  const bool admitted = admit(done, [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    id = next_id_++;
+    // run_timer waits on mu_ for the earliest of these.
+    pending_.emplace(id, Pending{std::move(done), conn->get(), deadlines_.emplace(deadline, id)});
+  });
+  if (!admitted) return;
   if (auto s = (*conn)->write(direct::Kind::kRequest, id, request, deadline); !s.ok()) {
     if ((*conn)->broken) (*conn)->shut();  // a half-written message: the channel is done; its calls fail
     complete(id, s);
@@ -138,12 +150,7 @@ void DirectTransport::send(int rank, const std::string& function, grpc::ByteBuff
   if (!p) return done(absl::UnavailableError("no direct channel to this worker"));
   auto conn = async_conn(*p, deadline);  // after the calls and sends on it before this one
   if (!conn.ok()) return done(conn.status());
-  bool stopped = false;
-  {
-    MutexLock lock(&mu_);
-    stopped = stopped_;
-  }
-  if (stopped) return done(absl::CancelledError("RPC was shut down on this worker"));  // outside mu_, as in call()
+  if (!admit(done)) return;
   if (auto s = (*conn)->write(direct::Kind::kOneway, 0, request, deadline); !s.ok()) {
     if ((*conn)->broken) (*conn)->shut();  // a half-written message: the channel is done; its calls fail
     return done(s);

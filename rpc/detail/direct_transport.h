@@ -10,6 +10,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstddef>
+#include <functional>
 #include <map>
 #include <memory>
 #include <set>
@@ -79,6 +80,13 @@ class DirectTransport final : public Transport {
   void on_request(const std::shared_ptr<direct::Conn>& conn, direct::Message msg);
   void on_response(direct::Message msg);
   void on_lost(const direct::Conn* conn, const absl::Status& why);
+  // Whether an async call or send may go out: true unless the transport has stopped, after running `while_locked`
+  // (if any) under mu_, so that stop() either sees what it registers or refuses the call; false once `done` has been
+  // failed with CANCELLED, outside mu_ (call() and send() share this, so the two cannot drift).
+  // A template (defined in the .cc, its only user): a std::function here allocated on every call.
+  template <typename F>
+  bool admit(DoneFn& done, F&& while_locked);
+  bool admit(DoneFn& done);
   // Completes the call `id` (when it is still pending) with `reply`.
   void complete(uint64_t id, absl::StatusOr<grpc::ByteBuffer> reply);
   void run_timer();

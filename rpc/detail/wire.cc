@@ -459,6 +459,7 @@ absl::StatusOr<std::vector<c10::IValue>> Frame::decode(const Payload& payload, c
     iovec far{reinterpret_cast<void*>(origin.lease_address), sizeof word};
     if (process_vm_readv(origin.cma_pid, &local, 1, &far, 1, 0) != static_cast<ssize_t>(sizeof word) ||
         word != origin.lease_id) {
+      if (origin.leases_lapsed) ++*origin.leases_lapsed;
       return absl::AbortedError(
           "the caller let go of the tensors it sent by reference before they were read (its call had ended: timed "
           "out or cancelled); the call is not run");

@@ -17,6 +17,8 @@
 #include <grpcpp/support/byte_buffer.h>
 #include <sys/types.h>
 
+#include <atomic>
+#include <cstdint>
 #include <string>
 #include <utility>
 #include <vector>
@@ -78,6 +80,8 @@ class Frame {
     // The caller's lease on its tensors sent by reference (Request.lease_address/lease_id, lease.h): read after them
     // from cma_pid; a message with such tensors is refused unless it holds lease_id then.
     uint64_t lease_address = 0, lease_id = 0;
+    // When set, counts a message refused here because its lease had lapsed (TransportStats::leases_lapsed).
+    std::atomic<int64_t>* leases_lapsed = nullptr;
   };
   // Decodes the values of `payload`, validating every tensor against the frame.
   absl::StatusOr<std::vector<c10::IValue>> decode(const tandem::wire::Payload& payload, const Origin& origin) const;

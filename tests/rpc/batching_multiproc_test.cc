@@ -1,13 +1,18 @@
 // Batched functions (rpc/batching.h) across processes: "batched_sum" on worker1 runs once per batch of up to 3
 // requests or after 200 ms (tests/rpc/main.cc).
+#include <ATen/ATen.h>
 #include <gmock/gmock.h>
 
 #include <atomic>
+#include <filesystem>
 #include <memory>
 #include <mutex>
+#include <regex>
 #include <thread>
 
+#include "tandem/profile/profile.h"
 #include "tandem/rpc/batching.h"
+#include "tests/common/files.h"
 #include "tests/common/rpc_fixture.h"
 #include "tests/common/time_scale.h"
 
@@ -336,6 +341,44 @@ TEST(UnitRpcBatching, RegisteringAndUnregisteringAtOnceKeepsTheRegisteredOneReac
       ASSERT_EQ(rpc::set_max_batch(name, 2).code(), absl::StatusCode::kNotFound) << "round " << round;
     }
   }
+}
+
+// A batch the batcher's own thread runs (formed at max_delay) is in a running profile: one range naming the function
+// and the batch's size, and inside it the operators the function ran there (before, that thread never joined the
+// profile: neither was in it, where a served call's function's operators were).
+TEST(UnitRpcBatching, ABatchIsInTheProfileAsOneRangeWithItsOperators) {
+  const UnregisterAtEnd unregister{"unit_batched_profiled"};
+  rpc::register_batched_function<at::Tensor, at::Tensor>(
+      "unit_batched_profiled", {.max_batch = 8, .max_delay = scaled(milliseconds(200))},
+      [](std::vector<at::Tensor> xs) {
+        for (auto& x : xs) x = x.mul(2);
+        return xs;
+      });
+  const rpc::Handler handler = rpc::find_function("unit_batched_profiled");
+  ASSERT_TRUE(handler);
+  const at::Tensor a = at::ones({4}), b = at::ones({4});  // made before the profile: this thread runs no operator in it
+  profile::start();
+  rpc::Future x = handler({c10::IValue(a)});
+  rpc::Future y = handler({c10::IValue(b)});  // two of max_batch 8: the batcher's thread runs them at max_delay
+  const absl::Status x_done = x.status(), y_done = y.status();
+  const std::string dir = make_temp_dir();
+  profile::stop(dir + "/t.json");
+  ASSERT_TRUE(x_done.ok() && y_done.ok()) << x_done << " / " << y_done;
+  EXPECT_TRUE(at::equal(x.value().toTensor(), a * 2));
+  const std::string text = read_file(dir + "/t.json");
+  std::filesystem::remove_all(dir);
+  const std::regex range(R"re("cat":"tandem","name":"rpc_batch#unit_batched_profiled\(2 requests\)",)re"
+                         R"re("pid":\d+,"tid":\d+,"ts":(\d+),"dur":(\d+))re");
+  const std::regex mul(R"re("name":"aten::mul","pid":\d+,"tid":\d+,"ts":(\d+),)re");
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(text, m, range)) << "no range of the batch in:\n" << text;
+  const int64_t ts = std::stoll(m[1]), end = ts + std::stoll(m[2]);
+  bool mul_inside = false;
+  for (auto it = std::sregex_iterator(text.begin(), text.end(), mul); it != std::sregex_iterator(); ++it) {
+    const int64_t began = std::stoll((*it)[1]);
+    mul_inside |= began >= ts - 1000 && began <= end + 1000;  // the range's times are converted from the steady clock
+  }
+  EXPECT_TRUE(mul_inside) << "the batch's aten::mul is not inside its range:\n" << text;
 }
 
 TEST(UnitRpcBatching, BadOptionsAndNamesAreRefused) {

@@ -6,6 +6,8 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <atomic>
+
 #include "tandem/rpc/detail/lease.h"
 #include "tests/common/test_env.h"
 
@@ -205,9 +207,11 @@ TEST(UnitWire, BadReferencesAndTypesAreRejected) {
 }
 
 // A tensor sent by reference is read only while the caller's lease on it holds (rpc/detail/lease.h): once the caller
-// ended it (its call timed out, and the tensor may be freed), the message is refused, and it is read as before.
+// ended it (its call timed out, and the tensor may be freed), the message is refused, and it is read as before. Each
+// refusal for a lapsed lease is counted where it is detected (TransportStats::leases_lapsed), no other refusal.
 TEST(UnitWire, TensorsByReferenceAreReadOnlyWhileTheCallersLeaseHolds) {
   const at::Tensor t = at::arange(1024, at::kFloat);
+  std::atomic<int64_t> lapsed{0};
   auto frame_of = [&](const detail::Lease& lease, pb::Request* got) {
     Encoder encoder(/*by_reference_min_bytes=*/1);
     pb::Request request;
@@ -217,11 +221,12 @@ TEST(UnitWire, TensorsByReferenceAreReadOnlyWhileTheCallersLeaseHolds) {
     request.set_lease_id(lease.id());
     return Frame::parse(encoder.frame(request), got);
   };
-  auto origin = [](const pb::Request& got) {
+  auto origin = [&lapsed](const pb::Request& got) {
     Frame::Origin o;
     o.cma_pid = getpid();
     o.lease_address = got.lease_address();
     o.lease_id = got.lease_id();
+    o.leases_lapsed = &lapsed;
     return o;
   };
   detail::Lease lease = detail::Lease::take();
@@ -231,18 +236,22 @@ TEST(UnitWire, TensorsByReferenceAreReadOnlyWhileTheCallersLeaseHolds) {
   auto read = frame->decode(got.args(), origin(got));
   ASSERT_TRUE(read.ok()) << read.status();
   EXPECT_TRUE(at::equal((*read)[0].toTensor(), t));
+  EXPECT_EQ(lapsed.load(), 0);
 
   lease.end();  // the call ended at the caller: the callee must not use what it reads now
   auto late = frame->decode(got.args(), origin(got));
   EXPECT_EQ(late.status().code(), absl::StatusCode::kAborted) << late.status();
+  EXPECT_EQ(lapsed.load(), 1);
   // The word reused by another call holds another id: still refused.
   detail::Lease next = detail::Lease::take();
   EXPECT_EQ(frame->decode(got.args(), origin(got)).status().code(), absl::StatusCode::kAborted);
-  // Without a lease at all: malformed.
+  EXPECT_EQ(lapsed.load(), 2);
+  // Without a lease at all: malformed, and no lease lapsed.
   pb::Request none;
   auto unleased = frame_of(detail::Lease(), &none);
   ASSERT_TRUE(unleased.ok());
   EXPECT_EQ(unleased->decode(none.args(), origin(none)).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(lapsed.load(), 2);
 }
 
 // The bound on tensors read by reference holds for a message's together, not for each alone.
