@@ -192,9 +192,12 @@ struct Pipeline::State {
   };
 
   // Splits the batch and sends every worker its part of the step. `total_rows` > 0: a replica's step, whose losses
-  // are shares of a batch of that many rows.
+  // are shares of a batch of that many rows. The step's id is this pipeline's next, or `step` when that is larger (a
+  // ReplicatedPipeline gives its replicas' steps one id: their stage workers' sums across the replicas pair by it).
+  // Ids only grow: a stage worker refuses the plan of a step that comes after a later one's (detail/runtime.cc).
   Started begin_step(const std::vector<c10::IValue>& inputs, const std::vector<bool>& replicate,
-                     const at::Tensor& target, int64_t total_rows) ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu) {
+                     const at::Tensor& target, int64_t total_rows, int64_t step = -1)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu) {
     const PipelineOptions opts = current_options();  // this step's: set_record_timeline() applies to the next
     wake_first_stage(opts);
     std::vector<at::Tensor> ys;
@@ -204,7 +207,8 @@ struct Pipeline::State {
     std::vector<c10::IValue> first_inputs;  // stage 0's micro-batches, each its arguments as a tuple
     for (const auto& x : xs) first_inputs.emplace_back(c10::ivalue::Tuple::create(x));
     const auto& plan = plan_of(opts);
-    const int64_t step_id = next_step++;
+    const int64_t step_id = std::max(step, next_step);
+    next_step = step_id + 1;
     std::vector<int64_t> ranks(stage_rank.begin(), stage_rank.end());
     const auto t0 = Clock::now();
     replies_inbox = detail::driver_inbox(id, true);
@@ -215,6 +219,7 @@ struct Pipeline::State {
     size_t w = 0;
     try {
       for (; w < workers.size(); ++w) {
+        detail::send_fault_for_tests(id, step_id, workers[w]);
         // The plan goes once per shape (the number of micro-batches); then the worker has it.
         const bool held = plan_held.count({w, m}) > 0;
         std::vector<int64_t> actions, plan_ranks;
@@ -865,13 +870,20 @@ double ReplicatedPipeline::step(const at::Tensor& input, const at::Tensor& targe
       throw_error(absl::Status(e.code(), absl::StrCat("replica ", r, ": ", e.status().message())));
     }
   }
+  // One id for every replica's step: each stage worker takes its turns in its stage's sums across the replicas in
+  // step order, and the replicas' turns pair by that id (detail/runtime.cc, Run::take_turns).
+  int64_t step_id = 0;
+  for (auto& p : replicas_) step_id = std::max(step_id, p.state_->next_step);
   std::vector<Pipeline::State::Started> started;
   for (int64_t r = 0; r < R; ++r) {
     try {
-      started.push_back(replicas_[r].state_->begin_step({c10::IValue(xs[r])}, {}, ys[r], rows));
-    } catch (const Error& e) {
-      // A later replica refused (its plans, say) while the earlier ones run: they are aborted and ended before the
-      // error goes up, or their workers would wait until the deadline for a sum this replica never joins.
+      started.push_back(replicas_[r].state_->begin_step({c10::IValue(xs[r])}, {}, ys[r], rows, step_id));
+    } catch (...) {
+      // A later replica could not begin (a ring or a call that throws) while the earlier ones run: they are aborted
+      // and ended before the error goes up, or their workers would wait until the deadline for a sum this replica
+      // never joins. This replica's workers take their turns in this step's sums, with zeros, when the next step's
+      // runs begin there, so the groups stay in step.
+      const absl::Status cause = status_from_current_exception();
       for (int64_t q = 0; q < r; ++q) {
         for (int w : replicas_[q].state_->workers) {
           send_abort(w, replicas_[q].id(), started[q].step_id,
@@ -884,10 +896,8 @@ double ReplicatedPipeline::step(const at::Tensor& input, const at::Tensor& targe
         } catch (const Error&) {  // the abort's error: the cause is the refusal below
         }
       }
-      throw_error(absl::Status(
-          e.code(), absl::StrCat("replica ", r, ": ", e.status().message(),
-                                 " (the replicas started before it were aborted: their stage groups may be out of step "
-                                 "now; make a new ReplicatedPipeline)")));
+      throw_error(absl::Status(cause.code(), absl::StrCat("replica ", r, ": ", cause.message(),
+                                                          " (the replicas started before it were aborted)")));
     }
   }
   // The first failure in any replica abandons every replica's step at once: a stage worker of another replica would

@@ -233,9 +233,14 @@ class Pipeline {
 // holding the same stage of two replicas. step(): INVALID_ARGUMENT for a batch of fewer than R x n_microbatches rows;
 // when a replica fails (a stage throws, a message is lost), every replica's step fails at once, naming each replica's
 // error, and the next step works; after a worker died its stage's group is broken (the errors say so): make a new
-// ReplicatedPipeline. As with one pipeline, a failure after a replica's workers agreed that they finished (a worker
-// dying then, a reply lost) fails a step whose gradients some replicas delivered. replica(r) is for its stages,
-// timeline and forward(); its own step() is refused (FAILED_PRECONDITION).
+// ReplicatedPipeline. Each stage worker takes part in its stage's sums step by step, in step order (every replica's
+// step has one id): a step whose plan did not reach it before a later step's takes part with zeros, and that plan, if
+// it comes, is refused (ABORTED, naming the worker and the steps), so a plan delayed in transit never pairs one
+// step's sums with another's. A replica that cannot begin a step (a ring or a call that throws) fails it, naming the
+// replica, after the replicas begun before it were aborted and ended. As with one pipeline, a failure after a
+// replica's workers agreed that they finished (a worker dying then, a reply lost) fails a step whose gradients some
+// replicas delivered. replica(r) is for its stages, timeline and forward(); its own step() is refused
+// (FAILED_PRECONDITION).
 //
 // Thread-safety: one step at a time.
 class ReplicatedPipeline {

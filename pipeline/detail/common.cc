@@ -4,6 +4,7 @@
 #include <torch/nn/module.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <fstream>
 #include <limits>
@@ -16,6 +17,36 @@ namespace tandem::pipeline::detail {
 
 void fail(absl::StatusCode code, const std::string& message) {
   throw RpcError(absl::Status(code, "pipeline: " + message));
+}
+
+namespace {
+struct SendFault {
+  std::atomic<bool> set{false};
+  Mutex mu;
+  std::function<void(int64_t, int64_t, int)> fault ABSL_GUARDED_BY(mu);
+};
+SendFault& send_fault() {
+  static auto* f = new SendFault;  // never destroyed: drivers may send until exit
+  return *f;
+}
+}  // namespace
+
+void set_send_fault_for_tests(std::function<void(int64_t pipe, int64_t step, int rank)> fault) {
+  SendFault& f = send_fault();
+  MutexLock lock(&f.mu);
+  f.set.store(fault != nullptr);
+  f.fault = std::move(fault);
+}
+
+void send_fault_for_tests(int64_t pipe, int64_t step, int rank) {
+  SendFault& f = send_fault();
+  if (!f.set.load()) return;
+  std::function<void(int64_t, int64_t, int)> fault;
+  {
+    MutexLock lock(&f.mu);
+    fault = f.fault;
+  }
+  if (fault) fault(pipe, step, rank);  // outside the lock: it may throw
 }
 
 int64_t now_us() {

@@ -1,7 +1,7 @@
 // What the pipeline's driver (pipeline.cc) and its stage workers' runtime (runtime.cc) share: the names of the
 // runtime's RPC handlers, the margins of their waits, and small helpers.
 //
-// Thread-safety: constants and stateless functions.
+// Thread-safety: constants and stateless functions; the tests' send fault is set and called from any thread.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -56,6 +56,12 @@ using Clock = std::chrono::steady_clock;
 
 // Throws RpcError with `code` and "pipeline: <message>".
 [[noreturn]] void fail(absl::StatusCode code, const std::string& message);
+// Tests: `fault` is called by a driver before it sends worker `rank` its part of step `step` of pipeline `pipe`; what
+// it throws fails the step's start there, as a shared-memory ring or a call that throws would (the workers already
+// sent their parts are told to abandon the step). Null, the default: nothing. Thread-safe; send_fault_for_tests
+// costs an atomic load when none is set.
+void set_send_fault_for_tests(std::function<void(int64_t pipe, int64_t step, int rank)> fault);
+void send_fault_for_tests(int64_t pipe, int64_t step, int rank);
 // The system clock in microseconds (timeline events of different workers on one axis).
 int64_t now_us();
 // This worker's name, or "(local)" outside RPC.

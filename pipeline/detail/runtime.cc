@@ -165,6 +165,12 @@ struct PipeEntry {
   // Replicated pipelines: per stage, the group of the workers holding that stage in every replica (its gradients are
   // summed over it each step).
   std::map<int, std::shared_ptr<comm::ProcessGroup>> replica_groups;
+  // Per replicated stage: the last step whose sum across the replicas this worker took its turn in (Run::take_turns).
+  // Written on the executor only (runs), under Stages::mu.
+  std::map<int, int64_t> summed_through;
+  // The latest step whose run came here (by a call or a go). The driver begins a step only once the one before it has
+  // ended, so a plan of this step or an earlier one that comes later is of a step it gave up (or a copy): note_step.
+  int64_t newest_step = -1;
   std::shared_ptr<Executor> executor;
   // Same-host deliveries (shm_p2p.h): this worker's inbox for the pipeline (made when a peer first asks).
   std::shared_ptr<Inbox> inbox;
@@ -258,11 +264,36 @@ int tied_parameter_index(int64_t pipe, int stage, const std::string& name) {
       absl::InvalidArgumentError(absl::StrCat("stage ", stage, " on worker '", self_name(), "' has no parameter '",
                                               name, "' to tie (it has: ", absl::StrJoin(names, ", "), ")")));
 }
-std::shared_ptr<comm::ProcessGroup> replica_group(int64_t pipe, int stage) {
-  return with_pipe(pipe, [stage](PipeEntry* e) -> std::shared_ptr<comm::ProcessGroup> {
-    if (!e) return nullptr;
+// A replicated stage's group, and the last step before `through` whose sum across the replicas this worker took its
+// turn in (-1: none yet); `through` becomes the last (Run::take_turns posts the turns between). No group: the stage
+// is not replicated, or its pipeline is not held here.
+struct SumTurns {
+  std::shared_ptr<comm::ProcessGroup> group;
+  int64_t after = -1;
+};
+SumTurns claim_sum_turns(int64_t pipe, int stage, int64_t through) {
+  return with_pipe(pipe, [stage, through](PipeEntry* e) {
+    SumTurns turns;
+    if (!e) return turns;
     auto g = e->replica_groups.find(stage);
-    return g == e->replica_groups.end() ? nullptr : g->second;
+    if (g == e->replica_groups.end()) return turns;
+    int64_t& last = e->summed_through.try_emplace(stage, -1).first->second;
+    turns.group = g->second;
+    turns.after = last;
+    last = std::max(last, through);
+    return turns;
+  });
+}
+// Records that the run of step `step` of `pipe` came here; false when the run of this step or of a later one came
+// before it (*newest: the latest that came). The driver begins a step only once the one before it has ended: a plan
+// that comes after a later step's is of a step the driver gave up (held back in transit while that step failed).
+bool note_step(int64_t pipe, int64_t step, int64_t* newest) {
+  return with_pipe(pipe, [step, newest](PipeEntry* e) {
+    if (!e) return true;  // not held here: the caller's own lookups say so
+    *newest = e->newest_step;
+    if (step <= e->newest_step) return false;
+    e->newest_step = step;
+    return true;
   });
 }
 std::shared_ptr<Executor> executor_of(int64_t pipe) {
@@ -390,6 +421,7 @@ class Run {
   // Returns (loss, [stage, peak, busy_us]..., [stage, mb, kind, start_us, end_us]..., this process's peak resident
   // memory in KiB).
   c10::IValue execute() {
+    catch_up_sums();
     if (!p_.abandoned.ok()) {
       // The other replicas' stages sum with this one's, step by step: without its zeros they would pair this step's
       // sums with the next, or wait for ever.
@@ -459,6 +491,16 @@ class Run {
   }
 
  private:
+  // One turn of this worker in a replicated stage's sum across the replicas (take_turns).
+  struct Reduction {
+    int stage = 0;
+    int replicas = 0;
+    int64_t start_us = 0;
+    std::shared_ptr<std::atomic<int64_t>> end_us = std::make_shared<std::atomic<int64_t>>(0);  // set when it ends
+    at::Tensor bucket, control;
+    rpc::Future done, control_done;
+  };
+
   std::chrono::milliseconds remaining() const {
     return std::max(std::chrono::milliseconds(1),
                     std::chrono::duration_cast<std::chrono::milliseconds>(deadline_ - Clock::now()));
@@ -508,17 +550,53 @@ class Run {
     sum_tied_gradients(received);
   }
 
-  // Replicated pipelines: starts the sum of this stage's gradients over its replicas (one bucket: every gradient,
-  // flattened, in the widest of the parameters' types), while the rest of the plan runs. Beside it a control sum of
-  // two doubles: a flag, 1 from a replica whose stage has its gradients and 0 from one whose run failed first (which
-  // still takes part, with zeros, so that the group's collectives stay matched and the next step can use it), and the
-  // step's number. A flag sum below the group's size: some replica failed this step, and nobody uses the sum; a step
-  // sum other than the group's size times this step: the group's collectives are out of step (a replica missed one).
+  // Replicated pipelines: starts the sum of this stage's gradients over its replicas, while the rest of the plan runs
+  // (take_turns); `ok` false: zeros, from a run that failed first.
   void reduce_across_replicas(int stage, bool ok) {
-    if (reduced_.count(stage)) return;
-    std::shared_ptr<comm::ProcessGroup> group = replica_group(p_.pipe, stage);
-    if (!group) return;
-    reduced_.insert(stage);
+    if (!reduced_.insert(stage).second) return;
+    std::optional<Reduction> r = take_turns(stage, p_.step, ok);
+    if (r && ok) reductions_.push_back(std::move(*r));
+  }
+
+  // Replicated pipelines: this worker's turns in the sums of `stage` across the replicas up to step `through` (none for
+  // a stage without a group). Every member of a group takes one turn per step, in step order, so that the group's
+  // collectives pair step with step. A step before this one that had no turn here takes it now, with zeros: its plan
+  // never came before this later one's, and since the driver begins a step only once the one before it has ended,
+  // it gave that step up (its plan held back in transit, or never sent here: on_run refuses it if it comes later).
+  // `through` == p_.step: this step's own turn too, with the gradients unless !ok, returned. Throws ABORTED naming the
+  // stage, worker and step when this step had its turn already (its plan came twice).
+  std::optional<Reduction> take_turns(int stage, int64_t through, bool ok) {
+    const SumTurns turns = claim_sum_turns(p_.pipe, stage, through);
+    if (!turns.group) return std::nullopt;
+    if (through == p_.step && turns.after >= p_.step) {
+      throw RpcError(absl::AbortedError(absl::StrCat("stage ", stage, " on worker '", self_name(), "', step ", p_.step,
+                                                     ": this step's turn in the sum across the replicas was taken "
+                                                     "already (its plan came here twice)")));
+    }
+    for (int64_t missed = turns.after + 1; missed < p_.step && missed <= through; ++missed) {
+      (void)post_sum(*turns.group, stage, missed, false);
+    }
+    if (through < p_.step) return std::nullopt;
+    return post_sum(*turns.group, stage, p_.step, ok);
+  }
+
+  // The turns of the steps before this one that had none here, for every replicated stage of this run, before it
+  // computes anything: a peer's sum of such a step, waiting in its group (its collectives in order behind it), ends now
+  // instead of at the group's timeout.
+  void catch_up_sums() {
+    std::set<int> stages;
+    for (const Action& a : p_.kept->actions) stages.insert(a.stage);
+    for (int stage : stages) (void)take_turns(stage, p_.step - 1, false);
+  }
+
+  // Posts this worker's part of step `step`'s sum of `stage`'s gradients over `group`: one bucket of every gradient,
+  // flattened, in the widest of the parameters' types (zeros unless `ok`), and beside it a control sum of two
+  // doubles: a flag, 1 from a replica whose stage has its gradients and 0 from one whose run failed first (which still
+  // takes part, with zeros, so that the group's collectives stay matched and the next step can use it), and the
+  // step's number. A flag sum below the group's size: some replica failed this step, and nobody uses the sum; a step
+  // sum other than the group's size times this step: the group's collectives are out of step (finish_reductions). The
+  // tensors live until the group is done with them.
+  Reduction post_sum(comm::ProcessGroup& group, int stage, int64_t step, bool ok) {
     StageRun& run = stage_run(stage);
     at::ScalarType dtype = run.stage->params.empty() ? at::kFloat : run.stage->params[0].scalar_type();
     for (const auto& p : run.stage->params) dtype = c10::promoteTypes(dtype, p.scalar_type());
@@ -529,19 +607,19 @@ class Run {
                                                   : at::zeros({p.numel()}, p.options().dtype(dtype)));
     }
     Reduction r;
-    r.stage = stage, r.replicas = group->size(), r.start_us = now_us();
-    r.control = at::tensor({ok ? 1.0 : 0.0, static_cast<double>(p_.step)}, at::kDouble);
-    r.control_done = group->allreduce(r.control, comm::ReduceOp::kSum);
+    r.stage = stage, r.replicas = group.size(), r.start_us = now_us();
+    r.control = at::tensor({ok ? 1.0 : 0.0, static_cast<double>(step)}, at::kDouble);
+    r.control_done = group.allreduce(r.control, comm::ReduceOp::kSum);
     r.control_done.add_callback([t = r.control](const rpc::Future&) {});  // alive until the group is done with it
     if (!flat.empty()) {
       r.bucket = at::cat(flat);
-      r.done = group->allreduce(r.bucket, comm::ReduceOp::kSum);
+      r.done = group.allreduce(r.bucket, comm::ReduceOp::kSum);
       r.done.add_callback([t = r.bucket](const rpc::Future&) {});
     }
     (r.bucket.defined() ? r.done : r.control_done).add_callback([end = r.end_us](const rpc::Future&) {
       end->store(now_us());
     });
-    if (ok) reductions_.push_back(std::move(r));
+    return r;
   }
   // Every local stage of a replicated pipeline whose sum has not started takes part with zeros (a failed run).
   void reduce_failed() noexcept {
@@ -854,14 +932,6 @@ class Run {
   std::map<int, StageRun> runs_;
   std::vector<rpc::Future> sends_;
   std::map<int, std::shared_ptr<Outlet>> outlets_;  // this run's, by rank (attach_outlet's)
-  struct Reduction {
-    int stage = 0;
-    int replicas = 0;
-    int64_t start_us = 0;
-    std::shared_ptr<std::atomic<int64_t>> end_us = std::make_shared<std::atomic<int64_t>>(0);  // set when it ends
-    at::Tensor bucket, control;
-    rpc::Future done, control_done;
-  };
   std::vector<Reduction> reductions_;
   std::set<int> reduced_;  // stages whose sum across the replicas started
   std::vector<int64_t> events_;
@@ -997,6 +1067,10 @@ void run_direct(const Mailbox::Go& go) {
     plan.timeout = wire_timeout(flags[3]);
     plan.total_rows = flags[4];
     plan.by_ring = flags[5] != 0;
+    // A go comes in order behind the goes before it (one ring), and only once the step before it has ended; recorded
+    // so that a call of an earlier step that comes later is refused (on_run).
+    int64_t newest = -1;
+    (void)note_step(pipe, step, &newest);
     if (!plan.to_grad) {
       if (Mailbox::get().aborted(pipe, step)) {  // its release may have come already: the context is not made here
         throw_error(absl::AbortedError(absl::StrCat("step ", step, " of pipeline ", pipe,
@@ -1033,6 +1107,18 @@ rpc::Future on_run(int64_t pipe, int64_t step, std::vector<int64_t> actions, std
   plan.targets = std::move(targets);
   plan.checkpoint = flags[0] != 0, plan.to_grad = flags[1] != 0, plan.record = flags[2] != 0;
   plan.timeout = wire_timeout(flags[3]);
+  if (int64_t newest = -1; !note_step(pipe, step, &newest)) {
+    // A step the driver gave up (it began a later one, which only follows this one's end): nothing of it runs here,
+    // and its context is not adopted (its release may have come first). A replicated stage took, or takes, its turn
+    // in this step's sums with zeros when the later step's run begins (Run::take_turns).
+    const absl::Status late = absl::AbortedError(
+        step == newest ? absl::StrCat("step ", step, " of pipeline ", pipe, ": its plan reached worker '", self_name(),
+                                      "' twice: not run again")
+                       : absl::StrCat("step ", step, " of pipeline ", pipe, ": its plan reached worker '", self_name(),
+                                      "' after step ", newest, "'s (the driver had given it up): not run"));
+    if (step < newest) Mailbox::get().abort(pipe, step, late);  // what else of it comes is dropped
+    throw_error(late);
+  }
   if (!plan.to_grad) {
     // The gradients go to the caller's context here: known on this worker from now on, so the run's own thread may
     // add to it and the caller's release reaches it. Not for a step the driver already abandoned (its release may

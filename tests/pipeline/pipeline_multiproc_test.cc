@@ -267,6 +267,36 @@ TEST_F(MultiprocPipeline, TiedParametersGetTheSumOfTheirGradientsAndStayEqual) {
   }
 }
 
+// Tied copies whose shapes came to differ after creation (worker2's copy, a Linear's bias, made one element: it still
+// broadcasts in the forward): each worker checks the gradients its peers send against its own copy's, and the step
+// fails naming the copy, its stage and the worker (before, worker1 added the [1] gradient into its [5] one by
+// broadcasting, and the step went on with wrong gradients).
+TEST_F(MultiprocPipeline, TiedGradientsOfAnotherShapeFailTheStepNamingTheCopy) {
+  start({.world_size = 3});
+  auto pipe = Pipeline::create({{1, "pipe_linear", {kWidth, kWidth}}, {2, "pipe_linear", {kWidth, kWidth}}},
+                               {.n_microbatches = 2, .tied = {pipeline::TiedParameter{{{0, "bias"}, {1, "bias"}}}}});
+  rpc::rpc_sync(2, "pipe_shrink_param", pipe.id(), int64_t{1}, std::string("bias"));
+  auto [x, y] = batch(4, 0);
+  dist_autograd::ContextGuard ctx;
+  try {
+    pipe.step(x, y);
+    ADD_FAILURE() << "tied copies of different shapes summed their gradients";
+  } catch (const RpcError& e) {
+    const std::string what = e.what();
+    EXPECT_EQ(e.code(), absl::StatusCode::kInvalidArgument) << what;
+    EXPECT_THAT(what, ::testing::HasSubstr("the tied parameters differ in shape or dtype"));
+    // Both workers check; one of them may have been told to abandon the step first.
+    const bool named =
+        what.find(
+            "the gradient of copy 1 (stage 1) of tied parameter 0 is Double[1], the copy here Double[5] on "
+            "worker 'worker1'") != std::string::npos ||
+        what.find(
+            "the gradient of copy 0 (stage 0) of tied parameter 0 is Double[5], the copy here Double[1] on "
+            "worker 'worker2'") != std::string::npos;
+    EXPECT_TRUE(named) << what;
+  }
+}
+
 // Pipeline x data parallelism: 2 replicas of a 2-stage pipeline on 4 workers. The batch's two shares (uneven) go
 // through both replicas at once; each stage's gradients are summed over its replicas, the sum starting at that stage's
 // last backward (or W). The loss, every gradient of every replica's stages and, after 3 SGD steps with momentum, every
@@ -336,17 +366,17 @@ TEST_F(MultiprocPipeline, ReplicatedPipelinesEqualOneProcessOnTheWholeBatch) {
   }
 }
 
-// A replica whose stage throws fails every replica's step at once, long before the step's timeout: the driver
-// abandons every replica's step at the first failure, and the other replica's stage workers waiting to sum their
-// gradients with the failed one stop waiting. The failed replica's stages still take part in the sums (with zeros and
-// a flag that says so), so the next step works.
-// The body of the tests below: replica 1's stage 0 (worker3) throws at its second micro-batch; then (after
-// `between`) a step that works.
-void a_replica_fails_then_the_next_step_works(const std::function<void()>& between = [] {}) {
-  auto pipe =
-      pipeline::ReplicatedPipeline::create({{{1, "pipe_faulty", {int64_t{0}}}, {2, "pipe_faulty", {int64_t{0}}}},
-                                            {{3, "pipe_faulty", {int64_t{1}}}, {4, "pipe_faulty", {int64_t{0}}}}},
-                                           {.n_microbatches = 2, .timeout = std::chrono::milliseconds(30000)});
+// Two replicas of two identity stages (pipe_faulty, 30 s timeout), each on workers of its own: replica 0 on worker1
+// and worker2, replica 1 on worker3 (its stage 0 throws on a row marked 999) and worker4.
+pipeline::ReplicatedPipeline faulty_replicas() {
+  return pipeline::ReplicatedPipeline::create({{{1, "pipe_faulty", {int64_t{0}}}, {2, "pipe_faulty", {int64_t{0}}}},
+                                               {{3, "pipe_faulty", {int64_t{1}}}, {4, "pipe_faulty", {int64_t{0}}}}},
+                                              {.n_microbatches = 2, .timeout = std::chrono::milliseconds(30000)});
+}
+
+// A step of faulty_replicas() that fails: replica 1's micro-batch 1 reaches its faulty stage. Every replica's step
+// fails at once, long before the 30 s timeout, naming each replica.
+void expect_a_replica_fails_the_step(pipeline::ReplicatedPipeline& pipe) {
   at::Tensor x = at::ones({8, 4}, at::kDouble), y = at::zeros({8, 4}, at::kDouble);
   x[6][0] = 999;  // replica 1's micro-batch 1: its stage 0 throws
   const auto t0 = Clock::now();
@@ -360,10 +390,13 @@ void a_replica_fails_then_the_next_step_works(const std::function<void()>& betwe
     EXPECT_THAT(e.what(), ::testing::HasSubstr("replica 0: "));
   }
   EXPECT_LT(Clock::now() - t0, scaled(milliseconds(6000)));  // the timeout is 30 s
-  between();
-  // The failed replica's stages took part in the sums with zeros: the groups stay matched, and the next step works,
-  // every stage's gradients the whole batch's (one process: two identity Linears, MSE against zeros).
-  x[6][0] = 1;
+}
+
+// A step of faulty_replicas() that works: every stage's gradients in every replica are the whole batch's (one process:
+// two identity Linears, MSE of ones against zeros), which they are only if each stage's sums across the replicas
+// paired this step's parts.
+void expect_the_whole_batchs_step(pipeline::ReplicatedPipeline& pipe) {
+  const at::Tensor x = at::ones({8, 4}, at::kDouble), y = at::zeros({8, 4}, at::kDouble);
   at::Tensor W1 = at::eye(4, at::kDouble).requires_grad_(), b1 = at::zeros({4}, at::kDouble).requires_grad_(),
              W2 = at::eye(4, at::kDouble).requires_grad_(), b2 = at::zeros({4}, at::kDouble).requires_grad_();
   torch::mse_loss(torch::linear(torch::linear(x, W1, b1), W2, b2), y).backward();
@@ -377,8 +410,21 @@ void a_replica_fails_then_the_next_step_works(const std::function<void()>& betwe
       EXPECT_LE(relative_diff(grads, want[st]), 1e-12) << "replica " << r << ", stage " << st;
     }
   }
+}
+
+// A replica whose stage throws fails every replica's step at once, long before the step's timeout: the driver
+// abandons every replica's step at the first failure, and the other replica's stage workers waiting to sum their
+// gradients with the failed one stop waiting. The failed replica's stages still take part in the sums (with zeros and
+// a flag that says so), so the next step works.
+// The body of the tests below: a step that fails, then (after `between`) a step that works.
+void a_replica_fails_then_the_next_step_works(const std::function<void()>& between = [] {}) {
+  auto pipe = faulty_replicas();
+  expect_a_replica_fails_the_step(pipe);
+  between();
+  // The failed replica's stages took part in the sums with zeros: the groups stay matched, and the next step works.
+  expect_the_whole_batchs_step(pipe);
   // A replica's own step() would wait for sums its peers never join: refused.
-  EXPECT_THROW(pipe.replica(0).step(x, y), RpcError);
+  EXPECT_THROW(pipe.replica(0).step(at::ones({8, 4}, at::kDouble), at::zeros({8, 4}, at::kDouble)), RpcError);
 }
 
 TEST_F(MultiprocPipeline, AReplicaThatFailsAbandonsEveryReplicasStepAtOnce) {
@@ -392,16 +438,20 @@ TEST_F(MultiprocPipeline, AReplicaThatFailsAbandonsEveryReplicasStepAtOnce) {
 // stranded sum held the pipeline's release, and the job's end, for the whole 30 s timeout).
 class MultiprocPipelineLatePlan : public MultiprocRpc {
  protected:
-  void run_with_late_plan(int late) {
+  // A job of the driver and 4 stage workers whose driver holds its first plan to worker `late` back for `held`.
+  void start_with_late_plan(int late, milliseconds held) {
     rpc::RpcOptions options = options_from_env();
     options.faults = rpc::parse_faults("delay worker0->worker" + std::to_string(late) +
-                                       " request fn=__tandem.pipeline.run nth=1 ms=" +
-                                       std::to_string(scaled(milliseconds(1000)).count()))
+                                       " request fn=__tandem.pipeline.run nth=1 ms=" + std::to_string(held.count()))
                          .value();
     start({.world_size = 5}, options);
+  }
+
+  void run_with_late_plan(int late) {
+    start_with_late_plan(late, scaled(milliseconds(1000)));
     const auto t0 = Clock::now();
-    // The next step only once the late plan's run has ended there (its first run): else that step's plan, not held
-    // back, could overtake it (only the fault rule reorders them; a connection delivers in order).
+    // The next step only once the late plan's run has ended there (its first run): here the plan comes after the
+    // abort, not after the next step's (that is APlanThatComesAfterTheNextStepsIsNotRunAndTheSumsStayInStep).
     a_replica_fails_then_the_next_step_works([late] {
       EXPECT_TRUE(poll_until(scaled(milliseconds(20000)),
                              [late] { return rpc::rpc_sync<std::vector<int64_t>>(late, "pipe_plans").at(3) >= 1; }))
@@ -418,6 +468,65 @@ TEST_F(MultiprocPipelineLatePlan, TheFailedReplicasWorkerTakesPartInTheSumsWhenI
 
 TEST_F(MultiprocPipelineLatePlan, TheOtherReplicasWorkerTakesPartInTheSumsWhenItsPlanComesAfterTheAbort) {
   run_with_late_plan(2);
+}
+
+// Step 0's plan to worker2 (replica 0's stage 1) held back past the driver's 2 s grace for the other replies after
+// replica 1 failed: the driver gives step 0 up and begins step 1, whose plan (not held back) reaches worker2 first.
+// worker2's run of step 1 first takes step 0's turn in its stage's sums, with zeros (worker4 took it with its failed
+// run's), so the group's sums pair step with step: step 1's gradients are the whole batch's. Step 0's plan, when it
+// comes, is refused (not run, no turn taken): step 2's sums are right too, and nothing is left waiting at the end.
+// Before, step 1's turn on worker2 paired with worker4's step 0 and step 1 failed ("another replica's run of this
+// stage failed this step"); the late plan then ran and took a turn beside worker4's step 1.
+TEST_F(MultiprocPipelineLatePlan, APlanThatComesAfterTheNextStepsIsNotRunAndTheSumsStayInStep) {
+  const milliseconds held = pipeline::detail::kErrorGrace + scaled(milliseconds(2000));
+  start_with_late_plan(2, held);
+  const auto t0 = Clock::now();
+  auto plans_on_worker2 = [] { return rpc::rpc_sync<std::vector<int64_t>>(2, "pipe_plans").at(0); };
+  const int64_t plans_before = plans_on_worker2();
+  auto pipe = faulty_replicas();
+  expect_a_replica_fails_the_step(pipe);
+  // Else step 1's plan would not overtake it, and this test would check nothing more than the ones above.
+  ASSERT_EQ(plans_on_worker2(), plans_before) << "step 0's plan reached worker2 before step 1 began";
+  const auto t1 = Clock::now();
+  expect_the_whole_batchs_step(pipe);
+  EXPECT_LT(Clock::now() - t1, scaled(milliseconds(5000)));  // no sum waited (the timeout is 30 s)
+  // Step 0's plan comes (counted as received before it is refused), then a step of the plan worker2 holds.
+  EXPECT_TRUE(poll_until(held + scaled(milliseconds(10000)), [&] { return plans_on_worker2() >= plans_before + 2; }))
+      << "step 0's held-back plan never reached worker2";
+  expect_the_whole_batchs_step(pipe);
+  rpc::shutdown(true);  // releases the pipelines: nothing of theirs may be left waiting
+  EXPECT_LT(Clock::now() - t0, held + scaled(milliseconds(15000))) << "the job's end waited for a stranded sum";
+}
+
+// A replicated step that cannot begin on a later replica (here a fault injected where a shared-memory ring or a call
+// that throws would fail it) aborts and ends the replicas already begun before the error goes up: their workers' runs
+// end at once, not at the step's 30 s timeout waiting for sums the refused replica never joins (before, the error
+// went up with them still running). The refused replica's workers take their turns in that step's sums, with zeros,
+// when the next step's runs begin there: the next step works.
+TEST_F(MultiprocPipeline, AReplicatedStepThatCannotBeginOnALaterReplicaEndsTheEarlierOnesAtOnce) {
+  start({.world_size = 5});
+  auto pipe = faulty_replicas();
+  auto runs_ended = [](int rank) { return rpc::rpc_sync<std::vector<int64_t>>(rank, "pipe_plans").at(3); };
+  const int64_t ended1 = runs_ended(1), ended2 = runs_ended(2);
+  const int64_t refused = pipe.replica(1).id();
+  pipeline::detail::set_send_fault_for_tests([refused](int64_t p, int64_t, int rank) {
+    if (p == refused) throw RpcError(absl::UnavailableError(absl::StrCat("no way to rank ", rank, " (injected)")));
+  });
+  const auto t0 = Clock::now();
+  try {
+    dist_autograd::ContextGuard ctx;
+    pipe.step(at::ones({8, 4}, at::kDouble), at::zeros({8, 4}, at::kDouble));
+    ADD_FAILURE() << "a replica that could not begin did not fail the step";
+  } catch (const RpcError& e) {
+    EXPECT_EQ(e.code(), absl::StatusCode::kUnavailable) << e.what();
+    EXPECT_THAT(e.what(), ::testing::HasSubstr("replica 1: no way to rank 3 (injected)"));
+    EXPECT_THAT(e.what(), ::testing::HasSubstr("the replicas started before it were aborted"));
+  }
+  pipeline::detail::set_send_fault_for_tests(nullptr);
+  EXPECT_TRUE(poll_until(scaled(milliseconds(5000)), [&] { return runs_ended(1) > ended1 && runs_ended(2) > ended2; }))
+      << "replica 0's workers still run the step";
+  EXPECT_LT(Clock::now() - t0, scaled(milliseconds(10000)));  // the timeout is 30 s
+  expect_the_whole_batchs_step(pipe);
 }
 
 // A replica whose stage worker dies fails the step of every replica, within the step's timeout: the dead worker's
@@ -1057,6 +1166,28 @@ TEST_F(MultiprocPipeline, ForwardIsInferenceInEvalModeAndWaitsForARunningStep) {
   EXPECT_GT(inference, last_backward) << "forward() overlapped the running step";
 }
 
+// Inference through 3 stages whose last stalls past the 6 s timeout: each hop passes on what is left of its timeout
+// less a tenth, so stage 1's call to the stalled stage runs out first and forward() fails naming its worker, before
+// the driver's own call runs out (before, every hop had the whole timeout: the driver's call to stage 0 ran out
+// first, naming worker1 only).
+TEST_F(MultiprocPipeline, AStageThatStallsInInferenceIsNamedByItsCaller) {
+  start({.world_size = 4});
+  const milliseconds timeout(6000);
+  auto pipe = Pipeline::create(
+      {{1, "pipe_faulty", {int64_t{0}}}, {2, "pipe_faulty", {int64_t{0}}}, {3, "pipe_stall", {int64_t{60000}}}},
+      {.n_microbatches = 1, .timeout = timeout});
+  const auto t0 = Clock::now();
+  try {
+    pipe.forward(at::ones({2, 4}, at::kDouble));
+    ADD_FAILURE() << "a stalled stage did not fail forward()";
+  } catch (const RpcError& e) {
+    EXPECT_EQ(e.code(), absl::StatusCode::kDeadlineExceeded) << e.what();
+    EXPECT_THAT(e.what(), ::testing::HasSubstr("worker 'worker3'"));
+  }
+  EXPECT_LT(Clock::now() - t0, timeout);  // the deadline under test: not scaled
+  rpc::rpc_sync(3, "pipe_unstall");
+}
+
 // A step that fails while the last stage still has backwards to compute (it needs no more input, so it finishes after
 // the driver gave up): afterwards no distributed autograd context exists on any worker, and .grad is unchanged
 // (issue 27: that stage delivered its gradients anyway, bringing back a released context or writing .grad).
@@ -1152,6 +1283,28 @@ TEST_F(MultiprocPipeline, TheStagesOfADriverThatDiedAreReleased) {
   EXPECT_EQ(poll_until({1, 2}, "pipe_stage_count", 0, milliseconds(15000)), (std::vector<int64_t>{0, 0}));
   rpc::shutdown(false);
   EXPECT_EQ(job_->wait_children(milliseconds(30000))[2], 9);
+}
+
+// A stage worker releases a driver's pipelines when two pings in a row find the driver unavailable, not one: worker1's
+// first and third pings of the driver are cut (UNAVAILABLE, rpc/fault_injection.h), its second and fourth answered;
+// its stage stays, and a step works (before, the first cut ping released it).
+TEST_F(MultiprocPipeline, OneUnansweredPingOfTheDriverReleasesNothing) {
+  const std::string cut = std::string("cut worker1->worker0 request fn=") + pipeline::detail::kPing;
+  start({.world_size = 2, .extra_env = {{"TANDEM_TEST_FAULTS", cut + " nth=1; " + cut + " nth=2"}}});
+  auto pipe = Pipeline::create({{1, "pipe_faulty", {int64_t{0}}}}, {.n_microbatches = 2});
+  std::vector<int64_t> pings{0, 0};  // {calls, errors}: one a second
+  const auto until = Clock::now() + scaled(milliseconds(20000));
+  while (pings.at(0) < 4 && Clock::now() < until) {
+    std::this_thread::sleep_for(milliseconds(100));
+    // A call of ours in flight when worker1 cuts its connections may fail with them: asked again.
+    rpc::Future f = rpc::rpc_async(1, "pipe_pings", std::string("worker0"));
+    if (f.status().ok()) pings = f.get<std::vector<int64_t>>();
+  }
+  ASSERT_GE(pings.at(0), 4) << "worker1 pinged its driver " << pings.at(0) << " times";
+  EXPECT_EQ(pings.at(1), 2) << "the cut pings did not fail (or others did)";
+  EXPECT_EQ(on_worker(1, "pipe_stage_count"), 1) << "a single unanswered ping released the pipeline";
+  dist_autograd::ContextGuard ctx;
+  EXPECT_NEAR(pipe.step(at::ones({4, 4}, at::kDouble), at::zeros({4, 4}, at::kDouble)), 1.0, 1e-12);
 }
 
 }  // namespace

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "tandem/dist_autograd/dist_autograd.h"
+#include "tandem/metrics/metrics.h"
 #include "tandem/nn/remote_module.h"
 #include "tandem/pipeline/detail/common.h"
 #include "tandem/pipeline/detail/runtime.h"
@@ -98,6 +99,21 @@ struct SlowBackward : torch::nn::Module {
       });
     }
     return y;
+  }
+  int64_t ms;
+  torch::nn::Linear lin{nullptr};
+};
+
+// An identity Linear(4, 4) whose forward stalls for `ms` milliseconds, or until pipe_unstall is called here.
+std::atomic<bool> unstalled{false};
+struct Stall : torch::nn::Module {
+  explicit Stall(int64_t ms) : ms(ms) { lin = register_module("lin", identity_linear()); }
+  at::Tensor forward(const at::Tensor& x) {
+    const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(ms);
+    while (!unstalled.load() && std::chrono::steady_clock::now() < until) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    return lin->forward(x);
   }
   int64_t ms;
   torch::nn::Linear lin{nullptr};
@@ -198,6 +214,24 @@ void register_pipeline_stages() {
     return l;
   });
   rpc::register_function("pipe_slow_builds", [] { return slow_builds.load(); });
+  nn::register_module("pipe_stall", [](int64_t ms) { return std::make_shared<Stall>(ms); });
+  rpc::register_function("pipe_unstall", [] { unstalled.store(true); });
+  // {calls, errors} of this worker's pings of the driver `peer` (pipeline/detail/common.h: kPing), from its metrics.
+  rpc::register_function("pipe_pings", [](std::string peer) {
+    std::vector<int64_t> out{0, 0};
+    for (const auto& c : metrics::snapshot().calls) {
+      if (c.peer == peer && c.function == pipeline::detail::kPing && c.direction == "out") out = {c.calls, c.errors};
+    }
+    return out;
+  });
+  // Makes parameter `name` of a stage held here one element of its dtype, value 1 (set_data: the stage's parameter
+  // list and its ties keep the same tensor), after creation's checks.
+  rpc::register_function("pipe_shrink_param", [](int64_t pipe, int64_t stage, std::string name) {
+    auto m = pipeline::local_stage(pipe, static_cast<int>(stage));
+    if (!m) throw std::invalid_argument("no such stage here");
+    at::Tensor p = m->named_parameters()[name];
+    p.set_data(at::ones({1}, at::TensorOptions().dtype(p.scalar_type())));
+  });
   rpc::register_function("pipe_slow_forwards", [] { return slow_forwards.load(); });
   rpc::register_function("pipe_slow_log", [] {
     std::lock_guard<std::mutex> lock(slow_log_mu);
