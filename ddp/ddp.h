@@ -28,7 +28,9 @@
 //   does not reach; a parameter that any rank used in any micro-step since the last synchronised backward (no_sync
 //   ones included) is averaged on every rank; parameters no rank used keep their .grad unchanged, as in PyTorch.
 // - gradient_as_bucket_view changes memory and speed only: both settings give bit-identical gradients.
-// - Errors of the process group (a dead rank, a timeout) come out of backward() as RpcError naming group and operation.
+// - Errors of the process group (a dead rank, a timeout) come out of backward() as RpcError naming group and operation,
+//   once every reduction it launched has ended. After a backward that threw before its end (a backward function
+//   failed), the next forward first waits for the reductions it launched (each within the group's timeout).
 // - Not thread-safe: one thread drives forward and backward.
 #pragma once
 

@@ -200,8 +200,9 @@ void Reducer::pre_forward() {
 }
 
 void Reducer::post_forward(const std::vector<at::Tensor>& outputs) {
-  armed = false;  // a backward that did not reduce (finalize threw) left state behind: arming resets it
-  tapping = false;
+  // Held throughout: a tap of a backward that failed elsewhere, still running here, is not mixed with the new state.
+  MutexLock lock(&tap_mu);
+  end_unfinished();  // a backward that did not reduce left state behind, and perhaps reductions running
   const bool external = external_backward_ahead();
   if (!at::GradMode::is_enabled()) return;
   if (!require_sync) {
@@ -385,6 +386,16 @@ void Reducer::launch_ready() {
   }
 }
 
+void Reducer::settle_launched() {
+  for (size_t b = 0; b < next_launch; ++b) (void)buckets[b].work.status();
+}
+
+void Reducer::end_unfinished() {
+  armed = false;
+  tapping = false;
+  settle_launched();
+}
+
 void Reducer::finalize() {
   armed = false;
   std::vector<std::string> missing;
@@ -392,7 +403,7 @@ void Reducer::finalize() {
     if (!ready[i]) missing.push_back(params[i].name);
   }
   if (!missing.empty()) {
-    for (size_t b = 0; b < next_launch; ++b) (void)buckets[b].work.status();  // launched ones finish first
+    settle_launched();
     std::fill(locally_used.begin(), locally_used.end(), 0);
     fail_missing(std::move(missing), "this backward");
   }
@@ -444,7 +455,7 @@ void Reducer::reduce_external(const GradientOf& grad_of, const SetAverage& set_a
       if (!ready[i]) missing.push_back(params[i].name);
     }
     if (!missing.empty() && !options.find_unused_parameters) {
-      for (size_t b = 0; b < next_launch; ++b) (void)buckets[b].work.status();  // launched ones finish first
+      settle_launched();
       std::fill(locally_used.begin(), locally_used.end(), 0);
       tapping = window_accumulates_externally = false;
       fail_missing(std::move(missing), what);
@@ -536,6 +547,10 @@ at::Tensor Reducer::wait_all() {
 void Reducer::join() {
   if (!options.uneven_inputs) {
     fail(absl::StatusCode::kFailedPrecondition, "join() needs DdpOptions::uneven_inputs on every rank");
+  }
+  {
+    MutexLock lock(&tap_mu);
+    end_unfinished();
   }
   // A joined rank's unfinished accumulation window is dropped: it shadows with zero gradients and uses nothing.
   std::fill(locally_used.begin(), locally_used.end(), 0);

@@ -3,7 +3,9 @@
 //
 // Threads: the training thread runs forward (pre_forward/post_forward) and join(); the autograd engine's thread runs
 // the ready hooks, taps and finalize(). They never overlap for one DDP instance (a backward runs between two forwards),
-// so the state below is not locked; collectives run on the process group's own thread.
+// so the state below is not locked; collectives run on the process group's own thread. The exception: a distributed
+// backward's taps run on RPC threads, several at once, and one of a backward that failed elsewhere may still run after
+// the next forward began; tap_mu serialises them with each other, with the reduction, and with post_forward and join.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -66,9 +68,10 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // This accumulation window had a no_sync forward before an external backward: its gradients are summed in the
   // context, not seen by taps, so the window is reduced after backward from what the context holds.
   bool window_accumulates_externally = false;
-  // Serialises the taps of an external backward with each other and with its reduction: distributed autograd runs
-  // the gradient messages of one context on several RPC threads at once (outputs sent to two workers), and each may
-  // reach taps (GradTap).
+  // Serialises the taps of an external backward with each other, with its reduction and with the next post_forward
+  // (or join): distributed autograd runs the gradient messages of one context on several RPC threads at once (outputs
+  // sent to two workers), and each may reach taps (GradTap); a message of a backward that failed elsewhere may still
+  // run here when the next forward begins.
   Mutex tap_mu;
   bool armed = false;            // post_forward readied the reducer: the next backward reduces
   bool callback_queued = false;  // finalize() is queued on the autograd engine
@@ -177,6 +180,16 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
 
   // Buckets start in index order only, so every rank issues the same collectives in the same order.
   void launch_ready();
+
+  // Waits for the reductions launched in this iteration (each within its future's deadline; their errors are the
+  // backward's to report): one still running writes into its bucket, which the next backward fills (and .grad, with
+  // gradient_as_bucket_view). Before an iteration's error is thrown, and before a new iteration begins after one that
+  // did not end (its backward threw).
+  void settle_launched();
+
+  // Under tap_mu, before a forward readies the reducer (post_forward) or a rank joins: an iteration that did not end
+  // (its backward threw, or finalize did) is disarmed and its launched reductions are settled.
+  void end_unfinished();
 
   // At the end of backward (queued on the autograd engine by the first hook).
   void finalize();

@@ -67,6 +67,16 @@ TEST_F(MultiprocDdp, HybridWithDistributedAutogradOverlapsAndFollowsOneProcess) 
   EXPECT_EQ(everywhere(3, "hybrid/small"), "");
 }
 
+// A DDP model's two heads sent to two workers (ranks 2 and 3): each trainer's distributed backward brings the context's
+// gradients in two messages that its RPC threads run at once. The test holds them so that one message's taps run while
+// the other's launch of bucket 0 (its comm hook) is inside the reducer; the taps must wait for it (Reducer::tap_mu:
+// before e3a0849 they went through, racing on the buckets' counts and the launch order), and the averaged gradients
+// equal one process's over three steps.
+TEST_F(MultiprocDdp, HybridOutputsSentToTwoWorkersReachTheReducerOneMessageAtATime) {
+  start({.world_size = 4});
+  EXPECT_EQ(everywhere(4, "hybrid_two_workers"), "");
+}
+
 // The tutorial's layout: an embedding table on a parameter server (rank 2), DDP trainers (ranks 0 and 1) under
 // distributed autograd; dense and embedding parameters follow one process with the whole batch after every step, with
 // default and small buckets, and with uneven inputs and join().

@@ -12,8 +12,10 @@
 #include <random>
 #include <thread>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "absl/time/time.h"
 #include "tandem/comm/process_group.h"
 #include "tandem/ddp/ddp.h"
 #include "tandem/ddp/zero.h"
@@ -25,8 +27,10 @@
 #include "tandem/rpc/registry.h"
 #include "tandem/rpc/rpc.h"
 #include "tandem/rref/rref.h"
+#include "tandem/sync/sync.h"
 #include "tests/common/scenario.h"
 #include "tests/common/test_env.h"
+#include "tests/common/time_scale.h"
 
 namespace tandem::test {
 namespace {
@@ -506,12 +510,191 @@ std::string hybrid_killed(const std::string& who) {
   return "";
 }
 
+// ---- Hybrid: one DDP model's outputs sent to two workers ----
+//
+// The trainers (ranks 0 and 1) run a DDP model of two heads that share no parameter; head a's output goes to worker 2,
+// head b's to worker 3 (tanh there), so distributed autograd brings each trainer one context's gradients in two
+// messages, which its RPC threads run at once, each reaching its head's taps. Bucket 0 holds head b's parameters,
+// bucket 1 head a's; the comm hook of bucket 0 runs inside the reducer, called by head b's last tap. The gradients of
+// one message must reach the reducer while no other message's is inside it (Reducer::tap_mu). Interleave makes the
+// messages overlap there: head a's message waits at its gate (before its second layer's backward) until bucket 0's
+// hook has begun, and that hook waits until head a's message is at the gate, then for head a's probe (past the taps
+// of that layer), within a bound. Serialised taps hold head a's message back until the hook has returned; taps that
+// are not let it reach the probe while the hook runs.
+class Interleave {
+ public:
+  void reset() {
+    MutexLock lock(&mu_);
+    hooks_ = 0;
+    gate_reached_ = gate_opened_ = hook_began_ = hook_ended_ = probe_passed_ = probe_inside_hook_ = false;
+  }
+  // Head a's gate: until bucket 0's hook has begun.
+  void gate() {
+    MutexLock lock(&mu_);
+    gate_reached_ = true;
+    gate_opened_ = mu_.AwaitWithTimeout(Condition(&hook_began_), absl::FromChrono(scaled(kMeet)));
+  }
+  // Head a's probe: the taps of its second layer are behind it.
+  void probe() {
+    MutexLock lock(&mu_);
+    probe_passed_ = true;
+    probe_inside_hook_ = hook_began_ && !hook_ended_;
+  }
+  // The comm hook: its first call of a step (bucket 0) waits for head a's message at the gate, then for its probe.
+  void hook() {
+    MutexLock lock(&mu_);
+    if (hooks_++ > 0) return;
+    hook_began_ = true;
+    if (mu_.AwaitWithTimeout(Condition(&gate_reached_), absl::FromChrono(scaled(kMeet)))) {
+      (void)mu_.AwaitWithTimeout(Condition(&probe_passed_), absl::FromChrono(scaled(kPass)));
+    }
+    hook_ended_ = true;
+  }
+  // "" when the messages overlapped as arranged and head a's gradients stayed out while the hook ran.
+  std::string verdict() {
+    MutexLock lock(&mu_);
+    if (!hook_began_) return "bucket 0's comm hook was never called";
+    if (!gate_reached_ || !gate_opened_) return "the gradient messages of the two heads did not run at once";
+    if (!probe_passed_) return "head a's gradients never got past its second layer";
+    if (probe_inside_hook_) {
+      return "head a's gradients reached the reducer while head b's launch of bucket 0 (its comm hook) was inside it";
+    }
+    return "";
+  }
+
+ private:
+  // How long the two messages may take to meet (generous: they are sent together), and how long head a's message may
+  // take from its gate past its taps when nothing holds it (about a millisecond).
+  static constexpr std::chrono::milliseconds kMeet{20000}, kPass{300};
+  Mutex mu_;
+  int hooks_ ABSL_GUARDED_BY(mu_) = 0;
+  bool gate_reached_ ABSL_GUARDED_BY(mu_) = false;
+  bool gate_opened_ ABSL_GUARDED_BY(mu_) = false;
+  bool hook_began_ ABSL_GUARDED_BY(mu_) = false;
+  bool hook_ended_ ABSL_GUARDED_BY(mu_) = false;
+  bool probe_passed_ ABSL_GUARDED_BY(mu_) = false;
+  bool probe_inside_hook_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+Interleave& interleave() {
+  static Interleave* the = new Interleave;  // used by RPC threads until the process ends
+  return *the;
+}
+
+// Identities in forward; in backward, head a's gate and probe.
+struct HeadAGate : torch::autograd::Function<HeadAGate> {
+  static at::Tensor forward(torch::autograd::AutogradContext*, const at::Tensor& x) { return x.clone(); }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext*,
+                                                 torch::autograd::variable_list grads) {
+    interleave().gate();
+    return grads;
+  }
+};
+struct HeadAProbe : torch::autograd::Function<HeadAProbe> {
+  static at::Tensor forward(torch::autograd::AutogradContext*, const at::Tensor& x) { return x.clone(); }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext*,
+                                                 torch::autograd::variable_list grads) {
+    interleave().probe();
+    return grads;
+  }
+};
+
+// Head a: a1, a2 (640 bytes); head b: b1, b2 (848 bytes). Head a's probe sits between its layers: the engine runs the
+// taps of a2's parameters (made last, so first in its order) before it. `interleaved` off: the plain reference.
+struct TwoHeads : torch::nn::Module {
+  explicit TwoHeads(bool interleaved) : interleaved(interleaved) {
+    a1 = register_module("a1", torch::nn::Linear(kIn, 12));
+    a2 = register_module("a2", torch::nn::Linear(12, kOut));
+    b1 = register_module("b1", torch::nn::Linear(kIn, kHidden));
+    b2 = register_module("b2", torch::nn::Linear(kHidden, kOut));
+  }
+  std::vector<at::Tensor> forward(const at::Tensor& x) {
+    at::Tensor h = torch::tanh(a1(x));
+    if (interleaved) h = HeadAProbe::apply(h);
+    at::Tensor a = a2(h);
+    if (interleaved) a = HeadAGate::apply(a);
+    return {a, b2(torch::tanh(b1(x)))};
+  }
+  torch::nn::Linear a1{nullptr}, a2{nullptr}, b1{nullptr}, b2{nullptr};
+  const bool interleaved;
+};
+
+int64_t bytes_of(const std::vector<torch::nn::Linear>& layers) {
+  int64_t n = 0;
+  for (const auto& l : layers) {
+    for (const auto& p : l->parameters()) n += static_cast<int64_t>(p.nbytes());
+  }
+  return n;
+}
+
+// Three steps on the trainers (ranks 0 and 1): each step's messages overlap as Interleave arranges, and the
+// gradients reduce_context_gradients writes into the context equal those of one process with both trainers' rows
+// (1e-5); both then step by plain SGD.
+std::string hybrid_two_workers() {
+  const int rank = rpc::get_worker_info().id;
+  if (rank >= 2) return "";  // the workers the heads' outputs go to
+  torch::manual_seed(100 + rank);
+  auto model = std::make_shared<TwoHeads>(true);
+  torch::manual_seed(100);
+  TwoHeads ref(false);
+  ddp::DdpOptions options;
+  const int64_t b_bytes = bytes_of({model->b1, model->b2}), a_bytes = bytes_of({model->a1, model->a2});
+  options.first_bucket_bytes = static_cast<size_t>(b_bytes);  // bucket 0: head b's, in reverse order
+  options.rebuild_buckets = false;                            // and it stays so
+  ddp::DistributedDataParallel<TwoHeads> ddp(model, comm::ProcessGroup::create("hybrid_two_workers", {0, 1}), options);
+  ddp.register_comm_hook([](comm::ProcessGroup& group, at::Tensor bucket) {
+    interleave().hook();
+    return group.allreduce(bucket, comm::ReduceOp::kAvg);
+  });
+  if (ddp.stats().bucket_bytes != std::vector<size_t>{static_cast<size_t>(b_bytes), static_cast<size_t>(a_bytes)}) {
+    return "the buckets are not head b's, then head a's";
+  }
+  std::vector<std::string> names;
+  for (const auto& item : model->named_parameters()) names.push_back(item.key());
+  const double lr = 0.1;
+  for (int step = 0; step < 3; ++step) {
+    auto [x, y] = data(step, 2);
+    std::vector<at::Tensor> got;
+    {
+      interleave().reset();
+      dist_autograd::ContextGuard ctx;
+      const std::vector<at::Tensor> out = ddp.forward(rows(x, rank));
+      at::Tensor a = rpc::rpc_sync<at::Tensor>(2, "ddp_remote_tanh", out[0]);
+      at::Tensor b = rpc::rpc_sync<at::Tensor>(3, "ddp_remote_tanh", out[1]);
+      dist_autograd::backward(ctx.id(), {torch::mse_loss(a + b, rows(y, rank))});
+      if (std::string err = interleave().verdict(); !err.empty()) return absl::StrCat("step ", step, ": ", err);
+      if (ddp.stats().buckets_launched != 2) return absl::StrCat("step ", step, ": not every bucket was launched");
+      ddp::reduce_context_gradients(ddp, ctx.id());
+      const auto grads = dist_autograd::get_gradients(ctx.id());
+      for (const auto& p : model->parameters()) got.push_back(grads[p].defined() ? grads[p].clone() : at::Tensor());
+    }
+    ref.zero_grad();
+    at::Tensor loss = at::zeros({});
+    for (int r = 0; r < 2; ++r) {
+      const std::vector<at::Tensor> o = ref.forward(rows(x, r));
+      loss = loss + torch::mse_loss(torch::tanh(o[0]) + torch::tanh(o[1]), rows(y, r)) / 2;
+    }
+    loss.backward();
+    if (std::string err = compare(got, grads_of(ref), 1e-5, names); !err.empty()) {
+      return absl::StrCat("step ", step, ": the averaged gradients differ from one process's: ", err);
+    }
+    torch::NoGradGuard no_grad;
+    const auto mine = model->parameters(), theirs = ref.parameters();
+    for (size_t i = 0; i < mine.size(); ++i) {
+      mine[i].sub_(got[i] * lr);
+      theirs[i].sub_(theirs[i].grad() * lr);
+    }
+  }
+  return "";
+}
+
 std::string run(const std::string& name) {
   const int world = static_cast<int>(rpc::get_all_worker_infos().size());
   const int rank = rpc::get_worker_info().id;
   if (absl::StartsWith(name, "equivalence/")) return equivalence(name.substr(12));
   if (absl::StartsWith(name, "hybrid_embedding/")) return hybrid_embedding(name.substr(17));
   if (absl::StartsWith(name, "hybrid_killed/")) return hybrid_killed(name.substr(14));
+  if (name == "hybrid_two_workers") return hybrid_two_workers();
   if (absl::StartsWith(name, "accumulation/")) {
     // "accumulation/<mode>/<seed>,<seed>,...": every seed in turn.
     std::vector<std::string> parts = absl::StrSplit(name.substr(13), '/');

@@ -91,6 +91,17 @@ TEST_F(MultiprocFsdp, AKilledRankBeforeItsBackwardFailsTheOthersBackward) {
   expect_last_rank_killed(3, "killed/backward");
 }
 
+// A unit whose collective failed keeps its buffer (UnitState::written_late): a failed operation may still write into
+// it, so it is never released by resizing; it goes with its storage. Rank 1 leaves after the forward and rank 0's
+// backward fails: when the model is destroyed ("overlap": a prefetched gather and an in-place reduction failed) and
+// when the next forward drops the failed backward's reduction ("lean"), the units' buffers hold their bytes. Before
+// 4b9ed1c both released them.
+TEST_F(MultiprocFsdp, AUnitWhoseCollectiveFailedKeepsItsBuffer) {
+  start({.world_size = 2});
+  EXPECT_EQ(everywhere(2, "failed_collective/overlap"), "");
+  EXPECT_EQ(everywhere(2, "failed_collective/lean"), "");
+}
+
 // consolidate() refuses dicts that do not make one whole parameter, with the message naming what is wrong, before
 // allocating anything: pieces of another parameter, overlapping pieces, pieces that leave a gap.
 std::string consolidate_error(const std::vector<fsdp::FullyShardedDataParallel::ShardedStateDict>& ranks) {

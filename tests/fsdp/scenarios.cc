@@ -30,6 +30,7 @@
 #include "tandem/rpc/rpc.h"
 #include "tests/common/files.h"
 #include "tests/common/scenario.h"
+#include "tests/common/time_scale.h"
 
 namespace tandem::test {
 namespace {
@@ -463,6 +464,64 @@ std::string memory() {
   if (peak <= 0 || peak > kCap) return absl::StrCat("peak ", peak, " bytes");
   if (!(last < first)) return absl::StrCat("the loss did not fall: ", first, " then ", last);
   return "";
+}
+
+// The bytes a Sequential child's unit buffer holds now (its first parameter is a view of the buffer): 0 once released.
+size_t unit_buffer_bytes(torch::nn::Sequential& seq, size_t child) {
+  return seq->ptr(child)->parameters().at(0).storage().nbytes();
+}
+
+// A unit whose collective failed keeps its buffer: the failed operation may still write into it (a Gloo operation can
+// outlive its deadline), so resizing it away would free it under the writer; it goes with its storage once the
+// operation and the model's parameters let go. Rank 1 takes part in the construction and the forward, then leaves
+// the group; rank 0's backward fails there, with unit 1's gradients in its buffer being reduced in place. "overlap"
+// (defaults): unit 0's prefetched gather fails too, and the model is then destroyed. "lean" (no prefetch or overlap):
+// the failed in-place reduction is what the next forward drops (that forward fails at unit 0's gather), then the
+// model is destroyed. Rank 0 checks the units' buffers after each.
+std::string failed_collective(const std::string& variant) {
+  const int rank = rpc::get_worker_info().id;
+  const std::string name = "fsdp_failed_" + variant;
+  fsdp::FsdpOptions options;
+  options.prefetch = options.overlap_reduce = variant != "lean";
+  auto group = comm::ProcessGroup::create(name, {}, {.timeout = scaled(std::chrono::milliseconds(3000))});
+  torch::manual_seed(7);
+  torch::nn::Sequential seq(torch::nn::Linear(kIn, kHidden), torch::nn::Tanh(), torch::nn::Linear(kHidden, kOut));
+  seq->to(at::kDouble);
+  auto model = std::make_unique<fsdp::FullyShardedDataParallel>(seq, group, options);
+  auto [x, y] = data(0, 2);
+  const at::Tensor mine = x.narrow(0, rank * kRows, kRows);
+  at::Tensor loss = torch::mse_loss(model->forward(mine), y.narrow(0, rank * kRows, kRows));
+  if (rank != 0) return "";  // leaves: its group goes with this scenario
+  try {
+    loss.backward();
+    return "a backward succeeded without rank 1";
+  } catch (const std::exception& e) {
+    const std::string m = e.what();
+    if (m.find("process group '" + name + "'") == std::string::npos) return "the error does not name the group: " + m;
+  }
+  if (model->stats().gradients_into_buffers != 1) {
+    return absl::StrCat("unit 1 wrote its gradients into its buffer ", model->stats().gradients_into_buffers,
+                        " times, not once: its reduction was not in place");
+  }
+  auto kept = [&](const std::vector<size_t>& children, const std::string& when) -> std::string {
+    for (size_t c : children) {
+      if (unit_buffer_bytes(seq, c) == 0) {
+        return absl::StrCat(variant, ": the buffer of the unit of child ", c, " was released ", when,
+                            " though its collective failed");
+      }
+    }
+    return "";
+  };
+  if (variant == "lean") {
+    try {
+      model->forward(mine);
+      return "a forward succeeded on a failed group";
+    } catch (const std::exception&) {
+    }
+    if (std::string err = kept({2}, "by the next forward"); !err.empty()) return err;
+  }
+  model.reset();
+  return kept({0, 2}, "when the model was destroyed");
 }
 
 // The last rank dies between two steps ("between") or after a forward, before its backward ("backward"): the others'
@@ -914,6 +973,7 @@ std::string run(const std::string& name) {
   if (name == "memory") return memory();
   if (name.rfind("mixed/", 0) == 0) return mixed(name.substr(6));
   if (name.rfind("killed/", 0) == 0) return killed(name.substr(7));
+  if (name.rfind("failed_collective/", 0) == 0) return failed_collective(name.substr(18));
   if (name.rfind("equivalence/", 0) == 0) return equivalence(name.substr(12));
   if (name.rfind("units/", 0) == 0) return named_units(name.substr(6));
   return "unknown scenario " + name;
