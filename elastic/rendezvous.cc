@@ -68,6 +68,9 @@ absl::StatusOr<bool> Rendezvous::first_to_add(const std::string& key) {
 }
 
 absl::StatusOr<RoundEnd> Rendezvous::end_round(const std::string& reason, bool failure) {
+  // This node's earlier end of this round claimed the record and failed midway (a store call): it writes again at
+  // once, without a second vote (whose loss would make it wait a lost node's time for its own record).
+  if (claimed_ == round_) return publish_end(reason, failure);
   auto won = first_to_add(round_key("end"));
   if (!won.ok()) return won.status();
   if (!*won) {  // another node ended it first; it records why right after its vote
@@ -118,14 +121,23 @@ absl::StatusOr<RoundEnd> Rendezvous::write_end(const std::string& reason, bool f
   auto recorded = ended();
   if (!recorded.ok()) return recorded.status();
   if (recorded->has_value()) return **recorded;  // a later turn's claimer recorded it: this one was slow
-  if (failure) {
-    auto first = first_to_add(round_key("counted"));
-    if (!first.ok()) return first.status();
-    if (*first) {
-      auto n = store_.add(key("failures"), 1);
-      if (!n.ok()) return n.status();
-      if (auto s = store_.set(key(absl::StrCat("failure/", *n)), reason); !s.ok()) return s;
+  // A writer whose store call failed after it took the count writes it again (tandem-run ends the round again as it
+  // leaves): what it took is kept in counting_, so the failure is neither lost nor counted twice by it.
+  if (failure && !(counting_.round == round_ && counting_.recorded)) {
+    if (counting_.round != round_) {
+      auto first = first_to_add(round_key("counted"));
+      if (!first.ok()) return first.status();
+      counting_ = Counting{round_, *first};
     }
+    if (counting_.mine) {
+      if (counting_.n == 0) {
+        auto n = store_.add(key("failures"), 1);
+        if (!n.ok()) return n.status();
+        counting_.n = *n;
+      }
+      if (auto s = store_.set(key(absl::StrCat("failure/", counting_.n)), reason); !s.ok()) return s;
+    }
+    counting_.recorded = true;
   }
   pb::ElasticEnd end;
   end.set_wire_version(rpc::kWireVersion);

@@ -143,6 +143,15 @@ class Rendezvous {
   int index_ = -1;      // its node rank in it
   int nnodes_ = 0;
   int64_t claimed_ = -1;  // the last round whose end this node claimed to write (publish_end())
+  // The failure count of the round this node last wrote an end of (write_end()): whether it took the count (the first
+  // to add to r<k>/counted), the number the failures counter gave it, and whether the count is recorded.
+  struct Counting {
+    int64_t round = -1;
+    bool mine = false;
+    int64_t n = 0;
+    bool recorded = false;
+  };
+  Counting counting_;
   // Heartbeats seen: each other node's last counter and when it last changed (this node's clock).
   std::vector<int64_t> seen_beats_;
   std::vector<absl::Time> seen_at_;
