@@ -172,6 +172,15 @@ struct Fixture {
   at::Tensor x = at::randn({4, kIn}), y = at::randn({4, kOut});
 };
 
+// The next iteration (every allreduce done at once), then whatever the failed one left running ends: the gradients
+// are still this iteration's.
+void expect_next_iteration_unmixed(Fixture& f, ddp::DistributedDataParallel<TwoLayers>& ddp) {
+  for (auto& p : f.model->parameters()) p.mutable_grad() = at::Tensor();
+  torch::mse_loss(ddp.forward(f.x), f.y).backward();
+  f.group->join_late();
+  EXPECT_EQ(gradients_differ(*f.model, f.x, f.y), "");
+}
+
 // Before (710ba4f), wait_all threw bucket 0's error at once, with bucket 1's allreduce still writing into the bucket,
 // where the next iteration's gradients (.grad, with gradient_as_bucket_view) then were.
 TEST(UnitDdpReducer, AFailedBucketIsThrownOnlyOnceTheLaterBucketsReductionEnded) {
@@ -183,12 +192,7 @@ TEST(UnitDdpReducer, AFailedBucketIsThrownOnlyOnceTheLaterBucketsReductionEnded)
   EXPECT_NE(error.find("scripted failure of allreduce 0"), std::string::npos) << error;
   EXPECT_EQ(f.group->late_ended(), 1) << "the backward threw while bucket 1's allreduce was still running";
 
-  // The next iteration (every allreduce done at once), then whatever the failed one left running ends: the
-  // gradients are still this iteration's.
-  for (auto& p : f.model->parameters()) p.mutable_grad() = at::Tensor();
-  torch::mse_loss(ddp.forward(f.x), f.y).backward();
-  f.group->join_late();
-  EXPECT_EQ(gradients_differ(*f.model, f.x, f.y), "");
+  expect_next_iteration_unmixed(f, ddp);
 }
 
 // The same for the used-parameters allreduce (find_unused_parameters), launched after the buckets: before, the last
@@ -204,10 +208,7 @@ TEST(UnitDdpReducer, AFailedBucketIsThrownOnlyOnceTheUsedParametersReductionEnde
   EXPECT_NE(error.find("scripted failure of allreduce 1"), std::string::npos) << error;
   EXPECT_EQ(f.group->late_ended(), 1) << "the backward threw while the used-parameters allreduce was still running";
 
-  for (auto& p : f.model->parameters()) p.mutable_grad() = at::Tensor();
-  torch::mse_loss(ddp.forward(f.x), f.y).backward();
-  f.group->join_late();
-  EXPECT_EQ(gradients_differ(*f.model, f.x, f.y), "");
+  expect_next_iteration_unmixed(f, ddp);
 }
 
 // A backward that throws after launching bucket 0 (a backward function failed) never reaches the reducer's end: the

@@ -581,23 +581,18 @@ Interleave& interleave() {
   return *the;
 }
 
-// Identities in forward; in backward, head a's gate and probe.
-struct HeadAGate : torch::autograd::Function<HeadAGate> {
+// Identities in forward; in backward, head a's gate (HeadAGate) and probe (HeadAProbe).
+template <void (Interleave::*kAt)()>
+struct HeadAPoint : torch::autograd::Function<HeadAPoint<kAt>> {
   static at::Tensor forward(torch::autograd::AutogradContext*, const at::Tensor& x) { return x.clone(); }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext*,
                                                  torch::autograd::variable_list grads) {
-    interleave().gate();
+    (interleave().*kAt)();
     return grads;
   }
 };
-struct HeadAProbe : torch::autograd::Function<HeadAProbe> {
-  static at::Tensor forward(torch::autograd::AutogradContext*, const at::Tensor& x) { return x.clone(); }
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext*,
-                                                 torch::autograd::variable_list grads) {
-    interleave().probe();
-    return grads;
-  }
-};
+using HeadAGate = HeadAPoint<&Interleave::gate>;
+using HeadAProbe = HeadAPoint<&Interleave::probe>;
 
 // Head a: a1, a2 (640 bytes); head b: b1, b2 (848 bytes). Head a's probe sits between its layers: the engine runs the
 // taps of a2's parameters (made last, so first in its order) before it. `interleaved` off: the plain reference.
