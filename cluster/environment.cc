@@ -2,6 +2,8 @@
 
 #include <unistd.h>
 
+#include <cstdint>
+
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -47,9 +49,10 @@ absl::Status slurm_master(const Env& env, std::string* addr, int* port) {
     if (!p.ok()) return p.status();
     *port = *p;
   } else {
+    // Slurm's job ids are 32-bit unsigned: a federation's carry the cluster's id in their top bits (above 2^31).
     auto id = get(env, "SLURM_JOB_ID");
-    int n = 0;
-    if (!id || !absl::SimpleAtoi(*id, &n) || n < 0) {
+    uint64_t n = 0;
+    if (!id || !absl::SimpleAtoi(*id, &n) || n > UINT32_MAX) {
       return absl::InvalidArgumentError(
           absl::StrCat("SLURM_JOB_ID='", id.value_or(""), "' is not a job id (and MASTER_PORT is not set)"));
     }

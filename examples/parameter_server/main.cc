@@ -18,10 +18,12 @@
 // modes). Trainer 1 prints steps/s, loss and the server's test accuracy after every epoch.
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <stdexcept>
 #include <string>
 
 #include "examples/data/allocator.h"
@@ -72,6 +74,12 @@ Args parse(int argc, char** argv) {
                  "waits for its trainers")
       ->check(CLI::Range(0.01, 1e6));
   tools::parse_flags(app, argc, argv);
+  // Checked here, on every rank before any work, so that the whole job stops at once; a trainer takes full batches
+  // only, and with fewer images than a batch it would have no step to take (its epochs divided by zero steps).
+  if (a.limit > 0 && a.limit < a.batch) {
+    throw std::invalid_argument("--limit " + std::to_string(a.limit) + " is less than --batch " +
+                                std::to_string(a.batch) + ": a trainer would have no full batch to train on");
+  }
   return a;
 }
 
@@ -80,7 +88,17 @@ int train(const Args& args, int rank, int trainers) {
   // This trainer's shard: every trainers-th image, starting at rank-1.
   at::Tensor shard = at::arange(rank - 1, data.images.size(0), trainers);
   if (args.limit > 0 && shard.size(0) > args.limit) shard = shard.slice(0, 0, args.limit);
-  const int64_t steps_per_epoch = shard.size(0) / args.batch;  // equal on every trainer: sync rounds line up
+  // The smallest shard's full batches (the last trainer's: data.images.size(0) / trainers images, one fewer than the
+  // first ones' when the trainers do not divide the set), not this shard's: every trainer takes as many steps, or in
+  // sync mode the server's round would wait for a step that a trainer with a smaller shard never sends.
+  const int64_t smallest =
+      args.limit > 0 ? std::min(args.limit, data.images.size(0) / trainers) : data.images.size(0) / trainers;
+  const int64_t steps_per_epoch = smallest / args.batch;
+  if (steps_per_epoch == 0) {
+    throw std::invalid_argument("--batch " + std::to_string(args.batch) + " is more than the smallest shard's " +
+                                std::to_string(smallest) + " images (" + std::to_string(data.images.size(0)) +
+                                " over " + std::to_string(trainers) + " trainers): no trainer would take a step");
+  }
 
   nn::RemoteModule model = examples::server_model();
   std::unique_ptr<dist_optim::DistributedOptimizer> opt;

@@ -82,6 +82,20 @@ absl::Status save_checkpoint(Server& s, int64_t step, const std::string& what) A
   }
 }
 
+// The options' errors, checked before any work (a checkpoint_every of 0 was a division by zero at the first round).
+absl::Status validate(const ServerOptions& o) {
+  if (o.trainers < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("parameter server: ServerOptions::trainers is ", o.trainers, ": it needs at least 1"));
+  }
+  if (o.checkpoint_every < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("parameter server: ServerOptions::checkpoint_every is ",
+                                                   o.checkpoint_every,
+                                                   ": the rounds between checkpoints are at least 1"));
+  }
+  return absl::OkStatus();
+}
+
 // "trainer2 (rank 2)"; the rank alone if it names no worker.
 std::string trainer_name(int rank) {
   auto info = rpc::find_worker_info(rank);
@@ -287,6 +301,7 @@ void register_parameter_server() {
 }
 
 void start_parameter_server(const ServerOptions& options) {
+  throw_if_error(validate(options));
   Server& s = server();
   s.options = options;
   if (options.evaluate) s.test = load_fashion_mnist("t10k");

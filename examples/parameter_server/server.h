@@ -39,7 +39,7 @@ struct ServerOptions {
   // follows from the rounds (rounds_done()), so only the server saves. Asynchronous mode: the server saves its model
   // at each checkpoint_barrier(), after every trainer saved its own optimizer state.
   std::string checkpoint_dir;
-  int64_t checkpoint_every = 50;
+  int64_t checkpoint_every = 50;  // at least 1, as `trainers` is: start_parameter_server() refuses less
 };
 
 // The server's RPC worker threads in bench/ps_bench.cc (both sides' servers): the CPUs this process may use
@@ -52,7 +52,8 @@ struct ServerOptions {
 int default_server_threads();
 // Registers the model factories and the server's functions (every rank, before init_rpc).
 void register_parameter_server();
-// On rank 0, after init_rpc: builds the model and starts serving trainers.
+// On rank 0, after init_rpc: builds the model and starts serving trainers. Throws tandem::Error (INVALID_ARGUMENT,
+// naming the field) for options out of range, before any work.
 void start_parameter_server(const ServerOptions& options);
 // On rank 0: waits until every trainer called done() (false when `timeout` ran out first).
 bool wait_for_trainers(std::chrono::milliseconds timeout);

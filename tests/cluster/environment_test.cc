@@ -101,7 +101,14 @@ TEST(UnitCluster, SrunTasksFindRankWorldAndMaster) {
   Env step = slurm;
   step["SLURM_STEP_NODELIST"] = "gpu13";  // a step on part of the allocation: its own first node
   EXPECT_EQ(worker_place(step)->master_addr, "gpu13");
+  Env federated = slurm;
+  federated["SLURM_JOB_ID"] = "4026531841";  // a federation's job id: above 2^31 (it was refused as no job id)
+  auto f = worker_place(federated);
+  ASSERT_TRUE(f.ok()) << f.status();
+  EXPECT_EQ(f->master_port, 15000 + 1841);
   Env broken = slurm;
+  broken["SLURM_JOB_ID"] = "-3";
+  EXPECT_FALSE(worker_place(broken).ok());
   broken.erase("SLURM_JOB_ID");
   auto b = worker_place(broken);
   ASSERT_FALSE(b.ok());
