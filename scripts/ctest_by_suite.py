@@ -3,7 +3,7 @@
 
     python3 scripts/ctest_by_suite.py BUILD_DIR [-j N] [-- CTEST_SELECTION_ARGS...]
 
-ctest starts a test binary for every test; each start loads LibTorch and runs its initialisers (about 0.5 s of CPU
+ctest starts a test binary for every test; each start loads LibTorch and runs its initialisers (about 0.9 s of CPU
 on these machines, about 3 s under ThreadSanitizer), which was more than half of the ThreadSanitizer stage's time.
 Here the tests ctest selects (`ctest --show-only=json-v1 ARGS`, so the same set, labels, environments and working
 directories) are grouped by binary, suite, environment and directory, and each group runs as one process with a
@@ -24,6 +24,7 @@ import sys
 import threading
 import time
 
+PASSED = ("Passed", "Skipped")  # the statuses that do not fail a run
 RUN = re.compile(r"\[ RUN      \] ([^\s,]+)")
 # "[  FAILED  ] Prefix/Suite.Test/0, where GetParam() = ... (12 ms)": the name ends before the comma.
 END = re.compile(r"^\[ +(OK|FAILED|SKIPPED) +\] ([^\s,]+)(?:.* \((\d+) ms\))?")
@@ -40,7 +41,10 @@ def props(test):
 
 
 def group(tests):
-    """[(key, [(name, gtest_name or None, timeout)], command, env, cwd)]: suites grouped, scripts alone."""
+    """The groups to run, in ctest's order: dicts of their tests ([(ctest name, gtest name or None, timeout)]), the
+    command (the binary alone for a suite), environment, directory, whether GoogleTest's, RESOURCE_LOCKs,
+    SKIP_RETURN_CODE and estimated cost. A suite's tests with the same environment, directory and locks form one
+    group; every other test is a group of its own."""
     groups = {}
     order = []
     for t in tests:
@@ -72,8 +76,7 @@ def group(tests):
 
 
 class Result:
-    def __init__(self, g):
-        self.group = g
+    def __init__(self):
         self.status = {}  # ctest name -> Passed / Failed / Skipped / Timeout / Not run
         self.ms = {}
         self.output = []
@@ -82,7 +85,7 @@ class Result:
 
 
 def run_group(g, print_lock):
-    r = Result(g)
+    r = Result()
     by_gtest = {gt: (name, timeout) for name, gt, timeout in g["tests"]}
     env = dict(os.environ)
     for kv in g["env"]:
@@ -168,7 +171,7 @@ def run_group(g, print_lock):
         if died_in is not None and died_in not in r.status:
             r.status[died_in] = "Failed"
             r.note = f"the process ended (exit {rc}) in {died_in}"
-        elif all(s in ("Passed", "Skipped") for s in r.status.values()) and len(r.status) == len(g["tests"]):
+        elif all(s in PASSED for s in r.status.values()) and len(r.status) == len(g["tests"]):
             # Every test passed but the process failed (a sanitizer's report at exit): the group fails.
             for name, _, _ in g["tests"]:
                 r.status[name] = "Failed"
@@ -177,7 +180,7 @@ def run_group(g, print_lock):
             r.note = f"exit {rc}"
     for name, _, _ in g["tests"]:
         r.status.setdefault(name, "Not run")
-    failed = [n for n, s in r.status.items() if s not in ("Passed", "Skipped")]
+    failed = [n for n, s in r.status.items() if s not in PASSED]
     label = g["tests"][0][0] if not g["gtest"] else \
         f"{os.path.basename(g['command'][0])} {g['tests'][0][1].split('.')[0]}" + \
         (f" [{' '.join(g['env'])}]" if g["env"] else "")
@@ -233,7 +236,7 @@ def main():
             try:
                 r = run_group(g, print_lock)
             except Exception as e:  # the group's tests fail, naming why; the others still run
-                r = Result(g)
+                r = Result()
                 r.status = {n: "Failed" for n, _, _ in g["tests"]}
                 with print_lock:
                     print(f"FAILED {[n for n, _, _ in g['tests']]}: could not be run: {e!r}", flush=True)
@@ -251,7 +254,7 @@ def main():
         t.join()
     statuses = {t["name"]: "Not run" for t in tests}
     statuses.update((n, s) for r in results for n, s in r.status.items())
-    failed = sorted(n for n, s in statuses.items() if s not in ("Passed", "Skipped"))
+    failed = sorted(n for n, s in statuses.items() if s not in PASSED)
     passed = sum(1 for s in statuses.values() if s == "Passed")
     skipped = sum(1 for s in statuses.values() if s == "Skipped")
     slowest = sorted(((ms, n) for r in results for n, ms in r.ms.items()), reverse=True)[:10]

@@ -91,8 +91,8 @@ int train(const Args& args, int rank, int trainers) {
   // The smallest shard's full batches (the last trainer's: data.images.size(0) / trainers images, one fewer than the
   // first ones' when the trainers do not divide the set), not this shard's: every trainer takes as many steps, or in
   // sync mode the server's round would wait for a step that a trainer with a smaller shard never sends.
-  const int64_t smallest =
-      args.limit > 0 ? std::min(args.limit, data.images.size(0) / trainers) : data.images.size(0) / trainers;
+  int64_t smallest = data.images.size(0) / trainers;
+  if (args.limit > 0) smallest = std::min(smallest, args.limit);
   const int64_t steps_per_epoch = smallest / args.batch;
   if (steps_per_epoch == 0) {
     throw std::invalid_argument("--batch " + std::to_string(args.batch) + " is more than the smallest shard's " +
