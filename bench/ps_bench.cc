@@ -220,7 +220,7 @@ int main(int argc, char** argv) {
     examples::start_parameter_server(options);
     const double cpu0 = cpu_seconds(), wall0 = bench::now_us(), wait0 = runqueue_wait_seconds();
     if (!trace.empty()) tandem::profile::start();
-    if (!examples::wait_for_trainers(std::chrono::minutes(30))) return 1;
+    examples::wait_for_trainers(rpc::default_timeout());
     // The server's CPU time and its threads' waits per round (warm-up included), its share of the machine's 2 cores
     // over the run; read before the trace is written.
     const double cpu = cpu_seconds() - cpu0, wall = (bench::now_us() - wall0) / 1e6;

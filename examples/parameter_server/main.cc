@@ -210,8 +210,7 @@ int main(int argc, char** argv) {
                   args.mode.c_str(), args.batch, args.epochs);
       std::fflush(stdout);
       examples::start_parameter_server(options);
-      if (!examples::wait_for_trainers(std::chrono::hours(2)))
-        throw std::runtime_error("trainers did not finish in 2 h");
+      examples::wait_for_trainers(rpc_options.rpc_timeout);
     } else {
       code = train(args, rank, world - 1);
       examples::done();
@@ -220,6 +219,12 @@ int main(int argc, char** argv) {
     return code;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "parameter_server: %s\n", e.what());
+    examples::report_failure(e.what());  // a trainer's failure ends the server too (nothing on the server)
+    try {
+      if (rpc::is_initialized()) rpc::shutdown(false);  // the agent's threads stop before the process exits
+    } catch (const std::exception& stop) {
+      std::fprintf(stderr, "parameter_server: stopping RPC: %s\n", stop.what());
+    }
     return 1;
   }
 }

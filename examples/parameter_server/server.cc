@@ -6,6 +6,7 @@
 #include <atomic>
 #include <chrono>
 #include <map>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -41,8 +42,8 @@ struct Server {
   std::unique_ptr<torch::optim::Optimizer> optimizer;
   Dataset test;
   rpc::Future ready;  // completed with the model's RRef once built
+  // Completed once every trainer called done(); failed with the first trainer failure reported (ps.failed).
   rpc::Future finished;
-  std::atomic<int> done{0};
 
   Mutex mu;
   std::vector<at::Tensor> sum ABSL_GUARDED_BY(mu);  // the gradients of this round's trainers so far
@@ -61,6 +62,7 @@ struct Server {
   int64_t steps_timed ABSL_GUARDED_BY(mu) = 0;
   std::vector<rpc::Future> at_barrier ABSL_GUARDED_BY(mu);  // async checkpoints: trainers waiting for the others
   std::unique_ptr<checkpoint::Checkpointer> ckpt;           // with checkpoint_dir; saves under mu
+  std::set<int> done_ranks ABSL_GUARDED_BY(mu);             // the trainers that called done()
   checkpoint::State state;                                  // the model, the optimizer, rounds
 };
 
@@ -294,10 +296,17 @@ void register_parameter_server() {
     MutexLock lock(&s.mu);
     return static_cast<int64_t>(parameters_hash(*s.model.local_module()));
   });
-  rpc::register_function("ps.done", [] {
+  rpc::register_function("ps.done", [](int64_t rank) {
     Server& s = server();
-    if (s.done.fetch_add(1) + 1 == s.options.trainers) s.finished.set_value(c10::IValue());
+    MutexLock lock(&s.mu);
+    s.done_ranks.insert(static_cast<int>(rank));
+    if (static_cast<int>(s.done_ranks.size()) == s.options.trainers) s.finished.set_value(c10::IValue());
   });
+  rpc::register_function("ps.failed", [](int64_t rank, std::string why) {
+    server().finished.set_error(
+        absl::AbortedError(absl::StrCat("parameter server: ", trainer_name(static_cast<int>(rank)), " failed: ", why)));
+  });
+  rpc::register_function("ps.alive", [] {});
 }
 
 void start_parameter_server(const ServerOptions& options) {
@@ -342,9 +351,46 @@ nn::RemoteModule server_model() {
   return nn::RemoteModule::from_rref(rref::RRef::from_ivalue(rpc::rpc_sync("ps", "ps.model")));
 }
 
-bool wait_for_trainers(std::chrono::milliseconds timeout) { return server().finished.wait_for(timeout); }
+void wait_for_trainers(std::chrono::milliseconds probe_timeout) {
+  Server& s = server();
+  const auto every = std::min<std::chrono::milliseconds>(probe_timeout, std::chrono::seconds(1));
+  while (!s.finished.wait_for(every)) {
+    std::vector<std::pair<int, rpc::Future>> probes;
+    for (int rank = 1; rank <= s.options.trainers; ++rank) {
+      bool done;
+      {
+        MutexLock lock(&s.mu);
+        done = s.done_ranks.count(rank) > 0;
+      }
+      if (!done) probes.emplace_back(rank, rpc::call(rank, "ps.alive", {}, probe_timeout));
+    }
+    for (auto& [rank, probe] : probes) {
+      probe.wait_for(probe_timeout + std::chrono::seconds(5));  // the call's own deadline ends it first
+      if (probe.completed() && probe.status().ok()) continue;
+      MutexLock lock(&s.mu);
+      if (s.done_ranks.count(rank) > 0) continue;  // it finished (and may have left) meanwhile
+      throw_if_error(absl::UnavailableError(
+          absl::StrCat("parameter server: ", trainer_name(rank), " has not finished and does not answer: ",
+                       probe.completed() ? probe.status().ToString() : "no reply to its liveness call")));
+    }
+  }
+  throw_if_error(s.finished.status());
+}
 
-void done() { rpc::rpc_sync("ps", "ps.done"); }
+void done() { rpc::rpc_sync("ps", "ps.done", static_cast<int64_t>(rpc::get_worker_info().id)); }
+
+void report_failure(const std::string& why) noexcept {
+  try {
+    if (!rpc::is_initialized() || rpc::get_worker_info().id == 0) return;
+    // A server that is gone (the failure may be that) must not hold this trainer's exit long.
+    const auto timeout = std::min<std::chrono::milliseconds>(rpc::default_timeout(), std::chrono::seconds(5));
+    rpc::call("ps", "ps.failed", {c10::IValue(static_cast<int64_t>(rpc::get_worker_info().id)), c10::IValue(why)},
+              timeout)
+        .wait_for(timeout + std::chrono::seconds(1));
+  } catch (...) {
+    // best effort: the trainer's own exit status and message are what count
+  }
+}
 
 int64_t rounds_done() { return rpc::rpc_sync<int64_t>("ps", "ps.rounds"); }
 

@@ -55,8 +55,11 @@ void register_parameter_server();
 // On rank 0, after init_rpc: builds the model and starts serving trainers. Throws tandem::Error (INVALID_ARGUMENT,
 // naming the field) for options out of range, before any work.
 void start_parameter_server(const ServerOptions& options);
-// On rank 0: waits until every trainer called done() (false when `timeout` ran out first).
-bool wait_for_trainers(std::chrono::milliseconds timeout);
+// On rank 0: waits until every trainer called done(). Meanwhile, every second, it calls each trainer that has not
+// (ps.alive, within `probe_timeout`): throws tandem::Error naming the trainer when one reported its failure
+// (report_failure(), ABORTED with the trainer's reason) or did not answer (UNAVAILABLE with the call's error: it died
+// or hangs where no launcher ends the job). No other bound: a job trains as long as its trainers live.
+void wait_for_trainers(std::chrono::milliseconds probe_timeout);
 
 // Trainer side.
 nn::RemoteModule server_model();  // the model on "ps"
@@ -66,5 +69,8 @@ void checkpoint_barrier(int64_t step);
 uint64_t model_hash();  // parameters_hash (examples/data/cnn.h) of the server's model
 double evaluate();      // test accuracy of the current model, computed on the server
 void done();            // this trainer has finished
+// A trainer that fails tells the server why (best effort, within min(RPC's timeout, 5 s); never throws), so that the
+// server ends at once naming it, also where no launcher ends the job.
+void report_failure(const std::string& why) noexcept;
 
 }  // namespace tandem::examples

@@ -40,22 +40,7 @@ fail() {
   for f in "$dir"/*.log; do [ -f "$f" ] && { echo "--- $f"; tail -60 "$f"; }; done
   exit 1
 }
-# A free port below the kernel's ephemeral range (ip_local_port_range): the ports every other test and launcher
-# picks with bind(0) come from that range, so none of them can take this one between now and its use.
-free_port() {
-  python3 -c '
-import random, socket
-low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
-for _ in range(1000):
-    p = random.randrange(10000, low)
-    with socket.socket() as s:
-        try:
-            s.bind(("", p))  # every local address, as rpc::net::pick_listen_port checks
-        except OSError:
-            continue
-    print(p)
-    break'
-}
+source "$(dirname "$0")/../common/free_port.sh"
 port=$(free_port)
 backend=${RDZV_BACKEND:-c10d}
 if [ "$backend" = etcd ]; then
