@@ -122,7 +122,9 @@ absl::Status Encoder::encode_tensor(const at::Tensor& t, Payload* payload, uint3
   }
   meta->set_offset(payload_bytes_);
   payload_bytes_ = align_up(payload_bytes_ + c.nbytes());
-  if (c.nbytes() > 0) tensors_.push_back(c.detach());
+  // Its storage keeps the bytes alive until they are written: no tensor made for it (a detach() was 7% of a small
+  // call's CPU on the serving side).
+  if (c.nbytes() > 0) tensors_.push_back({c.storage(), c.data_ptr(), c.nbytes()});
   return absl::OkStatus();
 }
 
@@ -193,10 +195,10 @@ grpc::ByteBuffer Encoder::frame(const google::protobuf::MessageLite& header) {
   slices.emplace_back(std::move(head));
   static const char kZeros[kAlign] = {};
   for (auto& t : tensors_) {
-    auto* keep = new at::Tensor(std::move(t));
-    const size_t n = keep->nbytes();
+    auto* keep = new c10::Storage(std::move(t.storage));
+    const size_t n = t.nbytes;
     slices.emplace_back(
-        keep->data_ptr(), n, [](void* p) { delete static_cast<at::Tensor*>(p); }, keep);
+        const_cast<void*>(t.data), n, [](void* p) { delete static_cast<c10::Storage*>(p); }, keep);
     if (const size_t pad = align_up(n) - n) slices.emplace_back(kZeros, pad, grpc::Slice::STATIC_SLICE);
   }
   tensors_.clear();

@@ -14,6 +14,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/ivalue.h>
+#include <c10/core/Storage.h>
 #include <grpcpp/support/byte_buffer.h>
 #include <sys/types.h>
 
@@ -55,7 +56,12 @@ class Encoder {
   absl::Status encode_tensor(const at::Tensor& t, tandem::wire::Payload* payload, uint32_t* index);
   const uint64_t by_reference_min_bytes_;
   const int to_;
-  std::vector<at::Tensor> tensors_;
+  struct Queued {  // a tensor's bytes queued for the frame, and the storage that holds them
+    c10::Storage storage;
+    const void* data;
+    size_t nbytes;
+  };
+  std::vector<Queued> tensors_;
   std::vector<at::Tensor> referenced_;
   std::vector<at::Tensor> sent_;
   std::vector<std::pair<const void*, uint32_t>> seen_;  // TensorImpl -> index: a tensor sent twice is sent once
