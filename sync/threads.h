@@ -25,7 +25,15 @@ class ReapedThreads {
   explicit ReapedThreads(size_t max_running = std::numeric_limits<size_t>::max()) : max_running_(max_running) {}
   ReapedThreads(const ReapedThreads&) = delete;
   ReapedThreads& operator=(const ReapedThreads&) = delete;
-  ~ReapedThreads() { join_all(); }
+  // Joins until none is left: work still running may start more while the others are joined (one join_all() left
+  // those in the list, and a std::thread destroyed unjoined ends the process).
+  ~ReapedThreads() {
+    for (;;) {
+      join_all();
+      MutexLock lock(&mu_);
+      if (threads_.empty()) return;
+    }
+  }
 
   // Runs `work` on a thread of its own; first joins the threads whose work has ended. Throws std::system_error when no
   // thread can be made.

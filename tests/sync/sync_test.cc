@@ -3,11 +3,14 @@
 // CondVar are not reported, while the same counter unguarded is (each case runs in a child process, so a report, which
 // ends the process under halt_on_error, is the child's exit status and its output).
 #include "tandem/sync/sync.h"
+#include "tandem/sync/threads.h"
 
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -179,6 +182,23 @@ TEST(UnitSync, ThreadSanitizerSeesTheirOrderingsAndStillReportsARace) {
   EXPECT_NE(racy.output.find("ThreadSanitizer: data race"), std::string::npos)
       << "an unguarded counter was not reported; exit " << racy.exit_code << ":\n"
       << racy.output;
+}
+
+// Work that starts more work while the set is destroyed: the destructor joins that thread too (it joined once, and the
+// second thread's std::thread was destroyed unjoined: std::terminate).
+TEST(UnitSync, ReapedThreadsJoinWorkStartedWhileTheyAreDestroyed) {
+  std::atomic<bool> second_ran{false};
+  {
+    ReapedThreads threads;
+    threads.start([&] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));  // the destructor is joining this thread by now
+      threads.start([&] {
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+        second_ran = true;
+      });
+    });
+  }
+  EXPECT_TRUE(second_ran.load());
 }
 
 }  // namespace
