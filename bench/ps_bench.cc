@@ -38,7 +38,9 @@
 
 #include <dirent.h>
 #include <sys/resource.h>
+#include <chrono>
 #include <condition_variable>
+#include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <mutex>
@@ -220,7 +222,13 @@ int main(int argc, char** argv) {
     examples::start_parameter_server(options);
     const double cpu0 = cpu_seconds(), wall0 = bench::now_us(), wait0 = runqueue_wait_seconds();
     if (!trace.empty()) tandem::profile::start();
-    examples::wait_for_trainers(rpc::default_timeout());
+    try {
+      examples::wait_for_trainers(rpc::default_timeout() + std::chrono::seconds(5));
+    } catch (const std::exception& e) {  // a trainer failed or is gone: said, and this rank fails too
+      std::fprintf(stderr, "ps_bench: %s\n", e.what());
+      rpc::shutdown(false);
+      return 1;
+    }
     // The server's CPU time and its threads' waits per round (warm-up included), its share of the machine's 2 cores
     // over the run; read before the trace is written.
     const double cpu = cpu_seconds() - cpu0, wall = (bench::now_us() - wall0) / 1e6;

@@ -269,6 +269,7 @@ Future Agent::call_and_wait(const To& to, const std::string& function, std::vect
   const bool slow = out->record.recorder->last() > kSpinlessAfter * options_.sync_spin;
   const std::chrono::microseconds spin =
       slow && ++spinless % kSpinProbeEvery != 0 ? std::chrono::microseconds(0) : options_.sync_spin;
+  if (spin.count() > 0) sync_calls_spun_.fetch_add(1, std::memory_order_relaxed);
   auto reply = out->route->call_sync(peer, function, std::move(out->frame), deadline, spin);
   referenced.clear();
   std::vector<Future> wait;

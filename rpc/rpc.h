@@ -206,6 +206,9 @@ struct TransportStats {
   // Calls received here refused because their caller had let go of the tensors it sent by reference before they
   // were read (its call had ended: timed out or cancelled; rpc/detail/lease.h): not run.
   int64_t leases_lapsed = 0;
+  // rpc_sync calls let poll for their reply before they sleep (RpcOptions::sync_spin; only the direct channel polls):
+  // not those whose function's last reply took far longer than the spin, which sleep at once.
+  int64_t sync_calls_spun = 0;
 };
 TransportStats transport_stats();
 

@@ -210,7 +210,9 @@ int main(int argc, char** argv) {
                   args.mode.c_str(), args.batch, args.epochs);
       std::fflush(stdout);
       examples::start_parameter_server(options);
-      examples::wait_for_trainers(rpc_options.rpc_timeout);
+      // Longer than a synchronous round waits for a trainer that hangs (it gives up before its trainers' calls time
+      // out and fails them naming it): that error, with its cause, reaches the server first (report_failure()).
+      examples::wait_for_trainers(rpc_options.rpc_timeout + std::chrono::seconds(5));
     } else {
       code = train(args, rank, world - 1);
       examples::done();

@@ -353,25 +353,28 @@ nn::RemoteModule server_model() {
 
 void wait_for_trainers(std::chrono::milliseconds probe_timeout) {
   Server& s = server();
-  const auto every = std::min<std::chrono::milliseconds>(probe_timeout, std::chrono::seconds(1));
-  while (!s.finished.wait_for(every)) {
-    std::vector<std::pair<int, rpc::Future>> probes;
+  // One probe in flight per trainer that has not finished; the loop looks every second and never waits on a probe, so
+  // a trainer's reported failure (finished's error) is seen within a second even while another trainer hangs.
+  std::map<int, rpc::Future> probes;
+  while (!s.finished.wait_for(std::chrono::seconds(1))) {
     for (int rank = 1; rank <= s.options.trainers; ++rank) {
-      bool done;
       {
         MutexLock lock(&s.mu);
-        done = s.done_ranks.count(rank) > 0;
+        if (s.done_ranks.count(rank) > 0) {  // checked after its probe failed too: it may have finished and left
+          probes.erase(rank);
+          continue;
+        }
       }
-      if (!done) probes.emplace_back(rank, rpc::call(rank, "ps.alive", {}, probe_timeout));
-    }
-    for (auto& [rank, probe] : probes) {
-      probe.wait_for(probe_timeout + std::chrono::seconds(5));  // the call's own deadline ends it first
-      if (probe.completed() && probe.status().ok()) continue;
-      MutexLock lock(&s.mu);
-      if (s.done_ranks.count(rank) > 0) continue;  // it finished (and may have left) meanwhile
+      auto it = probes.find(rank);
+      if (it != probes.end() && !it->second.completed()) continue;  // within its timeout
+      if (it == probes.end() || it->second.status().ok()) {
+        probes[rank] = rpc::call(rank, "ps.alive", {}, probe_timeout);
+        continue;
+      }
+      if (s.finished.completed()) break;  // a failure reported meanwhile says more than the probe's error
       throw_if_error(absl::UnavailableError(
-          absl::StrCat("parameter server: ", trainer_name(rank), " has not finished and does not answer: ",
-                       probe.completed() ? probe.status().ToString() : "no reply to its liveness call")));
+          absl::StrCat("parameter server: ", trainer_name(rank),
+                       " has not finished and does not answer: ", it->second.status().ToString())));
     }
   }
   throw_if_error(s.finished.status());

@@ -55,10 +55,11 @@ void register_parameter_server();
 // On rank 0, after init_rpc: builds the model and starts serving trainers. Throws tandem::Error (INVALID_ARGUMENT,
 // naming the field) for options out of range, before any work.
 void start_parameter_server(const ServerOptions& options);
-// On rank 0: waits until every trainer called done(). Meanwhile, every second, it calls each trainer that has not
-// (ps.alive, within `probe_timeout`): throws tandem::Error naming the trainer when one reported its failure
-// (report_failure(), ABORTED with the trainer's reason) or did not answer (UNAVAILABLE with the call's error: it died
-// or hangs where no launcher ends the job). No other bound: a job trains as long as its trainers live.
+// On rank 0: waits until every trainer called done(). Meanwhile it keeps a call to each trainer that has not in flight
+// (ps.alive, each within `probe_timeout`, the next once it is answered; looked at every second): throws tandem::Error
+// naming the trainer when one reported its failure (report_failure(), ABORTED with the trainer's reason; it wins over
+// a probe's error) or did not answer (UNAVAILABLE with the call's error: it died, or hangs where no launcher ends the
+// job). No other bound: a job trains as long as its trainers live.
 void wait_for_trainers(std::chrono::milliseconds probe_timeout);
 
 // Trainer side.

@@ -76,8 +76,9 @@ class Agent {
   const char* route(int peer) const { return peers_[peer].transport->kind_for(peer); }
   TransportStats stats() const {
     const direct::Channel::PlaceCounts places = direct_ ? direct_->place_counts() : direct::Channel::PlaceCounts{};
-    return {grpc_calls_.load(),      direct_calls_.load(), by_reference_.load(),    oneway_failures_.load(),
-            inline_messages_.load(), places.lent,          places.presumed_blocked, leases_lapsed_.load()};
+    return {grpc_calls_.load(),      direct_calls_.load(),    by_reference_.load(),
+            oneway_failures_.load(), inline_messages_.load(), places.lent,
+            places.presumed_blocked, leases_lapsed_.load(),   sync_calls_spun_.load()};
   }
 
   // True when everything outstanding was released (safe to delete).
@@ -265,7 +266,7 @@ class Agent {
   std::map<InCall*, std::shared_ptr<InCall>> in_calls_ ABSL_GUARDED_BY(mu_);
   bool stopped_ ABSL_GUARDED_BY(mu_) = false;
   std::atomic<int64_t> grpc_calls_{0}, direct_calls_{0}, by_reference_{0}, oneway_failures_{0}, inline_messages_{0},
-      leases_lapsed_{0};
+      leases_lapsed_{0}, sync_calls_spun_{0};
   bool stopped_cleanly_ = false;
   Notification ready_;
 };

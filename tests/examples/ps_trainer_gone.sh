@@ -46,6 +46,9 @@ done
 [ -n "$victim" ] || fail "no rank 2 under node 1's launcher"
 kill -KILL "$victim"
 start=$SECONDS
+# Bounded, so that a server that keeps waiting fails here with both logs, not at ctest's timeout without them.
+while kill -0 "$node0" 2>/dev/null && [ $((SECONDS - start)) -lt 60 ]; do sleep 0.2; done
+kill -0 "$node0" 2>/dev/null && fail "node 0 still runs 60 s after trainer 2 was killed"
 code=0
 wait "$node0" || code=$?
 took=$((SECONDS - start))

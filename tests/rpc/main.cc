@@ -215,10 +215,14 @@ void register_test_functions() {
   rpc::register_function("add", [](at::Tensor a, at::Tensor b) { return a + b; });
   rpc::register_function("whoami", [] { return rpc::get_worker_info().name; });
   rpc::register_function("caller", [] { return rpc::current_call()->caller_name; });
-  rpc::register_function("sleep_ms", [](int64_t ms) {
+  auto sleep_ms = [](int64_t ms) {
     std::this_thread::sleep_for(std::chrono::milliseconds(ms));
     return rpc::get_worker_info().id;
-  });
+  };
+  rpc::register_function("sleep_ms", sleep_ms);
+  // The same under a name only MultiprocRpc.SyncCallsDoNotSpinForRepliesKnownToBeSlow calls: a caller keeps each
+  // function's last reply time (whether rpc_sync spins), and a test process runs its suite's other tests too.
+  rpc::register_function("spin_probe", sleep_ms);
   // Counts its calls in this process: how many times a request ran (duplicated, reordered); "bumps" reads the count,
   // "bump_tensor"(tensor) counts one too.
   static std::atomic<int64_t> bumps{0};

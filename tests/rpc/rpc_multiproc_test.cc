@@ -36,26 +36,32 @@ TEST_F(MultiprocRpc, SyncAsyncAndWorkerInfo) {
 }
 
 // rpc_sync spins for a quick reply, and not for one its last call showed to be slow (a parameter server's forward
-// pass): the spin would only take CPU from the callee on the same cores. Its CPU time tells which it did.
+// pass): the spin would only take CPU from the callee on the same cores. The transport's count says whether a call was
+// let spin; the second call's CPU time shows that it did not (a busy machine can only make that smaller). The calls
+// run on a thread of their own: every kSpinProbeEvery-th slow call of a thread spins anyway, counted per thread, and
+// this process may have run other tests' calls before (the function's last reply is its own, "spin_probe").
 TEST_F(MultiprocRpc, SyncCallsDoNotSpinForRepliesKnownToBeSlow) {
   rpc::RpcOptions options = options_from_env();
   options.sync_spin = milliseconds(50);
   start({.world_size = 2}, options);
   if (rpc::transport_to("worker1") == "grpc")
     GTEST_SKIP() << "calls over gRPC never spin (sync_spin is the direct channel's)";
-  auto cpu_ms = [] {
-    timespec t{};
-    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
-    return static_cast<double>(t.tv_sec) * 1e3 + static_cast<double>(t.tv_nsec) / 1e6;
-  };
-  double before = cpu_ms();
-  EXPECT_EQ(rpc::rpc_sync<int64_t>("worker1", "sleep_ms", int64_t{300}), 1);  // spins 50 ms: nothing known yet
-  // At least a tenth of the spin, even if this thread shared its core with other tests' processes all along.
-  EXPECT_GT(cpu_ms() - before, 5.0);
-  before = cpu_ms();
-  EXPECT_EQ(rpc::rpc_sync<int64_t>("worker1", "sleep_ms", int64_t{300}), 1);
-  // Spinning would be about 50 ms of CPU; sleeping, the call's own work (well under a millisecond here).
-  EXPECT_LT(cpu_ms() - before, 10.0);
+  std::thread([] {
+    auto cpu_ms = [] {
+      timespec t{};
+      clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+      return static_cast<double>(t.tv_sec) * 1e3 + static_cast<double>(t.tv_nsec) / 1e6;
+    };
+    int64_t spun = rpc::transport_stats().sync_calls_spun;
+    EXPECT_EQ(rpc::rpc_sync<int64_t>("worker1", "spin_probe", int64_t{300}), 1);  // spins 50 ms: nothing known yet
+    EXPECT_EQ(rpc::transport_stats().sync_calls_spun, spun + 1);
+    spun = rpc::transport_stats().sync_calls_spun;
+    const double before = cpu_ms();
+    EXPECT_EQ(rpc::rpc_sync<int64_t>("worker1", "spin_probe", int64_t{300}), 1);
+    EXPECT_EQ(rpc::transport_stats().sync_calls_spun, spun);
+    // Spinning would be about 50 ms of CPU; sleeping, the call's own work (well under a millisecond here).
+    EXPECT_LT(cpu_ms() - before, 10.0);
+  }).join();
 }
 
 TEST_F(MultiprocRpc, EveryDtypeAndViewRoundTripsBitExact) {

@@ -188,15 +188,18 @@ TEST(UnitSync, ThreadSanitizerSeesTheirOrderingsAndStillReportsARace) {
 // second thread's std::thread was destroyed unjoined: std::terminate).
 TEST(UnitSync, ReapedThreadsJoinWorkStartedWhileTheyAreDestroyed) {
   std::atomic<bool> second_ran{false};
+  std::atomic<bool> leaving{false};
   {
     ReapedThreads threads;
     threads.start([&] {
+      while (!leaving.load()) std::this_thread::yield();
       std::this_thread::sleep_for(std::chrono::milliseconds(100));  // the destructor is joining this thread by now
       threads.start([&] {
         std::this_thread::sleep_for(std::chrono::milliseconds(20));
         second_ran = true;
       });
     });
+    leaving = true;  // the scope ends next: the destructor runs
   }
   EXPECT_TRUE(second_ran.load());
 }
