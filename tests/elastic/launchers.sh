@@ -40,7 +40,7 @@ fail() {
   for f in "$dir"/*.log; do [ -f "$f" ] && { echo "--- $f"; tail -60 "$f"; }; done
   exit 1
 }
-source "$(dirname "$0")/../common/free_port.sh"
+source "$(dirname "$0")/../common/jobs.sh"
 port=$(free_port)
 backend=${RDZV_BACKEND:-c10d}
 if [ "$backend" = etcd ]; then
@@ -65,12 +65,6 @@ launch() {
   "$run" --nproc-per-node 1 --rdzv-backend "$backend" --rdzv-endpoint "127.0.0.1:$port" --rdzv-conf "$conf" \
     --monitor-interval 0.1 "$@" >"$log" 2>&1 &
   pids+=($!)
-}
-# The pid of the worker with RANK=<rank> under launcher <pid> (empty when none).
-worker_of() {
-  for p in $(pgrep -P "$1"); do
-    if grep -qx "RANK=$2" <<<"$(tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null)"; then echo "$p"; fi
-  done
 }
 wait_for() {  # wait_for <seconds, scaled> <test command...>
   local limit=$1

@@ -16,6 +16,7 @@
 #     three failures.
 set -euo pipefail
 mode=$1 run=$2
+source "$(dirname "$0")/../common/jobs.sh"
 dir=$(mktemp -d)
 trap 'rm -rf "$dir"; [ -n "${launcher:-}" ] && kill "$launcher" 2>/dev/null || true' EXIT
 fail() { echo "elastic_restart: $*" >&2; for f in "$dir"/*.log; do [ -f "$f" ] && { echo "--- $f"; cat "$f"; }; done; exit 1; }
@@ -52,10 +53,8 @@ kill_and_resume() {
   # The launcher keeps one warm standby per worker (tools/tandem_run.cc) a second into the round: wait for them, so
   # that the restart takes the standby path (the workers then get their variables before main).
   for _ in $(seq 200); do [ "$(pgrep -P "$launcher" | wc -l)" -ge $((2 * nproc)) ] && break; sleep 0.05; done
-  local victim=""
-  for pid in $(pgrep -P "$launcher"); do
-    if grep -qx "RANK=$rank" <<<"$(tr '\0' '\n' <"/proc/$pid/environ" 2>/dev/null)"; then victim=$pid; fi
-  done
+  local victim
+  victim=$(worker_of "$launcher" "$rank" | tail -1)
   [ -n "$victim" ] || fail "no rank $rank under the launcher"
   kill -9 "$victim"
   local code=0

@@ -7,6 +7,7 @@
 # that error (and tells the server, which ends too), and the launcher ends the job.
 set -euo pipefail
 run=$1 ps=$2
+source "$(dirname "$0")/../common/jobs.sh"
 dir=$(mktemp -d)
 victim=""
 cleanup() {
@@ -29,9 +30,7 @@ for _ in $(seq 1200); do
   sleep 0.05
 done
 saved || fail "round 8 was never saved"
-for pid in $(pgrep -P "$launcher"); do
-  if grep -qx "RANK=2" <<<"$(tr '\0' '\n' <"/proc/$pid/environ" 2>/dev/null)"; then victim=$pid; fi
-done
+victim=$(worker_of "$launcher" 2 | tail -1)
 [ -n "$victim" ] || fail "no rank 2 under the launcher"
 kill -STOP "$victim"
 code=0

@@ -3,12 +3,11 @@
 # under one tandem-run (node 0), trainers 2 and 3 under another (node 1), as on two machines:
 #   ps_trainer_gone.sh <tandem-run> <parameter_server>
 # Once training runs, trainer 2's process is killed (SIGKILL). Its launcher ends (and stops trainer 3); node 0's
-# does not know. The server
-# (asynchronous mode: trainer 1 does not wait for trainer 2) must fail within seconds naming trainer 2, not wait for
-# it (it waited 2 h).
+# does not know. The server (asynchronous mode: trainer 1 does not wait for trainer 2) must fail within seconds naming
+# trainer 2, not wait for it (it waited 2 h).
 set -euo pipefail
 run=$1 ps=$2
-source "$(dirname "$0")/../common/free_port.sh"
+source "$(dirname "$0")/../common/jobs.sh"
 dir=$(mktemp -d)
 pids=()
 cleanup() {
@@ -39,10 +38,7 @@ for _ in $(seq 1200); do
   sleep 0.1
 done
 grep -q "epoch 1/" "$dir/node0.log" || fail "no epoch in 120 s"
-victim=""
-for pid in $(pgrep -P "$node1"); do
-  if grep -qx "RANK=2" <<<"$(tr '\0' '\n' <"/proc/$pid/environ" 2>/dev/null)"; then victim=$pid; fi
-done
+victim=$(worker_of "$node1" 2 | tail -1)
 [ -n "$victim" ] || fail "no rank 2 under node 1's launcher"
 kill -KILL "$victim"
 start=$SECONDS
