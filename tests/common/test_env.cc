@@ -1,6 +1,7 @@
 #include "tests/common/test_env.h"
 
 #include "tests/common/spawner.h"
+#include "tests/common/time_scale.h"
 
 #include <gtest/gtest.h>
 
@@ -29,7 +30,13 @@ int run_worker_job(const std::function<void()>& body) {
   try {
     const int rank = env_int("RANK", 0);
     const char* name = std::getenv("TANDEM_TEST_NAME");
-    rpc::init_rpc(name ? name : "worker" + std::to_string(rank), rank, env_int("WORLD_SIZE", 1), options_from_env());
+    rpc::RpcOptions options = options_from_env();
+    // The worker waits in its graceful shutdown's barrier while the test's body runs on rank 0: that wait is slack for
+    // the body's work, so unless the test set the bound it grows with TANDEM_TEST_TIME_SCALE (under TSan a body of
+    // 10,000 calls ran past an unscaled 60 s and the workers stopped serving under it). Rank 0's own bound stays: it
+    // waits there for workers that may be dead.
+    if (env_int("TANDEM_TEST_SHUTDOWN_MS", 0) <= 0) options.shutdown_timeout = scaled(options.shutdown_timeout);
+    rpc::init_rpc(name ? name : "worker" + std::to_string(rank), rank, env_int("WORLD_SIZE", 1), std::move(options));
     body();
     rpc::shutdown(true);
     return 0;

@@ -29,7 +29,8 @@ void register_die_in();
 // Registers the functions every test worker serves (echo, add, sleep_ms, throw_error, ...).
 void register_test_functions();
 // A worker process of a test job: init_rpc from the environment (name "worker<RANK>" unless TANDEM_TEST_NAME), then
-// `body`, then a graceful shutdown. Returns the exit code: 0, or 3 after printing the error.
+// `body`, then a graceful shutdown (its bound scaled by TANDEM_TEST_TIME_SCALE unless TANDEM_TEST_SHUTDOWN_MS sets
+// it). Returns the exit code: 0, or 3 after printing the error.
 int run_worker_job(const std::function<void()>& body);
 
 // The main of a module's test binary: a worker forked by the fork server (spawner.h), or `--worker <scenario>`, runs
