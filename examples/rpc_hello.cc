@@ -11,7 +11,7 @@
 namespace rpc = tandem::rpc;
 using namespace std::chrono_literals;
 
-int main() {
+int main() try {
   // 1. Functions peers may call, by name, with typed signatures.
   rpc::register_function("add", [](at::Tensor a, at::Tensor b) { return a + b; });
   rpc::register_function("describe", [](std::string who, std::vector<int64_t> shape) {
@@ -52,4 +52,8 @@ int main() {
   rpc::shutdown();
   std::cout << me.name << " done\n";
   return 0;
+} catch (const std::exception& e) {  // outside a launcher, a peer gone, ...: the error names the worker and call
+  std::cerr << "rpc_hello: " << e.what() << "\n";
+  if (rpc::is_initialized()) rpc::shutdown(/*graceful=*/false);
+  return 1;
 }
