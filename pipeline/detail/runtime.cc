@@ -264,24 +264,33 @@ int tied_parameter_index(int64_t pipe, int stage, const std::string& name) {
       absl::InvalidArgumentError(absl::StrCat("stage ", stage, " on worker '", self_name(), "' has no parameter '",
                                               name, "' to tie (it has: ", absl::StrJoin(names, ", "), ")")));
 }
-// A replicated stage's group, and the last step before `through` whose sum across the replicas this worker took its
-// turn in (-1: none yet); `through` becomes the last (Run::take_turns posts the turns between). No group: the stage
-// is not replicated, or its pipeline is not held here.
+// A replicated stage's group, and the last step whose sum across the replicas this worker took its turn in (-1: none
+// yet; Run::take_turns posts the turns after it). No group: the stage is not replicated, or its pipeline is not held
+// here.
 struct SumTurns {
   std::shared_ptr<comm::ProcessGroup> group;
   int64_t after = -1;
 };
-SumTurns claim_sum_turns(int64_t pipe, int stage, int64_t through) {
-  return with_pipe(pipe, [stage, through](PipeEntry* e) {
+SumTurns sum_turns(int64_t pipe, int stage) {
+  return with_pipe(pipe, [stage](PipeEntry* e) {
     SumTurns turns;
     if (!e) return turns;
     auto g = e->replica_groups.find(stage);
     if (g == e->replica_groups.end()) return turns;
-    int64_t& last = e->summed_through.try_emplace(stage, -1).first->second;
     turns.group = g->second;
-    turns.after = last;
-    last = std::max(last, through);
+    turns.after = e->summed_through.try_emplace(stage, -1).first->second;
     return turns;
+  });
+}
+// This worker's turn of `step` in `stage`'s sums is posted. Recorded only then: a turn whose post threw is taken again,
+// with zeros, by the next run here, so that the group's collectives stay paired step with step.
+void note_summed(int64_t pipe, int stage, int64_t step) {
+  with_pipe(pipe, [stage, step](PipeEntry* e) {
+    if (e) {
+      int64_t& last = e->summed_through.try_emplace(stage, -1).first->second;
+      last = std::max(last, step);
+    }
+    return 0;
   });
 }
 // Records that the run of step `step` of `pipe` came here; false when the run of this step or of a later one came
@@ -566,7 +575,7 @@ class Run {
   // `through` == p_.step: this step's own turn too, with the gradients unless !ok, returned. Throws ABORTED naming the
   // stage, worker and step when this step had its turn already (its plan came twice).
   std::optional<Reduction> take_turns(int stage, int64_t through, bool ok) {
-    const SumTurns turns = claim_sum_turns(p_.pipe, stage, through);
+    const SumTurns turns = sum_turns(p_.pipe, stage);
     if (!turns.group) return std::nullopt;
     if (through == p_.step && turns.after >= p_.step) {
       throw RpcError(absl::AbortedError(absl::StrCat("stage ", stage, " on worker '", self_name(), "', step ", p_.step,
@@ -575,9 +584,12 @@ class Run {
     }
     for (int64_t missed = turns.after + 1; missed < p_.step && missed <= through; ++missed) {
       (void)post_sum(*turns.group, stage, missed, false);
+      note_summed(p_.pipe, stage, missed);
     }
     if (through < p_.step) return std::nullopt;
-    return post_sum(*turns.group, stage, p_.step, ok);
+    Reduction r = post_sum(*turns.group, stage, p_.step, ok);
+    note_summed(p_.pipe, stage, p_.step);
+    return r;
   }
 
   // The turns of the steps before this one that had none here, for every replicated stage of this run, before it
@@ -609,14 +621,17 @@ class Run {
     Reduction r;
     r.stage = stage, r.replicas = group.size(), r.start_us = now_us();
     r.control = at::tensor({ok ? 1.0 : 0.0, static_cast<double>(step)}, at::kDouble);
-    r.control_done = group.allreduce(r.control, comm::ReduceOp::kSum);
-    r.control_done.add_callback([t = r.control](const rpc::Future&) {});  // alive until the group is done with it
+    // All or nothing: the bucket first (the operation that may be refused, e.g. a dtype collectives do not support, and
+    // whose concatenation may fail to allocate), so that a post that throws has posted nothing and the turn can be
+    // taken again.
     if (!flat.empty()) {
       r.bucket = at::cat(flat);
       r.done = group.allreduce(r.bucket, comm::ReduceOp::kSum);
-      r.done.add_callback([t = r.bucket](const rpc::Future&) {});
+      r.done.add_callback([t = r.bucket](const rpc::Future&) {});  // alive until the group is done with it
     }
-    (r.bucket.defined() ? r.done : r.control_done).add_callback([end = r.end_us](const rpc::Future&) {
+    r.control_done = group.allreduce(r.control, comm::ReduceOp::kSum);
+    r.control_done.add_callback([t = r.control](const rpc::Future&) {});
+    r.control_done.add_callback([end = r.end_us](const rpc::Future&) {  // the later of the two in the group's order
       end->store(now_us());
     });
     return r;
@@ -658,8 +673,10 @@ class Run {
   void finish_reductions() {
     for (Reduction& r : reductions_) {
       const std::string stage_here = absl::StrCat("stage ", r.stage, " on worker '", self_name(), "'");
-      wait_reduction(r.control_done, stage_here);
+      // In the order they were posted: the group runs them in that order and a failure breaks it, so the first one
+      // waited for carries the failure's own error (the later one's says only that the group failed earlier).
       if (r.bucket.defined()) wait_reduction(r.done, stage_here);
+      wait_reduction(r.control_done, stage_here);
       if (r.control[0].item<double>() < r.replicas - 0.5) {
         throw RpcError(
             absl::AbortedError(absl::StrCat(stage_here, ": another replica's run of this stage failed this step")));

@@ -432,6 +432,26 @@ TEST_F(MultiprocPipeline, AReplicaThatFailsAbandonsEveryReplicasStepAtOnce) {
   a_replica_fails_then_the_next_step_works();
 }
 
+// A turn in a stage's sum whose post throws (here: a failed run's zeros are complex, which collectives refuse) is taken
+// again, with zeros, by that worker's next run: the sums stay paired step with step and the next step works. Before,
+// the turn counted as taken when claimed (and its control sum was posted before the bucket was refused): the next
+// step's sums paired with the other replica's leftover ones and failed.
+TEST_F(MultiprocPipeline, ASumTurnWhosePostThrowsIsTakenAgainByTheNextRun) {
+  start({.world_size = 5});
+  auto pipe = faulty_replicas();
+  expect_the_whole_batchs_step(pipe);
+  const int64_t id = pipe.replica(1).id();  // its stage 1 is on worker4
+  rpc::rpc_sync(4, "pipe_complex_param", id, int64_t{1}, std::string("lin.weight"), true);
+  {
+    dist_autograd::ContextGuard ctx;
+    EXPECT_THROW(pipe.step(at::ones({8, 4}, at::kDouble), at::zeros({8, 4}, at::kDouble)), RpcError);
+  }
+  rpc::rpc_sync(4, "pipe_complex_param", id, int64_t{1}, std::string("lin.weight"), false);
+  const auto t0 = Clock::now();
+  expect_the_whole_batchs_step(pipe);
+  EXPECT_LT(Clock::now() - t0, scaled(milliseconds(5000)));  // no sum waited (the timeout is 30 s)
+}
+
 // As above, with the plan of one stage worker held back 1 s (scaled), so that the step's abort reaches that worker
 // before its plan: the run it then queues still takes part in its stage's sums with zeros (before, it refused at once
 // and posted none: the next step's sums paired with the other replica's leftover ones and failed, and that replica's

@@ -232,6 +232,14 @@ void register_pipeline_stages() {
     at::Tensor p = m->named_parameters()[name];
     p.set_data(at::ones({1}, at::TensorOptions().dtype(p.scalar_type())));
   });
+  // Parameter `name` of a stage held here as complex128 (`complex`) or back as float64 (its real part): its forward
+  // then throws, and its zeros in the replicas' sum have a dtype collectives refuse (the post of its turn throws).
+  rpc::register_function("pipe_complex_param", [](int64_t pipe, int64_t stage, std::string name, bool complex) {
+    auto m = pipeline::local_stage(pipe, static_cast<int>(stage));
+    if (!m) throw std::invalid_argument("no such stage here");
+    at::Tensor p = m->named_parameters()[name];
+    p.set_data(complex ? p.detach().to(at::kComplexDouble) : at::real(p.detach()).clone());
+  });
   rpc::register_function("pipe_slow_forwards", [] { return slow_forwards.load(); });
   rpc::register_function("pipe_slow_log", [] {
     std::lock_guard<std::mutex> lock(slow_log_mu);
