@@ -4,6 +4,9 @@
 #endif
 #include <grpcpp/impl/codegen/service_type.h>
 
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <cstdlib>
 
 #include "absl/strings/numbers.h"
@@ -78,6 +81,14 @@ void at_exit_shutdown() {
   metrics::stop_writer();  // its last write, and no thread left running into the exit
 }
 
+// exit() destroys the calling thread's thread_locals before it runs any atexit handler or static destructor (glibc's
+// __call_tls_dtors; C++ [basic.start.term]). So a guard on the main thread stops RPC while every static is alive, also
+// those first built after init_rpc (a function-local static of a registered function, LibTorch's), whose destructors
+// run before an atexit handler registered by init_rpc: the agent's threads ran on into them (SIGSEGV in exit).
+struct StopRpcAtMainThreadExit {
+  ~StopRpcAtMainThreadExit() { at_exit_shutdown(); }
+};
+
 WorkerInfo worker_info(const To& to) {
   auto agent = require_agent();
   auto r = agent->resolve(to);
@@ -138,6 +149,12 @@ void init_rpc(const std::string& name, int rank, int world_size, RpcOptions opti
   detail::set_self_rank(rank);  // before set_ready: the first calls served may use it
   g_agent->set_ready();
   start_metrics_writer(options, name, rank);
+  if (::syscall(SYS_gettid) == ::getpid()) {  // the main thread: main() returns, or it calls exit()
+    thread_local StopRpcAtMainThreadExit stop_first;
+    (void)stop_first;
+  }
+  // The fallback for exit() called on another thread, or init_rpc called only off the main thread; nothing to do
+  // once the guard above has stopped RPC.
   static bool registered = (std::atexit(at_exit_shutdown), true);
   (void)registered;
 }

@@ -127,7 +127,9 @@ void init_rpc(RpcOptions options = {});
 // graceful=true: waits for this worker's outstanding calls, then for every worker to arrive (a barrier with
 // shutdown_timeout), then stops serving; throws RpcError naming the workers that did not arrive (after stopping
 // anyway). graceful=false: fails outstanding calls with CANCELLED and stops at once. Either way the worker can init_rpc
-// again.
+// again. A process that ends with RPC initialized (main returns, or exit() on the main thread) stops it as
+// shutdown(false) does, before any static object is destroyed (the agent's threads never run into a destroyed one);
+// so does the main thread's pthread_exit (its thread_locals end), while the process runs on.
 void shutdown(bool graceful = true);
 bool is_initialized();
 // The initialized worker's RpcOptions::rpc_timeout: the default of every timeout the user did not set (calls, RRefs,

@@ -8,6 +8,8 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <iostream>
@@ -26,6 +28,18 @@
 
 namespace tandem::test {
 namespace {
+
+std::atomic<int64_t> g_late_static_calls{0};  // calls of "late_static" answered in this process
+std::atomic<bool> g_late_static_gone{false};  // its static's destructor has begun (trivially destructible itself)
+// The static of "late_static": its destructor says it has begun, then takes 300 ms, so that without RPC stopped first
+// calls still arrive while it runs and see it.
+struct LateStatic {
+  std::atomic<int64_t> sum{0};
+  ~LateStatic() {
+    g_late_static_gone = true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  }
+};
 
 int env_int(const char* name, int fallback) {
   const char* v = std::getenv(name);
@@ -159,6 +173,32 @@ int run_worker(const std::string& scenario) {
     std::this_thread::sleep_for(std::chrono::seconds(60));
     return 0;
   }
+  if (scenario == "exit_while_called") {
+    // Rank 1 calls rank 0's "late_static" until it fails; rank 0 returns from main without shutdown once it has
+    // answered some of those calls: the calls' static, built after init_rpc, is destroyed in exit, and the calls must
+    // not run into it (RPC stops first).
+    const int rank = env_int("RANK", 0);
+    rpc::init_rpc("worker" + std::to_string(rank), rank, 2, options_from_env());
+    if (rank == 1) {
+      try {
+        for (;;) rpc::rpc_sync<int64_t>(0, "late_static", std::vector<int64_t>{1, 2, 3});
+      } catch (const std::exception& e) {
+        std::cout << "the calls ended: " << e.what() << std::endl;
+      }
+      rpc::shutdown(false);
+      return 0;
+    }
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+    while (g_late_static_calls.load() < 200) {
+      if (std::chrono::steady_clock::now() > deadline) {
+        std::cerr << "rank 1's calls did not come\n";
+        return 5;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    std::cout << "leaving while called" << std::endl;
+    return 0;
+  }
   if (scenario == "exit_without_shutdown") {
     rpc::init_rpc("worker" + std::to_string(env_int("RANK", 0)), env_int("RANK", 0), env_int("WORLD_SIZE", 1),
                   options_from_env());
@@ -214,6 +254,18 @@ void register_test_functions() {
   });
   rpc::register_function("add", [](at::Tensor a, at::Tensor b) { return a + b; });
   rpc::register_function("whoami", [] { return rpc::get_worker_info().name; });
+  // A static first built by a call (after init_rpc), destroyed in exit: a call that runs after its destructor began
+  // ends the process with 7 (exit_while_called).
+  rpc::register_function("late_static", [](std::vector<int64_t> v) {
+    static LateStatic s;
+    if (g_late_static_gone) {
+      std::fputs("a call ran into a destroyed static\n", stderr);
+      std::_Exit(7);
+    }
+    s.sum.fetch_add(static_cast<int64_t>(v.size()));
+    g_late_static_calls.fetch_add(1);
+    return s.sum.load();
+  });
   rpc::register_function("caller", [] { return rpc::current_call()->caller_name; });
   auto sleep_ms = [](int64_t ms) {
     std::this_thread::sleep_for(std::chrono::milliseconds(ms));
