@@ -231,6 +231,7 @@ absl::StatusOr<Round> Rendezvous::join() {
     std::optional<absl::Time> outvoted;   // when another node won the vote to close the round
     bool ended_unpublished = false;       // this node ended the round its closer never published
     bool asked_to_end = false;
+    bool said_waiting = false;
     for (;;) {
       auto present = store_.check({round_key("closed"), round_key("ended")});
       if (!present.ok()) return present.status();
@@ -260,6 +261,10 @@ absl::StatusOr<Round> Rendezvous::join() {
         if (!joined.ok()) return joined.status();
         const absl::Time now = absl::Now();
         if (*joined >= options_.min_nodes && !min_since) min_since = now;
+        if (options_.waiting && !said_waiting && *joined < options_.max_nodes) {
+          said_waiting = true;
+          options_.waiting(k, *joined);
+        }
         // After the last call, and once the returning nodes are in, or have taken as long as a lost node would (with
         // the defaults, last call 30 s, that time, 15 s, has passed already: nothing waits longer than before).
         const bool last_call_over = min_since && now >= *min_since + options_.last_call_timeout &&

@@ -67,6 +67,9 @@ struct RendezvousOptions {
   // stops waiting and returns CANCELLED. This node then leaves the round it waited in (left/<i>), and ends it (not
   // as a failure) if it was to be a member, so that the others re-form at once without it.
   std::function<bool()> interrupted;
+  // Called (optional) once per round in which join() waits for other nodes after this node arrived: the round, and
+  // how many nodes were in it then. tandem-run says so, so that a user sees what a launcher waits for.
+  std::function<void(int64_t round, int64_t joined)> waiting;
 };
 
 // One closed round, as this node sees it.

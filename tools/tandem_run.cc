@@ -85,6 +85,7 @@
 #include <CLI/CLI.hpp>
 
 #include "absl/strings/str_split.h"
+#include "absl/time/time.h"
 #include "tandem/cluster/cpus.h"
 #include "tandem/cluster/environment.h"
 #include "tandem/elastic/detail/records.h"
@@ -1106,6 +1107,12 @@ int run_elastic(Options& o, std::vector<Standby>* pool) {
     usage("bad value in --rdzv-conf: keep_alive_interval x keep_alive_max_attempt is above 1e6 s");
   }
   ro.interrupted = [] { return g_signal != 0; };  // SIGTERM while waiting to join: leave at once
+  ro.waiting = [&o, timeout = ro.join_timeout](int64_t round, int64_t joined) {
+    std::fprintf(stderr,
+                 "tandem-run: waiting in round %lld for the other nodes (%lld of %d to %d so far; join timeout %s)\n",
+                 static_cast<long long>(round), static_cast<long long>(joined), o.min_nodes, o.max_nodes,
+                 absl::FormatDuration(timeout).c_str());
+  };
   if (!o.local_addr.empty()) {
     ro.host = o.local_addr;
   } else if (auto a = elastic::address_towards(endpoint_host); a.ok()) {

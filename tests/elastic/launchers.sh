@@ -207,7 +207,10 @@ leave-joining)
   # saying so, instead of waiting out the join timeout (60 s here) and failing then.
   launch "$dir/a.log" --nnodes 2 --rdzv-id lj -- true
   a=${pids[0]}
-  wait_for 30 grep -q "rendezvous 'lj' at" "$dir/a.log" || fail "the launcher did not start"
+  # Once it has arrived in round 0 (it says it waits): a signal before that leaves "before joining", with nothing to
+  # undo, and this test would not see a leave from a round.
+  wait_for 30 grep -q "waiting in round 0 for the other nodes (1 of 2 to 2 so far" "$dir/a.log" ||
+    fail "the launcher did not say it waits in round 0"
   signal_job -TERM "$a"
   c=0
   wait "$a" || c=$?
