@@ -25,6 +25,7 @@
 #include "tandem/sync/sync.h"
 #include "tests/common/spawner.h"
 #include "tests/common/test_env.h"
+#include "tests/common/time_scale.h"
 
 namespace tandem::test {
 namespace {
@@ -188,13 +189,9 @@ int run_worker(const std::string& scenario) {
       rpc::shutdown(false);
       return 0;
     }
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
-    while (g_late_static_calls.load() < 200) {
-      if (std::chrono::steady_clock::now() > deadline) {
-        std::cerr << "rank 1's calls did not come\n";
-        return 5;
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    if (!poll_until(std::chrono::milliseconds(20000), [] { return g_late_static_calls.load() >= 200; })) {
+      std::cerr << "rank 1's calls did not come\n";
+      return 5;
     }
     std::cout << "leaving while called" << std::endl;
     return 0;
