@@ -20,9 +20,9 @@
 #   launchers.sh exhausted <tandem-run>
 #     A worker that always fails on 2 nodes: after --max-restarts 2 both launchers exit non-zero with one line naming
 #     the three failures.
-#   launchers.sh ports <tandem-run> <rpc_hello>
-#     100 restarts in a row on one endpoint, each round's workers binding a fresh master port: never "address already
-#     in use".
+#   launchers.sh ports <tandem-run> <elastic_store_worker>
+#     100 restarts in a row on one endpoint, each round's workers binding a fresh master port (rank 0 serves the job's
+#     store there, as init_rpc does): never "address already in use".
 # With RDZV_BACKEND=etcd the launchers meet on a real etcd (Debian's etcd-server) the script starts on 127.0.0.1,
 # instead of the store one launcher serves.
 set -euo pipefail
@@ -242,8 +242,8 @@ exhausted)
   ;;
 
 ports)
-  hello=$3
-  worker="\"$hello\" >/dev/null && [ \"\$TORCHELASTIC_RESTART_COUNT\" -ge 100 ]"
+  store_worker=$3
+  worker="\"$store_worker\" >/dev/null && [ \"\$TORCHELASTIC_RESTART_COUNT\" -ge 100 ]"
   launch "$dir/p0.log" --nnodes 2 --max-restarts 100 --rdzv-id ports -- bash -c "$worker"
   launch "$dir/p1.log" --nnodes 2 --max-restarts 100 --rdzv-id ports -- bash -c "$worker"
   for i in 0 1; do wait "${pids[$i]}" || fail "launcher $i failed"; done
