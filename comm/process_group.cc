@@ -194,51 +194,85 @@ void check_tensor(const at::Tensor& t, const char* what, bool any_dtype = false)
 ABSL_CONST_INIT Mutex g_names_mu(absl::kConstInit);
 // Group names used by this worker in this job: each names one group.
 std::set<std::string> g_names ABSL_GUARDED_BY(g_names_mu);
+// Those of g_names whose group was destroyed here, for the other members to ask after a failure (kDestroyed): over
+// Gloo they see only a connection closed, and this worker still answers pings. Kept here, not in the job's store, so
+// that ~GlooGroup writes nothing remote (no round trip before it cancels, nothing left to fail during shutdown).
+// Never destroyed: a group a static holds may go, and RPC threads may ask, during static destruction.
+std::set<std::string>* const g_destroyed ABSL_PT_GUARDED_BY(g_names_mu) = new std::set<std::string>;
 
 constexpr const char* kPing = "__tandem.comm.ping";
+// (group name) -> bool: whether this worker destroyed its group of that name in this job.
+constexpr const char* kDestroyed = "__tandem.comm.destroyed";
 // How long a failed group waits for its members to answer a ping, to name the ones that are gone. Fixed: it tests
 // whether a worker's RPC server is alive, which takes a round trip whatever the group's operations cost.
 constexpr std::chrono::milliseconds kPingTimeout{1000};
 
 using Clock = std::chrono::steady_clock;
 
-// Gloo's errors name a socket, not a rank: after a failure, the members (job ranks, by group rank; `self` excluded)
-// that do not answer a ping within kPingTimeout ("; rank 1 (worker 'worker2') does not answer: ..."), or "". Never
-// throws: it runs in failure paths, also while RPC shuts down.
-std::string unanswering_members(const std::vector<int>& job_ranks, int self) {
-  if (!rpc::is_initialized()) return "";
-  std::vector<std::pair<int, rpc::Future>> pings;
+// What the members of a failed group say, in the form appended to an error ("; rank 1 (worker 'w1') ..."), each part
+// "" when none.
+struct MembersHeard {
+  std::string unanswering;  // "... does not answer: <cause>" for each member that did not answer a ping
+  std::string destroyed;    // "... destroyed its process group" for each member that says so
+};
+
+// Gloo's errors name a socket, not a rank: after a failure, asks each member (job ranks, by group rank; `self`
+// excluded) for a ping and, when `group` is set, whether it destroyed its group of that name (it then still answers
+// pings), all at once, each call within kPingTimeout. Never throws: it runs in failure paths, also while RPC shuts
+// down.
+MembersHeard ask_members(const std::vector<int>& job_ranks, int self, const std::string& group) {
+  MembersHeard heard;
+  if (!rpc::is_initialized()) return heard;
+  struct Asked {
+    int rank;
+    rpc::Future ping, destroyed;
+  };
+  std::vector<Asked> asked;
   for (int r = 0; r < static_cast<int>(job_ranks.size()); ++r) {
-    if (r != self) pings.emplace_back(r, rpc::call(job_ranks[r], kPing, {}, kPingTimeout));
+    if (r == self) continue;
+    asked.push_back({r, rpc::call(job_ranks[r], kPing, {}, kPingTimeout),
+                     group.empty() ? rpc::Future::ready(c10::IValue(false))
+                                   : rpc::call(job_ranks[r], kDestroyed, {c10::IValue(group)}, kPingTimeout)});
   }
-  std::string out;
-  for (auto& [r, f] : pings) {
-    absl::Status s = f.status();
-    if (s.ok()) continue;
-    const auto info = rpc::find_worker_info(job_ranks[r]);
-    absl::StrAppend(&out, "; rank ", r, " (worker '", info ? info->name : "?", "') does not answer: ", s.message());
+  for (const Asked& a : asked) {
+    const auto info = rpc::find_worker_info(job_ranks[a.rank]);
+    const std::string who = absl::StrCat("; rank ", a.rank, " (worker '", info ? info->name : "?", "')");
+    if (const absl::Status s = a.ping.status(); !s.ok()) {
+      absl::StrAppend(&heard.unanswering, who, " does not answer: ", s.message());
+    }
+    // An answer that is not a bool (another build's function) says nothing.
+    if (a.destroyed.status().ok() && a.destroyed.value().isBool() && a.destroyed.value().toBool()) {
+      absl::StrAppend(&heard.destroyed, who, " destroyed its process group");
+    }
   }
-  return out;
+  return heard;
 }
 
 // The error of an operation (or the set-up) that Gloo failed after `elapsed`, decided by facts, not by Gloo's words:
-// every member alive and the timeout spent is DEADLINE_EXCEEDED (a rank did not take part in time); otherwise
-// UNAVAILABLE, naming the members that do not answer.
+// every member alive, none that destroyed group `group` (empty in the set-up: none yet) and the timeout spent is
+// DEADLINE_EXCEEDED (a rank did not take part in time); otherwise UNAVAILABLE, naming the members that do not answer
+// and those that destroyed the group.
 absl::Status gloo_failure(const std::string& prefix, const std::string& cause, Clock::duration elapsed,
-                          milliseconds timeout, const std::vector<int>& job_ranks, int self) {
-  const std::string gone = unanswering_members(job_ranks, self);
-  if (gone.empty() && elapsed >= timeout) {
+                          milliseconds timeout, const std::vector<int>& job_ranks, int self,
+                          const std::string& group = "") {
+  const MembersHeard heard = ask_members(job_ranks, self, group);
+  if (heard.unanswering.empty() && heard.destroyed.empty() && elapsed >= timeout) {
     return absl::DeadlineExceededError(
         absl::StrCat(prefix, "a rank did not take part within ", timeout.count(), " ms: ", cause));
   }
-  return absl::UnavailableError(prefix + cause + gone);
+  return absl::UnavailableError(prefix + cause + heard.unanswering + heard.destroyed);
 }
 
 const bool g_installed = [] {
   rpc::register_function(kPing, [] {});
+  rpc::register_function(kDestroyed, [](std::string name) {
+    MutexLock lock(&g_names_mu);
+    return g_destroyed->count(name) > 0;
+  });
   rpc::add_stop_hook([] {  // a new job (init_rpc again) starts with a new store: names are free again
     MutexLock lock(&g_names_mu);
     g_names.clear();
+    g_destroyed->clear();
   });
   return true;
 }();
@@ -257,11 +291,33 @@ class GlooGroup final : public ProcessGroup {
     thread_ = std::thread([this] { loop(); });
   }
   ~GlooGroup() override {
+    std::deque<Op> cancelled;
     {
       MutexLock lock(&mu_);
       stopping_ = true;
+      cancelled.swap(queue_);  // never started: they fail below, without running (each could wait a timeout)
+      pending_ -= static_cast<int64_t>(cancelled.size());
     }
-    thread_.join();       // an operation in progress ends within its timeout
+    {
+      MutexLock lock(&g_names_mu);
+      g_destroyed->insert(name_);
+    }
+    // The others learn before anything here takes time. Over shared memory: their waits for an arrival of this rank
+    // fail naming it (the barriers it reached still pass), and the operation running here stops at its next barrier.
+    // Over Gloo: their operations fail when the connections close (ctx_, after the join), and their failure() asks
+    // this worker (kDestroyed), which answers from g_destroyed.
+    if (shm_) shm_->destroyed();
+    for (Op& op : cancelled) {
+      op.run = nullptr;
+      metrics::collective_recorder(name_, op.what, transport_of(op.what))
+          .record(Clock::duration::zero(), false, op.bytes, 0);
+      op.done.set_error(absl::CancelledError(
+          absl::StrCat("process group '", name_, "' (rank ", rank_, " of ", size_, "), ", op.what, " #", op.seq,
+                       ": the group was destroyed on this rank before the operation started")));
+    }
+    // The operation in progress: over shared memory it ends at its next barrier (CANCELLED); over Gloo, which cannot
+    // be interrupted while it writes the tensors, within its timeout (each of Gloo's waits), as before.
+    thread_.join();
     waiters_.join_all();  // each ends within the timeout
   }
 
@@ -451,6 +507,11 @@ class GlooGroup final : public ProcessGroup {
     const bool sending = what[0] == 's';
     const std::string prefix = absl::StrCat("process group '", name_, "' (rank ", rank_, " of ", size_, "), ", what,
                                             (sending ? " to rank " : " from rank "), peer, " (tag ", tag, "): ");
+    {
+      // A callback of an operation ~GlooGroup cancels may call this: its transfer would outlive the connections.
+      MutexLock lock(&mu_);
+      if (stopping_) return rpc::Future::failed(absl::CancelledError(prefix + "the group is being destroyed"));
+    }
     if (absl::Status b = broken(); !b.ok()) return rpc::Future::failed(failed_earlier(prefix, b));
     std::shared_ptr<gloo::transport::UnboundBuffer> buffer = ctx_->createUnboundBuffer(t.data_ptr(), t.nbytes());
     const uint64_t slot = gloo::Slot::build(kP2pSlotPrefix, tag);
@@ -512,7 +573,7 @@ class GlooGroup final : public ProcessGroup {
       return absl::Status(thrown.code(), prefix + std::string(thrown.message()));
     }
     return gloo_failure(prefix, std::string(thrown.message()), Clock::now() - start, options_.timeout, job_ranks_,
-                        rank_);
+                        rank_, name_);
   }
 
   static void check_op(const at::Tensor& t, ReduceOp op, const char* what) {
@@ -550,6 +611,7 @@ class GlooGroup final : public ProcessGroup {
     std::function<void(uint32_t tag)> run;
     rpc::Future done;
     int64_t bytes = 0;  // of the tensor that characterises it (for the log)
+    int64_t seq = 0;    // its number among this rank's operations of the group, from 1 (named when cancelled)
   };
 
   // An operation's fingerprint: its name, its parameter (root, reduce op), and the dtype and shape of the tensor that
@@ -605,6 +667,10 @@ class GlooGroup final : public ProcessGroup {
   rpc::Future submit(std::string what, const at::Tensor& characteristic, int64_t param,
                      std::function<void(uint32_t)> run) {
     MutexLock lock(&mu_);
+    if (stopping_) {  // a callback of a cancelled operation, run by ~GlooGroup: nothing would run it
+      return rpc::Future::failed(absl::CancelledError(absl::StrCat(
+          "process group '", name_, "' (rank ", rank_, " of ", size_, "), ", what, ": the group is being destroyed")));
+    }
     // Its deadline: the operations ahead of it and itself each complete or fail within the group's timeout (twice in
     // debug mode: the fingerprint exchange has its own), and a failure names the members gone within kPingTimeout.
     const int64_t ahead_and_this = ++pending_;
@@ -614,7 +680,7 @@ class GlooGroup final : public ProcessGroup {
     rpc::Future done(absl::Now() + absl::FromChrono(ahead_and_this * per_op + kPingTimeout),
                      absl::StrCat("process group '", name_, "' (rank ", rank_, " of ", size_, "), ", what, " of ",
                                   bytes, " bytes (", ahead_and_this - 1, " operations ahead of it)"));
-    queue_.push_back(Op{what, fingerprint(what, characteristic, param), std::move(run), done, bytes});
+    queue_.push_back(Op{what, fingerprint(what, characteristic, param), std::move(run), done, bytes, ++submitted_});
     return done;
   }
 
@@ -708,8 +774,9 @@ class GlooGroup final : public ProcessGroup {
   Clock::time_point deadline_;                   // of the operation running (group thread only)
   Mutex mu_;
   std::deque<Op> queue_ ABSL_GUARDED_BY(mu_);
-  int64_t pending_ ABSL_GUARDED_BY(mu_) = 0;  // operations submitted and not completed yet (queued or running)
-  ReapedThreads waiters_;                     // threads waiting for p2p transfers
+  int64_t pending_ ABSL_GUARDED_BY(mu_) = 0;    // operations submitted and not completed yet (queued or running)
+  int64_t submitted_ ABSL_GUARDED_BY(mu_) = 0;  // operations submitted so far (Op::seq)
+  ReapedThreads waiters_;                       // threads waiting for p2p transfers
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   absl::Status broken_ ABSL_GUARDED_BY(mu_);  // the first failure
   std::thread thread_;
@@ -807,6 +874,8 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(const std::string& name, std:
     if (!g_names.insert(name).second) {
       throw RpcError(absl::AlreadyExistsError(absl::StrCat("process group '", name, "' was already created here")));
     }
+    // A group of the last job destroyed after its stop hook ran (held past shutdown): not this one.
+    g_destroyed->erase(name);
   }
   const int rank = static_cast<int>(me - ranks.begin());
   const int size = static_cast<int>(ranks.size());

@@ -69,6 +69,12 @@ class ProcessGroup {
   // when all are connected. A worker not in `ranks` must not call it. Throws tandem::Error.
   static std::shared_ptr<ProcessGroup> create(const std::string& name, std::vector<int> ranks = {},
                                               ProcessGroupOptions options = {});
+  // Destroying a group fails its queued operations at once (CANCELLED: "... allreduce #7: the group was destroyed on
+  // this rank before the operation started"); the one running ends at its next barrier over shared memory
+  // (CANCELLED), within the timeout over Gloo. The other ranks' operations that need this rank fail, UNAVAILABLE
+  // naming it ("rank 1 (worker 'w1') destroyed its process group"): at once over shared memory, once the operation
+  // running here has ended over Gloo (its connections close then). Over shared memory, every barrier this rank
+  // reached still passes on the others.
   virtual ~ProcessGroup() = default;
 
   virtual int rank() const = 0;  // within the group

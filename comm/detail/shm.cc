@@ -35,8 +35,10 @@ namespace {
 using std::chrono::milliseconds;
 using Clock = ShmGroup::Clock;
 
-constexpr uint64_t kMagic = 0x74616e64656d7368;  // "tandemsh"
-constexpr size_t kSlotBytes = size_t{2} << 20;   // per rank: two halves of 1 MiB, one per round
+// "tandemsi" ("tandemsh" before RankLine::arrived carried kGoneBit): a process of an older build cannot map the
+// segment as its own.
+constexpr uint64_t kMagic = 0x74616e64656d7369;
+constexpr size_t kSlotBytes = size_t{2} << 20;  // per rank: two halves of 1 MiB, one per round
 constexpr size_t kHalfBytes = kSlotBytes / 2;
 // An allreduce round this small is reduced whole by every rank, in rank order (one barrier); a larger one in shares,
 // each rank reducing its own (two barriers).
@@ -48,8 +50,13 @@ constexpr auto kLivenessCheck = std::chrono::milliseconds(50);  // how often a w
 constexpr const char* kPrefix = "tandem-pg-";
 
 // Why the group failed (Layout::culprit): a rank's process ended, a rank did not arrive by a deadline, or a rank's
-// group broke on another path (abandon()).
+// group broke on another path (abandon()). Not a destroyed group (kGoneBit): each waiter sees that one itself.
 enum Reason : int32_t { kGone = 1, kLate = 2, kLeft = 3 };
+
+// Set in RankLine::arrived once the rank's group is destroyed (ShmGroup::destroyed); the rest of the word counts the
+// barriers it reached.
+constexpr uint64_t kGoneBit = uint64_t{1} << 63;
+uint64_t arrivals(uint64_t word) { return word & ~kGoneBit; }
 
 // What an operation on the slots posts before its first barrier (ShmGroup::post): its kind, dtype, reduce op or root
 // and element count, so that ranks calling different operations or passing other sizes all fail at that barrier
@@ -82,7 +89,11 @@ std::string describe(uint64_t word) {
 }
 
 struct alignas(64) RankLine {
-  std::atomic<uint64_t> arrived;  // barriers this rank reached
+  // The barriers this rank reached, and kGoneBit once its group is destroyed. One word: a rank arrives only while the
+  // bit is clear (a compare-and-swap), so a waiter that sees the bit sees the last barrier the rank will ever reach.
+  // With a flag of its own beside the count, a peer could read the flag and the old count while the rank was arriving,
+  // and fail a barrier the rank reached.
+  std::atomic<uint64_t> arrived;
   int64_t pid;
   uint64_t start_time;  // /proc/<pid>/stat field 22: tells a reused pid apart
   uint64_t pid_ns;      // inode of /proc/self/ns/pid: pids are comparable only within one namespace
@@ -334,6 +345,12 @@ void ShmGroup::fail(int culprit, int reason, const std::string& message) {
 
 void ShmGroup::abandon() { mark_failed(rank_, kLeft); }
 
+void ShmGroup::destroyed() {
+  layout_->line(rank_)->arrived.fetch_or(kGoneBit);
+  layout_->generation.fetch_add(1);
+  futex_wake_all(&layout_->generation);  // this rank's own waiter, and the others'
+}
+
 void ShmGroup::meet(Clock::time_point deadline) {
   wait_for_all(deadline);
   if (const char* what = std::exchange(check_after_meet_, nullptr)) check_posted(what);
@@ -345,15 +362,25 @@ void ShmGroup::begin(const char* what, uint64_t word) {
 }
 
 void ShmGroup::wait_for_all(Clock::time_point deadline) {
+  auto cancelled = [] {  // the caller's prefix names the group, this rank and the operation
+    throw_error(absl::CancelledError(
+        "the group was destroyed on this rank while the operation ran: it stopped at a barrier (shared memory)"));
+  };
+  // This rank arrives unless its group is destroyed (then the others fail at this barrier, naming it): the count moves
+  // only while kGoneBit is clear, so a peer never sees the bit without the count this rank stopped at.
+  std::atomic<uint64_t>& mine = layout_->line(rank_)->arrived;
+  uint64_t seen = mine.load();
+  do {
+    if (seen & kGoneBit) cancelled();
+  } while (!mine.compare_exchange_weak(seen, met_ + 1));
   ++met_;
-  layout_->line(rank_)->arrived.store(met_);
   layout_->generation.fetch_add(1);
   if (layout_->sleepers.load() > 0) futex_wake_all(&layout_->generation);
   // A failure first: once a rank gave up, the others' arrivals no longer mean their data is there.
   auto all_arrived = [this] {
     if (layout_->culprit.load() != 0) return false;
     for (int q = 0; q < size_; ++q) {
-      if (layout_->line(q)->arrived.load(std::memory_order_acquire) < met_) return false;
+      if (arrivals(layout_->line(q)->arrived.load(std::memory_order_acquire)) < met_) return false;
     }
     return true;
   };
@@ -369,6 +396,7 @@ void ShmGroup::wait_for_all(Clock::time_point deadline) {
   for (;;) {
     const uint32_t generation = layout_->generation.load();
     if (all_arrived()) return;
+    if (mine.load() & kGoneBit) cancelled();  // destroyed while this rank waited
     if (const int32_t word = layout_->culprit.load(); word != 0) {
       const int reason = word >> 16, c = word & 0xffff;
       const std::string who = c - 1 >= 0 && c - 1 < size_ ? labels_[c - 1] : absl::StrCat("rank ", c - 1);
@@ -381,6 +409,18 @@ void ShmGroup::wait_for_all(Clock::time_point deadline) {
                             " left the group: an operation failed there (its log says which), so it takes part "
                             "in no more"))
                       : absl::UnavailableError(absl::StrCat(who, " is gone: its process ended")));
+    }
+    // A rank whose group was destroyed before it reached this barrier never will: fail now, naming it. Each waiter
+    // sees that itself and marks nothing (no culprit): a slower rank may still sleep in an earlier barrier that rank
+    // reached, and must pass it.
+    for (int q = 0; q < size_; ++q) {
+      const uint64_t theirs = q == rank_ ? 0 : layout_->line(q)->arrived.load();
+      if ((theirs & kGoneBit) != 0 && arrivals(theirs) < met_) {
+        throw_error(absl::UnavailableError(
+            absl::StrCat(labels_[q],
+                         " destroyed its process group before this barrier: it takes part in no more "
+                         "operations (shared memory)")));
+      }
     }
     const Clock::time_point now = Clock::now();
     if (now >= next_check) {
@@ -397,7 +437,7 @@ void ShmGroup::wait_for_all(Clock::time_point deadline) {
       std::string late;
       int first = -1;
       for (int q = 0; q < size_; ++q) {
-        if (layout_->line(q)->arrived.load() >= met_) continue;
+        if (arrivals(layout_->line(q)->arrived.load()) >= met_) continue;
         if (first < 0) first = q;
         absl::StrAppend(&late, late.empty() ? "" : ", ", labels_[q]);
       }

@@ -17,8 +17,9 @@
 //
 // Errors are thrown as tandem::Error: DEADLINE_EXCEEDED naming the ranks that did not arrive by the deadline,
 // UNAVAILABLE naming a rank whose process is gone (seen in /proc without waiting for the deadline, when the ranks
-// share a pid namespace) or whose group broke on another path (abandon()). After an error the segment is unusable.
-// Not thread-safe: one thread (the group's) runs the operations.
+// share a pid namespace), whose group broke on another path (abandon()) or was destroyed before the barrier
+// (destroyed()); CANCELLED on the rank whose group was destroyed. After an error the segment is unusable. Not
+// thread-safe: one thread (the group's) runs the operations; abandon() and destroyed() may come from any thread.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -73,6 +74,13 @@ class ShmGroup {
   // others' waits end at once with UNAVAILABLE naming it, instead of at their deadlines. Nothing when the segment has
   // failed already. Any thread (atomics only).
   void abandon();
+
+  // This rank's group is being destroyed: it arrives at no more barriers (kGoneBit in its arrival count, shm.cc). A
+  // wait of this rank's thread ends at once (CANCELLED); each other rank's wait for an arrival of this rank that will
+  // not come ends at once (UNAVAILABLE naming it, seen by that waiter itself: the segment is not marked), while every
+  // barrier it did reach still passes on every rank (unlike abandon(): a clean end, where the fastest rank goes first
+  // while a slower one still sleeps in the last barrier, stays clean). Any thread (atomics only).
+  void destroyed();
 
   // Collective: a flat zeroed tensor of `numel` elements of `dtype` that every rank maps (each rank creates its own
   // segment, maps the others' and removes its name once all have mapped). Undefined, on every rank, when some rank

@@ -84,5 +84,35 @@ TEST_F(MultiprocComm, SharedMemoryLateRankIsDeadlineExceededNamingIt) {
   EXPECT_EQ(everywhere(3, "shm_late_rank"), "");
 }
 
+// Destroying a group with operations queued: they fail at once (CANCELLED), the destructor returns within a fraction
+// of what running them takes, and the other rank's operations that need this one fail at once, naming it.
+TEST_F(MultiprocComm, DestroyingAGroupCancelsItsQueuedOperationsOverSharedMemory) {
+  start({.world_size = 2});
+  EXPECT_EQ(everywhere(2, "destroy_queued"), "");
+}
+
+TEST_F(MultiprocComm, DestroyingAGroupCancelsItsQueuedOperationsOverGloo) {
+  start({.world_size = 2});
+  EXPECT_EQ(everywhere(2, "destroy_queued_gloo"), "");
+}
+
+// A rank destroys its group, with nothing queued, while the others already wait for it (over shared memory asleep on
+// the segment's futex): the operation before passes everywhere, and each waiter fails soon after, naming that rank.
+// On three ranks, each of the two waiters sees the destroyed rank itself.
+TEST_F(MultiprocComm, DestroyingAGroupEndsTheOthersWaitsOverSharedMemory) {
+  start({.world_size = 2});
+  EXPECT_EQ(everywhere(2, "destroy_while_waiting"), "");
+}
+
+TEST_F(MultiprocComm, DestroyingAGroupEndsTheOthersWaitsOverSharedMemoryOnThreeRanks) {
+  start({.world_size = 3});
+  EXPECT_EQ(everywhere(3, "destroy_while_waiting"), "");
+}
+
+TEST_F(MultiprocComm, DestroyingAGroupEndsTheOthersWaitsOverGloo) {
+  start({.world_size = 2});
+  EXPECT_EQ(everywhere(2, "destroy_while_waiting_gloo"), "");
+}
+
 }  // namespace
 }  // namespace tandem::test

@@ -339,6 +339,107 @@ std::string run(const std::string& name) {
     }
     return "";
   }
+  if (name == "destroy_queued" || name == "destroy_queued_gloo") {
+    // Rank 1 queues kOps allreduces and destroys its group at once; rank 0 takes part in them one at a time, kGap
+    // (within the timeout) after the previous one ends. Before, the destructor ran them all: kOps x kGap at least
+    // (kOps timeouts at worst). Now the queued ones fail at once (CANCELLED, naming the group, the operation and its
+    // number), the one running ends within one gap, and rank 0's operations that need rank 1 fail at once, naming it.
+    using Clock = std::chrono::steady_clock;
+    constexpr int kOps = 8;
+    constexpr auto kGap = std::chrono::milliseconds(1500);
+    // Longer than a gap, which rank 1's running operation may wait for rank 0: by a margin for slow builds.
+    const auto timeout = kGap + scaled(std::chrono::milliseconds(3500));
+    const bool gloo = name == "destroy_queued_gloo";
+    auto pg = comm::ProcessGroup::create(
+        name, {},
+        {.timeout = timeout, .shared_memory = gloo ? comm::SharedMemory::kNever : comm::SharedMemory::kAlways});
+    comm::wait(pg->barrier());
+    auto ms = [](Clock::duration d) { return std::chrono::duration_cast<std::chrono::milliseconds>(d).count(); };
+    std::string err;
+    if (rank == 1) {
+      std::vector<at::Tensor> ts;
+      std::vector<rpc::Future> fs;
+      for (int i = 0; i < kOps; ++i) {
+        ts.push_back(at::ones({16}));
+        fs.push_back(pg->allreduce(ts.back()));
+      }
+      const auto t0 = Clock::now();
+      pg.reset();
+      const auto took = Clock::now() - t0;
+      // Structural, so not scaled: running them takes kOps x kGap whatever the build's speed.
+      if (took > kOps * kGap / 2) err += absl::StrCat("destroying the group took ", ms(took), " ms; ");
+      for (int i = 0; i < kOps; ++i) {  // the first may have been running: done, or CANCELLED
+        if (!fs[i].completed()) {
+          err += absl::StrCat("operation ", i, " is pending after its group went; ");
+          continue;
+        }
+        const absl::Status s = fs[i].status();
+        const std::string m(s.message());
+        if ((i > 0 || !s.ok()) &&
+            (s.code() != absl::StatusCode::kCancelled || m.find("destroyed on this rank") == std::string::npos ||
+             m.find(absl::StrCat("process group '", name, "' (rank 1 of ", world, "), allreduce")) ==
+                 std::string::npos)) {
+          err += absl::StrCat("operation ", i, ": ", s.ToString(), "; ");
+        }
+      }
+      return err;
+    }
+    bool failed = false;  // rank 0
+    for (int i = 0; i < kOps; ++i) {
+      if (!failed) std::this_thread::sleep_for(kGap);
+      auto t = at::ones({16});
+      const auto t0 = Clock::now();
+      const absl::Status s = pg->allreduce(t).status();
+      const auto took = Clock::now() - t0;
+      if (s.ok()) {
+        if (i > 0) err += absl::StrCat("allreduce ", i, " succeeded after rank 1 destroyed its group; ");
+        continue;
+      }
+      failed = true;
+      const std::string m(s.message());
+      // At once, not at the timeout (over Gloo the failure pings the members: 1 s at most).
+      if (took > std::chrono::milliseconds(1000) + scaled(std::chrono::milliseconds(1500)) ||
+          m.find("rank 1 (worker '") == std::string::npos ||
+          m.find("destroyed its process group") == std::string::npos) {
+        err += absl::StrCat("allreduce ", i, " after ", ms(took), " ms: ", s.ToString(), "; ");
+      }
+    }
+    return err;
+  }
+  if (name == "destroy_while_waiting" || name == "destroy_while_waiting_gloo") {
+    // Every rank runs allreduce A; then rank 1 lets kSleep pass and destroys its group with nothing queued, while the
+    // others already wait in allreduce B (over shared memory asleep on the segment's futex, long past the spin). A
+    // passes everywhere, and B fails on every other rank soon after the destroy, naming rank 1, not at the timeout.
+    using Clock = std::chrono::steady_clock;
+    const auto kSleep = scaled(std::chrono::milliseconds(500));
+    const bool gloo = name == "destroy_while_waiting_gloo";
+    auto pg =
+        comm::ProcessGroup::create(name, {},
+                                   {.timeout = std::chrono::milliseconds(30000),
+                                    .shared_memory = gloo ? comm::SharedMemory::kNever : comm::SharedMemory::kAlways});
+    std::string err;
+    auto a = at::ones({16});
+    const absl::Status sa = pg->allreduce(a).status();
+    err += check(sa.ok() && a.equal(at::full({16}, world, a.options())), "allreduce A: " + sa.ToString());
+    if (rank == 1) {
+      std::this_thread::sleep_for(kSleep);
+      pg.reset();
+      return err;
+    }
+    auto b = at::ones({16});
+    const auto t0 = Clock::now();
+    const absl::Status s = pg->allreduce(b).status();
+    const auto took = Clock::now() - t0;
+    const std::string m(s.message());
+    // Over Gloo the failure then asks the members (1 s at most).
+    if (s.code() != absl::StatusCode::kUnavailable || m.find("rank 1 (worker '") == std::string::npos ||
+        m.find("destroyed its process group") == std::string::npos ||
+        took > kSleep + std::chrono::milliseconds(1000) + scaled(std::chrono::milliseconds(1500))) {
+      err += absl::StrCat("allreduce B after ", std::chrono::duration_cast<std::chrono::milliseconds>(took).count(),
+                          " ms: ", s.ToString(), "; ");
+    }
+    return err;
+  }
   if (name == "subgroup") {
     // Ranks 0 and 2 of 3 form a group of their own; rank 1 is not in it.
     if (rank == 1) return "";

@@ -95,9 +95,8 @@ TEST_F(MultiprocFsdp, AKilledRankBeforeItsBackwardFailsTheOthersBackward) {
 // it, so it is never released by resizing; it goes with its storage. Rank 1 leaves after the forward and rank 0's
 // backward fails: when the model is destroyed ("overlap": a prefetched gather and an in-place reduction failed) and
 // when the next forward drops the failed backward's reduction ("lean"), the units' buffers hold their bytes. Before
-// 4b9ed1c both released them. One test each: rank 0's wait for the group's timeout (rank 1's group is gone, which
-// its shared memory cannot tell) is the test's length, and rank 1 waits for rank 0 in its graceful shutdown (60 s):
-// both in one test were 2 timeouts, past that shutdown's under ThreadSanitizer's scaled timeouts.
+// 4b9ed1c both released them. Rank 0's backward fails at once: rank 1 destroyed its group (comm/process_group.h);
+// until then it waited for the group's whole timeout, so each variant has a test of its own.
 TEST_F(MultiprocFsdp, AUnitWhoseOverlappedCollectiveFailedKeepsItsBuffer) {
   start({.world_size = 2});
   EXPECT_EQ(everywhere(2, "failed_collective/overlap"), "");

@@ -484,8 +484,8 @@ std::string failed_collective(const std::string& variant) {
   const std::string name = "fsdp_failed_" + variant;
   fsdp::FsdpOptions options;
   options.prefetch = options.overlap_reduce = variant != "lean";
-  // The timeout rank 0 waits for rank 1 (20 s under ThreadSanitizer's scale), well within rank 1's wait for it in
-  // its graceful shutdown (60 s).
+  // Rank 0's backward fails at once, when rank 1 destroys its group; this bound (20 s under ThreadSanitizer's scale)
+  // would end it otherwise, within rank 1's wait for rank 0 in its graceful shutdown.
   auto group = comm::ProcessGroup::create(name, {}, {.timeout = scaled(std::chrono::milliseconds(2000))});
   torch::manual_seed(7);
   torch::nn::Sequential seq(torch::nn::Linear(kIn, kHidden), torch::nn::Tanh(), torch::nn::Linear(kHidden, kOut));
