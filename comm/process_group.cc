@@ -199,6 +199,9 @@ std::set<std::string> g_names ABSL_GUARDED_BY(g_names_mu);
 // that ~GlooGroup writes nothing remote (no round trip before it cancels, nothing left to fail during shutdown).
 // Never destroyed: a group a static holds may go, and RPC threads may ask, during static destruction.
 std::set<std::string>* const g_destroyed ABSL_PT_GUARDED_BY(g_names_mu) = new std::set<std::string>;
+// The job this worker is in: counted up by the stop hook. A group records its job, and a group of an earlier job
+// (held past shutdown) destroyed after a new job created a group of the same name records nothing in g_destroyed.
+uint64_t g_job ABSL_GUARDED_BY(g_names_mu) = 0;
 
 constexpr const char* kPing = "__tandem.comm.ping";
 // (group name) -> bool: whether this worker destroyed its group of that name in this job.
@@ -263,6 +266,11 @@ absl::Status gloo_failure(const std::string& prefix, const std::string& cause, C
   return absl::UnavailableError(prefix + cause + heard.unanswering + heard.destroyed);
 }
 
+uint64_t current_job() {
+  MutexLock lock(&g_names_mu);
+  return g_job;
+}
+
 const bool g_installed = [] {
   rpc::register_function(kPing, [] {});
   rpc::register_function(kDestroyed, [](std::string name) {
@@ -273,6 +281,7 @@ const bool g_installed = [] {
     MutexLock lock(&g_names_mu);
     g_names.clear();
     g_destroyed->clear();
+    ++g_job;
   });
   return true;
 }();
@@ -287,7 +296,8 @@ class GlooGroup final : public ProcessGroup {
         options_(options),
         ctx_(std::move(ctx)),
         job_ranks_(std::move(job_ranks)),
-        shm_(std::move(shm)) {
+        shm_(std::move(shm)),
+        job_(current_job()) {
     thread_ = std::thread([this] { loop(); });
   }
   ~GlooGroup() override {
@@ -300,7 +310,7 @@ class GlooGroup final : public ProcessGroup {
     }
     {
       MutexLock lock(&g_names_mu);
-      g_destroyed->insert(name_);
+      if (job_ == g_job) g_destroyed->insert(name_);
     }
     // The others learn before anything here takes time. Over shared memory: their waits for an arrival of this rank
     // fail naming it (the barriers it reached still pass), and the operation running here stops at its next barrier.
@@ -557,7 +567,10 @@ class GlooGroup final : public ProcessGroup {
     MutexLock lock(&mu_);
     if (!broken_.ok()) return;
     broken_ = error;
-    if (shm_ && !on_segment) shm_->abandon();
+    // Not while the group is destroyed here: its kGoneBit already tells the others (shm.h, destroyed()), and marking
+    // the segment would fail them in a barrier this rank reached (a Gloo operation or p2p transfer failing as the
+    // connections close).
+    if (shm_ && !on_segment && !stopping_) shm_->abandon();
   }
   static absl::Status failed_earlier(const std::string& prefix, const absl::Status& cause) {
     return absl::FailedPreconditionError(prefix + "the group failed earlier (" + std::string(cause.message()) +
@@ -771,6 +784,7 @@ class GlooGroup final : public ProcessGroup {
   std::shared_ptr<gloo::rendezvous::Context> ctx_;
   const std::vector<int> job_ranks_;             // the group's ranks in the job, by group rank
   const std::unique_ptr<detail::ShmGroup> shm_;  // set when the common collectives run over shared memory
+  const uint64_t job_;                           // g_job when it was created
   Clock::time_point deadline_;                   // of the operation running (group thread only)
   Mutex mu_;
   std::deque<Op> queue_ ABSL_GUARDED_BY(mu_);

@@ -17,10 +17,10 @@
 // on an integer tensor), UNIMPLEMENTED (a dtype collectives do not support); the group is unaffected. Every operation
 // has the group's timeout; a rank that dies or never arrives makes the others' futures fail, naming the group and the
 // operation — never a hang: DEADLINE_EXCEEDED when every member still answers but one did not take part within the
-// timeout, UNAVAILABLE naming the members that do not answer otherwise. After such a failure the group is unusable
-// (its connections are in an unknown state; later operations fail with FAILED_PRECONDITION): create a new one.
-// create() sets SIGPIPE to be ignored (unless the program installed a handler): Gloo's writes to a dead peer would
-// otherwise kill the process.
+// timeout, UNAVAILABLE naming the members that do not answer, or that destroyed the group, otherwise. After such a
+// failure the group is unusable (its connections are in an unknown state; later operations fail with
+// FAILED_PRECONDITION): create a new one. create() sets SIGPIPE to be ignored (unless the program installed a handler):
+// Gloo's writes to a dead peer would otherwise kill the process.
 //
 // NCCL (CUDA tensors) is not written: neither CUDA nor NCCL exists on these machines (docs/collectives.md). This
 // interface takes any at::Tensor and returns futures, so an NCCL group can implement it behind TANDEM_WITH_NCCL;
@@ -71,10 +71,10 @@ class ProcessGroup {
                                               ProcessGroupOptions options = {});
   // Destroying a group fails its queued operations at once (CANCELLED: "... allreduce #7: the group was destroyed on
   // this rank before the operation started"); the one running ends at its next barrier over shared memory
-  // (CANCELLED), within the timeout over Gloo. The other ranks' operations that need this rank fail, UNAVAILABLE
-  // naming it ("rank 1 (worker 'w1') destroyed its process group"): at once over shared memory, once the operation
-  // running here has ended over Gloo (its connections close then). Over shared memory, every barrier this rank
-  // reached still passes on the others.
+  // (CANCELLED, unless every rank has arrived there), within the timeout over Gloo. The other ranks' operations that
+  // need this rank fail, UNAVAILABLE naming it ("rank 1 (worker 'w1') destroyed its process group"): at once over
+  // shared memory, once the operation running here has ended over Gloo (its connections close then). Over shared
+  // memory, every barrier this rank reached still passes on the others.
   virtual ~ProcessGroup() = default;
 
   virtual int rank() const = 0;  // within the group

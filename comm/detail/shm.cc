@@ -322,6 +322,9 @@ std::string ShmGroup::gone_ranks() const {
   for (int q = 0; q < size_; ++q) {
     const RankLine* l = layout_->line(q);
     if (q == rank_ || l->pid_ns != my_ns || l->pid <= 0) continue;
+    // Only the ranks this barrier waits for: one that reached it and ended since (its group destroyed, its process
+    // gone) posted what the barrier needs, and its segment stays mapped here; the next barrier it misses names it.
+    if (arrivals(l->arrived.load()) >= met_) continue;
     char state = 0;
     uint64_t start = 0;
     if (!process_stat(l->pid, &state, &start) || state == 'Z' || state == 'X' || start != l->start_time) {

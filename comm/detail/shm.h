@@ -76,10 +76,11 @@ class ShmGroup {
   void abandon();
 
   // This rank's group is being destroyed: it arrives at no more barriers (kGoneBit in its arrival count, shm.cc). A
-  // wait of this rank's thread ends at once (CANCELLED); each other rank's wait for an arrival of this rank that will
-  // not come ends at once (UNAVAILABLE naming it, seen by that waiter itself: the segment is not marked), while every
-  // barrier it did reach still passes on every rank (unlike abandon(): a clean end, where the fastest rank goes first
-  // while a slower one still sleeps in the last barrier, stays clean). Any thread (atomics only).
+  // wait of this rank's thread ends at once (CANCELLED, unless every rank has arrived by then: it passes); each other
+  // rank's wait for an arrival of this rank that will not come ends at once (UNAVAILABLE naming it, seen by that waiter
+  // itself: the segment is not marked), while every barrier it did reach still passes on every rank (unlike abandon():
+  // a clean end, where the fastest rank goes first while a slower one still sleeps in the last barrier, stays clean).
+  // Any thread (atomics only).
   void destroyed();
 
   // Collective: a flat zeroed tensor of `numel` elements of `dtype` that every rank maps (each rank creates its own
@@ -111,7 +112,7 @@ class ShmGroup {
   // Marks the segment failed by `culprit` for `reason` (unless it failed already) and wakes every waiter.
   void mark_failed(int culprit, int reason);
   [[noreturn]] void fail(int culprit, int reason, const std::string& message);  // mark_failed, then throws
-  std::string gone_ranks() const;                               // the ranks whose processes ended, or ""
+  std::string gone_ranks() const;  // the ranks the current barrier waits for whose processes ended, or ""
   at::Tensor half(int r, size_t bytes, c10::ScalarType dtype);  // rank r's half of this round, as a tensor
   // Calls round(at, m) for the rounds over `n` elements, `per_round` at most each ([at, at + m)), each round on the
   // next half.

@@ -109,6 +109,12 @@ TEST_F(MultiprocComm, DestroyingAGroupEndsTheOthersWaitsOverSharedMemoryOnThreeR
   EXPECT_EQ(everywhere(3, "destroy_while_waiting"), "");
 }
 
+// A barrier the destroyed rank reached passes on the others, also on one asleep in it until after the destroy.
+TEST_F(MultiprocComm, DestroyingAGroupLetsTheOthersPassABarrierItReached) {
+  start({.world_size = 3});
+  EXPECT_EQ(everywhere(3, "destroy_after_arriving"), "");
+}
+
 TEST_F(MultiprocComm, DestroyingAGroupEndsTheOthersWaitsOverGloo) {
   start({.world_size = 2});
   EXPECT_EQ(everywhere(2, "destroy_while_waiting_gloo"), "");

@@ -440,6 +440,38 @@ std::string run(const std::string& name) {
     }
     return err;
   }
+  if (name == "destroy_after_arriving") {
+    // Three ranks over shared memory. Rank 1 starts allreduce A and destroys its group kSleep later, its thread by then
+    // arrived in A's barrier (a post of 64 bytes; its A ends CANCELLED, or done); rank 2 starts A only after that. A
+    // barrier the destroyed rank reached still passes: A succeeds on ranks 0 (asleep in it meanwhile) and 2, whole; the
+    // next operation, which rank 1 never reaches, fails on both, naming it. (A segment marked failed at the destroy, or
+    // a destroyed rank's process taken for gone in a barrier it reached, would fail A.)
+    const auto kSleep = scaled(std::chrono::milliseconds(1000));
+    auto pg = comm::ProcessGroup::create(
+        name, {}, {.timeout = std::chrono::milliseconds(30000), .shared_memory = comm::SharedMemory::kAlways});
+    comm::wait(pg->barrier());
+    auto a = at::full({16}, rank + 1.0);
+    const float want = world * (world + 1) / 2.0f;
+    if (rank == 1) {
+      rpc::Future f = pg->allreduce(a);
+      std::this_thread::sleep_for(kSleep);
+      pg.reset();
+      if (!f.completed()) return "rank 1's allreduce is pending after its group went";
+      const absl::Status s = f.status();
+      return check(s.ok() || s.code() == absl::StatusCode::kCancelled, "rank 1's allreduce A: " + s.ToString());
+    }
+    if (rank == 2) std::this_thread::sleep_for(2 * kSleep);
+    const absl::Status sa = pg->allreduce(a).status();
+    std::string err = check(sa.ok() && a.equal(at::full({16}, want, a.options())),
+                            "allreduce A, which rank 1 reached before it destroyed its group: " + sa.ToString());
+    auto b = at::ones({16});
+    const absl::Status sb = pg->allreduce(b).status();
+    const std::string m(sb.message());
+    err += check(sb.code() == absl::StatusCode::kUnavailable && m.find("rank 1 (worker '") != std::string::npos &&
+                     m.find("destroyed its process group") != std::string::npos,
+                 "allreduce B: " + sb.ToString());
+    return err;
+  }
   if (name == "subgroup") {
     // Ranks 0 and 2 of 3 form a group of their own; rank 1 is not in it.
     if (rank == 1) return "";
