@@ -321,9 +321,8 @@ class GlooGroup final : public ProcessGroup {
       op.run = nullptr;
       metrics::collective_recorder(name_, op.what, transport_of(op.what))
           .record(Clock::duration::zero(), false, op.bytes, 0);
-      op.done.set_error(absl::CancelledError(
-          absl::StrCat("process group '", name_, "' (rank ", rank_, " of ", size_, "), ", op.what, " #", op.seq,
-                       ": the group was destroyed on this rank before the operation started")));
+      op.done.set_error(absl::CancelledError(absl::StrCat(
+          where(op.what), " #", op.seq, ": the group was destroyed on this rank before the operation started")));
     }
     // The operation in progress: over shared memory it ends at its next barrier (CANCELLED); over Gloo, which cannot
     // be interrupted while it writes the tensors, within its timeout (each of Gloo's waits), as before.
@@ -515,8 +514,8 @@ class GlooGroup final : public ProcessGroup {
     check_root(peer, what);
     if (peer == rank_) throw_error(absl::InvalidArgumentError(absl::StrCat(what, ": the peer is this rank")));
     const bool sending = what[0] == 's';
-    const std::string prefix = absl::StrCat("process group '", name_, "' (rank ", rank_, " of ", size_, "), ", what,
-                                            (sending ? " to rank " : " from rank "), peer, " (tag ", tag, "): ");
+    const std::string prefix =
+        absl::StrCat(where(what), (sending ? " to rank " : " from rank "), peer, " (tag ", tag, "): ");
     {
       // A callback of an operation ~GlooGroup cancels may call this: its transfer would outlive the connections.
       MutexLock lock(&mu_);
@@ -571,6 +570,10 @@ class GlooGroup final : public ProcessGroup {
     // the segment would fail them in a barrier this rank reached (a Gloo operation or p2p transfer failing as the
     // connections close).
     if (shm_ && !on_segment && !stopping_) shm_->abandon();
+  }
+  // "process group 'g' (rank 1 of 2), allreduce": how every error of an operation begins.
+  std::string where(const std::string& what) const {
+    return absl::StrCat("process group '", name_, "' (rank ", rank_, " of ", size_, "), ", what);
   }
   static absl::Status failed_earlier(const std::string& prefix, const absl::Status& cause) {
     return absl::FailedPreconditionError(prefix + "the group failed earlier (" + std::string(cause.message()) +
@@ -681,8 +684,7 @@ class GlooGroup final : public ProcessGroup {
                      std::function<void(uint32_t)> run) {
     MutexLock lock(&mu_);
     if (stopping_) {  // a callback of a cancelled operation, run by ~GlooGroup: nothing would run it
-      return rpc::Future::failed(absl::CancelledError(absl::StrCat(
-          "process group '", name_, "' (rank ", rank_, " of ", size_, "), ", what, ": the group is being destroyed")));
+      return rpc::Future::failed(absl::CancelledError(where(what) + ": the group is being destroyed"));
     }
     // Its deadline: the operations ahead of it and itself each complete or fail within the group's timeout (twice in
     // debug mode: the fingerprint exchange has its own), and a failure names the members gone within kPingTimeout.
@@ -690,9 +692,9 @@ class GlooGroup final : public ProcessGroup {
     const milliseconds per_op = options_.debug ? 2 * options_.timeout : options_.timeout;
     const int64_t bytes = characteristic.defined() ? static_cast<int64_t>(characteristic.nbytes()) : 0;
     // Named for the error of a wait that outlasts it (Gloo bounds each of its waits, not the whole operation).
-    rpc::Future done(absl::Now() + absl::FromChrono(ahead_and_this * per_op + kPingTimeout),
-                     absl::StrCat("process group '", name_, "' (rank ", rank_, " of ", size_, "), ", what, " of ",
-                                  bytes, " bytes (", ahead_and_this - 1, " operations ahead of it)"));
+    rpc::Future done(
+        absl::Now() + absl::FromChrono(ahead_and_this * per_op + kPingTimeout),
+        absl::StrCat(where(what), " of ", bytes, " bytes (", ahead_and_this - 1, " operations ahead of it)"));
     queue_.push_back(Op{what, fingerprint(what, characteristic, param), std::move(run), done, bytes, ++submitted_});
     return done;
   }
@@ -724,8 +726,7 @@ class GlooGroup final : public ProcessGroup {
 
   // Runs one operation on the group's thread and completes its future.
   void run_op(Op& op, uint32_t& tag) {
-    const std::string prefix =
-        absl::StrCat("process group '", name_, "' (rank ", rank_, " of ", size_, "), ", op.what, ": ");
+    const std::string prefix = where(op.what) + ": ";
     const Clock::time_point start = Clock::now();
     metrics::Recorder& recorder = metrics::collective_recorder(name_, op.what, transport_of(op.what));
     if (absl::Status b = broken(); !b.ok()) {
@@ -888,8 +889,6 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(const std::string& name, std:
     if (!g_names.insert(name).second) {
       throw RpcError(absl::AlreadyExistsError(absl::StrCat("process group '", name, "' was already created here")));
     }
-    // A group of the last job destroyed after its stop hook ran (held past shutdown): not this one.
-    g_destroyed->erase(name);
   }
   const int rank = static_cast<int>(me - ranks.begin());
   const int size = static_cast<int>(ranks.size());
