@@ -234,6 +234,7 @@ std::vector<char> Reducer::walk_graph(const std::vector<at::Tensor>& outputs, bo
   for (size_t i = 0; i < params.size(); ++i) param_of.emplace(params[i].accumulator.get(), i);
   std::vector<char> reached(params.size(), 0);
   std::vector<std::shared_ptr<torch::autograd::Node>> taps(params.size());
+  if (tap) ++tap_forward;  // the taps of earlier graphs stop landing gradients
   std::unordered_set<const torch::autograd::Node*> seen;
   std::vector<torch::autograd::Node*> stack;
   for (const auto& out : outputs) {
@@ -261,7 +262,7 @@ std::vector<char> Reducer::walk_graph(const std::vector<at::Tensor>& outputs, bo
       auto& t = taps[it->second];
       if (!t) {
         const Param& p = params[it->second];
-        t = std::make_shared<GradTap>(weak_from_this(), it->second);
+        t = std::make_shared<GradTap>(weak_from_this(), it->second, tap_forward);
         t->add_input_metadata(p.tensor);
         t->add_next_edge(torch::autograd::Edge(p.accumulator, 0));
       }

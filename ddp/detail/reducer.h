@@ -65,6 +65,10 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // put a tap between each parameter and its accumulator, which lands the gradient in its bucket as that backward
   // computes it.
   bool tapping = false;
+  // The forward whose taps may land gradients (counted at each walk that puts taps in a graph): a tap of an earlier
+  // graph (its backward failed elsewhere and still runs here, or the iteration was abandoned before its backward)
+  // passes its gradient on to the context without landing it in this iteration's buckets.
+  uint64_t tap_forward = 0;
   // This accumulation window had a no_sync forward before an external backward: its gradients are summed in the
   // context, not seen by taps, so the window is reduced after backward from what the context holds.
   bool window_accumulates_externally = false;
@@ -130,17 +134,19 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // Between a parameter's uses in the graph and its accumulator: the gradient of an external backward (which runs no
   // accumulator hooks) reaches the reducer here, summed over the parameter's uses, as soon as it is computed.
   struct GradTap : torch::autograd::Node {
-    GradTap(std::weak_ptr<Reducer> impl, size_t index) : impl(std::move(impl)), index(index) {}
+    GradTap(std::weak_ptr<Reducer> impl, size_t index, uint64_t forward)
+        : impl(std::move(impl)), index(index), forward(forward) {}
     torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
       if (auto s = impl.lock()) {
         MutexLock lock(&s->tap_mu);
-        s->tapped(index, grads.at(0));
+        if (forward == s->tap_forward) s->tapped(index, grads.at(0));
       }
       return std::move(grads);
     }
     std::string name() const override { return "tandem::ddp::GradTap"; }
     std::weak_ptr<Reducer> impl;
     size_t index;
+    uint64_t forward;  // the walk that put it in (tap_forward then)
   };
 
   // One walk of the graph forward produced, from its outputs: which parameters' accumulators it reaches (by parameter);

@@ -67,6 +67,13 @@ TEST_F(MultiprocDdp, HybridWithDistributedAutogradOverlapsAndFollowsOneProcess) 
   EXPECT_EQ(everywhere(3, "hybrid/small"), "");
 }
 
+// A distributed backward of an abandoned iteration that runs after the next forward: its graph's taps do not land
+// gradients in the new iteration's buckets, which reduces and steps as one process would.
+TEST_F(MultiprocDdp, HybridBackwardOfAnAbandonedIterationDoesNotLandInTheNextOne) {
+  start({.world_size = 2});
+  EXPECT_EQ(everywhere(2, "stale_tap"), "");
+}
+
 // A DDP model's two heads sent to two workers (ranks 2 and 3): each trainer's distributed backward brings the context's
 // gradients in two messages that its RPC threads run at once. The test holds them so that one message's taps run while
 // the other's launch of bucket 0 (its comm hook) is inside the reducer; the taps must wait for it (Reducer::tap_mu:

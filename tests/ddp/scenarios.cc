@@ -741,6 +741,43 @@ std::string run(const std::string& name) {
     if (!(d <= 1e-5)) return absl::StrCat(name, ": parameters differ from one process by ", d);
     return "";
   }
+  if (name == "stale_tap") {
+    // An iteration abandoned after its forward under a context (its backward failed elsewhere, say), whose backward
+    // runs here only after the next forward: the old graph's taps must not land their gradients in the new iteration's
+    // buckets (before, they did: the new backward then failed with "got a gradient twice", or, where the old graph
+    // reached a parameter the new one does not, averaged the old gradient). The new iteration follows one process.
+    torch::manual_seed(100 + rank);
+    auto model = std::make_shared<Net>(false, false);
+    torch::manual_seed(100);
+    auto ref = std::make_shared<Net>(false, false);
+    ddp::DistributedDataParallel<Net> ddp(model, comm::ProcessGroup::create(name),
+                                          {.bucket_cap_bytes = 512, .first_bucket_bytes = 256});
+    std::vector<rref::RRef> handles;
+    for (const auto& p : model->parameters()) handles.push_back(rref::make_local(p));
+    dist_optim::DistributedOptimizer opt("sgd", handles, {{"lr", 0.1}});
+    {
+      dist_autograd::ContextGuard abandoned;
+      auto [x0, y0] = data(0, 2);
+      at::Tensor abandoned_loss = torch::mse_loss(ddp.forward(rows(x0, rank)), rows(y0, rank));
+      dist_autograd::ContextGuard ctx;
+      auto [x, y] = data(1, 2);
+      at::Tensor loss = torch::mse_loss(ddp.forward(rows(x, rank)), rows(y, rank));
+      try {
+        dist_autograd::backward(abandoned.id(), {abandoned_loss});  // the old graph's taps run now
+        dist_autograd::backward(ctx.id(), {loss});
+        ddp::reduce_context_gradients(ddp, ctx.id());
+        opt.step(ctx.id());
+      } catch (const std::exception& e) {
+        return absl::StrCat(name, ": ", e.what());
+      }
+      torch::optim::SGD ref_opt(ref->parameters(), torch::optim::SGDOptions(0.1));
+      torch::mse_loss(ref->forward(x), y).backward();
+      ref_opt.step();
+    }
+    const double d = max_diff(*model, *ref);
+    if (!(d <= 1e-5)) return absl::StrCat(name, ": parameters differ from one process by ", d);
+    return "";
+  }
   if (name == "buckets") {
     // Reverse registration order, the first bucket capped at first_bucket_bytes; rebuilt after one iteration.
     auto model = std::make_shared<Net>(false, false);  // fc1: 576 + 64 bytes, fc2: 256 + 16 bytes
