@@ -21,12 +21,12 @@ void fail(absl::StatusCode code, const std::string& message) {
 namespace {
 Mutex g_probe_mu;
 // Set by ddp_dist_autograd/: a distributed autograd context is current.
-std::function<bool()> g_external_probe ABSL_GUARDED_BY(g_probe_mu);
+std::function<int64_t()> g_external_probe ABSL_GUARDED_BY(g_probe_mu);
 }  // namespace
 
-bool external_backward_ahead() {
+int64_t external_backward_id() {
   MutexLock lock(&g_probe_mu);
-  return g_external_probe && g_external_probe();
+  return g_external_probe ? g_external_probe() : -1;
 }
 
 }  // namespace detail
@@ -93,7 +93,7 @@ void DistributedDataParallelBase::reduce_external(const GradientOf& grad_of, con
   impl_->reduce_external(grad_of, set_average, what);
 }
 
-void set_external_backward_probe(std::function<bool()> probe) {
+void set_external_backward_probe(std::function<int64_t()> probe) {
   MutexLock lock(&detail::g_probe_mu);
   detail::g_external_probe = std::move(probe);
 }

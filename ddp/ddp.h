@@ -173,8 +173,10 @@ class DistributedDataParallel : public DistributedDataParallelBase {
   std::shared_ptr<M> module_;
 };
 
-// For a layer that runs backward passes on another engine (ddp_dist_autograd/ sets it): whether the forward running on
-// this thread will be followed by such a backward (a distributed autograd context is current). Process-wide.
-void set_external_backward_probe(std::function<bool()> probe);
+// For a layer that runs backward passes on another engine (ddp_dist_autograd/ sets it): the id of the backward that
+// will follow the forward running on this thread (the distributed autograd context current on it), or -1 when a local
+// backward follows. Gradients of a graph forward built under another id never land in this iteration's buckets.
+// Process-wide.
+void set_external_backward_probe(std::function<int64_t()> probe);
 
 }  // namespace tandem::ddp

@@ -194,6 +194,12 @@ void Reducer::rebuild() {
 }
 
 void Reducer::pre_forward() {
+  {
+    // First: a late tap of an unfinished iteration (its backward failed elsewhere) must not launch a bucket while this
+    // rank's agreement or broadcast below runs (the ranks' collectives would be issued in different orders).
+    MutexLock lock(&tap_mu);
+    end_unfinished();
+  }
   if (options.uneven_inputs) agree(true, require_sync && at::GradMode::is_enabled());
   if (options.broadcast_buffers && !buffers.empty()) broadcast_from(0, /*with_params=*/false);
   if (rebuild_pending) rebuild();
@@ -203,7 +209,8 @@ void Reducer::post_forward(const std::vector<at::Tensor>& outputs) {
   // Held throughout: a tap of a backward that failed elsewhere, still running here, is not mixed with the new state.
   MutexLock lock(&tap_mu);
   end_unfinished();  // a backward that did not reduce left state behind, and perhaps reductions running
-  const bool external = external_backward_ahead();
+  const int64_t external_id = external_backward_id();
+  const bool external = external_id >= 0;
   if (!at::GradMode::is_enabled()) return;
   if (!require_sync) {
     window_accumulates_externally |= external;
@@ -212,6 +219,7 @@ void Reducer::post_forward(const std::vector<at::Tensor>& outputs) {
   reset_iteration();
   armed = true;
   const bool tap = external && !window_accumulates_externally;
+  if (tap) tap_backward = external_id;
   if (!tap && !options.find_unused_parameters) return;
   const std::vector<char> reached = walk_graph(outputs, tap);
   if (!options.find_unused_parameters) return;
@@ -234,7 +242,6 @@ std::vector<char> Reducer::walk_graph(const std::vector<at::Tensor>& outputs, bo
   for (size_t i = 0; i < params.size(); ++i) param_of.emplace(params[i].accumulator.get(), i);
   std::vector<char> reached(params.size(), 0);
   std::vector<std::shared_ptr<torch::autograd::Node>> taps(params.size());
-  if (tap) ++tap_forward;  // the taps of earlier graphs stop landing gradients
   std::unordered_set<const torch::autograd::Node*> seen;
   std::vector<torch::autograd::Node*> stack;
   for (const auto& out : outputs) {
@@ -262,7 +269,7 @@ std::vector<char> Reducer::walk_graph(const std::vector<at::Tensor>& outputs, bo
       auto& t = taps[it->second];
       if (!t) {
         const Param& p = params[it->second];
-        t = std::make_shared<GradTap>(weak_from_this(), it->second, tap_forward);
+        t = std::make_shared<GradTap>(weak_from_this(), it->second, tap_backward);
         t->add_input_metadata(p.tensor);
         t->add_next_edge(torch::autograd::Edge(p.accumulator, 0));
       }
@@ -394,6 +401,7 @@ void Reducer::settle_launched() {
 void Reducer::end_unfinished() {
   armed = false;
   tapping = false;
+  tap_backward = -1;
   settle_launched();
 }
 

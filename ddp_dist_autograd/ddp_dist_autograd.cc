@@ -9,7 +9,7 @@ namespace tandem::ddp {
 namespace {
 
 const bool g_installed = [] {
-  set_external_backward_probe([] { return dist_autograd::current_context() >= 0; });
+  set_external_backward_probe([] { return dist_autograd::current_context(); });
   return true;
 }();
 

@@ -27,8 +27,8 @@ namespace tandem::ddp::detail {
 // then `rule`). Collective.
 absl::Status same_on_every_rank(comm::ProcessGroup& group, const std::vector<at::Tensor>& tensors,
                                 const std::string& rule);
-// Whether the coming backward runs on another engine (set_external_backward_probe).
-bool external_backward_ahead();
+// The id of the coming backward when it runs on another engine, else -1 (set_external_backward_probe).
+int64_t external_backward_id();
 
 class Reducer : public std::enable_shared_from_this<Reducer> {
  public:
@@ -65,10 +65,11 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // put a tap between each parameter and its accumulator, which lands the gradient in its bucket as that backward
   // computes it.
   bool tapping = false;
-  // The forward whose taps may land gradients (counted at each walk that puts taps in a graph): a tap of an earlier
-  // graph (its backward failed elsewhere and still runs here, or the iteration was abandoned before its backward)
-  // passes its gradient on to the context without landing it in this iteration's buckets.
-  uint64_t tap_forward = 0;
+  // The external backward (its id) whose taps land gradients, or -1: a tap put in a graph under another backward (its
+  // iteration was abandoned, or its backward failed elsewhere and still runs here) passes its gradient on to its own
+  // context without landing it in this iteration's buckets. Two forwards under one backward's id both land (a
+  // parameter reached by both is then an error: "got a gradient twice").
+  int64_t tap_backward = -1;
   // This accumulation window had a no_sync forward before an external backward: its gradients are summed in the
   // context, not seen by taps, so the window is reduced after backward from what the context holds.
   bool window_accumulates_externally = false;
@@ -134,19 +135,19 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // Between a parameter's uses in the graph and its accumulator: the gradient of an external backward (which runs no
   // accumulator hooks) reaches the reducer here, summed over the parameter's uses, as soon as it is computed.
   struct GradTap : torch::autograd::Node {
-    GradTap(std::weak_ptr<Reducer> impl, size_t index, uint64_t forward)
-        : impl(std::move(impl)), index(index), forward(forward) {}
+    GradTap(std::weak_ptr<Reducer> impl, size_t index, int64_t backward)
+        : impl(std::move(impl)), index(index), backward(backward) {}
     torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
       if (auto s = impl.lock()) {
         MutexLock lock(&s->tap_mu);
-        if (forward == s->tap_forward) s->tapped(index, grads.at(0));
+        if (backward == s->tap_backward) s->tapped(index, grads.at(0));
       }
       return std::move(grads);
     }
     std::string name() const override { return "tandem::ddp::GradTap"; }
     std::weak_ptr<Reducer> impl;
     size_t index;
-    uint64_t forward;  // the walk that put it in (tap_forward then)
+    int64_t backward;  // tap_backward when it was put in
   };
 
   // One walk of the graph forward produced, from its outputs: which parameters' accumulators it reaches (by parameter);
@@ -193,8 +194,9 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // did not end (its backward threw).
   void settle_launched();
 
-  // Under tap_mu, before a forward readies the reducer (post_forward) or a rank joins: an iteration that did not end
-  // (its backward threw, or finalize did) is disarmed and its launched reductions are settled.
+  // Under tap_mu, as a forward begins (pre_forward) and before it readies the reducer (post_forward), and as a rank
+  // joins: an iteration that did not end (its backward threw, or finalize did) is disarmed and its launched reductions
+  // are settled.
   void end_unfinished();
 
   // At the end of backward (queued on the autograd engine by the first hook).

@@ -74,6 +74,13 @@ TEST_F(MultiprocDdp, HybridBackwardOfAnAbandonedIterationDoesNotLandInTheNextOne
   EXPECT_EQ(everywhere(2, "stale_tap"), "");
 }
 
+// Two forwards under one context before its backward: an error naming a parameter, not an average of one graph's
+// gradients.
+TEST_F(MultiprocDdp, HybridTwoForwardsUnderOneContextAreAnError) {
+  start({.world_size = 2});
+  EXPECT_EQ(everywhere(2, "two_forwards_one_context"), "");
+}
+
 // A DDP model's two heads sent to two workers (ranks 2 and 3): each trainer's distributed backward brings the context's
 // gradients in two messages that its RPC threads run at once. The test holds them so that one message's taps run while
 // the other's launch of bucket 0 (its comm hook) is inside the reducer; the taps must wait for it (Reducer::tap_mu:

@@ -778,6 +778,27 @@ std::string run(const std::string& name) {
     if (!(d <= 1e-5)) return absl::StrCat(name, ": parameters differ from one process by ", d);
     return "";
   }
+  if (name == "two_forwards_one_context") {
+    // Two forwards under one distributed autograd context before its backward: the parameters get a gradient from
+    // each graph's taps, which is an error naming one, as before taps were keyed by context (a key per forward let the
+    // first graph's gradients pass unseen and averaged the second's alone: wrong gradients, no error).
+    auto model = std::make_shared<Net>(false, false);
+    ddp::DistributedDataParallel<Net> ddp(model, comm::ProcessGroup::create(name));
+    dist_autograd::ContextGuard ctx;
+    auto [x, y] = data(0, 2);
+    at::Tensor loss = torch::mse_loss(ddp.forward(rows(x, rank)), rows(y, rank)) +
+                      torch::mse_loss(ddp.forward(rows(x, rank) * 2), rows(y, rank));
+    try {
+      dist_autograd::backward(ctx.id(), {loss});
+      ddp::reduce_context_gradients(ddp, ctx.id());
+      return name + ": two forwards under one context reduced without an error";
+    } catch (const std::exception& e) {
+      if (std::string(e.what()).find("got a gradient twice") == std::string::npos) {
+        return absl::StrCat(name, ": an unexpected error: ", e.what());
+      }
+    }
+    return "";
+  }
   if (name == "buckets") {
     // Reverse registration order, the first bucket capped at first_bucket_bytes; rebuilt after one iteration.
     auto model = std::make_shared<Net>(false, false);  // fc1: 576 + 64 bytes, fc2: 256 + 16 bytes
