@@ -5,7 +5,8 @@
 // the ready hooks, taps and finalize(). They never overlap for one DDP instance (a backward runs between two forwards),
 // so the state below is not locked; collectives run on the process group's own thread. The exception: a distributed
 // backward's taps run on RPC threads, several at once, and one of a backward that failed elsewhere may still run after
-// the next forward began; tap_mu serialises them with each other, with the reduction, and with post_forward and join.
+// the next forward began; tap_mu serialises them with each other, with the reduction, and with pre_forward,
+// post_forward and join.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -73,10 +74,10 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // This accumulation window had a no_sync forward before an external backward: its gradients are summed in the
   // context, not seen by taps, so the window is reduced after backward from what the context holds.
   bool window_accumulates_externally = false;
-  // Serialises the taps of an external backward with each other, with its reduction and with the next post_forward
-  // (or join): distributed autograd runs the gradient messages of one context on several RPC threads at once (outputs
-  // sent to two workers), and each may reach taps (GradTap); a message of a backward that failed elsewhere may still
-  // run here when the next forward begins.
+  // Serialises the taps of an external backward with each other, with its reduction and with the next forward's
+  // pre_forward and post_forward (or join): distributed autograd runs the gradient messages of one context on several
+  // RPC threads at once (outputs sent to two workers), and each may reach taps (GradTap); a message of a backward that
+  // failed elsewhere may still run here when the next forward begins.
   Mutex tap_mu;
   bool armed = false;            // post_forward readied the reducer: the next backward reduces
   bool callback_queued = false;  // finalize() is queued on the autograd engine
