@@ -8,8 +8,9 @@ fail=0
 for spec in "$@"; do
   IFS=: read -r program flag default <<<"$spec"
   name="$(basename "$program")"
-  # --help after the flag given twice: accepted, the last value counting (CLI11's default would refuse a repeated
-  # flag; bench/run.sh appends flags to the user's), and the help lists the flag with its default. One start for both:
+  # --help after the flag given twice: accepted (CLI11's default would refuse a repeated flag; bench/run.sh appends
+  # flags to the user's; which value counts, the last by tools/flags.h, is not seen from here), and the help lists the
+  # flag with its default. One start for both:
   # each start of a program on LibTorch costs about a second of CPU on a slow machine.
   help="$(timeout 20 "$program" "$flag" "$default" "$flag" "$default" --help 2>&1)"; rc=$?
   if [ "$rc" != 0 ] || ! grep -- "$flag" <<<"$help" | grep -qE -- "=$default( |\$)"; then
