@@ -746,8 +746,7 @@ class GlooGroup final : public ProcessGroup {
         }
       }
       deadline_ = Clock::now() + options_.timeout;
-      TANDEM_LOG(kDebug, "comm") << "process group '" << name_ << "' (rank " << rank_ << " of " << size_
-                                 << "): " << op.what << " of " << op.bytes << " bytes over " << transport_of(op.what);
+      TANDEM_LOG(kDebug, "comm") << where(op.what) << " of " << op.bytes << " bytes over " << transport_of(op.what);
       op.run(++tag);
       // Gloo bounds each of its waits by the timeout, not a whole operation: one that ends after its future's deadline
       // may have been reported failed to its waiter meanwhile, while its tensors were still being written. It fails,
