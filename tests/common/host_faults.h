@@ -17,8 +17,19 @@ class HostFaults : public MultiprocScenario {
   // it), for the next test and the next suites of the same run.
   void TearDown() override {
     undo_faults({"heal", "rate"});
+    release_workers();
     MultiprocScenario::TearDown();
     undo_faults({"delay"});
+  }
+  // Lets the held workers go to their graceful shutdown (unless this process left the job already, or a worker's host
+  // was killed: its call fails, and the test said what it expects of that worker).
+  static void release_workers() {
+    if (!rpc::is_initialized()) return;
+    std::vector<rpc::Future> sent;
+    for (int r = 1; r < kRanks; ++r) {
+      sent.push_back(rpc::rpc_async(r, "test.release", std::chrono::milliseconds(5000)));
+    }
+    for (const auto& f : sent) (void)f.status();  // waits, bounded by the call's timeout
   }
   static void undo_faults(std::initializer_list<const char*> ops) {
     for (int h = 0; h < test_hosts().count; ++h) {
@@ -33,14 +44,19 @@ class HostFaults : public MultiprocScenario {
   }
 
  public:  // for a test file's helpers that several of its tests share
-  // A job of 3 ranks, one per host, whose calls default to `rpc_timeout` and whose graceful shutdown waits 10 s.
+  static constexpr int kRanks = 3;
+  // A job of 3 ranks, one per host, whose calls default to `rpc_timeout` and whose graceful shutdown waits 10 s. The
+  // workers are held out of their shutdown while the test's body runs (tests/common/test_env.cc, TANDEM_TEST_HOLD_MS):
+  // at most a body's longest passing run (a backward failing after its deadline, 30 s for a healed link to release
+  // contexts, 20 s more to serve again), scaled; TearDown releases them.
   void start_on_hosts(std::chrono::milliseconds rpc_timeout) {
     rpc::RpcOptions options = options_from_env();
     options.rpc_timeout = rpc_timeout;
     options.shutdown_timeout = std::chrono::milliseconds(10000);
-    start({.world_size = 3,
+    start({.world_size = kRanks,
            .extra_env = {{"TANDEM_TEST_RPC_MS", std::to_string(rpc_timeout.count())},
-                         {"TANDEM_TEST_SHUTDOWN_MS", "10000"}}},
+                         {"TANDEM_TEST_SHUTDOWN_MS", "10000"},
+                         {"TANDEM_TEST_HOLD_MS", std::to_string(scaled(std::chrono::milliseconds(120000)).count())}}},
           options);
   }
   // Elapsed since `t0`.

@@ -11,6 +11,8 @@
 #include <string>
 #include <thread>
 
+#include "absl/synchronization/mutex.h"
+
 namespace tandem::test {
 namespace {
 int env_int(const char* name, int fallback) {
@@ -36,7 +38,28 @@ int run_worker_job(const std::function<void()>& body) {
     // 10,000 calls ran past an unscaled 60 s and the workers stopped serving under it). Rank 0's own bound stays: it
     // waits there for workers that may be dead.
     if (env_int("TANDEM_TEST_SHUTDOWN_MS", 0) <= 0) options.shutdown_timeout = scaled(options.shutdown_timeout);
+    // Unless held: with TANDEM_TEST_HOLD_MS, the worker serves outside its shutdown until the test calls its
+    // "test.release" (or that long has passed), and only then waits at the barrier. The test hosts' fault tests hold
+    // their workers (tests/common/host_faults.h): a barrier waiting through the body waits through its cut links, and
+    // its store wait failed when the cut link's connection did ("Network is unreachable"), or its bound passed in a
+    // slow body; the worker then left while the test still called it.
+    const int hold_ms = env_int("TANDEM_TEST_HOLD_MS", 0);
+    struct Hold {
+      absl::Mutex mu;
+      bool released ABSL_GUARDED_BY(mu) = false;
+    };
+    auto hold = std::make_shared<Hold>();
+    if (hold_ms > 0) {
+      rpc::register_function("test.release", [hold] {
+        absl::MutexLock lock(&hold->mu);
+        hold->released = true;
+      });
+    }
     rpc::init_rpc(name ? name : "worker" + std::to_string(rank), rank, env_int("WORLD_SIZE", 1), std::move(options));
+    if (hold_ms > 0) {
+      absl::MutexLock lock(&hold->mu);
+      hold->mu.AwaitWithTimeout(absl::Condition(&hold->released), absl::Milliseconds(hold_ms));
+    }
     body();
     rpc::shutdown(true);
     return 0;
