@@ -222,6 +222,16 @@ rpc::Future on_create(std::vector<c10::IValue>&& args) {
   return rpc::Future::ready(c10::IValue(id));
 }
 
+ABSL_CONST_INIT Mutex g_probe_mu(absl::kConstInit);
+std::function<void()>& step_probe_slot() ABSL_EXCLUSIVE_LOCKS_REQUIRED(g_probe_mu) {
+  static auto* probe = new std::function<void()>();  // never destroyed: a step may run until exit
+  return *probe;
+}
+std::function<void()> step_probe() {
+  MutexLock lock(&g_probe_mu);
+  return step_probe_slot();
+}
+
 void on_step(int64_t id, int64_t context_id) {
   std::shared_ptr<LocalOptimizer> local;
   {
@@ -245,7 +255,10 @@ void on_step(int64_t id, int64_t context_id) {
     any |= g.defined();
     local->handles[i].mutable_grad() = g;
   }
-  if (any) local->optimizer->step();
+  if (any) {
+    if (std::function<void()> probe = step_probe()) probe();
+    local->optimizer->step();
+  }
   for (auto& h : local->handles) h.mutable_grad() = at::Tensor();
 }
 
@@ -362,6 +375,11 @@ DistributedOptimizer::~DistributedOptimizer() { release(); }
 void detail::with_owner_lock(const std::function<void()>& f) {
   MutexLock lock(&g_owner_lock);
   f();
+}
+
+void detail::set_step_probe(std::function<void()> probe) {
+  MutexLock lock(&g_probe_mu);
+  step_probe_slot() = std::move(probe);
 }
 
 int64_t owned_optimizer_count() {

@@ -90,6 +90,9 @@ namespace detail {
 // Runs `f` holding the lock every step of a non-hogwild optimizer on this worker takes (hogwild steps do not): for
 // tests that show which steps wait for it. Thread-safe.
 void with_owner_lock(const std::function<void()>& f);
+// Runs `probe` in every step on this worker that applies gradients, just before it applies them (holding the owner
+// lock when the step takes it); an empty function removes it. For tests that show which steps overlap. Thread-safe.
+void set_step_probe(std::function<void()> probe);
 }  // namespace detail
 
 }  // namespace tandem::dist_optim

@@ -11,7 +11,7 @@
 #include <string>
 #include <thread>
 
-#include "absl/synchronization/mutex.h"
+#include "tandem/sync/sync.h"
 
 namespace tandem::test {
 namespace {
@@ -45,20 +45,20 @@ int run_worker_job(const std::function<void()>& body) {
     // slow body; the worker then left while the test still called it.
     const int hold_ms = env_int("TANDEM_TEST_HOLD_MS", 0);
     struct Hold {
-      absl::Mutex mu;
+      Mutex mu;
       bool released ABSL_GUARDED_BY(mu) = false;
     };
     auto hold = std::make_shared<Hold>();
     if (hold_ms > 0) {
       rpc::register_function("test.release", [hold] {
-        absl::MutexLock lock(&hold->mu);
+        MutexLock lock(&hold->mu);
         hold->released = true;
       });
     }
     rpc::init_rpc(name ? name : "worker" + std::to_string(rank), rank, env_int("WORLD_SIZE", 1), std::move(options));
     if (hold_ms > 0) {
-      absl::MutexLock lock(&hold->mu);
-      hold->mu.AwaitWithTimeout(absl::Condition(&hold->released), absl::Milliseconds(hold_ms));
+      MutexLock lock(&hold->mu);
+      hold->mu.AwaitWithTimeout(Condition(&hold->released), absl::Milliseconds(hold_ms));
     }
     body();
     rpc::shutdown(true);

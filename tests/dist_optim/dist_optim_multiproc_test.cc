@@ -148,6 +148,7 @@ TEST_F(MultiprocDistOptim, SavedStateResumesOnTheOwners) {
 void concurrent_trainers(bool hogwild, const std::string& name, int trainers, int steps) {
   const at::Tensor x = input();
   const at::Tensor before = rpc::rpc_sync<at::Tensor>("worker1", "param_value", name);
+  rpc::rpc_sync("worker1", "watch_steps", hogwild);  // hogwild: the first step waits for a second one
   std::vector<std::thread> threads;
   std::atomic<int> failures{0};
   for (int t = 0; t < trainers; ++t) {
@@ -171,10 +172,15 @@ void concurrent_trainers(bool hogwild, const std::string& name, int trainers, in
   const at::Tensor after = rpc::rpc_sync<at::Tensor>("worker1", "param_value", name);
   const at::Tensor grad = x.t().mm(at::ones({3, 4}, at::kDouble));
   const at::Tensor want = before - 0.01 * trainers * steps * grad;
+  // Without the owner lock, steps of 2 ms from 4 trainers overlap (and SGD's in-place updates are too short to lose
+  // one reliably: the count, not the sum, shows a missing lock).
+  const auto most = rpc::rpc_sync<int64_t>("worker1", "most_steps_at_once");
   if (hogwild) {
     EXPECT_FALSE(at::allclose(after, before)) << "hogwild steps changed nothing";
+    EXPECT_GE(most, 2) << "hogwild steps never ran at once";
   } else {
     EXPECT_TRUE(at::allclose(after, want, 1e-9, 1e-9)) << "locked steps were lost\n" << after << "\n" << want;
+    EXPECT_EQ(most, 1) << "locked steps ran at once";
   }
 }
 

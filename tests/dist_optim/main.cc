@@ -14,11 +14,53 @@
 #include "tests/common/params.h"
 #include "tests/common/spawner.h"
 #include "tests/common/test_env.h"
+#include "tests/common/time_scale.h"
 
 namespace tandem::test {
 namespace {
 
 std::atomic<bool> g_owner_lock_held{false}, g_owner_lock_release{false};
+
+// The steps on this worker that applied gradients: how many did at once, at most (watch_steps).
+struct StepWatch {
+  Mutex mu;
+  int inside ABSL_GUARDED_BY(mu) = 0;
+  int most ABSL_GUARDED_BY(mu) = 0;
+  bool met ABSL_GUARDED_BY(mu) = true;  // false: the next step waits for a second one to start
+};
+StepWatch& step_watch() {
+  static auto* w = new StepWatch;  // never destroyed: a step may run until exit
+  return *w;
+}
+
+// Each step that applies gradients here is counted while it does and takes 2 ms, long enough for steps that run
+// without each other's lock to overlap. With `meet`, the first one waits (at most 10 s, scaled) until a second one
+// starts: steps that can overlap then surely do.
+void watch_steps(bool meet) {
+  StepWatch& w = step_watch();
+  {
+    MutexLock lock(&w.mu);
+    w.inside = 0;
+    w.most = 0;
+    w.met = !meet;
+  }
+  dist_optim::detail::set_step_probe([&w] {
+    {
+      MutexLock lock(&w.mu);
+      ++w.inside;
+      w.most = std::max(w.most, w.inside);
+      if (!w.met) {
+        BlockingScope waiting;  // its RPC thread's place goes to the step it waits for
+        auto two = [&w]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(w.mu) { return w.inside >= 2; };
+        w.mu.AwaitWithTimeout(Condition(&two), absl::FromChrono(scaled(std::chrono::milliseconds(10000))));
+        w.met = true;
+      }
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    MutexLock lock(&w.mu);
+    --w.inside;
+  });
+}
 
 void register_functions() {
   rpc::register_function("layer", [](std::string p, at::Tensor x) { return at::tanh(x.mm(param(p, 4, 4))); });
@@ -42,6 +84,12 @@ void register_functions() {
     });
   });
   rpc::register_function("release_owner_lock", [] { g_owner_lock_release = true; });
+  rpc::register_function("watch_steps", watch_steps);
+  rpc::register_function("most_steps_at_once", [] {
+    StepWatch& w = step_watch();
+    MutexLock lock(&w.mu);
+    return static_cast<int64_t>(w.most);
+  });
   rpc::register_function("owner_lock_held", [] { return g_owner_lock_held.load(); });
   rpc::register_function("slow_param", [](std::string p, int64_t ms) {  // a parameter whose RRef is made slowly
     std::this_thread::sleep_for(std::chrono::milliseconds(ms));
