@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "absl/cleanup/cleanup.h"
+#include "absl/container/inlined_vector.h"
 #include "absl/strings/str_cat.h"
 #include "proto/tandem_rpc.pb.h"
 #include "tandem/cluster/cpus.h"
@@ -314,10 +315,13 @@ Conn::~Conn() { ::close(fd_); }
 void Conn::shut() { ::shutdown(fd_, SHUT_RDWR); }
 
 absl::Status Conn::write(Kind kind, uint64_t call_id, const grpc::ByteBuffer& body, absl::Time deadline) {
+  // Sized for a frame's usual slices (header, a few tensors and their padding): one allocation, where Dump's growth
+  // and the two iovec vectors took up to five per message.
   std::vector<grpc::Slice> slices;
+  slices.reserve(8);
   if (body.Valid() && !body.Dump(&slices).ok()) return absl::InternalError("direct channel: unreadable frame");
   Header h{kMagic, static_cast<uint32_t>(kind), call_id, 0};
-  std::vector<iovec> iov;
+  absl::InlinedVector<iovec, 9> iov;
   iov.reserve(slices.size() + 1);
   iov.push_back({&h, sizeof(h)});
   for (const auto& s : slices) {
@@ -327,7 +331,7 @@ absl::Status Conn::write(Kind kind, uint64_t call_id, const grpc::ByteBuffer& bo
   if (auto s = start_writing(deadline); !s.ok()) return s;
   absl::Cleanup done = [this] { end_writing(); };
   size_t first = 0;
-  std::vector<iovec> window;  // the part of iov[first..] one sendmsg offers: at most kMaxSendBytes
+  absl::InlinedVector<iovec, 9> window;  // the part of iov[first..] one sendmsg offers: at most kMaxSendBytes
   window.reserve(std::min<size_t>(iov.size(), static_cast<size_t>(IOV_MAX)));
   while (first < iov.size()) {
     window.clear();

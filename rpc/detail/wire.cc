@@ -185,14 +185,18 @@ absl::Status Encoder::encode_value(const c10::IValue& v, Value* out, Payload* pa
 
 grpc::ByteBuffer Encoder::frame(const google::protobuf::MessageLite& header) {
   const size_t header_len = header.ByteSizeLong();
-  std::string head(align_up(4 + header_len), '\0');  // zero padding up to the payload area
+  // Written in place into the slice that is sent (a string first cost an allocation and a copy into the slice).
+  const size_t head_len = align_up(4 + header_len);
+  grpc::Slice head(head_len);
+  auto* h = const_cast<uint8_t*>(head.begin());
   const uint32_t len32 = static_cast<uint32_t>(header_len);
-  for (int i = 0; i < 4; ++i) head[i] = static_cast<char>((len32 >> (8 * i)) & 0xff);
-  header.SerializeWithCachedSizesToArray(reinterpret_cast<uint8_t*>(head.data() + 4));
+  for (int i = 0; i < 4; ++i) h[i] = static_cast<uint8_t>((len32 >> (8 * i)) & 0xff);
+  header.SerializeWithCachedSizesToArray(h + 4);
+  std::memset(h + 4 + header_len, 0, head_len - 4 - header_len);  // zero padding up to the payload area
 
   std::vector<grpc::Slice> slices;
-  slices.reserve(1 + tensors_.size());
-  slices.emplace_back(std::move(head));
+  slices.reserve(1 + 2 * tensors_.size());
+  slices.push_back(std::move(head));
   static const char kZeros[kAlign] = {};
   for (auto& t : tensors_) {
     auto* keep = new c10::Storage(std::move(t.storage));
@@ -225,9 +229,15 @@ absl::StatusOr<Frame> Frame::parse(const grpc::ByteBuffer& buffer, google::proto
     return absl::InvalidArgumentError(
         absl::StrCat("malformed message: header length ", header_len, " exceeds the message (", f.total_, " bytes)"));
   }
-  std::string head(header_len, '\0');
-  f.copy_out(4, header_len, head.data());
-  if (!header->ParseFromString(head)) return absl::InvalidArgumentError("malformed message: header does not parse");
+  bool parsed;
+  if (f.slices_[0].size() >= 4 + header_len) {  // the header in the first slice, as every sender puts it: no copy
+    parsed = header->ParseFromArray(f.slices_[0].begin() + 4, static_cast<int>(header_len));
+  } else {
+    std::string head(header_len, '\0');
+    f.copy_out(4, header_len, head.data());
+    parsed = header->ParseFromString(head);
+  }
+  if (!parsed) return absl::InvalidArgumentError("malformed message: header does not parse");
   f.payload_start_ = std::min<uint64_t>(align_up(4 + header_len), f.total_);
   return f;
 }
