@@ -223,11 +223,13 @@ rpc::Future on_create(std::vector<c10::IValue>&& args) {
 }
 
 ABSL_CONST_INIT Mutex g_probe_mu(absl::kConstInit);
+std::atomic<bool> g_probe_set{false};  // a step without a probe takes no lock for it
 std::function<void()>& step_probe_slot() ABSL_EXCLUSIVE_LOCKS_REQUIRED(g_probe_mu) {
   static auto* probe = new std::function<void()>();  // never destroyed: a step may run until exit
   return *probe;
 }
 std::function<void()> step_probe() {
+  if (!g_probe_set.load(std::memory_order_acquire)) return {};
   MutexLock lock(&g_probe_mu);
   return step_probe_slot();
 }
@@ -379,6 +381,7 @@ void detail::with_owner_lock(const std::function<void()>& f) {
 
 void detail::set_step_probe(std::function<void()> probe) {
   MutexLock lock(&g_probe_mu);
+  g_probe_set.store(static_cast<bool>(probe), std::memory_order_release);
   step_probe_slot() = std::move(probe);
 }
 

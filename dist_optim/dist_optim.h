@@ -91,7 +91,9 @@ namespace detail {
 // tests that show which steps wait for it. Thread-safe.
 void with_owner_lock(const std::function<void()>& f);
 // Runs `probe` in every step on this worker that applies gradients, just before it applies them (holding the owner
-// lock when the step takes it); an empty function removes it. For tests that show which steps overlap. Thread-safe.
+// lock when the step takes it, and always its own optimizer's lock: steps of one optimizer never overlap); an empty
+// function removes it. For tests that show which steps overlap. Thread-safe; a step that began before the call may
+// still run the probe it replaced.
 void set_step_probe(std::function<void()> probe);
 }  // namespace detail
 

@@ -315,8 +315,8 @@ Conn::~Conn() { ::close(fd_); }
 void Conn::shut() { ::shutdown(fd_, SHUT_RDWR); }
 
 absl::Status Conn::write(Kind kind, uint64_t call_id, const grpc::ByteBuffer& body, absl::Time deadline) {
-  // Sized for a frame's usual slices (header, a few tensors and their padding): one allocation, where Dump's growth
-  // and the two iovec vectors took up to five per message.
+  // Sized for a frame's usual slices (header, a few tensors and their padding): one allocation up to 8 slices, where
+  // Dump's growth and the two iovec vectors took up to six per message.
   std::vector<grpc::Slice> slices;
   slices.reserve(8);
   if (body.Valid() && !body.Dump(&slices).ok()) return absl::InternalError("direct channel: unreadable frame");

@@ -230,7 +230,9 @@ absl::StatusOr<Frame> Frame::parse(const grpc::ByteBuffer& buffer, google::proto
         absl::StrCat("malformed message: header length ", header_len, " exceeds the message (", f.total_, " bytes)"));
   }
   bool parsed;
-  if (f.slices_[0].size() >= 4 + header_len) {  // the header in the first slice, as every sender puts it: no copy
+  // The sender puts the header in the first slice; unless the receiving transport split it (gRPC may), it is parsed
+  // there, without a copy.
+  if (f.slices_[0].size() >= 4 + header_len) {
     parsed = header->ParseFromArray(f.slices_[0].begin() + 4, static_cast<int>(header_len));
   } else {
     std::string head(header_len, '\0');

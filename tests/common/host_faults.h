@@ -21,15 +21,25 @@ class HostFaults : public MultiprocScenario {
     MultiprocScenario::TearDown();
     undo_faults({"delay"});
   }
-  // Lets the held workers go to their graceful shutdown (unless this process left the job already, or a worker's host
-  // was killed: its call fails, and the test said what it expects of that worker).
+  // Lets the held workers go to their graceful shutdown, unless this process has left the job already (a test that
+  // shut RPC down itself: its held workers end with the job's processes). The links are healed: a release that fails
+  // is a failure. Over gRPC a channel whose connection failed during a cut fails calls at once until its reconnect
+  // backoff (at most 1 s, rpc/detail/net.cc) has passed, and a connection that crossed a black hole delivers at its
+  // next retransmission: a release (idempotent) is tried again for 10 s, scaled.
   static void release_workers() {
     if (!rpc::is_initialized()) return;
-    std::vector<rpc::Future> sent;
+    const auto until = Clock::now() + scaled(std::chrono::milliseconds(10000));
     for (int r = 1; r < kRanks; ++r) {
-      sent.push_back(rpc::rpc_async(r, "test.release", std::chrono::milliseconds(5000)));
+      for (;;) {
+        const absl::Status s = rpc::rpc_async(r, "test.release", std::chrono::milliseconds(5000)).status();
+        if (s.ok()) break;
+        if (Clock::now() > until) {
+          ADD_FAILURE() << "releasing rank " << r << " after the test: " << s;
+          break;
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      }
     }
-    for (const auto& f : sent) (void)f.status();  // waits, bounded by the call's timeout
   }
   static void undo_faults(std::initializer_list<const char*> ops) {
     for (int h = 0; h < test_hosts().count; ++h) {
@@ -47,8 +57,8 @@ class HostFaults : public MultiprocScenario {
   static constexpr int kRanks = 3;
   // A job of 3 ranks, one per host, whose calls default to `rpc_timeout` and whose graceful shutdown waits 10 s. The
   // workers are held out of their shutdown while the test's body runs (tests/common/test_env.cc, TANDEM_TEST_HOLD_MS):
-  // at most a body's longest passing run (a backward failing after its deadline, 30 s for a healed link to release
-  // contexts, 20 s more to serve again), scaled; TearDown releases them.
+  // 120 s, scaled, about twice a body's longest passing run (a backward failing after its deadline, 30 s for a healed
+  // link to release contexts, 20 s more to serve again); TearDown releases them.
   void start_on_hosts(std::chrono::milliseconds rpc_timeout) {
     rpc::RpcOptions options = options_from_env();
     options.rpc_timeout = rpc_timeout;

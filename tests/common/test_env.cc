@@ -58,7 +58,9 @@ int run_worker_job(const std::function<void()>& body) {
     rpc::init_rpc(name ? name : "worker" + std::to_string(rank), rank, env_int("WORLD_SIZE", 1), std::move(options));
     if (hold_ms > 0) {
       MutexLock lock(&hold->mu);
-      hold->mu.AwaitWithTimeout(Condition(&hold->released), absl::Milliseconds(hold_ms));
+      if (!hold->mu.AwaitWithTimeout(Condition(&hold->released), absl::Milliseconds(hold_ms))) {
+        std::cerr << "held worker: not released within " << hold_ms << " ms (TANDEM_TEST_HOLD_MS); shutting down\n";
+      }
     }
     body();
     rpc::shutdown(true);

@@ -148,7 +148,8 @@ TEST_F(MultiprocDistOptim, SavedStateResumesOnTheOwners) {
 void concurrent_trainers(bool hogwild, const std::string& name, int trainers, int steps) {
   const at::Tensor x = input();
   const at::Tensor before = rpc::rpc_sync<at::Tensor>("worker1", "param_value", name);
-  rpc::rpc_sync("worker1", "watch_steps", hogwild);  // hogwild: the first step waits for a second one
+  // The first step waits for a second one: hogwild steps meet (at most 10 s), locked ones cannot (0.3 s, once).
+  rpc::rpc_sync("worker1", "watch_steps", scaled(milliseconds(hogwild ? 10000 : 300)).count());
   std::vector<std::thread> threads;
   std::atomic<int> failures{0};
   for (int t = 0; t < trainers; ++t) {
@@ -172,8 +173,8 @@ void concurrent_trainers(bool hogwild, const std::string& name, int trainers, in
   const at::Tensor after = rpc::rpc_sync<at::Tensor>("worker1", "param_value", name);
   const at::Tensor grad = x.t().mm(at::ones({3, 4}, at::kDouble));
   const at::Tensor want = before - 0.01 * trainers * steps * grad;
-  // Without the owner lock, steps of 2 ms from 4 trainers overlap (and SGD's in-place updates are too short to lose
-  // one reliably: the count, not the sum, shows a missing lock).
+  // Without the owner lock, a second trainer's step starts while the first waits (SGD's in-place updates are too short
+  // to lose one reliably: the count, not the sum, shows a missing lock).
   const auto most = rpc::rpc_sync<int64_t>("worker1", "most_steps_at_once");
   if (hogwild) {
     EXPECT_FALSE(at::allclose(after, before)) << "hogwild steps changed nothing";

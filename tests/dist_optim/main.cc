@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <thread>
@@ -26,33 +27,32 @@ struct StepWatch {
   Mutex mu;
   int inside ABSL_GUARDED_BY(mu) = 0;
   int most ABSL_GUARDED_BY(mu) = 0;
-  bool met ABSL_GUARDED_BY(mu) = true;  // false: the next step waits for a second one to start
+  bool met ABSL_GUARDED_BY(mu) = true;  // false: the next step waits for a second one to start (watch_steps)
 };
 StepWatch& step_watch() {
   static auto* w = new StepWatch;  // never destroyed: a step may run until exit
   return *w;
 }
 
-// Each step that applies gradients here is counted while it does and takes 2 ms, long enough for steps that run
-// without each other's lock to overlap. With `meet`, the first one waits (at most 10 s, scaled) until a second one
-// starts: steps that can overlap then surely do.
-void watch_steps(bool meet) {
+// Each step that applies gradients here is counted while it does and takes 2 ms. The first one waits up to `meet_ms`
+// for a second one to start: steps that can overlap (no lock between them) then surely do, and steps that cannot
+// cost that wait once.
+void watch_steps(int64_t meet_ms) {
   StepWatch& w = step_watch();
   {
     MutexLock lock(&w.mu);
     w.inside = 0;
     w.most = 0;
-    w.met = !meet;
+    w.met = false;
   }
-  dist_optim::detail::set_step_probe([&w] {
+  dist_optim::detail::set_step_probe([&w, meet_ms] {
     {
       MutexLock lock(&w.mu);
       ++w.inside;
       w.most = std::max(w.most, w.inside);
-      if (!w.met) {
-        BlockingScope waiting;  // its RPC thread's place goes to the step it waits for
+      if (!w.met) {  // (the wait lends this RPC thread's place to the step it waits for: sync/sync.h)
         auto two = [&w]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(w.mu) { return w.inside >= 2; };
-        w.mu.AwaitWithTimeout(Condition(&two), absl::FromChrono(scaled(std::chrono::milliseconds(10000))));
+        w.mu.AwaitWithTimeout(Condition(&two), absl::Milliseconds(meet_ms));
         w.met = true;
       }
     }
