@@ -28,16 +28,15 @@ class HostFaults : public MultiprocScenario {
   // next retransmission: a release (idempotent) is tried again for 10 s, scaled.
   static void release_workers() {
     if (!rpc::is_initialized()) return;
-    const auto until = Clock::now() + scaled(std::chrono::milliseconds(10000));
+    const auto until = Clock::now() + scaled(std::chrono::milliseconds(10000));  // for all of them
     for (int r = 1; r < kRanks; ++r) {
-      for (;;) {
-        const absl::Status s = rpc::rpc_async(r, "test.release", std::chrono::milliseconds(5000)).status();
-        if (s.ok()) break;
-        if (Clock::now() > until) {
-          ADD_FAILURE() << "releasing rank " << r << " after the test: " << s;
-          break;
-        }
-        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      absl::Status s;
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(until - Clock::now());
+      if (!poll_until(left, [&] {
+            s = rpc::rpc_async(r, "test.release", std::chrono::milliseconds(5000)).status();
+            return s.ok();
+          })) {
+        ADD_FAILURE() << "releasing rank " << r << " after the test: " << s;
       }
     }
   }
