@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "bench/common.h"
+#include "tandem/rpc/detail/wire.h"
 #include "tandem/rpc/rpc.h"
 #include "tools/flags.h"
 
@@ -32,24 +33,50 @@ namespace {
 
 using bench::full_io;
 
+// The bytes one small round trip moves on the direct channel, each way: the channel's 24-byte message header
+// (rpc/detail/direct.h, "Messages") and the frame of the request, then of its reply, encoded as the agent encodes
+// them (rpc/agent_client.cc, encode_request: function, caller's name and rank, the arguments; agent_server.cc, reply).
+struct SmallCallBytes {
+  size_t request = 0, reply = 0;
+};
+SmallCallBytes small_call_bytes(const at::Tensor& a, const at::Tensor& b) {
+  constexpr size_t kDirectHeader = 24;
+  tandem::wire::Request request;
+  request.set_function("add");
+  request.set_caller_name("worker0");  // rpc::init_rpc's name for rank 0
+  request.set_caller_rank(0);
+  rpc::wire::Encoder to_server(0, 1);
+  tandem::wire::Response response;
+  rpc::wire::Encoder to_caller(0, 0);
+  if (!to_server.encode({a, b}, request.mutable_args()).ok() ||
+      !to_caller.encode({a + b}, response.mutable_result()).ok()) {
+    return {};
+  }
+  return {kDirectHeader + to_server.frame(request).Length(), kDirectHeader + to_caller.frame(response).Length()};
+}
+
 // The floors of the direct channel's figures, measured between this process and a child forked before any thread
 // starts (the child only reads, writes and exits), on the same kinds of kernel paths the channel uses:
-//   small_rtt_p50_us  a blocking ping-pong of 128 bytes each way over a Unix stream socket (no spinning); beside it
-//                     same_core_us and cross_core_us, the same with both processes pinned to one core and to two
+//   small_rtt_p50_us  a blocking ping-pong over a Unix stream socket (no spinning) of the bytes the measured call moves
+//                     (small_call_bytes: the request's one way, the reply's back); beside it same_core_us and
+//                     cross_core_us, the same with both processes pinned to one core and to two
 //   bulk_<M>MiB_GBps  one process_vm_readv of the child's M MiB into a buffer already faulted in
 // Emitted as "impl":"floor". Returns false when the machine refuses either (e.g. no cross-memory reads allowed).
-bool emit_floors(int small, int bulk, int mib) {
+bool emit_floors(int small, int bulk, int mib, SmallCallBytes call) {
+  if (call.request == 0 || call.reply == 0) return false;
   int sv[2];
   if (socketpair(AF_UNIX, SOCK_STREAM, 0, sv) != 0) return false;
   const size_t bytes = size_t{static_cast<unsigned>(mib)} << 20;
   std::vector<char> source(bytes, 1);  // the child's copy is what the parent reads
+  std::vector<char> request(call.request, 'p'), reply(call.reply, 'r');
   const pid_t child = fork();
   if (child == 0) {
     close(sv[0]);
-    char msg[128];
     void* where = source.data();
     full_io(sv[1], &where, sizeof where, true);
-    while (full_io(sv[1], msg, sizeof msg, false) && msg[0] != 'q') full_io(sv[1], msg, sizeof msg, true);
+    while (full_io(sv[1], request.data(), request.size(), false) && request[0] != 'q') {
+      full_io(sv[1], reply.data(), reply.size(), true);
+    }
     _exit(0);
   }
   close(sv[1]);
@@ -57,13 +84,11 @@ bool emit_floors(int small, int bulk, int mib) {
   bool ok = child > 0 && full_io(sv[0], &remote, sizeof remote, false);
   const std::string cond = "\"processes\":2";
   if (ok && small > 0) {
-    char msg[128];
-    std::memset(msg, 'p', sizeof msg);
     auto pingpong = [&](int iters) {
       std::vector<double> rtt;
       for (int i = 0; i < iters + 500 && ok; ++i) {
         const double t0 = bench::now_us();
-        ok = full_io(sv[0], msg, sizeof msg, true) && full_io(sv[0], msg, sizeof msg, false);
+        ok = full_io(sv[0], request.data(), request.size(), true) && full_io(sv[0], reply.data(), reply.size(), false);
         if (i >= 500) rtt.push_back(bench::now_us() - t0);
       }
       return rtt.empty() ? 0.0 : bench::median(rtt);
@@ -92,8 +117,9 @@ bool emit_floors(int small, int bulk, int mib) {
     }
     if (ok) {
       bench::emit_floor("rpc", "small_rtt_p50_us", floor_us, "us",
-                        cond + ",\"what\":\"blocking ping-pong of 128 B over a Unix stream socket\",\"iters\":" +
-                            std::to_string(small) + pinned);
+                        cond + ",\"what\":\"blocking ping-pong over a Unix stream socket of the call's bytes\"" +
+                            ",\"request_bytes\":" + std::to_string(call.request) + ",\"reply_bytes\":" +
+                            std::to_string(call.reply) + ",\"iters\":" + std::to_string(small) + pinned);
     }
   }
   if (ok && bulk > 0) {
@@ -111,8 +137,8 @@ bool emit_floors(int small, int bulk, int mib) {
           cond + ",\"what\":\"process_vm_readv into a faulted-in buffer\",\"iters\":" + std::to_string(bulk));
     }
   }
-  char quit[128] = {'q'};
-  full_io(sv[0], quit, sizeof quit, true);
+  request[0] = 'q';
+  full_io(sv[0], request.data(), request.size(), true);
   close(sv[0]);
   if (child > 0) waitpid(child, nullptr, 0);
   return ok;
@@ -137,7 +163,9 @@ int main(int argc, char** argv) {
   // TANDEM_BENCH_FLOORS=0 skips them (bench/run.sh hosts, whose floor is a TCP ping-pong between the hosts).
   const char* floors = std::getenv("TANDEM_BENCH_FLOORS");
   const char* r = std::getenv("RANK");
-  if ((!floors || std::string(floors) != "0") && r && std::string(r) == "0" && !emit_floors(small, bulk, mib)) {
+  const at::Tensor one = at::ones({1});  // the small round trips' arguments: add(one, one)
+  if ((!floors || std::string(floors) != "0") && r && std::string(r) == "0" &&
+      !emit_floors(small, bulk, mib, small_call_bytes(one, one))) {
     std::fprintf(stderr, "rpc_bench: the floors could not be measured (socketpair, fork or process_vm_readv failed)\n");
   }
   at::set_num_threads(1);
@@ -149,7 +177,6 @@ int main(int argc, char** argv) {
   rpc::init_rpc(options);
   if (rpc::get_worker_info().id == 0) {
     const std::string cond = "\"processes\":2,\"intra_op_threads\":1";
-    const at::Tensor one = at::ones({1});
     // Small round trips (the warm-up also opens the connection for the other figures).
     for (int i = 0; i < 500; ++i) rpc::rpc_sync<at::Tensor>(1, "add", one, one);
     if (small > 0) {
