@@ -520,8 +520,17 @@ void Checkpointer::prune(int64_t saved) const {
   }
   all.erase(above, all.end());
   const std::set<int64_t> kept(all.end() - std::min<size_t>(all.size(), options_.keep), all.end());
+  // Pruning failures are logged (once a run): old steps that cannot go would pile up unseen until a save fails for
+  // want of space.
+  auto failed = [this](const std::string& what, const std::string& path) {
+    if (warned_prune_) return;
+    warned_prune_ = true;
+    TANDEM_LOG(kWarn, "checkpoint") << "cannot " << what << " " << path
+                                    << " (pruning old steps): " << std::strerror(errno)
+                                    << "; further failures of this pruning are not logged";
+  };
   DIR* d = ::opendir(dir_.c_str());
-  if (!d) return;
+  if (!d) return failed("list", dir_);
   std::vector<std::string> step_dirs;
   while (dirent* e = ::readdir(d)) {
     if (absl::StartsWith(e->d_name, "step-")) step_dirs.push_back(e->d_name);
@@ -539,12 +548,19 @@ void Checkpointer::prune(int64_t saved) const {
         if (absl::StartsWith(e->d_name, mine + ".tmp.")) stale.push_back(e->d_name);
       }
       ::closedir(sd);
-      for (const auto& f : stale) ::unlink(absl::StrCat(step_dir, "/", f).c_str());
+      for (const auto& f : stale) {
+        const std::string path = absl::StrCat(step_dir, "/", f);
+        if (::unlink(path.c_str()) != 0 && errno != ENOENT) failed("remove", path);
+      }
     }
     // Only steps older than this rank's oldest kept one: a newer directory may be another rank's save in progress.
     if (is_step && !kept.empty() && step < *kept.begin()) {
-      ::unlink(absl::StrCat(step_dir, "/", mine).c_str());
-      ::rmdir(step_dir.c_str());  // fails while other ranks' files are there; the last one removes it
+      const std::string path = absl::StrCat(step_dir, "/", mine);
+      if (::unlink(path.c_str()) != 0 && errno != ENOENT) failed("remove", path);
+      // Fails while other ranks' files are there (ENOTEMPTY, or EEXIST); the last one removes it.
+      if (::rmdir(step_dir.c_str()) != 0 && errno != ENOTEMPTY && errno != EEXIST && errno != ENOENT) {
+        failed("remove", step_dir);
+      }
     }
   }
 }

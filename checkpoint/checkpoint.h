@@ -168,6 +168,7 @@ class Checkpointer {
   int rank_;
   CheckpointOptions options_;
   mutable bool warned_newer_ = false;  // prune() said once that the directory holds another run's newer steps
+  mutable bool warned_prune_ = false;  // prune() said once that it could not remove an old step (or list them)
 };
 
 // The full state (parameters and buffers by name, as a plain module has them) of a fully sharded model that every rank

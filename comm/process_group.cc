@@ -842,11 +842,12 @@ std::unique_ptr<detail::ShmGroup> shared_memory(const std::shared_ptr<gloo::rend
   gloo::allreduce(o);
   if (shm.ok()) (*shm)->unlink();
   if (ok == 1) return std::move(*shm);
-  if (mode == SharedMemory::kAlways) {
-    throw_error(absl::UnavailableError(
-        absl::StrCat("shared memory was required, but ",
-                     shm.ok() ? "another rank could not map the segment" : std::string(shm.status().message()))));
-  }
+  const std::string why = shm.ok() ? "another rank could not map the segment" : std::string(shm.status().message());
+  if (mode == SharedMemory::kAlways) throw_error(absl::UnavailableError("shared memory was required, but " + why));
+  // Said on every rank: the group's collectives run several times slower over Gloo (a small /dev/shm, say a
+  // container's default 64 MB, is the usual cause), and nothing else would tell.
+  TANDEM_LOG(kWarn, "comm") << "process group '" << name << "': every rank is on this host, but its collectives run "
+                            << "over Gloo: " << why;
   return nullptr;
 }
 

@@ -14,8 +14,10 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "tandem/log/log.h"
 #include "tandem/profile/profile.h"
 #include "tandem/rpc/errors.h"
+#include "tandem/rpc/rpc.h"
 
 namespace tandem::ddp::detail {
 
@@ -364,7 +366,17 @@ void Reducer::copy_scaled(size_t i, at::Tensor& slice, const at::Tensor& grad) c
 rpc::Future Reducer::reduce(size_t index) {
   const Bucket& b = buckets[index];
   try {
-    if (hook) return hook(*group, b.flat);
+    if (hook) {
+      rpc::Future f = hook(*group, b.flat);
+      if (f.deadline() != absl::InfiniteFuture()) return f;  // the group's, or one the hook bounded itself
+      // A future the hook made itself has no deadline: it gets RPC's timeout (the group's default), and a wait that
+      // runs out names the hook, the bucket and this rank (it waited a fixed 5 minutes and named nothing).
+      rpc::Future bounded(absl::Now() + absl::FromChrono(rpc::default_timeout()),
+                          absl::StrCat("the communication hook's future for bucket ", index, " (", b.flat.nbytes(),
+                                       " bytes) on ", where()));
+      f.add_callback([bounded](const rpc::Future& done) { bounded.set_status(done.status()); });
+      return bounded;
+    }
     return group->allreduce(b.flat, reduce_averages(b) ? comm::ReduceOp::kAvg : comm::ReduceOp::kSum);
   } catch (const std::exception& e) {
     // The error names the reduction (the user's hook or the group's allreduce), the bucket and this rank; a hook's
@@ -395,7 +407,17 @@ void Reducer::launch_ready() {
 }
 
 void Reducer::settle_launched() {
-  for (size_t b = 0; b < next_launch; ++b) (void)buckets[b].work.status();
+  // Their outcome is not the error being reported (the iteration's, thrown after this, or the group's, which its
+  // later calls report): the first failure is logged, so that a communication hook's own error is not lost.
+  bool said = false;
+  for (size_t b = 0; b < next_launch; ++b) {
+    const absl::Status s = buckets[b].work.status();
+    if (!s.ok() && !said) {
+      TANDEM_LOG(kWarn, "ddp") << "bucket " << b << "'s reduction, left behind by an iteration that did not end, "
+                               << "failed: " << s.message();
+      said = true;
+    }
+  }
 }
 
 void Reducer::end_unfinished() {

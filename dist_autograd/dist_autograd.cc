@@ -570,6 +570,8 @@ ContextGuard::~ContextGuard() {
     release_context(id_);
   } catch (...) {
     Container::get().failed_releases.fetch_add(1);
+    TANDEM_LOG(kWarn, "dist_autograd") << "context " << id_ << " could not be released: "
+                                       << status_from_current_exception().message();
   }
 }
 

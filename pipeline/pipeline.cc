@@ -890,14 +890,19 @@ double ReplicatedPipeline::step(const at::Tensor& input, const at::Tensor& targe
                      absl::StrCat("replica ", r, " could not start its step"));
         }
       }
+      // Their abort's error (ABORTED) says nothing new; any other failure of theirs (a stage worker that died
+      // meanwhile) goes along with the cause.
+      std::string also;
       for (int64_t q = 0; q < r; ++q) {
         try {
           (void)replicas_[q].state_->end_step(started[q]);
-        } catch (const Error&) {  // the abort's error: the cause is the refusal below
+        } catch (...) {
+          const absl::Status s = status_from_current_exception();
+          if (s.code() != absl::StatusCode::kAborted) absl::StrAppend(&also, "; replica ", q, ": ", s.message());
         }
       }
       throw_error(absl::Status(cause.code(), absl::StrCat("replica ", r, ": ", cause.message(),
-                                                          " (the replicas started before it were aborted)")));
+                                                          " (the replicas started before it were aborted)", also)));
     }
   }
   // The first failure in any replica abandons every replica's step at once: a stage worker of another replica would

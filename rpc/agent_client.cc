@@ -32,6 +32,15 @@ absl::Status reply_status(const grpc::ByteBuffer& frame_bytes, absl::FunctionRef
       prefix() + (code == absl::StatusCode::kUnknown ? "remote exception: " : "") + response->error().message());
 }
 
+// Whether a transport's DEADLINE_EXCEEDED says more than that the call's time ran out.
+bool says_more_than_a_timeout(absl::string_view message) {
+  for (absl::string_view plain :
+       {"", "Deadline Exceeded", "no reply by the deadline", "direct channel: deadline exceeded"}) {
+    if (message == plain) return false;
+  }
+  return true;
+}
+
 }  // namespace
 
 std::vector<WorkerInfo> Agent::workers() const {
@@ -93,10 +102,19 @@ absl::Status Agent::call_error(const absl::Status& s, int peer, const std::strin
                                std::chrono::milliseconds timeout) {
   const std::string prefix = describe(peer, function);
   switch (s.code()) {
-    case absl::StatusCode::kDeadlineExceeded:
-      return absl::DeadlineExceededError(prefix + absl::StrCat("no reply within ", timeout.count(), " ms"));
-    case absl::StatusCode::kCancelled:
-      return absl::CancelledError(prefix + "RPC was shut down on this worker");
+    case absl::StatusCode::kDeadlineExceeded: {
+      // The transport's cause goes along when it says more than that the time ran out (a connection still busy
+      // sending another message, another call still connecting).
+      std::string m = prefix + absl::StrCat("no reply within ", timeout.count(), " ms");
+      if (says_more_than_a_timeout(s.message())) absl::StrAppend(&m, " (", s.message(), ")");
+      return absl::DeadlineExceededError(m);
+    }
+    case absl::StatusCode::kCancelled: {
+      // Only this worker's own shutdown is said so; a callee that shut down says which it was.
+      MutexLock lock(&mu_);
+      if (stopped_ || s.message().empty()) return absl::CancelledError(prefix + "RPC was shut down on this worker");
+      return absl::CancelledError(prefix + std::string(s.message()));
+    }
     case absl::StatusCode::kUnavailable: {
       MutexLock lock(&mu_);
       if (stopped_) return absl::CancelledError(prefix + "RPC was shut down on this worker");

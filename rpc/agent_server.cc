@@ -246,7 +246,14 @@ void Agent::run(const std::shared_ptr<InCall>& call, const Handler& handler, con
     Agent* self = life->enter();
     if (!self) return;                                // gone: its shutdown answered the call CANCELLED
     absl::Cleanup left = [&life] { life->leave(); };  // also when replying throws
-    self->reply(call, f);
+    try {
+      self->reply(call, f);
+    } catch (...) {
+      // Encoding the result threw (out of memory making it contiguous, a tracer's error): the caller learns it, where
+      // it would have waited for its deadline and seen only "no reply". A call answered already stays so (once).
+      const absl::Status why = status_from_current_exception();
+      self->reply_error(call, absl::Status(why.code(), absl::StrCat("cannot send the result: ", why.message())));
+    }
   });
 }
 

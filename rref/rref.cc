@@ -492,7 +492,10 @@ absl::StatusOr<c10::IValue> decode(const std::string& data, int from, std::vecto
         c10::make_intrusive<RRefImpl>(w.owner(), w.rref_id(), w.fork_id(), false, true, ctx.generation())));
   }
   if (w.kind() != kUserFork) return absl::InvalidArgumentError("malformed RRef: its kind does not fit its owner");
-  auto user = c10::make_intrusive<RRefImpl>(w.owner(), w.rref_id(), w.fork_id(), false, false, ctx.generation());
+  // Confirmed by the fork's registration below, a call with RPC's timeout: a wait for it has the same deadline (it
+  // had a fixed 5 minutes, whatever the user's timeout).
+  auto user = c10::make_intrusive<RRefImpl>(w.owner(), w.rref_id(), w.fork_id(), false, false, ctx.generation(),
+                                            absl::Now() + absl::FromChrono(rpc::default_timeout()));
   ctx.hold_pending_user(user);  // G1: it cannot be deleted before the owner knows it
   const int64_t fork = w.fork_id();
   TANDEM_LOG(kDebug, "rref") << "rref " << w.rref_id() << " received from rank " << from << " as fork " << fork

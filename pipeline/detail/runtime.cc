@@ -72,12 +72,15 @@ class Executor {
     if (inbox) inbox->ring();
     return true;
   }
+  int64_t pipe() const { return pipe_; }
   void set_inbox(std::shared_ptr<Inbox> inbox) {
     MutexLock lock(&mu_);
     inbox_ = std::move(inbox);
   }
-  // Not from the executor's own thread.
-  void stop() {
+  // Not from the executor's own thread. Waits until `deadline` for the task it runs to end (a stage's own code, which
+  // no abort ends: a forward that never returns); false when it still runs then: the thread is left to it, and the
+  // executor must then be kept alive (release_pipes() leaks it).
+  bool stop(absl::Time deadline = absl::InfiniteFuture()) {
     std::shared_ptr<Inbox> inbox;
     {
       MutexLock lock(&mu_);
@@ -85,7 +88,13 @@ class Executor {
       inbox = inbox_;
     }
     if (inbox) inbox->ring();
+    {
+      MutexLock lock(&mu_);
+      auto ended = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return ended_; };
+      if (!mu_.AwaitWithDeadline(Condition(&ended), deadline)) return false;
+    }
     std::call_once(joined_, [this] { thread_.join(); });
+    return true;
   }
 
  private:
@@ -103,8 +112,11 @@ class Executor {
         };
         mu_.Await(Condition(&ready));
         inbox = inbox_;
-        if (inbox) seen = inbox->bell();          // before looking: a ring after this ends the sleep below at once
-        if (queue_.empty() && stopping_) return;  // stopping, and nothing left
+        if (inbox) seen = inbox->bell();    // before looking: a ring after this ends the sleep below at once
+        if (queue_.empty() && stopping_) {  // stopping, and nothing left
+          ended_ = true;
+          return;
+        }
         if (!queue_.empty()) {
           task = std::move(queue_.front());
           queue_.pop_front();
@@ -137,6 +149,7 @@ class Executor {
   std::deque<std::function<void()>> queue_ ABSL_GUARDED_BY(mu_);
   std::shared_ptr<Inbox> inbox_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  bool ended_ ABSL_GUARDED_BY(mu_) = false;  // the thread's loop has returned
   std::once_flag joined_;
   std::thread thread_;  // last: starts once the members above exist
 };
@@ -172,6 +185,8 @@ struct PipeEntry {
   // ended, so a plan of this step or an earlier one that comes later is of a step it gave up (or a copy): note_step.
   int64_t newest_step = -1;
   std::shared_ptr<Executor> executor;
+  // How long a release waits for the executor's task to end (RPC's timeout when the stage came: release_pipes()).
+  std::chrono::milliseconds stop_wait{0};
   // Same-host deliveries (shm_p2p.h): this worker's inbox for the pipeline (made when a peer first asks).
   std::shared_ptr<Inbox> inbox;
 };
@@ -322,6 +337,7 @@ bool add_stage(int64_t pipe, int index, int driver, std::shared_ptr<Stage> stage
   e.driver = driver;
   e.stages[index] = std::move(stage);
   if (!e.executor) e.executor = std::make_shared<Executor>(pipe);
+  e.stop_wait = rpc::default_timeout();  // read now: RPC's stop hooks run once its options are gone
   if (!s.sweeper.joinable()) s.sweeper = std::thread(sweep_loop);
   return true;
 }
@@ -376,7 +392,9 @@ void sweep_loop() {
 }
 
 // Releases pipelines on this worker: their stages and mailbox entries go, and each one's executor
-// stops once the task it runs has ended (its waits end at once). Not from a pipeline's own executor thread.
+// stops once the task it runs has ended (its waits end at once), waiting for that at most RPC's timeout (as it was
+// when the stages came) in all: an executor whose task still runs then (a stage's code that does not return) is left to
+// it, kept alive for good with its stages, and said. Not from a pipeline's own executor thread.
 void release_pipes(const std::vector<int64_t>& pipes) {
   std::vector<PipeEntry> gone;
   {
@@ -391,8 +409,19 @@ void release_pipes(const std::vector<int64_t>& pipes) {
     }
   }
   for (int64_t pipe : pipes) Mailbox::get().release(pipe), drop_outlets(pipe);
+  std::chrono::milliseconds bound{0};
+  for (const auto& e : gone) bound = std::max(bound, e.stop_wait);
+  const absl::Time deadline = absl::Now() + absl::FromChrono(bound);
   for (auto& e : gone) {
-    if (e.executor) e.executor->stop();
+    if (!e.executor || e.executor->stop(deadline)) continue;
+    TANDEM_LOG(kWarn, "pipeline") << "pipeline " << e.executor->pipe() << ": a stage's task on this worker still runs "
+                                  << bound.count() << " ms (RPC's timeout) after the pipeline was released (a forward "
+                                  << "or backward that does not return); its thread is left to it";
+    // Kept with its stages for good: the task still uses them, and the executor's thread the executor.
+    static auto* leaked = new std::vector<PipeEntry>;
+    static auto* leaked_mu = new Mutex;
+    MutexLock lock(leaked_mu);
+    leaked->push_back(std::move(e));
   }
 }
 
@@ -1379,7 +1408,7 @@ bool install() {
       for (const auto& [pipe, e] : s.pipes) all.push_back(pipe);
     }
     if (sweeper.joinable()) sweeper.join();
-    release_pipes(all);  // joins every executor
+    release_pipes(all);  // joins every executor (a stage still running after RPC's timeout is left to it)
     MutexLock lock(&s.mu);
     s.stopping = false;  // RPC may start again in this process
   });

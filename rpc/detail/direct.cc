@@ -508,14 +508,17 @@ absl::StatusOr<std::unique_ptr<Channel>> Channel::start(std::string token, int t
   epoll_event wake{};
   wake.events = EPOLLIN;  // level-triggered: once written, every worker sees it
   wake.data.u64 = kWakeTag;
-  epoll_ctl(t->epoll_fd_, EPOLL_CTL_ADD, t->wake_fd_, &wake);
+  // Unwatched, the listeners would take no connection and stop() would wake nobody: the channel does not start.
+  if (epoll_ctl(t->epoll_fd_, EPOLL_CTL_ADD, t->wake_fd_, &wake) != 0) return errno_status("epoll_ctl (wake)");
   epoll_event listen_ev{};
   listen_ev.events = EPOLLIN | EPOLLONESHOT;
   listen_ev.data.u64 = kListenTag;
-  epoll_ctl(t->epoll_fd_, EPOLL_CTL_ADD, t->listen_fd_, &listen_ev);
+  if (epoll_ctl(t->epoll_fd_, EPOLL_CTL_ADD, t->listen_fd_, &listen_ev) != 0) return errno_status("epoll_ctl (listen)");
   if (t->tcp_listen_fd_ >= 0) {
     listen_ev.data.u64 = kTcpListenTag;
-    epoll_ctl(t->epoll_fd_, EPOLL_CTL_ADD, t->tcp_listen_fd_, &listen_ev);
+    if (epoll_ctl(t->epoll_fd_, EPOLL_CTL_ADD, t->tcp_listen_fd_, &listen_ev) != 0) {
+      return errno_status("epoll_ctl (TCP listen)");
+    }
   }
 
   t->places_ = std::max(1, std::min(std::max(1, threads), running > 0 ? running : cluster::usable_cpus()));
@@ -564,6 +567,12 @@ void Channel::drop(const std::shared_ptr<Conn>& conn, const absl::Status& why) {
   conn->broken = true;
   conn->shut();
   if (!conn->inbound && callbacks_.on_lost) callbacks_.on_lost(conn, why);
+  // An inbound connection's callers learn only that it closed: a cause other than the peer's own close or a broken
+  // link (a header that lies, a message over this worker's limit, a body that stalled) is said here, naming the peer.
+  if (conn->inbound && conn->peer_rank >= 0 && why.code() != absl::StatusCode::kUnavailable && !stopping_) {
+    TANDEM_LOG(kWarn, "rpc") << "direct channel: closed the connection from rank " << conn->peer_rank
+                             << " (its calls in flight fail with it): " << why.message();
+  }
 }
 
 class Channel::Place final : public WaitObserver {
@@ -604,6 +613,9 @@ void Channel::loop() {
     // The last thread to leave epoll wakes a resting watcher: every place may now run a message that gets stuck.
     if (in_epoll_.fetch_sub(1) == 1 && watcher_resting_.load()) wake_watcher();
     if (n < 0 && error == EINTR) continue;
+    if (n < 0 && !stopping_) {  // EBADF, EINVAL: the set is gone; the thread cannot serve any more
+      TANDEM_LOG(kError, "rpc") << "direct channel: a loop thread stops (epoll_wait: " << std::strerror(error) << ")";
+    }
     if (n <= 0 || stopping_ || ev.data.u64 == kWakeTag) return;
     place.running.store(started_.fetch_add(1) + 1);
     WaitObserver* before = set_wait_observer(&place);
@@ -782,7 +794,11 @@ void Channel::accept_one(int listen_fd, uint64_t tag) {
   epoll_event listen_ev{};
   listen_ev.events = EPOLLIN | EPOLLONESHOT;
   listen_ev.data.u64 = tag;
-  epoll_ctl(epoll_fd_, EPOLL_CTL_MOD, listen_fd, &listen_ev);
+  if (epoll_ctl(epoll_fd_, EPOLL_CTL_MOD, listen_fd, &listen_ev) != 0 && !stopping_) {
+    // Not re-armed, the listener takes no connection again: peers that connect later fall back to gRPC, or fail.
+    TANDEM_LOG(kError, "rpc") << "direct channel: cannot watch the listener again (epoll_ctl): " << std::strerror(errno)
+                              << "; no further connection is accepted on it";
+  }
   if (fd < 0) return;
   auto conn = std::make_shared<Conn>(fd);
   conn->inbound = true;

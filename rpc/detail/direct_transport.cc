@@ -245,7 +245,15 @@ void DirectTransport::on_request(const std::shared_ptr<direct::Conn>& conn, dire
     // grace); the connection is then dropped.
     const int64_t capped_ms = cap->load();
     const absl::Duration wait = capped_ms > 0 ? std::min(write_timeout, absl::Milliseconds(capped_ms)) : write_timeout;
-    if (!conn->write(direct::Kind::kResponse, call_id, body, absl::Now() + wait).ok()) conn->shut();
+    if (auto s = conn->write(direct::Kind::kResponse, call_id, body, absl::Now() + wait); !s.ok()) {
+      // Said unless the caller is gone or its link broke (UNAVAILABLE: it learns that itself): a caller that stopped
+      // reading is not told otherwise.
+      if (s.code() != absl::StatusCode::kUnavailable)
+        TANDEM_LOG(kWarn, "rpc") << "direct channel: the reply to rank " << conn->peer_rank << " (call " << call_id
+                                 << ") could not be written, so its connection is closed (calls in flight on it fail "
+                                 << "with it): " << s.message();
+      conn->shut();
+    }
   };
   in.cut = [conn, call_id](const grpc::ByteBuffer* partial) {
     if (partial) return conn->write_half_and_shut(direct::Kind::kResponse, call_id, *partial);

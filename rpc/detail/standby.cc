@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -45,7 +46,11 @@ void wait_for_activation() {
   for (;;) {
     const ssize_t n = ::read(fd, buf, sizeof(buf));
     if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) ::_exit(0);  // the launcher did not need this standby
+    if (n == 0) ::_exit(0);  // the launcher did not need this standby
+    if (n < 0) {             // not the launcher's word: said, and not a success
+      std::fprintf(stderr, "tandem standby worker: cannot read its activation (fd %d): %s\n", fd, std::strerror(errno));
+      ::_exit(1);
+    }
     block.append(buf, static_cast<size_t>(n));
     if (block.size() >= 2 && block.compare(block.size() - 2, 2, std::string("\0\0", 2)) == 0) break;
   }

@@ -1208,6 +1208,24 @@ TEST_F(MultiprocPipeline, AStageThatStallsInInferenceIsNamedByItsCaller) {
   rpc::rpc_sync(3, "pipe_unstall");
 }
 
+// A stage's code that does not return (a forward stalled for a minute) holds its worker's shutdown no longer than
+// RPC's timeout: the pipeline's executor is left to it, said in the log, and the shutdown goes on (it waited for the
+// whole stall before). The stalled stage is on the test process, which shuts down with it still running.
+TEST_F(MultiprocPipeline, AStageThatDoesNotReturnHoldsTheShutdownOnlyForRpcsTimeout) {
+  rpc::RpcOptions options = options_from_env();
+  options.rpc_timeout = milliseconds(1500);
+  start({.world_size = 2}, options);
+  expect_clean_children_ = false;  // worker 1's graceful shutdown finds this worker gone
+  auto pipe = Pipeline::create({{1, "pipe_faulty", {int64_t{0}}}, {0, "pipe_stall", {int64_t{60000}}}},
+                               {.n_microbatches = 1, .timeout = milliseconds(1000)});
+  EXPECT_THROW(pipe.forward(at::ones({2, 4}, at::kDouble)), RpcError);
+  const auto t0 = Clock::now();
+  rpc::shutdown(false);
+  const auto took = Clock::now() - t0;
+  unstall_stages();  // the forward left running ends, and with it the executor's thread
+  EXPECT_LT(took, milliseconds(1500) + scaled(milliseconds(5000)));
+}
+
 // A step that fails while the last stage still has backwards to compute (it needs no more input, so it finishes after
 // the driver gave up): afterwards no distributed autograd context exists on any worker, and .grad is unchanged
 // (issue 27: that stage delivered its gradients anyway, bringing back a released context or writing .grad).

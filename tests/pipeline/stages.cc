@@ -104,10 +104,14 @@ struct SlowBackward : torch::nn::Module {
   torch::nn::Linear lin{nullptr};
 };
 
-// An identity Linear(4, 4) whose forward stalls for `ms` milliseconds, or until pipe_unstall is called here.
+// An identity Linear(4, 4) whose forward stalls for `ms` milliseconds, or until pipe_unstall is called here (or
+// unstall_stages()); a new one stalls again.
 std::atomic<bool> unstalled{false};
 struct Stall : torch::nn::Module {
-  explicit Stall(int64_t ms) : ms(ms) { lin = register_module("lin", identity_linear()); }
+  explicit Stall(int64_t ms) : ms(ms) {
+    lin = register_module("lin", identity_linear());
+    unstalled.store(false);
+  }
   at::Tensor forward(const at::Tensor& x) {
     const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(ms);
     while (!unstalled.load() && std::chrono::steady_clock::now() < until) {
@@ -120,6 +124,8 @@ struct Stall : torch::nn::Module {
 };
 
 }  // namespace
+
+void unstall_stages() { unstalled.store(true); }
 
 torch::nn::Sequential make_pipe_layers(int64_t begin, int64_t end) {
   torch::nn::Sequential part;

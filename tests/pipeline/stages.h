@@ -14,6 +14,9 @@ constexpr int64_t kPipeLayers = 8, kPipeLayersWidth = 5;
 torch::nn::Sequential make_pipe_layers(int64_t begin, int64_t end);
 // "pipe_big_layers": kBigLayers float Linear(kBigWidth, kBigWidth), each seeded by its index (16 MiB each).
 constexpr int64_t kBigLayers = 8, kBigWidth = 2048;
+// Ends the stall of every "pipe_stall" stage's forward in this process, as "pipe_unstall" does on its worker.
+void unstall_stages();
+
 // reset_peak_memory sets this process's peak (VmHWM) to the resident memory now (Linux's clear_refs 5); false where
 // the system does not allow it. "pipe_memory_kib"(reset) returns {VmRSS, VmHWM, 1 if reset and the reset worked, else
 // 0} of the worker it runs on (pipeline/detail/common.h's status_kib reads them).
