@@ -523,10 +523,10 @@ void Checkpointer::prune(int64_t saved) const {
   // Pruning failures are logged (once a run): old steps that cannot go would pile up unseen until a save fails for
   // want of space.
   auto failed = [this](const std::string& what, const std::string& path) {
+    const int e = errno;  // before the log's own calls
     if (warned_prune_) return;
     warned_prune_ = true;
-    TANDEM_LOG(kWarn, "checkpoint") << "cannot " << what << " " << path
-                                    << " (pruning old steps): " << std::strerror(errno)
+    TANDEM_LOG(kWarn, "checkpoint") << "cannot " << what << " " << path << " (pruning old steps): " << std::strerror(e)
                                     << "; further failures of this pruning are not logged";
   };
   DIR* d = ::opendir(dir_.c_str());

@@ -369,9 +369,12 @@ rpc::Future Reducer::reduce(size_t index) {
     if (hook) {
       rpc::Future f = hook(*group, b.flat);
       if (f.deadline() != absl::InfiniteFuture()) return f;  // the group's, or one the hook bounded itself
-      // A future the hook made itself has no deadline: it gets RPC's timeout (the group's default), and a wait that
-      // runs out names the hook, the bucket and this rank (it waited a fixed 5 minutes and named nothing).
-      rpc::Future bounded(absl::Now() + absl::FromChrono(rpc::default_timeout()),
+      // A future the hook made itself has no deadline: it gets RPC's timeout (the group's default) or the wait of a
+      // future without one (5 minutes), whichever is longer (a group may allow more than RPC's timeout, and a wait cut
+      // short would leave the hook's work writing into a bucket the next iteration fills); a wait that runs out names
+      // the hook, the bucket and this rank (it named nothing).
+      const auto bound = std::max(rpc::default_timeout(), std::chrono::milliseconds(rpc::Future::kDefaultWait));
+      rpc::Future bounded(absl::Now() + absl::FromChrono(bound),
                           absl::StrCat("the communication hook's future for bucket ", index, " (", b.flat.nbytes(),
                                        " bytes) on ", where()));
       f.add_callback([bounded](const rpc::Future& done) { bounded.set_status(done.status()); });

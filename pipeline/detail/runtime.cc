@@ -77,10 +77,8 @@ class Executor {
     MutexLock lock(&mu_);
     inbox_ = std::move(inbox);
   }
-  // Not from the executor's own thread. Waits until `deadline` for the task it runs to end (a stage's own code, which
-  // no abort ends: a forward that never returns); false when it still runs then: the thread is left to it, and the
-  // executor must then be kept alive (release_pipes() leaks it).
-  bool stop(absl::Time deadline = absl::InfiniteFuture()) {
+  // Tells the thread to end once its queue is run (stop() waits for that).
+  void request_stop() {
     std::shared_ptr<Inbox> inbox;
     {
       MutexLock lock(&mu_);
@@ -88,6 +86,12 @@ class Executor {
       inbox = inbox_;
     }
     if (inbox) inbox->ring();
+  }
+  // Not from the executor's own thread. request_stop(), then waits until `deadline` for the task it runs to end (a
+  // stage's own code, which no abort ends: a forward that never returns); false when it still runs then: the thread is
+  // left to it, and the executor must then be kept alive (release_pipes() leaks it).
+  bool stop(absl::Time deadline = absl::InfiniteFuture()) {
+    request_stop();
     {
       MutexLock lock(&mu_);
       auto ended = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return ended_; };
@@ -410,10 +414,14 @@ void release_pipes(const std::vector<int64_t>& pipes) {
   }
   for (int64_t pipe : pipes) Mailbox::get().release(pipe), drop_outlets(pipe);
   std::chrono::milliseconds bound{0};
-  for (const auto& e : gone) bound = std::max(bound, e.stop_wait);
+  for (const auto& e : gone) {
+    bound = std::max(bound, e.stop_wait);
+    if (e.executor) e.executor->request_stop();  // all at once: each one's thread ends while the others are waited for
+  }
   const absl::Time deadline = absl::Now() + absl::FromChrono(bound);
   for (auto& e : gone) {
-    if (!e.executor || e.executor->stop(deadline)) continue;
+    // At least a second each: one whose thread was idle ends at once, also after a stuck one took the whole wait.
+    if (!e.executor || e.executor->stop(std::max(deadline, absl::Now() + absl::Seconds(1)))) continue;
     TANDEM_LOG(kWarn, "pipeline") << "pipeline " << e.executor->pipe() << ": a stage's task on this worker still runs "
                                   << bound.count() << " ms (RPC's timeout) after the pipeline was released (a forward "
                                   << "or backward that does not return); its thread is left to it";
