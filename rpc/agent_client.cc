@@ -34,8 +34,8 @@ absl::Status reply_status(const grpc::ByteBuffer& frame_bytes, absl::FunctionRef
 
 // Whether a transport's DEADLINE_EXCEEDED says more than that the call's time ran out.
 bool says_more_than_a_timeout(absl::string_view message) {
-  for (absl::string_view plain :
-       {"", "Deadline Exceeded", "no reply by the deadline", "direct channel: deadline exceeded"}) {
+  // gRPC's own, and the transports' plain ones.
+  for (absl::string_view plain : {"", "Deadline Exceeded", kNoReplyByDeadline, direct::kDeadlineExceeded}) {
     if (message == plain) return false;
   }
   return true;

@@ -20,7 +20,7 @@ absl::StatusOr<grpc::ByteBuffer> Transport::call_sync(int peer, const std::strin
   // Every transport completes a call by its deadline; the extra second only covers the callback's own scheduling.
   if (!w->done.HasBeenNotified()) detail::prefer_prompt_wake();  // woken at once by the reply (detail/wait_slice.h)
   if (!w->done.WaitForNotificationWithDeadline(deadline + absl::Seconds(1))) {
-    return absl::DeadlineExceededError("no reply by the deadline");
+    return absl::DeadlineExceededError(kNoReplyByDeadline);
   }
   return std::move(w->reply);
 }

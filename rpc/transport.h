@@ -32,6 +32,10 @@
 
 namespace tandem::rpc {
 
+// The message of a transport's DEADLINE_EXCEEDED that says no more than that a call's time ran out: the agent says
+// "no reply within N ms" in its stead, and passes on whatever else a transport says (Agent::call_error).
+inline constexpr char kNoReplyByDeadline[] = "no reply by the deadline";
+
 // A grpc::ByteBuffer that moves. gRPC 1.51's ByteBuffer (final) has a copy constructor and no move one, so every
 // std::move of a frame copied it (an allocation and a reference count per slice, then their release): a dozen times
 // per call on the way from the socket to the agent and back. This one moves by Swap; copying it still copies. It

@@ -397,8 +397,9 @@ void sweep_loop() {
 
 // Releases pipelines on this worker: their stages and mailbox entries go, and each one's executor
 // stops once the task it runs has ended (its waits end at once), waiting for that at most RPC's timeout (as it was
-// when the stages came) in all: an executor whose task still runs then (a stage's code that does not return) is left to
-// it, kept alive for good with its stages, and said. Not from a pipeline's own executor thread.
+// when the stages came) in all, and at least a second for each: an executor whose task still runs then (a stage's code
+// that does not return) is left to it, kept alive for good with its stages, and said. Not from a pipeline's own
+// executor thread.
 void release_pipes(const std::vector<int64_t>& pipes) {
   std::vector<PipeEntry> gone;
   {

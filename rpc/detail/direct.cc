@@ -80,7 +80,7 @@ absl::Status wait_fd(int fd, short events, absl::Time deadline) {
   BlockingScope blocked;
   for (;;) {
     const int64_t ms = absl::ToInt64Milliseconds(deadline - absl::Now());
-    if (ms < 0) return absl::DeadlineExceededError("direct channel: deadline exceeded");
+    if (ms < 0) return absl::DeadlineExceededError(kDeadlineExceeded);
     pollfd p{fd, events, 0};
     const int n = poll(&p, 1, static_cast<int>(std::min<int64_t>(ms + 1, 1 << 30)));
     if (n > 0) {

@@ -61,6 +61,9 @@
 
 namespace tandem::rpc::direct {
 
+// A wait of the channel's (a read, a write, a connect) that ran out: DEADLINE_EXCEEDED with this message.
+inline constexpr char kDeadlineExceeded[] = "direct channel: deadline exceeded";
+
 // kOneway: a request the server does not answer (Transport::send).
 enum class Kind : uint32_t { kHello = 1, kWelcome = 2, kRequest = 3, kResponse = 4, kChallenge = 5, kOneway = 6 };
 

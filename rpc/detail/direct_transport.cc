@@ -248,10 +248,11 @@ void DirectTransport::on_request(const std::shared_ptr<direct::Conn>& conn, dire
     if (auto s = conn->write(direct::Kind::kResponse, call_id, body, absl::Now() + wait); !s.ok()) {
       // Said unless the caller is gone or its link broke (UNAVAILABLE: it learns that itself): a caller that stopped
       // reading is not told otherwise.
-      if (s.code() != absl::StatusCode::kUnavailable)
+      if (s.code() != absl::StatusCode::kUnavailable) {
         TANDEM_LOG(kWarn, "rpc") << "direct channel: the reply to rank " << conn->peer_rank << " (call " << call_id
                                  << ") could not be written, so its connection is closed (calls in flight on it fail "
                                  << "with it): " << s.message();
+      }
       conn->shut();
     }
   };
@@ -328,7 +329,7 @@ void DirectTransport::run_timer() {
       // most kMaxExpiringThreads (8) such threads at once (and none when no thread can be made): beyond, the callbacks
       // run here, as they all did before.
       std::function<void()> fail = [this, expired = std::move(expired)] {
-        for (uint64_t id : expired) complete(id, absl::DeadlineExceededError("no reply by the deadline"));
+        for (uint64_t id : expired) complete(id, absl::DeadlineExceededError(kNoReplyByDeadline));
       };
       if (!expiring_.try_start(fail)) fail();
     }

@@ -228,7 +228,7 @@ class FaultTransport final : public Transport {
     switch (rule->action) {
       case FaultRule::Action::kDrop:
         absl::SleepFor(deadline - absl::Now());
-        return absl::DeadlineExceededError("no reply by the deadline (request dropped)");
+        return absl::DeadlineExceededError(absl::StrCat(kNoReplyByDeadline, " (request dropped)"));
       case FaultRule::Action::kDelay:
         absl::SleepFor(std::min(absl::FromChrono(rule->delay), deadline - absl::Now()));
         break;
@@ -270,8 +270,9 @@ class FaultTransport final : public Transport {
       case FaultRule::Action::kDrop:
         if (oneway) return (*shared_done)(grpc::ByteBuffer());
         return faults_->schedule(deadline, [shared_done](bool stopping) {
-          (*shared_done)(stopping ? absl::CancelledError("RPC was shut down on this worker")
-                                  : absl::DeadlineExceededError("no reply by the deadline (request dropped)"));
+          (*shared_done)(stopping
+                             ? absl::CancelledError("RPC was shut down on this worker")
+                             : absl::DeadlineExceededError(absl::StrCat(kNoReplyByDeadline, " (request dropped)")));
         });
       case FaultRule::Action::kDelay:
         return faults_->schedule(absl::Now() + absl::FromChrono(rule->delay),
