@@ -150,6 +150,7 @@ int main(int argc, char** argv) {
   int small = 5000, bulk = 20, calls = 50000, mib = 64, kib = 0;
   int64_t bulk_min_bytes = -1;  // -1: the library's default
   int64_t sync_spin_us = -1;    // -1: the library's default
+  int64_t serve_spin_us = -1;   // -1: the library's default
   CLI::App app{"RPC round trips, bulk transfers and calls in flight", "rpc_bench"};
   app.add_option("--small", small, "small round trips");
   app.add_option("--bulk", bulk, "bulk transfers");
@@ -158,6 +159,8 @@ int main(int argc, char** argv) {
   app.add_option("--bulk-kib", kib, "bulk tensor size in KiB (wins over --bulk-mib when > 0)");
   app.add_option("--bulk-min-bytes", bulk_min_bytes, "RpcOptions::bulk_min_bytes (-1: the library's default)");
   app.add_option("--sync-spin-us", sync_spin_us, "RpcOptions::sync_spin in microseconds (-1: the library's default)");
+  app.add_option("--serve-spin-us", serve_spin_us,
+                 "RpcOptions::serve_spin in microseconds (-1: the library's default)");
   tandem::tools::parse_flags(app, argc, argv);
   // The floors first, on rank 0, before init_rpc starts any thread (the child is forked).
   // TANDEM_BENCH_FLOORS=0 skips them (bench/run.sh hosts, whose floor is a TCP ping-pong between the hosts).
@@ -174,6 +177,7 @@ int main(int argc, char** argv) {
   rpc::RpcOptions options;
   if (bulk_min_bytes >= 0) options.bulk_min_bytes = bulk_min_bytes;
   if (sync_spin_us >= 0) options.sync_spin = std::chrono::microseconds(sync_spin_us);
+  if (serve_spin_us >= 0) options.serve_spin = std::chrono::microseconds(serve_spin_us);
   rpc::init_rpc(options);
   if (rpc::get_worker_info().id == 0) {
     const std::string cond = "\"processes\":2,\"intra_op_threads\":1";

@@ -26,6 +26,14 @@ absl::Status Agent::drain_outgoing(absl::Time deadline) {
   return absl::OkStatus();
 }
 
+bool Agent::drain_incoming(absl::Time deadline) {
+  // A function that shuts its worker down itself does not wait for its own call.
+  const size_t own = current_call() != nullptr ? 1 : 0;
+  MutexLock lock(&mu_);
+  auto empty = [this, own]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return in_calls_.size() <= own; };
+  return mu_.AwaitWithDeadline(Condition(&empty), deadline);
+}
+
 absl::Status Agent::shutdown(bool graceful) {
   absl::Status result;
   if (graceful) {
@@ -62,6 +70,13 @@ absl::Status Agent::shutdown(bool graceful) {
     TANDEM_LOG(kWarn, "rpc") << result.message();
   }
   const auto grace = std::min(options_.shutdown_timeout, std::chrono::milliseconds(graceful ? 2000 : 500));
+  // Gracefully, the calls still running here are let finish and be answered first, for at most the grace: after the
+  // barrier they can only be a client's (the job's callers drained theirs before it), such as the call of a function
+  // that asked this worker to shut down (an agent's "stop"), which stop() would otherwise answer with CANCELLED.
+  if (graceful && !drain_incoming(absl::Now() + absl::FromChrono(grace))) {
+    TANDEM_LOG(kWarn, "rpc") << "graceful shutdown of worker '" << name_ << "': calls received here still run after "
+                             << grace.count() << " ms; they are answered with CANCELLED";
+  }
   stop(grace);
   return result;
 }

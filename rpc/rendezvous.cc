@@ -242,6 +242,7 @@ absl::Status Agent::start_transports(const std::string& listen, const std::strin
                                          options_.rpc_timeout, handler, tcp_host);
     if (direct.ok()) {
       direct_ = std::move(*direct);
+      direct_->set_serve_spin(options_.serve_spin);
     } else {  // gRPC carries everything
       TANDEM_LOG(kWarn, "rpc") << "the direct channel did not start (" << direct.status().message()
                                << "); every call goes over gRPC";

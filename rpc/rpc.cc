@@ -100,15 +100,15 @@ WorkerInfo worker_info(const To& to) {
 
 namespace {
 
-// RpcOptions::wait_slice, else TANDEM_WAIT_SLICE_US, else 100 us.
-std::chrono::microseconds wait_slice_from(const RpcOptions& options) {
-  if (options.wait_slice.count() >= 0) return options.wait_slice;
-  const char* env = std::getenv("TANDEM_WAIT_SLICE_US");
-  if (!env || !*env) return std::chrono::microseconds(100);
+// `option` when it is at least 0, else the environment's `env` (microseconds), else `fallback`.
+std::chrono::microseconds micros_from(std::chrono::microseconds option, const char* env_name, int64_t fallback) {
+  if (option.count() >= 0) return option;
+  const char* env = std::getenv(env_name);
+  if (!env || !*env) return std::chrono::microseconds(fallback);
   int64_t us = 0;
   if (absl::SimpleAtoi(env, &us) && us >= 0) return std::chrono::microseconds(us);
-  TANDEM_LOG(kWarn, "rpc") << "TANDEM_WAIT_SLICE_US='" << env << "' is not a number of microseconds >= 0: using 100";
-  return std::chrono::microseconds(100);
+  TANDEM_LOG(kWarn, "rpc") << env_name << "='" << env << "' is not a number of microseconds >= 0: using " << fallback;
+  return std::chrono::microseconds(fallback);
 }
 
 // RpcOptions::metrics_file, else TANDEM_METRICS_FILE; the interval likewise (10 s when neither says).
@@ -141,7 +141,8 @@ void init_rpc(const std::string& name, int rank, int world_size, RpcOptions opti
   if (g_agent) throw RpcError(absl::FailedPreconditionError("init_rpc: RPC is already initialized"));
   metrics::set_worker(name);
   profile::set_worker(name, rank);
-  detail::set_wait_slice(wait_slice_from(options));  // before the agent's threads start
+  detail::set_wait_slice(micros_from(options.wait_slice, "TANDEM_WAIT_SLICE_US", 100));  // before the agent's threads
+  options.serve_spin = micros_from(options.serve_spin, "TANDEM_SERVE_SPIN_US", 50);
   auto agent = Agent::start(name, rank, world_size, options);
   if (!agent.ok()) detail::set_wait_slice(std::chrono::microseconds(0));
   throw_if_error(agent.status());

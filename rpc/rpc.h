@@ -93,6 +93,12 @@ struct RpcOptions {
   // when the last call of the same function to the same worker took over four times as long (but for one such call
   // in 16 of a thread, which spins to find out whether it still needs to). 0: never.
   std::chrono::microseconds sync_spin{50};
+  // On the direct channel, a thread that has served a call polls for the next one this long before it sleeps (one
+  // thread at a time, yielding its core between looks): a caller whose next call follows its reply at once (a loop of
+  // rpc_sync) then wakes no thread here either. After 8 polls in a row that found nothing, only one in 16 is made
+  // until one finds a call again, so a worker whose calls come further apart spends next to no CPU on it. 0: never.
+  // Negative (the default): TANDEM_SERVE_SPIN_US, else 50 us.
+  std::chrono::microseconds serve_spin{-1};
   // A thread that sleeps waiting for a reply (rpc_sync after its spin, a Future's wait) first asks the kernel for this
   // time slice, once, and keeps it (also after shutdown; threads it starts later inherit it): on Linux 6.12 and later
   // (EEVDF custom slices) it then runs at once when a reply comes, instead of queueing behind a busy thread for the
@@ -211,6 +217,10 @@ struct TransportStats {
   // rpc_sync calls let poll for their reply before they sleep (RpcOptions::sync_spin; only the direct channel polls):
   // not those whose function's last reply took far longer than the spin, which sleep at once.
   int64_t sync_calls_spun = 0;
+  // Polls for the next message by the direct channel's thread that served the last one (RpcOptions::serve_spin), and
+  // how many found one (each spared a thread wake-up).
+  int64_t serve_spins = 0;
+  int64_t serve_spin_hits = 0;
 };
 TransportStats transport_stats();
 

@@ -76,9 +76,9 @@ class Agent {
   const char* route(int peer) const { return peers_[peer].transport->kind_for(peer); }
   TransportStats stats() const {
     const direct::Channel::PlaceCounts places = direct_ ? direct_->place_counts() : direct::Channel::PlaceCounts{};
-    return {grpc_calls_.load(),      direct_calls_.load(),    by_reference_.load(),
-            oneway_failures_.load(), inline_messages_.load(), places.lent,
-            places.presumed_blocked, leases_lapsed_.load(),   sync_calls_spun_.load()};
+    return {grpc_calls_.load(),      direct_calls_.load(), by_reference_.load(),    oneway_failures_.load(),
+            inline_messages_.load(), places.lent,          places.presumed_blocked, leases_lapsed_.load(),
+            sync_calls_spun_.load(), places.serve_spins,   places.serve_spin_hits};
   }
 
   // True when everything outstanding was released (safe to delete).
@@ -237,6 +237,9 @@ class Agent {
 
   // agent.cc
   absl::Status drain_outgoing(absl::Time deadline);
+  // Waits until no call received here is running or being answered (but the one this thread runs, if any), at most
+  // until `deadline`; false if some still are.
+  bool drain_incoming(absl::Time deadline);
   // Stops serving and fails whatever is outstanding; bounded by `grace`.
   void stop(std::chrono::milliseconds grace);
 

@@ -7,6 +7,7 @@
 #include <openssl/crypto.h>
 #include <poll.h>
 #include <pthread.h>
+#include <sched.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
@@ -104,7 +105,10 @@ absl::Status read_exact(int fd, void* dst, size_t len, absl::Time deadline,
     } else if (n == 0) {
       return absl::UnavailableError("connection closed by the peer");
     } else if (errno == EAGAIN || errno == EWOULDBLOCK) {
-      if (std::chrono::steady_clock::now() < spin_until) continue;
+      if (std::chrono::steady_clock::now() < spin_until) {
+        sched_yield();  // the callee, when it shares this core, answers first
+        continue;
+      }
       if (prompt_wake) rpc::detail::prefer_prompt_wake();
       if (auto s = wait_fd(fd, POLLIN, deadline); !s.ok()) return s;
     } else if (errno != EINTR) {
@@ -605,10 +609,11 @@ class Channel::Place final : public WaitObserver {
 void Channel::loop() {
   if (!take_place()) return;
   Place place(this);
+  bool served = false;  // a message, not a new connection: the thread may poll for the next (set_serve_spin)
   for (;;) {
     epoll_event ev{};
-    in_epoll_.fetch_add(1);
-    const int n = epoll_wait(epoll_fd_, &ev, 1, -1);
+    in_epoll_.fetch_add(1);  // a polling thread counts as one in epoll: it takes whatever event comes
+    const int n = wait_event(&ev, served);
     const int error = errno;  // before wake_watcher(), whose lock may set errno
     // The last thread to leave epoll wakes a resting watcher: every place may now run a message that gets stuck.
     if (in_epoll_.fetch_sub(1) == 1 && watcher_resting_.load()) wake_watcher();
@@ -617,15 +622,52 @@ void Channel::loop() {
       TANDEM_LOG(kError, "rpc") << "direct channel: a loop thread stops (epoll_wait: " << std::strerror(error) << ")";
     }
     if (n <= 0 || stopping_ || ev.data.u64 == kWakeTag) return;
+    const bool message = ev.data.u64 != kListenTag && ev.data.u64 != kTcpListenTag;
+    const auto began = std::chrono::steady_clock::now();
     place.running.store(started_.fetch_add(1) + 1);
     WaitObserver* before = set_wait_observer(&place);
     serve(ev);
     set_wait_observer(before);
+    // A message that took far longer than the poll (a forward pass) leaves the thread to sleep at once: its caller is
+    // not one whose next call follows at once, and the poll would only take CPU from the work beside it.
+    served = message &&
+             std::chrono::steady_clock::now() - began <
+                 kSpinAfterServingAtMost * std::chrono::microseconds(serve_spin_us_.load(std::memory_order_relaxed));
     place.running.store(0);
     finished_.fetch_add(1, std::memory_order_relaxed);
     if (place.presumed.load()) reclaim_place(&place, /*message_done=*/true);
     if (over_.load(std::memory_order_relaxed) && !step_aside()) return;
   }
+}
+
+int Channel::wait_event(epoll_event* ev, bool served) {
+  const int64_t spin_us = serve_spin_us_.load(std::memory_order_relaxed);
+  if (served && spin_us > 0 &&
+      (spin_misses_.load(std::memory_order_relaxed) < kSpinMissesBeforeBackoff ||
+       spin_probes_.fetch_add(1, std::memory_order_relaxed) % kSpinProbeEvery == 0) &&
+      !spinning_.exchange(true, std::memory_order_acquire)) {
+    serve_spins_.fetch_add(1, std::memory_order_relaxed);
+    const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us);
+    int n = 0;
+    for (;;) {
+      n = epoll_wait(epoll_fd_, ev, 1, 0);
+      if (n != 0 || std::chrono::steady_clock::now() >= until) break;
+      sched_yield();  // a thread of this core's that the poll keeps from running (the caller, on one core) goes first
+    }
+    const int error = errno;
+    spinning_.store(false, std::memory_order_release);
+    if (n > 0) {
+      serve_spin_hits_.fetch_add(1, std::memory_order_relaxed);
+      spin_misses_.store(0, std::memory_order_relaxed);
+      return n;
+    }
+    if (spin_misses_.load(std::memory_order_relaxed) < kSpinMissesBeforeBackoff) {
+      spin_misses_.fetch_add(1, std::memory_order_relaxed);
+    }
+    errno = error;
+    if (n < 0) return n;
+  }
+  return epoll_wait(epoll_fd_, ev, 1, -1);
 }
 
 void Channel::serve(const epoll_event& ev) {
@@ -773,8 +815,14 @@ void Channel::reclaim_place(Place* place, bool message_done) {
 }
 
 Channel::PlaceCounts Channel::place_counts() {
-  MutexLock lock(&places_mu_);
-  return counts_;
+  PlaceCounts counts;
+  {
+    MutexLock lock(&places_mu_);
+    counts = counts_;
+  }
+  counts.serve_spins = serve_spins_.load(std::memory_order_relaxed);
+  counts.serve_spin_hits = serve_spin_hits_.load(std::memory_order_relaxed);
+  return counts;
 }
 
 void Channel::accept_one(int listen_fd, uint64_t tag) {

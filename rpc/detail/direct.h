@@ -184,8 +184,18 @@ class Channel {
     int64_t lent = 0;
     int64_t presumed_blocked = 0;
     int64_t looks = 0;  // times the watching thread woke to look (it rests while a place waits in epoll)
+    // Times a loop thread polled for the next message after serving one (set_serve_spin), and how often one came.
+    int64_t serve_spins = 0;
+    int64_t serve_spin_hits = 0;
   };
   PlaceCounts place_counts();
+
+  // After serving a message in at most 4 × `spin`, one loop thread at a time polls the epoll set for up to `spin`
+  // (yielding its core between looks) before it sleeps in it: a caller whose next request follows its reply at once (a
+  // loop of rpc_sync) is then not woken across cores each time. After kSpinMissesBeforeBackoff polls in a row that
+  // found nothing, only one in kSpinProbeEvery is made, until one finds a message again. 0 (the default): never.
+  // Thread-safe.
+  void set_serve_spin(std::chrono::microseconds spin) { serve_spin_us_.store(spin.count()); }
 
   // Closes the listener and every connection, then stops the threads (waiting up to `grace` for running callbacks).
   // Returns false when threads were still busy.
@@ -212,6 +222,9 @@ class Channel {
   bool stuck(uint64_t finished) const;
   // Lends the place of the thread whose message has run longest, as if it blocked (none when no message runs).
   void presume_blocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(places_mu_);
+  // One event of the epoll set into `ev`, as epoll_wait(…, -1) returns it; `served`: this thread has just served a
+  // message, so it may poll first (set_serve_spin).
+  int wait_event(epoll_event* ev, bool served);
   void handle_ready(const std::shared_ptr<Conn>& conn);
   void accept_one(int listen_fd, uint64_t tag);
   // Watches `conn` for its next message (EPOLLONESHOT); the error says why it cannot be.
@@ -265,6 +278,18 @@ class Channel {
   std::atomic<bool> over_{false};      // held_ > places_: read after each message without the lock
   std::atomic<int> in_epoll_{0};       // threads in epoll_wait (seq_cst: watcher_resting_)
   std::atomic<uint64_t> finished_{0};  // messages run
+  // set_serve_spin: the poll's length, whether a thread polls, consecutive polls that found nothing, eligible polls
+  // counted while backed off, and the counts of place_counts().
+  static constexpr uint32_t kSpinMissesBeforeBackoff = 8;
+  static constexpr uint32_t kSpinProbeEvery = 16;
+  static constexpr int kSpinAfterServingAtMost =
+      4;  // times the poll: a message that took longer is not followed by one
+  std::atomic<int64_t> serve_spin_us_{0};
+  std::atomic<bool> spinning_{false};
+  std::atomic<uint32_t> spin_misses_{0};
+  std::atomic<uint32_t> spin_probes_{0};
+  std::atomic<int64_t> serve_spins_{0};
+  std::atomic<int64_t> serve_spin_hits_{0};
 };
 
 }  // namespace tandem::rpc::direct

@@ -41,6 +41,8 @@ class DirectTransport final : public Transport {
   const std::string& address() const { return channel_->address(); }
   const std::string& tcp_address() const { return channel_->tcp_address(); }
   direct::Channel::PlaceCounts place_counts() const { return channel_->place_counts(); }
+  // RpcOptions::serve_spin (direct::Channel::set_serve_spin).
+  void set_serve_spin(std::chrono::microseconds spin) { channel_->set_serve_spin(spin); }
 
   const char* kind() const override { return "direct"; }
   absl::Status add_peer(const PeerAddress& peer, absl::Time deadline) override;

@@ -13,6 +13,8 @@ namespace tandem::test {
 
 // Completed waits of the test codec for c10::Device values (tests/rpc/main.cc), in this process.
 extern std::atomic<int> g_device_waits_done;
+// Calls of "stop_soon" (tests/rpc/main.cc) that have begun, in this process: it returns 300 ms later.
+extern std::atomic<int> g_stop_soon_calls;
 
 // The code of the tandem::Error `f` throws (kOk when it throws none).
 absl::StatusCode thrown_code(const std::function<void()>& f);

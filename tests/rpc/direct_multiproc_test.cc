@@ -518,6 +518,46 @@ class UnitDirectPlaces : public ::testing::Test {
   std::unique_ptr<rpc::direct::Channel> server_, client_;
 };
 
+// set_serve_spin: the thread that served a message polls for the next one; calls that follow their replies at once are
+// found by the poll, and when calls come further apart than the poll, polls become rare (one in kSpinProbeEvery after
+// kSpinMissesBeforeBackoff misses in a row, and each hit may give back that many full polls).
+TEST_F(UnitDirectPlaces, AServingThreadPollsForTheNextCallAndBacksOffWhenNoneComes) {
+  start(1, 1, [](uint64_t) {});
+  const absl::Time deadline = absl::Now() + absl::Seconds(60);
+  auto conn = client_->connect(server_->address(), 1, /*for_responses=*/false, deadline);
+  ASSERT_TRUE(conn.ok()) << conn.status();
+  auto call = [&](uint64_t id) {
+    grpc::Slice slice(std::string("x"));
+    ASSERT_TRUE((*conn)->write(rpc::direct::Kind::kRequest, id, grpc::ByteBuffer(&slice, 1), deadline).ok());
+    ASSERT_TRUE((*conn)->read(1 << 20, deadline).ok());
+  };
+  // Off (the channel's default): no poll.
+  for (uint64_t i = 1; i <= 10; ++i) call(i);
+  EXPECT_EQ(server_->place_counts().serve_spins, 0);
+  // Back to back, with a poll far longer than a call's turn-around (20 ms, so a busy machine cannot make it miss):
+  // every poll but those after the last call of a burst finds the next call.
+  server_->set_serve_spin(std::chrono::microseconds(20000));
+  auto before = server_->place_counts();
+  constexpr int kQuick = 40;
+  for (uint64_t i = 0; i < kQuick; ++i) call(100 + i);
+  auto after = server_->place_counts();
+  EXPECT_GE(after.serve_spins - before.serve_spins, kQuick - 1);
+  EXPECT_GE(after.serve_spin_hits - before.serve_spin_hits, kQuick - 2);  // the first call may find the poll missed
+  // Calls 20 ms apart against a 100 us poll: misses, and after the first few, polls only now and then.
+  server_->set_serve_spin(std::chrono::microseconds(100));
+  std::this_thread::sleep_for(milliseconds(50));  // the last 20 ms poll is over
+  before = server_->place_counts();
+  constexpr int kSparse = 64;
+  for (uint64_t i = 0; i < kSparse; ++i) {
+    call(200 + i);
+    std::this_thread::sleep_for(milliseconds(20));
+  }
+  after = server_->place_counts();
+  const int64_t spins = after.serve_spins - before.serve_spins, hits = after.serve_spin_hits - before.serve_spin_hits;
+  EXPECT_GE(spins, 1);
+  EXPECT_LE(spins, 8 * (hits + 1) + kSparse / 16 + 1) << "hits " << hits;  // 13 when no poll found a call
+}
+
 TEST_F(UnitDirectPlaces, AtMostRunningThreadsRunMessagesAtOnce) {
   std::atomic<int> now{0}, most{0};
   start(/*threads=*/4, /*running=*/1, [&](uint64_t) {

@@ -215,6 +215,7 @@ int run_worker(const std::string& scenario) {
 // A codec for a kind the wire format does not know (c10::Device), whose decoding makes the call wait 100 ms for a
 // future another thread completes: the "delayed" flag tells the function (or the caller) that the wait happened first.
 std::atomic<int> g_device_waits_done{0};
+std::atomic<int> g_stop_soon_calls{0};
 
 void register_device_codec() {
   rpc::ValueCodec codec;
@@ -299,6 +300,16 @@ void register_test_functions() {
   rpc::register_function("place_counts", [] {
     const auto stats = rpc::transport_stats();
     return std::vector<int64_t>{stats.places_lent, stats.presumed_blocked};
+  });
+  // An agent's "stop": the test that calls it shuts this worker down once it has begun, while it still runs.
+  rpc::register_function("stop_soon", [] {
+    ++g_stop_soon_calls;
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    return int64_t{1};
+  });
+  rpc::register_function("serve_spin_counts", [] {
+    const auto stats = rpc::transport_stats();
+    return std::vector<int64_t>{stats.serve_spins, stats.serve_spin_hits};
   });
   rpc::register_function("throw_error", [](std::string msg) -> int64_t { throw std::runtime_error(msg); });
   rpc::register_function("nested_add",

@@ -4,7 +4,9 @@
 
 #include <csignal>
 #include <map>
+#include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "tests/common/rpc_fixture.h"
@@ -16,6 +18,14 @@ class MultiprocPythonClient : public MultiprocRpc {
  protected:
   // Runs the unittest cases `tests` of test_client.py against this job (its master and secret in the environment).
   void run_python(const std::vector<std::string>& tests, std::map<std::string, std::string> env = {}) {
+    std::unique_ptr<Process> python = start_python(tests, std::move(env));
+    const int status = python->wait(milliseconds(90000));
+    EXPECT_EQ(exit_code(status), 0) << python->output();
+  }
+
+  // The same, running: the caller waits for it.
+  std::unique_ptr<Process> start_python(const std::vector<std::string>& tests,
+                                        std::map<std::string, std::string> env = {}) {
     env["PYTHONPATH"] = TANDEM_PYTHON_DIR;
     env["TANDEM_CLIENT_MASTER"] = job_master_addr() + ":" + std::to_string(job_->port());
     env["TANDEM_SECRET"] = job_->secret();
@@ -25,9 +35,7 @@ class MultiprocPythonClient : public MultiprocRpc {
     env["LD_LIBRARY_PATH"] = "";
     std::vector<std::string> argv = {TANDEM_PYTHON, TANDEM_CLIENT_TESTS, "-v"};
     argv.insert(argv.end(), tests.begin(), tests.end());
-    Process python(argv, env);
-    const int status = python.wait(milliseconds(90000));
-    EXPECT_EQ(exit_code(status), 0) << python.output();
+    return std::make_unique<Process>(argv, env);
   }
 };
 
@@ -48,6 +56,21 @@ TEST_F(MultiprocPythonClient, JoinsATlsJobWithItsCertificates) {
   options.tls = tls_options(dir);
   start({.world_size = 2, .extra_env = {{"TANDEM_TEST_TLS_DIR", dir}}}, options);
   run_python({"Tls"}, {{"TANDEM_TEST_TLS_DIR", dir}});
+}
+
+// A client's call of a function that gets its worker shut down while it runs (an agent's "stop": the worker's main
+// thread waits for it, then calls rpc::shutdown) is answered with the function's result: the graceful shutdown lets
+// the calls still running finish first (for at most its grace), where it answered them with CANCELLED.
+TEST_F(MultiprocPythonClient, AFunctionRunningWhenItsWorkerShutsDownIsAnswered) {
+  start({.world_size = 1});
+  const int before = g_stop_soon_calls.load();
+  std::unique_ptr<Process> python = start_python({"StopsItsWorker"});
+  for (auto until = Clock::now() + std::chrono::seconds(60); g_stop_soon_calls.load() == before;) {
+    ASSERT_LT(Clock::now(), until) << "the client never called stop_soon: " << python->output();
+    std::this_thread::sleep_for(milliseconds(1));
+  }
+  rpc::shutdown(true);
+  EXPECT_EQ(exit_code(python->wait(milliseconds(90000))), 0) << python->output();
 }
 
 TEST_F(MultiprocPythonClient, DeadWorkerOrJobIsAnErrorWithinTheDeadline) {

@@ -64,6 +64,26 @@ TEST_F(MultiprocRpc, SyncCallsDoNotSpinForRepliesKnownToBeSlow) {
   }).join();
 }
 
+// The callee's thread that served a call polls for the next (RpcOptions::serve_spin, 50 us by default): a loop of
+// rpc_sync finds it polling, so the callee is not woken for each call. Its counts say how many polls found a call.
+TEST_F(MultiprocRpc, TheCalleePollsForTheNextOfBackToBackCalls) {
+  start({.world_size = 2});
+  if (rpc::transport_to("worker1") == "grpc") GTEST_SKIP() << "only the direct channel's threads poll";
+  if (const char* env = std::getenv("TANDEM_SERVE_SPIN_US"); env && std::string(env) == "0") {
+    GTEST_SKIP() << "TANDEM_SERVE_SPIN_US=0 turns the poll off";
+  }
+  const auto before = rpc::rpc_sync<std::vector<int64_t>>("worker1", "serve_spin_counts");
+  for (int i = 0; i < 2000; ++i) rpc::rpc_sync<at::Tensor>("worker1", "add", at::ones({1}), at::ones({1}));
+  const auto after = rpc::rpc_sync<std::vector<int64_t>>("worker1", "serve_spin_counts");
+  ASSERT_EQ(before.size(), 2u);
+  ASSERT_EQ(after.size(), 2u);
+  // Each call follows its reply within microseconds, so most polls find it here (1,950 of 2,000 on an idle machine);
+  // a machine busy with other work keeps the caller from its core for longer than the poll, and the callee then backs
+  // off (10-18 hits of 33-40 polls with two busy loops on two cores): at least one is found all the same. The poll's
+  // hits and back-off themselves: UnitDirectPlaces.AServingThreadPollsForTheNextCallAndBacksOffWhenNoneComes.
+  EXPECT_GE(after[1] - before[1], 1) << "hits " << after[1] - before[1] << ", polls " << after[0] - before[0];
+}
+
 TEST_F(MultiprocRpc, EveryDtypeAndViewRoundTripsBitExact) {
   start({.world_size = 2});
   for (auto dtype : all_dtypes()) {

@@ -419,5 +419,17 @@ class Tls(unittest.TestCase):
                 job.workers()
 
 
+class StopsItsWorker(unittest.TestCase):
+    """Run alone by MultiprocPythonClient.AFunctionRunningWhenItsWorkerShutsDownIsAnswered: worker0 shuts down while
+    its "stop_soon" runs."""
+
+    def test_the_call_that_stops_the_worker_is_answered(self):
+        job = client()
+        try:
+            self.assertEqual(job.call("worker0", "stop_soon"), 1)
+        finally:
+            job.close()
+
+
 if __name__ == "__main__":
     unittest.main()
