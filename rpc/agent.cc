@@ -27,11 +27,15 @@ absl::Status Agent::drain_outgoing(absl::Time deadline) {
 }
 
 bool Agent::drain_incoming(absl::Time deadline) {
-  // A function that shuts its worker down itself does not wait for its own call.
-  const size_t own = current_call() != nullptr ? 1 : 0;
+  const InCall* own = t_current_in_call_;  // a function that shuts its worker down does not wait for its own call
   MutexLock lock(&mu_);
-  auto empty = [this, own]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return in_calls_.size() <= own; };
-  return mu_.AwaitWithDeadline(Condition(&empty), deadline);
+  auto done = [this, own]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    for (const auto& [raw, call] : in_calls_) {
+      if (raw != own && call->client.load()) return false;
+    }
+    return true;
+  };
+  return mu_.AwaitWithDeadline(Condition(&done), deadline);
 }
 
 absl::Status Agent::shutdown(bool graceful) {
@@ -70,11 +74,12 @@ absl::Status Agent::shutdown(bool graceful) {
     TANDEM_LOG(kWarn, "rpc") << result.message();
   }
   const auto grace = std::min(options_.shutdown_timeout, std::chrono::milliseconds(graceful ? 2000 : 500));
-  // Gracefully, the calls still running here are let finish and be answered first, for at most the grace: after the
-  // barrier they can only be a client's (the job's callers drained theirs before it), such as the call of a function
-  // that asked this worker to shut down (an agent's "stop"), which stop() would otherwise answer with CANCELLED.
-  if (graceful && !drain_incoming(absl::Now() + absl::FromChrono(grace))) {
-    TANDEM_LOG(kWarn, "rpc") << "graceful shutdown of worker '" << name_ << "': calls received here still run after "
+  // Once every worker has left, clients' calls still running here (outside the job: nobody drained them) are let
+  // finish and be answered first, for at most the grace, such as the call of a function that asked this worker to shut
+  // down (an agent's "stop"), which stop() would otherwise answer with CANCELLED. A job member's call still running
+  // now was given up by its caller (which drained its calls before the barrier): stop() answers it at once.
+  if (graceful && result.ok() && !drain_incoming(absl::Now() + absl::FromChrono(grace))) {
+    TANDEM_LOG(kWarn, "rpc") << "graceful shutdown of worker '" << name_ << "': clients' calls still run after "
                              << grace.count() << " ms; they are answered with CANCELLED";
   }
   stop(grace);

@@ -176,6 +176,7 @@ void Agent::handle(std::shared_ptr<InCall> call, Parsed* parsed) {
     call->caller_name = request.caller_name();
     call->oneway = request.oneway();
   }
+  call->client.store(client);
   std::vector<Future> wait;
   CallTracer* tracer = request.trace().empty() ? nullptr : call_tracer();
   std::vector<at::Tensor> wire_tensors;
@@ -219,6 +220,8 @@ void Agent::handle(std::shared_ptr<InCall> call, Parsed* parsed) {
   });
 }
 
+thread_local const Agent::InCall* Agent::t_current_in_call_ = nullptr;
+
 void Agent::run(const std::shared_ptr<InCall>& call, const Handler& handler, const std::string& function,
                 std::vector<c10::IValue> args, const std::string& caller_name) {
   if (!handler) {  // handle() labelled it "(not registered)": a caller's typos make no series of their own
@@ -227,6 +230,7 @@ void Agent::run(const std::shared_ptr<InCall>& call, const Handler& handler, con
   }
   CallContext context{caller_name, call->caller, function};
   t_current_call = &context;
+  t_current_in_call_ = call.get();
   std::shared_ptr<void> trace_scope;
   if (call->traced) {
     if (CallTracer* tracer = call_tracer()) trace_scope = tracer->enter(call->trace_state);
@@ -242,6 +246,7 @@ void Agent::run(const std::shared_ptr<InCall>& call, const Handler& handler, con
   }
   trace_scope.reset();
   t_current_call = nullptr;
+  t_current_in_call_ = nullptr;
   result.add_callback([life = lifeline_, call](const Future& f) {
     Agent* self = life->enter();
     if (!self) return;                                // gone: its shutdown answered the call CANCELLED

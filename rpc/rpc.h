@@ -131,7 +131,8 @@ void init_rpc(const std::string& name, int rank, int world_size, RpcOptions opti
 void init_rpc(RpcOptions options = {});
 
 // graceful=true: waits for this worker's outstanding calls, then for every worker to arrive (a barrier with
-// shutdown_timeout), then stops serving; throws RpcError naming the workers that did not arrive (after stopping
+// shutdown_timeout), then for calls from clients outside the job still running here (at most min(shutdown_timeout,
+// 2 s)), then stops serving; throws RpcError naming the workers that did not arrive (after stopping
 // anyway). graceful=false: fails outstanding calls with CANCELLED and stops at once. Either way the worker can init_rpc
 // again. A process that ends with RPC initialized (main returns, or exit() on the main thread) stops it as
 // shutdown(false) does, before any static object is destroyed (the agent's threads never run into a destroyed one);
@@ -218,7 +219,7 @@ struct TransportStats {
   // not those whose function's last reply took far longer than the spin, which sleep at once.
   int64_t sync_calls_spun = 0;
   // Polls for the next message by the direct channel's thread that served the last one (RpcOptions::serve_spin), and
-  // how many found one (each spared a thread wake-up).
+  // how many found one (the poller took it without sleeping; another thread asleep in the set may still be woken).
   int64_t serve_spins = 0;
   int64_t serve_spin_hits = 0;
 };

@@ -97,6 +97,8 @@ class Agent {
     std::string function;  // once the request is parsed (a one-way call's failure names it)
     std::string caller_name;
     bool oneway = false;  // the request says so (rpc::send), whichever transport brought it
+    // A client's call (outside the job), once the request is parsed: a graceful shutdown lets it finish (shutdown).
+    std::atomic<bool> client{false};
     bool failed = false;  // answered with an error (for the metrics)
     std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
     std::shared_ptr<void> trace_state;  // what the tracer keeps for this call
@@ -237,8 +239,8 @@ class Agent {
 
   // agent.cc
   absl::Status drain_outgoing(absl::Time deadline);
-  // Waits until no call received here is running or being answered (but the one this thread runs, if any), at most
-  // until `deadline`; false if some still are.
+  // Waits until no client's call received here is running or being answered (but the one this thread runs, if
+  // any), at most until `deadline`; false if some still are.
   bool drain_incoming(absl::Time deadline);
   // Stops serving and fails whatever is outstanding; bounded by `grace`.
   void stop(std::chrono::milliseconds grace);
@@ -267,6 +269,7 @@ class Agent {
   Mutex mu_;
   int64_t outstanding_ ABSL_GUARDED_BY(mu_) = 0;  // outgoing calls not completed yet
   std::map<InCall*, std::shared_ptr<InCall>> in_calls_ ABSL_GUARDED_BY(mu_);
+  static thread_local const InCall* t_current_in_call_;  // the call whose function this thread runs (run())
   bool stopped_ ABSL_GUARDED_BY(mu_) = false;
   std::atomic<int64_t> grpc_calls_{0}, direct_calls_{0}, by_reference_{0}, oneway_failures_{0}, inline_messages_{0},
       leases_lapsed_{0}, sync_calls_spun_{0};

@@ -66,6 +66,8 @@ TEST_F(MultiprocRpc, SyncCallsDoNotSpinForRepliesKnownToBeSlow) {
 
 // The callee's thread that served a call polls for the next (RpcOptions::serve_spin, 50 us by default): a loop of
 // rpc_sync finds it polling, so the callee is not woken for each call. Its counts say how many polls found a call.
+// What this checks is that a worker polls with the default options (no poll, no hit); the poll's own behaviour is
+// UnitDirectPlaces.AServingThreadPollsForTheNextCallAndBacksOffWhenNoneComes's.
 TEST_F(MultiprocRpc, TheCalleePollsForTheNextOfBackToBackCalls) {
   start({.world_size = 2});
   if (rpc::transport_to("worker1") == "grpc") GTEST_SKIP() << "only the direct channel's threads poll";
