@@ -9,6 +9,7 @@
 #include <thread>
 
 #include "tests/common/rpc_fixture.h"
+#include "tests/common/time_scale.h"
 
 namespace tandem::test {
 namespace {
@@ -73,7 +74,8 @@ TEST_F(MultiprocRpc, SyncCallsDoNotSpinForRepliesKnownToBeSlow) {
 // worker's setting reaches its channel and that its polls find calls; the back-off is
 // UnitDirectPlaces.AServingThreadPollsForTheNextCallAndBacksOffWhenNoneComes's.
 TEST_F(MultiprocRpc, TheCalleePollsForTheNextOfBackToBackCalls) {
-  start({.world_size = 2, .extra_env = {{"TANDEM_SERVE_SPIN_US", "20000"}, {"TANDEM_TEST_THREADS", "1"}}});
+  const std::string poll_us = std::to_string(scaled(milliseconds(20)).count() * 1000);  // 200 ms under TSan
+  start({.world_size = 2, .extra_env = {{"TANDEM_SERVE_SPIN_US", poll_us}, {"TANDEM_TEST_THREADS", "1"}}});
   if (rpc::transport_to("worker1") == "grpc") GTEST_SKIP() << "only the direct channel's threads poll";
   const auto before = rpc::rpc_sync<std::vector<int64_t>>("worker1", "serve_spin_counts");
   for (int i = 0; i < 200; ++i) rpc::rpc_sync<at::Tensor>("worker1", "add", at::ones({1}), at::ones({1}));
