@@ -96,7 +96,8 @@ struct RpcOptions {
   // On the direct channel, a thread that has served a call polls for the next one this long before it sleeps (one
   // thread at a time, yielding its core between looks): a caller whose next call follows its reply at once (a loop of
   // rpc_sync) then wakes no thread here either. After 8 polls in a row that found nothing, only one in 16 is made
-  // until one finds a call again, so a worker whose calls come further apart spends next to no CPU on it. 0: never.
+  // until one finds a call again, so a worker whose calls come further apart spends next to no CPU on it; after a call
+  // that took over four times this long (a forward pass) the thread sleeps at once. 0: never.
   // Negative (the default): TANDEM_SERVE_SPIN_US, else 50 us.
   std::chrono::microseconds serve_spin{-1};
   // A thread that sleeps waiting for a reply (rpc_sync after its spin, a Future's wait) first asks the kernel for this

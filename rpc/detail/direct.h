@@ -282,8 +282,8 @@ class Channel {
   // counted while backed off, and the counts of place_counts().
   static constexpr uint32_t kSpinMissesBeforeBackoff = 8;
   static constexpr uint32_t kSpinProbeEvery = 16;
-  static constexpr int kSpinAfterServingAtMost =
-      4;  // times the poll: a message that took longer is not followed by one
+  // Times the poll: a thread whose message took longer sleeps at once.
+  static constexpr int kSpinAfterServingAtMost = 4;
   std::atomic<int64_t> serve_spin_us_{0};
   std::atomic<bool> spinning_{false};
   std::atomic<uint32_t> spin_misses_{0};
