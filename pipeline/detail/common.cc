@@ -31,6 +31,12 @@ SendFault& send_fault() {
 }
 }  // namespace
 
+namespace {
+std::atomic<int64_t> g_sums_posted{0};
+}  // namespace
+int64_t sums_posted_for_tests() { return g_sums_posted.load(); }
+void note_sum_posted() { g_sums_posted.fetch_add(1); }
+
 void set_send_fault_for_tests(std::function<void(int64_t pipe, int64_t step, int rank)> fault) {
   SendFault& f = send_fault();
   MutexLock lock(&f.mu);

@@ -62,6 +62,10 @@ using Clock = std::chrono::steady_clock;
 // costs an atomic load when none is set.
 void set_send_fault_for_tests(std::function<void(int64_t pipe, int64_t step, int rank)> fault);
 void send_fault_for_tests(int64_t pipe, int64_t step, int rank);
+// The turns this process posted in replicated stages' sums across the replicas (every pipeline held here, zeros
+// included), for tests that need a worker to be inside such a sum; note_sum_posted counts one. Thread-safe.
+int64_t sums_posted_for_tests();
+void note_sum_posted();
 // The system clock in microseconds (timeline events of different workers on one axis).
 int64_t now_us();
 // This worker's name, or "(local)" outside RPC.

@@ -672,6 +672,7 @@ class Run {
     r.control_done.add_callback([end = r.end_us](const rpc::Future&) {  // the later of the two in the group's order
       end->store(now_us());
     });
+    note_sum_posted();
     return r;
   }
   // Every local stage of a replicated pipeline whose sum has not started takes part with zeros (a failed run).

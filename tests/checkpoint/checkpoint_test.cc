@@ -245,8 +245,16 @@ TEST_F(MultiprocCheckpointKill, KilledWhileWritingLeavesTheLastCompleteOne) {
     Process writer({self_exe(), "--worker", "write-forever"}, {{"TANDEM_TEST_DIR", dir_}});
     checkpoint::Checkpointer ckpt(dir_, 0);
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
-    const size_t before = ckpt.steps().size();
-    test::poll_until(std::chrono::seconds(60), [&] { return ckpt.steps().size() >= before + 1; });
+    // The writer's first step is saved: its steps are newer than every one before (the count of steps is no sign: the
+    // writer keeps two, so it may stay the same).
+    const std::vector<int64_t> before = ckpt.steps();
+    const int64_t newest_before = before.empty() ? 0 : before.back();
+    ASSERT_TRUE(test::poll_until(std::chrono::seconds(60),
+                                 [&] {
+                                   const auto now = ckpt.steps();
+                                   return !now.empty() && now.back() > newest_before;
+                                 }))
+        << "round " << round << ": the writer saved no step in 60 s";
     if (round % 3 == 2) {  // a random moment
       std::this_thread::sleep_for(std::chrono::milliseconds(std::uniform_int_distribution<int>(0, 60)(rng)));
     } else {  // inside a write
@@ -263,6 +271,7 @@ TEST_F(MultiprocCheckpointKill, KilledWhileWritingLeavesTheLastCompleteOne) {
     state.add("big", big).add("step", step);
     const auto restored = ckpt.restore(state);
     ASSERT_TRUE(restored.has_value()) << "round " << round;
+    EXPECT_GT(*restored, newest_before) << "round " << round;  // this writer's step
     EXPECT_EQ(step, *restored);
     EXPECT_TRUE(big.eq(static_cast<double>(*restored)).all().item<bool>()) << "round " << round;
   }

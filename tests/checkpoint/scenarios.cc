@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <cstdlib>
+#include <vector>
 
 #include "absl/strings/str_split.h"
 #include "tandem/checkpoint/checkpoint.h"
@@ -203,7 +204,9 @@ int write_forever() {
   int64_t step = 0;
   checkpoint::State state;
   state.add("big", big).add("step", step);
-  for (step = 1;; ++step) {
+  // After the newest step an earlier writer left: each writer's steps are newer than all before it.
+  const std::vector<int64_t> before = ckpt.steps();
+  for (step = before.empty() ? 1 : before.back() + 1;; ++step) {
     big.fill_(static_cast<double>(step));
     ckpt.save(step, state);
   }

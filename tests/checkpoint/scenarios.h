@@ -7,8 +7,8 @@
 namespace tandem::test {
 
 void register_scenarios();
-// The child of UnitCheckpoint.KilledWhileWritingLeavesTheLastCompleteOne: saves steps 1, 2, ... of a large tensor
-// filled with the step number into $TANDEM_TEST_DIR until it is killed.
+// The child of MultiprocCheckpointKill.KilledWhileWritingLeavesTheLastCompleteOne: saves steps n, n + 1, ... of a
+// large tensor filled with the step number into $TANDEM_TEST_DIR until it is killed, n after the newest step there.
 int write_forever();
 
 }  // namespace tandem::test

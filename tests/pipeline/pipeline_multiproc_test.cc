@@ -550,14 +550,16 @@ TEST_F(MultiprocPipeline, AReplicatedStepThatCannotBeginOnALaterReplicaEndsTheEa
 }
 
 // A replica whose stage worker dies fails the step of every replica, within the step's timeout: the dead worker's
-// replica names it, and the other replica's stage that waited to sum its gradients with it says so.
+// replica names it, and the other replica's stage that waited to sum its gradients with it says so. The worker dies
+// only once replica 0's stage 1 (worker2) posted its sum: replica 0 might otherwise still be computing when the step
+// is abandoned, and say so instead.
 TEST_F(MultiprocPipeline, AReplicaThatDiesFailsTheStepOfEveryReplicaNamingIt) {
   start({.world_size = 5});
   expect_clean_children_ = false;
-  auto pipe =
-      pipeline::ReplicatedPipeline::create({{{1, "pipe_faulty", {int64_t{0}}}, {2, "pipe_faulty", {int64_t{0}}}},
-                                            {{3, "pipe_faulty", {int64_t{0}}}, {4, "pipe_faulty", {int64_t{2}}}}},
-                                           {.n_microbatches = 2, .timeout = std::chrono::milliseconds(8000)});
+  auto pipe = pipeline::ReplicatedPipeline::create(
+      {{{1, "pipe_faulty", {int64_t{0}}}, {2, "pipe_faulty", {int64_t{0}}}},
+       {{3, "pipe_faulty", {int64_t{0}}}, {4, "pipe_dies_after_sum", {int64_t{2}}}}},
+      {.n_microbatches = 2, .timeout = std::chrono::milliseconds(8000)});
   at::Tensor x = at::ones({8, 4}, at::kDouble), y = at::zeros({8, 4}, at::kDouble);
   x[6][0] = 999;  // replica 1's micro-batch 1 kills worker4 (its stage 1)
   const auto t0 = Clock::now();

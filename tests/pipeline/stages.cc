@@ -68,6 +68,25 @@ struct Faulty : torch::nn::Module {
   torch::nn::Linear lin{nullptr};
 };
 
+// A float64 identity Linear(4, 4) whose forward, when a row's first value is 999, waits until worker `peer` has posted
+// a turn in a sum across the replicas (pipe_sums_posted there; at most 60 s), then kills its process with exit code 9.
+struct DiesAfterSum : torch::nn::Module {
+  explicit DiesAfterSum(int64_t peer) : peer(peer) { lin = register_module("lin", identity_linear()); }
+  at::Tensor forward(const at::Tensor& x) {
+    if (x.select(1, 0).eq(999).any().item<bool>()) {
+      const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+      while (rpc::rpc_sync<int64_t>(static_cast<int>(peer), "pipe_sums_posted") == 0 &&
+             std::chrono::steady_clock::now() < until) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(2));
+      }
+      _exit(9);
+    }
+    return lin->forward(x);
+  }
+  int64_t peer;
+  torch::nn::Linear lin{nullptr};
+};
+
 // An identity Linear(4, 4) whose backward sleeps `ms` milliseconds (a hook on its output's gradient); counts its
 // forwards in this process (slow_forwards).
 std::atomic<int64_t> slow_forwards{0};
@@ -181,6 +200,8 @@ void register_pipeline_stages() {
     return l;
   });
   nn::register_module("pipe_faulty", [](int64_t mode) { return std::make_shared<Faulty>(mode); });
+  nn::register_module("pipe_dies_after_sum", [](int64_t peer) { return std::make_shared<DiesAfterSum>(peer); });
+  rpc::register_function("pipe_sums_posted", [] { return pipeline::detail::sums_posted_for_tests(); });
   rpc::register_function("pipe_grads", [](int64_t pipe, int64_t stage, int64_t context) {
     const auto grads = dist_autograd::get_gradients(context);
     std::vector<at::Tensor> out;

@@ -44,7 +44,9 @@ c10::IValue masked_block_forward(MaskedBlock& block, const at::Tensor& x, const 
 // held, runs started directly, runs ended} by the worker), "pipe_seed", "pipe_buffers",
 // "pipe_training", "pipe_stage_count", "pipe_contexts" and "pipe_create_and_die" (see stages.cc); "pipe_linear"(in,
 // out) (float64 Linear); "pipe_faulty"(mode): a float64 identity Linear(4, 4) whose forward, when a row's first value
-// is 999, throws (mode 1) or kills its process with exit code 9 (mode 2); "pipe_stall"(ms): an identity Linear(4, 4)
+// is 999, throws (mode 1) or kills its process with exit code 9 (mode 2); "pipe_dies_after_sum"(peer): the same
+// as mode 2, once worker `peer` posted a turn in a sum across the replicas ("pipe_sums_posted": how many it posted);
+// "pipe_stall"(ms): an identity Linear(4, 4)
 // whose forward stalls for ms, or until "pipe_unstall" is called on its worker; "pipe_pings"(peer) ({calls, errors}
 // of the worker's pings of driver `peer`); "pipe_shrink_param"(pipeline, stage, name) (makes a local stage's parameter
 // one element, after creation); and the functions "pipe_grads"(pipeline,
