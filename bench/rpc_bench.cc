@@ -5,7 +5,8 @@
 // Rank 0 also measures the floors of the first two in the same run ("impl":"floor"; emit_floors below).
 // Flags: --small N (round trips), --bulk N (transfers), --async N (calls), --bulk-mib M; a count of 0 skips its
 // figure. --bulk-kib K sends K KiB instead (metric bulk_<K>KiB_GBps); --bulk-min-bytes B sets RpcOptions::
-// bulk_min_bytes (0: no bulk path; bench/run.sh bulk-threshold compares both paths by size). Each process runs with
+// bulk_min_bytes (0: no bulk path; bench/run.sh bulk-threshold compares both paths by size); --threads T sets
+// RpcOptions::num_worker_threads; --sync-spin-us / --serve-spin-us the spins. Each process runs with
 // one intra-op thread, as the PyTorch peer does.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -151,6 +152,7 @@ int main(int argc, char** argv) {
   int64_t bulk_min_bytes = -1;  // -1: the library's default
   int64_t sync_spin_us = -1;    // -1: the library's default
   int64_t serve_spin_us = -1;   // -1: the library's default
+  int threads = 0;              // 0: the library's default
   CLI::App app{"RPC round trips, bulk transfers and calls in flight", "rpc_bench"};
   app.add_option("--small", small, "small round trips");
   app.add_option("--bulk", bulk, "bulk transfers");
@@ -161,6 +163,7 @@ int main(int argc, char** argv) {
   app.add_option("--sync-spin-us", sync_spin_us, "RpcOptions::sync_spin in microseconds (-1: the library's default)");
   app.add_option("--serve-spin-us", serve_spin_us,
                  "RpcOptions::serve_spin in microseconds (-1: the library's default)");
+  app.add_option("--threads", threads, "RpcOptions::num_worker_threads (0: the library's default)");
   tandem::tools::parse_flags(app, argc, argv);
   // The floors first, on rank 0, before init_rpc starts any thread (the child is forked).
   // TANDEM_BENCH_FLOORS=0 skips them (bench/run.sh hosts, whose floor is a TCP ping-pong between the hosts).
@@ -178,6 +181,7 @@ int main(int argc, char** argv) {
   if (bulk_min_bytes >= 0) options.bulk_min_bytes = bulk_min_bytes;
   if (sync_spin_us >= 0) options.sync_spin = std::chrono::microseconds(sync_spin_us);
   if (serve_spin_us >= 0) options.serve_spin = std::chrono::microseconds(serve_spin_us);
+  if (threads > 0) options.num_worker_threads = threads;
   rpc::init_rpc(options);
   if (rpc::get_worker_info().id == 0) {
     const std::string cond = "\"processes\":2,\"intra_op_threads\":1";
