@@ -263,7 +263,8 @@ TEST_F(MultiprocDistAutograd, TheBackwardsTimeoutHoldsForEveryHop) {
 
 // A call still running on its callee when its context is released there: its reply does not make the context again
 // on the callee (nobody would release it). The input requires grad, so the request makes the context on worker1 when
-// it arrives; the guard ends once it has (a release that overtakes its request refuses it, as it should).
+// it arrives; the guard ends once the call runs there and has seen it (a release that came between the request's
+// arrival and the call's start would leave the call without its context: it failed so once in CI).
 TEST_F(MultiprocDistAutograd, AReplyAfterItsContextWasReleasedDoesNotBringItBack) {
   start({.world_size = 2});
   rpc::Future reply;
@@ -271,8 +272,9 @@ TEST_F(MultiprocDistAutograd, AReplyAfterItsContextWasReleasedDoesNotBringItBack
     dist_autograd::ContextGuard ctx;
     reply = rpc::rpc_async("worker1", "layer_after_release", std::string("r1"), input().set_requires_grad(true));
     const auto deadline = Clock::now() + scaled(milliseconds(20000));
-    while (contexts_on(1) == 0) {
-      ASSERT_LT(Clock::now(), deadline) << "the request never made its context on worker1";
+    // (A call that ended already, with an error, says why below.)
+    while (rpc::rpc_sync<int64_t>(1, "after_release_started") == 0 && !reply.wait_for(milliseconds(0))) {
+      ASSERT_LT(Clock::now(), deadline) << "the call never ran with its context on worker1";
       std::this_thread::sleep_for(milliseconds(2));
     }
   }  // released here and on worker1, where the call waits for that before it computes

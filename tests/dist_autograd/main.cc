@@ -6,6 +6,7 @@
 #include <torch/csrc/autograd/functions/utils.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <thread>
 
@@ -134,8 +135,13 @@ void register_functions() {
   });
   // "layer", once every context on this worker has been released (the caller's guard ended while this call ran).
   // Throws if the call's context was not here when it started (the test would prove nothing) or is never released.
+  // "after_release_started": how many such calls found their context here and now wait for its release (the caller
+  // ends its guard only then: a release that came before the call ran would leave nothing to test).
+  static std::atomic<int64_t> after_release_started{0};
+  rpc::register_function("after_release_started", [] { return after_release_started.load(); });
   rpc::register_function("layer_after_release", [](std::string p, at::Tensor x) {
     if (dist_autograd::stats().contexts == 0) throw std::runtime_error("the call's context is not on this worker");
+    ++after_release_started;
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
     while (dist_autograd::stats().contexts != 0) {
       if (std::chrono::steady_clock::now() > deadline) throw std::runtime_error("the context was not released");
