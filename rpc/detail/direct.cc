@@ -92,10 +92,8 @@ absl::Status wait_fd(int fd, short events, absl::Time deadline) {
   }
 }
 
-// Reads `len` bytes. Until `spin_until`, an empty socket is polled again at once instead of sleeping on it.
-// `prompt_wake`: the thread asks for a short slice before it sleeps on the socket (detail/wait_slice.h).
-absl::Status read_exact(int fd, void* dst, size_t len, absl::Time deadline,
-                        std::chrono::steady_clock::time_point spin_until = {}, bool prompt_wake = false) {
+// Reads `len` bytes, waiting for them until `deadline`.
+absl::Status read_exact(int fd, void* dst, size_t len, absl::Time deadline) {
   auto* p = static_cast<uint8_t*>(dst);
   while (len > 0) {
     const ssize_t n = ::read(fd, p, len);
@@ -105,11 +103,6 @@ absl::Status read_exact(int fd, void* dst, size_t len, absl::Time deadline,
     } else if (n == 0) {
       return absl::UnavailableError("connection closed by the peer");
     } else if (errno == EAGAIN || errno == EWOULDBLOCK) {
-      if (std::chrono::steady_clock::now() < spin_until) {
-        sched_yield();  // the callee, when it shares this core, answers first
-        continue;
-      }
-      if (prompt_wake) rpc::detail::prefer_prompt_wake();
       if (auto s = wait_fd(fd, POLLIN, deadline); !s.ok()) return s;
     } else if (errno != EINTR) {
       return errno_status("read");
@@ -280,7 +273,7 @@ absl::StatusOr<std::string> parse_challenge(const grpc::ByteBuffer& body) {
 }
 
 grpc::ByteBuffer encode_hello(const std::string& token, int rank, const std::string& challenge,
-                              const std::string& client_nonce, uint64_t probe_address) {
+                              const std::string& client_nonce, uint64_t probe_address, bool one_call_at_a_time) {
   tandem::wire::DirectHello hello;
   hello.set_wire_version(kWireVersion);
   hello.set_rank(rank);
@@ -288,6 +281,7 @@ grpc::ByteBuffer encode_hello(const std::string& token, int rank, const std::str
   hello.set_probe_address(probe_address);
   hello.set_client_nonce(client_nonce);
   hello.set_proof(auth::tcp_proof(token, "client", challenge, client_nonce, rank));
+  hello.set_one_call_at_a_time(one_call_at_a_time);
   return serialize(hello);
 }
 
@@ -314,7 +308,10 @@ absl::StatusOr<tandem::wire::DirectHello> parse_hello(const grpc::ByteBuffer& bo
 // ---------------------------------------------------------------------------------------------------------------------
 // Conn
 
-Conn::~Conn() { ::close(fd_); }
+Conn::~Conn() {
+  ::close(fd_);
+  if (pre_ != nullptr) detail::release_buffer(pre_, pre_capacity_);
+}
 
 void Conn::shut() { ::shutdown(fd_, SHUT_RDWR); }
 
@@ -433,9 +430,20 @@ absl::Status Conn::check_header(uint64_t max_body) const {
 
 absl::StatusOr<bool> Conn::poll_header(uint64_t max_body) {
   while (header_got_ < sizeof(header_)) {
-    const ssize_t n = ::read(fd_, header_ + header_got_, sizeof(header_) - header_got_);
+    const size_t missing = sizeof(header_) - header_got_;
+    ssize_t n = 0;
+    if (one_call_at_a_time_) {
+      // The body's first bytes in the same read: nothing else can follow the header before this message is answered.
+      if (pre_ == nullptr) pre_ = detail::acquire_buffer(kPrefetchBytes, &pre_capacity_);
+      iovec iov[2] = {{header_ + header_got_, missing}, {pre_, pre_capacity_}};
+      n = ::readv(fd_, iov, 2);
+    } else {
+      n = ::read(fd_, header_ + header_got_, missing);
+    }
     if (n > 0) {
-      header_got_ += static_cast<size_t>(n);
+      const size_t got = std::min(static_cast<size_t>(n), missing);
+      header_got_ += got;
+      pre_got_ = static_cast<size_t>(n) - got;  // bytes only once the header is whole
     } else if (n == 0) {
       return absl::UnavailableError("connection closed by the peer");
     } else if (errno == EAGAIN || errno == EWOULDBLOCK) {
@@ -445,6 +453,12 @@ absl::StatusOr<bool> Conn::poll_header(uint64_t max_body) {
     }
   }
   if (auto s = check_header(max_body); !s.ok()) return s;
+  Header h;
+  std::memcpy(&h, header_, sizeof(h));
+  if (pre_got_ > h.length) {
+    return absl::InvalidArgumentError(
+        "direct channel: bytes of another message came with one on a one-call-at-a-time connection");
+  }
   return true;
 }
 
@@ -457,7 +471,16 @@ absl::StatusOr<Message> Conn::read_body(absl::Time deadline) {
   m.call_id = h.call_id;
   if (h.length == 0) return m;
   auto* owner = new PooledSlice;
-  owner->buffer = detail::acquire_buffer(h.length, &owner->capacity);
+  const size_t early = pre_got_;  // of the body, read with the header (poll_header checked it is not more)
+  pre_got_ = 0;
+  if (pre_ != nullptr && h.length <= pre_capacity_) {
+    owner->buffer = pre_;  // the body is where the header's read put its start
+    owner->capacity = pre_capacity_;
+    pre_ = nullptr;
+  } else {
+    owner->buffer = detail::acquire_buffer(h.length, &owner->capacity);
+    if (early > 0) std::memcpy(owner->buffer, pre_, early);
+  }
   grpc::Slice slice(
       owner->buffer, h.length,
       [](void* p) {
@@ -466,7 +489,9 @@ absl::StatusOr<Message> Conn::read_body(absl::Time deadline) {
         delete o;
       },
       owner);
-  if (auto s = read_exact(fd_, owner->buffer, h.length, deadline); !s.ok()) return s;
+  if (auto s = read_exact(fd_, static_cast<uint8_t*>(owner->buffer) + early, h.length - early, deadline); !s.ok()) {
+    return s;
+  }
   m.body = grpc::ByteBuffer(&slice, 1);  // swapped in (FrameBuffer)
   return m;
 }
@@ -474,9 +499,17 @@ absl::StatusOr<Message> Conn::read_body(absl::Time deadline) {
 absl::StatusOr<Message> Conn::read(uint64_t max_body, absl::Time deadline, std::chrono::microseconds spin,
                                    bool prompt_wake) {
   const auto spin_until = std::chrono::steady_clock::now() + spin;
-  if (auto s = read_exact(fd_, header_, sizeof(header_), deadline, spin_until, prompt_wake); !s.ok()) return s;
-  header_got_ = sizeof(header_);
-  if (auto s = check_header(max_body); !s.ok()) return s;
+  for (;;) {
+    auto header = poll_header(max_body);
+    if (!header.ok()) return header.status();
+    if (*header) break;
+    if (std::chrono::steady_clock::now() < spin_until) {
+      sched_yield();  // the callee, when it shares this core, answers first
+      continue;
+    }
+    if (prompt_wake) rpc::detail::prefer_prompt_wake();
+    if (auto s = wait_fd(fd_, POLLIN, deadline); !s.ok()) return s;
+  }
   return read_body(deadline);  // the caller's deadline bounds the whole message
 }
 
@@ -609,24 +642,37 @@ class Channel::Place final : public WaitObserver {
 void Channel::loop() {
   if (!take_place()) return;
   Place place(this);
-  bool served = false;  // a message, not a new connection: the thread may poll for the next (set_serve_spin)
+  bool served = false;             // a message, not a new connection: the thread may poll for the next (set_serve_spin)
+  std::shared_ptr<Conn> answered;  // handle_ready left it to this thread: it polls it for the next request or arms it
   for (;;) {
-    epoll_event ev{};
-    in_epoll_.fetch_add(1);  // a polling thread counts as one in epoll: it takes whatever event comes
-    const int n = wait_event(&ev, served);
-    const int error = errno;  // before wake_watcher(), whose lock may set errno
-    // The last thread to leave epoll wakes a resting watcher: every place may now run a message that gets stuck.
-    if (in_epoll_.fetch_sub(1) == 1 && watcher_resting_.load()) wake_watcher();
-    if (n < 0 && error == EINTR) continue;
-    if (n < 0 && !stopping_) {  // EBADF, EINVAL: the set is gone; the thread cannot serve any more
-      TANDEM_LOG(kError, "rpc") << "direct channel: a loop thread stops (epoll_wait: " << std::strerror(error) << ")";
+    std::shared_ptr<Conn> ready;  // `answered`, when its next request came while this thread polled it
+    if (answered) {
+      if (served && poll_answered(*answered)) {
+        ready = std::move(answered);
+      } else {
+        arm(answered, /*add=*/false);
+        served = false;  // polled already (or another thread polls): the thread sleeps in epoll at once
+      }
+      answered.reset();
     }
-    if (n <= 0 || stopping_ || ev.data.u64 == kWakeTag) return;
-    const bool message = ev.data.u64 != kListenTag && ev.data.u64 != kTcpListenTag;
+    epoll_event ev{};
+    if (!ready) {
+      in_epoll_.fetch_add(1);  // a polling thread counts as one in epoll: it takes whatever event comes
+      const int n = wait_event(&ev, served);
+      const int error = errno;  // before wake_watcher(), whose lock may set errno
+      // The last thread to leave epoll wakes a resting watcher: every place may now run a message that gets stuck.
+      if (in_epoll_.fetch_sub(1) == 1 && watcher_resting_.load()) wake_watcher();
+      if (n < 0 && error == EINTR) continue;
+      if (n < 0 && !stopping_) {  // EBADF, EINVAL: the set is gone; the thread cannot serve any more
+        TANDEM_LOG(kError, "rpc") << "direct channel: a loop thread stops (epoll_wait: " << std::strerror(error) << ")";
+      }
+      if (n <= 0 || stopping_ || ev.data.u64 == kWakeTag) return;
+    }
+    const bool message = ready || (ev.data.u64 != kListenTag && ev.data.u64 != kTcpListenTag);
     const auto began = std::chrono::steady_clock::now();
     place.running.store(started_.fetch_add(1) + 1);
     WaitObserver* before = set_wait_observer(&place);
-    serve(ev);
+    answered = ready ? handle_ready(ready) : serve(ev);
     set_wait_observer(before);
     // A message that took far longer than the poll (a forward pass) leaves the thread to sleep at once: its caller is
     // not one whose next call follows at once, and the poll would only take CPU from the work beside it.
@@ -636,18 +682,57 @@ void Channel::loop() {
     place.running.store(0);
     finished_.fetch_add(1, std::memory_order_relaxed);
     if (place.presumed.load()) reclaim_place(&place, /*message_done=*/true);
-    if (over_.load(std::memory_order_relaxed) && !step_aside()) return;
+    if (over_.load(std::memory_order_relaxed)) {
+      if (answered) arm(answered, /*add=*/false);  // before the thread may park
+      answered.reset();
+      if (!step_aside()) return;
+    }
+  }
+}
+
+bool Channel::poll_answered(Conn& conn) {
+  if (!start_spin()) return false;
+  answered_polls_.fetch_add(1, std::memory_order_relaxed);
+  const auto until =
+      std::chrono::steady_clock::now() + std::chrono::microseconds(serve_spin_us_.load(std::memory_order_relaxed));
+  bool came = false;
+  for (;;) {
+    // A header that lies or an EOF counts as come: handle_ready reads the same again and drops the connection.
+    auto header = conn.poll_header(max_message_bytes_);
+    came = !header.ok() || *header;
+    if (came || stopping_ || std::chrono::steady_clock::now() >= until) break;
+    sched_yield();  // as in wait_event
+  }
+  end_spin(came);
+  return came;
+}
+
+bool Channel::start_spin() {
+  const int64_t spin_us = serve_spin_us_.load(std::memory_order_relaxed);
+  if (spin_us <= 0 ||
+      (spin_misses_.load(std::memory_order_relaxed) >= kSpinMissesBeforeBackoff &&
+       spin_probes_.fetch_add(1, std::memory_order_relaxed) % kSpinProbeEvery != 0) ||
+      spinning_.exchange(true, std::memory_order_acquire)) {
+    return false;
+  }
+  serve_spins_.fetch_add(1, std::memory_order_relaxed);
+  return true;
+}
+
+void Channel::end_spin(bool hit) {
+  spinning_.store(false, std::memory_order_release);
+  if (hit) {
+    serve_spin_hits_.fetch_add(1, std::memory_order_relaxed);
+    spin_misses_.store(0, std::memory_order_relaxed);
+  } else if (spin_misses_.load(std::memory_order_relaxed) < kSpinMissesBeforeBackoff) {
+    spin_misses_.fetch_add(1, std::memory_order_relaxed);
   }
 }
 
 int Channel::wait_event(epoll_event* ev, bool served) {
-  const int64_t spin_us = serve_spin_us_.load(std::memory_order_relaxed);
-  if (served && spin_us > 0 &&
-      (spin_misses_.load(std::memory_order_relaxed) < kSpinMissesBeforeBackoff ||
-       spin_probes_.fetch_add(1, std::memory_order_relaxed) % kSpinProbeEvery == 0) &&
-      !spinning_.exchange(true, std::memory_order_acquire)) {
-    serve_spins_.fetch_add(1, std::memory_order_relaxed);
-    const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us);
+  if (served && start_spin()) {
+    const auto until =
+        std::chrono::steady_clock::now() + std::chrono::microseconds(serve_spin_us_.load(std::memory_order_relaxed));
     int n = 0;
     for (;;) {
       n = epoll_wait(epoll_fd_, ev, 1, 0);
@@ -655,34 +740,28 @@ int Channel::wait_event(epoll_event* ev, bool served) {
       sched_yield();  // a thread of this core's that the poll keeps from running (the caller, on one core) goes first
     }
     const int error = errno;
-    spinning_.store(false, std::memory_order_release);
-    if (n > 0) {
-      serve_spin_hits_.fetch_add(1, std::memory_order_relaxed);
-      spin_misses_.store(0, std::memory_order_relaxed);
-      return n;
-    }
-    if (spin_misses_.load(std::memory_order_relaxed) < kSpinMissesBeforeBackoff) {
-      spin_misses_.fetch_add(1, std::memory_order_relaxed);
-    }
+    end_spin(n > 0);
+    if (n > 0) return n;
     errno = error;
     if (n < 0) return n;
   }
   return epoll_wait(epoll_fd_, ev, 1, -1);
 }
 
-void Channel::serve(const epoll_event& ev) {
+std::shared_ptr<Conn> Channel::serve(const epoll_event& ev) {
   if (ev.data.u64 == kListenTag || ev.data.u64 == kTcpListenTag) {
-    return accept_one(ev.data.u64 == kListenTag ? listen_fd_ : tcp_listen_fd_, ev.data.u64);
+    accept_one(ev.data.u64 == kListenTag ? listen_fd_ : tcp_listen_fd_, ev.data.u64);
+    return nullptr;
   }
   std::shared_ptr<Conn> conn;
   {
     MutexLock lock(&mu_);
     auto it = conns_.find(static_cast<Conn*>(ev.data.ptr));
-    if (it == conns_.end()) return;
+    if (it == conns_.end()) return nullptr;
     conn = it->second;
   }
   TANDEM_HAPPENS_AFTER(conn.get());
-  handle_ready(conn);
+  return handle_ready(conn);
 }
 
 bool Channel::take_place() {
@@ -822,6 +901,7 @@ Channel::PlaceCounts Channel::place_counts() {
   }
   counts.serve_spins = serve_spins_.load(std::memory_order_relaxed);
   counts.serve_spin_hits = serve_spin_hits_.load(std::memory_order_relaxed);
+  counts.answered_polls = answered_polls_.load(std::memory_order_relaxed);
   return counts;
 }
 
@@ -871,18 +951,24 @@ void Channel::accept_one(int listen_fd, uint64_t tag) {
   arm(conn, /*add=*/true);
 }
 
-void Channel::handle_ready(const std::shared_ptr<Conn>& conn) {
+std::shared_ptr<Conn> Channel::handle_ready(const std::shared_ptr<Conn>& conn) {
   const bool authenticated = !conn->inbound || conn->peer_rank >= 0;
   // The header is read without waiting: a client that sends half of one holds no thread. The body of an
   // authenticated peer's message follows within message_timeout_; a stranger's hello gets one second.
   auto header = conn->poll_header(authenticated ? max_message_bytes_ : kMaxHelloBytes);
-  if (!header.ok()) return drop(conn, header.status());
+  if (!header.ok()) {
+    drop(conn, header.status());
+    return nullptr;
+  }
   if (!*header) {
     arm(conn, /*add=*/false);
-    return;
+    return nullptr;
   }
   auto msg = conn->read_body(absl::Now() + (authenticated ? message_timeout_ : absl::Seconds(1)));
-  if (!msg.ok()) return drop(conn, msg.status());
+  if (!msg.ok()) {
+    drop(conn, msg.status());
+    return nullptr;
+  }
   if (!authenticated) {
     // The first message of an inbound connection must be a valid hello; anything else closes it.
     auto hello = msg->kind != Kind::kHello ? absl::InvalidArgumentError("the first message is not a hello")
@@ -895,7 +981,8 @@ void Channel::handle_ready(const std::shared_ptr<Conn>& conn) {
       welcome.mutable_refused()->set_message(std::string(hello.status().message()));
       // A stranger gets a second, as for its hello: it must not hold an epoll thread.
       (void)conn->write(Kind::kWelcome, 0, serialize(welcome), absl::Now() + absl::Seconds(1));
-      return drop(conn, hello.status());
+      drop(conn, hello.status());
+      return nullptr;
     }
     ucred cred{};
     socklen_t len = sizeof(cred);
@@ -910,20 +997,30 @@ void Channel::handle_ready(const std::shared_ptr<Conn>& conn) {
       }
     }
     conn->peer_rank = std::max(0, hello->rank());
+    if (hello->one_call_at_a_time()) conn->set_one_call_at_a_time();
     if (!conn->write(Kind::kWelcome, 0, serialize(welcome), absl::Now() + message_timeout_).ok()) {
-      return drop(conn, absl::UnavailableError("welcome failed"));
+      drop(conn, absl::UnavailableError("welcome failed"));
+      return nullptr;
     }
     arm(conn, /*add=*/false);
-    return;
+    return nullptr;
   }
   // Another worker may read the next message while this one runs. A connection that cannot be watched any more is
   // dropped with the cause (its other calls fail with it): a request read from it is not run (its caller learns that
   // the connection failed), a response or a one-way message is delivered first (its call ran; a one-way message's
-  // sender was told it was sent).
+  // sender was told it was sent). A one-call-at-a-time connection's request is answered first: nothing can come on it
+  // before (the caller of loop() watches it, or polls it for the next request).
+  if (conn->inbound && conn->one_call_at_a_time() && msg->kind == Kind::kRequest) {
+    callbacks_.on_request(conn, std::move(*msg));
+    return conn;
+  }
   const absl::Status watched = watch(conn, /*add=*/false);
   if (!watched.ok()) {
     TANDEM_LOG(kError, "rpc") << watched.message();
-    if (msg->kind == Kind::kRequest) return drop(conn, watched);
+    if (msg->kind == Kind::kRequest) {
+      drop(conn, watched);
+      return nullptr;
+    }
   }
   bool delivered = false;
   switch (msg->kind) {
@@ -943,8 +1040,12 @@ void Channel::handle_ready(const std::shared_ptr<Conn>& conn) {
     default:
       break;
   }
-  if (!watched.ok()) return drop(conn, watched);
-  if (!delivered) drop(conn, absl::InvalidArgumentError("direct channel: unexpected message kind"));
+  if (!watched.ok()) {
+    drop(conn, watched);
+  } else if (!delivered) {
+    drop(conn, absl::InvalidArgumentError("direct channel: unexpected message kind"));
+  }
+  return nullptr;
 }
 
 absl::StatusOr<std::shared_ptr<Conn>> Channel::connect(const std::string& address, int my_rank, bool for_responses,
@@ -968,6 +1069,8 @@ absl::StatusOr<std::shared_ptr<Conn>> Channel::connect(const std::string& addres
       if (auto s = wait_fd(fd, POLLOUT, deadline); !s.ok()) return s;
     }
   }
+  // rpc_sync's connection: each request waits for its response (and the handshake's messages for theirs).
+  if (!for_responses) conn->set_one_call_at_a_time();
   // The server's challenge first; the hello proves the token without sending it, and so must the server's welcome.
   auto first = conn->read(kMaxChallengeBytes, deadline);
   if (!first.ok()) {
@@ -978,7 +1081,8 @@ absl::StatusOr<std::shared_ptr<Conn>> Channel::connect(const std::string& addres
   if (!nonce.ok()) return nonce.status();
   const std::string challenge = *nonce, client_nonce = auth::random_secret();
   const grpc::ByteBuffer hello =
-      encode_hello(token_, my_rank, challenge, client_nonce, tcp ? 0 : reinterpret_cast<uintptr_t>(&kProbe));
+      encode_hello(token_, my_rank, challenge, client_nonce, tcp ? 0 : reinterpret_cast<uintptr_t>(&kProbe),
+                   /*one_call_at_a_time=*/!for_responses);
   if (auto s = conn->write(Kind::kHello, 0, hello, deadline); !s.ok()) return s;
   auto reply = conn->read(kMaxWelcomeBytes, deadline);
   if (!reply.ok()) return absl::UnavailableError(absl::StrCat("handshake: ", reply.status().message()));

@@ -82,9 +82,10 @@ grpc::ByteBuffer encode_challenge(const std::string& nonce);
 // wire version.
 absl::StatusOr<std::string> parse_challenge(const grpc::ByteBuffer& body);
 // A client's hello answering `challenge`: this process's pid, and `probe_address` (0 over TCP) where the server may
-// read a known value to test cross-memory reads.
+// read a known value to test cross-memory reads. `one_call_at_a_time`: the connection carries one request, then its
+// response, at a time (DirectHello.one_call_at_a_time; Conn::set_one_call_at_a_time).
 grpc::ByteBuffer encode_hello(const std::string& token, int rank, const std::string& challenge,
-                              const std::string& client_nonce, uint64_t probe_address);
+                              const std::string& client_nonce, uint64_t probe_address, bool one_call_at_a_time = false);
 // The hello of a client holding `token` that answers `challenge` and speaks this build's wire version.
 // INVALID_ARGUMENT when it does not parse or is out of range (no nonce), UNAUTHENTICATED for a wrong or missing
 // proof, FAILED_PRECONDITION for another wire version.
@@ -110,10 +111,17 @@ class Conn {
   absl::StatusOr<Message> read(uint64_t max_body, absl::Time deadline,
                                std::chrono::microseconds spin = std::chrono::microseconds(0), bool prompt_wake = false);
   // For connections driven by epoll: reads what has arrived of the next header without waiting. True once it is
-  // complete (then read_body); false when more must arrive; an error on EOF or a header that lies.
+  // complete (then read_body); false when more must arrive; an error on EOF or a header that lies, and on a
+  // one-call-at-a-time connection when bytes beyond the message came with it.
   absl::StatusOr<bool> poll_header(uint64_t max_body);
   // The body of the header completed by poll_header, waiting for it until `deadline`.
   absl::StatusOr<Message> read_body(absl::Time deadline);
+  // One request and then its response at a time on this connection (rpc_sync's; DirectHello.one_call_at_a_time):
+  // a message's header and the start of its body (up to kPrefetchBytes) come in one read, where other connections
+  // take one for each, and nothing may follow a message before it is answered. Set before the connection's first
+  // request, by the thread that reads it.
+  void set_one_call_at_a_time() { one_call_at_a_time_ = true; }
+  bool one_call_at_a_time() const { return one_call_at_a_time_; }
   // Wakes anyone blocked on the socket (they see an error); the fd stays open until the Conn dies.
   void shut();
   // Writes the header of a message of `body` and the first half of its bytes, then shuts the connection: the peer
@@ -142,13 +150,21 @@ class Conn {
   // The header being received (poll_header); touched by one thread at a time (EPOLLONESHOT).
   uint8_t header_[24] = {};
   size_t header_got_ = 0;
+  // One call at a time: the next body's first bytes, read with its header into `pre_` (kPrefetchBytes, acquired for
+  // the next message once the last one took it as its body).
+  static constexpr size_t kPrefetchBytes = 4096;
+  bool one_call_at_a_time_ = false;
+  void* pre_ = nullptr;
+  size_t pre_capacity_ = 0;
+  size_t pre_got_ = 0;
 };
 
 // The epoll set and its worker threads, the listening socket, and the handshake.
 class Channel {
  public:
   struct Callbacks {
-    // Inline on a worker thread; the connection has been re-armed already.
+    // Inline on a worker thread; the connection has been re-armed already, except a one-call-at-a-time connection's
+    // (Conn::set_one_call_at_a_time), which is watched again once the callback returns.
     std::function<void(const std::shared_ptr<Conn>&, Message)> on_request;
     std::function<void(const std::shared_ptr<Conn>&, Message)> on_response;
     // A connection registered for responses failed or closed.
@@ -184,9 +200,11 @@ class Channel {
     int64_t lent = 0;
     int64_t presumed_blocked = 0;
     int64_t looks = 0;  // times the watching thread woke to look (it rests while a place waits in epoll)
-    // Times a loop thread polled for the next message after serving one (set_serve_spin), and how often one came.
+    // Times a loop thread polled for the next message after serving one (set_serve_spin), and how often one came; of
+    // those polls, the ones of a single one-call-at-a-time connection (poll_answered).
     int64_t serve_spins = 0;
     int64_t serve_spin_hits = 0;
+    int64_t answered_polls = 0;
   };
   PlaceCounts place_counts();
 
@@ -206,7 +224,8 @@ class Channel {
 
   Channel() = default;
   void loop();
-  void serve(const epoll_event& ev);
+  // Serves one event; returns the connection handle_ready() left to this thread (below), or null.
+  std::shared_ptr<Conn> serve(const epoll_event& ev);
   // Waits for a place (false when the channel stops); step_aside() first gives this thread's back when more than
   // `running` are held.
   bool take_place();
@@ -225,7 +244,17 @@ class Channel {
   // One event of the epoll set into `ev`, as epoll_wait(…, -1) returns it; `served`: this thread has just served a
   // message, so it may poll first (set_serve_spin).
   int wait_event(epoll_event* ev, bool served);
-  void handle_ready(const std::shared_ptr<Conn>& conn);
+  // Reads and delivers the message that has come on `conn`. A request of a one-call-at-a-time connection is answered
+  // before that connection is watched again (nothing else can come on it first): then the connection is returned,
+  // and the thread must poll it (poll_answered) or arm it. Otherwise null.
+  std::shared_ptr<Conn> handle_ready(const std::shared_ptr<Conn>& conn);
+  // After a quick answer on `conn` (one thread at a time, as wait_event's poll): polls that connection alone for its
+  // next request for up to the serve spin. True when something came (handle_ready then reads it); false when the
+  // poll did not run or found nothing (the caller arms the connection).
+  bool poll_answered(Conn& conn);
+  // A thread may poll (set_serve_spin; one at a time, backed off after misses): then it polls and calls end_spin.
+  bool start_spin();
+  void end_spin(bool hit);
   void accept_one(int listen_fd, uint64_t tag);
   // Watches `conn` for its next message (EPOLLONESHOT); the error says why it cannot be.
   absl::Status watch(const std::shared_ptr<Conn>& conn, bool add);
@@ -290,6 +319,7 @@ class Channel {
   std::atomic<uint32_t> spin_probes_{0};
   std::atomic<int64_t> serve_spins_{0};
   std::atomic<int64_t> serve_spin_hits_{0};
+  std::atomic<int64_t> answered_polls_{0};
 };
 
 }  // namespace tandem::rpc::direct

@@ -485,9 +485,20 @@ class UnitDirectPlaces : public ::testing::Test {
         rpc::direct::Channel::start(token_, threads, 1 << 20, absl::Seconds(30), callbacks, "", running, stuck_after);
     ASSERT_TRUE(server.ok()) << server.status();
     server_ = std::move(*server);
-    auto client = rpc::direct::Channel::start(token_, 1, 1 << 20, absl::Seconds(30), {});
+    rpc::direct::Channel::Callbacks client_callbacks;
+    client_callbacks.on_response = [this](const std::shared_ptr<rpc::direct::Conn>&, rpc::direct::Message m) {
+      std::lock_guard<std::mutex> lock(replies_mu_);
+      replies_.insert(m.call_id);
+      replies_cv_.notify_all();
+    };
+    auto client = rpc::direct::Channel::start(token_, 1, 1 << 20, absl::Seconds(30), client_callbacks);
     ASSERT_TRUE(client.ok()) << client.status();
     client_ = std::move(*client);
+  }
+  // Waits up to 30 s for the response to call `id` on a connection for responses; false if none came.
+  bool await_reply(uint64_t id) {
+    std::unique_lock<std::mutex> lock(replies_mu_);
+    return replies_cv_.wait_for(lock, std::chrono::seconds(30), [&] { return replies_.count(id) > 0; });
   }
   // One call on a connection of its own; the reply's status.
   absl::Status call(uint64_t id) {
@@ -514,23 +525,51 @@ class UnitDirectPlaces : public ::testing::Test {
     if (server_) EXPECT_TRUE(server_->stop(milliseconds(5000)));
   }
 
+  // set_serve_spin's test on one connection: `call(id)` makes a call and waits for its reply.
+  // `one_call`: the connection is rpc_sync's kind, so the poll is poll_answered's.
+  void check_serve_spin(const std::function<void(uint64_t)>& call, bool one_call);
+
   const std::string token_ = rpc::auth::derive_token("unit-secret");
   std::unique_ptr<rpc::direct::Channel> server_, client_;
+  std::mutex replies_mu_;
+  std::condition_variable replies_cv_;
+  std::set<uint64_t> replies_;  // call ids whose responses came on a connection for responses
 };
 
 // set_serve_spin: the thread that served a message polls for the next one; calls that follow their replies at once are
 // found by the poll, and when calls come further apart than the poll, polls become rare (one in kSpinProbeEvery after
-// kSpinMissesBeforeBackoff misses in a row, and each hit may give back that many full polls).
+// kSpinMissesBeforeBackoff misses in a row, and each hit may give back that many full polls). On rpc_sync's
+// connections (one call at a time) the thread polls that connection alone (poll_answered); on a connection that
+// carries calls in flight, the epoll set (wait_event).
 TEST_F(UnitDirectPlaces, AServingThreadPollsForTheNextCallAndBacksOffWhenNoneComes) {
   start(1, 1, [](uint64_t) {});
   const absl::Time deadline = absl::Now() + absl::Seconds(60);
   auto conn = client_->connect(server_->address(), 1, /*for_responses=*/false, deadline);
   ASSERT_TRUE(conn.ok()) << conn.status();
-  auto call = [&](uint64_t id) {
-    grpc::Slice slice(std::string("x"));
-    ASSERT_TRUE((*conn)->write(rpc::direct::Kind::kRequest, id, grpc::ByteBuffer(&slice, 1), deadline).ok());
-    ASSERT_TRUE((*conn)->read(1 << 20, deadline).ok());
-  };
+  check_serve_spin(
+      [&](uint64_t id) {
+        grpc::Slice slice(std::string("x"));
+        ASSERT_TRUE((*conn)->write(rpc::direct::Kind::kRequest, id, grpc::ByteBuffer(&slice, 1), deadline).ok());
+        ASSERT_TRUE((*conn)->read(1 << 20, deadline).ok());
+      },
+      /*one_call=*/true);
+}
+
+TEST_F(UnitDirectPlaces, AServingThreadPollsTheEpollSetForTheNextOfCallsInFlight) {
+  start(1, 1, [](uint64_t) {});
+  const absl::Time deadline = absl::Now() + absl::Seconds(60);
+  auto conn = client_->connect(server_->address(), 1, /*for_responses=*/true, deadline);
+  ASSERT_TRUE(conn.ok()) << conn.status();
+  check_serve_spin(
+      [&](uint64_t id) {
+        grpc::Slice slice(std::string("x"));
+        ASSERT_TRUE((*conn)->write(rpc::direct::Kind::kRequest, id, grpc::ByteBuffer(&slice, 1), deadline).ok());
+        ASSERT_TRUE(await_reply(id)) << "no reply to call " << id;
+      },
+      /*one_call=*/false);
+}
+
+void UnitDirectPlaces::check_serve_spin(const std::function<void(uint64_t)>& call, bool one_call) {
   // Off (the channel's default): no poll.
   for (uint64_t i = 1; i <= 10; ++i) call(i);
   EXPECT_EQ(server_->place_counts().serve_spins, 0);
@@ -545,6 +584,11 @@ TEST_F(UnitDirectPlaces, AServingThreadPollsForTheNextCallAndBacksOffWhenNoneCom
   // The polls after calls 1 to 39 (the one after the last may not have begun when the counts are read) find the next
   // call; one may miss where the machine keeps this thread from its core for 20 ms.
   EXPECT_GE(after.serve_spin_hits - before.serve_spin_hits, kQuick - 2);
+  if (one_call) {
+    EXPECT_EQ(after.answered_polls - before.answered_polls, after.serve_spins - before.serve_spins);
+  } else {
+    EXPECT_EQ(after.answered_polls, 0);
+  }
   // Calls 20 ms apart against a 100 us poll: misses, and after the first few, polls only now and then.
   server_->set_serve_spin(std::chrono::microseconds(100));
   std::this_thread::sleep_for(milliseconds(50));  // the last 20 ms poll is over
@@ -558,6 +602,57 @@ TEST_F(UnitDirectPlaces, AServingThreadPollsForTheNextCallAndBacksOffWhenNoneCom
   const int64_t spins = after.serve_spins - before.serve_spins, hits = after.serve_spin_hits - before.serve_spin_hits;
   EXPECT_GE(spins, 1);
   EXPECT_LE(spins, 8 * (hits + 1) + kSparse / 16 + 1) << "hits " << hits;  // 13 when no poll found a call
+}
+
+// rpc_sync's connections read a message's header and the start of its body in one read (Conn::set_one_call_at_a_time):
+// bodies shorter than, as long as, and longer than that first read, and none, arrive whole both ways.
+TEST_F(UnitDirectPlaces, OneCallAtATimeBodiesOfEverySizeArriveWhole) {
+  start(1, 1, [](uint64_t) {});
+  const absl::Time deadline = absl::Now() + absl::Seconds(60);
+  auto conn = client_->connect(server_->address(), 1, /*for_responses=*/false, deadline);
+  ASSERT_TRUE(conn.ok()) << conn.status();
+  uint64_t id = 0;
+  for (size_t size : {0, 1, 23, 24, 25, 4071, 4095, 4096, 4097, 4120, 100000, 1000000}) {
+    std::string bytes(size, '\0');
+    for (size_t i = 0; i < size; ++i) bytes[i] = static_cast<char>((i * 131 + size) & 0xff);
+    grpc::Slice slice(bytes);
+    ASSERT_TRUE((*conn)->write(rpc::direct::Kind::kRequest, ++id, grpc::ByteBuffer(&slice, 1), deadline).ok());
+    auto reply = (*conn)->read(1 << 20, deadline);
+    ASSERT_TRUE(reply.ok()) << size << ": " << reply.status();
+    EXPECT_EQ(reply->call_id, id);
+    grpc::ByteBuffer body;
+    body.Swap(&reply->body.buffer());
+    std::string back;
+    if (body.Valid()) {
+      grpc::Slice flat;
+      ASSERT_TRUE(body.DumpToSingleSlice(&flat).ok());
+      back.assign(reinterpret_cast<const char*>(flat.begin()), flat.size());
+    }
+    EXPECT_TRUE(back == bytes) << "body of " << size << " bytes came back as " << back.size() << " other bytes";
+  }
+}
+
+// A client that sends a second message with its first on an rpc_sync connection breaks the rule it announced: the
+// server closes that connection (the client's read fails) and goes on serving others.
+TEST_F(UnitDirectPlaces, ASecondMessageWithTheFirstOnAOneCallAtATimeConnectionClosesIt) {
+  start(1, 1, [](uint64_t) {});
+  const absl::Time deadline = absl::Now() + absl::Seconds(60);
+  auto conn = client_->connect(server_->address(), 1, /*for_responses=*/false, deadline);
+  ASSERT_TRUE(conn.ok()) << conn.status();
+  std::string two;
+  for (uint64_t id : {1, 2}) {
+    const uint32_t magic = 0x4d444e54, kind = static_cast<uint32_t>(rpc::direct::Kind::kRequest);
+    const uint64_t length = 1;
+    two.append(reinterpret_cast<const char*>(&magic), 4);
+    two.append(reinterpret_cast<const char*>(&kind), 4);
+    two.append(reinterpret_cast<const char*>(&id), 8);
+    two.append(reinterpret_cast<const char*>(&length), 8);
+    two.push_back('x');
+  }
+  ASSERT_EQ(::write((*conn)->fd(), two.data(), two.size()), static_cast<ssize_t>(two.size()));
+  auto reply = (*conn)->read(1 << 20, deadline);
+  EXPECT_FALSE(reply.ok()) << "the server answered call " << reply->call_id;
+  EXPECT_TRUE(call(3).ok());
 }
 
 TEST_F(UnitDirectPlaces, AtMostRunningThreadsRunMessagesAtOnce) {
