@@ -2,7 +2,9 @@
 //   small_rtt_p50_us       rpc_sync of a registered add on a 1-element tensor, p50 round trip
 //   bulk_64MiB_GBps        one 64 MiB float tensor sent, a tiny reply (its element count); median over repeats
 //   async_128_calls_per_s  tiny calls, 128 in flight at any time
-// Rank 0 also measures the floors of the first two in the same run ("impl":"floor"; emit_floors below).
+// Rank 0 also measures the floors of the first two in the same run ("impl":"floor"): the round trip's before RPC starts
+// (emit_floors below), the bulk figure's beside each transfer (raw_read: the callee's own process_vm_readv of the
+// caller's tensor, which is what the bulk path does, without the call around it).
 // Flags: --small N (round trips), --bulk N (transfers), --async N (calls), --bulk-mib M; a count of 0 skips its
 // figure. --bulk-kib K sends K KiB instead (metric bulk_<K>KiB_GBps); --bulk-min-bytes B sets RpcOptions::
 // bulk_min_bytes (0: no bulk path; bench/run.sh bulk-threshold compares both paths by size); --threads T sets
@@ -61,13 +63,14 @@ SmallCallBytes small_call_bytes(const at::Tensor& a, const at::Tensor& b) {
 //   small_rtt_p50_us  a blocking ping-pong over a Unix stream socket (no spinning) of the bytes the measured call moves
 //                     (small_call_bytes: the request's one way, the reply's back); beside it same_core_us and
 //                     cross_core_us, the same with both processes pinned to one core and to two
-//   bulk_<M>MiB_GBps  one process_vm_readv of the child's M MiB into a buffer already faulted in
-// Emitted as "impl":"floor". Returns false when the machine refuses either (e.g. no cross-memory reads allowed).
-bool emit_floors(int small, int bulk, int mib, SmallCallBytes call) {
+// Emitted as "impl":"floor". Returns false when the machine refuses it. With `mib` > 0, `*forked_gbps` receives the
+// median of `bulk` process_vm_readv of the child's `mib` MiB into a buffer already faulted in (0 if refused): the bulk
+// floor measured as before 2026-12-03, shown beside the one measured with the calls (main()).
+bool emit_floors(int small, SmallCallBytes call, int bulk, int mib, double* forked_gbps) {
   if (call.request == 0 || call.reply == 0) return false;
   int sv[2];
   if (socketpair(AF_UNIX, SOCK_STREAM, 0, sv) != 0) return false;
-  const size_t bytes = size_t{static_cast<unsigned>(mib)} << 20;
+  const size_t bytes = size_t{static_cast<unsigned>(std::max(mib, 0))} << 20;
   std::vector<char> source(bytes, 1);  // the child's copy is what the parent reads
   std::vector<char> request(call.request, 'p'), reply(call.reply, 'r');
   const pid_t child = fork();
@@ -123,20 +126,17 @@ bool emit_floors(int small, int bulk, int mib, SmallCallBytes call) {
                             std::to_string(call.reply) + ",\"iters\":" + std::to_string(small) + pinned);
     }
   }
-  if (ok && bulk > 0) {
+  *forked_gbps = 0;
+  if (ok && bulk > 0 && bytes > 0) {
     std::vector<char> dst(bytes, 0);  // faulted in
     std::vector<double> gbps;
-    for (int i = 0; i < bulk + 2 && ok; ++i) {
+    for (int i = 0; i < bulk + 2; ++i) {
       iovec local{dst.data(), bytes}, from{remote, bytes};
       const double t0 = bench::now_us();
-      ok = process_vm_readv(child, &local, 1, &from, 1, 0) == static_cast<ssize_t>(bytes);
+      if (process_vm_readv(child, &local, 1, &from, 1, 0) != static_cast<ssize_t>(bytes)) break;
       if (i >= 2) gbps.push_back(bytes / (bench::now_us() - t0) / 1e3);
     }
-    if (ok) {
-      bench::emit_floor(
-          "rpc", "bulk_" + std::to_string(mib) + "MiB_GBps", bench::median(gbps), "GB/s",
-          cond + ",\"what\":\"process_vm_readv into a faulted-in buffer\",\"iters\":" + std::to_string(bulk));
-    }
+    if (gbps.size() == static_cast<size_t>(bulk)) *forked_gbps = bench::median(gbps);
   }
   request[0] = 'q';
   full_io(sv[0], request.data(), request.size(), true);
@@ -170,13 +170,27 @@ int main(int argc, char** argv) {
   const char* floors = std::getenv("TANDEM_BENCH_FLOORS");
   const char* r = std::getenv("RANK");
   const at::Tensor one = at::ones({1});  // the small round trips' arguments: add(one, one)
-  if ((!floors || std::string(floors) != "0") && r && std::string(r) == "0" &&
-      !emit_floors(small, bulk, mib, small_call_bytes(one, one))) {
-    std::fprintf(stderr, "rpc_bench: the floors could not be measured (socketpair, fork or process_vm_readv failed)\n");
+  const bool with_floors = !floors || std::string(floors) != "0";
+  double forked_gbps = 0;
+  if (with_floors && r && std::string(r) == "0" &&
+      !emit_floors(small, small_call_bytes(one, one), bulk, kib > 0 ? 0 : mib, &forked_gbps)) {
+    std::fprintf(stderr, "rpc_bench: the round trip's floor could not be measured (socketpair or fork failed)\n");
   }
   at::set_num_threads(1);
   rpc::register_function("add", [](at::Tensor a, at::Tensor b) { return a + b; });
   rpc::register_function("numel", [](at::Tensor a) { return a.numel(); });
+  // The bulk figure's floor: the callee reads `bytes` at `address` of process `pid` (the caller's tensor) with one
+  // process_vm_readv into a buffer of its own already faulted in; the read's time in microseconds, -1 if it failed.
+  rpc::register_function("raw_read", [](int64_t pid, int64_t address, int64_t bytes) {
+    static std::vector<char> dst;
+    if (bytes <= 0 || bytes > (int64_t{1} << 32)) return -1.0;
+    if (dst.size() != static_cast<size_t>(bytes)) dst.assign(static_cast<size_t>(bytes), 1);
+    iovec local{dst.data(), dst.size()}, from{reinterpret_cast<void*>(address), dst.size()};
+    const double t0 = bench::now_us();
+    const ssize_t n = process_vm_readv(static_cast<pid_t>(pid), &local, 1, &from, 1, 0);
+    const double us = bench::now_us() - t0;
+    return n == bytes ? us : -1.0;
+  });
   rpc::RpcOptions options;
   if (bulk_min_bytes >= 0) options.bulk_min_bytes = bulk_min_bytes;
   if (sync_spin_us >= 0) options.sync_spin = std::chrono::microseconds(sync_spin_us);
@@ -203,16 +217,30 @@ int main(int argc, char** argv) {
     // Bulk: one tensor of `mib` MiB per call.
     if (bulk > 0) {
       const at::Tensor big = kib > 0 ? at::rand({int64_t{kib} << 8}) : at::rand({int64_t{mib} << 18});
-      std::vector<double> gbps;
+      std::vector<double> gbps, floor_gbps;
       for (int i = 0; i < bulk + 2; ++i) {
         const double t0 = bench::now_us();
         const int64_t n = rpc::rpc_sync<int64_t>(1, "numel", big);
         const double dt = bench::now_us() - t0;
         if (n != big.numel()) return 1;
         if (i >= 2) gbps.push_back(big.nbytes() / dt / 1e3);
+        if (with_floors) {  // right after each call, so both see the memory as it is at that moment
+          const double us = rpc::rpc_sync<double>(1, "raw_read", static_cast<int64_t>(getpid()),
+                                                  static_cast<int64_t>(reinterpret_cast<uintptr_t>(big.data_ptr())),
+                                                  static_cast<int64_t>(big.nbytes()));
+          if (us > 0 && i >= 2) floor_gbps.push_back(big.nbytes() / us / 1e3);
+        }
       }
-      bench::emit("rpc", "bulk_" + (kib > 0 ? std::to_string(kib) + "KiB" : std::to_string(mib) + "MiB") + "_GBps",
-                  bench::median(gbps), "GB/s",
+      const std::string size = kib > 0 ? std::to_string(kib) + "KiB" : std::to_string(mib) + "MiB";
+      if (with_floors && floor_gbps.size() == static_cast<size_t>(bulk)) {
+        bench::emit_floor("rpc", "bulk_" + size + "_GBps", bench::median(floor_gbps), "GB/s",
+                          cond + ",\"what\":\"process_vm_readv of the caller's tensor by the callee into a buffer " +
+                              "already faulted in, right after each call\",\"iters\":" + std::to_string(bulk) +
+                              ",\"forked_child_GBps\":" + std::to_string(forked_gbps));
+      } else if (with_floors) {
+        std::fprintf(stderr, "rpc_bench: the bulk floor could not be measured (process_vm_readv failed)\n");
+      }
+      bench::emit("rpc", "bulk_" + size + "_GBps", bench::median(gbps), "GB/s",
                   cond + ",\"iters\":" + std::to_string(bulk) + ",\"bulk_min_bytes\":" +
                       std::to_string(bulk_min_bytes >= 0 ? bulk_min_bytes : rpc::RpcOptions{}.bulk_min_bytes));
     }
