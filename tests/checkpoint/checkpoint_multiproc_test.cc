@@ -12,35 +12,40 @@ using MultiprocCheckpoint = MultiprocScenario;
 
 TEST_F(MultiprocCheckpoint, RanksAgreeOnTheNewestStepEveryRankHasIntact) {
   start({.world_size = 3});
-  const std::string dir = make_temp_dir();
+  const TempDir temp;
+  const std::string& dir = temp.path();
   EXPECT_EQ(everywhere(3, "agree|" + dir + "|1"), "");
   std::filesystem::remove_all(dir);
 }
 
 TEST_F(MultiprocCheckpoint, AGrownJobFailsNamingTheRanksWithoutFilesInsteadOfStartingAfresh) {
   start({.world_size = 3});
-  const std::string dir = make_temp_dir();
+  const TempDir temp;
+  const std::string& dir = temp.path();
   EXPECT_EQ(everywhere(3, "grown|" + dir), "");
   std::filesystem::remove_all(dir);
 }
 
 TEST_F(MultiprocCheckpoint, RanksWithoutACommonIntactStepFailInsteadOfStartingAfresh) {
   start({.world_size = 2});
-  const std::string dir = make_temp_dir();
+  const TempDir temp;
+  const std::string& dir = temp.path();
   EXPECT_EQ(everywhere(2, "no-common|" + dir), "");
   std::filesystem::remove_all(dir);
 }
 
 TEST_F(MultiprocCheckpoint, ZeroShardsResumeBitExact) {
   start({.world_size = 2});
-  const std::string dir = make_temp_dir();
+  const TempDir temp;
+  const std::string& dir = temp.path();
   EXPECT_EQ(everywhere(2, "zero|" + dir), "");
   std::filesystem::remove_all(dir);
 }
 
 TEST_F(MultiprocCheckpoint, ConsolidatedZeroResumesAtAnotherWorldSize) {
   start({.world_size = 3});
-  const std::string dir = make_temp_dir();
+  const TempDir temp;
+  const std::string& dir = temp.path();
   EXPECT_EQ(everywhere(3, "zero-consolidated|" + dir), "");
   std::filesystem::remove_all(dir);
 }

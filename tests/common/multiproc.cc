@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <memory>
 #include <sstream>
@@ -40,6 +41,11 @@ std::string make_temp_dir() {
   std::string pattern = std::string(tmp && *tmp ? tmp : "/tmp") + "/tandem-test-XXXXXX";
   if (!mkdtemp(pattern.data())) throw std::runtime_error("mkdtemp failed");
   return pattern;
+}
+
+TempDir::~TempDir() {
+  std::error_code ignored;  // a test's leftovers are not its failure
+  std::filesystem::remove_all(path_, ignored);
 }
 
 Process::Process(const std::vector<std::string>& argv, const std::map<std::string, std::string>& env) {
@@ -83,6 +89,10 @@ Process::~Process() {
     ::kill(pid_, SIGKILL);
     (void)reap(true);
   }
+  // The log and its directory go with the process (output() is read before): every test left one behind in TMPDIR,
+  // thousands a CI run.
+  ::unlink(log_path_.c_str());
+  ::rmdir(log_path_.substr(0, log_path_.rfind('/')).c_str());
 }
 
 bool Process::reap(bool block) {

@@ -41,10 +41,24 @@ inline const std::string& job_master_addr() { return test_hosts().master_addr; }
 std::string self_exe();
 // A fresh private directory under TMPDIR, removed by the caller if at all.
 std::string make_temp_dir();
+// A fresh private directory under TMPDIR (make_temp_dir()), removed with all it holds when this goes, also when an
+// assertion ends the test early.
+class TempDir {
+ public:
+  TempDir() : path_(make_temp_dir()) {}
+  ~TempDir();
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
 
 class Process {
  public:
-  // Starts `argv` with the current environment plus `env`; stdout and stderr go to a temporary file. `argv` of this
+  // Starts `argv` with the current environment plus `env`; stdout and stderr go to a temporary file, removed (with
+  // its directory) by the destructor, after it killed and reaped the process if it had not exited. `argv` of this
   // binary in worker mode ({self_exe(), "--worker", scenario}) is forked by the fork server when there is one
   // (spawner.h): the same process, without the program's start-up.
   Process(const std::vector<std::string>& argv, const std::map<std::string, std::string>& env);

@@ -77,7 +77,8 @@ TEST_F(MultiprocFsdp, AModelWhoseStateExceedsTheCapTrainsShardedWithinIt) {
 // one; the shards consolidated in one process and a plain Sequential loading the full one equal the pair's model.
 TEST_F(MultiprocFsdp, CheckpointsResumeShardedAndFullAndLoadIntoAPlainModule) {
   start({.world_size = 3});
-  const std::string dir = make_temp_dir();
+  const TempDir temp;
+  const std::string& dir = temp.path();
   EXPECT_EQ(everywhere(3, "checkpoints|" + dir), "");
   std::filesystem::remove_all(dir);
 }

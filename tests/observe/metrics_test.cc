@@ -93,7 +93,8 @@ std::string read_file(const std::string& path) {
 }
 
 TEST(UnitMetrics, TheWriterKeepsTheFileFreshAndWritesOnceMoreAtStop) {
-  const std::string dir = make_temp_dir();
+  const TempDir temp;
+  const std::string& dir = temp.path();
   metrics::set_gauge("tandem_unit_probe", [] { return 1.0; });
   metrics::start_writer(dir + "/{worker}-{rank}.prom", milliseconds(20), "unitw", 5);
   const std::string path = dir + "/unitw-5.prom";
@@ -125,7 +126,8 @@ std::map<std::string, double> samples(const std::string& text) {
 }
 
 TEST(MultiprocMetrics, KnownTrafficGivesKnownCountsBytesErrorsCollectivesAndGauges) {
-  const std::string dir = make_temp_dir();
+  const TempDir temp;
+  const std::string& dir = temp.path();
   Process p({TANDEM_RUN_PATH, "--nproc-per-node", "2", self_exe(), "--worker", "log_traffic"},
             {{"TANDEM_METRICS_FILE", dir + "/{worker}.prom"}, {"TANDEM_METRICS_INTERVAL_MS", "50"}});
   ASSERT_EQ(exit_code(p.wait(milliseconds(60000))), 0) << p.output();

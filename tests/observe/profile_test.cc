@@ -66,7 +66,8 @@ TEST(UnitProfile, StopWithoutStartAndASecondStartAreErrors) {
   profile::start();
   EXPECT_THROW(profile::start(), Error);
   EXPECT_FALSE(profile::active() == false);
-  const std::string dir = make_temp_dir();
+  const TempDir temp;
+  const std::string& dir = temp.path();
   profile::stop(dir + "/t.json");  // a profile of nothing: its event count may be 0
   EXPECT_FALSE(profile::active());
   std::ifstream written(dir + "/t.json");
@@ -82,7 +83,8 @@ TEST(UnitProfile, ARangeThatBeganBeforeTheStartIsLeftOut) {
   const auto inside = std::chrono::steady_clock::now();
   profile::report_steady("began_before", before, std::chrono::steady_clock::now());
   profile::report_steady("began_inside", inside, std::chrono::steady_clock::now());
-  const std::string dir = make_temp_dir();
+  const TempDir temp;
+  const std::string& dir = temp.path();
   profile::stop(dir + "/t.json");
   const std::string text = trace_file(dir + "/t.json");
   const std::vector<Event> events = events_of(text);
@@ -96,7 +98,8 @@ TEST(UnitProfile, ARangeThatBeganBeforeTheStartIsLeftOut) {
 // registered functions ran for the peer, beside both ends of the calls, the collectives, the backward passes and the
 // DDP bucket; times are since the epoch, so both workers' traces line up.
 TEST(MultiprocProfile, OneTraceShowsComputationAndCommunicationOfBothEnds) {
-  const std::string dir = make_temp_dir();
+  const TempDir temp;
+  const std::string& dir = temp.path();
   Process p({TANDEM_RUN_PATH, "--nproc-per-node", "2", self_exe(), "--worker", "log_traffic"},
             {{"TANDEM_TEST_PROFILE", dir}});
   ASSERT_EQ(exit_code(p.wait(milliseconds(60000))), 0) << p.output();

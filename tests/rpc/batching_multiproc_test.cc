@@ -366,7 +366,8 @@ TEST(UnitRpcBatching, ABatchIsInTheProfileAsOneRangeWithItsOperators) {
   rpc::Future x = handler({c10::IValue(a)});
   rpc::Future y = handler({c10::IValue(b)});  // two of max_batch 8: the batcher's thread runs them at max_delay
   const absl::Status x_done = x.status(), y_done = y.status();
-  const std::string dir = make_temp_dir();
+  const TempDir temp;
+  const std::string& dir = temp.path();
   profile::stop(dir + "/t.json");
   ASSERT_TRUE(x_done.ok() && y_done.ok()) << x_done << " / " << y_done;
   EXPECT_TRUE(at::equal(x.value().toTensor(), a * 2));

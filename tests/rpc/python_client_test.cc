@@ -50,7 +50,8 @@ TEST_F(MultiprocPythonClient, ErrorsNameWorkerFunctionAndCause) {
 }
 
 TEST_F(MultiprocPythonClient, JoinsATlsJobWithItsCertificates) {
-  const std::string dir = make_temp_dir();
+  const TempDir temp;
+  const std::string& dir = temp.path();
   if (!make_test_certificates(dir)) GTEST_SKIP() << "openssl cannot make test certificates here";
   rpc::RpcOptions options = options_from_env();
   options.tls = tls_options(dir);

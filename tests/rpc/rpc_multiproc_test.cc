@@ -460,7 +460,8 @@ TEST_F(MultiprocRpc, ValueCodecsAndTheirWaits) {
 }
 
 TEST_F(MultiprocRpc, TlsJob) {
-  const std::string dir = make_temp_dir();
+  const TempDir temp;
+  const std::string& dir = temp.path();
   if (!make_test_certificates(dir)) GTEST_SKIP() << "openssl cannot make test certificates here";
   rpc::RpcOptions options = options_from_env();
   options.tls = tls_options(dir);
@@ -476,7 +477,8 @@ TEST_F(MultiprocRpc, TlsJob) {
 
 TEST_F(MultiprocRpc, TlsFromTheEnvironment) {
   // TANDEM_TLS_CERT/KEY/CA turn TLS on in a program that sets no RpcOptions::tls: here and in the child alike.
-  const std::string dir = make_temp_dir();
+  const TempDir temp;
+  const std::string& dir = temp.path();
   if (!make_test_certificates(dir)) GTEST_SKIP() << "openssl cannot make test certificates here";
   const std::map<std::string, std::string> env = {{"TANDEM_TLS_CERT", dir + "/node.crt"},
                                                   {"TANDEM_TLS_KEY", dir + "/node.key"},
