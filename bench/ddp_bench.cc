@@ -70,8 +70,8 @@ int main(int argc, char** argv) {
   auto pg = comm::ProcessGroup::create("ddp_bench", {}, {.timeout = std::chrono::minutes(5)});
   const bool report = pg->rank() == 0;
   const std::string cond = "\"processes\":" + std::to_string(pg->size()) +
-                           ",\"intra_op_threads\":1,\"model\":\"mlp1024-2048-2048-1024\",\"params\":8400896,"
-                           "\"batch_per_rank\":64,\"iters\":" +
+                           ",\"intra_op_threads\":1,\"model\":\"mlp1024-2048-2048-1024\",\"params\":" +
+                           std::to_string(bench::kDdpMlpParams) + ",\"batch_per_rank\":64,\"iters\":" +
                            std::to_string(iters);
   const at::Tensor x = at::randn({64, 1024}), y = at::randn({64, 1024});
 

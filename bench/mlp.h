@@ -8,6 +8,9 @@
 
 namespace tandem::bench {
 
+// ddp_mlp()'s parameter count: its three layers' weights and biases.
+constexpr int64_t kDdpMlpParams = 1024 * 2048 + 2048 + 2048 * 2048 + 2048 + 2048 * 1024 + 1024;  // 8,393,728
+
 inline torch::nn::Sequential ddp_mlp() {
   torch::manual_seed(0);
   return torch::nn::Sequential(torch::nn::Linear(1024, 2048), torch::nn::ReLU(), torch::nn::Linear(2048, 2048),

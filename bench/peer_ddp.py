@@ -33,8 +33,9 @@ def run(rank, port, args):
     torch.set_num_threads(1)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    cond = dict(processes=2, model="mlp1024-2048-2048-1024", params=8400896, batch_per_rank=64, iters=args.iters)
     x, y = torch.randn(64, 1024), torch.randn(64, 1024)
+    params = sum(p.numel() for p in make_model().parameters())
+    cond = dict(processes=2, model="mlp1024-2048-2048-1024", params=params, batch_per_rank=64, iters=args.iters)
     local_ms = 0
     if rank == 0:
         local_ms = time_iters(args.iters, make_model(), x, y)

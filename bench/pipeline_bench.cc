@@ -26,7 +26,9 @@
 //                                in read while the sender computes on for 300 us, as a stage does after sending (the
 //                                sleeper is woken on the other core). With 2 stages in 1F1B each micro-batch waits for
 //                                one activation and one gradient in turn, so the control overhead per micro-batch
-//                                cannot go below twice that: printed as pipeline_control_overhead_us's floor line.
+//                                of stages that sleep for their messages cannot go below twice that: printed as
+//                                pipeline_control_overhead_us's floor line. It is the floor of waking a sleeper only:
+//                                the same-host rings' receiver spins first (docs/pipeline.md), and has gone below it.
 //   pipeline_bubble_ratio        4 workers (1-4), m = 8, each forward sleeping tf and each backward tb, of which tw for
 //                                the weights' gradient (so the figure does not depend on cores), for GPipe, 1F1B,
 //                                ZB-H1 (4 stages) and ZBV (8 stages of half the cost, in a V): step / the schedule's
@@ -296,7 +298,8 @@ void step_time(const std::string& size, int64_t d, int64_t batch, int steps) {
     if (g_wake_floor_us > 0) {
       bench::emit_floor("pipeline", "pipeline_control_overhead_us", 2 * g_wake_floor_us, "us",
                         cond + ",\"what\":\"two pipeline_p2p_wake_floor_us: each micro-batch waits for an "
-                               "activation and a gradient in turn\"");
+                               "activation and a gradient in turn; the floor for stages that sleep for them (a "
+                               "spinning receiver can go below it)\"");
     }
     bench::emit("pipeline", "pipeline_control_overhead_us", (step_only - ideal) * 1000 / m, "us",
                 cond + ",\"median_of_steps\":" + std::to_string(overheads.size()) +

@@ -524,10 +524,15 @@ class Run {
       }
     }
     finish_reductions();
-    for (auto& f : sends_) {
-      if (!f.wait_for(remaining()))
-        throw RpcError(absl::DeadlineExceededError("a message to the next stage did not complete"));
-      throw_if_error(f.status());
+    for (Send& send : sends_) {
+      const bool done = send.future.wait_for(remaining());
+      if (absl::Status s = done ? send.future.status() : absl::OkStatus(); !done || !s.ok()) {
+        const std::string what = absl::StrCat("sending the ", send_what(send.stage, send.mb, send.grad), " to worker '",
+                                              name_of(send.to), "'");
+        throw RpcError(
+            done ? absl::Status(s.code(), absl::StrCat(what, " failed: ", s.message()))
+                 : absl::DeadlineExceededError(absl::StrCat(what, " did not complete within the step's deadline")));
+      }
     }
     agree_finished();
     std::vector<int64_t> stats;
@@ -823,14 +828,17 @@ class Run {
     f.add_callback([pipe = p_.pipe, step = p_.step, name = name_of(to), stage, mb, grad](const rpc::Future& done) {
       absl::Status s = done.status();
       if (s.ok()) return;
-      const std::string what =
-          stage < 0 ? "end of the run"
-                    : absl::StrCat(grad ? "gradient" : "activation", " of micro-batch ", mb, " for stage ", stage);
-      Mailbox::get().abort(
-          pipe, step,
-          absl::Status(s.code(), absl::StrCat("sending the ", what, " to worker '", name, "' failed: ", s.message())));
+      Mailbox::get().abort(pipe, step,
+                           absl::Status(s.code(), absl::StrCat("sending the ", send_what(stage, mb, grad),
+                                                               " to worker '", name, "' failed: ", s.message())));
     });
-    sends_.push_back(std::move(f));
+    sends_.push_back(Send{std::move(f), to, stage, mb, grad});
+  }
+
+  // What a send carries (watch()'s arguments), for its errors.
+  static std::string send_what(int stage, int mb, bool grad) {
+    return stage < 0 ? "end of the run"
+                     : absl::StrCat(grad ? "gradient" : "activation", " of micro-batch ", mb, " for stage ", stage);
   }
 
   // The outlet into worker `to`'s inbox for this pipeline, or null (messages to it go by RPC). The first run in this
@@ -986,7 +994,14 @@ class Run {
   const int self_;
   std::vector<std::string> stage_names_;
   std::map<int, StageRun> runs_;
-  std::vector<rpc::Future> sends_;
+  struct Send {  // a message sent by this run (watch()), and what it carries
+    rpc::Future future;
+    int to;
+    int stage;
+    int mb;
+    bool grad;
+  };
+  std::vector<Send> sends_;
   std::map<int, std::shared_ptr<Outlet>> outlets_;  // this run's, by rank (attach_outlet's)
   std::vector<Reduction> reductions_;
   std::set<int> reduced_;  // stages whose sum across the replicas started
@@ -1457,10 +1472,21 @@ std::shared_ptr<Outlet> attach_outlet(int to, int64_t pipe, std::chrono::millise
         to, function,
         {c10::IValue(pipe), c10::IValue(int64_t{rpc::get_worker_info().id}), c10::IValue(comm::detail::host_place())},
         timeout);
+    if (!f.status().ok()) {
+      // Kept as no ring (a peer gone or stuck must not cost every later step this call's time); said, since a live
+      // peer's messages then go by RPC, 10-20x slower, for the pipeline's life.
+      TANDEM_LOG(kWarn, "pipeline") << "pipeline " << pipe << ": asking rank " << to << " for its shared-memory ring "
+                                    << "failed (" << f.status() << "); its messages go by RPC";
+    }
     const auto ends = f.status().ok() ? f.value().toIntVector() : std::vector<int64_t>{};
     if (ends.size() == 4) {  // else another host, or the peer takes no shared memory
       auto opened = Outlet::open(RingEnds{ends[0], ends[1], ends[2], ends[3]});
-      if (opened.ok()) o = std::move(*opened);
+      if (opened.ok()) {
+        o = std::move(*opened);
+      } else {  // nothing else would tell: the messages still arrive, 10-20x slower (docs/pipeline.md)
+        TANDEM_LOG(kWarn, "pipeline") << "pipeline " << pipe << ": cannot open the shared-memory ring of rank " << to
+                                      << " (" << opened.status() << "); its messages go by RPC";
+      }
     }
   } catch (const std::exception& e) {
     o = nullptr;  // the messages go by RPC, which reports what is wrong with the peer

@@ -4,6 +4,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cstdio>
 #include <thread>
 
 #include "examples/rl/agent.h"
@@ -116,9 +117,21 @@ TEST(MultiprocRlExample, SigtermStopsEveryProcess) {
           "--target", "100000", "--seed", "424242", static_cast<char*>(nullptr));
     _exit(127);
   }
-  const std::string running = "pgrep -f 'rl_trai[n] --max-episodes 1000000 --target 100000 --seed 424242' > /dev/null";
+  const std::string pattern = "'rl_trai[n] --max-episodes 1000000 --target 100000 --seed 424242'";
+  const std::string running = "pgrep -f " + pattern + " > /dev/null";
+  // The launcher's own command line matches the pattern too: its workers are its children that match it.
+  const std::string workers = "pgrep -c -P " + std::to_string(pid) + " -f " + pattern;
+  auto count = [](const std::string& command) {
+    FILE* out = popen(command.c_str(), "r");
+    int n = -1;
+    if (out != nullptr) {
+      if (fscanf(out, "%d", &n) != 1) n = -1;
+      pclose(out);
+    }
+    return n;
+  };
   std::this_thread::sleep_for(std::chrono::seconds(4));  // training is under way
-  EXPECT_EQ(system(running.c_str()), 0) << "the example's processes are not running";
+  EXPECT_EQ(count(workers), 3) << "the example's three workers are not running";
   ASSERT_EQ(kill(pid, SIGTERM), 0);
   int status = 0;
   pid_t done = 0;
