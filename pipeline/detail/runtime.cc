@@ -525,14 +525,10 @@ class Run {
     }
     finish_reductions();
     for (Send& send : sends_) {
-      const bool done = send.future.wait_for(remaining());
-      if (absl::Status s = done ? send.future.status() : absl::OkStatus(); !done || !s.ok()) {
-        const std::string what = absl::StrCat("sending the ", send_what(send.stage, send.mb, send.grad), " to worker '",
-                                              name_of(send.to), "'");
-        throw RpcError(
-            done ? absl::Status(s.code(), absl::StrCat(what, " failed: ", s.message()))
-                 : absl::DeadlineExceededError(absl::StrCat(what, " did not complete within the step's deadline")));
-      }
+      const absl::Status s = send.future.wait_for(remaining())
+                                 ? send.future.status()
+                                 : absl::DeadlineExceededError("it did not complete within the step's deadline");
+      if (!s.ok()) throw RpcError(send_failed(s, name_of(send.to), send.stage, send.mb, send.grad));
     }
     agree_finished();
     std::vector<int64_t> stats;
@@ -828,17 +824,17 @@ class Run {
     f.add_callback([pipe = p_.pipe, step = p_.step, name = name_of(to), stage, mb, grad](const rpc::Future& done) {
       absl::Status s = done.status();
       if (s.ok()) return;
-      Mailbox::get().abort(pipe, step,
-                           absl::Status(s.code(), absl::StrCat("sending the ", send_what(stage, mb, grad),
-                                                               " to worker '", name, "' failed: ", s.message())));
+      Mailbox::get().abort(pipe, step, send_failed(s, name, stage, mb, grad));
     });
     sends_.push_back(Send{std::move(f), to, stage, mb, grad});
   }
 
-  // What a send carries (watch()'s arguments), for its errors.
-  static std::string send_what(int stage, int mb, bool grad) {
-    return stage < 0 ? "end of the run"
-                     : absl::StrCat(grad ? "gradient" : "activation", " of micro-batch ", mb, " for stage ", stage);
+  // The error of a send (watch()'s arguments) that failed with `s`: what it carried, to whom, and why.
+  static absl::Status send_failed(const absl::Status& s, const std::string& name, int stage, int mb, bool grad) {
+    const std::string what =
+        stage < 0 ? "end of the run"
+                  : absl::StrCat(grad ? "gradient" : "activation", " of micro-batch ", mb, " for stage ", stage);
+    return absl::Status(s.code(), absl::StrCat("sending the ", what, " to worker '", name, "' failed: ", s.message()));
   }
 
   // The outlet into worker `to`'s inbox for this pipeline, or null (messages to it go by RPC). The first run in this
@@ -1477,9 +1473,7 @@ std::shared_ptr<Outlet> attach_outlet(int to, int64_t pipe, std::chrono::millise
       // peer's messages then go by RPC, 10-20x slower, for the pipeline's life.
       TANDEM_LOG(kWarn, "pipeline") << "pipeline " << pipe << ": asking rank " << to << " for its shared-memory ring "
                                     << "failed (" << f.status() << "); its messages go by RPC";
-    }
-    const auto ends = f.status().ok() ? f.value().toIntVector() : std::vector<int64_t>{};
-    if (ends.size() == 4) {  // else another host, or the peer takes no shared memory
+    } else if (const auto ends = f.value().toIntVector(); ends.size() == 4) {  // [] (another host, no shm): none
       auto opened = Outlet::open(RingEnds{ends[0], ends[1], ends[2], ends[3]});
       if (opened.ok()) {
         o = std::move(*opened);

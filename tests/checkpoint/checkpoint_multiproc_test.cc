@@ -15,7 +15,6 @@ TEST_F(MultiprocCheckpoint, RanksAgreeOnTheNewestStepEveryRankHasIntact) {
   const TempDir temp;
   const std::string& dir = temp.path();
   EXPECT_EQ(everywhere(3, "agree|" + dir + "|1"), "");
-  std::filesystem::remove_all(dir);
 }
 
 TEST_F(MultiprocCheckpoint, AGrownJobFailsNamingTheRanksWithoutFilesInsteadOfStartingAfresh) {
@@ -23,7 +22,6 @@ TEST_F(MultiprocCheckpoint, AGrownJobFailsNamingTheRanksWithoutFilesInsteadOfSta
   const TempDir temp;
   const std::string& dir = temp.path();
   EXPECT_EQ(everywhere(3, "grown|" + dir), "");
-  std::filesystem::remove_all(dir);
 }
 
 TEST_F(MultiprocCheckpoint, RanksWithoutACommonIntactStepFailInsteadOfStartingAfresh) {
@@ -31,7 +29,6 @@ TEST_F(MultiprocCheckpoint, RanksWithoutACommonIntactStepFailInsteadOfStartingAf
   const TempDir temp;
   const std::string& dir = temp.path();
   EXPECT_EQ(everywhere(2, "no-common|" + dir), "");
-  std::filesystem::remove_all(dir);
 }
 
 TEST_F(MultiprocCheckpoint, ZeroShardsResumeBitExact) {
@@ -39,7 +36,6 @@ TEST_F(MultiprocCheckpoint, ZeroShardsResumeBitExact) {
   const TempDir temp;
   const std::string& dir = temp.path();
   EXPECT_EQ(everywhere(2, "zero|" + dir), "");
-  std::filesystem::remove_all(dir);
 }
 
 TEST_F(MultiprocCheckpoint, ConsolidatedZeroResumesAtAnotherWorldSize) {
@@ -47,7 +43,6 @@ TEST_F(MultiprocCheckpoint, ConsolidatedZeroResumesAtAnotherWorldSize) {
   const TempDir temp;
   const std::string& dir = temp.path();
   EXPECT_EQ(everywhere(3, "zero-consolidated|" + dir), "");
-  std::filesystem::remove_all(dir);
 }
 
 }  // namespace

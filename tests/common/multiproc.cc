@@ -49,7 +49,6 @@ TempDir::~TempDir() {
 }
 
 Process::Process(const std::vector<std::string>& argv, const std::map<std::string, std::string>& env) {
-  log_path_ = make_temp_dir() + "/output.log";
   // This binary in worker mode: forked by the fork server when there is one (spawner.h), with the same environment
   // an exec'd child would get.
   if (argv.size() == 3 && argv[1] == "--worker" && spawner::available() && argv[0] == self_exe()) {
@@ -89,10 +88,6 @@ Process::~Process() {
     ::kill(pid_, SIGKILL);
     (void)reap(true);
   }
-  // The log and its directory go with the process (output() is read before): every test left one behind in TMPDIR,
-  // thousands a CI run.
-  ::unlink(log_path_.c_str());
-  ::rmdir(log_path_.substr(0, log_path_.rfind('/')).c_str());
 }
 
 bool Process::reap(bool block) {

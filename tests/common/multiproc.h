@@ -83,7 +83,8 @@ class Process {
   bool spawned_ = false;  // by the fork server, which reaps it
   bool reaped_ = false;
   int status_ = 0;
-  std::string log_path_;
+  TempDir log_dir_;  // removed, with the log, after the destructor killed and reaped the process
+  std::string log_path_ = log_dir_.path() + "/output.log";
 };
 
 // Exit code of a wait status, or 128+signal, or -1 for "did not exit".

@@ -80,7 +80,6 @@ TEST_F(MultiprocFsdp, CheckpointsResumeShardedAndFullAndLoadIntoAPlainModule) {
   const TempDir temp;
   const std::string& dir = temp.path();
   EXPECT_EQ(everywhere(3, "checkpoints|" + dir), "");
-  std::filesystem::remove_all(dir);
 }
 
 // A rank that dies makes the others' next step fail within the group's timeout, naming the group and the operation:

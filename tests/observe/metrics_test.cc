@@ -110,7 +110,6 @@ TEST(UnitMetrics, TheWriterKeepsTheFileFreshAndWritesOnceMoreAtStop) {
   metrics::set_gauge("tandem_unit_probe", [] { return 9.0; });
   metrics::stop_writer();  // writes once more
   EXPECT_THAT(read_file(path), HasSubstr("} 9\n"));
-  std::system(("rm -rf " + dir).c_str());
 }
 
 // Figures of the two-worker job of main.cc (tests/observe), written by each worker at shutdown.
@@ -167,7 +166,6 @@ TEST(MultiprocMetrics, KnownTrafficGivesKnownCountsBytesErrorsCollectivesAndGaug
   const std::string fail = "worker=\"worker1\",peer=\"worker0\",function=\"log_test.fail\",direction=\"in\"";
   EXPECT_EQ(m1.at("tandem_rpc_calls_total{" + fail + "}"), 1);
   EXPECT_EQ(m1.at("tandem_rpc_errors_total{" + fail + "}"), 1);
-  std::system(("rm -rf " + dir).c_str());
 }
 
 }  // namespace

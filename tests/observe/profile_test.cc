@@ -72,7 +72,6 @@ TEST(UnitProfile, StopWithoutStartAndASecondStartAreErrors) {
   EXPECT_FALSE(profile::active());
   std::ifstream written(dir + "/t.json");
   EXPECT_TRUE(written.good()) << "stop() wrote no trace file";
-  std::system(("rm -rf " + dir).c_str());
 }
 
 // A range is in the profile only when it began inside it, as the operators it covers are (a call served across the
@@ -91,7 +90,6 @@ TEST(UnitProfile, ARangeThatBeganBeforeTheStartIsLeftOut) {
   EXPECT_EQ(named(events, "began_before"), nullptr) << text;
   ASSERT_NE(named(events, "began_inside"), nullptr) << text;
   EXPECT_EQ(named(events, "began_inside")->cat, "tandem");
-  std::system(("rm -rf " + dir).c_str());
 }
 
 // Each worker of the job in main.cc profiles its traffic: the trace shows its own operators and the operators its
@@ -133,7 +131,6 @@ TEST(MultiprocProfile, OneTraceShowsComputationAndCommunicationOfBothEnds) {
     }
     EXPECT_TRUE(mul_while_serving) << text;
   }
-  std::system(("rm -rf " + dir).c_str());
 }
 
 }  // namespace

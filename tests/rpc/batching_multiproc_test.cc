@@ -372,7 +372,6 @@ TEST(UnitRpcBatching, ABatchIsInTheProfileAsOneRangeWithItsOperators) {
   ASSERT_TRUE(x_done.ok() && y_done.ok()) << x_done << " / " << y_done;
   EXPECT_TRUE(at::equal(x.value().toTensor(), a * 2));
   const std::string text = read_file(dir + "/t.json");
-  std::filesystem::remove_all(dir);
   const std::regex range(R"re("cat":"tandem","name":"rpc_batch#unit_batched_profiled\(2 requests\)",)re"
                          R"re("pid":\d+,"tid":\d+,"ts":(\d+),"dur":(\d+))re");
   const std::regex mul(R"re("name":"aten::mul","pid":\d+,"tid":\d+,"ts":(\d+),)re");
